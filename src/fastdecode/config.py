@@ -1,0 +1,166 @@
+"""Configurations: ``ModelConfig`` (canonical model fields) and ``GenerationConfig`` (options).
+
+Option names follow Hugging Face ``generate()``; every option is validated here, once, so that
+strategies can trust their inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import InvalidOptionError
+
+
+@dataclass
+class ModelConfig:
+    """Canonical description of a decoder-only model, whatever format it came from."""
+
+    family: str  # registry key: "llama" (llama, mistral, qwen2, smollm2) or "gpt2"
+    architecture: str  # the name the checkpoint used (e.g. "MistralForCausalLM", "llama")
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (qwen2: True)
+    attention_out_bias: bool = False  # bias on the output projection
+    mlp_bias: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    partial_rotary_factor: float = 1.0
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+
+    @property
+    def attention_kind(self) -> str:
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    @property
+    def position_scheme(self) -> str:
+        return "learned absolute" if self.family == "gpt2" else "rope (half-split)"
+
+    def kv_cache_bytes_per_token(self, bytes_per_element: int = 4) -> int:
+        """K and V for every layer, only the KV heads the model has."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+
+# Options a strategy understands. Values of None mean "use the default".
+_SAMPLING_OPTIONS = ("temperature", "top_k", "top_p")
+
+
+@dataclass
+class GenerationConfig:
+    """Generation options with Hugging Face names. ``validate()`` raises InvalidOptionError."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1
+    eos_token_id: int | list[int] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    use_cache: bool = True
+
+    @classmethod
+    def from_options(cls, base: "GenerationConfig | None" = None, **options: Any) -> "GenerationConfig":
+        """Overlay keyword options on ``base`` (or the defaults); unknown names are an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidOptionError(
+                f"unknown generation option(s): {', '.join(unknown)}; known options: {', '.join(sorted(known))}"
+            )
+        values = dataclasses.asdict(base) if base is not None else {}
+        values.update({k: v for k, v in options.items() if v is not None or k in ("eos_token_id", "stop", "seed", "top_k")})
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        def bad(message: str) -> InvalidOptionError:
+            return InvalidOptionError(message)
+
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise bad(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
+            raise bad(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise bad(f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})")
+        if not _is_number(self.temperature) or self.temperature < 0 or math.isnan(self.temperature):
+            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 0):
+            raise bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not _is_int(self.no_repeat_ngram_size) or self.no_repeat_ngram_size < 0:
+            raise bad(f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
+        if not _is_int(self.num_beams) or self.num_beams < 1:
+            raise bad(f"num_beams must be an integer >= 1, got {self.num_beams!r}")
+        if not _is_int(self.num_return_sequences) or self.num_return_sequences < 1:
+            raise bad(f"num_return_sequences must be an integer >= 1, got {self.num_return_sequences!r}")
+        if self.num_beams > 1:
+            raise bad("num_beams > 1 (beam search) is not supported yet; use num_beams=1")
+        if self.no_repeat_ngram_size > 0:
+            raise bad("no_repeat_ngram_size is not supported yet; use 0")
+        if self.num_return_sequences > 1 and not self.do_sample:
+            raise bad(
+                "num_return_sequences > 1 needs do_sample=True (greedy decoding would return identical copies)"
+            )
+        if self.early_stopping not in (True, False, "never"):
+            raise bad(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        eos = self.eos_token_ids_or_none()
+        if eos is not None and any(not _is_int(t) or t < 0 for t in eos):
+            raise bad(f"eos_token_id must be a non-negative integer or a list of them, got {self.eos_token_id!r}")
+        stops = self.stop_strings()
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def is_sampling(self) -> bool:
+        """Sampling with temperature 0 is greedy, as users expect."""
+        return bool(self.do_sample) and self.temperature > 0
+
+    def eos_token_ids_or_none(self) -> list[int] | None:
+        if self.eos_token_id is None:
+            return None
+        if isinstance(self.eos_token_id, (list, tuple)):
+            return list(self.eos_token_id)
+        return [self.eos_token_id]
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,35 @@
+"""Typed errors: every bad input a user can cause maps to one of these.
+
+The CLI prints ``str(error)`` (no traceback) and exits with code 2 for any
+``FastDecodeError``.
+"""
+
+from __future__ import annotations
+
+
+class FastDecodeError(Exception):
+    """Base class of every error fastdecode raises on purpose."""
+
+
+class ModelNotFoundError(FastDecodeError):
+    """The model source (path, file, default package) does not exist."""
+
+
+class CheckpointError(FastDecodeError):
+    """A checkpoint exists but cannot be read: corrupt, truncated, missing or unexpected weights."""
+
+
+class UnsupportedModelError(FastDecodeError):
+    """The architecture or one of its options is not supported."""
+
+
+class TokenizerError(FastDecodeError):
+    """No usable tokenizer, or a tokenizer that does not match the model."""
+
+
+class InvalidOptionError(FastDecodeError, ValueError):
+    """A generation option is out of range or not supported together with others."""
+
+
+class PromptTooLongError(FastDecodeError):
+    """A prompt (plus requested new tokens) does not fit in the model's context."""

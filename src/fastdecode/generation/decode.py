@@ -1,0 +1,99 @@
+"""The token-by-token loop for greedy decoding and sampling, over a batch of prompts.
+
+Prompts are left-padded so that every row writes its next token into the same cache slot;
+each row keeps its own positions. Rows that finish (EOS, length, a stop string reported by the
+caller) are dropped from the batch so they stop costing work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import GenerationConfig
+from .sampling import TokenSelector
+from .step import CachedEngine, RecomputeEngine
+
+
+@dataclass
+class SequenceResult:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "eos", "length" or "stop"
+
+
+def left_pad(prompts: list[list[int]], device: torch.device, pad_id: int = 0):
+    """-> tokens, valid, positions [B, L]; positions count real tokens only (0 under padding)."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    tokens = torch.full((B, L), pad_id, dtype=torch.long)
+    valid = torch.zeros((B, L), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        tokens[row, L - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        valid[row, L - len(prompt):] = True
+    positions = (valid.cumsum(dim=1) - 1).clamp(min=0)
+    return tokens.to(device), valid.to(device), positions.to(device)
+
+
+class DecodeLoop:
+    """Iterate to run; each step yields [(sequence index, new token)] for the rows still active.
+
+    Between steps the consumer may call ``stop(index)`` (e.g. a stop string was produced).
+    ``results`` holds each sequence's new tokens (EOS included, as transformers returns it).
+    """
+
+    def __init__(self, model, prompts: list[list[int]], config: GenerationConfig, eos_ids: list[int]):
+        self.model = model
+        self.prompts = prompts
+        self.config = config
+        self.eos_ids = set(eos_ids)
+        self.results = [SequenceResult() for _ in prompts]
+        self.selector = TokenSelector(config, eos_ids, model.config.vocab_size, model.device)
+
+    def stop(self, index: int, reason: str = "stop") -> None:
+        if self.results[index].finish_reason is None:
+            self.results[index].finish_reason = reason
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        cfg, model = self.config, self.model
+        device = model.device
+        if cfg.max_new_tokens == 0:
+            for result in self.results:
+                result.finish_reason = "length"
+            return
+        tokens, valid, positions = left_pad(self.prompts, device)
+        B, L = tokens.shape
+        engine = CachedEngine(model, B, L + cfg.max_new_tokens) if cfg.use_cache else RecomputeEngine(model)
+        self.selector.start(self.prompts, device)
+        with torch.inference_mode():
+            logits = engine.prefill(tokens, valid, positions)
+            active = list(range(B))  # sequence index of each batch row
+            next_positions = positions[:, -1] + 1  # [B]
+            for step in range(cfg.max_new_tokens):
+                new_tokens = self.selector.select(logits, step)  # [B]
+                events = []
+                for row_token, index in zip(new_tokens.tolist(), active):
+                    result = self.results[index]
+                    result.tokens.append(row_token)
+                    events.append((index, row_token))
+                    if row_token in self.eos_ids:
+                        result.finish_reason = "eos"
+                    elif len(result.tokens) >= cfg.max_new_tokens:
+                        result.finish_reason = "length"
+                yield events
+                keep = [row for row, index in enumerate(active) if self.results[index].finish_reason is None]
+                if not keep:
+                    return
+                if len(keep) < len(active):
+                    rows = torch.tensor(keep, dtype=torch.long, device=device)
+                    engine.keep_rows(rows)
+                    self.selector.keep_rows(rows)
+                    new_tokens, next_positions = new_tokens[rows], next_positions[rows]
+                    active = [active[row] for row in keep]
+                logits = engine.decode(new_tokens, next_positions)
+                next_positions = next_positions + 1
+
+    def run(self) -> list[SequenceResult]:
+        for _ in self:
+            pass
+        return self.results

@@ -1,0 +1,80 @@
+"""The two step primitives and the engines built on them.
+
+``CachedEngine``: prefill once (all prompt tokens in one forward, K/V written into the
+preallocated cache), then ``decode`` one token per row per step, attending to the cache: O(n)
+work per step. ``RecomputeEngine`` is the seed's vanilla recipe (``use_cache=False``): every step
+re-runs the model over the whole sequence, O(n^2) per step. It is kept as the reference the
+cached path must equal, and as the baseline that shows the difference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.static import KVCache
+from ..layers.attention import build_attention_mask
+
+
+class CachedEngine:
+    def __init__(self, model, batch_size: int, capacity: int):
+        cfg = model.config
+        self.model = model
+        self.window = cfg.sliding_window
+        self.cache = KVCache(cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim,
+                             model.dtype, model.device)
+
+    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens, valid, positions [B, T] (left-padded) -> logits of the last slot [B, V]."""
+        cache = self.cache
+        start = cache.append_slots(valid, positions)
+        cache.has_padding = cache.has_padding or not bool(valid.all())
+        mask = self._mask(start, tokens.shape[1])
+        return self.model.forward(tokens, positions, cache, start, mask)[:, -1]
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens, positions [B] -> logits [B, V] for the next token of every row."""
+        cache = self.cache
+        tokens, positions = tokens[:, None], positions[:, None]  # [B, 1]
+        start = cache.append_slots(torch.ones_like(tokens, dtype=torch.bool), positions)
+        return self.model.forward(tokens, positions, cache, start, self._mask(start, 1))[:, -1]
+
+    def _mask(self, start: int, num_queries: int) -> torch.Tensor | None:
+        cache = self.cache
+        end = cache.length
+        window_hit = self.window is not None and end > self.window
+        if num_queries == 1 and not cache.has_padding and not window_hit:
+            return None  # one query per row that sees every slot: no mask needed
+        return build_attention_mask(cache.valid[:, :end], cache.positions[:, :end], start, num_queries,
+                                    self.window, self.model.dtype)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.cache.keep_rows(rows)
+
+
+class RecomputeEngine:
+    """No cache: the whole (left-padded) sequence is run again at every step."""
+
+    def __init__(self, model):
+        self.model = model
+        self.tokens = self.valid = self.positions = None
+
+    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.tokens, self.valid, self.positions = tokens, valid, positions
+        return self._run()
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.tokens = torch.cat([self.tokens, tokens[:, None]], dim=1)  # [B, T+1]
+        self.valid = torch.cat([self.valid, torch.ones_like(tokens[:, None], dtype=torch.bool)], dim=1)
+        self.positions = torch.cat([self.positions, positions[:, None]], dim=1)
+        return self._run()
+
+    def _run(self) -> torch.Tensor:
+        T = self.tokens.shape[1]
+        mask = build_attention_mask(self.valid, self.positions, 0, T, self.model.config.sliding_window,
+                                    self.model.dtype)
+        return self.model.forward(self.tokens, self.positions, None, 0, mask)[:, -1]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.tokens = self.tokens.index_select(0, rows)
+        self.valid = self.valid.index_select(0, rows)
+        self.positions = self.positions.index_select(0, rows)

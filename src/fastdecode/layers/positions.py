@@ -1,0 +1,121 @@
+"""Rotary position embeddings (RoPE): frequencies for the common scaling types, and rotation.
+
+Angles are computed in float64 from integer positions and cast afterwards: positions grow
+without bound in long streams and float32 products drift (DESIGN.md section 2).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedModelError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_inverse_frequencies(
+    rotary_dim: int, theta: float, scaling: dict[str, Any] | None, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    """Return (inv_freq [rotary_dim // 2] float64, attention_factor) for a RoPE config.
+
+    ``attention_factor`` scales cos and sin (YaRN's "mscale"); 1.0 for the other types.
+    """
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+    inv_freq = 1.0 / (theta**exponents)
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, factor, scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rotary_dim, theta, factor, scaling, max_position_embeddings)
+    raise UnsupportedModelError(
+        f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth ramp between."""
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(
+    dim: int, theta: float, factor: float, scaling: dict[str, Any], max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, extrapolate high ones, linear ramp between."""
+    original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_weight = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding:
+    """cos/sin for arbitrary integer positions, half-split ("NeoX", HF) layout."""
+
+    def __init__(self, rotary_dim: int, inv_freq: torch.Tensor, attention_factor: float = 1.0):
+        self.rotary_dim = rotary_dim
+        self.inv_freq = inv_freq.to(torch.float64)
+        self.attention_factor = attention_factor
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] (int) -> cos, sin [B, 1, T, rotary_dim] ready to broadcast over heads."""
+        inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.to(torch.float64)[..., None] * inv_freq  # [B, T, rotary_dim/2]
+        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, rotary_dim]
+        cos = (angles.cos() * self.attention_factor).to(dtype)
+        sin = (angles.sin() * self.attention_factor).to(dtype)
+        return cos, sin
+
+
+def rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` dims of x [B, H, T, D] in the half-split layout.
+
+    Pairs are (i, i + rot/2). Dims past ``rot`` (partial rotary) pass through unchanged.
+    """
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    rotated = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((rotated, x_pass), dim=-1)

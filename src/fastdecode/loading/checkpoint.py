@@ -1,0 +1,56 @@
+"""What every loader returns: a canonical config, canonical tensors and a tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import InvalidOptionError
+from ..models.registry import Family
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    family: Family
+    weights: dict[str, torch.Tensor]  # canonical name -> tensor (dtype and device applied)
+    tokenizer: Any  # fastdecode.loading.tokenizer.Tokenizer or None
+    source: str
+    file_format: str  # "safetensors", "gguf" or "transformers (in memory)"
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif dtype in DTYPES:
+        return DTYPES[dtype]
+    raise InvalidOptionError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidOptionError(f"invalid device {device!r}: {exc}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidOptionError(f"device {device!r} requested but CUDA is not available on this machine")
+    if resolved.type not in ("cpu", "cuda"):
+        raise InvalidOptionError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return resolved
+
+
+def check_tokenizer_matches(tokenizer: Any, config: ModelConfig, source: str) -> None:
+    """A tokenizer producing ids past the embedding table would index out of range later."""
+    from ..errors import TokenizerError
+
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise TokenizerError(
+            f"tokenizer of {source} has {tokenizer.vocab_size} tokens but the model's vocabulary has only "
+            f"{config.vocab_size}: they do not belong together"
+        )

@@ -1,0 +1,106 @@
+"""Load a Hugging Face folder: config.json, one or sharded *.safetensors, tokenizer files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, FastDecodeError, ModelNotFoundError
+from ..models.registry import family_for_hf_config
+from .checkpoint import Checkpoint, check_tokenizer_matches
+from .names import resolve_weight_names
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {what} {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what} {path} is not a JSON object")
+    return data
+
+
+def build_config(hf_config: dict[str, Any], source: str):
+    """HF config dict -> (family, ModelConfig), with a clear error for a missing field."""
+    family = family_for_hf_config(hf_config)
+    try:
+        return family, family.load_module().config_from_hf(hf_config)
+    except KeyError as exc:
+        raise CheckpointError(f"config of {source} lacks the field {exc.args[0]!r}") from exc
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"config of {source} has an invalid value: {exc}") from exc
+
+
+def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Checkpoint:
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"model folder {folder} does not exist")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
+    family, config = build_config(read_json(config_path, "model config"), str(folder))
+
+    files = _safetensors_files(folder)
+    tensors = _open_safetensors(files)
+    module = family.load_module()
+    required, optional = module.weight_names(config)
+    mapping = resolve_weight_names(required, optional, module.HF_NAMES, config.num_layers, tensors,
+                                   module.IGNORED_NAME_PATTERNS, str(folder))
+    weights = {}
+    for canonical, name in mapping.items():
+        handle = tensors[name]
+        try:
+            tensor = handle.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error types for bad data
+            raise CheckpointError(f"cannot read tensor {name!r} from {folder}: {exc}") from exc
+        weights[canonical] = tensor.to(device=device, dtype=dtype)
+
+    tokenizer = None
+    if (folder / "tokenizer.json").is_file():
+        from .tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_hf_folder(folder)
+        check_tokenizer_matches(tokenizer, config, str(folder))
+    return Checkpoint(config, family, weights, tokenizer, str(folder), "safetensors")
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = read_json(index, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map")
+        files = sorted({folder / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+            raise CheckpointError(f"{folder} has only PyTorch pickle weights; save it with safetensors")
+        raise CheckpointError(f"{folder} has no *.safetensors weights")
+    return files
+
+
+def _open_safetensors(files: list[Path]) -> dict[str, Any]:
+    """name -> open safe_open handle (memory-mapped), validating each file's header."""
+    from safetensors import safe_open
+
+    handles: dict[str, Any] = {}
+    for path in files:
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+            names = list(handle.keys())
+        except FastDecodeError:
+            raise
+        except Exception as exc:  # SafetensorError, OSError: corrupt or truncated
+            raise CheckpointError(f"corrupt or truncated safetensors file {path}: {exc}") from exc
+        for name in names:
+            handles[name] = handle
+    return handles

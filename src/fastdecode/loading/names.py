@@ -1,0 +1,56 @@
+"""Declarative weight mapping: canonical names <- checkpoint names, strict.
+
+Every family lists canonical names (with a ``{layer}`` placeholder) and, per format, the
+checkpoint name of each. Resolution reports every missing and every unexpected weight in one
+error: a checkpoint either loads completely or not at all (never ``strict=False``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from ..errors import CheckpointError
+
+_MAX_LISTED = 20
+
+
+def resolve_weight_names(
+    required: list[str],
+    optional: list[str],
+    aliases: dict[str, str],
+    num_layers: int,
+    available: Iterable[str],
+    ignored_patterns: Iterable[str],
+    source: str,
+) -> dict[str, str]:
+    """Return {canonical name: checkpoint name} or raise CheckpointError listing all problems."""
+    available = set(available)
+    mapping: dict[str, str] = {}
+    missing: list[str] = []
+    for templates, needed in ((required, True), (optional, False)):
+        for template in templates:
+            layers = range(num_layers) if "{layer}" in template else (None,)
+            for layer in layers:
+                canonical = template.format(layer=layer)
+                checkpoint_name = aliases[template].format(layer=layer)
+                if checkpoint_name in available:
+                    mapping[canonical] = checkpoint_name
+                elif needed:
+                    missing.append(checkpoint_name)
+    used = set(mapping.values())
+    ignored = [re.compile(p) for p in ignored_patterns]
+    unexpected = sorted(n for n in available - used if not any(p.match(n) for p in ignored))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing weight(s): {_listing(missing)}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected weight(s): {_listing(unexpected)}")
+        raise CheckpointError(f"checkpoint {source} does not match its config: " + "; ".join(parts))
+    return mapping
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (f", ... ({len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else "")

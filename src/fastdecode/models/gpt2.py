@@ -1,0 +1,190 @@
+"""GPT-2: learned absolute positions, pre-LayerNorm blocks, fused QKV in Conv1D layout, GELU (tanh).
+
+HF's Conv1D stores weights as [in, out]; we keep that memory and hand ``F.linear`` the
+transposed view ([out, in]), so weights are shared with an in-memory HF model, never copied.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..cache.static import KVCache
+from ..config import ModelConfig
+from ..errors import UnsupportedModelError
+from ..layers.attention import attention
+
+# Canonical weights keep the Conv1D [in, out] layout for qkv, o, up, down.
+HF_NAMES = {
+    "embed.weight": "transformer.wte.weight",
+    "pos_embed.weight": "transformer.wpe.weight",
+    "norm.weight": "transformer.ln_f.weight",
+    "norm.bias": "transformer.ln_f.bias",
+    "lm_head.weight": "lm_head.weight",
+    "layers.{layer}.attn_norm.weight": "transformer.h.{layer}.ln_1.weight",
+    "layers.{layer}.attn_norm.bias": "transformer.h.{layer}.ln_1.bias",
+    "layers.{layer}.qkv.weight": "transformer.h.{layer}.attn.c_attn.weight",
+    "layers.{layer}.qkv.bias": "transformer.h.{layer}.attn.c_attn.bias",
+    "layers.{layer}.o.weight": "transformer.h.{layer}.attn.c_proj.weight",
+    "layers.{layer}.o.bias": "transformer.h.{layer}.attn.c_proj.bias",
+    "layers.{layer}.mlp_norm.weight": "transformer.h.{layer}.ln_2.weight",
+    "layers.{layer}.mlp_norm.bias": "transformer.h.{layer}.ln_2.bias",
+    "layers.{layer}.up.weight": "transformer.h.{layer}.mlp.c_fc.weight",
+    "layers.{layer}.up.bias": "transformer.h.{layer}.mlp.c_fc.bias",
+    "layers.{layer}.down.weight": "transformer.h.{layer}.mlp.c_proj.weight",
+    "layers.{layer}.down.bias": "transformer.h.{layer}.mlp.c_proj.bias",
+}
+# llama.cpp stores these as [out, in] (ggml order reversed): transposed on load to Conv1D.
+GGUF_NAMES = {
+    "embed.weight": "token_embd.weight",
+    "pos_embed.weight": "position_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "norm.bias": "output_norm.bias",
+    "lm_head.weight": "output.weight",
+    "layers.{layer}.attn_norm.weight": "blk.{layer}.attn_norm.weight",
+    "layers.{layer}.attn_norm.bias": "blk.{layer}.attn_norm.bias",
+    "layers.{layer}.qkv.weight": "blk.{layer}.attn_qkv.weight",
+    "layers.{layer}.qkv.bias": "blk.{layer}.attn_qkv.bias",
+    "layers.{layer}.o.weight": "blk.{layer}.attn_output.weight",
+    "layers.{layer}.o.bias": "blk.{layer}.attn_output.bias",
+    "layers.{layer}.mlp_norm.weight": "blk.{layer}.ffn_norm.weight",
+    "layers.{layer}.mlp_norm.bias": "blk.{layer}.ffn_norm.bias",
+    "layers.{layer}.up.weight": "blk.{layer}.ffn_up.weight",
+    "layers.{layer}.up.bias": "blk.{layer}.ffn_up.bias",
+    "layers.{layer}.down.weight": "blk.{layer}.ffn_down.weight",
+    "layers.{layer}.down.bias": "blk.{layer}.ffn_down.bias",
+}
+# Old GPT-2 checkpoints carry the causal-mask buffers as tensors.
+IGNORED_NAME_PATTERNS = (r".*attn\.bias$", r".*attn\.masked_bias$")
+_CONV1D = ("qkv.weight", "o.weight", "up.weight", "down.weight")
+
+
+def weight_names(config: ModelConfig) -> tuple[list[str], list[str]]:
+    required = ["embed.weight", "pos_embed.weight", "norm.weight", "norm.bias"]
+    optional = []
+    (optional if config.tie_word_embeddings else required).append("lm_head.weight")
+    per_layer = [f"{part}.{kind}" for part in ("attn_norm", "qkv", "o", "mlp_norm", "up", "down")
+                 for kind in ("weight", "bias")]
+    required += [f"layers.{{layer}}.{name}" for name in per_layer]
+    return required, optional
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    hidden, heads = hf["n_embd"], hf["n_head"]
+    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
+        raise UnsupportedModelError("gpt2 with scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn is not supported")
+    return ModelConfig(
+        family="gpt2",
+        architecture=(hf.get("architectures") or ["GPT2LMHeadModel"])[0],
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_layers=hf["n_layer"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=hf.get("n_inner") or 4 * hidden,
+        max_position_embeddings=hf["n_positions"],
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        hidden_act=hf.get("activation_function", "gelu_new"),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=[hf["eos_token_id"]] if hf.get("eos_token_id") is not None else [],
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    hidden, heads = meta["gpt2.embedding_length"], meta["gpt2.attention.head_count"]
+    return ModelConfig(
+        family="gpt2",
+        architecture="gpt2",
+        vocab_size=len(meta.get("tokenizer.ggml.tokens", [])),
+        hidden_size=hidden,
+        num_layers=meta["gpt2.block_count"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=meta.get("gpt2.feed_forward_length", 4 * hidden),
+        max_position_embeddings=meta["gpt2.context_length"],
+        norm_eps=meta.get("gpt2.attention.layer_norm_epsilon", 1e-5),
+        hidden_act="gelu_new",
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[meta["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in meta else [],
+    )
+
+
+def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """GGUF keeps linear weights as [out, in]; the canonical GPT-2 layout is Conv1D [in, out]."""
+    return weight.T if canonical.endswith(_CONV1D) else weight
+
+
+_ACTIVATIONS = {
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
+class GPT2Model:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        if config.hidden_act not in _ACTIVATIONS:
+            raise UnsupportedModelError(f"gpt2 activation {config.hidden_act!r} is not supported")
+        self.config = config
+        self.act = _ACTIVATIONS[config.hidden_act]
+        self.embed = weights["embed.weight"]
+        self.pos_embed = weights["pos_embed.weight"]
+        self.norm = (weights["norm.weight"], weights["norm.bias"])
+        self.lm_head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        names = ("attn_norm", "qkv", "o", "mlp_norm", "up", "down")
+        self.layers = []
+        for i in range(config.num_layers):
+            w = {n: weights[f"layers.{i}.{n}.weight"] for n in names}
+            b = {f"{n}_bias": weights[f"layers.{i}.{n}.bias"] for n in names}
+            for n in ("qkv", "o", "up", "down"):
+                w[n] = w[n].t()  # Conv1D [in, out] -> linear [out, in] (a view)
+            self.layers.append(SimpleNamespace(**w, **b))
+        self.scale = config.head_dim**-0.5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        start: int,
+        mask: torch.Tensor | None,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Same contract as ``LlamaModel.forward``: logits [B, T or 1, V]."""
+        cfg = self.config
+        B, T = tokens.shape
+        H, D, C = cfg.num_heads, cfg.head_dim, cfg.hidden_size
+        x = F.embedding(tokens, self.embed) + F.embedding(positions, self.pos_embed)  # [B, T, C]
+        for index, layer in enumerate(self.layers):
+            h = F.layer_norm(x, (C,), layer.attn_norm, layer.attn_norm_bias, cfg.norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(B, T, 3, H, D)  # [B, T, 3, H, D]
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, D]
+            if cache is not None:
+                k, v = cache.update(index, start, k, v)  # [B, H, S, D]
+            o = attention(q, k, v, mask, self.scale)  # [B, H, T, D]
+            o = o.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
+            x = x + F.linear(o, layer.o, layer.o_bias)
+            h = F.layer_norm(x, (C,), layer.mlp_norm, layer.mlp_norm_bias, cfg.norm_eps)
+            x = x + F.linear(self.act(F.linear(h, layer.up, layer.up_bias)), layer.down, layer.down_bias)
+        if not all_logits:
+            x = x[:, -1:]
+        x = F.layer_norm(x, (C,), self.norm[0], self.norm[1], cfg.norm_eps)
+        return F.linear(x, self.lm_head)  # [B, T or 1, V]

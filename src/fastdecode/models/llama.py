@@ -1,0 +1,257 @@
+"""The Llama family: Llama 1-3, Mistral, Qwen2 and SmolLM2 are one decoder with config flags.
+
+Pre-norm blocks (RMSNorm), rotary positions (half-split layout), grouped-query attention,
+gated SiLU MLP. Flags: q/k/v bias (Qwen2), tied embeddings, RoPE scaling, sliding window
+(Mistral). Weights are held as plain tensors under canonical names and used functionally.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..cache.static import KVCache
+from ..config import ModelConfig
+from ..errors import UnsupportedModelError
+from ..layers.attention import attention
+from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
+
+# Canonical weight name -> name in each format. "{layer}" is the block index.
+HF_NAMES = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "layers.{layer}.attn_norm.weight": "model.layers.{layer}.input_layernorm.weight",
+    "layers.{layer}.q.weight": "model.layers.{layer}.self_attn.q_proj.weight",
+    "layers.{layer}.k.weight": "model.layers.{layer}.self_attn.k_proj.weight",
+    "layers.{layer}.v.weight": "model.layers.{layer}.self_attn.v_proj.weight",
+    "layers.{layer}.q.bias": "model.layers.{layer}.self_attn.q_proj.bias",
+    "layers.{layer}.k.bias": "model.layers.{layer}.self_attn.k_proj.bias",
+    "layers.{layer}.v.bias": "model.layers.{layer}.self_attn.v_proj.bias",
+    "layers.{layer}.o.weight": "model.layers.{layer}.self_attn.o_proj.weight",
+    "layers.{layer}.o.bias": "model.layers.{layer}.self_attn.o_proj.bias",
+    "layers.{layer}.mlp_norm.weight": "model.layers.{layer}.post_attention_layernorm.weight",
+    "layers.{layer}.gate.weight": "model.layers.{layer}.mlp.gate_proj.weight",
+    "layers.{layer}.up.weight": "model.layers.{layer}.mlp.up_proj.weight",
+    "layers.{layer}.down.weight": "model.layers.{layer}.mlp.down_proj.weight",
+    "layers.{layer}.gate.bias": "model.layers.{layer}.mlp.gate_proj.bias",
+    "layers.{layer}.up.bias": "model.layers.{layer}.mlp.up_proj.bias",
+    "layers.{layer}.down.bias": "model.layers.{layer}.mlp.down_proj.bias",
+}
+GGUF_NAMES = {
+    "embed.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "layers.{layer}.attn_norm.weight": "blk.{layer}.attn_norm.weight",
+    "layers.{layer}.q.weight": "blk.{layer}.attn_q.weight",
+    "layers.{layer}.k.weight": "blk.{layer}.attn_k.weight",
+    "layers.{layer}.v.weight": "blk.{layer}.attn_v.weight",
+    "layers.{layer}.q.bias": "blk.{layer}.attn_q.bias",
+    "layers.{layer}.k.bias": "blk.{layer}.attn_k.bias",
+    "layers.{layer}.v.bias": "blk.{layer}.attn_v.bias",
+    "layers.{layer}.o.weight": "blk.{layer}.attn_output.weight",
+    "layers.{layer}.mlp_norm.weight": "blk.{layer}.ffn_norm.weight",
+    "layers.{layer}.gate.weight": "blk.{layer}.ffn_gate.weight",
+    "layers.{layer}.up.weight": "blk.{layer}.ffn_up.weight",
+    "layers.{layer}.down.weight": "blk.{layer}.ffn_down.weight",
+}
+# Buffers some checkpoints carry that are not weights.
+IGNORED_NAME_PATTERNS = (r".*rotary_emb\.inv_freq$", r"^rope_freqs\.weight$")
+
+
+def weight_names(config: ModelConfig) -> tuple[list[str], list[str]]:
+    """(required, optional) canonical names for this config."""
+    required = ["embed.weight", "norm.weight"]
+    optional = []
+    (optional if config.tie_word_embeddings else required).append("lm_head.weight")
+    per_layer = ["attn_norm.weight", "q.weight", "k.weight", "v.weight", "o.weight", "mlp_norm.weight",
+                 "gate.weight", "up.weight", "down.weight"]
+    if config.attention_bias:
+        per_layer += ["q.bias", "k.bias", "v.bias"]
+    if config.attention_out_bias:
+        per_layer += ["o.bias"]
+    if config.mlp_bias:
+        per_layer += ["gate.bias", "up.bias", "down.bias"]
+    required += [f"layers.{{layer}}.{name}" for name in per_layer]
+    return required, optional
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Map a HF config.json dict (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
+    num_heads = hf["num_attention_heads"]
+    hidden = hf["hidden_size"]
+    rope = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    model_type = hf.get("model_type", "llama")
+    sliding_window = hf.get("sliding_window") if model_type == "mistral" or hf.get("use_sliding_window") else None
+    if model_type == "qwen2" and hf.get("use_sliding_window"):
+        raise UnsupportedModelError("qwen2 with use_sliding_window=True (per-layer windows) is not supported")
+    return ModelConfig(
+        family="llama",
+        architecture=(hf.get("architectures") or [model_type])[0],
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hidden // num_heads,
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        hidden_act=hf.get("hidden_act", "silu"),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        attention_out_bias=bool(hf.get("attention_bias", False)) and model_type != "qwen2",
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+        sliding_window=sliding_window,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_as_list(hf.get("eos_token_id")),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    arch = meta["general.architecture"]
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden = get("embedding_length")
+    num_heads = get("attention.head_count")
+    head_dim = get("attention.key_length") or hidden // num_heads
+    rotary_dim = get("rope.dimension_count") or head_dim
+    scaling = None
+    if get("rope.scaling.type") in ("linear", "yarn"):
+        scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor"),
+                   "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+    return ModelConfig(
+        family="llama",
+        architecture=arch,
+        vocab_size=get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])),
+        hidden_size=hidden,
+        num_layers=get("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=get("attention.head_count_kv") or num_heads,
+        head_dim=head_dim,
+        intermediate_size=get("feed_forward_length"),
+        max_position_embeddings=get("context_length", 2048),
+        norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        partial_rotary_factor=rotary_dim / head_dim,
+        sliding_window=get("attention.sliding_window"),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_as_list(meta.get("tokenizer.ggml.eos_token_id")),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+    )
+
+
+def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """Undo the Q/K row permutation llama.cpp's converter applies.
+
+    HF stores Q/K rows for half-split RoPE (pairs i, i + D/2); GGUF llama files store them for
+    interleaved RoPE (pairs 2i, 2i + 1). The converter maps, per head, row (half h, index i) to
+    row (i, half h): rows [H, 2, D/2] -> [H, D/2, 2]. We invert it, rows [H, D/2, 2] -> [H, 2, D/2],
+    so one half-split RoPE serves both formats. Applies to weights and biases alike.
+    """
+    if config.architecture not in ("llama", "mistral"):  # qwen2 GGUFs keep HF (NeoX) order
+        return weight
+    if canonical.endswith((".q.weight", ".q.bias")):
+        heads = config.num_heads
+    elif canonical.endswith((".k.weight", ".k.bias")):
+        heads = config.num_kv_heads
+    else:
+        return weight
+    rest = weight.shape[1:]
+    rotary = weight.reshape(heads, config.head_dim // 2, 2, *rest)  # [H, D/2, 2, ...]
+    return rotary.swapaxes(1, 2).reshape(weight.shape)  # [H, 2, D/2, ...] -> [H*D, ...]
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [int(value)]
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class LlamaModel:
+    """Decoder-only Llama-family model over canonical weights."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        if config.hidden_act not in _ACTIVATIONS:
+            raise UnsupportedModelError(f"activation {config.hidden_act!r} is not supported")
+        self.config = config
+        self.act = _ACTIVATIONS[config.hidden_act]
+        self.embed = weights["embed.weight"]
+        self.norm = weights["norm.weight"]
+        self.lm_head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.layers = [
+            SimpleNamespace(**{name: weights.get(f"layers.{i}.{name}.weight") for name in
+                               ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")},
+                            **{f"{name}_bias": weights.get(f"layers.{i}.{name}.bias") for name in
+                               ("q", "k", "v", "o", "gate", "up", "down")})
+            for i in range(config.num_layers)
+        ]
+        rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+        inv_freq, attention_factor = rope_inverse_frequencies(
+            rotary_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
+        self.rope = RotaryEmbedding(rotary_dim, inv_freq, attention_factor)
+        self.scale = config.head_dim**-0.5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        start: int,
+        mask: torch.Tensor | None,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """tokens, positions [B, T]; K/V written to ``cache`` at slot ``start`` (None: attend
+        within these tokens only). mask: additive [B, 1, T, S] or None.
+        Returns logits [B, T, V] if ``all_logits`` else [B, 1, V] for the last token."""
+        cfg = self.config
+        B, T = tokens.shape
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = F.embedding(tokens, self.embed)  # [B, T, C]
+        cos, sin = self.rope.cos_sin(positions, x.dtype)  # [B, 1, T, rot]
+        for index, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (cfg.hidden_size,), layer.attn_norm, cfg.norm_eps)
+            q = F.linear(h, layer.q, layer.q_bias).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+            k = F.linear(h, layer.k, layer.k_bias).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+            v = F.linear(h, layer.v, layer.v_bias).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+            q, k = rotate_half_split(q, cos, sin), rotate_half_split(k, cos, sin)
+            if cache is not None:
+                k, v = cache.update(index, start, k, v)  # [B, Hkv, S, D]
+            o = attention(q, k, v, mask, self.scale)  # [B, H, T, D]
+            o = o.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
+            x = x + F.linear(o, layer.o, layer.o_bias)
+            h = F.rms_norm(x, (cfg.hidden_size,), layer.mlp_norm, cfg.norm_eps)
+            gated = self.act(F.linear(h, layer.gate, layer.gate_bias)) * F.linear(h, layer.up, layer.up_bias)
+            x = x + F.linear(gated, layer.down, layer.down_bias)
+        if not all_logits:
+            x = x[:, -1:]
+        x = F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.norm_eps)
+        return F.linear(x, self.lm_head)  # [B, T or 1, V]
+

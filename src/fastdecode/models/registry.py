@@ -1,0 +1,77 @@
+"""Architecture name -> model family, with the family module imported only when needed.
+
+One registration per family. A family module provides: ``HF_NAMES`` and ``GGUF_NAMES``
+(canonical weight name -> checkpoint name), ``IGNORED_NAME_PATTERNS``, ``weight_names(config)``,
+``config_from_hf(dict)``, ``config_from_gguf(metadata, tensor_names)``,
+``gguf_to_hf_layout(name, array, config)`` and the model class named here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from ..errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    module: str  # under fastdecode.models
+    model_class: str
+    hf_architectures: tuple[str, ...]
+    hf_model_types: tuple[str, ...]
+    gguf_architectures: tuple[str, ...]
+
+    def load_module(self) -> ModuleType:
+        return importlib.import_module(f"fastdecode.models.{self.module}")
+
+    def build(self, config: Any, weights: dict) -> Any:
+        return getattr(self.load_module(), self.model_class)(config, weights)
+
+
+FAMILIES = (
+    Family("llama", "llama", "LlamaModel",
+           hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
+           hf_model_types=("llama", "mistral", "qwen2"),
+           gguf_architectures=("llama", "mistral", "qwen2")),
+    Family("gpt2", "gpt2", "GPT2Model",
+           hf_architectures=("GPT2LMHeadModel",),
+           hf_model_types=("gpt2",),
+           gguf_architectures=("gpt2",)),
+)
+
+
+def supported_architectures() -> str:
+    return ", ".join(a for f in FAMILIES for a in f.hf_architectures)
+
+
+def family_by_name(name: str) -> Family:
+    return next(f for f in FAMILIES if f.name == name)
+
+
+def family_for_hf_config(hf_config: dict[str, Any]) -> Family:
+    """Pick the family from ``architectures`` (first match) or else ``model_type``."""
+    architectures = hf_config.get("architectures") or []
+    model_type = hf_config.get("model_type")
+    for family in FAMILIES:
+        if any(a in family.hf_architectures for a in architectures) or (
+            not architectures and model_type in family.hf_model_types
+        ):
+            return family
+    named = ", ".join(architectures) or repr(model_type)
+    raise UnsupportedModelError(
+        f"unsupported architecture {named}; supported architectures: {supported_architectures()}"
+    )
+
+
+def family_for_gguf(architecture: str) -> Family:
+    for family in FAMILIES:
+        if architecture in family.gguf_architectures:
+            return family
+    supported = ", ".join(a for f in FAMILIES for a in f.gguf_architectures)
+    raise UnsupportedModelError(
+        f"unsupported GGUF architecture {architecture!r}; supported GGUF architectures: {supported}"
+    )
