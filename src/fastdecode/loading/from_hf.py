@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import UnsupportedModelError
-from .checkpoint import Checkpoint, check_tokenizer_matches
+from .checkpoint import Checkpoint, canonical_weights, check_tokenizer_matches
 from .hf_folder import build_config
 from .names import resolve_weight_names
 
@@ -22,7 +22,7 @@ def checkpoint_from_hf(hf_model: Any, tokenizer: Any = None) -> Checkpoint:
     required, optional = module.weight_names(config)
     mapping = resolve_weight_names(required, optional, module.HF_NAMES, config.num_layers, state,
                                    module.IGNORED_NAME_PATTERNS, f"in-memory {type(hf_model).__name__}")
-    weights = {canonical: state[name] for canonical, name in mapping.items()}
+    weights = canonical_weights(mapping, state.__getitem__, module.OUT_IN_WEIGHTS, config, share=True)
 
     wrapped = None
     if tokenizer is not None:

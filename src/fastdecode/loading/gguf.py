@@ -5,11 +5,12 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError, FastDecodeError
 from ..models.registry import family_for_gguf
-from .checkpoint import Checkpoint, check_tokenizer_matches
+from .checkpoint import Checkpoint, canonical_weights, check_tokenizer_matches
 from .gguf_file import GGUFFile
 from .names import resolve_weight_names
 
@@ -30,20 +31,25 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Checkpoin
     mapping = resolve_weight_names(required, optional, module.GGUF_NAMES, config.num_layers, gguf.tensors,
                                    module.IGNORED_NAME_PATTERNS, str(path))
 
-    def convert(item: tuple[str, str]) -> tuple[str, torch.Tensor]:
-        canonical, name = item
-        array = module.gguf_to_hf_layout(canonical, gguf.dequantized(name), config)
-        return canonical, torch.from_numpy(array).to(device=device, dtype=dtype).contiguous()
+    canonical_of = {name: canonical for canonical, name in mapping.items()}
+
+    def decode(name: str) -> tuple[str, torch.Tensor]:
+        array = module.gguf_to_hf_layout(canonical_of[name], gguf.dequantized(name), config)
+        if not array.flags.writeable or not array.flags.c_contiguous:  # F32 tensors are views of the mmap
+            array = np.ascontiguousarray(array).copy() if not array.flags.writeable else np.ascontiguousarray(array)
+        return name, torch.from_numpy(array)  # HF layout, float32
 
     # numpy's dequantization releases the GIL in its large array operations: two threads
     # roughly halve the load time on two cores.
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(4, torch.get_num_threads()))) as pool:
-            weights = dict(pool.map(convert, mapping.items()))
+            decoded = dict(pool.map(decode, mapping.values()))
     except FastDecodeError:
         raise
     except (ValueError, RuntimeError) as exc:
         raise CheckpointError(f"cannot decode tensors of {path}: {exc}") from exc
+    weights = canonical_weights(mapping, lambda name: decoded.pop(name).to(device=device, dtype=dtype),
+                                module.OUT_IN_WEIGHTS, config)
 
     from .tokenizer import Tokenizer
 

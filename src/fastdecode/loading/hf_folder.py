@@ -10,7 +10,7 @@ import torch
 
 from ..errors import CheckpointError, FastDecodeError, ModelNotFoundError
 from ..models.registry import family_for_hf_config
-from .checkpoint import Checkpoint, check_tokenizer_matches
+from .checkpoint import Checkpoint, canonical_weights, check_tokenizer_matches
 from .names import resolve_weight_names
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -51,14 +51,15 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Ch
     required, optional = module.weight_names(config)
     mapping = resolve_weight_names(required, optional, module.HF_NAMES, config.num_layers, tensors,
                                    module.IGNORED_NAME_PATTERNS, str(folder))
-    weights = {}
-    for canonical, name in mapping.items():
-        handle = tensors[name]
+
+    def fetch(name: str) -> torch.Tensor:
         try:
-            tensor = handle.get_tensor(name)
+            tensor = tensors[name].get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types for bad data
             raise CheckpointError(f"cannot read tensor {name!r} from {folder}: {exc}") from exc
-        weights[canonical] = tensor.to(device=device, dtype=dtype)
+        return tensor.to(device=device, dtype=dtype)
+
+    weights = canonical_weights(mapping, fetch, module.OUT_IN_WEIGHTS, config)
 
     tokenizer = None
     if (folder / "tokenizer.json").is_file():

@@ -1,7 +1,8 @@
 """GPT-2: learned absolute positions, pre-LayerNorm blocks, fused QKV in Conv1D layout, GELU (tanh).
 
-HF's Conv1D stores weights as [in, out]; we keep that memory and hand ``F.linear`` the
-transposed view ([out, in]), so weights are shared with an in-memory HF model, never copied.
+HF's Conv1D stores weights as [in, out], which is also fastdecode's canonical layout: ``F.linear``
+gets the transposed view ([out, in]) and runs ``x @ w`` on the buffer, shared with an in-memory
+HF model, never copied.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ GGUF_NAMES = {
     "layers.{layer}.down.weight": "blk.{layer}.ffn_down.weight",
     "layers.{layer}.down.bias": "blk.{layer}.ffn_down.bias",
 }
+# Conv1D weights are already [in, out] (the canonical layout); only an untied LM head is not.
+OUT_IN_WEIGHTS = ("lm_head.weight",)
 # Old GPT-2 checkpoints carry the causal-mask buffers as tensors.
 IGNORED_NAME_PATTERNS = (r".*attn\.bias$", r".*attn\.masked_bias$")
 _CONV1D = ("qkv.weight", "o.weight", "up.weight", "down.weight")
@@ -140,7 +143,7 @@ class GPT2Model:
         self.embed = weights["embed.weight"]
         self.pos_embed = weights["pos_embed.weight"]
         self.norm = (weights["norm.weight"], weights["norm.bias"])
-        self.lm_head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for F.linear
         names = ("attn_norm", "qkv", "o", "mlp_norm", "up", "down")
         self.layers = []
         for i in range(config.num_layers):

@@ -59,6 +59,9 @@ GGUF_NAMES = {
     "layers.{layer}.up.weight": "blk.{layer}.ffn_up.weight",
     "layers.{layer}.down.weight": "blk.{layer}.ffn_down.weight",
 }
+# HF (and GGUF, once in HF layout) store these [out, in]; the canonical layout is [in, out].
+OUT_IN_WEIGHTS = ("q.weight", "k.weight", "v.weight", "o.weight", "gate.weight", "up.weight", "down.weight",
+                  "lm_head.weight")
 # Buffers some checkpoints carry that are not weights.
 IGNORED_NAME_PATTERNS = (r".*rotary_emb\.inv_freq$", r"^rope_freqs\.weight$")
 
@@ -196,12 +199,15 @@ class LlamaModel:
         self.act = _ACTIVATIONS[config.hidden_act]
         self.embed = weights["embed.weight"]
         self.norm = weights["norm.weight"]
-        self.lm_head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for F.linear
         self.layers = [
-            SimpleNamespace(**{name: weights.get(f"layers.{i}.{name}.weight") for name in
-                               ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")},
-                            **{f"{name}_bias": weights.get(f"layers.{i}.{name}.bias") for name in
-                               ("q", "k", "v", "o", "gate", "up", "down")})
+            SimpleNamespace(
+                attn_norm=weights[f"layers.{i}.attn_norm.weight"],
+                mlp_norm=weights[f"layers.{i}.mlp_norm.weight"],
+                # [in, out] buffers seen as [out, in]: F.linear then runs x @ buffer (the fast layout)
+                **{name: weights[f"layers.{i}.{name}.weight"].t() for name in ("q", "k", "v", "o", "gate", "up", "down")},
+                **{f"{name}_bias": weights.get(f"layers.{i}.{name}.bias") for name in ("q", "k", "v", "o", "gate", "up", "down")},
+            )
             for i in range(config.num_layers)
         ]
         rotary_dim = int(config.head_dim * config.partial_rotary_factor)

@@ -1,0 +1,76 @@
+"""Tiny seeded random `transformers` models of every decoder-only family, for parity tests."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 160
+
+
+def _common(**overrides):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                bos_token_id=1, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    base.update(overrides)
+    return base
+
+
+def _rope(theta=10000.0, scaling=None):
+    """rope settings in the form this transformers version expects (4.x or 5.x)."""
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    if major >= 5:
+        params = {"rope_type": "default", "rope_theta": theta}
+        if scaling:
+            params.update(scaling)
+        return {"rope_parameters": params}
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def build(kind: str, seed: int = 0):
+    """Return an eval-mode HF model of the given kind with seeded random weights."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if kind == "llama-mha":
+        config = tf.LlamaConfig(**_common(), **_rope())
+        model = tf.LlamaForCausalLM(config)
+    elif kind == "llama-gqa":
+        config = tf.LlamaConfig(**_common(num_key_value_heads=2, tie_word_embeddings=True), **_rope(50000.0))
+        model = tf.LlamaForCausalLM(config)
+    elif kind == "llama-mqa":
+        config = tf.LlamaConfig(**_common(num_key_value_heads=1, attention_bias=True, mlp_bias=True), **_rope())
+        model = tf.LlamaForCausalLM(config)
+    elif kind == "llama-rope-linear":
+        config = tf.LlamaConfig(**_common(num_key_value_heads=2), **_rope(scaling={"rope_type": "linear", "factor": 4.0}))
+        model = tf.LlamaForCausalLM(config)
+    elif kind == "llama-rope-llama3":
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64}
+        config = tf.LlamaConfig(**_common(num_key_value_heads=2), **_rope(500000.0, scaling))
+        model = tf.LlamaForCausalLM(config)
+    elif kind == "llama-rope-yarn":
+        scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+        config = tf.LlamaConfig(**_common(num_key_value_heads=2), **_rope(scaling=scaling))
+        model = tf.LlamaForCausalLM(config)
+    elif kind == "mistral":
+        config = tf.MistralConfig(**_common(num_key_value_heads=2, sliding_window=8, head_dim=16), **_rope())
+        model = tf.MistralForCausalLM(config)
+    elif kind == "qwen2":
+        config = tf.Qwen2Config(**_common(num_key_value_heads=2, tie_word_embeddings=True), **_rope(1000000.0))
+        model = tf.Qwen2ForCausalLM(config)
+    elif kind == "gpt2":
+        config = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                               bos_token_id=1, eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = tf.GPT2LMHeadModel(config)
+    else:
+        raise ValueError(kind)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+DECODER_KINDS = ["llama-mha", "llama-gqa", "llama-mqa", "llama-rope-linear", "llama-rope-llama3", "llama-rope-yarn",
+                 "mistral", "qwen2", "gpt2"]
