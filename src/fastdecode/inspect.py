@@ -9,7 +9,8 @@ def describe(generator: Any) -> dict[str, Any]:
     cfg = generator.config
     checkpoint = generator.checkpoint
     weights = checkpoint.weights
-    unique = {id(t): t for t in weights.values()}  # tied weights count once
+    # Tied weights (the embedding is a view of the LM head) count once: key by storage.
+    unique = {t.untyped_storage().data_ptr(): t for t in weights.values()}
     parameters = sum(t.numel() for t in unique.values())
     element_size = next(iter(unique.values())).element_size()
     return {

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -33,23 +32,19 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Checkpoin
 
     canonical_of = {name: canonical for canonical, name in mapping.items()}
 
-    def decode(name: str) -> tuple[str, torch.Tensor]:
+    def decode(name: str) -> torch.Tensor:
         array = module.gguf_to_hf_layout(canonical_of[name], gguf.dequantized(name), config)
-        if not array.flags.writeable or not array.flags.c_contiguous:  # F32 tensors are views of the mmap
-            array = np.ascontiguousarray(array).copy() if not array.flags.writeable else np.ascontiguousarray(array)
-        return name, torch.from_numpy(array)  # HF layout, float32
+        if not (array.flags.writeable and array.flags.c_contiguous):
+            array = np.array(array, order="C")  # a copy: F32 tensors are read-only views of the mmap
+        return torch.from_numpy(array)  # HF layout, float32
 
-    # numpy's dequantization releases the GIL in its large array operations: two threads
-    # roughly halve the load time on two cores.
     try:
-        with ThreadPoolExecutor(max_workers=max(1, min(4, torch.get_num_threads()))) as pool:
-            decoded = dict(pool.map(decode, mapping.values()))
+        weights = canonical_weights(mapping, lambda name: decode(name).to(device=device, dtype=dtype),
+                                    module.OUT_IN_WEIGHTS, config)
     except FastDecodeError:
         raise
     except (ValueError, RuntimeError) as exc:
         raise CheckpointError(f"cannot decode tensors of {path}: {exc}") from exc
-    weights = canonical_weights(mapping, lambda name: decoded.pop(name).to(device=device, dtype=dtype),
-                                module.OUT_IN_WEIGHTS, config)
 
     from .tokenizer import Tokenizer
 

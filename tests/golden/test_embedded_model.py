@@ -1,0 +1,91 @@
+"""The embedded real model (SmolLM2-135M-Instruct, Q4_1 GGUF): parity with transformers and answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def hf_gguf(smollm_path):
+    """transformers loading the same GGUF file (dequantized to fp32), when the extra is installed."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm_path.parent), gguf_file=smollm_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def test_loads_with_expected_shape(smollm):
+    info = smollm.inspect()
+    assert (info["layers"], info["heads"], info["kv_heads"], info["attention"]) == (30, 9, 3, "GQA")
+    assert info["tied_embeddings"] and info["parameters"] == 134_515_008
+    assert info["kv_cache_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+
+
+def test_logits_match_transformers_on_the_same_gguf(smollm, hf_gguf):
+    ids = smollm.encode_prompt("What is the capital of France?", chat=True)
+    with torch.no_grad():
+        reference = hf_gguf(torch.tensor([ids])).logits[0]
+    from fastdecode.generation.decode import left_pad
+    from fastdecode.generation.step import CachedEngine
+
+    engine = CachedEngine(smollm.model, 1, len(ids))
+    tokens, valid, positions = left_pad([ids], smollm.device)
+    with torch.inference_mode():
+        start = engine.cache.append_slots(valid, positions)
+        ours = smollm.model.forward(tokens, positions, engine.cache, start, engine._mask(start, len(ids)),
+                                    all_logits=True)[0]
+    torch.testing.assert_close(ours, reference, atol=2e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_match_transformers(smollm, hf_gguf):
+    ids = smollm.encode_prompt("Name three colors.", chat=True)
+    ours = smollm.generate_ids([ids], max_new_tokens=24)[0]
+    with torch.no_grad():
+        out = hf_gguf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               max_new_tokens=24, do_sample=False)
+    assert ours == out[0, len(ids):].tolist()
+
+
+def test_tokenizer_matches_transformers_gguf_tokenizer(smollm_path, smollm):
+    transformers = pytest.importorskip("transformers")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
+    text = "What is the capital of France? Answer in 3 words."
+    assert smollm.tokenizer.encode(text) == hf_tok.encode(text)
+
+
+def test_answers_the_capital_of_france(smollm):
+    answer = smollm.generate("What is the capital of France?", chat=True, max_new_tokens=32)
+    assert "Paris" in answer
+
+
+def test_chat_messages_and_streaming_agree(smollm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    streamed = "".join(smollm.stream(messages, max_new_tokens=20))
+    assert streamed == smollm.generate(messages, max_new_tokens=20)
+    assert "Paris" in streamed
+
+
+def test_batch_of_chat_prompts_equals_each_alone(smollm):
+    prompts = ["What is the capital of France?", "Say hello.", "What is 2 plus 2?"]
+    batched = smollm.generate(prompts, chat=True, max_new_tokens=16)
+    alone = [smollm.generate(p, chat=True, max_new_tokens=16) for p in prompts]
+    assert batched == alone
+
+
+def test_stop_string_ends_generation_and_is_not_shown(smollm):
+    full = smollm.generate("What is the capital of France?", chat=True, max_new_tokens=32)
+    assert " is " in full
+    cut = smollm.generate("What is the capital of France?", chat=True, max_new_tokens=32, stop=" is ")
+    assert cut == full[: full.index(" is ")]
+    assert "".join(smollm.stream("What is the capital of France?", chat=True, max_new_tokens=32, stop=" is ")) == cut
+
+
+def test_score_is_low_for_a_fluent_sentence(smollm):
+    fluent = smollm.score("The capital of France is Paris. The capital of Germany is Berlin.")
+    scrambled = smollm.score("Paris capital The France. is Berlin Germany of the is capital")
+    assert sum(fluent) / len(fluent) < sum(scrambled) / len(scrambled)
