@@ -74,3 +74,36 @@ def build(kind: str, seed: int = 0):
 
 DECODER_KINDS = ["llama-mha", "llama-gqa", "llama-mqa", "llama-rope-linear", "llama-rope-llama3", "llama-rope-yarn",
                  "mistral", "qwen2", "gpt2"]
+
+
+def save_word_tokenizer(folder, vocab_size: int = VOCAB, chat_template: str | None = None) -> None:
+    """A word-level tokenizer of ``vocab_size`` tokens (ids 0-2 special), saved as tokenizer.json.
+
+    Enough for text in / text out through a tiny random model; decoded words are space-joined.
+    """
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    words = [f"w{i}" for i in range(vocab_size - len(specials))]
+    vocab = {token: index for index, token in enumerate(specials + words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(specials)
+    folder = Path(folder)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    if chat_template:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def save_tiny_folder(folder, kind: str = "llama-gqa", with_tokenizer: bool = True) -> None:
+    """Save a tiny model (safetensors + config.json) and a word tokenizer into ``folder``."""
+    model = build(kind)
+    model.save_pretrained(folder)
+    if with_tokenizer:
+        save_word_tokenizer(folder, chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    return model

