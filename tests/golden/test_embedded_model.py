@@ -36,9 +36,7 @@ def test_logits_match_transformers_on_the_same_gguf(smollm, hf_gguf):
     engine = CachedEngine(smollm.model, 1, len(ids))
     tokens, valid, positions = left_pad([ids], smollm.device)
     with torch.inference_mode():
-        start = engine.cache.append_slots(valid, positions)
-        ours = smollm.model.forward(tokens, positions, engine.cache, start, engine._mask(start, len(ids)),
-                                    all_logits=True)[0]
+        ours = engine.prefill(tokens, valid, positions, all_logits=True)[0]
     torch.testing.assert_close(ours, reference, atol=2e-4, rtol=1e-4)
 
 

@@ -53,9 +53,7 @@ def test_prefill_and_every_cached_step_match_transformers(pair):
     engine = CachedEngine(model, 1, len(full))
     tokens, valid, positions = left_pad([prompt], model.device)
     with torch.inference_mode():
-        start = engine.cache.append_slots(valid, positions)
-        prefill = model.forward(tokens, positions, engine.cache, start, engine._mask(start, len(prompt)),
-                                all_logits=True)[0]
+        prefill = engine.prefill(tokens, valid, positions, all_logits=True)[0]
         torch.testing.assert_close(prefill, reference[: len(prompt)], atol=ATOL, rtol=0)
         for offset, token in enumerate(continuation[:-1]):
             position = torch.tensor([len(prompt) + offset])
@@ -122,6 +120,5 @@ def test_sliding_window_is_exercised_past_the_window():
     engine = CachedEngine(gen.model, 1, 20)
     tokens, valid, positions = left_pad([prompt], gen.device)
     with torch.inference_mode():
-        start = engine.cache.append_slots(valid, positions)
-        ours = gen.model.forward(tokens, positions, engine.cache, start, engine._mask(start, 20), all_logits=True)[0]
+        ours = engine.prefill(tokens, valid, positions, all_logits=True)[0]
     torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..layers.attention import attention
+
 
 class KVCache:
     def __init__(
@@ -30,6 +32,7 @@ class KVCache:
         self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)  # [B, S]
         self.positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # [B, S]
         self.length = 0  # slots in use (the same for every row)
+        self.write_start = 0  # first slot of the tokens of the current forward
         self.has_padding = False
 
     def _unbind(self) -> None:
@@ -56,15 +59,18 @@ class KVCache:
         self.valid[:, start : start + T] = valid
         self.positions[:, start : start + T] = positions
         self.length = start + T
+        self.write_start = start
         return start
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, Hkv, T, D] at slot ``start``; return the layer's K, V up to the end of them."""
-        end = start + k.shape[2]
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+        """Write this forward's k, v [B, Hkv, T, D] into the layer's slots, then attend over every
+        filled slot. q [B, H, T, D] -> [B, H, T, D]."""
+        start, end = self.write_start, self.write_start + k.shape[2]
         keys, values = self.layer_keys[layer], self.layer_values[layer]
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
-        return keys[:, :, :end], values[:, :, :end]
+        return attention(q, keys[:, :, :end], values[:, :, :end], mask, scale)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished sequences: keep only ``rows`` (1-D index) of the batch, so they stop costing work."""
@@ -77,3 +83,11 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
+
+
+class NoCache:
+    """The naive path (``use_cache=False``): attend within the tokens of this forward only."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+        return attention(q, k, v, mask, scale)

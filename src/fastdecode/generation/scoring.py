@@ -13,16 +13,14 @@ def score_tokens(model, ids: list[int], chunk_size: int) -> list[float]:
     device = model.device
     tokens = torch.tensor([ids], dtype=torch.long, device=device)  # [1, N]
     engine = CachedEngine(model, 1, len(ids))
-    cache = engine.cache
     losses: list[torch.Tensor] = []
     with torch.inference_mode():
         for begin in range(0, len(ids) - 1, chunk_size):
             end = min(begin + chunk_size, len(ids) - 1)
             chunk = tokens[:, begin:end]  # [1, T]
             positions = torch.arange(begin, end, device=device)[None]  # [1, T]
-            start = cache.append_slots(torch.ones_like(chunk, dtype=torch.bool), positions)
-            mask = engine._mask(start, chunk.shape[1])
-            logits = model.forward(chunk, positions, cache, start, mask, all_logits=True)[0]  # [T, V]
+            valid = torch.ones_like(chunk, dtype=torch.bool)
+            logits = engine.prefill(chunk, valid, positions, all_logits=True)[0]  # [T, V]
             targets = tokens[0, begin + 1 : end + 1]  # [T]
             losses.append(torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none"))
     return torch.cat(losses).tolist()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.static import KVCache
+from ..cache.static import KVCache, NoCache
 from ..layers.attention import build_attention_mask
 
 
@@ -23,20 +23,22 @@ class CachedEngine:
         self.cache = KVCache(cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim,
                              model.dtype, model.device)
 
-    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens, valid, positions [B, T] (left-padded) -> logits of the last slot [B, V]."""
+    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
+                all_logits: bool = False) -> torch.Tensor:
+        """tokens, valid, positions [B, T] (left-padded) -> logits of the last slot [B, V]
+        (``all_logits``: of every slot, [B, T, V]). May be called again to extend (chunked prefill)."""
         cache = self.cache
         start = cache.append_slots(valid, positions)
         cache.has_padding = cache.has_padding or not bool(valid.all())
-        mask = self._mask(start, tokens.shape[1])
-        return self.model.forward(tokens, positions, cache, start, mask)[:, -1]
+        logits = self.model.forward(tokens, positions, cache, self._mask(start, tokens.shape[1]), all_logits)
+        return logits if all_logits else logits[:, -1]
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens, positions [B] -> logits [B, V] for the next token of every row."""
         cache = self.cache
         tokens, positions = tokens[:, None], positions[:, None]  # [B, 1]
         start = cache.append_slots(torch.ones_like(tokens, dtype=torch.bool), positions)
-        return self.model.forward(tokens, positions, cache, start, self._mask(start, 1))[:, -1]
+        return self.model.forward(tokens, positions, cache, self._mask(start, 1))[:, -1]
 
     def _mask(self, start: int, num_queries: int) -> torch.Tensor | None:
         cache = self.cache
@@ -72,7 +74,7 @@ class RecomputeEngine:
         T = self.tokens.shape[1]
         mask = build_attention_mask(self.valid, self.positions, 0, T, self.model.config.sliding_window,
                                     self.model.dtype)
-        return self.model.forward(self.tokens, self.positions, None, 0, mask)[:, -1]
+        return self.model.forward(self.tokens, self.positions, NoCache(), mask)[:, -1]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.tokens = self.tokens.index_select(0, rows)

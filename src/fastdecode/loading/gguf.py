@@ -48,6 +48,6 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Checkpoin
 
     from .tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_gguf_fields(meta)
+    tokenizer = Tokenizer.from_gguf_fields(meta, source=str(path))
     check_tokenizer_matches(tokenizer, config, str(path))
     return Checkpoint(config, family, weights, tokenizer, str(path), "gguf")

@@ -79,7 +79,10 @@ class GGUFFile:
             ggml_type, offset = self._unpack("<IQ")
             infos.append((name, tuple(int(d) for d in dims), ggml_type, offset))
 
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+            # as llama.cpp: anything else would place every tensor at a wrong offset (or divide by 0)
+            raise CheckpointError(f"{self.path}: general.alignment must be a power of two, got {alignment!r}")
         data_start = (self._pos + alignment - 1) // alignment * alignment
         self.tensors: dict[str, GGUFTensorInfo] = {}
         for name, dims, ggml_type, offset in infos:

@@ -14,10 +14,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..cache.static import KVCache
+from ..cache.static import KVCache, NoCache
 from ..config import ModelConfig
 from ..errors import UnsupportedModelError
-from ..layers.attention import attention
 
 # Canonical weights keep the Conv1D [in, out] layout for qkv, o, up, down.
 HF_NAMES = {
@@ -166,8 +165,7 @@ class GPT2Model:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache | None,
-        start: int,
+        cache: KVCache | NoCache,
         mask: torch.Tensor | None,
         all_logits: bool = False,
     ) -> torch.Tensor:
@@ -180,9 +178,7 @@ class GPT2Model:
             h = F.layer_norm(x, (C,), layer.attn_norm, layer.attn_norm_bias, cfg.norm_eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(B, T, 3, H, D)  # [B, T, 3, H, D]
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, D]
-            if cache is not None:
-                k, v = cache.update(index, start, k, v)  # [B, H, S, D]
-            o = attention(q, k, v, mask, self.scale)  # [B, H, T, D]
+            o = cache.attend(index, q, k, v, mask, self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
             x = x + F.linear(o, layer.o, layer.o_bias)
             h = F.layer_norm(x, (C,), layer.mlp_norm, layer.mlp_norm_bias, cfg.norm_eps)

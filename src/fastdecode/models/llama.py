@@ -14,10 +14,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..cache.static import KVCache
+from ..cache.static import KVCache, NoCache
 from ..config import ModelConfig
 from ..errors import UnsupportedModelError
-from ..layers.attention import attention
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
 
 # Canonical weight name -> name in each format. "{layer}" is the block index.
@@ -127,8 +126,11 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
-    hidden = get("embedding_length")
-    num_heads = get("attention.head_count")
+    def require(key: str) -> Any:
+        return meta[f"{arch}.{key}"]  # KeyError: the loader reports the missing key
+
+    hidden = require("embedding_length")
+    num_heads = require("attention.head_count")
     head_dim = get("attention.key_length") or hidden // num_heads
     rotary_dim = get("rope.dimension_count") or head_dim
     scaling = None
@@ -140,11 +142,11 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         architecture=arch,
         vocab_size=get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])),
         hidden_size=hidden,
-        num_layers=get("block_count"),
+        num_layers=require("block_count"),
         num_heads=num_heads,
         num_kv_heads=get("attention.head_count_kv") or num_heads,
         head_dim=head_dim,
-        intermediate_size=get("feed_forward_length"),
+        intermediate_size=require("feed_forward_length"),
         max_position_embeddings=get("context_length", 2048),
         norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
         tie_word_embeddings="output.weight" not in tensor_names,
@@ -229,13 +231,12 @@ class LlamaModel:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache | None,
-        start: int,
+        cache: KVCache | NoCache,
         mask: torch.Tensor | None,
         all_logits: bool = False,
     ) -> torch.Tensor:
-        """tokens, positions [B, T]; K/V written to ``cache`` at slot ``start`` (None: attend
-        within these tokens only). mask: additive [B, 1, T, S] or None.
+        """tokens, positions [B, T]; the cache stores this forward's K/V and attends over its slots
+        (``NoCache``: within these tokens only). mask: additive [B, 1, T, S] or None.
         Returns logits [B, T, V] if ``all_logits`` else [B, 1, V] for the last token."""
         cfg = self.config
         B, T = tokens.shape
@@ -248,9 +249,7 @@ class LlamaModel:
             k = F.linear(h, layer.k, layer.k_bias).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
             v = F.linear(h, layer.v, layer.v_bias).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
             q, k = rotate_half_split(q, cos, sin), rotate_half_split(k, cos, sin)
-            if cache is not None:
-                k, v = cache.update(index, start, k, v)  # [B, Hkv, S, D]
-            o = attention(q, k, v, mask, self.scale)  # [B, H, T, D]
+            o = cache.attend(index, q, k, v, mask, self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
             x = x + F.linear(o, layer.o, layer.o_bias)
             h = F.rms_norm(x, (cfg.hidden_size,), layer.mlp_norm, cfg.norm_eps)
