@@ -115,6 +115,8 @@ def _qwen2_pre() -> tuple[Any, Any, bool]:
 _BYTE_LEVEL_PRE_TOKENIZERS = {
     "default": _gpt2_pre,
     "gpt2": _gpt2_pre,
+    "gpt-2": _gpt2_pre,  # the name convert_hf_to_gguf.py writes for GPT-2
+    "phi-2": _gpt2_pre,
     "mpt": _gpt2_pre,
     "olmo": _gpt2_pre,
     "smollm": _digits_gpt2_pre,
