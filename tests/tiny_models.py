@@ -60,6 +60,8 @@ def build(kind: str, seed: int = 0):
     elif kind == "qwen2":
         config = tf.Qwen2Config(**_common(num_key_value_heads=2, tie_word_embeddings=True), **_rope(1000000.0))
         model = tf.Qwen2ForCausalLM(config)
+    elif kind == "bloom":
+        return build_bloom(seed)
     elif kind == "gpt2":
         config = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
                                bos_token_id=1, eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -73,7 +75,7 @@ def build(kind: str, seed: int = 0):
 
 
 DECODER_KINDS = ["llama-mha", "llama-gqa", "llama-mqa", "llama-rope-linear", "llama-rope-llama3", "llama-rope-yarn",
-                 "mistral", "qwen2", "gpt2"]
+                 "mistral", "qwen2", "gpt2", "bloom"]
 
 
 def save_word_tokenizer(folder, vocab_size: int = VOCAB, chat_template: str | None = None) -> None:
@@ -106,4 +108,16 @@ def save_tiny_folder(folder, kind: str = "llama-gqa", with_tokenizer: bool = Tru
     model.save_pretrained(folder)
     if with_tokenizer:
         save_word_tokenizer(folder, chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    return model
+
+
+def build_bloom(seed: int = 0, **overrides):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, bos_token_id=1,
+                            eos_token_id=None, pad_token_id=None, **overrides)
+    model = tf.BloomForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
     return model

@@ -121,17 +121,21 @@ class Generator:
                 raise InvalidOptionError(
                     f"prompt {index} has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}"
                 )
-            if len(prompt) + config.max_new_tokens > limit:
+            if config.n_ctx is None and len(prompt) + config.max_new_tokens > limit:
                 raise PromptTooLongError(
                     f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={config.max_new_tokens} it "
                     f"needs {len(prompt) + config.max_new_tokens} positions but the model's context is {limit}"
                 )
 
-    def _loop(self, prompts: list[list[int]], config: GenerationConfig) -> DecodeLoop:
+    def _loops(self, prompts: list[list[int]], config: GenerationConfig) -> list[DecodeLoop]:
+        """One decode loop for the whole batch; one per prompt for streaming (batch of one)."""
         prompts = [list(p) for p in prompts]
         self._check_prompts(prompts, config)
         repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
-        return DecodeLoop(self.model, repeated, config, self._eos_ids(config))
+        eos = self._eos_ids(config)
+        if config.n_ctx is not None:
+            return [DecodeLoop(self.model, [p], config, eos) for p in repeated]
+        return [DecodeLoop(self.model, repeated, config, eos)]
 
     # -- token API ---------------------------------------------------------------------------
     def generate_ids(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[list[int]]:
@@ -140,24 +144,25 @@ class Generator:
 
     def generate_ids_with_details(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[SequenceResult]:
         config = self._options(options)
-        loop = self._loop([list(p) for p in prompts], config)
         stops = config.stop_strings()
-        if not stops:
-            return loop.run()
-        self._require_tokenizer()
-        watchers = [_TextWatcher(self.tokenizer, stops) for _ in loop.results]
-        for events in loop:
-            for index, token in events:
-                watchers[index].push(token)
-                if watchers[index].matcher.stopped:
-                    loop.stop(index)
-        return loop.results
+        if stops:
+            self._require_tokenizer()
+        results: list[SequenceResult] = []
+        for loop in self._loops(list(prompts), config):
+            watchers = [_TextWatcher(self.tokenizer, stops) for _ in loop.results] if stops else None
+            for events in loop:
+                for index, token in events if watchers else ():
+                    watchers[index].push(token)
+                    if watchers[index].matcher.stopped:
+                        loop.stop(index)
+            results += loop.results
+        return results
 
     def stream_ids(self, token_ids: Sequence[int], **options: Any) -> Iterator[int]:
         config = self._options(options)
         if config.num_return_sequences != 1:
             raise InvalidOptionError("stream_ids produces one sequence: num_return_sequences must be 1")
-        loop = self._loop([list(token_ids)], config)
+        (loop,) = self._loops([list(token_ids)], config)
         watcher = _TextWatcher(self._require_tokenizer(), config.stop_strings()) if config.stop_strings() else None
         for events in loop:
             for _, token in events:
@@ -213,18 +218,28 @@ class Generator:
         return text
 
     # -- scoring -----------------------------------------------------------------------------
-    def score(self, text_or_ids: str | Sequence[int], chunk_size: int = 512) -> list[float]:
-        """Per-token negative log-likelihood (nats) of tokens 1..n-1 given the ones before."""
+    def score(self, text_or_ids: str | Sequence[int], **options: Any) -> list[float]:
+        """Per-token negative log-likelihood (nats) of tokens 1..n-1 given the ones before.
+
+        With ``n_ctx`` (and ``n_keep``, ``n_discard``, ``policy``) the text streams through a
+        streaming cache of that size, in chunks, as StreamingLLM is evaluated; otherwise the
+        whole text must fit in the model's context.
+        """
         ids = list(text_or_ids) if not isinstance(text_or_ids, str) else self._require_tokenizer().encode(text_or_ids)
+        config = self._options(options)
         if len(ids) < 2:
             raise InvalidOptionError("score needs at least two tokens")
-        if len(ids) > self.config.max_position_embeddings:
-            raise PromptTooLongError(
-                f"text has {len(ids)} tokens but the model's context is {self.config.max_position_embeddings}"
-            )
+        self._check_prompts([ids], GenerationConfig.from_options(config, max_new_tokens=0))
         from .generation.scoring import score_tokens
 
-        return score_tokens(self.model, ids, chunk_size)
+        return score_tokens(self.model, ids, config)
+
+    def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":
+        """A multi-turn conversation kept in a streaming cache: earlier turns are never prefilled again."""
+        from .generation.chat import ChatSession
+
+        config = self._options({"n_ctx": min(self.config.max_position_embeddings, 4096), **options})
+        return ChatSession(self, config, system)
 
     def inspect(self) -> dict[str, Any]:
         from .inspect import describe

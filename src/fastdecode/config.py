@@ -38,6 +38,8 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     partial_rotary_factor: float = 1.0
     sliding_window: int | None = None
+    position_kind: str = "rope"  # "rope", "alibi" or "learned" (absolute, cannot be shifted)
+    residual_after_norm: bool = False  # BLOOM's apply_residual_connection_post_layernorm
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
@@ -50,15 +52,14 @@ class ModelConfig:
 
     @property
     def position_scheme(self) -> str:
-        return "learned absolute" if self.family == "gpt2" else "rope (half-split)"
+        if self.position_kind == "rope":
+            partial = f", {self.partial_rotary_factor:g} of head dims" if self.partial_rotary_factor != 1 else ""
+            return f"rope (half-split{partial})"
+        return {"alibi": "alibi", "learned": "learned absolute"}[self.position_kind]
 
     def kv_cache_bytes_per_token(self, bytes_per_element: int = 4) -> int:
         """K and V for every layer, only the KV heads the model has."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
-
-
-# Options a strategy understands. Values of None mean "use the default".
-_SAMPLING_OPTIONS = ("temperature", "top_k", "top_p")
 
 
 @dataclass
@@ -81,6 +82,11 @@ class GenerationConfig:
     stop: str | list[str] | None = None
     seed: int | None = None
     use_cache: bool = True
+    # Streaming ("infinite") generation: a cache of n_ctx slots, n_keep attention sinks.
+    n_ctx: int | None = None
+    n_keep: int = 4
+    n_discard: int | None = None  # default: half of the non-sink slots
+    policy: str = "shift"  # "shift" (no recomputation) or "reevaluate"
 
     @classmethod
     def from_options(cls, base: "GenerationConfig | None" = None, **options: Any) -> "GenerationConfig":
@@ -92,7 +98,9 @@ class GenerationConfig:
                 f"unknown generation option(s): {', '.join(unknown)}; known options: {', '.join(sorted(known))}"
             )
         values = dataclasses.asdict(base) if base is not None else {}
-        values.update({k: v for k, v in options.items() if v is not None or k in ("eos_token_id", "stop", "seed", "top_k")})
+        # None means "the default" except where None is itself a meaningful value.
+        nullable = {f.name for f in dataclasses.fields(cls) if f.default is None} | {"max_new_tokens"}
+        values.update({k: v for k, v in options.items() if v is not None or k in nullable})
         config = cls(**values)
         config.validate()
         return config
@@ -101,11 +109,14 @@ class GenerationConfig:
         def bad(message: str) -> InvalidOptionError:
             return InvalidOptionError(message)
 
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
-            raise bad(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if self.max_new_tokens is None:
+            if self.n_ctx is None:
+                raise bad("max_new_tokens=None (endless generation) needs a streaming cache: set n_ctx")
+        elif not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise bad(f"max_new_tokens must be an integer >= 0 (or None with n_ctx), got {self.max_new_tokens!r}")
         if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
             raise bad(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
-        if self.min_new_tokens > self.max_new_tokens:
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise bad(f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})")
         if not _is_number(self.temperature) or self.temperature < 0 or math.isnan(self.temperature):
             raise bad(f"temperature must be >= 0, got {self.temperature!r}")
@@ -139,6 +150,27 @@ class GenerationConfig:
             raise bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise bad(f"seed must be an integer, got {self.seed!r}")
+        self._validate_streaming(bad)
+
+    def _validate_streaming(self, bad) -> None:
+        if self.policy not in ("shift", "reevaluate"):
+            raise bad(f"policy must be 'shift' or 'reevaluate', got {self.policy!r}")
+        if self.n_ctx is None:
+            return
+        if not _is_int(self.n_ctx) or self.n_ctx < 2:
+            raise bad(f"n_ctx must be an integer >= 2, got {self.n_ctx!r}")
+        if not _is_int(self.n_keep) or not 0 <= self.n_keep < self.n_ctx - 1:
+            raise bad(f"n_keep must be an integer in [0, n_ctx - 1), got {self.n_keep!r} with n_ctx={self.n_ctx}")
+        window = self.n_ctx - self.n_keep
+        if self.n_discard is not None and (not _is_int(self.n_discard) or not 1 <= self.n_discard < window):
+            raise bad(f"n_discard must be an integer in [1, {window - 1}] (n_ctx - n_keep - 1), got {self.n_discard!r}")
+        if self.num_return_sequences != 1:
+            raise bad("streaming generation (n_ctx) produces one sequence per prompt: num_return_sequences must be 1")
+
+    @property
+    def discard_count(self) -> int:
+        """Tokens dropped when the streaming cache is full: n_discard, or half of the window."""
+        return self.n_discard if self.n_discard is not None else max(1, (self.n_ctx - self.n_keep) // 2)
 
     @property
     def is_sampling(self) -> bool:

@@ -72,6 +72,10 @@ class KVCache:
         values[:, :, start:end] = v
         return attention(q, keys[:, :, :end], values[:, :, :end], mask, scale)
 
+    def key_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
+        """Token position of every filled slot [B, S] (ALiBi biases are built from these)."""
+        return self.positions[:, : self.length]
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished sequences: keep only ``rows`` (1-D index) of the batch, so they stop costing work."""
         self.keys = self.keys.index_select(1, rows)
@@ -91,3 +95,6 @@ class NoCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float) -> torch.Tensor:
         return attention(q, k, v, mask, scale)
+
+    def key_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
+        return query_positions  # the keys are this forward's own tokens

@@ -7,6 +7,7 @@ caller) are dropped from the batch so they stop costing work.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -42,8 +43,10 @@ class DecodeLoop:
     ``results`` holds each sequence's new tokens (EOS included, as transformers returns it).
     """
 
-    def __init__(self, model, prompts: list[list[int]], config: GenerationConfig, eos_ids: list[int]):
+    def __init__(self, model, prompts: list[list[int]], config: GenerationConfig, eos_ids: list[int],
+                 engine=None):
         self.model = model
+        self.engine = engine  # a streaming engine that already holds a conversation, or None
         self.prompts = prompts
         self.config = config
         self.eos_ids = set(eos_ids)
@@ -62,14 +65,14 @@ class DecodeLoop:
                 result.finish_reason = "length"
             return
         tokens, valid, positions = left_pad(self.prompts, device)
-        B, L = tokens.shape
-        engine = CachedEngine(model, B, L + cfg.max_new_tokens) if cfg.use_cache else RecomputeEngine(model)
+        engine = self.engine or self._new_engine(*tokens.shape)
         self.selector.start(self.prompts, device)
         with torch.inference_mode():
             logits = engine.prefill(tokens, valid, positions)
-            active = list(range(B))  # sequence index of each batch row
+            active = list(range(tokens.shape[0]))  # sequence index of each batch row
             next_positions = positions[:, -1] + 1  # [B]
-            for step in range(cfg.max_new_tokens):
+            steps = itertools.count() if cfg.max_new_tokens is None else range(cfg.max_new_tokens)
+            for step in steps:
                 new_tokens = self.selector.select(logits, step)  # [B]
                 events = []
                 for row_token, index in zip(new_tokens.tolist(), active):
@@ -78,7 +81,7 @@ class DecodeLoop:
                     events.append((index, row_token))
                     if row_token in self.eos_ids:
                         result.finish_reason = "eos"
-                    elif len(result.tokens) >= cfg.max_new_tokens:
+                    elif cfg.max_new_tokens is not None and len(result.tokens) >= cfg.max_new_tokens:
                         result.finish_reason = "length"
                 yield events
                 keep = [row for row, index in enumerate(active) if self.results[index].finish_reason is None]
@@ -92,6 +95,16 @@ class DecodeLoop:
                     active = [active[row] for row in keep]
                 logits = engine.decode(new_tokens, next_positions)
                 next_positions = next_positions + 1
+
+    def _new_engine(self, batch_size: int, prompt_length: int):
+        cfg = self.config
+        if cfg.n_ctx is not None:
+            from .streaming import streaming_engine
+
+            return streaming_engine(self.model, cfg)
+        if not cfg.use_cache:
+            return RecomputeEngine(self.model)
+        return CachedEngine(self.model, batch_size, prompt_length + cfg.max_new_tokens)
 
     def run(self) -> list[SequenceResult]:
         for _ in self:

@@ -1,26 +1,39 @@
-"""Per-token negative log-likelihood of a token sequence, prefilled through the cache in chunks."""
+"""Per-token negative log-likelihood of a token sequence, in chunks (bounded memory)."""
 
 from __future__ import annotations
 
 import torch
 
+from ..config import GenerationConfig
 from .step import CachedEngine
+from .streaming import streaming_engine
+
+CHUNK = 512
 
 
-def score_tokens(model, ids: list[int], chunk_size: int) -> list[float]:
-    """NLL of ids[1:], each given everything before it. Logits exist for one chunk at a time,
-    so memory stays bounded by ``chunk_size * vocab`` whatever the length."""
-    device = model.device
-    tokens = torch.tensor([ids], dtype=torch.long, device=device)  # [1, N]
-    engine = CachedEngine(model, 1, len(ids))
+def score_tokens(model, ids: list[int], config: GenerationConfig) -> list[float]:
+    """NLL of ids[1:], each given everything before it (or, with ``config.n_ctx``, what the
+    streaming cache still holds). Logits exist for one chunk at a time, so memory stays bounded
+    by ``chunk * vocab`` whatever the length."""
+    tokens = torch.tensor(ids, dtype=torch.long)  # [N]
+    inputs, targets = tokens[:-1], tokens[1:].to(model.device)
     losses: list[torch.Tensor] = []
+    done = 0
     with torch.inference_mode():
-        for begin in range(0, len(ids) - 1, chunk_size):
-            end = min(begin + chunk_size, len(ids) - 1)
-            chunk = tokens[:, begin:end]  # [1, T]
-            positions = torch.arange(begin, end, device=device)[None]  # [1, T]
-            valid = torch.ones_like(chunk, dtype=torch.bool)
-            logits = engine.prefill(chunk, valid, positions, all_logits=True)[0]  # [T, V]
-            targets = tokens[0, begin + 1 : end + 1]  # [T]
-            losses.append(torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none"))
+        for logits in _chunk_logits(model, inputs, config):  # [T, V] per chunk
+            size = logits.shape[0]
+            losses.append(torch.nn.functional.cross_entropy(logits.float(), targets[done : done + size],
+                                                            reduction="none"))
+            done += size
     return torch.cat(losses).tolist()
+
+
+def _chunk_logits(model, inputs: torch.Tensor, config: GenerationConfig):
+    if config.n_ctx is not None:
+        yield from streaming_engine(model, config).feed_chunks(inputs, all_logits=True)
+        return
+    engine = CachedEngine(model, 1, inputs.shape[0])
+    for begin in range(0, inputs.shape[0], CHUNK):
+        chunk = inputs[begin : begin + CHUNK].to(model.device)[None]  # [1, T]
+        positions = torch.arange(begin, begin + chunk.shape[1], device=model.device)[None]  # [1, T]
+        yield engine.prefill(chunk, torch.ones_like(chunk, dtype=torch.bool), positions, all_logits=True)[0]

@@ -17,20 +17,58 @@ def attention(
     """Scaled dot-product attention with K/V heads shared by groups of query heads.
 
     q: [B, H, T, D]; k, v: [B, Hkv, S, D] with H a multiple of Hkv;
-    mask: additive [B, 1, T, S] (0 or -inf) or None (every key visible).
+    mask: additive [B, 1, T, S] (0 or -inf) or None (every key visible); with H == Hkv it may
+    also carry a per-head bias, [B, H, T, S] (ALiBi).
     Returns [B, H, T, D].
     """
     B, H, T, D = q.shape
-    Hkv = k.shape[1]
-    group = H // Hkv
-    if group > 1:
-        # query head h = kv_head * group + g (as HF's repeat_kv); fold g into the time axis.
-        q = q.reshape(B, Hkv, group * T, D)  # [B, Hkv, G*T, D]
-        if mask is not None:
-            S = mask.shape[-1]
-            mask = mask[:, :, None].expand(B, 1, group, T, S).reshape(B, 1, group * T, S)  # [B, 1, G*T, S]
+    q, mask = _fold_groups(q, mask, k.shape[1])
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.reshape(B, H, T, D)  # [B, Hkv, G*T, D] -> [B, H, T, D]
+
+
+def two_segment_attention(
+    q_first: torch.Tensor, q_rest: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
+    mask: torch.Tensor | None, scale: float,
+) -> torch.Tensor:
+    """Attention where keys [:split] are scored with ``q_first`` and keys [split:] with ``q_rest``,
+    under one softmax over all keys.
+
+    Used when two segments of the cache sit in different position frames: a streaming cache's
+    attention sinks keep their positions while the window has been shifted, so the query is
+    rotated once per segment instead of rewriting any cached key.
+    q_*: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask additive [B, 1, T, S] or None -> [B, H, T, D].
+    """
+    B, H, T, D = q_first.shape
+    Hkv = k.shape[1]
+    q_first, mask = _fold_groups(q_first, mask, Hkv)  # [B, Hkv, G*T, D]
+    q_rest, _ = _fold_groups(q_rest, None, Hkv)  # [B, Hkv, G*T, D]
+    scores = torch.cat(
+        (q_first @ k[:, :, :split].transpose(-1, -2), q_rest @ k[:, :, split:].transpose(-1, -2)), dim=-1
+    ) * scale  # [B, Hkv, G*T, S]
+    if mask is not None:
+        scores = scores + mask
+    probs = scores.float().softmax(dim=-1).to(v.dtype)
+    return (probs @ v).reshape(B, H, T, D)  # [B, Hkv, G*T, D] -> [B, H, T, D]
+
+
+def _fold_groups(q: torch.Tensor, mask: torch.Tensor | None, num_kv_heads: int):
+    """Fold the query heads sharing a KV head into the query-time axis (no K/V repeat).
+
+    Query head h = kv_head * G + g (as HF's repeat_kv): q [B, H, T, D] -> [B, Hkv, G*T, D];
+    a mask [B, 1, T, S] is repeated along the folded axis -> [B, 1, G*T, S].
+    """
+    B, H, T, D = q.shape
+    group = H // num_kv_heads
+    if group == 1:
+        return q, mask
+    q = q.reshape(B, num_kv_heads, group * T, D)  # [B, Hkv, G*T, D]
+    if mask is not None:
+        if mask.shape[1] != 1:
+            raise ValueError("a per-head attention bias needs one KV head per query head")
+        S = mask.shape[-1]
+        mask = mask[:, :, None].expand(B, 1, group, T, S).reshape(B, 1, group * T, S)  # [B, 1, G*T, S]
+    return q, mask
 
 
 def build_attention_mask(

@@ -96,14 +96,27 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq.to(torch.float64)
         self.attention_factor = attention_factor
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] (int) -> cos, sin [B, 1, T, rotary_dim] ready to broadcast over heads."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, scaled: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] (int) -> cos, sin [B, 1, T, rotary_dim] ready to broadcast over heads.
+
+        ``scaled=False`` leaves out YaRN's attention factor: a pure rotation, for re-rotating
+        vectors that were already scaled once.
+        """
         inv_freq = self.inv_freq.to(positions.device)
         angles = positions.to(torch.float64)[..., None] * inv_freq  # [B, T, rotary_dim/2]
         angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, rotary_dim]
-        cos = (angles.cos() * self.attention_factor).to(dtype)
-        sin = (angles.sin() * self.attention_factor).to(dtype)
-        return cos, sin
+        factor = self.attention_factor if scaled else 1.0
+        return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
+
+    def rotate_by(self, x: torch.Tensor, delta: int) -> torch.Tensor:
+        """Rotate already-rotated vectors x [B, H, T, D] by ``delta`` more positions.
+
+        Rotations compose: R(a) R(b) = R(a + b), so a vector rotated at position p becomes the
+        one rotated at p + delta, without knowing p. Used to move keys or queries in a stream.
+        """
+        cos, sin = self.cos_sin(torch.tensor([[delta]], device=x.device), x.dtype, scaled=False)
+        return rotate_half_split(x, cos, sin)
 
 
 def rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -119,3 +132,16 @@ def rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     x1, x2 = x_rot.chunk(2, dim=-1)
     rotated = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
     return torch.cat((rotated, x_pass), dim=-1)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi head slopes (Press et al.; as BLOOM): a geometric sequence starting at 2^(-8/n)
+    for the closest power of two n <= heads, interleaved extras for the remaining heads. [H]"""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != num_heads:
+        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        extra = min(closest, num_heads - closest)
+        slopes += [extra_base ** (2 * i + 1) for i in range(extra)]
+    return torch.tensor(slopes, dtype=torch.float32)

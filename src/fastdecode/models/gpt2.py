@@ -93,6 +93,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         norm_eps=hf.get("layer_norm_epsilon", 1e-5),
         hidden_act=hf.get("activation_function", "gelu_new"),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        position_kind="learned",
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=[hf["eos_token_id"]] if hf.get("eos_token_id") is not None else [],
         pad_token_id=hf.get("pad_token_id"),
@@ -115,6 +116,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         norm_eps=meta.get("gpt2.attention.layer_norm_epsilon", 1e-5),
         hidden_act="gelu_new",
         tie_word_embeddings="output.weight" not in tensor_names,
+        position_kind="learned",
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[meta["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in meta else [],
     )

@@ -1,0 +1,145 @@
+"""BLOOM: ALiBi attention biases instead of position embeddings, a layer norm on the embeddings,
+fused QKV (interleaved per head), pre-LayerNorm blocks, GELU (tanh) MLP, tied LM head.
+
+ALiBi adds ``slope_h * (key_position - query_position)`` to every score. Only position
+differences matter, which is what lets a streaming cache shift positions without recomputation:
+the cache reports each slot's position in the current frame (``cache.key_positions``).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..cache.static import KVCache, NoCache
+from ..config import ModelConfig
+from ..layers.positions import alibi_slopes
+
+HF_NAMES = {
+    "embed.weight": "transformer.word_embeddings.weight",
+    "embed_norm.weight": "transformer.word_embeddings_layernorm.weight",
+    "embed_norm.bias": "transformer.word_embeddings_layernorm.bias",
+    "norm.weight": "transformer.ln_f.weight",
+    "norm.bias": "transformer.ln_f.bias",
+    "lm_head.weight": "lm_head.weight",
+    "layers.{layer}.attn_norm.weight": "transformer.h.{layer}.input_layernorm.weight",
+    "layers.{layer}.attn_norm.bias": "transformer.h.{layer}.input_layernorm.bias",
+    "layers.{layer}.qkv.weight": "transformer.h.{layer}.self_attention.query_key_value.weight",
+    "layers.{layer}.qkv.bias": "transformer.h.{layer}.self_attention.query_key_value.bias",
+    "layers.{layer}.o.weight": "transformer.h.{layer}.self_attention.dense.weight",
+    "layers.{layer}.o.bias": "transformer.h.{layer}.self_attention.dense.bias",
+    "layers.{layer}.mlp_norm.weight": "transformer.h.{layer}.post_attention_layernorm.weight",
+    "layers.{layer}.mlp_norm.bias": "transformer.h.{layer}.post_attention_layernorm.bias",
+    "layers.{layer}.up.weight": "transformer.h.{layer}.mlp.dense_h_to_4h.weight",
+    "layers.{layer}.up.bias": "transformer.h.{layer}.mlp.dense_h_to_4h.bias",
+    "layers.{layer}.down.weight": "transformer.h.{layer}.mlp.dense_4h_to_h.weight",
+    "layers.{layer}.down.bias": "transformer.h.{layer}.mlp.dense_4h_to_h.bias",
+}
+GGUF_NAMES: dict[str, str] = {}  # BLOOM GGUF files are not supported
+OUT_IN_WEIGHTS = ("qkv.weight", "o.weight", "up.weight", "down.weight", "lm_head.weight")
+IGNORED_NAME_PATTERNS: tuple[str, ...] = ()
+_PARTS = ("attn_norm", "qkv", "o", "mlp_norm", "up", "down")
+
+
+def weight_names(config: ModelConfig) -> tuple[list[str], list[str]]:
+    required = ["embed.weight", "embed_norm.weight", "embed_norm.bias", "norm.weight", "norm.bias"]
+    optional = []
+    (optional if config.tie_word_embeddings else required).append("lm_head.weight")
+    required += [f"layers.{{layer}}.{part}.{kind}" for part in _PARTS for kind in ("weight", "bias")]
+    return required, optional
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    hidden = hf.get("hidden_size") or hf["n_embed"]
+    heads = hf["n_head"]
+    return ModelConfig(
+        family="bloom",
+        architecture=(hf.get("architectures") or ["BloomForCausalLM"])[0],
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_layers=hf["n_layer"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=hf.get("seq_length") or hf.get("max_position_embeddings") or 2048,
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        position_kind="alibi",
+        residual_after_norm=bool(hf.get("apply_residual_connection_post_layernorm", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=[hf["eos_token_id"]] if hf.get("eos_token_id") is not None else [],
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    raise NotImplementedError  # not registered for GGUF
+
+
+def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -> np.ndarray:
+    return weight
+
+
+class BloomModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        self.config = config
+        self.embed = weights["embed.weight"]
+        self.embed_norm = (weights["embed_norm.weight"], weights["embed_norm.bias"])
+        self.norm = (weights["norm.weight"], weights["norm.bias"])
+        self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for F.linear
+        self.layers = []
+        for i in range(config.num_layers):
+            layer = {part: weights[f"layers.{i}.{part}.weight"] for part in _PARTS}
+            layer.update({f"{part}_bias": weights[f"layers.{i}.{part}.bias"] for part in _PARTS})
+            for part in ("qkv", "o", "up", "down"):
+                layer[part] = layer[part].t()  # [in, out] buffer seen as [out, in]
+            self.layers.append(SimpleNamespace(**layer))
+        self.slopes = alibi_slopes(config.num_heads).to(self.embed.device)  # [H]
+        self.scale = config.head_dim**-0.5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def alibi_bias(self, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+        """slope_h * (key - query) [B, H, T, S]. Relative to the query (softmax ignores a per-row
+        constant), so values stay small however long a stream runs."""
+        distance = key_positions[:, None, None, :] - query_positions[:, None, :, None]  # [B, 1, T, S]
+        return (self.slopes[None, :, None, None] * distance).to(self.dtype)  # [B, H, T, S]
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | NoCache,
+                mask: torch.Tensor | None, all_logits: bool = False) -> torch.Tensor:
+        """Same contract as ``LlamaModel.forward``: logits [B, T or 1, V]."""
+        cfg = self.config
+        B, T = tokens.shape
+        H, D, C = cfg.num_heads, cfg.head_dim, cfg.hidden_size
+        x = F.embedding(tokens, self.embed)  # [B, T, C]
+        x = F.layer_norm(x, (C,), *self.embed_norm, cfg.norm_eps)
+        bias = self.alibi_bias(cache.key_positions(positions), positions)  # [B, H, T, S]
+        bias = bias if mask is None else bias + mask
+        for index, layer in enumerate(self.layers):
+            h = F.layer_norm(x, (C,), layer.attn_norm, layer.attn_norm_bias, cfg.norm_eps)
+            residual = h if cfg.residual_after_norm else x
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(B, T, H, 3, D)  # [B, T, H, 3, D]
+            q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, H, T, D]
+            o = cache.attend(index, q, k, v, bias, self.scale)  # [B, H, T, D]
+            o = o.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
+            x = residual + F.linear(o, layer.o, layer.o_bias)
+            h = F.layer_norm(x, (C,), layer.mlp_norm, layer.mlp_norm_bias, cfg.norm_eps)
+            residual = h if cfg.residual_after_norm else x
+            up = F.gelu(F.linear(h, layer.up, layer.up_bias), approximate="tanh")
+            x = residual + F.linear(up, layer.down, layer.down_bias)
+        if not all_logits:
+            x = x[:, -1:]
+        x = F.layer_norm(x, (C,), *self.norm, cfg.norm_eps)
+        return F.linear(x, self.lm_head)  # [B, T or 1, V]
