@@ -2,8 +2,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Tests run thousands of tiny ops; with two OpenMP threads on a two-core machine that something
+# else is also using, every op waits for the other thread and tests slow down tenfold. Speed is
+# measured by benchmarks/, never by tests.
+torch.set_num_threads(1)
 
 SEEDS = Path(__file__).resolve().parents[1].parent / "shared" / "seeds"
 

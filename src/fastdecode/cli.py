@@ -53,6 +53,23 @@ def generation_options(command):
     return command
 
 
+def streaming_options(command):
+    """Streaming cache flags: n_ctx slots with n_keep attention sinks (see generation/streaming.py)."""
+    options = [
+        click.option("--n-ctx", type=int, default=None, help="Streaming cache size in tokens (enables streaming)."),
+        click.option("--n-keep", type=int, default=4, show_default=True, help="Attention-sink tokens kept."),
+        click.option("--n-discard", type=int, default=None, help="Tokens dropped when full (default: half)."),
+        click.option("--policy", type=click.Choice(["shift", "reevaluate"]), default="shift", show_default=True),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _streaming_values(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {name: kwargs.pop(name) for name in ("n_ctx", "n_keep", "n_discard", "policy")}
+
+
 def model_options(command):
     command = click.option("--dtype", default="float32", show_default=True,
                            type=click.Choice(["float32", "bfloat16", "float16"]))(command)
@@ -86,17 +103,25 @@ def main() -> None:
 @click.option("--chat/--no-chat", default=None,
               help="Apply the model's chat template (default: on when the model has one).")
 @click.option("--stats", is_flag=True, help="Print timing and tokens/s on stderr at the end.")
+@click.option("--endless", is_flag=True,
+              help="Generate until interrupted (Ctrl-C), through a streaming cache (--n-ctx, default 1024).")
 @model_options
 @generation_options
+@streaming_options
 @_handle_errors
-def generate(prompt: str, chat: bool | None, stats: bool, model: str | None, device: str, dtype: str,
-             **kwargs: Any) -> None:
+def generate(prompt: str, chat: bool | None, stats: bool, endless: bool, model: str | None, device: str,
+             dtype: str, **kwargs: Any) -> None:
     """Generate text for a prompt, streaming it to stdout as it is produced."""
     started = time.perf_counter()
     from . import load
     from .config import GenerationConfig
 
-    options = _collect_options(kwargs)
+    streaming = _streaming_values(kwargs)
+    options = {**_collect_options(kwargs), **streaming}
+    if endless:
+        options["max_new_tokens"] = None
+        options["n_ctx"] = options["n_ctx"] or 1024
+        options.setdefault("eos_token_id", [])  # an endless stream does not stop at end-of-text
     GenerationConfig.from_options(**options)  # reject bad options before loading anything
     generator = load(model, device=device, dtype=dtype)
     loaded = time.perf_counter()
@@ -105,13 +130,17 @@ def generate(prompt: str, chat: bool | None, stats: bool, model: str | None, dev
 
     first_token_at = None
     count = 0
-    for token, piece in generator.stream_with_tokens(prompt_ids, **options):
-        if token is not None:
-            count += 1
-            first_token_at = first_token_at or time.perf_counter()
-        if piece:
-            click.echo(piece, nl=False)
-            sys.stdout.flush()
+    try:
+        for token, piece in generator.stream_with_tokens(prompt_ids, **options):
+            if token is not None:
+                count += 1
+                first_token_at = first_token_at or time.perf_counter()
+            if piece:
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        if not endless:
+            raise
     click.echo("")
     finished = time.perf_counter()
     if stats:
@@ -142,6 +171,77 @@ def inspect(model: str | None, as_json: bool) -> None:
         if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
             value = f"{value:,}"
         click.echo(f"{key.replace('_', ' '):<{width}}  {value}")
+
+
+@main.command()
+@click.option("--system", default=None, help="System message.")
+@click.option("--max-new-tokens", type=int, default=512, show_default=True, help="Longest reply.")
+@click.option("--do-sample/--greedy", default=False)
+@click.option("--temperature", type=float, default=1.0)
+@click.option("--top-p", type=float, default=1.0)
+@click.option("--seed", type=int, default=None)
+@model_options
+@streaming_options
+@_handle_errors
+def chat(system: str | None, model: str | None, device: str, dtype: str, **kwargs: Any) -> None:
+    """Interactive multi-turn chat. The conversation stays in a streaming cache between turns,
+    so earlier turns are never prefilled again. Ctrl-C stops a reply; Ctrl-D (or /quit) exits."""
+    from . import load
+
+    streaming = _streaming_values(kwargs)
+    streaming["n_ctx"] = streaming["n_ctx"] or 2048
+    generator = load(model, device=device, dtype=dtype)
+    session = generator.chat_session(system=system, **streaming, **kwargs)
+    while True:
+        try:
+            message = click.prompt(click.style(">", bold=True), prompt_suffix=" ", default="", show_default=False)
+        except (EOFError, click.exceptions.Abort):
+            click.echo("")
+            return
+        if message.strip() in ("/quit", "/exit"):
+            return
+        if not message.strip():
+            continue
+        try:
+            for piece in session.send(message):
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pass
+        click.echo("")
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@model_options
+@streaming_options
+@_handle_errors
+def perplexity(file: str, as_json: bool, model: str | None, device: str, dtype: str, **kwargs: Any) -> None:
+    """Per-token loss and perplexity of a text file under the model (streaming with --n-ctx)."""
+    import math
+    from pathlib import Path
+
+    from . import load
+    from .errors import InvalidOptionError
+
+    try:
+        text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidOptionError(f"cannot read {file}: {exc}") from exc
+    streaming = _streaming_values(kwargs)
+    generator = load(model, device=device, dtype=dtype)
+    started = time.perf_counter()
+    losses = generator.score(text, **streaming)
+    elapsed = time.perf_counter() - started
+    mean = sum(losses) / len(losses)
+    result = {"tokens": len(losses), "mean_nll": mean, "perplexity": math.exp(mean), "seconds": elapsed,
+              "tokens_per_second": len(losses) / elapsed, **streaming}
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo(f"{len(losses)} tokens  mean NLL {mean:.4f}  perplexity {math.exp(mean):.3f}  "
+                   f"({len(losses) / elapsed:.0f} tokens/s)")
 
 
 if __name__ == "__main__":  # pragma: no cover

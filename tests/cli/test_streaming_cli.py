@@ -1,0 +1,82 @@
+"""`fastdecode chat`, `perplexity` and `generate --endless` (streaming cache) from the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from fastdecode.cli import main
+from tiny_models import save_tiny_folder
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-stream")
+    save_tiny_folder(folder, "llama-gqa")
+    return str(folder)
+
+
+def run(*args: str, **kwargs):
+    return CliRunner().invoke(main, list(args), **kwargs)
+
+
+def test_perplexity_plain_and_streaming(tiny_folder, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i % 50}" for i in range(120)))
+    plain = json.loads(run("perplexity", str(text), "-m", tiny_folder, "--json").stdout)
+    assert plain["tokens"] == 119 and plain["perplexity"] > 1
+    for policy in ("shift", "reevaluate"):
+        result = run("perplexity", str(text), "-m", tiny_folder, "--json", "--n-ctx", "32", "--policy", policy)
+        assert result.exit_code == 0, result.output
+        streamed = json.loads(result.stdout)
+        assert streamed["tokens"] == 119 and streamed["n_ctx"] == 32
+    human = run("perplexity", str(text), "-m", tiny_folder)
+    assert "perplexity" in human.stdout
+
+
+def test_perplexity_bad_input_exits_2(tiny_folder, tmp_path):
+    assert run("perplexity", str(tmp_path / "missing.txt"), "-m", tiny_folder).exit_code == 2
+    text = tmp_path / "short.txt"
+    text.write_text("w1")
+    result = run("perplexity", str(text), "-m", tiny_folder)
+    assert result.exit_code == 2 and "at least two tokens" in result.stderr
+    text.write_text("w1 w2 w3")
+    result = run("perplexity", str(text), "-m", tiny_folder, "--n-ctx", "8", "--n-keep", "9")
+    assert result.exit_code == 2 and "n_keep" in result.stderr
+
+
+def test_chat_keeps_the_conversation_between_turns(tiny_folder):
+    result = run("chat", "-m", tiny_folder, "--max-new-tokens", "4", "--n-ctx", "64", input="w1 w2\nw3\n/quit\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count(">") >= 2
+
+
+def test_generate_streaming_flags(tiny_folder):
+    result = run("generate", "-m", tiny_folder, "-p", "w1 w2", "--max-new-tokens", "40", "--n-ctx", "16",
+                 "--n-keep", "2", "--n-discard", "3", "--policy", "reevaluate")
+    assert result.exit_code == 0, result.output
+    gpt2_like = run("generate", "-m", tiny_folder, "-p", "w1", "--n-ctx", "16", "--n-keep", "16")
+    assert gpt2_like.exit_code == 2 and "n_keep" in gpt2_like.stderr
+
+
+def test_endless_generation_stops_cleanly_on_ctrl_c(tiny_folder):
+    command = [sys.executable, "-m", "fastdecode.cli", "generate", "-m", tiny_folder, "-p", "w1 w2", "--endless",
+               "--n-ctx", "32", "--no-chat"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    first = process.stdout.read(200)  # blocks until 200 bytes of endless output exist
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    rest, errors = process.communicate(timeout=60)
+    assert len(first) == 200
+    assert process.returncode == 0, errors.decode()
+    assert b"Traceback" not in errors

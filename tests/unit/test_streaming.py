@@ -1,0 +1,252 @@
+"""Streaming generation: shift equals its definition, re-evaluate equals its naive loop,
+constant memory, and identical results before the cache is full."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastdecode
+from fastdecode.cache.ring import StreamingCache
+from fastdecode.errors import InvalidOptionError
+from fastdecode.generation.streaming import ReevaluateEngine, ShiftEngine
+from fastdecode.layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
+from tiny_models import VOCAB, build, build_bloom
+
+pytest.importorskip("transformers")
+ATOL = 1e-4
+
+
+def _tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return fastdecode.from_hf(build("llama-gqa"))
+
+
+@pytest.fixture(scope="module")
+def llama_partial_rotary():
+    """The same GQA llama with RoPE on half of each head's dims (as GPT-NeoX / Phi do)."""
+    gen = fastdecode.from_hf(build("llama-gqa"))
+    model = gen.model
+    rotary_dim = model.config.head_dim // 2
+    inv_freq, factor = rope_inverse_frequencies(rotary_dim, model.config.rope_theta, None, 256)
+    model.rope = RotaryEmbedding(rotary_dim, inv_freq, factor)
+    return gen
+
+
+@pytest.fixture(scope="module")
+def bloom():
+    return fastdecode.from_hf(build_bloom())
+
+
+# -- rotation algebra -------------------------------------------------------------------------------
+@pytest.mark.parametrize("rotary_dim", [16, 8])
+def test_rotating_by_a_then_b_equals_rotating_by_a_plus_b(rotary_dim):
+    inv_freq, _ = rope_inverse_frequencies(rotary_dim, 10000.0, None, 256)
+    rope = RotaryEmbedding(rotary_dim, inv_freq)
+    x = torch.randn(1, 2, 3, 16, dtype=torch.float64)
+    torch.testing.assert_close(rope.rotate_by(rope.rotate_by(x, 37), -12), rope.rotate_by(x, 25))
+    # rotating a vector placed at position p by d gives the vector placed at p + d
+    positions = torch.tensor([[5, 900, 123456]])
+    cos, sin = rope.cos_sin(positions, torch.float64)
+    cos_d, sin_d = rope.cos_sin(positions + 40, torch.float64)
+    torch.testing.assert_close(rope.rotate_by(rotate_half_split(x, cos, sin), 40), rotate_half_split(x, cos_d, sin_d))
+
+
+def test_angles_are_exact_at_huge_positions():
+    """Positions in a stream grow without bound: angles are computed in float64 before the cast."""
+    inv_freq, _ = rope_inverse_frequencies(16, 10000.0, None, 256)
+    rope = RotaryEmbedding(16, inv_freq)
+    cos, _ = rope.cos_sin(torch.tensor([[10_000_000]]), torch.float32)
+    exact = torch.cos(torch.tensor(10_000_000, dtype=torch.float64) * inv_freq.double())
+    torch.testing.assert_close(cos[0, 0, 0, :8].double(), exact, atol=1e-6, rtol=0)
+
+
+# -- shift equals its definition ---------------------------------------------------------------------
+class ExplicitShiftCache(StreamingCache):
+    """The definition, literally: on discard, rewrite every kept window key rotated by -count
+    (RoPE) and move its stored position back by count. No per-segment trickery anywhere."""
+
+    def discard(self, count: int) -> None:
+        super().discard(count)
+        self.shift = 0  # positions below are already in the shifted frame
+        window = torch.arange(self.n_keep, self.n_ctx)
+        kept = window[self.slot_positions[window] >= 0]
+        self.slot_positions[kept] -= count
+        if self.rotate_by is not None:
+            for keys in self.layer_keys:
+                keys[:, :, kept] = self.rotate_by(keys[:, :, kept], -count)
+        self.total_shift = getattr(self, "total_shift", 0) + count
+
+
+class ExplicitShiftEngine(ShiftEngine):
+    """Feeds one token at a time at its position in the shifted frame, into an ExplicitShiftCache."""
+
+    def __init__(self, model, n_ctx, n_keep, n_discard):
+        super().__init__(model, n_ctx, n_keep, n_discard)
+        cfg = model.config
+        self.cache = ExplicitShiftCache(cfg.num_layers, cfg.num_kv_heads, n_ctx, n_keep, cfg.head_dim,
+                                        model.dtype, model.device, self.cache.rotate_by)
+
+    def feed_chunks(self, tokens, all_logits):
+        cache = self.cache
+        for token in tokens:
+            if cache.free == 0:
+                cache.discard(self.n_discard)
+            position = torch.tensor([self.next_position - getattr(cache, "total_shift", 0)])
+            cache.reserve(position)
+            mask = cache.mask(position, self.model.dtype)
+            yield self.model.forward(token.view(1, 1), position[None], cache, mask, all_logits)[0]
+            self.next_position += 1
+
+
+def _logit_trace(engine, tokens: torch.Tensor) -> torch.Tensor:
+    """Feed tokens one at a time; logits after each [N, V]."""
+    with torch.inference_mode():
+        return torch.stack([engine.feed(tokens[i : i + 1]) for i in range(tokens.shape[0])])
+
+
+@pytest.mark.parametrize("model_name", ["llama", "llama_partial_rotary", "bloom"])
+@pytest.mark.parametrize("n_keep, n_discard", [(4, 1), (4, 5), (0, 3)])
+def test_shift_equals_explicit_key_rotation(model_name, n_keep, n_discard, request):
+    gen = request.getfixturevalue(model_name)
+    tokens = _tokens(70, seed=1)
+    ours = _logit_trace(ShiftEngine(gen.model, 24, n_keep, n_discard), tokens)
+    reference = _logit_trace(ExplicitShiftEngine(gen.model, 24, n_keep, n_discard), tokens)
+    torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
+
+
+def test_shift_chunked_feed_equals_token_by_token(llama):
+    tokens = _tokens(90, seed=2)
+    engine = ShiftEngine(llama.model, 32, 4, 7)
+    with torch.inference_mode():
+        chunked = torch.cat(list(engine.feed_chunks(tokens, all_logits=True)))
+    one_by_one = _logit_trace(ShiftEngine(llama.model, 32, 4, 7), tokens)
+    torch.testing.assert_close(chunked, one_by_one, atol=ATOL, rtol=0)
+
+
+def test_ring_of_one_never_moves_a_cached_key(llama):
+    """n_discard=1: one token in, one out; slots are overwritten in place, nothing else is written."""
+    engine = ShiftEngine(llama.model, 16, 4, 1)
+    with torch.inference_mode():
+        engine.feed(_tokens(16, 3))
+        before = engine.cache.keys.clone()
+        engine.feed(_tokens(1, 4))
+    changed = (engine.cache.keys != before).flatten(0, 2).any(dim=-1).any(dim=0)  # [n_ctx] slots touched
+    assert changed.sum().item() == 1 and engine.cache.shift == 1
+
+
+def test_learned_positions_cannot_shift():
+    gpt2 = fastdecode.from_hf(build("gpt2"))
+    with pytest.raises(InvalidOptionError, match="reevaluate"):
+        gpt2.generate_ids([[3, 4, 5]], max_new_tokens=4, n_ctx=16, policy="shift")
+
+
+# -- before the cache is full -----------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["shift", "reevaluate"])
+def test_streaming_equals_plain_generation_within_the_context(llama, bloom, policy):
+    for gen in (llama, bloom):
+        prompt = _tokens(9, 5).tolist()
+        plain = gen.generate_ids([prompt], max_new_tokens=30)
+        assert gen.generate_ids([prompt], max_new_tokens=30, n_ctx=64, policy=policy) == plain
+
+
+# -- re-evaluate equals its naive loop ---------------------------------------------------------------
+def _naive_reevaluate(model, prompt, new_tokens, n_ctx, n_keep, n_discard):
+    """At the moment the cache is full, drop tokens and re-run the model on what is kept."""
+    context, out = [], []
+
+    def add(token):
+        nonlocal context
+        if len(context) == n_ctx:
+            context = context[:n_keep] + context[n_keep + n_discard :]
+        context.append(token)
+
+    for token in prompt:
+        add(token)
+    for _ in range(new_tokens):
+        ids = torch.tensor([context])
+        with torch.inference_mode():
+            logits = model.forward(ids, torch.arange(len(context))[None], fastdecode.cache.static.NoCache(),
+                                   _causal(len(context)))[0, -1]
+        token = int(logits.argmax())
+        out.append(token)
+        add(token)
+    return out
+
+
+def _causal(n):
+    return torch.full((n, n), float("-inf")).triu(1)[None, None]
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "gpt2"])
+def test_reevaluate_equals_naive_loop(kind):
+    import fastdecode.cache.static  # noqa: F401  (for NoCache above)
+
+    gen = fastdecode.from_hf(build(kind))
+    prompt = _tokens(10, 6).tolist()
+    ours = gen.generate_ids([prompt], max_new_tokens=60, n_ctx=24, n_keep=4, n_discard=6, policy="reevaluate")[0]
+    assert ours == _naive_reevaluate(gen.model, prompt, 60, 24, 4, 6)
+
+
+def test_reevaluate_long_prompt_goes_through_the_policy(llama):
+    prompt = _tokens(50, 7).tolist()
+    engine = ReevaluateEngine(llama.model, 16, 2, 4)
+    with torch.inference_mode():
+        engine.feed(torch.tensor(prompt))
+    assert engine.rebuilds > 0 and len(engine.tokens) <= 16
+    assert llama.generate_ids([prompt], max_new_tokens=5, n_ctx=16, n_keep=2, n_discard=4, policy="reevaluate")[0] \
+        == _naive_reevaluate(llama.model, prompt, 5, 16, 2, 4)
+
+
+# -- constant memory, endless generation -------------------------------------------------------------
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("policy", ["shift", "reevaluate"])
+def test_memory_stays_constant_over_5000_tokens(llama, policy):
+    stream = llama.stream_ids([5, 6, 7], max_new_tokens=None, n_ctx=256, n_keep=4, policy=policy,
+                              do_sample=True, seed=0)
+    rss = {}
+    for count, _ in enumerate(stream, start=1):
+        if count in (1000, 5000):
+            rss[count] = _rss_bytes()
+        if count == 5000:
+            break
+    stream.close()
+    assert rss[5000] - rss[1000] < 8 * 2**20  # the cache is 2 x 2 x 256 x 2 x 16 floats; nothing grows
+
+
+def test_endless_needs_a_streaming_cache(llama):
+    with pytest.raises(InvalidOptionError, match="n_ctx"):
+        llama.generate_ids([[3]], max_new_tokens=None)
+
+
+@pytest.mark.parametrize("options, pattern", [
+    ({"n_ctx": 8, "n_keep": 8}, "n_keep"),
+    ({"n_ctx": 16, "n_discard": 20}, "n_discard"),
+    ({"n_ctx": 16, "policy": "rotate"}, "policy"),
+    ({"n_ctx": 1}, "n_ctx"),
+])
+def test_bad_streaming_options(llama, options, pattern):
+    with pytest.raises(InvalidOptionError, match=pattern):
+        llama.generate_ids([[3, 4]], max_new_tokens=4, **options)
+
+
+def test_streaming_score_equals_plain_score_within_the_context(llama):
+    ids = _tokens(40, 8).tolist()
+    plain = llama.score(ids)
+    for policy in ("shift", "reevaluate"):
+        torch.testing.assert_close(torch.tensor(llama.score(ids, n_ctx=64, policy=policy)), torch.tensor(plain),
+                                   atol=ATOL, rtol=0)
+
+
+def test_prompt_longer_than_the_model_context_streams(llama):
+    long_prompt = _tokens(300, 9).tolist()  # the tiny model's context is 256
+    out = llama.generate_ids([long_prompt], max_new_tokens=8, n_ctx=64)
+    assert len(out[0]) == 8
