@@ -85,7 +85,7 @@ class GenerationConfig:
     # Streaming ("infinite") generation: a cache of n_ctx slots, n_keep attention sinks.
     n_ctx: int | None = None
     n_keep: int = 4
-    n_discard: int | None = None  # default: half of the non-sink slots
+    n_discard: int | None = None  # default: 1 for shift (a true ring), half the window for reevaluate
     policy: str = "shift"  # "shift" (no recomputation) or "reevaluate"
 
     @classmethod
@@ -169,8 +169,12 @@ class GenerationConfig:
 
     @property
     def discard_count(self) -> int:
-        """Tokens dropped when the streaming cache is full: n_discard, or half of the window."""
-        return self.n_discard if self.n_discard is not None else max(1, (self.n_ctx - self.n_keep) // 2)
+        """Tokens dropped when the streaming cache is full. Default: one for shift (a true ring:
+        the fullest window, and shifting costs nothing), half of the window for re-evaluate (each
+        drop costs a rebuild, amortized over the tokens that refill it)."""
+        if self.n_discard is not None:
+            return self.n_discard
+        return 1 if self.policy == "shift" else max(1, (self.n_ctx - self.n_keep) // 2)
 
     @property
     def is_sampling(self) -> bool:

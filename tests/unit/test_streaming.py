@@ -67,19 +67,29 @@ def test_angles_are_exact_at_huge_positions():
 
 # -- shift equals its definition ---------------------------------------------------------------------
 class ExplicitShiftCache(StreamingCache):
-    """The definition, literally: on discard, rewrite every kept window key rotated by -count
-    (RoPE) and move its stored position back by count. No per-segment trickery anywhere."""
+    """The definition, literally: when the policy drops tokens, rewrite every kept window key
+    rotated by -n_discard (RoPE) and move its stored position back; the query then enters at its
+    position in the shifted frame, and attention is plain (no per-segment trickery)."""
 
-    def discard(self, count: int) -> None:
-        super().discard(count)
-        self.shift = 0  # positions below are already in the shifted frame
-        window = torch.arange(self.n_keep, self.n_ctx)
-        kept = window[self.slot_positions[window] >= 0]
-        self.slot_positions[kept] -= count
-        if self.rotate_by is not None:
-            for keys in self.layer_keys:
-                keys[:, :, kept] = self.rotate_by(keys[:, :, kept], -count)
-        self.total_shift = getattr(self, "total_shift", 0) + count
+    def reserve(self, positions):
+        (position,) = positions
+        if self.sinks == self.n_keep and self.window_count == self.window:
+            window = torch.arange(self.n_keep, self.n_keep + self.ring_size)
+            kept = window[self.slot_positions[window] >= 0]
+            oldest = kept[self.slot_positions[kept].argsort()][: self.n_discard]
+            self.slot_positions[oldest] = -1  # dropped for good
+            kept = window[self.slot_positions[window] >= 0]
+            self.slot_positions[kept] -= self.n_discard
+            if self.rotate_by is not None:
+                for keys in self.layer_keys:
+                    keys[:, :, kept] = self.rotate_by(keys[:, :, kept], torch.tensor(-self.n_discard))
+            self.total_shift = getattr(self, "total_shift", 0) + self.n_discard
+        super().reserve([position - getattr(self, "total_shift", 0)])
+        self.query_shift = [0]  # every stored key is already in the query's frame
+
+    def relative_positions(self, query_positions):
+        keys = self.slot_positions[: self.used][None, :]
+        return (keys - query_positions.reshape(-1)[:, None])[None]
 
 
 class ExplicitShiftEngine(ShiftEngine):
@@ -88,16 +98,14 @@ class ExplicitShiftEngine(ShiftEngine):
     def __init__(self, model, n_ctx, n_keep, n_discard):
         super().__init__(model, n_ctx, n_keep, n_discard)
         cfg = model.config
-        self.cache = ExplicitShiftCache(cfg.num_layers, cfg.num_kv_heads, n_ctx, n_keep, cfg.head_dim,
+        self.cache = ExplicitShiftCache(cfg.num_layers, cfg.num_kv_heads, n_ctx, n_keep, n_discard, cfg.head_dim,
                                         model.dtype, model.device, self.cache.rotate_by)
 
     def feed_chunks(self, tokens, all_logits):
         cache = self.cache
         for token in tokens:
-            if cache.free == 0:
-                cache.discard(self.n_discard)
+            cache.reserve([self.next_position])
             position = torch.tensor([self.next_position - getattr(cache, "total_shift", 0)])
-            cache.reserve(position)
             mask = cache.mask(position, self.model.dtype)
             yield self.model.forward(token.view(1, 1), position[None], cache, mask, all_logits)[0]
             self.next_position += 1
@@ -119,13 +127,19 @@ def test_shift_equals_explicit_key_rotation(model_name, n_keep, n_discard, reque
     torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
 
 
-def test_shift_chunked_feed_equals_token_by_token(llama):
+@pytest.mark.parametrize("model_name", ["llama", "bloom"])
+@pytest.mark.parametrize("n_discard, headroom", [(7, 0), (7, 20), (1, 0), (1, 31)])
+def test_shift_chunked_feed_equals_token_by_token(model_name, n_discard, headroom, request):
+    """Chunks (up to the policy's next drop, or any size with headroom) equal one token at a time."""
+    model = request.getfixturevalue(model_name).model
     tokens = _tokens(90, seed=2)
-    engine = ShiftEngine(llama.model, 32, 4, 7)
+    engine = ShiftEngine(model, 32, 4, n_discard, headroom)
     with torch.inference_mode():
-        chunked = torch.cat(list(engine.feed_chunks(tokens, all_logits=True)))
-    one_by_one = _logit_trace(ShiftEngine(llama.model, 32, 4, 7), tokens)
-    torch.testing.assert_close(chunked, one_by_one, atol=ATOL, rtol=0)
+        chunks = list(engine.feed_chunks(tokens, all_logits=True))
+    if headroom:
+        assert max(c.shape[0] for c in chunks) > n_discard  # really chunked past the drops
+    one_by_one = _logit_trace(ShiftEngine(model, 32, 4, n_discard), tokens)
+    torch.testing.assert_close(torch.cat(chunks), one_by_one, atol=ATOL, rtol=0)
 
 
 def test_ring_of_one_never_moves_a_cached_key(llama):
@@ -135,8 +149,9 @@ def test_ring_of_one_never_moves_a_cached_key(llama):
         engine.feed(_tokens(16, 3))
         before = engine.cache.keys.clone()
         engine.feed(_tokens(1, 4))
-    changed = (engine.cache.keys != before).flatten(0, 2).any(dim=-1).any(dim=0)  # [n_ctx] slots touched
+    changed = (engine.cache.keys != before).flatten(0, 2).any(dim=-1).any(dim=0)  # [slots] touched
     assert changed.sum().item() == 1 and engine.cache.shift == 1
+    assert engine.cache.mask(torch.tensor([16]), torch.float32) is None  # nothing hidden: no mask
 
 
 def test_learned_positions_cannot_shift():

@@ -1,19 +1,25 @@
 """The streaming ("infinite") cache: attention sinks plus a ring-buffer window, batch 1.
 
-Slots [0, n_keep) hold the first tokens of the stream (the attention sinks, StreamingLLM);
-slots [n_keep, n_ctx) are a ring: new tokens go to the tail, and when the cache is full the
-``n_discard`` oldest window tokens are dropped from the head. Nothing is ever moved or copied;
-each slot remembers the absolute stream position of its token.
+Slots [0, n_keep) hold the first tokens of the stream (the attention sinks, StreamingLLM); the
+other slots are a ring. The *policy* is defined token by token: the cache holds the sinks and at
+most ``window = n_ctx - n_keep`` window tokens; when a token arrives to a full window, the
+``n_discard`` oldest window tokens are dropped and the rest move ``n_discard`` positions closer.
+Nothing is ever moved or copied; each slot remembers the absolute stream position of its token.
 
-Position shifting without recomputation. After ``shift`` tokens have been discarded, the kept
+Position shifting without recomputation. After ``shift`` tokens have been dropped, the kept
 window tokens must look ``shift`` positions closer to the sinks. Every key is stored rotated
-(RoPE) at its absolute position a. Attention scores under RoPE depend only on the difference of
-the two positions, so for window keys the shift cancels: (a_q - shift) - (a - shift) = a_q - a,
-and the query rotated at its absolute position a_q is right as it is. Only the sink keys (which
-keep positions 0..n_keep-1) need the query rotated back by ``shift``. So the cache rotates the
-*query* once per segment instead of rewriting any cached key: a one-token-in, one-token-out
-ring costs nothing extra per step. For ALiBi the same frames give effective key positions
-(sinks: position + shift, window: position), from which the model builds its bias.
+(RoPE) at its absolute position a. RoPE scores depend only on the difference of the two
+positions, so for window keys the shift cancels: (a_q - shift) - (a - shift) = a_q - a, and the
+query rotated at its absolute position a_q is right as it is. Only the sink keys (which keep
+positions 0..n_keep-1) need the query rotated back by ``shift``. So the cache rotates the *query*
+once per segment instead of rewriting any cached key: a one-in, one-out ring costs nothing extra
+per step. For ALiBi the same frames give the key-query distances the bias is built from.
+
+Chunks. The ring may have ``headroom`` slots beyond the window, so that a chunk of up to
+``headroom + 1`` tokens can be written at once: each query then gets its own visible range and its
+own shift (what the cache would have held had the tokens come one at a time), so chunked
+processing equals token-by-token processing for any ``n_discard`` (fast scoring of long texts).
+Without headroom a chunk can still run up to the point where the policy next drops tokens.
 """
 
 from __future__ import annotations
@@ -32,81 +38,107 @@ class StreamingCache:
         num_kv_heads: int,
         n_ctx: int,
         n_keep: int,
+        n_discard: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        rotate_by: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+        rotate_by: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        headroom: int = 0,
     ):
-        shape = (num_layers, 1, num_kv_heads, n_ctx, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, Hkv, n_ctx, D]
-        self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, Hkv, n_ctx, D]
+        self.n_ctx, self.n_keep, self.n_discard = n_ctx, n_keep, n_discard
+        self.window = n_ctx - n_keep
+        self.ring_size = self.window + headroom
+        capacity = n_keep + self.ring_size
+        shape = (num_layers, 1, num_kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, Hkv, slots, D]
+        self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, Hkv, slots, D]
         self.layer_keys = list(self.keys.unbind(0))
         self.layer_values = list(self.values.unbind(0))
-        self.n_ctx, self.n_keep = n_ctx, n_keep
-        self.window = n_ctx - n_keep
-        self.rotate_by = rotate_by  # RoPE: rotate vectors by a position delta; None: no rotation
-        self.slot_positions = torch.full((n_ctx,), -1, dtype=torch.long, device=device)  # -1 = empty
-        self.sinks = 0  # sink slots filled
-        self.ring_head = 0  # oldest window token, as an offset into the ring
-        self.ring_count = 0  # window tokens held
+        self.rotate_by = rotate_by  # RoPE: rotate vectors by position deltas; None: no rotation
+        self.device = torch.device(device)
+        self.slot_positions = torch.full((capacity,), -1, dtype=torch.long, device=device)  # -1 = empty
+        # Physical state: which slots hold which tokens.
+        self.sinks = 0
+        self.ring_head = 0  # oldest stored window token, as an offset into the ring
+        self.ring_count = 0  # window tokens stored (visible or not)
         self.used = 0  # slots [0, used) have been written at least once
-        self.shift = 0  # tokens discarded so far = positions the window has moved
-        self.write_slots: torch.Tensor | None = None  # slots of the current forward's tokens
-        self.has_holes = False  # some slot below ``used`` is empty
+        # Logical state (the policy, token by token).
+        self.window_count = 0  # window tokens the policy holds
+        self.shift = 0  # tokens the policy has dropped
+        # Per forward: slots written, and each query's first visible window position and shift.
+        self.write_slots: torch.Tensor | None = None
+        self.query_lowest: list[int] = []
+        self.query_shift: list[int] = []
 
-    @property
-    def free(self) -> int:
-        return (self.n_keep - self.sinks) + (self.window - self.ring_count)
+    def chunk_limit(self) -> int:
+        """Tokens the next forward may add. Later tokens of a chunk evict the oldest stored keys
+        before attention runs, so the chunk must stop while the ring still holds every key its
+        first token sees: T <= ring_size + 1 - (window tokens the policy holds at that token)."""
+        if self.sinks < self.n_keep:
+            return self.n_keep - self.sinks + self.ring_size  # sinks first, then a full ring
+        first = self.window_count + 1 - (self.n_discard if self.window_count == self.window else 0)
+        return self.ring_size + 1 - first
 
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def discard(self, count: int) -> None:
-        """Drop the ``count`` oldest window tokens; the rest move ``count`` positions closer."""
-        count = min(count, self.ring_count)
-        slots = self.n_keep + (self.ring_head + torch.arange(count)) % self.window
-        self.slot_positions[slots.to(self.slot_positions.device)] = -1
-        self.ring_head = (self.ring_head + count) % self.window
-        self.ring_count -= count
-        self.shift += count
-        self.has_holes = self.has_holes or count > 0
-
-    def reserve(self, positions: torch.Tensor) -> torch.Tensor:
-        """Assign slots to new tokens at absolute ``positions`` [T]; sinks first, then the ring tail."""
-        T = positions.shape[0]
-        if T > self.free:
-            raise RuntimeError(f"streaming cache has {self.free} free slots, {T} needed")
-        slots = []
-        for _ in range(T):
+    def reserve(self, positions: list[int]) -> None:
+        """Place new tokens at absolute ``positions`` (consecutive), advancing the policy."""
+        if len(positions) > self.chunk_limit():
+            raise RuntimeError(f"a chunk of {len(positions)} tokens exceeds this cache's {self.chunk_limit()}")
+        slots, lowest, shifts = [], [], []
+        for position in positions:
             if self.sinks < self.n_keep:
                 slots.append(self.sinks)
                 self.sinks += 1
             else:
-                slots.append(self.n_keep + (self.ring_head + self.ring_count) % self.window)
+                if self.window_count == self.window:  # the policy drops the oldest n_discard
+                    self.window_count -= self.n_discard
+                    self.shift += self.n_discard
+                self.window_count += 1
+                if self.ring_count == self.ring_size:
+                    self._evict_oldest()
+                slots.append(self.n_keep + (self.ring_head + self.ring_count) % self.ring_size)
                 self.ring_count += 1
-        slot_index = torch.tensor(slots, dtype=torch.long, device=self.keys.device)
-        self.slot_positions[slot_index] = positions
+            lowest.append(position - self.window_count + 1)
+            shifts.append(self.shift)
+        self.write_slots = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.slot_positions[self.write_slots] = torch.tensor(positions, device=self.device)
         self.used = max(self.used, max(slots) + 1)
-        self.has_holes = bool((self.slot_positions[: self.used] < 0).any())
-        self.write_slots = slot_index
-        return slot_index
+        self.query_lowest, self.query_shift = lowest, shifts
+
+    def _evict_oldest(self) -> None:
+        self.slot_positions[self.n_keep + self.ring_head] = -1
+        self.ring_head = (self.ring_head + 1) % self.ring_size
+        self.ring_count -= 1
+
+    def _all_visible(self) -> bool:
+        """One query that sees every stored token: no mask needed."""
+        return len(self.query_lowest) == 1 and self.ring_count == self.window_count and \
+            self.used == self.sinks + self.ring_count
 
     def mask(self, query_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        """Additive [1, 1, T, used]: a query sees filled slots at positions up to its own."""
-        if query_positions.shape[0] == 1 and not self.has_holes:
-            return None  # a single newest query sees every filled slot
-        keys = self.slot_positions[: self.used]
-        allowed = (keys[None, :] >= 0) & (keys[None, :] <= query_positions[:, None])  # [T, used]
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        """Additive [1, 1, T, used]: sinks up to the query's position, window keys in its range."""
+        if self._all_visible():
+            return None
+        keys = self.slot_positions[: self.used][None, :]  # [1, used]
+        queries = query_positions[:, None]  # [T, 1]
+        lowest = torch.tensor(self.query_lowest, device=self.device)[:, None]  # [T, 1]
+        is_sink = torch.arange(self.used, device=self.device)[None, :] < self.n_keep
+        allowed = (keys >= 0) & (keys <= queries) & (is_sink | (keys >= lowest))  # [T, used]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
         return mask.masked_fill_(~allowed, float("-inf"))[None, None]  # [1, 1, T, used]
 
-    def key_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
-        """Effective key positions [1, used] in the window's frame: sinks are ``shift`` further
-        back than their stored positions, window keys are where they were stored."""
-        positions = self.slot_positions[: self.used].clone()
-        positions[: self.n_keep] += self.shift
-        return positions[None]
+    def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
+        """Key minus query position [1, T, used], each in its frame: sinks see the query
+        ``shift`` positions closer (ALiBi builds its bias from these)."""
+        keys = self.slot_positions[: self.used][None, :]  # [1, used]
+        queries = query_positions.reshape(-1)[:, None]  # [T, 1]
+        distance = keys - queries  # [T, used]
+        shifts = torch.tensor(self.query_shift, device=self.device)[:, None]  # [T, 1]
+        distance[:, : self.n_keep] += shifts
+        return distance[None]  # [1, T, used]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float) -> torch.Tensor:
@@ -115,7 +147,9 @@ class StreamingCache:
         keys.index_copy_(2, self.write_slots, k)
         values.index_copy_(2, self.write_slots, v)
         keys, values = keys[:, :, : self.used], values[:, :, : self.used]
-        if self.rotate_by is None or self.shift == 0 or self.n_keep == 0:
+        if self.rotate_by is None or self.n_keep == 0 or not any(self.query_shift):
             return attention(q, keys, values, mask, scale)
-        q_sinks = self.rotate_by(q, -self.shift)  # the sinks' frame: the query is `shift` closer
+        # The sinks' frame: each query rotated back by the shift at its time.
+        deltas = torch.tensor(self.query_shift, device=self.device).neg()
+        q_sinks = self.rotate_by(q, deltas)
         return two_segment_attention(q_sinks, q, keys, values, min(self.n_keep, self.used), mask, scale)

@@ -72,9 +72,9 @@ class KVCache:
         values[:, :, start:end] = v
         return attention(q, keys[:, :, :end], values[:, :, :end], mask, scale)
 
-    def key_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
-        """Token position of every filled slot [B, S] (ALiBi biases are built from these)."""
-        return self.positions[:, : self.length]
+    def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
+        """Key minus query position [B, T, S] for every filled slot (ALiBi builds its bias from these)."""
+        return self.positions[:, None, : self.length] - query_positions[:, :, None]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished sequences: keep only ``rows`` (1-D index) of the batch, so they stop costing work."""
@@ -96,5 +96,5 @@ class NoCache:
                scale: float) -> torch.Tensor:
         return attention(q, k, v, mask, scale)
 
-    def key_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
-        return query_positions  # the keys are this forward's own tokens
+    def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
+        return query_positions[:, None, :] - query_positions[:, :, None]  # the keys are these tokens

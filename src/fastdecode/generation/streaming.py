@@ -59,7 +59,10 @@ class _StreamingEngineBase:
 
 
 class ShiftEngine(_StreamingEngineBase):
-    def __init__(self, model, n_ctx: int, n_keep: int, n_discard: int):
+    """``headroom``: extra ring slots so that chunks of ``headroom + 1`` tokens go through one
+    forward with token-by-token semantics (used to score long texts fast)."""
+
+    def __init__(self, model, n_ctx: int, n_keep: int, n_discard: int, headroom: int = 0):
         super().__init__(model, n_ctx, n_keep, n_discard)
         cfg = model.config
         if cfg.position_kind == "learned":
@@ -68,20 +71,18 @@ class ShiftEngine(_StreamingEngineBase):
                 "use policy='reevaluate'"
             )
         rotate_by = model.rope.rotate_by if cfg.position_kind == "rope" else None
-        self.cache = StreamingCache(cfg.num_layers, cfg.num_kv_heads, n_ctx, n_keep, cfg.head_dim,
-                                    model.dtype, model.device, rotate_by)
+        self.cache = StreamingCache(cfg.num_layers, cfg.num_kv_heads, n_ctx, n_keep, n_discard, cfg.head_dim,
+                                    model.dtype, model.device, rotate_by, headroom)
         self.next_position = 0  # absolute position of the next token in the stream
 
     def feed_chunks(self, tokens: torch.Tensor, all_logits: bool) -> Iterator[torch.Tensor]:
         cache, device = self.cache, self.model.device
         done = 0
         while done < tokens.shape[0]:
-            if cache.free == 0:
-                cache.discard(self.n_discard)
-            size = min(tokens.shape[0] - done, cache.free, MAX_CHUNK)
+            size = min(tokens.shape[0] - done, cache.chunk_limit(), MAX_CHUNK)
             chunk = tokens[done : done + size].to(device)
+            cache.reserve(list(range(self.next_position, self.next_position + size)))
             positions = torch.arange(self.next_position, self.next_position + size, device=device)
-            cache.reserve(positions)
             mask = cache.mask(positions, self.model.dtype)
             yield self.model.forward(chunk[None], positions[None], cache, mask, all_logits)[0]
             done += size
@@ -130,7 +131,8 @@ class ReevaluateEngine(_StreamingEngineBase):
             done += size
 
 
-def streaming_engine(model, config: GenerationConfig):
-    """The engine for a config with ``n_ctx`` set."""
-    engine_class = ShiftEngine if config.policy == "shift" else ReevaluateEngine
-    return engine_class(model, config.n_ctx, config.n_keep, config.discard_count)
+def streaming_engine(model, config: GenerationConfig, headroom: int = 0):
+    """The engine for a config with ``n_ctx`` set (``headroom``: see ShiftEngine)."""
+    if config.policy == "shift":
+        return ShiftEngine(model, config.n_ctx, config.n_keep, config.discard_count, headroom)
+    return ReevaluateEngine(model, config.n_ctx, config.n_keep, config.discard_count)

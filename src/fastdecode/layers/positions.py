@@ -109,13 +109,15 @@ class RotaryEmbedding:
         factor = self.attention_factor if scaled else 1.0
         return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
 
-    def rotate_by(self, x: torch.Tensor, delta: int) -> torch.Tensor:
-        """Rotate already-rotated vectors x [B, H, T, D] by ``delta`` more positions.
+    def rotate_by(self, x: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
+        """Rotate already-rotated vectors x [B, H, T, D] by ``delta`` more positions (an int, or
+        one delta per query [T]).
 
         Rotations compose: R(a) R(b) = R(a + b), so a vector rotated at position p becomes the
         one rotated at p + delta, without knowing p. Used to move keys or queries in a stream.
         """
-        cos, sin = self.cos_sin(torch.tensor([[delta]], device=x.device), x.dtype, scaled=False)
+        deltas = torch.as_tensor(delta, device=x.device).reshape(1, -1)  # [1, T or 1]
+        cos, sin = self.cos_sin(deltas, x.dtype, scaled=False)
         return rotate_half_split(x, cos, sin)
 
 

@@ -3,7 +3,7 @@ fused QKV (interleaved per head), pre-LayerNorm blocks, GELU (tanh) MLP, tied LM
 
 ALiBi adds ``slope_h * (key_position - query_position)`` to every score. Only position
 differences matter, which is what lets a streaming cache shift positions without recomputation:
-the cache reports each slot's position in the current frame (``cache.key_positions``).
+the cache reports key-query distances in the current frames (``cache.relative_positions``).
 """
 
 from __future__ import annotations
@@ -111,11 +111,10 @@ class BloomModel:
     def device(self) -> torch.device:
         return self.embed.device
 
-    def alibi_bias(self, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
-        """slope_h * (key - query) [B, H, T, S]. Relative to the query (softmax ignores a per-row
-        constant), so values stay small however long a stream runs."""
-        distance = key_positions[:, None, None, :] - query_positions[:, None, :, None]  # [B, 1, T, S]
-        return (self.slopes[None, :, None, None] * distance).to(self.dtype)  # [B, H, T, S]
+    def alibi_bias(self, distance: torch.Tensor) -> torch.Tensor:
+        """slope_h * (key - query position) [B, H, T, S] from distances [B, T, S]. Relative to the
+        query (softmax ignores a per-row constant), so values stay small however long a stream runs."""
+        return (self.slopes[None, :, None, None] * distance[:, None]).to(self.dtype)  # [B, H, T, S]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | NoCache,
                 mask: torch.Tensor | None, all_logits: bool = False) -> torch.Tensor:
@@ -125,7 +124,7 @@ class BloomModel:
         H, D, C = cfg.num_heads, cfg.head_dim, cfg.hidden_size
         x = F.embedding(tokens, self.embed)  # [B, T, C]
         x = F.layer_norm(x, (C,), *self.embed_norm, cfg.norm_eps)
-        bias = self.alibi_bias(cache.key_positions(positions), positions)  # [B, H, T, S]
+        bias = self.alibi_bias(cache.relative_positions(positions))  # [B, H, T, S]
         bias = bias if mask is None else bias + mask
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (C,), layer.attn_norm, layer.attn_norm_bias, cfg.norm_eps)
