@@ -14,7 +14,7 @@ import torch
 
 from ..config import GenerationConfig
 from .sampling import TokenSelector
-from .step import CachedEngine, RecomputeEngine
+from .step import CachedEngine, RecomputeEngine, Started
 
 
 @dataclass
@@ -35,6 +35,23 @@ def left_pad(prompts: list[list[int]], device: torch.device, pad_id: int = 0):
     return tokens.to(device), valid.to(device), positions.to(device)
 
 
+def start_decoder_only(model, prompts: list[list[int]], config: GenerationConfig) -> Started:
+    """Left-pad the prompts and prefill them in one forward."""
+    tokens, valid, positions = left_pad(prompts, model.device)
+    B, L = tokens.shape
+    engine = CachedEngine(model, B, L + config.max_new_tokens) if config.use_cache else RecomputeEngine(model)
+    return Started(engine, engine.prefill(tokens, valid, positions), positions[:, -1] + 1, prompts)
+
+
+def engine_starter(model):
+    """The one hook between model kinds: encoder-decoder models start by encoding the source."""
+    if model.config.is_encoder_decoder:
+        from .encdec import start_encoder_decoder
+
+        return start_encoder_decoder
+    return start_decoder_only
+
+
 class DecodeLoop:
     """Iterate to run; each step yields [(sequence index, new token)] for the rows still active.
 
@@ -48,7 +65,9 @@ class DecodeLoop:
         self.config = config
         self.eos_ids = set(eos_ids)
         self.results = [SequenceResult() for _ in prompts]
-        self.selector = TokenSelector(config, eos_ids, model.config.vocab_size, model.device)
+        self.selector = TokenSelector(config, eos_ids, model.config.vocab_size, model.device,
+                                      forced_bos=getattr(model.config, "forced_bos_token_id", None),
+                                      forced_eos=getattr(model.config, "forced_eos_token_id", ()))
 
     def stop(self, index: int, reason: str = "stop") -> None:
         if self.results[index].finish_reason is None:
@@ -61,14 +80,10 @@ class DecodeLoop:
             for result in self.results:
                 result.finish_reason = "length"
             return
-        tokens, valid, positions = left_pad(self.prompts, device)
-        B, L = tokens.shape
-        engine = CachedEngine(model, B, L + cfg.max_new_tokens) if cfg.use_cache else RecomputeEngine(model)
-        self.selector.start(self.prompts, device)
         with torch.inference_mode():
-            logits = engine.prefill(tokens, valid, positions)
-            active = list(range(B))  # sequence index of each batch row
-            next_positions = positions[:, -1] + 1  # [B]
+            engine, logits, next_positions, history = engine_starter(model)(model, self.prompts, cfg)
+            self.selector.start(history, device)
+            active = list(range(len(self.prompts)))  # sequence index of each batch row
             for step in range(cfg.max_new_tokens):
                 new_tokens = self.selector.select(logits, step)  # [B]
                 events = []
