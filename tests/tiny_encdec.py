@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 VOCAB = 160
@@ -16,6 +17,16 @@ def _bart_family(**overrides):
                 eos_token_id=2, forced_eos_token_id=2)
     base.update(overrides)
     return base
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny models run ~10-100x faster on one thread on a shared, loaded machine (no OpenMP spinning
+    between ops of microseconds). Restored afterwards, so other modules keep their settings."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def build(kind: str, seed: int = 0):
