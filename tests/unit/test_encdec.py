@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import importlib
+
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 import fastdecode
 from fastdecode.errors import CheckpointError, InvalidOptionError, PromptTooLongError, TokenizerError, UnsupportedModelError
@@ -18,22 +18,20 @@ from tiny_models import save_word_tokenizer
 pytest.importorskip("transformers")
 
 
-class LinearCalls(TorchFunctionMode):
-    """Counts F.linear calls per weight tensor (by identity) while active."""
+def _count_linear(monkeypatch, module, weights: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Counts the family module's ``linear`` calls per weight tensor (by identity)."""
+    names = {id(w): name for name, w in weights.items()}
+    counts = dict.fromkeys(weights, 0)
+    original = module.linear
 
-    def __init__(self, weights: dict[str, torch.Tensor]):
-        super().__init__()
-        self.names = {id(w): name for name, w in weights.items()}
-        self.counts = dict.fromkeys(weights, 0)
+    def counted(x, weight, bias=None):
+        name = names.get(id(weight))
+        if name is not None:
+            counts[name] += 1
+        return original(x, weight, bias)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            name = self.names.get(id(weight))
-            if name is not None:
-                self.counts[name] += 1
-        return func(*args, **kwargs)
+    monkeypatch.setattr(module, "linear", counted)
+    return counts
 
 
 def _count_calls(monkeypatch, model, method: str) -> list[int]:
@@ -57,11 +55,11 @@ def test_encoder_and_cross_kv_run_once_per_call(monkeypatch, kind, new_tokens):
     steps = _count_calls(monkeypatch, model, "decode")
     cross = {f"{layer}.cross_{p}": getattr(model.decoder.layers[layer], f"cross_{p}")
              for layer in range(model.config.num_layers) for p in ("k", "v", "q")}
-    with LinearCalls(cross) as linear:
-        out = gen.generate_ids([[5, 6, 7, 8], [9, 10]], max_new_tokens=new_tokens, eos_token_id=[])
+    counts = _count_linear(monkeypatch, importlib.import_module(f"fastdecode.models.{kind}"), cross)
+    out = gen.generate_ids([[5, 6, 7, 8], [9, 10]], max_new_tokens=new_tokens, eos_token_id=[])
     assert [len(o) for o in out] == [new_tokens, new_tokens]
     assert encodes[0] == 1 and steps[0] == new_tokens  # one decoder pass per new token
-    for name, count in linear.counts.items():
+    for name, count in counts.items():
         expected = new_tokens if name.endswith("q") else 1  # the query is per step, K and V once
         assert count == expected, (name, count)
 

@@ -28,6 +28,7 @@ from ..cache.static import KVCache
 from ..config import EncoderDecoderConfig
 from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
+from ..layers.linear import linear
 from ..layers.positions import sinusoidal_table
 from .seq2seq import ACTIVATIONS, as_list, check_tied, decoder_start_token
 
@@ -144,7 +145,7 @@ class BartModel:
         self.config = config
         self.act = ACTIVATIONS[config.hidden_act]
         self.embed = weights["embed.weight"]  # [V, C]
-        self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for F.linear
+        self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for linear
         bias = weights.get("final_logits_bias")
         self.logits_bias = None if bias is None else bias.reshape(-1)  # [1, V] -> [V]
         if config.positions == "sinusoidal":
@@ -169,7 +170,7 @@ class BartModel:
             layer = {}
             for name in names:
                 weight = weights[f"{prefix}.{name}.weight"]
-                # [in, out] buffers seen as [out, in]: F.linear then runs x @ buffer (the fast layout)
+                # [in, out] buffers seen as [out, in]: linear then runs x @ buffer (the fast layout)
                 layer[name] = weight if name.endswith("norm") else weight.t()
                 layer[f"{name}_bias"] = weights[f"{prefix}.{name}.bias"]
             layers.append(SimpleNamespace(**layer))
@@ -201,8 +202,8 @@ class BartModel:
         """Decoder layer ``index``'s cross-attention K, V [B, H, S, D] of the encoder output [B, S, C]."""
         layer = self.decoder.layers[index]
         H, D = self.config.num_heads, self.config.head_dim
-        return (split_heads(F.linear(memory, layer.cross_k, layer.cross_k_bias), H, D),
-                split_heads(F.linear(memory, layer.cross_v, layer.cross_v_bias), H, D))
+        return (split_heads(linear(memory, layer.cross_k, layer.cross_k_bias), H, D),
+                split_heads(linear(memory, layer.cross_v, layer.cross_v_bias), H, D))
 
     def decode(
         self,
@@ -229,7 +230,7 @@ class BartModel:
         if not all_logits:
             x = x[:, -1:]
         x = self._final_norm(self.decoder, x)
-        return F.linear(x, self.lm_head, self.logits_bias)  # [B, T or 1, V]
+        return linear(x, self.lm_head, self.logits_bias)  # [B, T or 1, V]
 
     def decoder_self_bias(self, length: int) -> torch.Tensor:
         """Causal mask [1, 1, P, P] for target slots 0..P-1: a slot sees itself and earlier slots."""
@@ -260,25 +261,25 @@ class BartModel:
         return F.layer_norm(x, (self.config.hidden_size,), *stack.norm, self.config.norm_eps)
 
     def _self_attention(self, h, layer, H: int, D: int, mask) -> torch.Tensor:
-        q = split_heads(F.linear(h, layer.q, layer.q_bias), H, D)  # [B, H, T, D]
-        k = split_heads(F.linear(h, layer.k, layer.k_bias), H, D)
-        v = split_heads(F.linear(h, layer.v, layer.v_bias), H, D)
-        return F.linear(merge_heads(attention(q, k, v, mask, D**-0.5)), layer.o, layer.o_bias)
+        q = split_heads(linear(h, layer.q, layer.q_bias), H, D)  # [B, H, T, D]
+        k = split_heads(linear(h, layer.k, layer.k_bias), H, D)
+        v = split_heads(linear(h, layer.v, layer.v_bias), H, D)
+        return linear(merge_heads(attention(q, k, v, mask, D**-0.5)), layer.o, layer.o_bias)
 
     def _cached_self_attention(self, h, layer, index: int, cache, start: int, bias) -> torch.Tensor:
         H, D = self.config.num_heads, self.config.head_dim
-        q = split_heads(F.linear(h, layer.q, layer.q_bias), H, D)  # [B, H, T, D]
-        k = split_heads(F.linear(h, layer.k, layer.k_bias), H, D)
-        v = split_heads(F.linear(h, layer.v, layer.v_bias), H, D)
+        q = split_heads(linear(h, layer.q, layer.q_bias), H, D)  # [B, H, T, D]
+        k = split_heads(linear(h, layer.k, layer.k_bias), H, D)
+        v = split_heads(linear(h, layer.v, layer.v_bias), H, D)
         if cache is not None:
             k, v = cache.update(index, start, k, v)  # [B, H, S, D]
-        return F.linear(merge_heads(attention(q, k, v, bias, self.scale)), layer.o, layer.o_bias)
+        return linear(merge_heads(attention(q, k, v, bias, self.scale)), layer.o, layer.o_bias)
 
     def _cross_attention(self, h, layer, index: int, cross: CrossAttentionCache) -> torch.Tensor:
         H, D = self.config.num_heads, self.config.head_dim
-        q = split_heads(F.linear(h, layer.cross_q, layer.cross_q_bias), H, D)  # [B, H, T, D]
+        q = split_heads(linear(h, layer.cross_q, layer.cross_q_bias), H, D)  # [B, H, T, D]
         k, v = cross.layer(index)  # [B, H, S_src, D], projected once per source
-        return F.linear(merge_heads(attention(q, k, v, cross.bias, self.scale)), layer.cross_o, layer.cross_o_bias)
+        return linear(merge_heads(attention(q, k, v, cross.bias, self.scale)), layer.cross_o, layer.cross_o_bias)
 
     def _mlp(self, h: torch.Tensor, layer) -> torch.Tensor:
-        return F.linear(self.act(F.linear(h, layer.up, layer.up_bias)), layer.down, layer.down_bias)
+        return linear(self.act(linear(h, layer.up, layer.up_bias)), layer.down, layer.down_bias)

@@ -23,6 +23,7 @@ from ..cache.static import KVCache
 from ..config import EncoderDecoderConfig
 from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
+from ..layers.linear import linear
 from ..layers.positions import t5_relative_buckets
 from .seq2seq import ACTIVATIONS, as_list, check_tied, decoder_start_token
 
@@ -135,7 +136,7 @@ class T5Model:
         self.embed = weights["embed.weight"]  # [V, C]
         head = weights.get("lm_head.weight")
         self.tied_head = head is None or config.tie_word_embeddings
-        # [C, V] buffer seen as [V, C] for F.linear; a missing untied head is the embedding itself
+        # [C, V] buffer seen as [V, C] for linear; a missing untied head is the embedding itself
         self.lm_head = self.embed if head is None else head.t()
         self.encoder = self._stack(weights, "encoder", config.num_encoder_layers, cross=False)
         self.decoder = self._stack(weights, "decoder", config.num_layers, cross=True)
@@ -148,7 +149,7 @@ class T5Model:
             layer = {}
             for name in names:
                 weight = weights.get(f"{stack}.layers.{i}.{name}.weight")
-                # [in, out] buffers seen as [out, in]: F.linear then runs x @ buffer (the fast layout)
+                # [in, out] buffers seen as [out, in]: linear then runs x @ buffer (the fast layout)
                 layer[name] = weight if weight is None or name.endswith("norm") else weight.t()
             layers.append(SimpleNamespace(**layer))
         return SimpleNamespace(layers=layers, relative_bias=weights[f"{stack}.relative_bias.weight"],  # [buckets, H]
@@ -180,7 +181,7 @@ class T5Model:
         """Decoder layer ``index``'s cross-attention K, V [B, H, S, D] of the encoder output [B, S, C]."""
         layer = self.decoder.layers[index]
         H, D = self.config.num_heads, self.config.head_dim
-        return split_heads(F.linear(memory, layer.cross_k), H, D), split_heads(F.linear(memory, layer.cross_v), H, D)
+        return split_heads(linear(memory, layer.cross_k), H, D), split_heads(linear(memory, layer.cross_v), H, D)
 
     def decode(
         self,
@@ -202,21 +203,21 @@ class T5Model:
         x = F.embedding(tokens, self.embed)  # [B, T, C]
         for index, layer in enumerate(self.decoder.layers):
             h = self._norm(x, layer.attn_norm)
-            q, k, v = (split_heads(F.linear(h, w), H, D) for w in (layer.q, layer.k, layer.v))  # [B, H, T, D]
+            q, k, v = (split_heads(linear(h, w), H, D) for w in (layer.q, layer.k, layer.v))  # [B, H, T, D]
             if cache is not None:
                 k, v = cache.update(index, start, k, v)  # [B, H, S, D]
-            x = x + F.linear(merge_heads(attention(q, k, v, self_bias, 1.0)), layer.o)
+            x = x + linear(merge_heads(attention(q, k, v, self_bias, 1.0)), layer.o)
             h = self._norm(x, layer.cross_norm)
-            q = split_heads(F.linear(h, layer.cross_q), H, D)  # [B, H, T, D]
+            q = split_heads(linear(h, layer.cross_q), H, D)  # [B, H, T, D]
             k, v = cross.layer(index)  # [B, H, S_src, D], projected once per source
-            x = x + F.linear(merge_heads(attention(q, k, v, cross.bias, 1.0)), layer.cross_o)
+            x = x + linear(merge_heads(attention(q, k, v, cross.bias, 1.0)), layer.cross_o)
             x = x + self._ffn(self._norm(x, layer.mlp_norm), layer)
         if not all_logits:
             x = x[:, -1:]
         x = self._norm(x, self.decoder.norm)
         if cfg.scale_decoder_output:
             x = x * cfg.hidden_size**-0.5
-        return F.linear(x, self.lm_head)  # [B, T or 1, V]
+        return linear(x, self.lm_head)  # [B, T or 1, V]
 
     def decoder_self_bias(self, length: int) -> torch.Tensor:
         """Relative bias plus causal mask [1, H, P, P] for target positions 0..P-1, built once per generation."""
@@ -239,11 +240,11 @@ class T5Model:
 
     def _attention(self, h, memory, wq, wk, wv, wo, bias) -> torch.Tensor:
         H, D = self.config.num_heads, self.config.head_dim
-        q = split_heads(F.linear(h, wq), H, D)  # [B, H, T, D]
-        k, v = split_heads(F.linear(memory, wk), H, D), split_heads(F.linear(memory, wv), H, D)  # [B, H, S, D]
-        return F.linear(merge_heads(attention(q, k, v, bias, 1.0)), wo)
+        q = split_heads(linear(h, wq), H, D)  # [B, H, T, D]
+        k, v = split_heads(linear(memory, wk), H, D), split_heads(linear(memory, wv), H, D)  # [B, H, S, D]
+        return linear(merge_heads(attention(q, k, v, bias, 1.0)), wo)
 
     def _ffn(self, h: torch.Tensor, layer) -> torch.Tensor:
         if self.config.gated_ffn:
-            return F.linear(self.act(F.linear(h, layer.wi_0)) * F.linear(h, layer.wi_1), layer.wo)
-        return F.linear(self.act(F.linear(h, layer.wi)), layer.wo)
+            return linear(self.act(linear(h, layer.wi_0)) * linear(h, layer.wi_1), layer.wo)
+        return linear(self.act(linear(h, layer.wi)), layer.wo)
