@@ -24,11 +24,11 @@ def _count_linear(monkeypatch, module, weights: dict[str, torch.Tensor]) -> dict
     counts = dict.fromkeys(weights, 0)
     original = module.linear
 
-    def counted(x, weight, bias=None):
+    def counted(x, weight, *args, **kwargs):
         name = names.get(id(weight))
         if name is not None:
             counts[name] += 1
-        return original(x, weight, bias)
+        return original(x, weight, *args, **kwargs)
 
     monkeypatch.setattr(module, "linear", counted)
     return counts

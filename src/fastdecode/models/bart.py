@@ -28,9 +28,9 @@ from ..cache.static import KVCache
 from ..config import EncoderDecoderConfig
 from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
-from ..layers.linear import linear
+from ..layers.linear import ACTIVATIONS, linear
 from ..layers.positions import sinusoidal_table
-from .seq2seq import ACTIVATIONS, as_list, check_tied, decoder_start_token
+from .seq2seq import as_list, check_tied, decoder_start_token
 
 # Canonical name -> HF sublayer name, per layer of each stack.
 _ENCODER_LAYER = {
@@ -143,7 +143,6 @@ class BartModel:
             raise UnsupportedModelError(f"activation {config.hidden_act!r} is not supported")
         check_tied(weights, ("encoder_embed.weight", "decoder_embed.weight"), config.architecture)
         self.config = config
-        self.act = ACTIVATIONS[config.hidden_act]
         self.embed = weights["embed.weight"]  # [V, C]
         self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for linear
         bias = weights.get("final_logits_bias")
@@ -282,4 +281,5 @@ class BartModel:
         return linear(merge_heads(attention(q, k, v, cross.bias, self.scale)), layer.cross_o, layer.cross_o_bias)
 
     def _mlp(self, h: torch.Tensor, layer) -> torch.Tensor:
-        return linear(self.act(linear(h, layer.up, layer.up_bias)), layer.down, layer.down_bias)
+        up = linear(h, layer.up, layer.up_bias, activation=self.config.hidden_act)
+        return linear(up, layer.down, layer.down_bias)

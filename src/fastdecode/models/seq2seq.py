@@ -5,19 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import CheckpointError, UnsupportedModelError
-
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
-
 
 def decoder_start_token(hf: dict[str, Any]) -> int:
     """``decoder_start_token_id``, else ``bos_token_id`` (transformers' fallback), else a clear error."""

@@ -23,9 +23,9 @@ from ..cache.static import KVCache
 from ..config import EncoderDecoderConfig
 from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
-from ..layers.linear import linear
+from ..layers.linear import ACTIVATIONS, linear
 from ..layers.positions import t5_relative_buckets
-from .seq2seq import ACTIVATIONS, as_list, check_tied, decoder_start_token
+from .seq2seq import as_list, check_tied, decoder_start_token
 
 _ATTENTION = ("q", "k", "v", "o")
 _FFN = ("wi", "wi_0", "wi_1", "wo")  # wi (v1.0) or wi_0 / wi_1 (gated), then wo
@@ -132,7 +132,6 @@ class T5Model:
             raise UnsupportedModelError(f"T5 activation {config.hidden_act!r} is not supported")
         check_tied(weights, ("encoder_embed.weight", "decoder_embed.weight"), config.architecture)
         self.config = config
-        self.act = ACTIVATIONS[config.hidden_act]
         self.embed = weights["embed.weight"]  # [V, C]
         head = weights.get("lm_head.weight")
         self.tied_head = head is None or config.tie_word_embeddings
@@ -245,6 +244,7 @@ class T5Model:
         return linear(merge_heads(attention(q, k, v, bias, 1.0)), wo)
 
     def _ffn(self, h: torch.Tensor, layer) -> torch.Tensor:
+        act = self.config.hidden_act
         if self.config.gated_ffn:
-            return linear(self.act(linear(h, layer.wi_0)) * linear(h, layer.wi_1), layer.wo)
-        return linear(self.act(linear(h, layer.wi)), layer.wo)
+            return linear(linear(h, layer.wi_0, activation=act) * linear(h, layer.wi_1), layer.wo)
+        return linear(linear(h, layer.wi, activation=act), layer.wo)
