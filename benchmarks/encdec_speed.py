@@ -48,12 +48,12 @@ class Settings:
     new_tokens: int = 48
     reps: int = 3
     naive_new_tokens: int = 8
-    naive_reps: int = 1
+    naive_reps: int = 2
     threads: int = 1
 
     @classmethod
     def quick(cls) -> "Settings":
-        return cls(source_length=64, new_tokens=16, reps=2, naive_new_tokens=4)
+        return cls(source_length=64, new_tokens=16, reps=2, naive_new_tokens=4, naive_reps=1)
 
 
 def build_bart():

@@ -16,7 +16,8 @@ def checkpoint_from_hf(hf_model: Any, tokenizer: Any = None) -> Checkpoint:
             f"from_hf expects a transformers PreTrainedModel, got {type(hf_model).__name__}"
         )
     generation = getattr(hf_model, "generation_config", None)
-    hf_config = with_generation_config(hf_model.config.to_dict(), generation.to_dict() if generation is not None else None)
+    generation = generation.to_dict() if generation is not None else None
+    hf_config = with_generation_config(hf_model.config.to_dict(), generation)
     family, config = build_config(hf_config, f"in-memory {type(hf_model).__name__}")
     module = family.load_module()
     state = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}

@@ -30,8 +30,9 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def with_generation_config(hf_config: dict[str, Any], generation: dict[str, Any] | None) -> dict[str, Any]:
-    """Overlay GENERATION_KEYS from a generation config (absent keys count as None, as in transformers)."""
-    if generation is None:
+    """Encoder-decoder configs: overlay GENERATION_KEYS from the generation config, if there is one
+    (absent keys count as None, as in transformers). Decoder-only configs are returned unchanged."""
+    if generation is None or not family_for_hf_config(hf_config).is_encoder_decoder:
         return hf_config
     return {**hf_config, **{key: generation.get(key) for key in GENERATION_KEYS}}
 
@@ -53,9 +54,10 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Ch
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
+    hf_config = read_json(config_path, "model config")
     generation_path = folder / "generation_config.json"
-    generation = read_json(generation_path, "generation config") if generation_path.is_file() else None
-    hf_config = with_generation_config(read_json(config_path, "model config"), generation)
+    if generation_path.is_file() and family_for_hf_config(hf_config).is_encoder_decoder:
+        hf_config = with_generation_config(hf_config, read_json(generation_path, "generation config"))
     family, config = build_config(hf_config, str(folder))
 
     files = _safetensors_files(folder)
