@@ -101,6 +101,9 @@ class Generator:
     def encode_prompt(self, prompt: str | list[dict[str, str]], chat: bool = False) -> list[int]:
         """Text (or a chat conversation) -> prompt token ids, with the chat template if asked."""
         tokenizer = self._require_tokenizer()
+        if (isinstance(prompt, list) or chat) and self.config.is_encoder_decoder:
+            raise InvalidOptionError("chat templates are for decoder-only models; give an encoder-decoder "
+                                     "model the source text itself")
         if isinstance(prompt, list) or chat:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -121,11 +124,28 @@ class Generator:
                 raise InvalidOptionError(
                     f"prompt {index} has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}"
                 )
-            if config.n_ctx is None and len(prompt) + config.max_new_tokens > limit:
+            if self.config.is_encoder_decoder:
+                if config.n_ctx is not None:
+                    raise InvalidOptionError("streaming (n_ctx) is for decoder-only models")
+                self._check_source_length(index, prompt, config)
+            elif config.n_ctx is None and len(prompt) + config.max_new_tokens > limit:
                 raise PromptTooLongError(
                     f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={config.max_new_tokens} it "
                     f"needs {len(prompt) + config.max_new_tokens} positions but the model's context is {limit}"
                 )
+
+    def _check_source_length(self, index: int, source: list[int], config: GenerationConfig) -> None:
+        """Encoder and decoder each have their own positions: the source must fit the encoder's,
+        the target (start token + all new tokens but the last) the decoder's. T5 has no limit."""
+        source_limit, target_limit = self.config.max_source_positions, self.config.max_target_positions
+        if source_limit is not None and len(source) > source_limit:
+            raise PromptTooLongError(
+                f"source {index} has {len(source)} tokens but the model's encoder has only {source_limit} positions"
+            )
+        if target_limit is not None and config.max_new_tokens > target_limit:
+            raise PromptTooLongError(
+                f"max_new_tokens={config.max_new_tokens} exceeds the {target_limit} positions of the model's decoder"
+            )
 
     def _loops(self, prompts: list[list[int]], config: GenerationConfig) -> list[DecodeLoop]:
         """One decode loop for the whole batch; one per prompt for streaming (batch of one)."""
@@ -225,6 +245,8 @@ class Generator:
         streaming cache of that size, in chunks, as StreamingLLM is evaluated; otherwise the
         whole text must fit in the model's context.
         """
+        if self.config.is_encoder_decoder:
+            raise InvalidOptionError("score is for decoder-only models (an encoder-decoder model needs a source)")
         ids = list(text_or_ids) if not isinstance(text_or_ids, str) else self._require_tokenizer().encode(text_or_ids)
         config = self._options(options)
         if len(ids) < 2:

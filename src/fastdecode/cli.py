@@ -125,7 +125,9 @@ def generate(prompt: str, chat: bool | None, stats: bool, endless: bool, model: 
     GenerationConfig.from_options(**options)  # reject bad options before loading anything
     generator = load(model, device=device, dtype=dtype)
     loaded = time.perf_counter()
-    use_chat = chat if chat is not None else bool(generator.tokenizer and generator.tokenizer.chat_template)
+    use_chat = chat if chat is not None else bool(
+        generator.tokenizer and generator.tokenizer.chat_template and not generator.config.is_encoder_decoder
+    )
     prompt_ids = generator.encode_prompt(prompt, chat=use_chat)
 
     first_token_at = None

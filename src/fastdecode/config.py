@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from .errors import InvalidOptionError
 
@@ -17,6 +17,8 @@ from .errors import InvalidOptionError
 @dataclass
 class ModelConfig:
     """Canonical description of a decoder-only model, whatever format it came from."""
+
+    is_encoder_decoder: ClassVar[bool] = False
 
     family: str  # registry key: "llama" (llama, mistral, qwen2, smollm2) or "gpt2"
     architecture: str  # the name the checkpoint used (e.g. "MistralForCausalLM", "llama")
@@ -60,6 +62,58 @@ class ModelConfig:
     def kv_cache_bytes_per_token(self, bytes_per_element: int = 4) -> int:
         """K and V for every layer, only the KV heads the model has."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    @property
+    def layer_counts(self) -> dict[str, int]:
+        """Blocks per placeholder of the weight-name templates (``{layer}``)."""
+        return {"layer": self.num_layers}
+
+
+@dataclass
+class EncoderDecoderConfig(ModelConfig):
+    """An encoder-decoder model (BART, mBART, Marian, T5).
+
+    The inherited fields describe the decoder (``num_layers``, ``num_heads``, ``intermediate_size``
+    are the decoder's; its self-attention cache is the KV cache). The encoder has its own depth,
+    heads and FFN width. Family flags select the variant: ``positions`` ("learned", "sinusoidal" or
+    "relative"), pre- or post-LN, embedding scale and norms (BART family); relative buckets, gated
+    FFN and the output rescale (T5).
+    """
+
+    is_encoder_decoder: ClassVar[bool] = True
+
+    num_encoder_layers: int = 0
+    num_encoder_heads: int = 0
+    encoder_intermediate_size: int = 0
+    decoder_start_token_id: int = 0
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: list[int] = field(default_factory=list)
+    max_source_positions: int | None = None  # None: relative positions, no hard limit
+    max_target_positions: int | None = None
+    positions: str = "learned"  # "learned" (+ position_offset), "sinusoidal" or "relative"
+    position_offset: int = 0  # BART/mBART look position p up at row p + 2
+    embed_scale: float = 1.0  # sqrt(d_model) with scale_embedding
+    pre_norm: bool = False  # mBART (and T5): LayerNorm before each sublayer, not after
+    embedding_norm: bool = False  # BART/mBART: LayerNorm right after the embeddings
+    final_norm: bool = False  # mBART: LayerNorm at the end of encoder and decoder
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    gated_ffn: bool = False  # T5 v1.1 / flan-t5: act(x W0) * (x W1)
+    scale_decoder_output: bool = False  # T5 with a tied head: hidden * d_model**-0.5 before the head
+
+    @property
+    def position_scheme(self) -> str:
+        if self.positions == "learned":
+            return f"learned absolute (offset {self.position_offset})"
+        return "sinusoidal" if self.positions == "sinusoidal" else "relative buckets"
+
+    def cross_cache_bytes_per_source_token(self, bytes_per_element: int = 4) -> int:
+        """Cross-attention K and V for every decoder layer, per source token (stored once per source)."""
+        return 2 * self.num_layers * self.num_heads * self.head_dim * bytes_per_element
+
+    @property
+    def layer_counts(self) -> dict[str, int]:
+        return {"layer": self.num_layers, "encoder_layer": self.num_encoder_layers}
 
 
 @dataclass

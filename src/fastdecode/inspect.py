@@ -13,7 +13,7 @@ def describe(generator: Any) -> dict[str, Any]:
     unique = {t.untyped_storage().data_ptr(): t for t in weights.values()}
     parameters = sum(t.numel() for t in unique.values())
     element_size = next(iter(unique.values())).element_size()
-    return {
+    info = {
         "source": checkpoint.source,
         "format": checkpoint.file_format,
         "architecture": cfg.architecture,
@@ -36,3 +36,31 @@ def describe(generator: Any) -> dict[str, Any]:
         "has_tokenizer": generator.tokenizer is not None,
         "has_chat_template": bool(generator.tokenizer is not None and generator.tokenizer.chat_template),
     }
+    if cfg.is_encoder_decoder:
+        info = _with_encoder_decoder(info, cfg, generator.model, element_size)
+    return info
+
+
+def _with_encoder_decoder(info: dict[str, Any], cfg: Any, model: Any, element_size: int) -> dict[str, Any]:
+    """Encoder and decoder depths in place of "layers"; the cross-attention cache next to the KV cache.
+
+    The KV cache grows per target token; the cross-attention cache is per source token, filled once.
+    """
+    out: dict[str, Any] = {}
+    for key, value in info.items():
+        if key == "layers":
+            out["encoder_layers"] = cfg.num_encoder_layers
+            out["decoder_layers"] = cfg.num_layers
+        elif key == "kv_cache_bytes_per_token":
+            out["kv_cache_bytes_per_target_token"] = value
+            out["cross_attention_cache_bytes_per_source_token"] = cfg.cross_cache_bytes_per_source_token(element_size)
+        elif key == "context_length":
+            out["max_source_positions"] = cfg.max_source_positions or "unbounded (relative)"
+        elif key == "tied_embeddings":
+            out[key] = getattr(model, "tied_head", value)
+        elif key != "sliding_window":
+            out[key] = value
+        if key == "family":
+            out["encoder_decoder"] = True
+    out["decoder_start_token_id"] = cfg.decoder_start_token_id
+    return out

@@ -66,11 +66,17 @@ class KVCache:
                scale: float) -> torch.Tensor:
         """Write this forward's k, v [B, Hkv, T, D] into the layer's slots, then attend over every
         filled slot. q [B, H, T, D] -> [B, H, T, D]."""
-        start, end = self.write_start, self.write_start + k.shape[2]
+        keys, values = self.update(layer, self.write_start, k, v)
+        return attention(q, keys, values, mask, scale)
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, Hkv, T, D] at slot ``start``; return the layer's K, V up to their end
+        (for models that combine the cache with their own attention, as the encoder-decoders do)."""
+        end = start + k.shape[2]
         keys, values = self.layer_keys[layer], self.layer_values[layer]
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
-        return attention(q, keys[:, :, :end], values[:, :, :end], mask, scale)
+        return keys[:, :, :end], values[:, :, :end]
 
     def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
         """Key minus query position [B, T, S] for every filled slot (ALiBi builds its bias from these)."""

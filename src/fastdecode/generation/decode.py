@@ -15,7 +15,7 @@ import torch
 
 from ..config import GenerationConfig
 from .sampling import TokenSelector
-from .step import CachedEngine, RecomputeEngine
+from .step import CachedEngine, RecomputeEngine, Started
 
 
 @dataclass
@@ -36,6 +36,33 @@ def left_pad(prompts: list[list[int]], device: torch.device, pad_id: int = 0):
     return tokens.to(device), valid.to(device), positions.to(device)
 
 
+def start_decoder_only(model, prompts: list[list[int]], config: GenerationConfig, engine=None) -> Started:
+    """Left-pad the prompts and prefill them in one forward (into ``engine`` when one is given:
+    a streaming engine that already holds a conversation)."""
+    tokens, valid, positions = left_pad(prompts, model.device)
+    engine = engine or _decoder_engine(model, config, *tokens.shape)
+    return Started(engine, engine.prefill(tokens, valid, positions), positions[:, -1] + 1, prompts)
+
+
+def _decoder_engine(model, config: GenerationConfig, batch_size: int, prompt_length: int):
+    if config.n_ctx is not None:
+        from .streaming import streaming_engine
+
+        return streaming_engine(model, config)
+    if not config.use_cache:
+        return RecomputeEngine(model)
+    return CachedEngine(model, batch_size, prompt_length + config.max_new_tokens)
+
+
+def engine_starter(model):
+    """The one hook between model kinds: encoder-decoder models start by encoding the source."""
+    if model.config.is_encoder_decoder:
+        from .encdec import start_encoder_decoder
+
+        return start_encoder_decoder
+    return start_decoder_only
+
+
 class DecodeLoop:
     """Iterate to run; each step yields [(sequence index, new token)] for the rows still active.
 
@@ -51,7 +78,9 @@ class DecodeLoop:
         self.config = config
         self.eos_ids = set(eos_ids)
         self.results = [SequenceResult() for _ in prompts]
-        self.selector = TokenSelector(config, eos_ids, model.config.vocab_size, model.device)
+        self.selector = TokenSelector(config, eos_ids, model.config.vocab_size, model.device,
+                                      forced_bos=getattr(model.config, "forced_bos_token_id", None),
+                                      forced_eos=getattr(model.config, "forced_eos_token_id", ()))
 
     def stop(self, index: int, reason: str = "stop") -> None:
         if self.results[index].finish_reason is None:
@@ -64,13 +93,14 @@ class DecodeLoop:
             for result in self.results:
                 result.finish_reason = "length"
             return
-        tokens, valid, positions = left_pad(self.prompts, device)
-        engine = self.engine or self._new_engine(*tokens.shape)
-        self.selector.start(self.prompts, device)
         with torch.inference_mode():
-            logits = engine.prefill(tokens, valid, positions)
-            active = list(range(tokens.shape[0]))  # sequence index of each batch row
-            next_positions = positions[:, -1] + 1  # [B]
+            if self.engine is not None:
+                started = start_decoder_only(model, self.prompts, cfg, self.engine)
+            else:
+                started = engine_starter(model)(model, self.prompts, cfg)
+            engine, logits, next_positions, history = started
+            self.selector.start(history, device)
+            active = list(range(len(self.prompts)))  # sequence index of each batch row
             steps = itertools.count() if cfg.max_new_tokens is None else range(cfg.max_new_tokens)
             for step in steps:
                 new_tokens = self.selector.select(logits, step)  # [B]
@@ -95,16 +125,6 @@ class DecodeLoop:
                     active = [active[row] for row in keep]
                 logits = engine.decode(new_tokens, next_positions)
                 next_positions = next_positions + 1
-
-    def _new_engine(self, batch_size: int, prompt_length: int):
-        cfg = self.config
-        if cfg.n_ctx is not None:
-            from .streaming import streaming_engine
-
-            return streaming_engine(self.model, cfg)
-        if not cfg.use_cache:
-            return RecomputeEngine(self.model)
-        return CachedEngine(self.model, batch_size, prompt_length + cfg.max_new_tokens)
 
     def run(self) -> list[SequenceResult]:
         for _ in self:

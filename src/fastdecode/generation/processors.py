@@ -1,7 +1,7 @@
 """Logits processors and warpers: pure tensor -> tensor functions, batched, no host sync.
 
 Semantics and order follow Hugging Face ``generate()``: repetition penalty, min-new-tokens EOS
-suppression, then (sampling only) temperature, top-k, top-p.
+suppression, forced BOS / EOS (encoder-decoder configs), then (sampling only) temperature, top-k, top-p.
 """
 
 from __future__ import annotations
@@ -23,6 +23,16 @@ def suppress_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tens
     logits = logits.clone()
     logits[:, token_ids] = float("-inf")
     return logits
+
+
+def force_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Only the given token ids [K] stay possible (logit 0), every other logit becomes -inf.
+
+    transformers' forced BOS (first target token) and forced EOS (last one before max length).
+    """
+    forced = torch.full_like(logits, float("-inf"))
+    forced[:, token_ids] = 0.0
+    return forced
 
 
 def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:

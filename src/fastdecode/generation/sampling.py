@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..config import GenerationConfig
-from .processors import apply_repetition_penalty, apply_top_k, apply_top_p, suppress_tokens
+from .processors import apply_repetition_penalty, apply_top_k, apply_top_p, force_tokens, suppress_tokens
 
 
 class TokenSelector:
@@ -15,9 +15,13 @@ class TokenSelector:
     ``torch.Generator`` for sampling; everything stays on the model's device.
     """
 
-    def __init__(self, config: GenerationConfig, eos_ids: list[int], vocab_size: int, device: torch.device):
+    def __init__(self, config: GenerationConfig, eos_ids: list[int], vocab_size: int, device: torch.device,
+                 forced_bos: int | None = None, forced_eos: list[int] | tuple = ()):
         self.config = config
         self.eos_ids = torch.tensor(eos_ids, dtype=torch.long, device=device)
+        # A model config's forced first / last token (BART-family configs set them), as transformers applies them.
+        self.forced_bos = None if forced_bos is None else torch.tensor([forced_bos], dtype=torch.long, device=device)
+        self.forced_eos = torch.tensor(list(forced_eos), dtype=torch.long, device=device) if forced_eos else None
         self.vocab_size = vocab_size
         self.seen: torch.Tensor | None = None
         self.generator: torch.Generator | None = None
@@ -48,6 +52,10 @@ class TokenSelector:
             logits = apply_repetition_penalty(logits, self.seen, cfg.repetition_penalty)
         if num_generated < cfg.min_new_tokens and self.eos_ids.numel():
             logits = suppress_tokens(logits, self.eos_ids)
+        if num_generated == 0 and self.forced_bos is not None:
+            logits = force_tokens(logits, self.forced_bos)
+        if self.forced_eos is not None and num_generated == (cfg.max_new_tokens or 0) - 1:
+            logits = force_tokens(logits, self.forced_eos)
         if cfg.is_sampling:
             if cfg.temperature != 1.0:
                 logits = logits / cfg.temperature

@@ -17,8 +17,8 @@ def attention(
     """Scaled dot-product attention with K/V heads shared by groups of query heads.
 
     q: [B, H, T, D]; k, v: [B, Hkv, S, D] with H a multiple of Hkv;
-    mask: additive [B, 1, T, S] (0 or -inf) or None (every key visible); with H == Hkv it may
-    also carry a per-head bias, [B, H, T, S] (ALiBi).
+    mask: additive [B, 1, T, S] (0 or -inf) or None (every key visible). Without grouping
+    (H == Hkv) it may be any bias broadcastable to [B, H, T, S] (ALiBi, T5's relative bias).
     Returns [B, H, T, D].
     """
     B, H, T, D = q.shape
@@ -50,6 +50,18 @@ def two_segment_attention(
         scores = scores + mask
     probs = scores.float().softmax(dim=-1).to(v.dtype)
     return (probs @ v).reshape(B, H, T, D)  # [B, Hkv, G*T, D] -> [B, H, T, D]
+
+
+def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """Projected [B, T, H*D] -> per-head [B, H, T, D] (a view)."""
+    B, T, _ = x.shape
+    return x.view(B, T, num_heads, head_dim).transpose(1, 2)  # [B, T, H, D] -> [B, H, T, D]
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """Attention output [B, H, T, D] -> [B, T, H*D] for the output projection."""
+    B, H, T, D = x.shape
+    return x.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H, D] -> [B, T, H*D]
 
 
 def _fold_groups(q: torch.Tensor, mask: torch.Tensor | None, num_kv_heads: int):

@@ -147,3 +147,42 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
         extra = min(closest, num_heads - closest)
         slopes += [extra_base ** (2 * i + 1) for i in range(extra)]
     return torch.tensor(slopes, dtype=torch.float32)
+
+
+def t5_relative_buckets(
+    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """T5's bucket of each relative position (key position - query position), int64, same shape.
+
+    Half of the buckets hold exact small distances, the other half logarithmically wider bins up
+    to ``max_distance``; bidirectional (encoder) buckets split again by the sign. The float32 log
+    is the one transformers / Mesh TensorFlow use, so bucket edges are identical.
+    """
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative_position > 0).to(torch.long) * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = -torch.clamp(relative_position, max=0)  # only keys at or before the query
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    scaled = torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    large = torch.clamp(max_exact + scaled.to(torch.long), max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+def sinusoidal_table(num_positions: int, dim: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Marian's fixed position table [P, dim]: sines in the first half, cosines in the second.
+
+    Column j uses the frequency of pair j // 2 (XLM's formula, not interleaved); built in float64
+    and cast, as transformers does, so the table equals the one it computes.
+    """
+    positions = torch.arange(num_positions, dtype=torch.float64)[:, None]  # [P, 1]
+    exponents = 2 * (torch.arange(dim) // 2).to(torch.float64) / dim  # [dim]
+    angles = positions / torch.pow(torch.tensor(10000.0, dtype=torch.float64), exponents)  # [P, dim]
+    half = (dim + 1) // 2
+    table = torch.empty(num_positions, dim, dtype=torch.float64)
+    table[:, :half] = torch.sin(angles[:, 0::2])
+    table[:, half:] = torch.cos(angles[:, 1::2])
+    return table.to(dtype=dtype, device=device)

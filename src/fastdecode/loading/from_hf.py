@@ -6,7 +6,7 @@ from typing import Any
 
 from ..errors import UnsupportedModelError
 from .checkpoint import Checkpoint, canonical_weights, check_tokenizer_matches
-from .hf_folder import build_config
+from .hf_folder import build_config, with_generation_config
 from .names import resolve_weight_names
 
 
@@ -15,12 +15,14 @@ def checkpoint_from_hf(hf_model: Any, tokenizer: Any = None) -> Checkpoint:
         raise UnsupportedModelError(
             f"from_hf expects a transformers PreTrainedModel, got {type(hf_model).__name__}"
         )
-    hf_config = hf_model.config.to_dict()
+    generation = getattr(hf_model, "generation_config", None)
+    generation = generation.to_dict() if generation is not None else None
+    hf_config = with_generation_config(hf_model.config.to_dict(), generation)
     family, config = build_config(hf_config, f"in-memory {type(hf_model).__name__}")
     module = family.load_module()
     state = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
     required, optional = module.weight_names(config)
-    mapping = resolve_weight_names(required, optional, module.HF_NAMES, config.num_layers, state,
+    mapping = resolve_weight_names(required, optional, module.HF_NAMES, config.layer_counts, state,
                                    module.IGNORED_NAME_PATTERNS, f"in-memory {type(hf_model).__name__}")
     weights = canonical_weights(mapping, state.__getitem__, module.OUT_IN_WEIGHTS, config, share=True)
 

@@ -14,6 +14,9 @@ from .checkpoint import Checkpoint, canonical_weights, check_tokenizer_matches
 from .names import resolve_weight_names
 
 INDEX_FILE = "model.safetensors.index.json"
+# transformers generates with the generation config (generation_config.json, else one derived from
+# config.json): for these keys, it is the source of truth.
+GENERATION_KEYS = ("decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id")
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
@@ -24,6 +27,14 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{what} {path} is not a JSON object")
     return data
+
+
+def with_generation_config(hf_config: dict[str, Any], generation: dict[str, Any] | None) -> dict[str, Any]:
+    """Encoder-decoder configs: overlay GENERATION_KEYS from the generation config, if there is one
+    (absent keys count as None, as in transformers). Decoder-only configs are returned unchanged."""
+    if generation is None or not family_for_hf_config(hf_config).is_encoder_decoder:
+        return hf_config
+    return {**hf_config, **{key: generation.get(key) for key in GENERATION_KEYS}}
 
 
 def build_config(hf_config: dict[str, Any], source: str):
@@ -43,13 +54,17 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Ch
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
-    family, config = build_config(read_json(config_path, "model config"), str(folder))
+    hf_config = read_json(config_path, "model config")
+    generation_path = folder / "generation_config.json"
+    if generation_path.is_file() and family_for_hf_config(hf_config).is_encoder_decoder:
+        hf_config = with_generation_config(hf_config, read_json(generation_path, "generation config"))
+    family, config = build_config(hf_config, str(folder))
 
     files = _safetensors_files(folder)
     tensors = _open_safetensors(files)
     module = family.load_module()
     required, optional = module.weight_names(config)
-    mapping = resolve_weight_names(required, optional, module.HF_NAMES, config.num_layers, tensors,
+    mapping = resolve_weight_names(required, optional, module.HF_NAMES, config.layer_counts, tensors,
                                    module.IGNORED_NAME_PATTERNS, str(folder))
 
     def fetch(name: str) -> torch.Tensor:

@@ -8,7 +8,7 @@ error: a checkpoint either loads completely or not at all (never ``strict=False`
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from ..errors import CheckpointError
 
@@ -19,21 +19,27 @@ def resolve_weight_names(
     required: list[str],
     optional: list[str],
     aliases: dict[str, str],
-    num_layers: int,
+    num_layers: int | Mapping[str, int],
     available: Iterable[str],
     ignored_patterns: Iterable[str],
     source: str,
 ) -> dict[str, str]:
-    """Return {canonical name: checkpoint name} or raise CheckpointError listing all problems."""
+    """Return {canonical name: checkpoint name} or raise CheckpointError listing all problems.
+
+    ``num_layers`` is the block count for ``{layer}``, or a mapping placeholder -> count when a
+    model has stacks of different depths (an encoder-decoder: ``{layer}`` and ``{encoder_layer}``).
+    """
     available = set(available)
+    counts = {"layer": num_layers} if isinstance(num_layers, int) else dict(num_layers)
     mapping: dict[str, str] = {}
     missing: list[str] = []
     for templates, needed in ((required, True), (optional, False)):
         for template in templates:
-            layers = range(num_layers) if "{layer}" in template else (None,)
-            for layer in layers:
-                canonical = template.format(layer=layer)
-                checkpoint_name = aliases[template].format(layer=layer)
+            placeholder = next((name for name in counts if f"{{{name}}}" in template), None)
+            indices = [{placeholder: i} for i in range(counts[placeholder])] if placeholder else [{}]
+            for index in indices:
+                canonical = template.format(**index)
+                checkpoint_name = aliases[template].format(**index)
                 if checkpoint_name in available:
                     mapping[canonical] = checkpoint_name
                 elif needed:

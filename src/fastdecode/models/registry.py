@@ -3,7 +3,9 @@
 One registration per family. A family module provides: ``HF_NAMES`` and ``GGUF_NAMES``
 (canonical weight name -> checkpoint name), ``IGNORED_NAME_PATTERNS``, ``weight_names(config)``,
 ``config_from_hf(dict)``, ``config_from_gguf(metadata, tensor_names)``,
-``gguf_to_hf_layout(name, array, config)`` and the model class named here.
+``gguf_to_hf_layout(name, array, config)`` and the model class named here. Encoder-decoder
+families (``is_encoder_decoder``) have no GGUF form: their model class provides ``encode``,
+``cross_kv`` and ``decode`` instead of ``forward`` (see generation/encdec.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Family:
     hf_architectures: tuple[str, ...]
     hf_model_types: tuple[str, ...]
     gguf_architectures: tuple[str, ...]
+    is_encoder_decoder: bool = False
 
     def load_module(self) -> ModuleType:
         return importlib.import_module(f"fastdecode.models.{self.module}")
@@ -45,6 +48,16 @@ FAMILIES = (
            hf_architectures=("GPT2LMHeadModel",),
            hf_model_types=("gpt2",),
            gguf_architectures=("gpt2",)),
+    Family("bart", "bart", "BartModel",
+           hf_architectures=("BartForConditionalGeneration", "MBartForConditionalGeneration", "MarianMTModel"),
+           hf_model_types=("bart", "mbart", "marian"),
+           gguf_architectures=(),
+           is_encoder_decoder=True),
+    Family("t5", "t5", "T5Model",
+           hf_architectures=("T5ForConditionalGeneration",),
+           hf_model_types=("t5",),
+           gguf_architectures=(),
+           is_encoder_decoder=True),
 )
 
 

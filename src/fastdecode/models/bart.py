@@ -1,0 +1,285 @@
+"""BART, mBART and Marian: one encoder-decoder with config flags.
+
+All three: a bidirectional encoder and a causal decoder whose layers also attend to the encoder
+output (cross-attention), q/k/v/o biases, LayerNorm, a GELU (or ReLU/SiLU) FFN, one token
+embedding shared by encoder, decoder and (tied) LM head, and a ``final_logits_bias`` on the logits.
+Flags:
+- BART: learned positions looked up at ``position + 2`` (fairseq's padding offset), post-LN,
+  a LayerNorm right after the embeddings (``layernorm_embedding``), optional sqrt(d) embedding scale.
+- mBART: the same but pre-LN, with a final LayerNorm closing the encoder and the decoder.
+- Marian: fixed sinusoidal positions (no offset, not stored in the checkpoint), post-LN, no
+  embedding LayerNorm, usually ``scale_embedding``; its own ``decoder_start_token_id`` (the pad id).
+
+The model is functional over canonical weights and owns nothing per request: the engine
+(generation/encdec.py) calls ``encode`` once, ``cross_kv`` once per layer, then ``decode`` per step.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..cache.cross import CrossAttentionCache, padding_bias
+from ..cache.static import KVCache
+from ..config import EncoderDecoderConfig
+from ..errors import UnsupportedModelError
+from ..layers.attention import attention, merge_heads, split_heads
+from ..layers.linear import ACTIVATIONS, linear
+from ..layers.positions import sinusoidal_table
+from .seq2seq import as_list, check_tied, decoder_start_token
+
+# Canonical name -> HF sublayer name, per layer of each stack.
+_ENCODER_LAYER = {
+    "attn_norm": "self_attn_layer_norm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj", "o": "self_attn.out_proj", "mlp_norm": "final_layer_norm", "up": "fc1", "down": "fc2",
+}
+_DECODER_LAYER = {
+    **_ENCODER_LAYER,
+    "cross_norm": "encoder_attn_layer_norm", "cross_q": "encoder_attn.q_proj", "cross_k": "encoder_attn.k_proj",
+    "cross_v": "encoder_attn.v_proj", "cross_o": "encoder_attn.out_proj",
+}
+_KINDS = ("weight", "bias")
+
+HF_NAMES = {
+    "embed.weight": "model.shared.weight",
+    # transformers ties these to model.shared (in memory they are the same tensor; saved folders drop them)
+    "encoder_embed.weight": "model.encoder.embed_tokens.weight",
+    "decoder_embed.weight": "model.decoder.embed_tokens.weight",
+    "lm_head.weight": "lm_head.weight",
+    "final_logits_bias": "final_logits_bias",
+    **{f"{stack}.pos_embed.weight": f"model.{stack}.embed_positions.weight" for stack in ("encoder", "decoder")},
+    **{f"{stack}.embed_norm.{kind}": f"model.{stack}.layernorm_embedding.{kind}"
+       for stack in ("encoder", "decoder") for kind in _KINDS},
+    **{f"{stack}.norm.{kind}": f"model.{stack}.layer_norm.{kind}" for stack in ("encoder", "decoder") for kind in _KINDS},
+    **{f"encoder.layers.{{encoder_layer}}.{name}.{kind}": f"model.encoder.layers.{{encoder_layer}}.{hf}.{kind}"
+       for name, hf in _ENCODER_LAYER.items() for kind in _KINDS},
+    **{f"decoder.layers.{{layer}}.{name}.{kind}": f"model.decoder.layers.{{layer}}.{hf}.{kind}"
+       for name, hf in _DECODER_LAYER.items() for kind in _KINDS},
+}
+# HF stores these [out, in]; the canonical layout is [in, out] (suffix match: cross_q.weight too).
+OUT_IN_WEIGHTS = ("q.weight", "k.weight", "v.weight", "o.weight", "up.weight", "down.weight", "lm_head.weight")
+# Marian's sinusoidal tables are buffers, not weights; old fairseq conversions carry "version" tensors.
+IGNORED_NAME_PATTERNS = (r"^model\.(en|de)coder\.embed_positions\.weight$", r".*\.version$")
+
+
+def weight_names(config: EncoderDecoderConfig) -> tuple[list[str], list[str]]:
+    """(required, optional) canonical names. ``final_logits_bias`` is optional as in transformers (zeros)."""
+    stacks = ("encoder", "decoder")
+    required = ["embed.weight"]
+    optional = ["encoder_embed.weight", "decoder_embed.weight", "final_logits_bias"]
+    (optional if config.tie_word_embeddings else required).append("lm_head.weight")
+    if config.positions == "learned":
+        required += [f"{stack}.pos_embed.weight" for stack in stacks]
+    if config.embedding_norm:
+        required += [f"{stack}.embed_norm.{kind}" for stack in stacks for kind in _KINDS]
+    if config.final_norm:
+        required += [f"{stack}.norm.{kind}" for stack in stacks for kind in _KINDS]
+    required += [f"encoder.layers.{{encoder_layer}}.{name}.{kind}" for name in _ENCODER_LAYER for kind in _KINDS]
+    required += [f"decoder.layers.{{layer}}.{name}.{kind}" for name in _DECODER_LAYER for kind in _KINDS]
+    return required, optional
+
+
+def config_from_hf(hf: dict[str, Any]) -> EncoderDecoderConfig:
+    model_type = hf.get("model_type", "bart")
+    if model_type not in ("bart", "mbart", "marian"):
+        raise UnsupportedModelError(f"model_type {model_type!r} is not a BART-family model")
+    marian, mbart = model_type == "marian", model_type == "mbart"
+    if marian and hf.get("share_encoder_decoder_embeddings") is False:
+        raise UnsupportedModelError("Marian with share_encoder_decoder_embeddings=False (separate vocabularies) "
+                                    "is not supported")
+    if marian and hf.get("decoder_vocab_size") not in (None, hf["vocab_size"]):
+        raise UnsupportedModelError("Marian with a decoder_vocab_size different from vocab_size is not supported")
+    hidden = hf["d_model"]
+    heads = hf["decoder_attention_heads"]
+    if hidden % heads or hidden % hf["encoder_attention_heads"]:
+        raise ValueError(f"d_model {hidden} is not a multiple of the attention heads")
+    positions = hf["max_position_embeddings"]
+    return EncoderDecoderConfig(
+        family="bart",
+        architecture=(hf.get("architectures") or [model_type])[0],
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_layers=hf["decoder_layers"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=hf["decoder_ffn_dim"],
+        max_position_embeddings=positions,
+        norm_eps=1e-5,  # nn.LayerNorm's default, which every BART-family layer norm uses
+        hidden_act=hf.get("activation_function", "gelu"),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        attention_bias=True,
+        attention_out_bias=True,
+        mlp_bias=True,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=as_list(hf.get("eos_token_id")),
+        pad_token_id=hf.get("pad_token_id"),
+        num_encoder_layers=hf["encoder_layers"],
+        num_encoder_heads=hf["encoder_attention_heads"],
+        encoder_intermediate_size=hf["encoder_ffn_dim"],
+        decoder_start_token_id=decoder_start_token(hf),
+        forced_bos_token_id=hf.get("forced_bos_token_id"),
+        forced_eos_token_id=as_list(hf.get("forced_eos_token_id")),
+        max_source_positions=positions,
+        max_target_positions=positions,
+        positions="sinusoidal" if marian else "learned",
+        position_offset=0 if marian else 2,
+        embed_scale=math.sqrt(hidden) if hf.get("scale_embedding") else 1.0,
+        pre_norm=mbart,
+        embedding_norm=not marian,
+        final_norm=mbart,
+    )
+
+
+class BartModel:
+    """Encoder-decoder over canonical weights: ``encode`` / ``cross_kv`` / ``decode``."""
+
+    def __init__(self, config: EncoderDecoderConfig, weights: dict[str, torch.Tensor]):
+        if config.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"activation {config.hidden_act!r} is not supported")
+        check_tied(weights, ("encoder_embed.weight", "decoder_embed.weight"), config.architecture)
+        self.config = config
+        self.embed = weights["embed.weight"]  # [V, C]
+        self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for linear
+        bias = weights.get("final_logits_bias")
+        self.logits_bias = None if bias is None else bias.reshape(-1)  # [1, V] -> [V]
+        if config.positions == "sinusoidal":
+            table = sinusoidal_table(config.max_position_embeddings, config.hidden_size, self.embed.dtype,
+                                     self.embed.device)
+            pos_tables = {"encoder": table, "decoder": table}
+        else:
+            pos_tables = {stack: weights[f"{stack}.pos_embed.weight"] for stack in ("encoder", "decoder")}
+        self.encoder = self._stack(weights, "encoder", config.num_encoder_layers, _ENCODER_LAYER, pos_tables)
+        self.decoder = self._stack(weights, "decoder", config.num_layers, _DECODER_LAYER, pos_tables)
+        self.scale = config.head_dim**-0.5
+
+    @staticmethod
+    def _stack(weights, stack: str, num_layers: int, names: dict[str, str], pos_tables) -> SimpleNamespace:
+        def pair(prefix: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+            weight = weights.get(f"{prefix}.weight")
+            return None if weight is None else (weight, weights[f"{prefix}.bias"])
+
+        layers = []
+        for i in range(num_layers):
+            prefix = f"{stack}.layers.{i}"
+            layer = {}
+            for name in names:
+                weight = weights[f"{prefix}.{name}.weight"]
+                # [in, out] buffers seen as [out, in]: linear then runs x @ buffer (the fast layout)
+                layer[name] = weight if name.endswith("norm") else weight.t()
+                layer[f"{name}_bias"] = weights[f"{prefix}.{name}.bias"]
+            layers.append(SimpleNamespace(**layer))
+        return SimpleNamespace(layers=layers, positions=pos_tables[stack], embed_norm=pair(f"{stack}.embed_norm"),
+                               norm=pair(f"{stack}.norm"))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    # -- the three entry points the engine uses ---------------------------------------------------
+    def encode(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Source tokens [B, S], positions [B or 1, S], valid [B, S] -> encoder output [B, S, C]."""
+        cfg = self.config
+        x = self._embed(self.encoder, tokens, positions)
+        mask = padding_bias(valid, x.dtype)  # [B, 1, 1, S] or None
+        H, D = cfg.num_encoder_heads, cfg.hidden_size // cfg.num_encoder_heads
+        for layer in self.encoder.layers:
+            x = self._residual(x, layer.attn_norm, layer.attn_norm_bias,
+                               lambda h: self._self_attention(h, layer, H, D, mask))
+            x = self._residual(x, layer.mlp_norm, layer.mlp_norm_bias, lambda h: self._mlp(h, layer))
+        return self._final_norm(self.encoder, x)
+
+    def cross_kv(self, index: int, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer ``index``'s cross-attention K, V [B, H, S, D] of the encoder output [B, S, C]."""
+        layer = self.decoder.layers[index]
+        H, D = self.config.num_heads, self.config.head_dim
+        return (split_heads(linear(memory, layer.cross_k, layer.cross_k_bias), H, D),
+                split_heads(linear(memory, layer.cross_v, layer.cross_v_bias), H, D))
+
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        start: int,
+        self_bias: torch.Tensor | None,
+        cross: CrossAttentionCache,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Target tokens, positions [B, T] -> logits [B, T or 1, V].
+
+        Self-attention K/V are written to ``cache`` at slot ``start`` (None: attend within these
+        tokens only); ``self_bias`` is the additive causal mask [1, 1, T, S] (None: every slot visible).
+        """
+        x = self._embed(self.decoder, tokens, positions)
+        for index, layer in enumerate(self.decoder.layers):
+            x = self._residual(x, layer.attn_norm, layer.attn_norm_bias,
+                               lambda h: self._cached_self_attention(h, layer, index, cache, start, self_bias))
+            x = self._residual(x, layer.cross_norm, layer.cross_norm_bias,
+                               lambda h: self._cross_attention(h, layer, index, cross))
+            x = self._residual(x, layer.mlp_norm, layer.mlp_norm_bias, lambda h: self._mlp(h, layer))
+        if not all_logits:
+            x = x[:, -1:]
+        x = self._final_norm(self.decoder, x)
+        return linear(x, self.lm_head, self.logits_bias)  # [B, T or 1, V]
+
+    def decoder_self_bias(self, length: int) -> torch.Tensor:
+        """Causal mask [1, 1, P, P] for target slots 0..P-1: a slot sees itself and earlier slots."""
+        mask = torch.full((length, length), float("-inf"), dtype=self.dtype, device=self.device).triu(1)
+        return mask[None, None]  # [1, 1, P, P]
+
+    # -- pieces ----------------------------------------------------------------------------------
+    def _embed(self, stack: SimpleNamespace, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        x = F.embedding(tokens, self.embed)  # [B, T, C]
+        if cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
+        x = x + F.embedding(positions + cfg.position_offset, stack.positions)  # [B or 1, T, C] broadcasts
+        if stack.embed_norm is not None:
+            x = F.layer_norm(x, (cfg.hidden_size,), *stack.embed_norm, cfg.norm_eps)
+        return x
+
+    def _residual(self, x: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor, sublayer) -> torch.Tensor:
+        """Pre-LN (mBART): x + f(LN(x)). Post-LN (BART, Marian): LN(x + f(x))."""
+        C, eps = self.config.hidden_size, self.config.norm_eps
+        if self.config.pre_norm:
+            return x + sublayer(F.layer_norm(x, (C,), norm_w, norm_b, eps))
+        return F.layer_norm(x + sublayer(x), (C,), norm_w, norm_b, eps)
+
+    def _final_norm(self, stack: SimpleNamespace, x: torch.Tensor) -> torch.Tensor:
+        if stack.norm is None:
+            return x
+        return F.layer_norm(x, (self.config.hidden_size,), *stack.norm, self.config.norm_eps)
+
+    def _self_attention(self, h, layer, H: int, D: int, mask) -> torch.Tensor:
+        q = split_heads(linear(h, layer.q, layer.q_bias), H, D)  # [B, H, T, D]
+        k = split_heads(linear(h, layer.k, layer.k_bias), H, D)
+        v = split_heads(linear(h, layer.v, layer.v_bias), H, D)
+        return linear(merge_heads(attention(q, k, v, mask, D**-0.5)), layer.o, layer.o_bias)
+
+    def _cached_self_attention(self, h, layer, index: int, cache, start: int, bias) -> torch.Tensor:
+        H, D = self.config.num_heads, self.config.head_dim
+        q = split_heads(linear(h, layer.q, layer.q_bias), H, D)  # [B, H, T, D]
+        k = split_heads(linear(h, layer.k, layer.k_bias), H, D)
+        v = split_heads(linear(h, layer.v, layer.v_bias), H, D)
+        if cache is not None:
+            k, v = cache.update(index, start, k, v)  # [B, H, S, D]
+        return linear(merge_heads(attention(q, k, v, bias, self.scale)), layer.o, layer.o_bias)
+
+    def _cross_attention(self, h, layer, index: int, cross: CrossAttentionCache) -> torch.Tensor:
+        H, D = self.config.num_heads, self.config.head_dim
+        q = split_heads(linear(h, layer.cross_q, layer.cross_q_bias), H, D)  # [B, H, T, D]
+        k, v = cross.layer(index)  # [B, H, S_src, D], projected once per source
+        return linear(merge_heads(attention(q, k, v, cross.bias, self.scale)), layer.cross_o, layer.cross_o_bias)
+
+    def _mlp(self, h: torch.Tensor, layer) -> torch.Tensor:
+        up = linear(h, layer.up, layer.up_bias, activation=self.config.hidden_act)
+        return linear(up, layer.down, layer.down_bias)

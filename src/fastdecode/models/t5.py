@@ -1,0 +1,250 @@
+"""T5 v1.0, v1.1 and flan-t5: one encoder-decoder with config flags.
+
+Pre-norm blocks with RMS LayerNorm (scale only, no bias, no mean), no biases anywhere, no
+position embeddings: each stack's first layer owns a table of relative-position bucket biases
+([buckets, H]) that every layer of that stack adds to its self-attention scores, unscaled
+(T5 folds the 1/sqrt(d) into its initialisation). The encoder's buckets are bidirectional, the
+decoder's causal; cross-attention has no position bias. The bias is computed once per call
+(encoder) or once per generation (a decoder table sliced per step), never per layer.
+Flags: ReLU FFN (v1.0) or gated GELU ``act(x W0) * (x W1)`` (v1.1, flan); tied head with the
+``d_model**-0.5`` rescale of the decoder output (v1.0) or untied head, no rescale (v1.1).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..cache.cross import CrossAttentionCache, padding_bias
+from ..cache.static import KVCache
+from ..config import EncoderDecoderConfig
+from ..errors import UnsupportedModelError
+from ..layers.attention import attention, merge_heads, split_heads
+from ..layers.linear import ACTIVATIONS, linear
+from ..layers.positions import t5_relative_buckets
+from .seq2seq import as_list, check_tied, decoder_start_token
+
+_ATTENTION = ("q", "k", "v", "o")
+_FFN = ("wi", "wi_0", "wi_1", "wo")  # wi (v1.0) or wi_0 / wi_1 (gated), then wo
+
+
+def _layer_names(stack: str, placeholder: str, decoder: bool) -> dict[str, str]:
+    """Canonical -> HF names of one block: sublayer 0 self-attention, (1 cross-attention,) last the FFN."""
+    block = f"{stack}.block.{{{placeholder}}}.layer"
+    ffn = 2 if decoder else 1
+    names = {f"attn_norm.weight": f"{block}.0.layer_norm.weight",
+             **{f"{p}.weight": f"{block}.0.SelfAttention.{p}.weight" for p in _ATTENTION},
+             "mlp_norm.weight": f"{block}.{ffn}.layer_norm.weight",
+             **{f"{p}.weight": f"{block}.{ffn}.DenseReluDense.{p}.weight" for p in _FFN}}
+    if decoder:
+        names["cross_norm.weight"] = f"{block}.1.layer_norm.weight"
+        names.update({f"cross_{p}.weight": f"{block}.1.EncDecAttention.{p}.weight" for p in _ATTENTION})
+    return {f"{stack}.layers.{{{placeholder}}}.{name}": hf for name, hf in names.items()}
+
+
+HF_NAMES = {
+    "embed.weight": "shared.weight",
+    # transformers ties these to shared.weight (the same tensor in memory; saved folders drop them)
+    "encoder_embed.weight": "encoder.embed_tokens.weight",
+    "decoder_embed.weight": "decoder.embed_tokens.weight",
+    "lm_head.weight": "lm_head.weight",
+    "encoder.relative_bias.weight": "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+    "decoder.relative_bias.weight": "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+    "encoder.norm.weight": "encoder.final_layer_norm.weight",
+    "decoder.norm.weight": "decoder.final_layer_norm.weight",
+    **_layer_names("encoder", "encoder_layer", decoder=False),
+    **_layer_names("decoder", "layer", decoder=True),
+}
+OUT_IN_WEIGHTS = ("q.weight", "k.weight", "v.weight", "o.weight", "wi.weight", "wi_0.weight", "wi_1.weight",
+                  "wo.weight", "lm_head.weight")
+# Some old checkpoints carry an unused relative bias on the first cross-attention (transformers ignores it).
+IGNORED_NAME_PATTERNS = (r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$",)
+
+
+def weight_names(config: EncoderDecoderConfig) -> tuple[list[str], list[str]]:
+    """(required, optional). An untied head (v1.1) missing from the checkpoint falls back to the
+    embedding, as transformers 5 ties a missing head; a tied head (v1.0) is never required."""
+    ffn = ["wi_0.weight", "wi_1.weight"] if config.gated_ffn else ["wi.weight"]
+    per_layer = ["attn_norm.weight", *(f"{p}.weight" for p in _ATTENTION), "mlp_norm.weight", *ffn, "wo.weight"]
+    cross = ["cross_norm.weight", *(f"cross_{p}.weight" for p in _ATTENTION)]
+    required = ["embed.weight", "encoder.relative_bias.weight", "decoder.relative_bias.weight",
+                "encoder.norm.weight", "decoder.norm.weight"]
+    required += [f"encoder.layers.{{encoder_layer}}.{name}" for name in per_layer]
+    required += [f"decoder.layers.{{layer}}.{name}" for name in per_layer + cross]
+    optional = ["encoder_embed.weight", "decoder_embed.weight", "lm_head.weight"]
+    return required, optional
+
+
+def config_from_hf(hf: dict[str, Any]) -> EncoderDecoderConfig:
+    projection = hf.get("feed_forward_proj", "relu")
+    parts = projection.split("-")
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+        raise UnsupportedModelError(f"T5 feed_forward_proj {projection!r} is not supported")
+    activation = "gelu_new" if projection == "gated-gelu" else parts[-1]  # transformers' legacy alias
+    heads, head_dim = hf["num_heads"], hf["d_kv"]
+    encoder_layers = hf["num_layers"]
+    # v1.0 ties the head and rescales by d_model**-0.5; v1.1 / flan (tie_word_embeddings=False in their
+    # original configs; scale_decoder_outputs=False once saved by transformers 5) does neither.
+    rescale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False)
+    return EncoderDecoderConfig(
+        family="t5",
+        architecture=(hf.get("architectures") or ["t5"])[0],
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["d_model"],
+        num_layers=hf.get("num_decoder_layers") or encoder_layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        intermediate_size=hf["d_ff"],
+        max_position_embeddings=hf.get("n_positions") or 512,  # the trained length; buckets extrapolate
+        norm_eps=hf.get("layer_norm_epsilon", 1e-6),
+        hidden_act=activation,
+        tie_word_embeddings=bool(rescale),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=as_list(hf.get("eos_token_id")),
+        pad_token_id=hf.get("pad_token_id"),
+        num_encoder_layers=encoder_layers,
+        num_encoder_heads=heads,
+        encoder_intermediate_size=hf["d_ff"],
+        decoder_start_token_id=decoder_start_token(hf),
+        forced_bos_token_id=hf.get("forced_bos_token_id"),
+        forced_eos_token_id=as_list(hf.get("forced_eos_token_id")),
+        max_source_positions=None,  # relative positions: no table to run past
+        max_target_positions=None,
+        positions="relative",
+        pre_norm=True,
+        final_norm=True,
+        relative_buckets=hf.get("relative_attention_num_buckets", 32),
+        relative_max_distance=hf.get("relative_attention_max_distance", 128),
+        gated_ffn=len(parts) == 2,
+        scale_decoder_output=bool(rescale),
+    )
+
+
+class T5Model:
+    """Encoder-decoder over canonical weights: ``encode`` / ``cross_kv`` / ``decode``."""
+
+    def __init__(self, config: EncoderDecoderConfig, weights: dict[str, torch.Tensor]):
+        if config.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"T5 activation {config.hidden_act!r} is not supported")
+        check_tied(weights, ("encoder_embed.weight", "decoder_embed.weight"), config.architecture)
+        self.config = config
+        self.embed = weights["embed.weight"]  # [V, C]
+        head = weights.get("lm_head.weight")
+        self.tied_head = head is None or config.tie_word_embeddings
+        # [C, V] buffer seen as [V, C] for linear; a missing untied head is the embedding itself
+        self.lm_head = self.embed if head is None else head.t()
+        self.encoder = self._stack(weights, "encoder", config.num_encoder_layers, cross=False)
+        self.decoder = self._stack(weights, "decoder", config.num_layers, cross=True)
+
+    def _stack(self, weights, stack: str, num_layers: int, cross: bool) -> SimpleNamespace:
+        names = ["attn_norm", "mlp_norm", *_ATTENTION, *_FFN] + (["cross_norm"] + [f"cross_{p}" for p in _ATTENTION]
+                                                                 if cross else [])
+        layers = []
+        for i in range(num_layers):
+            layer = {}
+            for name in names:
+                weight = weights.get(f"{stack}.layers.{i}.{name}.weight")
+                # [in, out] buffers seen as [out, in]: linear then runs x @ buffer (the fast layout)
+                layer[name] = weight if weight is None or name.endswith("norm") else weight.t()
+            layers.append(SimpleNamespace(**layer))
+        return SimpleNamespace(layers=layers, relative_bias=weights[f"{stack}.relative_bias.weight"],  # [buckets, H]
+                               norm=weights[f"{stack}.norm.weight"])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    # -- the three entry points the engine uses ---------------------------------------------------
+    def encode(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Source tokens [B, S], positions [B or 1, S], valid [B, S] -> encoder output [B, S, C]."""
+        x = F.embedding(tokens, self.embed)  # [B, S, C]
+        bias = self._relative_bias(self.encoder.relative_bias, positions, positions, bidirectional=True)
+        padding = padding_bias(valid, x.dtype)  # [B, 1, 1, S] or None
+        if padding is not None:
+            bias = bias + padding  # [B, H, S, S]
+        for layer in self.encoder.layers:
+            h = self._norm(x, layer.attn_norm)
+            x = x + self._attention(h, h, layer.q, layer.k, layer.v, layer.o, bias)
+            x = x + self._ffn(self._norm(x, layer.mlp_norm), layer)
+        return self._norm(x, self.encoder.norm)
+
+    def cross_kv(self, index: int, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer ``index``'s cross-attention K, V [B, H, S, D] of the encoder output [B, S, C]."""
+        layer = self.decoder.layers[index]
+        H, D = self.config.num_heads, self.config.head_dim
+        return split_heads(linear(memory, layer.cross_k), H, D), split_heads(linear(memory, layer.cross_v), H, D)
+
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        start: int,
+        self_bias: torch.Tensor,
+        cross: CrossAttentionCache,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Target tokens, positions [B, T] -> logits [B, T or 1, V].
+
+        ``self_bias`` [1, H, T, S]: relative bias plus causal mask, rows of ``decoder_self_bias``.
+        Self-attention K/V go to ``cache`` at slot ``start`` (None: attend within these tokens only).
+        """
+        cfg = self.config
+        H, D = cfg.num_heads, cfg.head_dim
+        x = F.embedding(tokens, self.embed)  # [B, T, C]
+        for index, layer in enumerate(self.decoder.layers):
+            h = self._norm(x, layer.attn_norm)
+            q, k, v = (split_heads(linear(h, w), H, D) for w in (layer.q, layer.k, layer.v))  # [B, H, T, D]
+            if cache is not None:
+                k, v = cache.update(index, start, k, v)  # [B, H, S, D]
+            x = x + linear(merge_heads(attention(q, k, v, self_bias, 1.0)), layer.o)
+            h = self._norm(x, layer.cross_norm)
+            q = split_heads(linear(h, layer.cross_q), H, D)  # [B, H, T, D]
+            k, v = cross.layer(index)  # [B, H, S_src, D], projected once per source
+            x = x + linear(merge_heads(attention(q, k, v, cross.bias, 1.0)), layer.cross_o)
+            x = x + self._ffn(self._norm(x, layer.mlp_norm), layer)
+        if not all_logits:
+            x = x[:, -1:]
+        x = self._norm(x, self.decoder.norm)
+        if cfg.scale_decoder_output:
+            x = x * cfg.hidden_size**-0.5
+        return linear(x, self.lm_head)  # [B, T or 1, V]
+
+    def decoder_self_bias(self, length: int) -> torch.Tensor:
+        """Relative bias plus causal mask [1, H, P, P] for target positions 0..P-1, built once per generation."""
+        positions = torch.arange(length, device=self.device)[None]  # [1, P]
+        bias = self._relative_bias(self.decoder.relative_bias, positions, positions, bidirectional=False)
+        causal = torch.full((length, length), float("-inf"), dtype=bias.dtype, device=bias.device).triu(1)
+        return bias + causal  # [1, H, P, P]
+
+    # -- pieces ----------------------------------------------------------------------------------
+    def _relative_bias(self, table: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                       bidirectional: bool) -> torch.Tensor:
+        """[buckets, H] table, positions [B or 1, T] and [B or 1, S] -> additive bias [B or 1, H, T, S]."""
+        cfg = self.config
+        relative = key_positions[:, None, :] - query_positions[:, :, None]  # [B, T, S]
+        buckets = t5_relative_buckets(relative, bidirectional, cfg.relative_buckets, cfg.relative_max_distance)
+        return F.embedding(buckets, table).permute(0, 3, 1, 2)  # [B, T, S, H] -> [B, H, T, S]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.config.hidden_size,), weight, self.config.norm_eps)
+
+    def _attention(self, h, memory, wq, wk, wv, wo, bias) -> torch.Tensor:
+        H, D = self.config.num_heads, self.config.head_dim
+        q = split_heads(linear(h, wq), H, D)  # [B, H, T, D]
+        k, v = split_heads(linear(memory, wk), H, D), split_heads(linear(memory, wv), H, D)  # [B, H, S, D]
+        return linear(merge_heads(attention(q, k, v, bias, 1.0)), wo)
+
+    def _ffn(self, h: torch.Tensor, layer) -> torch.Tensor:
+        act = self.config.hidden_act
+        if self.config.gated_ffn:
+            return linear(linear(h, layer.wi_0, activation=act) * linear(h, layer.wi_1), layer.wo)
+        return linear(linear(h, layer.wi, activation=act), layer.wo)
