@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
 from ..config import ModelConfig
+from ..layers.linear import linear
 from ..layers.positions import alibi_slopes
 
 HF_NAMES = {
@@ -92,7 +93,7 @@ class BloomModel:
         self.embed = weights["embed.weight"]
         self.embed_norm = (weights["embed_norm.weight"], weights["embed_norm.bias"])
         self.norm = (weights["norm.weight"], weights["norm.bias"])
-        self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for F.linear
+        self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for linear()
         self.layers = []
         for i in range(config.num_layers):
             layer = {part: weights[f"layers.{i}.{part}.weight"] for part in _PARTS}
@@ -129,16 +130,16 @@ class BloomModel:
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (C,), layer.attn_norm, layer.attn_norm_bias, cfg.norm_eps)
             residual = h if cfg.residual_after_norm else x
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(B, T, H, 3, D)  # [B, T, H, 3, D]
+            qkv = linear(h, layer.qkv, layer.qkv_bias).view(B, T, H, 3, D)  # [B, T, H, 3, D]
             q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, H, T, D]
             o = cache.attend(index, q, k, v, bias, self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
-            x = residual + F.linear(o, layer.o, layer.o_bias)
+            x = residual + linear(o, layer.o, layer.o_bias)
             h = F.layer_norm(x, (C,), layer.mlp_norm, layer.mlp_norm_bias, cfg.norm_eps)
             residual = h if cfg.residual_after_norm else x
-            up = F.gelu(F.linear(h, layer.up, layer.up_bias), approximate="tanh")
-            x = residual + F.linear(up, layer.down, layer.down_bias)
+            up = linear(h, layer.up, layer.up_bias, activation="gelu_pytorch_tanh")  # GELU fused into the GEMM
+            x = residual + linear(up, layer.down, layer.down_bias)
         if not all_logits:
             x = x[:, -1:]
         x = F.layer_norm(x, (C,), *self.norm, cfg.norm_eps)
-        return F.linear(x, self.lm_head)  # [B, T or 1, V]
+        return linear(x, self.lm_head)  # [B, T or 1, V]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
 from ..config import ModelConfig
+from ..layers.linear import ACTIVATIONS, linear
 from ..errors import UnsupportedModelError
 
 # Canonical weights keep the Conv1D [in, out] layout for qkv, o, up, down.
@@ -127,24 +128,17 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
     return weight.T if canonical.endswith(_CONV1D) else weight
 
 
-_ACTIVATIONS = {
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "relu": F.relu,
-}
 
 
 class GPT2Model:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
-        if config.hidden_act not in _ACTIVATIONS:
+        if config.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"gpt2 activation {config.hidden_act!r} is not supported")
         self.config = config
-        self.act = _ACTIVATIONS[config.hidden_act]
         self.embed = weights["embed.weight"]
         self.pos_embed = weights["pos_embed.weight"]
         self.norm = (weights["norm.weight"], weights["norm.bias"])
-        self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for F.linear
+        self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for linear()
         names = ("attn_norm", "qkv", "o", "mlp_norm", "up", "down")
         self.layers = []
         for i in range(config.num_layers):
@@ -178,14 +172,15 @@ class GPT2Model:
         x = F.embedding(tokens, self.embed) + F.embedding(positions, self.pos_embed)  # [B, T, C]
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (C,), layer.attn_norm, layer.attn_norm_bias, cfg.norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(B, T, 3, H, D)  # [B, T, 3, H, D]
+            qkv = linear(h, layer.qkv, layer.qkv_bias).view(B, T, 3, H, D)  # [B, T, 3, H, D]
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, D]
             o = cache.attend(index, q, k, v, mask, self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
-            x = x + F.linear(o, layer.o, layer.o_bias)
+            x = x + linear(o, layer.o, layer.o_bias)
             h = F.layer_norm(x, (C,), layer.mlp_norm, layer.mlp_norm_bias, cfg.norm_eps)
-            x = x + F.linear(self.act(F.linear(h, layer.up, layer.up_bias)), layer.down, layer.down_bias)
+            up = linear(h, layer.up, layer.up_bias, activation=cfg.hidden_act)  # GELU fused into the GEMM
+            x = x + linear(up, layer.down, layer.down_bias)
         if not all_logits:
             x = x[:, -1:]
         x = F.layer_norm(x, (C,), self.norm[0], self.norm[1], cfg.norm_eps)
-        return F.linear(x, self.lm_head)  # [B, T or 1, V]
+        return linear(x, self.lm_head)  # [B, T or 1, V]

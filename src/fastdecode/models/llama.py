@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
 from ..config import ModelConfig
+from ..layers.linear import ACTIVATIONS, linear
 from ..errors import UnsupportedModelError
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
 
@@ -188,25 +189,24 @@ def _as_list(value: Any) -> list[int]:
     return list(value) if isinstance(value, (list, tuple)) else [int(value)]
 
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class LlamaModel:
     """Decoder-only Llama-family model over canonical weights."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
-        if config.hidden_act not in _ACTIVATIONS:
+        if config.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {config.hidden_act!r} is not supported")
         self.config = config
-        self.act = _ACTIVATIONS[config.hidden_act]
+        self.act = ACTIVATIONS[config.hidden_act]
         self.embed = weights["embed.weight"]
         self.norm = weights["norm.weight"]
-        self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for F.linear
+        self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for linear()
         self.layers = [
             SimpleNamespace(
                 attn_norm=weights[f"layers.{i}.attn_norm.weight"],
                 mlp_norm=weights[f"layers.{i}.mlp_norm.weight"],
-                # [in, out] buffers seen as [out, in]: F.linear then runs x @ buffer (the fast layout)
+                # [in, out] buffers seen as [out, in]: linear() then runs x @ buffer (the fast layout)
                 **{name: weights[f"layers.{i}.{name}.weight"].t() for name in ("q", "k", "v", "o", "gate", "up", "down")},
                 **{f"{name}_bias": weights.get(f"layers.{i}.{name}.bias") for name in ("q", "k", "v", "o", "gate", "up", "down")},
             )
@@ -245,18 +245,18 @@ class LlamaModel:
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # [B, 1, T, rot]
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (cfg.hidden_size,), layer.attn_norm, cfg.norm_eps)
-            q = F.linear(h, layer.q, layer.q_bias).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
-            k = F.linear(h, layer.k, layer.k_bias).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
-            v = F.linear(h, layer.v, layer.v_bias).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+            q = linear(h, layer.q, layer.q_bias).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+            k = linear(h, layer.k, layer.k_bias).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+            v = linear(h, layer.v, layer.v_bias).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
             q, k = rotate_half_split(q, cos, sin), rotate_half_split(k, cos, sin)
             o = cache.attend(index, q, k, v, mask, self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
-            x = x + F.linear(o, layer.o, layer.o_bias)
+            x = x + linear(o, layer.o, layer.o_bias)
             h = F.rms_norm(x, (cfg.hidden_size,), layer.mlp_norm, cfg.norm_eps)
-            gated = self.act(F.linear(h, layer.gate, layer.gate_bias)) * F.linear(h, layer.up, layer.up_bias)
-            x = x + F.linear(gated, layer.down, layer.down_bias)
+            gated = self.act(linear(h, layer.gate, layer.gate_bias)) * linear(h, layer.up, layer.up_bias)
+            x = x + linear(gated, layer.down, layer.down_bias)
         if not all_logits:
             x = x[:, -1:]
         x = F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.norm_eps)
-        return F.linear(x, self.lm_head)  # [B, T or 1, V]
+        return linear(x, self.lm_head)  # [B, T or 1, V]
 
