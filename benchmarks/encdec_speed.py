@@ -14,7 +14,7 @@ fastdecode loads the model the way a user does (``fastdecode.load`` of a saved f
 tokens per step, so it gets a shorter run (``--naive-new-tokens``), compared with fastdecode's
 cached loop on that same shorter run.
 
-    python benchmarks/encdec_speed.py            # ~4-5 minutes on 2 shared cores
+    python benchmarks/encdec_speed.py            # ~3 minutes on 2 shared cores
     python benchmarks/encdec_speed.py --quick    # smoke run (~1 minute)
 
 Threads default to 1: on a shared 2-core machine, two OpenMP threads per process spend more time
