@@ -130,3 +130,21 @@ def test_eos_stops_each_row_as_transformers_does():
         assert row == ref[:cut]
         lengths.append(len(row))
     assert min(lengths) < 12  # at least one row really stopped early
+
+
+@pytest.mark.parametrize("kind", ["bart", "t5"])
+def test_repetition_penalty_sees_the_target_only_as_transformers_does(kind):
+    """transformers penalizes tokens of the decoder input (start token + generated), not the source."""
+    hf = build(kind, seed=4)
+    gen = fastdecode.from_hf(hf)
+    sources = [_source(7, 30), _source(12, 31)]
+    ours = gen.generate_ids(sources, max_new_tokens=16, min_new_tokens=16, repetition_penalty=1.8)
+    assert ours == hf_greedy(hf, sources, 16, repetition_penalty=1.8)
+
+
+def test_seeded_sampling_is_reproducible():
+    gen = fastdecode.from_hf(build("marian", seed=5))
+    sources = [_source(6, 32), _source(10, 33)]
+    options = dict(max_new_tokens=12, do_sample=True, temperature=0.9, top_k=40, seed=7, num_return_sequences=2)
+    first = gen.generate_ids(sources, **options)
+    assert len(first) == 4 and first == gen.generate_ids(sources, **options)

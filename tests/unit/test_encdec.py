@@ -10,7 +10,13 @@ import importlib
 import torch
 
 import fastdecode
-from fastdecode.errors import CheckpointError, InvalidOptionError, PromptTooLongError, TokenizerError, UnsupportedModelError
+from fastdecode.errors import (
+    CheckpointError,
+    InvalidOptionError,
+    PromptTooLongError,
+    TokenizerError,
+    UnsupportedModelError,
+)
 from fastdecode.generation.encdec import EncoderDecoderEngine, right_pad
 from tiny_encdec import build, save_tiny_encdec_folder, single_thread  # noqa: F401 (autouse fixture)
 from tiny_models import save_word_tokenizer
@@ -125,8 +131,8 @@ def test_text_in_text_out(bart_folder):
     gen = fastdecode.load(str(bart_folder))
     text = gen.generate("w1 w2 w3", max_new_tokens=5, min_new_tokens=5)
     assert isinstance(text, str) and len(text.split()) == 5
-    assert gen.generate(["w4", "w5 w6"], max_new_tokens=3, min_new_tokens=3) == [
-        gen.generate("w4", max_new_tokens=3, min_new_tokens=3), gen.generate("w5 w6", max_new_tokens=3, min_new_tokens=3)]
+    options = dict(max_new_tokens=3, min_new_tokens=3)
+    assert gen.generate(["w4", "w5 w6"], **options) == [gen.generate("w4", **options), gen.generate("w5 w6", **options)]
     assert list(gen.stream_ids([5, 6, 7], max_new_tokens=4, min_new_tokens=4)) == gen.generate_ids(
         [[5, 6, 7]], max_new_tokens=4, min_new_tokens=4)[0]
 

@@ -42,7 +42,10 @@ def start_encoder_decoder(model, sources: list[list[int]], config) -> Started:
     tokens, valid, positions = right_pad(sources, model.device)
     B = tokens.shape[0]
     # Slots for the start token and every generated token but the last (it is never fed back).
-    engine = EncoderDecoderEngine(model, B, config.max_new_tokens) if config.use_cache else EncoderDecoderRecompute(model)
+    if config.use_cache:
+        engine = EncoderDecoderEngine(model, B, config.max_new_tokens)
+    else:
+        engine = EncoderDecoderRecompute(model)
     logits = engine.prefill(tokens, valid, positions)
     next_positions = torch.ones(B, dtype=torch.long, device=model.device)
     return Started(engine, logits, next_positions, [[model.config.decoder_start_token_id]] * B)

@@ -54,7 +54,8 @@ HF_NAMES = {
     **{f"{stack}.pos_embed.weight": f"model.{stack}.embed_positions.weight" for stack in ("encoder", "decoder")},
     **{f"{stack}.embed_norm.{kind}": f"model.{stack}.layernorm_embedding.{kind}"
        for stack in ("encoder", "decoder") for kind in _KINDS},
-    **{f"{stack}.norm.{kind}": f"model.{stack}.layer_norm.{kind}" for stack in ("encoder", "decoder") for kind in _KINDS},
+    **{f"{stack}.norm.{kind}": f"model.{stack}.layer_norm.{kind}"
+       for stack in ("encoder", "decoder") for kind in _KINDS},
     **{f"encoder.layers.{{encoder_layer}}.{name}.{kind}": f"model.encoder.layers.{{encoder_layer}}.{hf}.{kind}"
        for name, hf in _ENCODER_LAYER.items() for kind in _KINDS},
     **{f"decoder.layers.{{layer}}.{name}.{kind}": f"model.decoder.layers.{{layer}}.{hf}.{kind}"

@@ -35,7 +35,7 @@ def _layer_names(stack: str, placeholder: str, decoder: bool) -> dict[str, str]:
     """Canonical -> HF names of one block: sublayer 0 self-attention, (1 cross-attention,) last the FFN."""
     block = f"{stack}.block.{{{placeholder}}}.layer"
     ffn = 2 if decoder else 1
-    names = {f"attn_norm.weight": f"{block}.0.layer_norm.weight",
+    names = {"attn_norm.weight": f"{block}.0.layer_norm.weight",
              **{f"{p}.weight": f"{block}.0.SelfAttention.{p}.weight" for p in _ATTENTION},
              "mlp_norm.weight": f"{block}.{ffn}.layer_norm.weight",
              **{f"{p}.weight": f"{block}.{ffn}.DenseReluDense.{p}.weight" for p in _FFN}}
