@@ -144,5 +144,9 @@ def inspect(model: str | None, as_json: bool) -> None:
         click.echo(f"{key.replace('_', ' '):<{width}}  {value}")
 
 
+from .pipeline.cli import batch_command  # noqa: E402 - the factory needs the decorators above
+
+main.add_command(batch_command(model_options, generation_options, _handle_errors, _collect_options))
+
 if __name__ == "__main__":  # pragma: no cover
     main()
