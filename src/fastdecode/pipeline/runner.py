@@ -89,11 +89,16 @@ class BatchSettings:
     def max_items_in_flight(self) -> int:
         """The most inputs read but not yet written: the memory bound, whatever the input size.
 
-        One window being filled by the reader, one queued, one being generated, plus what is
-        left of earlier windows in the post queue and the writer (POST_QUEUE + 1 batches).
+        Three windows: one the reader fills (or holds, blocked on the full queue), one queued,
+        one in the caller's hands. Plus earlier windows not yet fully written: the writer takes
+        batches first in, first out, so those are the windows of the last POST_QUEUE + 1
+        generated batches, which span one earlier window when a window has that many batches
+        (its records wait in the reorder buffer for its oldest pending batch), else up to
+        POST_QUEUE + 1 of them.
         """
-        largest_batch = min(self.window, self.rows or self.window)
-        return 3 * self.window + (POST_QUEUE + 1) * largest_batch
+        batches_per_window = self.window // self.rows if self.rows else 1
+        earlier = 1 if batches_per_window >= POST_QUEUE + 1 else POST_QUEUE + 1
+        return (3 + earlier) * self.window
 
 
 @dataclass
