@@ -194,20 +194,23 @@ class Generator:
 
     def batch(self, inputs: Iterable[Any], *, batch_size: int | None = None, max_batch_tokens: int | None = None,
               lookahead: int | None = None, chat: bool = False, field: str = "prompt", fail_fast: bool = False,
-              on_records: Callable[[list[dict]], None] | None = None, **options: Any) -> "BatchRun":
+              postprocess: Callable[[dict], dict] | None = None, on_records: Callable[[list[dict]], None] | None = None,
+              **options: Any) -> "BatchRun":
         """Generate for many inputs through the asynchronous pipeline; iterate for records in input order.
 
         ``inputs``: strings, chat conversations, or dicts with a ``field`` (default "prompt") and an
         optional ``id``. Each record is the dict ``fastdecode batch`` writes as one JSON line; a
-        bad input gives an error record (``fail_fast=True`` raises instead). ``on_records`` is
-        called in the background writer thread with each run of finished records, in order.
-        See ``fastdecode.pipeline`` for how the stages overlap.
+        bad input gives an error record (``fail_fast=True`` raises instead). In the background
+        writer thread, ``postprocess(record) -> record`` runs per record as it finishes (for
+        expensive work) and ``on_records(records)`` with each run of records now in order (for
+        cheap appends). See ``fastdecode.pipeline.runner`` for how the stages overlap.
         """
         from .pipeline import BatchRun, BatchSettings, items_from_objects
 
         settings = BatchSettings(batch_size=batch_size, max_batch_tokens=max_batch_tokens, lookahead=lookahead,
                                  chat=chat, fail_fast=fail_fast)
-        return BatchRun(self, items_from_objects(inputs, field), settings, options, on_records=on_records)
+        return BatchRun(self, items_from_objects(inputs, field), settings, options, on_records=on_records,
+                        postprocess=postprocess)
 
     def stream(self, prompt: str | list[dict[str, str]], chat: bool = False, **options: Any) -> Iterator[str]:
         """Text pieces as they are generated; stop strings are never shown."""

@@ -6,7 +6,7 @@ Stages, threads and queues::
           |  windows queue, maxsize 1 (one planned window waits while the reader fills the next)
     caller's thread  generate each batch: the device work, on the thread that owns the model
           |  post queue, maxsize POST_QUEUE batches
-    writer thread    detokenize -> records -> reorder buffer -> on_records (write + flush)
+    writer thread    detokenize -> records -> postprocess -> reorder buffer -> on_records (write + flush)
           |  out queue: records already delivered, fed only by batches the caller generated
     caller's thread  yields the records, in input order, between two batches
 
@@ -15,6 +15,12 @@ Torch kernels and tokenizers release the GIL, so the three threads genuinely ove
 ``max_items_in_flight`` inputs ahead of the writer: memory is flat whatever the input size.
 Generation stays in the caller's thread because a model (and a CUDA context) belongs there,
 and because a Python generator can only yield from the thread that iterates it.
+
+Per-record work that does not need input order (detokenizing, the ``postprocess`` hook: scoring,
+filtering, uploading by id) runs in completion order, before the reorder buffer. Only
+``on_records`` (appending to the output) waits for order: with length bucketing, records leave
+the reorder buffer in bursts, and an expensive in-order step would stall the writer thread,
+fill the post queue and so stall generation.
 
 Failure handling: a bad input becomes an error record; a batch whose generation raises a
 ``FastDecodeError`` (e.g. one prompt too long) is retried one prompt at a time so that only the
@@ -204,14 +210,15 @@ def generate_batch(engine: Engine, prompts: list[list[int]], options: dict[str, 
 class BatchRun:
     """One run of the pipeline over ``items``; iterate (once) for records in input order.
 
-    ``on_records(records)`` runs in the writer thread with each group of records that just
-    became ready, in order (the CLI writes and flushes them there); ``stats`` can be read at
-    any time, from any thread.
+    Both hooks run in the writer thread: ``postprocess(record) -> record`` once per record in
+    completion order (put expensive per-record work here), ``on_records(records)`` with each
+    group of records that just became ready, in input order (keep it cheap: the CLI appends and
+    flushes there). ``stats`` can be read at any time, from any thread.
     """
 
     def __init__(self, engine: Engine, items: Iterable[InputItem], settings: BatchSettings,
                  options: dict[str, Any], on_records: Callable[[list[dict]], None] | None = None,
-                 first_seq: int = 0):
+                 postprocess: Callable[[dict], dict] | None = None):
         # Validate now, in the caller's thread, before any thread starts.
         self.config = GenerationConfig.from_options(getattr(engine, "defaults", None), **options)
         self.engine = engine
@@ -219,6 +226,7 @@ class BatchRun:
         self.settings = settings
         self.options = dict(options)
         self.on_records = on_records
+        self.postprocess = postprocess
         self.stats = PipelineStats()
         self._control = _Control()
         self._windows: queue.Queue = queue.Queue(maxsize=1)
@@ -292,6 +300,8 @@ class BatchRun:
                 item.error = str(outcome)
                 records.append((item.seq, error_record(item)))
         records += [(item.seq, error_record(item)) for item in batch.failed]
+        if self.postprocess is not None:
+            records = [(seq, self.postprocess(record)) for seq, record in records]
         return records
 
     def _deliver(self, ready: list[dict]) -> None:
