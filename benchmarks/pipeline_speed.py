@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -53,17 +54,21 @@ import fastdecode  # noqa: E402
 
 TOPICS = ["rivers", "the moon", "bread", "chess", "volcanoes", "jazz", "bees", "glass", "trains", "salt",
           "clouds", "maps", "tea", "bridges", "owls", "copper"]
-FILLER = ("in a clear and friendly way for a curious reader who knows a little about science history and "
-          "everyday life and wants one more fact to remember").split()
+WORDS = ("in a clear and friendly way for a curious reader who knows a little about science history "
+         "everyday life wants one more fact to remember using simple words short sentences examples from "
+         "home school travel work nature cities markets").split()
 
 
-def make_prompts(n: int) -> list[str]:
-    """Deterministic short prompts of varied length (about 8 to 40 tokens), as real batches are."""
-    prompts = []
-    for i in range(n):
-        extra = FILLER[: (i * 7) % len(FILLER)]
-        prompts.append(f"Write one sentence about {TOPICS[i % len(TOPICS)]} " + " ".join(extra) + ".")
-    return prompts
+def make_prompts(n: int, seed: int = 0) -> list[str]:
+    """Seeded short prompts whose lengths spread evenly over about 8 to 60 tokens.
+
+    Continuous lengths matter: with a handful of distinct lengths, length-sorted batches often
+    have none of padding at all, and the decode step then skips the attention mask (a faster
+    path), which would overstate what bucketing gives on real data.
+    """
+    rng = random.Random(seed)
+    return [f"Write one sentence about {rng.choice(TOPICS)} "
+            + " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 50))) + "." for _ in range(n)]
 
 
 class PostProcess:

@@ -11,6 +11,7 @@ the input, or the first failed input with --fail-fast.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import time
@@ -70,14 +71,14 @@ class Progress:
         self.started = time.perf_counter()
         self.shown = 0.0
 
-    def update(self, record: dict, new_tokens: int) -> None:
-        self.bar.update(1)
+    def update(self, new_tokens: int, force: bool = False) -> None:
         now = time.perf_counter()
-        if now - self.shown >= POSTFIX_EVERY_S:
+        if force or now - self.shown >= POSTFIX_EVERY_S:
             self.shown = now
             self.bar.set_postfix_str(f"{new_tokens / max(now - self.started, 1e-9):.1f} tok/s", refresh=False)
 
-    def close(self) -> None:
+    def close(self, new_tokens: int) -> None:
+        self.update(new_tokens, force=True)
         self.bar.close()
 
 
@@ -99,16 +100,17 @@ def run_batch(input_path: str, output: str, model: str | None, device: str, dtyp
     generator = load(model, device=device, dtype=dtype)
     if chat is None:
         chat = bool(generator.tokenizer is not None and generator.tokenizer.chat_template)
-    settings = BatchSettings(**{**settings.__dict__, "chat": chat})
+    settings = dataclasses.replace(settings, chat=chat)
     items = skip_done(read_input(input_path, input_format, field), state.done, state.last)
     writer = JsonlWriter(output)
     progress = Progress(count_inputs(input_path), state.done, quiet)
     run = BatchRun(generator, items, settings, options, on_records=writer)
     try:
-        for record in run:
-            progress.update(record, run.stats.new_tokens)
+        for _ in run:
+            progress.bar.update(1)
+            progress.update(run.stats.new_tokens)
     finally:
-        progress.close()
+        progress.close(run.stats.new_tokens)
         writer.close()
     stats = run.stats
     failed = state.failed + stats.failed
