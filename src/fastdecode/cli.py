@@ -246,5 +246,10 @@ def perplexity(file: str, as_json: bool, model: str | None, device: str, dtype: 
                    f"({len(losses) / elapsed:.0f} tokens/s)")
 
 
+from .pipeline.cli import batch_command  # noqa: E402 - the factory needs the decorators above
+
+main.add_command(batch_command(model_options, generation_options, _handle_errors, _collect_options))
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -33,3 +33,12 @@ class InvalidOptionError(FastDecodeError, ValueError):
 
 class PromptTooLongError(FastDecodeError):
     """A prompt (plus requested new tokens) does not fit in the model's context."""
+
+
+class BatchFileError(FastDecodeError):
+    """A batch input line is malformed, or an output file cannot be resumed for this input.
+
+    In a ``fastdecode batch`` run a malformed line becomes an error record and the run goes on;
+    this error is raised only with ``--fail-fast`` (or ``fail_fast=True``) and for an output file
+    that does not belong to the input (resuming it would mix two runs).
+    """

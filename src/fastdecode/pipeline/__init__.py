@@ -1,0 +1,13 @@
+"""Asynchronous batch generation: reader -> tokenize -> generate -> detokenize -> writer.
+
+``fastdecode batch`` (pipeline/cli.py) and ``Generator.batch`` both run ``BatchRun``
+(runner.py); inputs.py parses lines, batching.py buckets by length, records.py builds the
+output records and keeps their order, output.py resumes and appends the .jsonl output.
+"""
+
+from __future__ import annotations
+
+from .inputs import InputItem, items_from_lines, items_from_objects
+from .runner import BatchRun, BatchSettings, PipelineStats
+
+__all__ = ["BatchRun", "BatchSettings", "InputItem", "PipelineStats", "items_from_lines", "items_from_objects"]

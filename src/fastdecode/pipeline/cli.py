@@ -1,0 +1,175 @@
+"""`fastdecode batch INPUT -o OUTPUT`: the pipeline over a file, resumable, with a progress bar.
+
+The command is built by ``batch_command(...)`` from the shared option decorators of
+``fastdecode.cli`` (passed in rather than imported: ``fastdecode.cli`` registers this command,
+so importing it back from here would be an import cycle, fatal under ``python -m fastdecode.cli``).
+
+Exit codes: 0 every input succeeded; 1 some inputs failed (error records in the output,
+counting those an earlier, resumed run wrote); 2 bad usage, an output that does not belong to
+the input, or the first failed input with --fail-fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import BatchFileError
+from .inputs import InputItem, format_for, items_from_lines, skip_done
+from .output import JsonlWriter, prepare_output
+from .runner import BatchRun, BatchSettings
+
+POSTFIX_EVERY_S = 0.5  # progress-bar text refresh period (tqdm throttles the bar itself)
+
+
+def read_input(path: str, input_format: str, field: str) -> Iterator[InputItem]:
+    """Items of a file or stdin ("-"), read lazily (in the pipeline's reader thread).
+
+    Lines are read as bytes (a bad UTF-8 line is one failed input); with ``input_format``
+    "auto" the format comes from the suffix, else from the first non-blank line.
+    """
+    handle = sys.stdin.buffer if path == "-" else open(path, "rb")
+    try:
+        head: list[bytes] = []
+        fmt = input_format
+        if fmt == "auto":
+            for raw in handle:
+                head.append(raw)
+                if raw.strip():
+                    break
+            first = head[-1].decode("utf-8", errors="replace") if head else ""
+            fmt = format_for("" if path == "-" else path, first)
+        yield from items_from_lines(itertools.chain(head, handle), fmt, field)
+    finally:
+        if handle is not sys.stdin.buffer:
+            handle.close()
+
+
+def count_inputs(path: str) -> int | None:
+    """Non-blank lines of the input file (the progress total); None for stdin."""
+    if path == "-":
+        return None
+    with open(path, "rb") as handle:
+        return sum(1 for raw in handle if raw.strip())
+
+
+class Progress:
+    """tqdm on stderr: samples done / total, samples/s, ETA, plus new tokens/s as postfix."""
+
+    def __init__(self, total: int | None, done: int, quiet: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=done, unit="sample", file=sys.stderr, disable=quiet,
+                        dynamic_ncols=True, smoothing=0.1)
+        self.started = time.perf_counter()
+        self.shown = 0.0
+
+    def update(self, new_tokens: int, force: bool = False) -> None:
+        now = time.perf_counter()
+        if force or now - self.shown >= POSTFIX_EVERY_S:
+            self.shown = now
+            self.bar.set_postfix_str(f"{new_tokens / max(now - self.started, 1e-9):.1f} tok/s", refresh=False)
+
+    def close(self, new_tokens: int) -> None:
+        self.update(new_tokens, force=True)
+        self.bar.close()
+
+
+def run_batch(input_path: str, output: str, model: str | None, device: str, dtype: str, options: dict[str, Any],
+              settings: BatchSettings, field: str, input_format: str, chat: bool | None, quiet: bool,
+              overwrite: bool) -> int:
+    """The body of `fastdecode batch`; returns the exit code (0 all ok, 1 some inputs failed)."""
+    from .. import load
+    from ..config import GenerationConfig
+
+    GenerationConfig.from_options(**options)  # reject bad options before loading anything
+    if input_path != "-" and Path(input_path).resolve() == Path(output).resolve():
+        raise BatchFileError("the output file must not be the input file")
+    state = prepare_output(output, overwrite=overwrite)
+    if state.truncated_bytes and not quiet:
+        click.echo(f"resume: cut a torn last line ({state.truncated_bytes} bytes) from {output}", err=True)
+    if state.done and not quiet:
+        click.echo(f"resume: {state.done} inputs already in {output}, skipping them", err=True)
+    generator = load(model, device=device, dtype=dtype)
+    if chat is None:
+        chat = bool(generator.tokenizer is not None and generator.tokenizer.chat_template)
+    settings = dataclasses.replace(settings, chat=chat)
+    items = skip_done(read_input(input_path, input_format, field), state.done, state.last)
+    writer = JsonlWriter(output)
+    progress = Progress(count_inputs(input_path), state.done, quiet)
+    run = BatchRun(generator, items, settings, options, on_records=writer)
+    try:
+        for _ in run:
+            progress.bar.update(1)
+            progress.update(run.stats.new_tokens)
+    finally:
+        progress.close(run.stats.new_tokens)
+        writer.close()
+    stats = run.stats
+    failed = state.failed + stats.failed
+    if not quiet:
+        elapsed = stats.elapsed_s
+        click.echo(
+            f"{stats.written} inputs in {elapsed:.1f}s ({stats.written / max(elapsed, 1e-9):.2f} samples/s, "
+            f"{stats.new_tokens / max(elapsed, 1e-9):.1f} new tokens/s), {stats.failed} failed"
+            f"{f' (+{state.failed} in the earlier run)' if state.failed else ''} -> {output}",
+            err=True,
+        )
+    return 1 if failed else 0
+
+
+def batch_command(model_options: Callable, generation_options: Callable, handle_errors: Callable,
+                  collect_options: Callable[[dict[str, Any]], dict[str, Any]]) -> click.Command:
+    """Build the `batch` click command from fastdecode.cli's shared pieces."""
+
+    @click.command("batch")
+    @click.argument("input_path", metavar="INPUT", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
+    @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False),
+                  help="Output .jsonl; if it exists, inputs already in it are skipped (resume).")
+    @click.option("--batch-size", type=int, default=None,
+                  help="Prompts per batch (default 16). Excludes --max-batch-tokens.")
+    @click.option("--max-batch-tokens", type=int, default=None,
+                  help="Budget per batch: rows x (longest prompt + max new tokens).")
+    @click.option("--lookahead", type=int, default=None,
+                  help="Inputs sorted together by length (default 8 batches, or 256).")
+    @click.option("--num-return-sequences", type=int, default=1, show_default=True,
+                  help="Sequences per input (needs --do-sample); output becomes a list.")
+    @click.option("--field", default="prompt", show_default=True, help="JSONL field that holds the prompt.")
+    @click.option("--input-format", type=click.Choice(["auto", "jsonl", "txt"]), default="auto", show_default=True,
+                  help="auto: by suffix (.jsonl / .txt), else by the first line.")
+    @click.option("--chat/--no-chat", default=None,
+                  help="Apply the model's chat template (default: on when the model has one).")
+    @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
+    @click.option("--fail-fast", is_flag=True, help="Stop at the first failed input (exit 2).")
+    @click.option("--overwrite", is_flag=True, help="Start again instead of resuming an existing output.")
+    @model_options
+    @generation_options
+    @handle_errors
+    def batch(input_path: str, output: str, batch_size: int | None, max_batch_tokens: int | None,
+              lookahead: int | None, num_return_sequences: int, field: str, input_format: str,
+              chat: bool | None, quiet: bool, fail_fast: bool, overwrite: bool, model: str | None, device: str,
+              dtype: str, **kwargs: Any) -> None:
+        """Generate for every line of INPUT (.jsonl or .txt, - for stdin) into OUTPUT (.jsonl).
+
+        JSONL inputs are objects with a "prompt" (or --field) and an optional "id"; a .txt line
+        is one prompt. Each output line is {"id", "line", "prompt", "output", "num_tokens",
+        "finish_reason"} in input order (id defaults to the 0-based line index); a failed input
+        gives {"id", "line", "error"}. Killed and restarted with the same command, the run
+        resumes where it stopped. Exit code: 0 all ok, 1 some inputs failed, 2 bad usage.
+        """
+        options = collect_options(kwargs)
+        options["num_return_sequences"] = num_return_sequences
+        settings = BatchSettings(batch_size=batch_size, max_batch_tokens=max_batch_tokens, lookahead=lookahead,
+                                 fail_fast=fail_fast)
+        code = run_batch(input_path, output, model, device, dtype, options, settings, field, input_format, chat,
+                         quiet, overwrite)
+        sys.exit(code)
+
+    return batch

@@ -1,0 +1,402 @@
+"""The asynchronous batch pipeline (FastSeq section 4.3): post-process one batch while the next generates.
+
+Stages, threads and queues::
+
+    reader thread    next input -> parse -> tokenize -> window of `lookahead` items -> batches
+          |  windows queue, maxsize 1 (one planned window waits while the reader fills the next)
+    caller's thread  generate each batch: the device work, on the thread that owns the model
+          |  post queue, maxsize POST_QUEUE batches
+    writer thread    detokenize -> records -> postprocess -> reorder buffer -> on_records (write + flush)
+          |  out queue: records already delivered, fed only by batches the caller generated
+    caller's thread  yields the records, in input order, between two batches
+
+Torch kernels and tokenizers release the GIL, so the three threads genuinely overlap; waiting
+(I/O, a GPU) overlaps completely. Every queue is bounded, so the reader never runs more than
+``max_items_in_flight`` inputs ahead of the writer: memory is flat whatever the input size.
+Generation stays in the caller's thread because a model (and a CUDA context) belongs there,
+and because a Python generator can only yield from the thread that iterates it.
+
+Per-record work that does not need input order (detokenizing, the ``postprocess`` hook: scoring,
+filtering, uploading by id) runs in completion order, before the reorder buffer. Only
+``on_records`` (appending to the output) waits for order: with length bucketing, records leave
+the reorder buffer in bursts, and an expensive in-order step would stall the writer thread,
+fill the post queue and so stall generation.
+
+Failure handling: a bad input becomes an error record; a batch whose generation raises a
+``FastDecodeError`` (e.g. one prompt too long) is retried one prompt at a time so that only the
+bad prompt fails. Any other exception in any thread stops every stage and is re-raised in the
+caller's thread. With ``fail_fast`` the first error record, in input order, stops the run:
+every record before it is written, it is not (so a rerun after fixing the line resumes there).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..config import GenerationConfig
+from ..errors import BatchFileError, FastDecodeError, InvalidOptionError
+from .batching import padded_tokens, plan_window
+from .inputs import InputItem
+from .records import ReorderBuffer, error_record, is_error, success_record
+
+DEFAULT_BATCH_SIZE = 16
+WINDOW_BATCHES = 8  # default look-ahead: this many batches' worth of inputs are sorted together
+TOKEN_BUDGET_WINDOW = 256  # default look-ahead when batches are limited by max_batch_tokens
+POST_QUEUE = 2  # generated batches waiting for the writer thread
+POLL_S = 0.05  # how often a blocked stage checks whether the run was stopped
+
+
+class Engine(Protocol):
+    """What the pipeline needs from a model: ``fastdecode.Generator`` (or a test double)."""
+
+    def encode_prompt(self, prompt: Any, chat: bool = False) -> list[int]: ...
+
+    def generate_ids_with_details(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[Any]: ...
+
+    def decode_results(self, results: Sequence[Any], **options: Any) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """How inputs are grouped; ``batch_size`` and ``max_batch_tokens`` exclude each other."""
+
+    batch_size: int | None = None  # prompts per batch (default DEFAULT_BATCH_SIZE)
+    max_batch_tokens: int | None = None  # padded-token budget per batch (see batching.padded_tokens)
+    lookahead: int | None = None  # inputs sorted together by length (the reorder bound)
+    chat: bool = False  # wrap each plain prompt as a user message with the chat template
+    fail_fast: bool = False  # stop at the first failed input instead of recording it
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_batch_tokens", "lookahead"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise InvalidOptionError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.batch_size is not None and self.max_batch_tokens is not None:
+            raise InvalidOptionError("give batch_size or max_batch_tokens, not both")
+
+    @property
+    def rows(self) -> int | None:
+        """Prompts per batch, or None when a token budget limits batches instead."""
+        if self.max_batch_tokens is not None:
+            return None
+        return self.batch_size or DEFAULT_BATCH_SIZE
+
+    @property
+    def window(self) -> int:
+        if self.lookahead is not None:
+            return self.lookahead
+        return self.rows * WINDOW_BATCHES if self.rows else TOKEN_BUDGET_WINDOW
+
+    def max_items_in_flight(self) -> int:
+        """The most inputs read but not yet written: the memory bound, whatever the input size.
+
+        Three windows: one the reader fills (or holds, blocked on the full queue), one queued,
+        one in the caller's hands. Plus earlier windows not yet fully written: the writer takes
+        batches first in, first out, so those are the windows of the last POST_QUEUE + 1
+        generated batches, which span one earlier window when a window has that many batches
+        (its records wait in the reorder buffer for its oldest pending batch), else up to
+        POST_QUEUE + 1 of them.
+        """
+        batches_per_window = self.window // self.rows if self.rows else 1
+        earlier = 1 if batches_per_window >= POST_QUEUE + 1 else POST_QUEUE + 1
+        return (3 + earlier) * self.window
+
+
+@dataclass
+class PipelineStats:
+    """Counters and busy times per stage; each field is written by one thread only."""
+
+    read: int = 0  # inputs parsed and tokenized (reader)
+    generated: int = 0  # inputs generated (caller's thread)
+    written: int = 0  # records delivered in order (writer)
+    failed: int = 0  # error records delivered
+    new_tokens: int = 0  # generated tokens in delivered records
+    batches: int = 0
+    read_s: float = 0.0  # reading, parsing, tokenizing
+    generate_s: float = 0.0  # generate_ids_with_details
+    starve_s: float = 0.0  # caller's thread waiting for the reader
+    post_s: float = 0.0  # detokenizing, building records, on_records (writing)
+    max_ahead: int = 0  # the most inputs the reader was ahead of the writer
+    reorder_peak: int = 0  # the most records the reorder buffer held
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+
+@dataclass
+class _Batch:
+    items: list[InputItem]  # tokenized inputs to generate together
+    failed: list[InputItem]  # inputs that already failed (ride along so that order is kept)
+
+
+class _Stopped(Exception):
+    """Raised inside a stage when another stage stopped the run."""
+
+
+_END = object()
+
+
+class _Control:
+    """The run's shared stop flag and first error; blocking queue calls that honour the flag."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+        self.stop.set()
+
+    def put(self, channel: queue.Queue, value: Any) -> None:
+        while not self.stop.is_set():
+            try:
+                channel.put(value, timeout=POLL_S)
+                return
+            except queue.Full:
+                pass
+        raise _Stopped
+
+    def get(self, channel: queue.Queue) -> Any:
+        while not self.stop.is_set():
+            try:
+                return channel.get(timeout=POLL_S)
+            except queue.Empty:
+                pass
+        raise _Stopped
+
+    def run_stage(self, stage: Callable[[], None], name: str) -> threading.Thread:
+        """Start ``stage`` in a daemon thread that reports any exception here and stops the run."""
+        def body() -> None:
+            try:
+                stage()
+            except _Stopped:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                self.fail(exc)
+
+        # Daemon: a reader blocked on a silent stdin must not keep the process alive.
+        thread = threading.Thread(target=body, name=f"fastdecode-{name}", daemon=True)
+        thread.start()
+        return thread
+
+
+def generate_batch(engine: Engine, prompts: list[list[int]], options: dict[str, Any],
+                   rows_per_prompt: int) -> list[list[Any] | FastDecodeError]:
+    """Per prompt: its ``rows_per_prompt`` results, or the FastDecodeError it alone causes.
+
+    The batch is tried whole first; only if it raises a FastDecodeError (a prompt too long...)
+    is every prompt retried alone, so one bad prompt costs its batch-mates nothing but a retry.
+    """
+    try:
+        flat = engine.generate_ids_with_details(prompts, **options)
+    except FastDecodeError as exc:
+        if len(prompts) == 1:
+            return [exc]
+        return [generate_batch(engine, [prompt], options, rows_per_prompt)[0] for prompt in prompts]
+    r = rows_per_prompt
+    return [flat[index * r:(index + 1) * r] for index in range(len(prompts))]
+
+
+class BatchRun:
+    """One run of the pipeline over ``items``; iterate (once) for records in input order.
+
+    Both hooks run in the writer thread: ``postprocess(record) -> record`` once per record in
+    completion order (put expensive per-record work here), ``on_records(records)`` with each
+    group of records that just became ready, in input order (keep it cheap: the CLI appends and
+    flushes there). ``stats`` can be read at any time, from any thread.
+    """
+
+    def __init__(self, engine: Engine, items: Iterable[InputItem], settings: BatchSettings,
+                 options: dict[str, Any], on_records: Callable[[list[dict]], None] | None = None,
+                 postprocess: Callable[[dict], dict] | None = None):
+        # Validate now, in the caller's thread, before any thread starts.
+        self.config = GenerationConfig.from_options(getattr(engine, "defaults", None), **options)
+        self.engine = engine
+        self.items = items
+        self.settings = settings
+        self.options = dict(options)
+        self.on_records = on_records
+        self.postprocess = postprocess
+        self.stats = PipelineStats()
+        self._control = _Control()
+        self._windows: queue.Queue = queue.Queue(maxsize=1)
+        self._post: queue.Queue = queue.Queue(maxsize=POST_QUEUE)
+        self._out: queue.Queue = queue.Queue()
+        self._reorder = ReorderBuffer()
+        self._started = False
+
+    # -- reader thread ----------------------------------------------------------------------
+    def _tokenize(self, item: InputItem) -> None:
+        if item.error is not None:
+            return
+        try:
+            item.ids = self.engine.encode_prompt(item.prompt, chat=self.settings.chat)
+        except FastDecodeError as exc:
+            item.error = str(exc)
+            return
+        if not item.ids:
+            item.error = "the prompt encodes to no tokens"
+
+    def _plan(self, window: list[InputItem]) -> list[_Batch]:
+        good = [item for item in window if item.error is None]
+        failed = [item for item in window if item.error is not None]
+        batches = [
+            _Batch(batch, [])
+            for batch in plan_window(good, self.settings.rows, self.settings.max_batch_tokens,
+                                     self.config.num_return_sequences, self.config.max_new_tokens)
+        ]
+        if not batches:
+            return [_Batch([], failed)]
+        batches[0].failed = failed
+        return batches
+
+    def _read_stage(self) -> None:
+        stats, control, window = self.stats, self._control, []
+        iterator = iter(self.items)
+        while not control.stop.is_set():
+            started = time.perf_counter()
+            item = next(iterator, None)
+            if item is None:
+                break
+            item.seq = stats.read
+            self._tokenize(item)
+            stats.read += 1
+            stats.max_ahead = max(stats.max_ahead, stats.read - stats.written)
+            window.append(item)
+            if len(window) >= self.settings.window:
+                batches = self._plan(window)
+                stats.read_s += time.perf_counter() - started
+                control.put(self._windows, batches)
+                window = []
+            else:
+                stats.read_s += time.perf_counter() - started
+        if window:
+            control.put(self._windows, self._plan(window))
+        control.put(self._windows, _END)
+
+    # -- writer thread ----------------------------------------------------------------------
+    def _records(self, batch: _Batch, outcomes: list[list[Any] | FastDecodeError]) -> list[tuple[int, dict]]:
+        good = [(item, results) for item, results in zip(batch.items, outcomes) if not isinstance(results, Exception)]
+        flat = [result for _, results in good for result in results]
+        texts = self.engine.decode_results(flat, **self.options) if flat else []
+        records, start = [], 0
+        for item, results in good:
+            r = len(results)
+            records.append((item.seq, success_record(item, texts[start:start + r], [len(x.tokens) for x in results],
+                                                     [x.finish_reason for x in results])))
+            start += r
+        for item, outcome in zip(batch.items, outcomes):
+            if isinstance(outcome, Exception):
+                item.error = str(outcome)
+                records.append((item.seq, error_record(item)))
+        records += [(item.seq, error_record(item)) for item in batch.failed]
+        if self.postprocess is not None:
+            records = [(seq, self.postprocess(record)) for seq, record in records]
+        return records
+
+    def _deliver(self, ready: list[dict]) -> None:
+        """Hand records that are in order to on_records and to the caller; fail fast if asked."""
+        stop_at = None
+        if self.settings.fail_fast:
+            stop_at = next((index for index, record in enumerate(ready) if is_error(record)), None)
+            if stop_at is not None:
+                ready = ready[:stop_at + 1]
+        keep = ready if stop_at is None else ready[:-1]
+        if keep:
+            if self.on_records is not None:
+                self.on_records(keep)
+            for record in keep:
+                self.stats.failed += is_error(record)
+                tokens = record.get("num_tokens", 0)
+                self.stats.new_tokens += sum(tokens) if isinstance(tokens, list) else tokens
+                self._out.put(record)
+            self.stats.written += len(keep)
+        if stop_at is not None:
+            bad = ready[-1]
+            raise BatchFileError(f"line {bad['line']}: {bad['error']}")
+
+    def _post_stage(self) -> None:
+        while True:
+            work = self._control.get(self._post)
+            if work is _END:
+                break
+            started = time.perf_counter()
+            ready = []
+            for seq, record in self._records(*work):
+                ready += self._reorder.push(seq, record)
+            self.stats.reorder_peak = max(self.stats.reorder_peak, self._reorder.peak)
+            self._deliver(ready)
+            self.stats.post_s += time.perf_counter() - started
+        if len(self._reorder):
+            raise RuntimeError(f"pipeline bug: {len(self._reorder)} records never became ready")
+        self._out.put(_END)
+
+    # -- caller's thread --------------------------------------------------------------------
+    def _drain(self) -> Iterator[dict]:
+        while True:
+            try:
+                record = self._out.get_nowait()
+            except queue.Empty:
+                return
+            if record is _END:
+                self._out.put(_END)  # leave the end marker for the final wait
+                return
+            yield record
+
+    def _generate_stage(self) -> Iterator[dict]:
+        control, stats = self._control, self.stats
+        r = self.config.num_return_sequences
+        while True:
+            waited = time.perf_counter()
+            window = control.get(self._windows)
+            stats.starve_s += time.perf_counter() - waited
+            if window is _END:
+                break
+            for batch in window:
+                started = time.perf_counter()
+                outcomes = generate_batch(self.engine, [item.ids for item in batch.items], self.options, r) \
+                    if batch.items else []
+                stats.generate_s += time.perf_counter() - started
+                stats.generated += len(batch.items)
+                stats.batches += bool(batch.items)
+                control.put(self._post, (batch, outcomes))
+                yield from self._drain()
+        control.put(self._post, _END)
+        while (record := control.get(self._out)) is not _END:
+            yield record
+
+    def __iter__(self) -> Iterator[dict]:
+        if self._started:
+            raise RuntimeError("a BatchRun can be iterated only once")
+        self._started = True
+        control = self._control
+        threads = [control.run_stage(self._read_stage, "reader"), control.run_stage(self._post_stage, "writer")]
+        finished = False
+        try:
+            yield from self._generate_stage()
+            finished = True
+        except _Stopped:
+            yield from self._drain()  # records written before the failure still reach the caller
+            if control.error is not None:
+                raise control.error from None
+        finally:
+            if not finished:
+                control.stop.set()
+            for thread in threads:
+                thread.join(timeout=None if finished else 2 * POLL_S + 1)
+
+    def __enter__(self) -> "BatchRun":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._control.stop.set()
