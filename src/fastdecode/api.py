@@ -116,6 +116,8 @@ class Generator:
         if not prompts:
             raise InvalidOptionError("no prompts given")
         limit = self.config.max_position_embeddings
+        if config.encoder_no_repeat_ngram_size > 0 and not self.config.is_encoder_decoder:
+            raise InvalidOptionError("encoder_no_repeat_ngram_size is for encoder-decoder models (there is no source)")
         for index, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise InvalidOptionError(f"prompt {index} is empty: give at least one token")

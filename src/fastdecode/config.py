@@ -128,6 +128,7 @@ class GenerationConfig:
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
+    encoder_no_repeat_ngram_size: int = 0  # encoder-decoder only: never copy an n-gram of the source
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
@@ -182,14 +183,15 @@ class GenerationConfig:
             raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if not _is_int(self.no_repeat_ngram_size) or self.no_repeat_ngram_size < 0:
             raise bad(f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
+        if not _is_int(self.encoder_no_repeat_ngram_size) or self.encoder_no_repeat_ngram_size < 0:
+            raise bad("encoder_no_repeat_ngram_size must be an integer >= 0, "
+                      f"got {self.encoder_no_repeat_ngram_size!r}")
         if not _is_int(self.num_beams) or self.num_beams < 1:
             raise bad(f"num_beams must be an integer >= 1, got {self.num_beams!r}")
         if not _is_int(self.num_return_sequences) or self.num_return_sequences < 1:
             raise bad(f"num_return_sequences must be an integer >= 1, got {self.num_return_sequences!r}")
         if self.num_beams > 1:
             raise bad("num_beams > 1 (beam search) is not supported yet; use num_beams=1")
-        if self.no_repeat_ngram_size > 0:
-            raise bad("no_repeat_ngram_size is not supported yet; use 0")
         if self.num_return_sequences > 1 and not self.do_sample:
             raise bad(
                 "num_return_sequences > 1 needs do_sample=True (greedy decoding would return identical copies)"

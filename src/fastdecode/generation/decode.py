@@ -99,7 +99,8 @@ class DecodeLoop:
             else:
                 started = engine_starter(model)(model, self.prompts, cfg)
             engine, logits, next_positions, history = started
-            self.selector.start(history, device)
+            sources = self.prompts if model.config.is_encoder_decoder else None
+            self.selector.start(history, device, sources)
             active = list(range(len(self.prompts)))  # sequence index of each batch row
             steps = itertools.count() if cfg.max_new_tokens is None else range(cfg.max_new_tokens)
             for step in steps:
