@@ -155,6 +155,10 @@ class Generator:
         self._check_prompts(prompts, config)
         repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
         eos = self._eos_ids(config)
+        if config.num_beams > 1:
+            from .generation.beam import BeamSearch
+
+            return [BeamSearch(self.model, prompts, config, eos)]  # R results per prompt, best first
         if config.n_ctx is not None:
             return [DecodeLoop(self.model, [p], config, eos) for p in repeated]
         return [DecodeLoop(self.model, repeated, config, eos)]
@@ -184,6 +188,8 @@ class Generator:
         config = self._options(options)
         if config.num_return_sequences != 1:
             raise InvalidOptionError("stream_ids produces one sequence: num_return_sequences must be 1")
+        if config.num_beams > 1:
+            raise InvalidOptionError("beam search cannot stream (beams are final only at the end): use generate")
         (loop,) = self._loops([list(token_ids)], config)
         watcher = _TextWatcher(self._require_tokenizer(), config.stop_strings()) if config.stop_strings() else None
         for events in loop:

@@ -69,7 +69,7 @@ def test_inspect_table_and_json(tiny_folder):
         (["generate", "-p", "hi", "--temperature", "-1"], "temperature"),
         (["generate", "-p", "hi", "--top-p", "2"], "top_p"),
         (["generate", "-p", "hi", "--max-new-tokens", "-1"], "max_new_tokens"),
-        (["generate", "-p", "hi", "--num-beams", "3"], "not supported yet"),
+        (["generate", "-p", "hi", "--num-beams", "0"], "num_beams"),
     ],
 )
 def test_bad_input_exits_2_with_message(args, message):

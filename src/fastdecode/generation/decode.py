@@ -22,6 +22,7 @@ from .step import CachedEngine, RecomputeEngine, Started
 class SequenceResult:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos", "length" or "stop"
+    score: float | None = None  # beam search: the length-penalized sum of log-probabilities (HF sequences_scores)
 
 
 def left_pad(prompts: list[list[int]], device: torch.device, pad_id: int = 0):
