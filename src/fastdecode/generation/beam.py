@@ -92,9 +92,17 @@ class BeamSearch:
                                       forced_bos=getattr(model.config, "forced_bos_token_id", None),
                                       forced_eos=getattr(model.config, "forced_eos_token_id", ()))
         self.steps = 0
+        self.engine = None  # kept after the search, so its cache sizes can be reported
 
     def stop(self, index: int, reason: str = "stop") -> None:  # stop strings are rejected up front
         pass
+
+    def cache_bytes(self) -> tuple[int, int]:
+        """(bytes stored once per sample, bytes stored per beam) of the engine's K/V caches."""
+        engine = self.engine
+        if isinstance(engine, DecoderBeamEngine):
+            return engine.cache.shared_nbytes, engine.cache.per_beam_nbytes
+        return engine.cross.nbytes, engine.cache.nbytes  # encoder-decoder: cross K/V, decoder self K/V
 
     def run(self) -> list[SequenceResult]:
         for _ in self:
@@ -115,6 +123,7 @@ class BeamSearch:
         device = model.device
         K, max_new, lp = cfg.num_beams, cfg.max_new_tokens, cfg.length_penalty
         engine, logits, next_positions, history = beam_starter(model)(model, self.prompts, cfg)
+        self.engine = engine
         B, V = logits.shape
         eos = torch.tensor(self.eos_list, dtype=torch.long, device=device)
         n_keep = max(2, 1 + len(self.eos_list)) * K
