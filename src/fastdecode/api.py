@@ -119,6 +119,8 @@ class Generator:
         if not prompts:
             raise InvalidOptionError("no prompts given")
         limit = self.config.max_position_embeddings
+        if config.encoder_no_repeat_ngram_size > 0 and not self.config.is_encoder_decoder:
+            raise InvalidOptionError("encoder_no_repeat_ngram_size is for encoder-decoder models (there is no source)")
         for index, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise InvalidOptionError(f"prompt {index} is empty: give at least one token")
@@ -156,6 +158,10 @@ class Generator:
         self._check_prompts(prompts, config)
         repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
         eos = self._eos_ids(config)
+        if config.num_beams > 1:
+            from .generation.beam import BeamSearch
+
+            return [BeamSearch(self.model, prompts, config, eos)]  # R results per prompt, best first
         if config.n_ctx is not None:
             return [DecodeLoop(self.model, [p], config, eos) for p in repeated]
         return [DecodeLoop(self.model, repeated, config, eos)]
@@ -185,6 +191,8 @@ class Generator:
         config = self._options(options)
         if config.num_return_sequences != 1:
             raise InvalidOptionError("stream_ids produces one sequence: num_return_sequences must be 1")
+        if config.num_beams > 1:
+            raise InvalidOptionError("beam search cannot stream (beams are final only at the end): use generate")
         (loop,) = self._loops([list(token_ids)], config)
         watcher = _TextWatcher(self._require_tokenizer(), config.stop_strings()) if config.stop_strings() else None
         for events in loop:

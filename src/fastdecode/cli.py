@@ -45,7 +45,15 @@ def generation_options(command):
         click.option("--eos-token-id", type=int, multiple=True, help="Token id that ends generation (repeatable)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output."),
         click.option("--seed", type=int, default=None, help="Seed for reproducible sampling."),
-        click.option("--num-beams", type=int, default=1, show_default=True),
+        click.option("--num-beams", type=int, default=1, show_default=True, help="Beam search when > 1."),
+        click.option("--length-penalty", type=float, default=1.0, show_default=True,
+                     help="Beam score = log-prob sum / generated length ** this."),
+        click.option("--early-stopping", type=click.Choice(["true", "false", "never"]), default="false",
+                     show_default=True, help="Beam search stopping rule (as transformers)."),
+        click.option("--num-return-sequences", type=int, default=1, show_default=True,
+                     help="Results per prompt (<= --num-beams for beam search)."),
+        click.option("--no-repeat-ngram-size", type=int, default=0, show_default=True,
+                     help="Never repeat an n-gram of this size (0: off)."),
         click.option("--no-cache", "no_cache", is_flag=True, help="Recompute everything each step (slow reference)."),
     ]
     for option in reversed(options):
@@ -82,8 +90,10 @@ def _collect_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     options = {
         name: kwargs[name]
         for name in ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
-                     "repetition_penalty", "seed", "num_beams")
+                     "repetition_penalty", "seed", "num_beams", "length_penalty", "num_return_sequences",
+                     "no_repeat_ngram_size")
     }
+    options["early_stopping"] = {"true": True, "false": False, "never": "never"}[kwargs["early_stopping"]]
     options["use_cache"] = not kwargs["no_cache"]
     if kwargs["eos_token_id"]:
         options["eos_token_id"] = list(kwargs["eos_token_id"])
@@ -129,6 +139,9 @@ def generate(prompt: str, chat: bool | None, stats: bool, endless: bool, model: 
         generator.tokenizer and generator.tokenizer.chat_template and not generator.config.is_encoder_decoder
     )
     prompt_ids = generator.encode_prompt(prompt, chat=use_chat)
+    if options["num_beams"] > 1 or options["num_return_sequences"] > 1:
+        _print_results(generator, prompt_ids, options, stats, started, loaded)
+        return
 
     first_token_at = None
     count = 0
@@ -154,6 +167,22 @@ def generate(prompt: str, chat: bool | None, stats: bool, endless: bool, model: 
             f"{f' = {max(count - 1, 0) / decode_time:.1f} tokens/s' if decode_time > 0 else ''}]",
             err=True,
         )
+
+
+def _print_results(generator, prompt_ids: list[int], options: dict[str, Any], stats: bool, started: float,
+                   loaded: float) -> None:
+    """Beam search (or several samples): results are final only at the end, one block per sequence."""
+    results = generator.generate_ids_with_details([prompt_ids], **options)
+    finished = time.perf_counter()
+    for rank, result in enumerate(results, start=1):
+        if len(results) > 1:
+            score = f" score {result.score:.4f}" if result.score is not None else ""
+            click.echo(f"--- {rank}{score}")
+        click.echo(generator.tokenizer.decode(result.tokens, skip_special_tokens=True))
+    if stats:
+        count = sum(len(r.tokens) for r in results)
+        click.echo(f"[{len(prompt_ids)} prompt tokens | load {loaded - started:.2f}s | {len(results)} sequences, "
+                   f"{count} new tokens in {finished - loaded:.2f}s]", err=True)
 
 
 @main.command()

@@ -128,6 +128,7 @@ class GenerationConfig:
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
+    encoder_no_repeat_ngram_size: int = 0  # encoder-decoder only: never copy an n-gram of the source
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
@@ -182,17 +183,19 @@ class GenerationConfig:
             raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if not _is_int(self.no_repeat_ngram_size) or self.no_repeat_ngram_size < 0:
             raise bad(f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
+        if not _is_int(self.encoder_no_repeat_ngram_size) or self.encoder_no_repeat_ngram_size < 0:
+            raise bad("encoder_no_repeat_ngram_size must be an integer >= 0, "
+                      f"got {self.encoder_no_repeat_ngram_size!r}")
         if not _is_int(self.num_beams) or self.num_beams < 1:
             raise bad(f"num_beams must be an integer >= 1, got {self.num_beams!r}")
         if not _is_int(self.num_return_sequences) or self.num_return_sequences < 1:
             raise bad(f"num_return_sequences must be an integer >= 1, got {self.num_return_sequences!r}")
         if self.num_beams > 1:
-            raise bad("num_beams > 1 (beam search) is not supported yet; use num_beams=1")
-        if self.no_repeat_ngram_size > 0:
-            raise bad("no_repeat_ngram_size is not supported yet; use 0")
-        if self.num_return_sequences > 1 and not self.do_sample:
+            self._validate_beams(bad)
+        elif self.num_return_sequences > 1 and not self.do_sample:
             raise bad(
-                "num_return_sequences > 1 needs do_sample=True (greedy decoding would return identical copies)"
+                "num_return_sequences > 1 needs do_sample=True or num_beams > 1 "
+                "(greedy decoding would return identical copies)"
             )
         if self.early_stopping not in (True, False, "never"):
             raise bad(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
@@ -205,6 +208,20 @@ class GenerationConfig:
         if self.seed is not None and not _is_int(self.seed):
             raise bad(f"seed must be an integer, got {self.seed!r}")
         self._validate_streaming(bad)
+
+    def _validate_beams(self, bad) -> None:
+        if self.num_return_sequences > self.num_beams:
+            raise bad(f"num_return_sequences ({self.num_return_sequences}) must be <= num_beams ({self.num_beams})")
+        if self.do_sample:
+            raise bad("beam sampling (num_beams > 1 with do_sample=True) is not supported; use do_sample=False")
+        if not _is_number(self.length_penalty) or math.isnan(self.length_penalty):
+            raise bad(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if self.n_ctx is not None:
+            raise bad("beam search keeps every beam's whole history: it cannot use a streaming cache (n_ctx)")
+        if self.stop_strings():
+            raise bad("stop strings are not supported with beam search (num_beams > 1)")
+        if self.max_new_tokens is None:
+            raise bad("beam search needs max_new_tokens")
 
     def _validate_streaming(self, bad) -> None:
         if self.policy not in ("shift", "reevaluate"):

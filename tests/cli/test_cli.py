@@ -69,7 +69,10 @@ def test_inspect_table_and_json(tiny_folder):
         (["generate", "-p", "hi", "--temperature", "-1"], "temperature"),
         (["generate", "-p", "hi", "--top-p", "2"], "top_p"),
         (["generate", "-p", "hi", "--max-new-tokens", "-1"], "max_new_tokens"),
-        (["generate", "-p", "hi", "--num-beams", "3"], "not supported yet"),
+        (["generate", "-p", "hi", "--num-beams", "0"], "num_beams"),
+        (["generate", "-p", "hi", "--num-beams", "2", "--num-return-sequences", "3"], "num_return_sequences"),
+        (["generate", "-p", "hi", "--no-repeat-ngram-size", "-1"], "no_repeat_ngram_size"),
+        (["generate", "-p", "hi", "--num-beams", "2", "--do-sample"], "beam sampling"),
     ],
 )
 def test_bad_input_exits_2_with_message(args, message):
@@ -117,3 +120,20 @@ def test_console_script_answers_on_the_embedded_model(smollm_path):
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "tokens/s" in result.stderr
+
+
+def test_generate_with_beam_search(tiny_folder):
+    result = run("generate", "-m", tiny_folder, "-p", "w1 w2", "--no-chat", "--num-beams", "3",
+                 "--num-return-sequences", "2", "--length-penalty", "2.0", "--no-repeat-ngram-size", "2",
+                 "--early-stopping", "never", "--max-new-tokens", "5", "--stats")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("--- ") == 2 and "score -" in result.stdout
+    assert "2 sequences" in result.stderr
+
+
+def test_greedy_with_no_repeat_ngram_flag(tiny_folder):
+    result = run("generate", "-m", tiny_folder, "-p", "w1 w2", "--no-chat", "--no-repeat-ngram-size", "1",
+                 "--max-new-tokens", "8")
+    assert result.exit_code == 0, result.output
+    words = result.stdout.split()
+    assert len(words) == len(set(words))  # n = 1: no token twice

@@ -122,3 +122,18 @@ def test_sliding_window_is_exercised_past_the_window():
     with torch.inference_mode():
         ours = engine.prefill(tokens, valid, positions, all_logits=True)[0]
     torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama-gqa"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_greedy_no_repeat_ngram_identical_to_transformers(kind, n, tmp_path):
+    hf = build(kind)
+    hf.save_pretrained(tmp_path)
+    gen = fastdecode.load(str(tmp_path))
+    for seed, length in ((8, 4), (9, 13)):
+        prompt = _prompt(length, seed)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, length, dtype=torch.long),
+                              max_new_tokens=40, min_new_tokens=40, do_sample=False, no_repeat_ngram_size=n)
+        ours = gen.generate_ids([prompt], max_new_tokens=40, no_repeat_ngram_size=n)[0]
+        assert ours == out[0, length:].tolist(), (kind, n)

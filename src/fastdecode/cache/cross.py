@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..layers.attention import attention
+
 
 class CrossAttentionCache:
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], bias: torch.Tensor | None):
@@ -43,6 +45,11 @@ class CrossAttentionCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[index], self.values[index]
 
+    def attend(self, index: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Cross-attention of decoder layer ``index``: q [B, H, T, D] -> [B, H, T, D]."""
+        k, v = self.layer(index)  # [B, H, S_src, D], projected once per source
+        return attention(q, k, v, self.bias, scale)
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` of the batch (finished sequences dropped)."""
         self.keys = [k.index_select(0, rows) for k in self.keys]
@@ -65,3 +72,28 @@ def padding_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None
     bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
     bias.masked_fill_(~valid, float("-inf"))
     return bias[:, None, None, :]  # [B, 1, 1, S]
+
+
+class BeamCrossAttention:
+    """Beam search over a CrossAttentionCache of B sources: the K/V stay once per source and the
+    K beams of a sample are folded into the query axis, [B, H, K*T, D] x [B, H, S_src, D], so each
+    source K/V is read once per step for all beams (FastSeq), never repeated or reordered."""
+
+    def __init__(self, cross: CrossAttentionCache, num_beams: int):
+        self.cross = cross
+        self.num_beams = num_beams
+
+    def attend(self, index: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B*K, H, T, D] -> [B*K, H, T, D]."""
+        N, H, T, D = q.shape
+        K = self.num_beams
+        folded = q.view(N // K, K, H, T, D).transpose(1, 2).reshape(N // K, H, K * T, D)  # [B, H, K*T, D]
+        out = self.cross.attend(index, folded, scale)  # [B, H, K*T, D]; the padding bias [B, 1, 1, S] broadcasts
+        return out.view(N // K, H, K, T, D).transpose(1, 2).reshape(N, H, T, D)  # [B*K, H, T, D]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """A beam reorder stays within each sample: the per-source K/V do not move."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.cross.nbytes

@@ -22,6 +22,7 @@ from .step import CachedEngine, RecomputeEngine, Started
 class SequenceResult:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos", "length" or "stop"
+    score: float | None = None  # beam search: the length-penalized sum of log-probabilities (HF sequences_scores)
 
 
 def left_pad(prompts: list[list[int]], device: torch.device, pad_id: int = 0):
@@ -99,7 +100,8 @@ class DecodeLoop:
             else:
                 started = engine_starter(model)(model, self.prompts, cfg)
             engine, logits, next_positions, history = started
-            self.selector.start(history, device)
+            sources = self.prompts if model.config.is_encoder_decoder else None
+            self.selector.start(history, device, sources)
             active = list(range(len(self.prompts)))  # sequence index of each batch row
             steps = itertools.count() if cfg.max_new_tokens is None else range(cfg.max_new_tokens)
             for step in steps:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.cross import CrossAttentionCache
+from ..cache.cross import BeamCrossAttention, CrossAttentionCache
 from ..cache.static import KVCache
 from .step import Started
 
@@ -47,6 +47,20 @@ def start_encoder_decoder(model, sources: list[list[int]], config) -> Started:
     else:
         engine = EncoderDecoderRecompute(model)
     logits = engine.prefill(tokens, valid, positions)
+    next_positions = torch.ones(B, dtype=torch.long, device=model.device)
+    return Started(engine, logits, next_positions, [[model.config.decoder_start_token_id]] * B)
+
+
+def start_beam_encoder_decoder(model, sources: list[list[int]], config) -> Started:
+    """Beam search start: encode B sources and run the start token for B rows (all beams of a sample
+    are identical so far), then give the decoder self-attention cache one row per beam while the
+    cross-attention K/V stay once per source (beams fold into its query axis)."""
+    tokens, valid, positions = right_pad(sources, model.device)
+    B, K = tokens.shape[0], config.num_beams
+    engine = EncoderDecoderEngine(model, B, config.max_new_tokens)
+    logits = engine.prefill(tokens, valid, positions)  # [B, V]
+    engine.cache.keep_rows(torch.arange(B, device=model.device).repeat_interleave(K))  # [B*K] rows
+    engine.cross = BeamCrossAttention(engine.cross, K)
     next_positions = torch.ones(B, dtype=torch.long, device=model.device)
     return Started(engine, logits, next_positions, [[model.config.decoder_start_token_id]] * B)
 

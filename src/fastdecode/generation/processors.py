@@ -50,3 +50,46 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     remove_sorted[..., -1:] = False  # always keep the most likely token
     remove = remove_sorted.scatter(-1, sorted_index, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
+
+
+PAD = -1  # history padding value: never a token id, so it never matches a real n-gram
+
+
+def ngram_bans(corpus: torch.Tensor, tails: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
+    """Tokens that would complete an n-gram of ``corpus`` whose first n-1 tokens equal ``tails``.
+
+    corpus [N, L] long, left-padded with ``PAD``; tails [N, n-1] (a row holding PAD bans nothing).
+    Returns banned [N, V] bool. All rows at once, no loop and no host copy: the corpus is unfolded
+    into its n-grams, every (n-1)-prefix is compared with the row's tail, and the following tokens
+    of the matches are scattered into the mask (misses go to a spare column V, then dropped).
+    The one kernel behind no-repeat-n-gram blocking (corpus = own history) and encoder
+    no-repeat-n-gram blocking (corpus = the source), as the FastSeq paper vectorizes it.
+    """
+    N, L = corpus.shape
+    banned = torch.zeros(N, vocab_size + 1, dtype=torch.bool, device=corpus.device)  # [N, V+1]
+    if L < n:
+        return banned[:, :vocab_size]
+    grams = corpus.unfold(1, n, 1)  # [N, L-n+1, n]
+    prefix, following = grams[..., :-1], grams[..., -1]  # [N, L-n+1, n-1], [N, L-n+1]
+    hit = (prefix == tails[:, None, :]).all(dim=-1) & (following != PAD)  # [N, L-n+1]
+    hit &= (tails != PAD).all(dim=-1, keepdim=True)
+    columns = torch.where(hit, following, vocab_size)  # [N, L-n+1]
+    banned.scatter_(1, columns, True)
+    return banned[:, :vocab_size]
+
+
+def no_repeat_ngram_mask(history: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
+    """history [N, L] (left-padded with PAD) -> banned [N, V]: tokens that would repeat an n-gram
+    of the row's own history (transformers' NoRepeatNGramLogitsProcessor, padding-aware)."""
+    if n <= 0:
+        return torch.zeros(history.shape[0], vocab_size, dtype=torch.bool, device=history.device)
+    return ngram_bans(history, history[:, history.shape[1] - (n - 1):], n, vocab_size)
+
+
+def encoder_no_repeat_ngram_mask(source: torch.Tensor, history: torch.Tensor, n: int,
+                                 vocab_size: int) -> torch.Tensor:
+    """source [N, S] (PAD-padded), history [N, L] -> banned [N, V]: tokens that would copy an
+    n-gram of the source (transformers' EncoderNoRepeatNGramLogitsProcessor)."""
+    if n <= 0 or history.shape[1] < n - 1:
+        return torch.zeros(history.shape[0], vocab_size, dtype=torch.bool, device=history.device)
+    return ngram_bans(source, history[:, history.shape[1] - (n - 1):], n, vocab_size)

@@ -278,8 +278,8 @@ class BartModel:
     def _cross_attention(self, h, layer, index: int, cross: CrossAttentionCache) -> torch.Tensor:
         H, D = self.config.num_heads, self.config.head_dim
         q = split_heads(linear(h, layer.cross_q, layer.cross_q_bias), H, D)  # [B, H, T, D]
-        k, v = cross.layer(index)  # [B, H, S_src, D], projected once per source
-        return linear(merge_heads(attention(q, k, v, cross.bias, self.scale)), layer.cross_o, layer.cross_o_bias)
+        o = cross.attend(index, q, self.scale)  # [B, H, T, D] against K/V projected once per source
+        return linear(merge_heads(o), layer.cross_o, layer.cross_o_bias)
 
     def _mlp(self, h: torch.Tensor, layer) -> torch.Tensor:
         up = linear(h, layer.up, layer.up_bias, activation=self.config.hidden_act)

@@ -208,8 +208,8 @@ class T5Model:
             x = x + linear(merge_heads(attention(q, k, v, self_bias, 1.0)), layer.o)
             h = self._norm(x, layer.cross_norm)
             q = split_heads(linear(h, layer.cross_q), H, D)  # [B, H, T, D]
-            k, v = cross.layer(index)  # [B, H, S_src, D], projected once per source
-            x = x + linear(merge_heads(attention(q, k, v, cross.bias, 1.0)), layer.cross_o)
+            o = cross.attend(index, q, 1.0)  # [B, H, T, D] against K/V projected once per source
+            x = x + linear(merge_heads(o), layer.cross_o)
             x = x + self._ffn(self._norm(x, layer.mlp_norm), layer)
         if not all_logits:
             x = x[:, -1:]

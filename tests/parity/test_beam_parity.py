@@ -1,0 +1,115 @@
+"""Beam search vs transformers on tiny random decoder-only models (fp32): same sequences, same scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastdecode
+from fastdecode.cache.beam import BeamKVCache
+from fastdecode.generation.beam import DecoderBeamEngine
+from fastdecode.generation.decode import left_pad
+from tiny_models import VOCAB, build
+
+pytest.importorskip("transformers")
+
+# Nonzero (transformers fills finished beams with `pad or eos`), and a token these models do not emit:
+# transformers counts left padding as tokens in n-gram blocking, fastdecode ignores padding.
+PAD = 150
+NEW = 12
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama-gqa"])
+def pair(request, tmp_path_factory):
+    hf = build(request.param)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(3.0)  # sharper distributions: EOS candidates really compete with long beams
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    return request.param, hf, fastdecode.load(str(folder))
+
+
+def _prompts(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _eos_for(gen, prompts):
+    """A token the model likes early on, so that beams really end (random tiny models have no EOS)."""
+    return gen.generate_ids([prompts[1]], max_new_tokens=5)[0][4]
+
+
+def _hf_beam(hf, prompts, **options):
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, L - len(p):] = torch.tensor(p)
+        mask[row, L - len(p):] = 1
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=PAD, output_scores=True,
+                          return_dict_in_generate=True, **options)
+    return out.sequences[:, L:].tolist(), out.sequences_scores
+
+
+def _check(hf, gen, prompts, **options):
+    theirs, their_scores = _hf_beam(hf, prompts, **options)
+    ours = gen.generate_ids_with_details(prompts, **options)
+    assert len(ours) == len(theirs)
+    width = len(theirs[0])
+    for mine, ref in zip(ours, theirs):
+        assert mine.tokens + [PAD] * (width - len(mine.tokens)) == ref, options
+    torch.testing.assert_close(torch.tensor([r.score for r in ours]), their_scores.float(), atol=1e-4, rtol=0)
+    return ours
+
+
+@pytest.mark.parametrize("beams, length_penalty, early_stopping", [
+    (2, 1.0, False), (4, 1.0, True), (4, 0.5, "never"), (4, 2.0, False), (2, 2.0, True), (4, 2.0, "never"),
+])
+def test_beam_search_matches_transformers(pair, beams, length_penalty, early_stopping):
+    kind, hf, gen = pair
+    prompts = _prompts((5, 11, 3))
+    eos = _eos_for(gen, prompts)
+    _check(hf, gen, prompts, num_beams=beams, length_penalty=length_penalty, early_stopping=early_stopping,
+           max_new_tokens=NEW, eos_token_id=eos, num_return_sequences=2)
+
+
+def test_some_beams_end_with_eos(pair):
+    """The parity cases above exercise finished-hypothesis bookkeeping, not only length endings."""
+    kind, hf, gen = pair
+    prompts = _prompts((5, 11, 3))
+    ours = _check(hf, gen, prompts, num_beams=4, length_penalty=0.5, early_stopping=True, max_new_tokens=NEW,
+                  eos_token_id=_eos_for(gen, prompts), num_return_sequences=2)
+    assert any(r.finish_reason == "eos" for r in ours)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_beam_search_with_ngram_blocking_matches_transformers(pair, n):
+    kind, hf, gen = pair
+    prompts = _prompts((7, 2), seed=3)
+    eos = _eos_for(gen, prompts)
+    _check(hf, gen, prompts, num_beams=4, no_repeat_ngram_size=n, max_new_tokens=16, eos_token_id=eos,
+           num_return_sequences=2, min_new_tokens=4)
+
+
+def test_beam_search_without_eos_runs_to_length(pair):
+    kind, hf, gen = pair
+    _check(hf, gen, _prompts((6, 9), seed=5), num_beams=3, max_new_tokens=8, num_return_sequences=3)
+
+
+def test_shared_prompt_cache_does_not_grow_with_beams(pair):
+    kind, hf, gen = pair
+    model = gen.model
+    tokens, valid, positions = left_pad(_prompts((20, 13)), model.device)
+    sizes = {}
+    for beams in (1, 2, 4):
+        engine = DecoderBeamEngine(model, beams, 10)
+        with torch.inference_mode():
+            engine.prefill(tokens, valid, positions)
+        cache: BeamKVCache = engine.cache
+        sizes[beams] = (cache.shared_nbytes, cache.per_beam_nbytes)
+    assert sizes[1][0] == sizes[2][0] == sizes[4][0]
+    assert sizes[4][1] == 2 * sizes[2][1] == 4 * sizes[1][1]
+    per_token = model.config.kv_cache_bytes_per_token()
+    assert sizes[4][0] == 2 * 20 * per_token  # B * S_prompt, once
+    assert sizes[4][1] == 2 * 4 * 10 * per_token  # B * K * S_generated

@@ -1,0 +1,91 @@
+"""Encoder-decoder beam search vs transformers on tiny BART and T5 (fp32): same sequences, same scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastdecode
+from fastdecode.cache.cross import BeamCrossAttention
+from fastdecode.generation.encdec import start_beam_encoder_decoder
+from fastdecode.config import GenerationConfig
+from tiny_encdec import VOCAB, build, hf_greedy, single_thread  # noqa: F401 (autouse fixture)
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=["bart", "t5"])
+def pair(request, tmp_path_factory):
+    hf = build(request.param)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(3.0)  # sharper distributions: EOS candidates compete with long beams
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    return request.param, hf, fastdecode.load(str(folder))
+
+
+def _sources(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB - 1, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _hf_beam(hf, sources, **options):
+    pad = hf.config.pad_token_id
+    length = max(len(s) for s in sources)
+    ids = torch.tensor([s + [pad] * (length - len(s)) for s in sources])
+    mask = torch.tensor([[1] * len(s) + [0] * (length - len(s)) for s in sources])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, do_sample=False, output_scores=True,
+                          return_dict_in_generate=True, **options)
+    return out.sequences[:, 1:].tolist(), out.sequences_scores  # without the decoder start token
+
+
+def _check(hf, gen, sources, **options):
+    theirs, their_scores = _hf_beam(hf, sources, **options)
+    ours = gen.generate_ids_with_details(sources, **options)
+    eos = options["eos_token_id"]
+    fill = hf.config.pad_token_id or eos  # what transformers pads finished beams with
+    assert len(ours) == len(theirs)
+    for mine, ref in zip(ours, theirs):
+        assert mine.tokens + [fill] * (len(ref) - len(mine.tokens)) == ref, options
+    torch.testing.assert_close(torch.tensor([r.score for r in ours]), their_scores.float(), atol=1e-4, rtol=0)
+    return ours
+
+
+def _eos_for(gen, sources):
+    return gen.generate_ids([sources[0]], max_new_tokens=5, min_new_tokens=5)[0][4]
+
+
+@pytest.mark.parametrize("beams, length_penalty, early_stopping, ngram", [
+    (2, 1.0, False, 0), (4, 2.0, True, 0), (4, 0.5, "never", 0), (4, 1.0, False, 3), (4, 2.0, True, 2),
+])
+def test_encdec_beam_search_matches_transformers(pair, beams, length_penalty, early_stopping, ngram):
+    kind, hf, gen = pair
+    sources = _sources((9, 4, 13))
+    _check(hf, gen, sources, num_beams=beams, length_penalty=length_penalty, early_stopping=early_stopping,
+           no_repeat_ngram_size=ngram, max_new_tokens=14, eos_token_id=_eos_for(gen, sources),
+           num_return_sequences=2)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_encoder_no_repeat_ngram_matches_transformers(pair, n):
+    kind, hf, gen = pair
+    sources = _sources((10, 10), seed=4)  # same length: transformers counts source padding as tokens
+    _check(hf, gen, sources, num_beams=3, encoder_no_repeat_ngram_size=n, max_new_tokens=10,
+           eos_token_id=_eos_for(gen, sources), num_return_sequences=2)
+    greedy = gen.generate_ids(sources, encoder_no_repeat_ngram_size=n, max_new_tokens=10, min_new_tokens=10)
+    assert greedy == hf_greedy(hf, sources, 10, encoder_no_repeat_ngram_size=n)
+
+
+def test_cross_attention_kv_stay_once_per_source(pair):
+    kind, hf, gen = pair
+    sources = _sources((9, 4))
+    sizes = []
+    for beams in (2, 4):
+        config = GenerationConfig(num_beams=beams, max_new_tokens=6)
+        with torch.inference_mode():
+            engine = start_beam_encoder_decoder(gen.model, sources, config).engine
+        assert isinstance(engine.cross, BeamCrossAttention)
+        sizes.append((engine.cross.nbytes, engine.cache.nbytes))
+    assert sizes[0][0] == sizes[1][0]  # cross K/V: per source, whatever the beam count
+    assert sizes[1][1] == 2 * sizes[0][1]  # decoder self-attention: per beam
