@@ -139,8 +139,6 @@ def batch_command(model_options: Callable, generation_options: Callable, handle_
                   help="Budget per batch: rows x (longest prompt + max new tokens).")
     @click.option("--lookahead", type=int, default=None,
                   help="Inputs sorted together by length (default 8 batches, or 256).")
-    @click.option("--num-return-sequences", type=int, default=1, show_default=True,
-                  help="Sequences per input (needs --do-sample); output becomes a list.")
     @click.option("--field", default="prompt", show_default=True, help="JSONL field that holds the prompt.")
     @click.option("--input-format", type=click.Choice(["auto", "jsonl", "txt"]), default="auto", show_default=True,
                   help="auto: by suffix (.jsonl / .txt), else by the first line.")
@@ -153,7 +151,7 @@ def batch_command(model_options: Callable, generation_options: Callable, handle_
     @generation_options
     @handle_errors
     def batch(input_path: str, output: str, batch_size: int | None, max_batch_tokens: int | None,
-              lookahead: int | None, num_return_sequences: int, field: str, input_format: str,
+              lookahead: int | None, field: str, input_format: str,
               chat: bool | None, quiet: bool, fail_fast: bool, overwrite: bool, model: str | None, device: str,
               dtype: str, **kwargs: Any) -> None:
         """Generate for every line of INPUT (.jsonl or .txt, - for stdin) into OUTPUT (.jsonl).
@@ -164,8 +162,7 @@ def batch_command(model_options: Callable, generation_options: Callable, handle_
         gives {"id", "line", "error"}. Killed and restarted with the same command, the run
         resumes where it stopped. Exit code: 0 all ok, 1 some inputs failed, 2 bad usage.
         """
-        options = collect_options(kwargs)
-        options["num_return_sequences"] = num_return_sequences
+        options = collect_options(kwargs)  # --num-return-sequences > 1 makes each output a list
         settings = BatchSettings(batch_size=batch_size, max_batch_tokens=max_batch_tokens, lookahead=lookahead,
                                  fail_fast=fail_fast)
         code = run_batch(input_path, output, model, device, dtype, options, settings, field, input_format, chat,
