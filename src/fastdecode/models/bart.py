@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.cross import CrossAttentionCache, padding_bias
+from .base import ModelBase
 from ..cache.static import KVCache
 from ..config import EncoderDecoderConfig
 from ..errors import UnsupportedModelError
@@ -136,7 +137,7 @@ def config_from_hf(hf: dict[str, Any]) -> EncoderDecoderConfig:
     )
 
 
-class BartModel:
+class BartModel(ModelBase):
     """Encoder-decoder over canonical weights: ``encode`` / ``cross_kv`` / ``decode``."""
 
     def __init__(self, config: EncoderDecoderConfig, weights: dict[str, torch.Tensor]):
@@ -176,14 +177,6 @@ class BartModel:
             layers.append(SimpleNamespace(**layer))
         return SimpleNamespace(layers=layers, positions=pos_tables[stack], embed_norm=pair(f"{stack}.embed_norm"),
                                norm=pair(f"{stack}.norm"))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
 
     # -- the three entry points the engine uses ---------------------------------------------------
     def encode(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
+from .base import ModelBase
 from ..config import ModelConfig
 from ..layers.linear import linear
 from ..layers.positions import alibi_slopes
@@ -87,7 +88,7 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
     return weight
 
 
-class BloomModel:
+class BloomModel(ModelBase):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         self.config = config
         self.embed = weights["embed.weight"]
@@ -103,14 +104,6 @@ class BloomModel:
             self.layers.append(SimpleNamespace(**layer))
         self.slopes = alibi_slopes(config.num_heads).to(self.embed.device)  # [H]
         self.scale = config.head_dim**-0.5
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
 
     def alibi_bias(self, distance: torch.Tensor) -> torch.Tensor:
         """slope_h * (key - query position) [B, H, T, S] from distances [B, T, S]. Relative to the

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
+from .base import ModelBase
 from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, linear
 from ..errors import UnsupportedModelError
@@ -130,7 +131,7 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
 
 
 
-class GPT2Model:
+class GPT2Model(ModelBase):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         if config.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"gpt2 activation {config.hidden_act!r} is not supported")
@@ -148,14 +149,6 @@ class GPT2Model:
                 w[n] = w[n].t()  # Conv1D [in, out] -> linear [out, in] (a view)
             self.layers.append(SimpleNamespace(**w, **b))
         self.scale = config.head_dim**-0.5
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
 
     def forward(
         self,

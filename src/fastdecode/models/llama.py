@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
+from .base import ModelBase
 from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, linear
 from ..errors import UnsupportedModelError
@@ -191,7 +192,7 @@ def _as_list(value: Any) -> list[int]:
 
 
 
-class LlamaModel:
+class LlamaModel(ModelBase):
     """Decoder-only Llama-family model over canonical weights."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
@@ -218,14 +219,6 @@ class LlamaModel:
         )
         self.rope = RotaryEmbedding(rotary_dim, inv_freq, attention_factor)
         self.scale = config.head_dim**-0.5
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
 
     def forward(
         self,

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.cross import CrossAttentionCache, padding_bias
+from .base import ModelBase
 from ..cache.static import KVCache
 from ..config import EncoderDecoderConfig
 from ..errors import UnsupportedModelError
@@ -124,7 +125,7 @@ def config_from_hf(hf: dict[str, Any]) -> EncoderDecoderConfig:
     )
 
 
-class T5Model:
+class T5Model(ModelBase):
     """Encoder-decoder over canonical weights: ``encode`` / ``cross_kv`` / ``decode``."""
 
     def __init__(self, config: EncoderDecoderConfig, weights: dict[str, torch.Tensor]):
@@ -153,14 +154,6 @@ class T5Model:
             layers.append(SimpleNamespace(**layer))
         return SimpleNamespace(layers=layers, relative_bias=weights[f"{stack}.relative_bias.weight"],  # [buckets, H]
                                norm=weights[f"{stack}.norm.weight"])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
 
     # -- the three entry points the engine uses ---------------------------------------------------
     def encode(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
