@@ -1,7 +1,11 @@
 """Batch pipeline vs a synchronous loop, side by side on the embedded SmolLM2-135M-Instruct.
 
-    python benchmarks/pipeline_speed.py            # 512 prompts, 3 alternating rounds (~3-5 min on 2 cores)
-    python benchmarks/pipeline_speed.py --quick    # 128 prompts, adds the no-bucketing ablation (~1-2 min)
+    python benchmarks/pipeline_speed.py            # 512 prompts, 2 alternating rounds (~4-5 min, idle 2 cores)
+    python benchmarks/pipeline_speed.py --quick    # 128 prompts, adds the no-bucketing ablation (~2 min)
+    python benchmarks/pipeline_speed.py --ablation --rounds 3   # the table in the branch report
+
+Times are for an idle 2-core machine; when other jobs share the cores, expect several times more
+(the 3-round ablation run took 24 minutes at a load average of 2-4).
 
 Both variants do the same work per batch of ``--batch-size`` prompts: tokenize, generate
 ``--max-new-tokens`` greedy tokens, detokenize, build the output record, run a per-record
@@ -136,7 +140,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--post-ms", type=float, default=None, help="post-processing cost per record (ms)")
     parser.add_argument("--post-share", type=float, default=0.3,
                         help="calibrate --post-ms so post-processing is this share of the sync loop")
