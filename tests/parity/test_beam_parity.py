@@ -19,7 +19,7 @@ PAD = 150
 NEW = 12
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama-gqa"])
+@pytest.fixture(scope="module", params=["gpt2", "llama-gqa", "llama-mqa", "bloom"])
 def pair(request, tmp_path_factory):
     hf = build(request.param)
     with torch.no_grad():
