@@ -97,8 +97,22 @@ class BeamKVCache:
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Beam reorder: rows [B*K] (each a beam of the same sample) -> gather only the generated segment."""
         n = self.length
+        if rows.numel() != self.gen_keys.shape[1]:  # settled samples dropped as well: a smaller buffer
+            self.gen_keys = self.gen_keys.index_select(1, rows)
+            self.gen_values = self.gen_values.index_select(1, rows)
+            self._unbind()
+            return
         self.gen_keys[:, :, :, :n] = self.gen_keys[:, :, :, :n].index_select(1, rows)
         self.gen_values[:, :, :, :n] = self.gen_values[:, :, :, :n].index_select(1, rows)
+
+    def keep_samples(self, samples: torch.Tensor) -> None:
+        """Keep only these samples' shared segment [B'] (the beams' rows are gathered by keep_rows)."""
+        self.prompt_keys = [k.index_select(0, samples) for k in self.prompt_keys]
+        self.prompt_values = [v.index_select(0, samples) for v in self.prompt_values]
+        self.prompt_positions = self.prompt_positions.index_select(0, samples)
+        self.gen_positions = self.gen_positions.index_select(0, samples)
+        if self.prompt_bias is not None:
+            self.prompt_bias = self.prompt_bias.index_select(0, samples)
 
     @property
     def shared_nbytes(self) -> int:
