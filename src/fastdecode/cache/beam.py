@@ -102,8 +102,7 @@ class BeamKVCache:
             self.gen_values = self.gen_values.index_select(1, rows)
             self._unbind()
             return
-        self.gen_keys[:, :, :, :n] = self.gen_keys[:, :, :, :n].index_select(1, rows)
-        self.gen_values[:, :, :, :n] = self.gen_values[:, :, :, :n].index_select(1, rows)
+        gather_rows_in_place((self.gen_keys, self.gen_values), rows, n)
 
     def keep_samples(self, samples: torch.Tensor) -> None:
         """Keep only these samples' shared segment [B'] (the beams' rows are gathered by keep_rows)."""
@@ -125,6 +124,18 @@ class BeamKVCache:
     @property
     def nbytes(self) -> int:
         return self.shared_nbytes + self.per_beam_nbytes
+
+
+def gather_rows_in_place(buffers: tuple[torch.Tensor, ...], rows: torch.Tensor, length: int) -> None:
+    """buffer[:, i, ..., :length] = buffer[:, rows[i], ..., :length] for each [L, N, H, S, D] buffer, moving
+    only the rows whose source changed: most beams usually continue themselves, so a reorder copies
+    a fraction of the cache (one small host sync to find them)."""
+    moved = torch.nonzero(rows != torch.arange(rows.numel(), device=rows.device)).flatten()  # [M]
+    if moved.numel() == 0:
+        return
+    sources = rows[moved]
+    for buffer in buffers:
+        buffer[:, moved, :, :length] = buffer[:, sources, :, :length]  # the right side is gathered first
 
 
 def _fold_bias(mask: torch.Tensor, num_kv_heads: int, group: int) -> torch.Tensor:

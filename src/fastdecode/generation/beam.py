@@ -188,21 +188,22 @@ class BeamSearch:
             # computing it until the whole batch stops, to no effect): drop it, so it stops costing work.
             settled = ~improvable[:, 0] | (fin_done.all(dim=1) & (cfg.early_stopping is True))  # [B]
             go_on = improvable.any() & ~(fin_done.all() & (cfg.early_stopping is True)) & ~hits.all()
+            go_on, any_settled = torch.stack((go_on, settled.any())).tolist()  # the step's one host sync
             yield []
-            if not bool(go_on):
+            if not go_on:
                 break
             rows = origin + offsets  # [B, K] row (in the current layout) each beam continues
-            if bool(settled.any()):
+            if any_settled:
                 for sample in torch.nonzero(settled).flatten().tolist():
                     final[alive[sample]] = (fin_tokens[sample], fin_length[sample], fin_scores[sample])
-                keep = torch.nonzero(~settled).flatten()  # [B'] samples still searching
-                alive = [alive[i] for i in keep.tolist()]
-                rows, positions = rows[keep], positions.view(B, K)[keep].reshape(-1)
-                running, running_tokens, improvable = running[keep], running_tokens[keep], improvable[keep]
-                fin_tokens, fin_length, fin_scores, fin_done = (fin_tokens[keep], fin_length[keep],
-                                                                fin_scores[keep], fin_done[keep])
-                engine.keep_samples(keep)
-                B = keep.numel()
+                staying = torch.nonzero(~settled).flatten()  # [B'] samples still searching
+                alive = [alive[i] for i in staying.tolist()]
+                rows, positions = rows[staying], positions.view(B, K)[staying].reshape(-1)
+                running, running_tokens = running[staying], running_tokens[staying]
+                improvable, fin_done = improvable[staying], fin_done[staying]
+                fin_tokens, fin_length, fin_scores = fin_tokens[staying], fin_length[staying], fin_scores[staying]
+                engine.keep_samples(staying)
+                B = staying.numel()
                 offsets = (torch.arange(B, device=device) * K)[:, None]
             rows = rows.view(-1)  # [B*K]
             tokens = running_tokens[:, :, step].reshape(-1)  # [B*K]
