@@ -54,6 +54,8 @@ def generation_options(command):
                      help="Results per prompt (<= --num-beams for beam search)."),
         click.option("--no-repeat-ngram-size", type=int, default=0, show_default=True,
                      help="Never repeat an n-gram of this size (0: off)."),
+        click.option("--encoder-no-repeat-ngram-size", type=int, default=0, show_default=True,
+                     help="Encoder-decoder: never copy an n-gram of this size from the source (0: off)."),
         click.option("--no-cache", "no_cache", is_flag=True, help="Recompute everything each step (slow reference)."),
     ]
     for option in reversed(options):
@@ -91,7 +93,7 @@ def _collect_options(kwargs: dict[str, Any]) -> dict[str, Any]:
         name: kwargs[name]
         for name in ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
                      "repetition_penalty", "seed", "num_beams", "length_penalty", "num_return_sequences",
-                     "no_repeat_ngram_size")
+                     "no_repeat_ngram_size", "encoder_no_repeat_ngram_size")
     }
     options["early_stopping"] = {"true": True, "false": False, "never": "never"}[kwargs["early_stopping"]]
     options["use_cache"] = not kwargs["no_cache"]

@@ -222,6 +222,9 @@ class GenerationConfig:
             raise bad("stop strings are not supported with beam search (num_beams > 1)")
         if self.max_new_tokens is None:
             raise bad("beam search needs max_new_tokens")
+        if not self.use_cache:
+            raise bad("beam search always runs on its de-duplicated cache: use_cache=False is for greedy and "
+                      "sampling (the naive reference)")
 
     def _validate_streaming(self, bad) -> None:
         if self.policy not in ("shift", "reevaluate"):

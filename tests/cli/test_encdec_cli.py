@@ -75,3 +75,11 @@ def test_bad_inputs_exit_2(bart_folder, tmp_path):
     result = run("generate", "-m", str(mismatch), "-p", "w1")
     assert result.exit_code == 2 and "500 tokens" in result.stderr
     assert all("Traceback" not in r.output for r in (too_long, chat, result))
+
+
+def test_generate_with_beam_search_on_an_encoder_decoder(bart_folder):
+    result = run("generate", "-m", str(bart_folder), "-p", "w1 w2 w3", "--num-beams", "4", "--num-return-sequences",
+                 "2", "--no-repeat-ngram-size", "2", "--length-penalty", "2.0", "--max-new-tokens", "6",
+                 "--encoder-no-repeat-ngram-size", "2")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("--- ") == 2 and "score" in result.stdout

@@ -19,7 +19,7 @@ PAD = 150
 NEW = 12
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama-gqa"])
+@pytest.fixture(scope="module", params=["gpt2", "llama-gqa", "llama-mqa", "bloom"])
 def pair(request, tmp_path_factory):
     hf = build(request.param)
     with torch.no_grad():
@@ -113,3 +113,17 @@ def test_shared_prompt_cache_does_not_grow_with_beams(pair):
     per_token = model.config.kv_cache_bytes_per_token()
     assert sizes[4][0] == 2 * 20 * per_token  # B * S_prompt, once
     assert sizes[4][1] == 2 * 4 * 10 * per_token  # B * K * S_generated
+
+
+@pytest.mark.parametrize("early_stopping", [True, False])
+def test_settled_samples_leave_the_batch_without_changing_results(pair, early_stopping, monkeypatch):
+    """A sample whose finished set can no longer change is dropped (transformers keeps computing it)."""
+    kind, hf, gen = pair
+    dropped = []
+    keep_samples = BeamKVCache.keep_samples
+    monkeypatch.setattr(BeamKVCache, "keep_samples", lambda self, s: (dropped.append(s.numel()), keep_samples(self, s)))
+    prompts = _prompts((5, 11, 3, 8, 2), seed=2)
+    _check(hf, gen, prompts, num_beams=2, length_penalty=0.5, early_stopping=early_stopping, max_new_tokens=24,
+           eos_token_id=_eos_for(gen, prompts))
+    if kind != "llama-mqa":  # with these prompts its samples all settle at the same step
+        assert dropped, "no sample settled early: the test does not exercise dropping"

@@ -173,6 +173,8 @@ def test_prompt_longer_than_context(tiny):
         ({"num_beams": 2, "num_return_sequences": 3}, "num_return_sequences"),
         ({"num_beams": 2, "do_sample": True}, "beam sampling"),
         ({"num_beams": 2, "stop": "x"}, "stop strings"),
+        ({"num_beams": 2, "use_cache": False}, "use_cache"),
+        ({"num_beams": 2, "n_ctx": 64}, "streaming"),
         ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"),
         ({"encoder_no_repeat_ngram_size": 2}, "encoder-decoder"),
         ({"num_return_sequences": 2}, "do_sample"),

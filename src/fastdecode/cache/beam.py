@@ -97,8 +97,21 @@ class BeamKVCache:
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Beam reorder: rows [B*K] (each a beam of the same sample) -> gather only the generated segment."""
         n = self.length
-        self.gen_keys[:, :, :, :n] = self.gen_keys[:, :, :, :n].index_select(1, rows)
-        self.gen_values[:, :, :, :n] = self.gen_values[:, :, :, :n].index_select(1, rows)
+        if rows.numel() != self.gen_keys.shape[1]:  # settled samples dropped as well: a smaller buffer
+            self.gen_keys = self.gen_keys.index_select(1, rows)
+            self.gen_values = self.gen_values.index_select(1, rows)
+            self._unbind()
+            return
+        gather_rows_in_place((self.gen_keys, self.gen_values), rows, n)
+
+    def keep_samples(self, samples: torch.Tensor) -> None:
+        """Keep only these samples' shared segment [B'] (the beams' rows are gathered by keep_rows)."""
+        self.prompt_keys = [k.index_select(0, samples) for k in self.prompt_keys]
+        self.prompt_values = [v.index_select(0, samples) for v in self.prompt_values]
+        self.prompt_positions = self.prompt_positions.index_select(0, samples)
+        self.gen_positions = self.gen_positions.index_select(0, samples)
+        if self.prompt_bias is not None:
+            self.prompt_bias = self.prompt_bias.index_select(0, samples)
 
     @property
     def shared_nbytes(self) -> int:
@@ -111,6 +124,18 @@ class BeamKVCache:
     @property
     def nbytes(self) -> int:
         return self.shared_nbytes + self.per_beam_nbytes
+
+
+def gather_rows_in_place(buffers: tuple[torch.Tensor, ...], rows: torch.Tensor, length: int) -> None:
+    """buffer[:, i, ..., :length] = buffer[:, rows[i], ..., :length] for each [L, N, H, S, D] buffer, moving
+    only the rows whose source changed: most beams usually continue themselves, so a reorder copies
+    a fraction of the cache (one small host sync to find them)."""
+    moved = torch.nonzero(rows != torch.arange(rows.numel(), device=rows.device)).flatten()  # [M]
+    if moved.numel() == 0:
+        return
+    sources = rows[moved]
+    for buffer in buffers:
+        buffer[:, moved, :, :length] = buffer[:, sources, :, :length]  # the right side is gathered first
 
 
 def _fold_bias(mask: torch.Tensor, num_kv_heads: int, group: int) -> torch.Tensor:

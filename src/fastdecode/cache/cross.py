@@ -94,6 +94,10 @@ class BeamCrossAttention:
     def keep_rows(self, rows: torch.Tensor) -> None:
         """A beam reorder stays within each sample: the per-source K/V do not move."""
 
+    def keep_samples(self, samples: torch.Tensor) -> None:
+        """Drop settled samples' source K/V."""
+        self.cross.keep_rows(samples)
+
     @property
     def nbytes(self) -> int:
         return self.cross.nbytes

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.attention import attention
+from .beam import gather_rows_in_place
 
 
 class KVCache:
@@ -83,7 +84,14 @@ class KVCache:
         return self.positions[:, None, : self.length] - query_positions[:, :, None]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Drop finished sequences: keep only ``rows`` (1-D index) of the batch, so they stop costing work."""
+        """Drop finished sequences: keep only ``rows`` (1-D index) of the batch, so they stop costing work.
+        As many rows as before (a beam reorder): gather in place, only the filled slots."""
+        if rows.numel() == self.batch_size:
+            n = self.length
+            gather_rows_in_place((self.keys, self.values), rows, n)
+            self.valid[:, :n] = self.valid[:, :n].index_select(0, rows)
+            self.positions[:, :n] = self.positions[:, :n].index_select(0, rows)
+            return
         self.keys = self.keys.index_select(1, rows)
         self.values = self.values.index_select(1, rows)
         self._unbind()

@@ -59,6 +59,10 @@ class DecoderBeamEngine:
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.cache.keep_rows(rows)
 
+    def keep_samples(self, samples: torch.Tensor) -> None:
+        """Drop settled samples' shared prompt K/V (their beams go with the next ``keep_rows``)."""
+        self.cache.keep_samples(samples)
+
 
 def start_beam_decoder_only(model, prompts: list[list[int]], config: GenerationConfig) -> Started:
     tokens, valid, positions = left_pad(prompts, model.device)
@@ -134,6 +138,8 @@ class BeamSearch:
         logits = logits.repeat_interleave(K, dim=0)  # [B*K, V]: every beam starts from the same prompt
         positions = next_positions.repeat_interleave(K)  # [B*K]
         offsets = (torch.arange(B, device=device) * K)[:, None]  # [B, 1] first row of each sample
+        alive = list(range(B))  # original sample index of each sample still searching
+        final: list = [None] * B  # per original sample: (tokens [K, max_new], lengths [K], scores [K])
 
         running = torch.zeros(B, K, device=device)
         running[:, 1:] = NEG  # only one beam is real at the first step
@@ -178,18 +184,37 @@ class BeamSearch:
             best_running = running[:, :1] / (best_length ** lp)
             worst = torch.where(fin_done, fin_scores.min(dim=1, keepdim=True).values, NEG)
             improvable = improvable & (best_running > worst).any(dim=-1, keepdim=True)
+            # A sample is settled when nothing can enter its finished set any more (transformers keeps
+            # computing it until the whole batch stops, to no effect): drop it, so it stops costing work.
+            settled = ~improvable[:, 0] | (fin_done.all(dim=1) & (cfg.early_stopping is True))  # [B]
             go_on = improvable.any() & ~(fin_done.all() & (cfg.early_stopping is True)) & ~hits.all()
+            go_on, any_settled = torch.stack((go_on, settled.any())).tolist()  # the step's one host sync
             yield []
-            if not bool(go_on):
+            if not go_on:
                 break
-            rows = (origin + offsets).view(-1)  # [B*K]
+            rows = origin + offsets  # [B, K] row (in the current layout) each beam continues
+            if any_settled:
+                for sample in torch.nonzero(settled).flatten().tolist():
+                    final[alive[sample]] = (fin_tokens[sample], fin_length[sample], fin_scores[sample])
+                staying = torch.nonzero(~settled).flatten()  # [B'] samples still searching
+                alive = [alive[i] for i in staying.tolist()]
+                rows, positions = rows[staying], positions.view(B, K)[staying].reshape(-1)
+                running, running_tokens = running[staying], running_tokens[staying]
+                improvable, fin_done = improvable[staying], fin_done[staying]
+                fin_tokens, fin_length, fin_scores = fin_tokens[staying], fin_length[staying], fin_scores[staying]
+                engine.keep_samples(staying)
+                B = staying.numel()
+                offsets = (torch.arange(B, device=device) * K)[:, None]
+            rows = rows.view(-1)  # [B*K]
             tokens = running_tokens[:, :, step].reshape(-1)  # [B*K]
             engine.keep_rows(rows)
             self.selector.keep_rows(rows)
             self.selector.record(tokens)
             logits = engine.decode(tokens, positions)
             positions = positions + 1
-        self.results = self._collect(fin_tokens, fin_length, fin_scores)
+        for sample, original in enumerate(alive):
+            final[original] = (fin_tokens[sample], fin_length[sample], fin_scores[sample])
+        self.results = self._collect(*(torch.stack(parts) for parts in zip(*final)))
 
     def _collect(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> list[SequenceResult]:
         """The first num_return_sequences finished hypotheses per sample (already best first)."""

@@ -106,6 +106,10 @@ class EncoderDecoderEngine:
         self.cache.keep_rows(rows)
         self.cross.keep_rows(rows)
 
+    def keep_samples(self, samples: torch.Tensor) -> None:
+        """Beam search: drop settled samples' source K/V (their beams go with the next ``keep_rows``)."""
+        self.cross.keep_samples(samples)
+
 
 class EncoderDecoderRecompute:
     """No cache at all: every step re-encodes the source and re-decodes the whole target."""
