@@ -10,10 +10,14 @@ Position shifting without recomputation. After ``shift`` tokens have been droppe
 window tokens must look ``shift`` positions closer to the sinks. Every key is stored rotated
 (RoPE) at its absolute position a. RoPE scores depend only on the difference of the two
 positions, so for window keys the shift cancels: (a_q - shift) - (a - shift) = a_q - a, and the
-query rotated at its absolute position a_q is right as it is. Only the sink keys (which keep
-positions 0..n_keep-1) need the query rotated back by ``shift``. So the cache rotates the *query*
-once per segment instead of rewriting any cached key: a one-in, one-out ring costs nothing extra
-per step. For ALiBi the same frames give the key-query distances the bias is built from.
+query rotated at its absolute position a_q is right as it is. Only the ``n_keep`` sink keys (which
+keep positions 0..n_keep-1) sit in another frame: the query must see them ``shift`` positions
+closer. When every query of a forward has the same shift (always so when generating), the cache
+rotates its few sink keys from their stored originals by +shift, once per forward for all layers,
+and attention is one ordinary call; no window key is ever rewritten, so a one-in, one-out ring
+costs O(n_keep) extra per step. When the queries of a chunk have different shifts, each query is
+rotated back by its own shift for the sink segment instead, under one softmax over both
+segments. For ALiBi the same frames give the key-query distances the bias is built from.
 
 Chunks. The ring may have ``headroom`` slots beyond the window, so that a chunk of up to
 ``headroom + 1`` tokens can be written at once: each query then gets its own visible range and its
@@ -24,11 +28,10 @@ Without headroom a chunk can still run up to the point where the policy next dro
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ..layers.attention import attention, two_segment_attention
+from ..layers.positions import RotaryEmbedding
 
 
 class StreamingCache:
@@ -42,7 +45,7 @@ class StreamingCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        rotate_by: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        rope: RotaryEmbedding | None = None,
         headroom: int = 0,
     ):
         self.n_ctx, self.n_keep, self.n_discard = n_ctx, n_keep, n_discard
@@ -54,7 +57,12 @@ class StreamingCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, Hkv, slots, D]
         self.layer_keys = list(self.keys.unbind(0))
         self.layer_values = list(self.values.unbind(0))
-        self.rotate_by = rotate_by  # RoPE: rotate vectors by position deltas; None: no rotation
+        self.rope = rope  # RoPE: sinks are re-rotated into the window's frame; None (ALiBi): no rotation
+        self.rotate_by = rope.rotate_by if rope is not None else None
+        # Sink keys as stored (rotated at their own positions); the cache's sink slots hold them
+        # rotated into the frame of shift ``sink_frame``.
+        self.sink_keys = torch.zeros(shape[:3] + (n_keep, head_dim), dtype=dtype, device=device)
+        self.sink_frame = 0
         self.device = torch.device(device)
         self.slot_positions = torch.full((capacity,), -1, dtype=torch.long, device=device)  # -1 = empty
         # Physical state: which slots hold which tokens.
@@ -107,6 +115,11 @@ class StreamingCache:
         self.slot_positions[self.write_slots] = torch.tensor(positions, device=self.device)
         self.used = max(self.used, max(slots) + 1)
         self.query_lowest, self.query_shift = lowest, shifts
+        self.writes_sinks = min(slots) < self.n_keep
+        if self.rope is not None and self.n_keep and shifts[0] == shifts[-1] != self.sink_frame:
+            # One frame for the whole forward: rotate the sink slots of every layer at once.
+            self.keys[:, :, :, : self.n_keep] = self.rope.rotate_by(self.sink_keys, shifts[0])
+            self.sink_frame = shifts[0]
 
     def _evict_oldest(self) -> None:
         self.slot_positions[self.n_keep + self.ring_head] = -1
@@ -146,10 +159,15 @@ class StreamingCache:
         keys, values = self.layer_keys[layer], self.layer_values[layer]
         keys.index_copy_(2, self.write_slots, k)
         values.index_copy_(2, self.write_slots, v)
+        if self.writes_sinks:  # sinks are written while nothing has shifted: these are originals
+            self.sink_keys[layer].copy_(keys[:, :, : self.n_keep])
         keys, values = keys[:, :, : self.used], values[:, :, : self.used]
-        if self.rotate_by is None or self.n_keep == 0 or not any(self.query_shift):
-            return attention(q, keys, values, mask, scale)
-        # The sinks' frame: each query rotated back by the shift at its time.
-        deltas = torch.tensor(self.query_shift, device=self.device).neg()
-        q_sinks = self.rotate_by(q, deltas)
-        return two_segment_attention(q_sinks, q, keys, values, min(self.n_keep, self.used), mask, scale)
+        shifts = self.query_shift
+        if self.rope is None or self.n_keep == 0 or shifts[0] == shifts[-1]:
+            return attention(q, keys, values, mask, scale)  # sink slots already in the queries' frame
+        # Queries with different shifts: each sees the original sinks rotated back by its own.
+        deltas = torch.tensor(shifts, device=self.device).neg()
+        q_sinks = self.rope.rotate_by(q, deltas)
+        n = self.n_keep
+        return two_segment_attention(q_sinks, self.sink_keys[layer], values[:, :, :n],
+                                     q, keys[:, :, n:], values[:, :, n:], mask, scale)

@@ -70,9 +70,9 @@ class ShiftEngine(_StreamingEngineBase):
                 f"{cfg.architecture} uses learned absolute positions, which cannot be shifted: "
                 "use policy='reevaluate'"
             )
-        rotate_by = model.rope.rotate_by if cfg.position_kind == "rope" else None
+        rope = model.rope if cfg.position_kind == "rope" else None
         self.cache = StreamingCache(cfg.num_layers, cfg.num_kv_heads, n_ctx, n_keep, n_discard, cfg.head_dim,
-                                    model.dtype, model.device, rotate_by, headroom)
+                                    model.dtype, model.device, rope, headroom)
         self.next_position = 0  # absolute position of the next token in the stream
 
     def feed_chunks(self, tokens: torch.Tensor, all_logits: bool) -> Iterator[torch.Tensor]:

@@ -28,28 +28,30 @@ def attention(
 
 
 def two_segment_attention(
-    q_first: torch.Tensor, q_rest: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
+    q_first: torch.Tensor, k_first: torch.Tensor, v_first: torch.Tensor,
+    q_rest: torch.Tensor, k_rest: torch.Tensor, v_rest: torch.Tensor,
     mask: torch.Tensor | None, scale: float,
 ) -> torch.Tensor:
-    """Attention where keys [:split] are scored with ``q_first`` and keys [split:] with ``q_rest``,
-    under one softmax over all keys.
+    """Attention over two key segments, each scored with its own version of the queries, under
+    one softmax over both.
 
-    Used when two segments of the cache sit in different position frames: a streaming cache's
-    attention sinks keep their positions while the window has been shifted, so the query is
-    rotated once per segment instead of rewriting any cached key.
-    q_*: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask additive [B, 1, T, S] or None -> [B, H, T, D].
+    Used when two segments of a cache sit in different position frames: a streaming cache's
+    attention sinks keep their positions while the window has been shifted, so the queries are
+    rotated once per segment instead of rewriting cached keys.
+    q_*: [B, H, T, D]; k_*, v_*: [B, Hkv, S_*, D]; mask additive [B, 1, T, S_first + S_rest] or None
+    -> [B, H, T, D].
     """
     B, H, T, D = q_first.shape
-    Hkv = k.shape[1]
+    Hkv = k_first.shape[1]
     q_first, mask = _fold_groups(q_first, mask, Hkv)  # [B, Hkv, G*T, D]
     q_rest, _ = _fold_groups(q_rest, None, Hkv)  # [B, Hkv, G*T, D]
-    scores = torch.cat(
-        (q_first @ k[:, :, :split].transpose(-1, -2), q_rest @ k[:, :, split:].transpose(-1, -2)), dim=-1
-    ) * scale  # [B, Hkv, G*T, S]
-    if mask is not None:
+    scores = torch.cat((q_first @ k_first.transpose(-1, -2), q_rest @ k_rest.transpose(-1, -2)), dim=-1) * scale
+    if mask is not None:  # scores: [B, Hkv, G*T, S_first + S_rest]
         scores = scores + mask
-    probs = scores.float().softmax(dim=-1).to(v.dtype)
-    return (probs @ v).reshape(B, H, T, D)  # [B, Hkv, G*T, D] -> [B, H, T, D]
+    probs = scores.float().softmax(dim=-1).to(v_first.dtype)
+    split = k_first.shape[2]
+    out = probs[..., :split] @ v_first + probs[..., split:] @ v_rest  # [B, Hkv, G*T, D]
+    return out.reshape(B, H, T, D)  # [B, Hkv, G*T, D] -> [B, H, T, D]
 
 
 def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
