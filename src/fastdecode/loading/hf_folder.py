@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ import torch
 from ..errors import CheckpointError, FastDecodeError, ModelNotFoundError
 from ..models.registry import family_for_hf_config
 from .checkpoint import Checkpoint, canonical_weights, check_tokenizer_matches
+from .jsonfile import read_json_object
 from .names import resolve_weight_names
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -20,13 +20,7 @@ GENERATION_KEYS = ("decoder_start_token_id", "forced_bos_token_id", "forced_eos_
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {what} {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{what} {path} is not a JSON object")
-    return data
+    return read_json_object(path, what, CheckpointError)
 
 
 def with_generation_config(hf_config: dict[str, Any], generation: dict[str, Any] | None) -> dict[str, Any]:

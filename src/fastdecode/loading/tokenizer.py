@@ -25,6 +25,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from ..errors import TokenizerError
+from .jsonfile import read_json_object
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer"]
 
@@ -549,13 +550,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     """An optional JSON config: {} when absent, TokenizerError when present but unreadable."""
     if not path.is_file():
         return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(value, dict):
-        raise TokenizerError(f"{path} does not hold a JSON object")
-    return value
+    return read_json_object(path, "tokenizer file", TokenizerError)
 
 
 def _select_chat_template(value: Any, where: Any) -> str | None:
