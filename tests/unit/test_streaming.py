@@ -270,3 +270,22 @@ def test_prompt_longer_than_the_model_context_streams(llama):
     long_prompt = _tokens(300, 9).tolist()  # the tiny model's context is 256
     out = llama.generate_ids([long_prompt], max_new_tokens=8, n_ctx=64)
     assert len(out[0]) == 8
+
+
+def test_chat_turns_feed_only_their_new_tokens(tmp_path):
+    """The second turn feeds the rendering's new suffix (and the pending last reply token), not the whole
+    conversation again."""
+    from tiny_models import save_tiny_folder
+
+    save_tiny_folder(tmp_path, "llama-gqa")
+    gen = fastdecode.load(str(tmp_path))
+    session = gen.chat_session(n_ctx=128, max_new_tokens=5)
+    "".join(session.send("w1 w2 w3"))
+    fed_after_first = session.engine.next_position
+    "".join(session.send("w4 w5"))
+    fed_in_second = session.engine.next_position - fed_after_first
+    whole = gen.tokenizer.encode(gen.tokenizer.apply_chat_template(session.messages[:-1]), add_special_tokens=False)
+    assert session.full_rebuilds == 0
+    assert fed_in_second < len(whole)  # the first turn was not prefilled again
+    assert session.engine.next_position == len(whole) + len(gen.tokenizer.encode(session.messages[-1]["content"],
+                                                                                   add_special_tokens=False)) - 1

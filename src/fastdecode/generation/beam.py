@@ -114,7 +114,7 @@ class BeamSearch:
         return self.results
 
     def __iter__(self) -> Iterator[list]:
-        cfg, model = self.config, self.model
+        cfg = self.config
         if cfg.max_new_tokens == 0:
             self.results = [SequenceResult([], "length", 0.0) for _ in self.prompts
                             for _ in range(cfg.num_return_sequences)]

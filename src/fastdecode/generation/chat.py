@@ -62,12 +62,5 @@ class ChatSession:
             self.fed_text = rendered + self.tokenizer.decode(generated, skip_special_tokens=False)
             self.pending = generated[-1:]
 
-    @property
-    def cached_tokens(self) -> int:
-        cache = getattr(self.engine, "cache", None)
-        if cache is not None and hasattr(cache, "slot_positions"):
-            return int((cache.slot_positions >= 0).sum())
-        return len(getattr(self.engine, "tokens", []))
-
 
 __all__ = ["ChatSession"]

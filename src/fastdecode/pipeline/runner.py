@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from ..config import GenerationConfig
 from ..errors import BatchFileError, FastDecodeError, InvalidOptionError
-from .batching import padded_tokens, plan_window
+from .batching import plan_window
 from .inputs import InputItem
 from .records import ReorderBuffer, error_record, is_error, success_record
 
