@@ -38,6 +38,7 @@ import fastdecode  # noqa: E402
 from fastdecode.config import GenerationConfig  # noqa: E402
 from fastdecode.generation import sampling  # noqa: E402
 from fastdecode.generation.beam import BeamSearch  # noqa: E402
+from random_models import build_bart, build_gpt2  # noqa: E402
 
 TARGET_SPEEDUP = 3.0
 TARGET_NGRAM_SHARE = 0.02
@@ -57,21 +58,6 @@ class Settings:
     @classmethod
     def quick(cls) -> "Settings":
         return cls(batch=2, prompt_length=64, new_tokens=8, reps=1)
-
-
-def build_bart():
-    import transformers as tf
-
-    config = tf.BartConfig(vocab_size=50265, d_model=768, encoder_layers=6, decoder_layers=6,
-                           encoder_attention_heads=12, decoder_attention_heads=12, encoder_ffn_dim=3072,
-                           decoder_ffn_dim=3072, max_position_embeddings=1024)
-    return tf.BartForConditionalGeneration(config)
-
-
-def build_gpt2():
-    import transformers as tf
-
-    return tf.GPT2LMHeadModel(tf.GPT2Config())  # 124M: 12 layers, d_model 768, vocab 50257
 
 
 def timed(fn) -> tuple[float, object]:

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import fastdecode  # noqa: E402
 from fastdecode.generation.encdec import right_pad  # noqa: E402
+from random_models import build_bart, build_t5  # noqa: E402
 
 TARGET_SPEEDUP = 2.0
 
@@ -55,23 +56,6 @@ class Settings:
     @classmethod
     def quick(cls) -> "Settings":
         return cls(source_length=64, new_tokens=16, reps=2, naive_new_tokens=4, naive_reps=1)
-
-
-def build_bart():
-    import transformers as tf
-
-    config = tf.BartConfig(vocab_size=50265, d_model=768, encoder_layers=6, decoder_layers=6,
-                           encoder_attention_heads=12, decoder_attention_heads=12, encoder_ffn_dim=3072,
-                           decoder_ffn_dim=3072, max_position_embeddings=1024)
-    return tf.BartForConditionalGeneration(config)
-
-
-def build_t5():
-    import transformers as tf
-
-    config = tf.T5Config(vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6,
-                         num_heads=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-    return tf.T5ForConditionalGeneration(config)
 
 
 def timed(fn) -> tuple[float, object]:
