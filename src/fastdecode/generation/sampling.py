@@ -92,7 +92,7 @@ class TokenSelector:
             logits = suppress_tokens(logits, self.eos_ids)
         if num_generated == 0 and self.forced_bos is not None:
             logits = force_tokens(logits, self.forced_bos)
-        if self.forced_eos is not None and num_generated == (cfg.max_new_tokens or 0) - 1:
+        if self.forced_eos is not None and cfg.max_new_tokens is not None and num_generated == cfg.max_new_tokens - 1:
             logits = force_tokens(logits, self.forced_eos)
         return logits
 
