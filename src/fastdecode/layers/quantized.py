@@ -140,7 +140,7 @@ def quantize_matrix(weight: torch.Tensor, kind: str) -> QuantizedWeight:
     N, K = weight.shape
     if K % 32:
         raise ValueError(f"cannot quantize a matrix with {K} inputs: not a multiple of 32")
-    groups = weight.detach().float().reshape(N, K // 32, 32)  # [N, K/32, 32]
+    groups = weight.detach().float().contiguous().view(N, K // 32, 32)  # [N, K/32, 32]
     if kind == "int8":
         scale = groups.abs().amax(-1) / 127  # [N, K/32]
         codes = torch.round(groups / scale.clamp_min(1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
