@@ -11,6 +11,7 @@ GELU (erf or tanh) run as the GEMM's epilogue, saving a pass over the FFN activa
 an encoder FFN product; bit-identical for ReLU and erf GELU).
 Anything else (CUDA, half precision, a build without oneDNN) keeps ``F.linear`` + the activation.
 A ``QuantizedWeight`` goes to its own kernels (``quantized.py``).
+Small products run on one thread (``threads.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .quantized import QuantizedWeight, embed, quantized_linear  # noqa: F401 - embed: one import for models
+from .threads import threads_for
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -44,7 +46,8 @@ def linear(
         return out if activation is None else ACTIVATIONS[activation](out)
     if _ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled():
         attr, algorithm = _FUSED.get(activation, ("none", ""))
-        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+        with threads_for(x.numel() * weight.shape[0]):  # rows * in * out
+            out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
         return out if activation is None or activation in _FUSED else ACTIVATIONS[activation](out)
     out = F.linear(x, weight, bias)
     return out if activation is None else ACTIVATIONS[activation](out)

@@ -29,12 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import qmatmul_op
+from .threads import PARALLEL_MIN_WORK
 
 KERNEL_MAX_ROWS = 32
-# Split a product over threads only when each thread gets at least this many weights: smaller
-# products finish before a second thread would be woken (on a busy 2-core machine the barrier alone
-# costs more than a 576 x 1536 product).
-PARALLEL_MIN_WEIGHTS = 1 << 22
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,7 +110,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     rows = x.reshape(-1, K)  # [M, K]
     op = qmatmul_op() if x.device.type == "cpu" else None
     if op is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
-        grain = max(1, math.ceil(PARALLEL_MIN_WEIGHTS / K))  # output rows per thread, at least
+        grain = max(1, math.ceil(PARALLEL_MIN_WORK / (K * rows.shape[0])))  # output rows per thread, at least
         out = op(rows.float().contiguous(), weight.codes, weight.scale, weight.mins, weight.bits, weight.group, grain)
     else:
         from .linear import linear  # the float GEMM (oneDNN on CPU)
