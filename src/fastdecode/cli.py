@@ -236,7 +236,7 @@ def chat(system: str | None, model: str | None, device: str, dtype: str, **kwarg
 
     streaming = _streaming_values(kwargs)
     streaming["n_ctx"] = streaming["n_ctx"] or 2048
-    generator = load(model, device=device, dtype=dtype, quantize=kwargs.get("quantize"))
+    generator = load(model, device=device, dtype=dtype, quantize=kwargs.pop("quantize"))
     session = generator.chat_session(system=system, **streaming, **kwargs)
     while True:
         try:
