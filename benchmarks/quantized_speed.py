@@ -10,7 +10,7 @@ resident memory, and the bandwidth limit for the bytes each engine reads per tok
 Then a bart-base-size random model, 8 sources x 256 tokens, beam 4: fastdecode int8 / float32 vs
 CTranslate2 int8 / float32.
 
-    python benchmarks/quantized_speed.py [--reps 3] [--threads 2] [--quick] [--skip-bart]
+    python benchmarks/quantized_speed.py [--reps 3] [--threads 2] [--quick] [--skip-bart] [--engines a,b]
 
 Engines that are not installed are listed as such. llama-cpp-python's high-level API has no batched
 generation: its batch-8 row is 8 prompts one after another (said in the table).
@@ -230,7 +230,7 @@ def embedded_section(args) -> str:
                   "ct2-int8": {**(ct2 or {}), "compute_type": "int8"}, "transformers": {}}
     log_dir = Path(tempfile.mkdtemp(prefix="quantized-bench-"))
     workers, missing = {}, {}
-    for name in ENGINES:
+    for name in args.engines.split(",") if args.engines else ENGINES:
         why = available(name) or (None if not name.startswith("ct2") or ct2 else "conversion failed")
         if why is None:
             try:
@@ -335,6 +335,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-bart", action="store_true")
     parser.add_argument("--skip-embedded", action="store_true")
+    parser.add_argument("--engines", help=f"comma-separated subset of {', '.join(ENGINES)}")
     args = parser.parse_args()
     if args.worker:
         worker_main(args.worker, json.loads(args.options))

@@ -230,12 +230,12 @@ def _decoder_prompts() -> list[list[int]]:
 
 # family -> largest |logit difference| allowed, relative to the float model's largest |logit|.
 # int8 per-32 groups move each weight by at most 1/254 of its group's largest; measured on these
-# random models: 0.42% (llama), 0.59% (gpt2), 0.56% (bart), 0.91% (t5) of the logit scale, greedy
+# random models: 0.42% (llama), 0.59% (gpt2), 0.32% (bloom), 0.56% (bart), 0.91% (t5) of the logit scale, greedy
 # tokens identical on 100% of the prompts. The bounds leave >= 2x margin; "most" greedy = 75%.
-INT8_LOGIT_BOUND = {"llama-gqa": 0.02, "gpt2": 0.02, "bart": 0.02, "t5": 0.02}
+INT8_LOGIT_BOUND = {"llama-gqa": 0.02, "gpt2": 0.02, "bloom": 0.02, "bart": 0.02, "t5": 0.02}
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "gpt2", "bloom"])
 def test_int8_decoder_only_close_to_float(kind, tmp_path):
     from tiny_models import save_tiny_folder
 
