@@ -43,16 +43,12 @@ class QuantizedWeight:
     scale: torch.Tensor  # [N, K/group] float16 or float32
     mins: torch.Tensor | None  # like scale, or None (symmetric codes)
     transposed: bool = False  # True: seen as [K, N] (the canonical [in, out] view)
+    dtype: torch.dtype = torch.float32  # the model's activations: embedding rows come out in it
 
     @property
     def shape(self) -> torch.Size:
         rows, groups = self.scale.shape
         return torch.Size((groups * self.group, rows) if self.transposed else (rows, groups * self.group))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype products come out in."""
-        return torch.float32
 
     @property
     def device(self) -> torch.device:
@@ -79,9 +75,9 @@ class QuantizedWeight:
                                    mins=None if self.mins is None else self.mins[rows].contiguous())
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> QuantizedWeight:
-        """Moved to ``device``; ``dtype`` is ignored: products are float32, cast to the activations' dtype."""
+        """Moved to ``device``; ``dtype`` sets the activations' dtype (products are float32, cast to it)."""
         return dataclasses.replace(self, codes=self.codes.to(device), scale=self.scale.to(device),
-                                   mins=None if self.mins is None else self.mins.to(device))
+                                   mins=None if self.mins is None else self.mins.to(device), dtype=dtype or self.dtype)
 
 
 def dequantize(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,7 +106,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     rows = x.reshape(-1, K)  # [M, K]
     op = qmatmul_op() if x.device.type == "cpu" else None
     if op is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
-        grain = max(1, math.ceil(PARALLEL_MIN_WORK / (K * rows.shape[0])))  # output rows per thread, at least
+        # split over threads by the weights read, not the multiply-adds: at batch 8 a layer's 0.9M-weight
+        # product would split, and the second thread of a busy machine then costs more than it saves
+        grain = max(1, math.ceil(PARALLEL_MIN_WORK / K))  # output rows per thread, at least
         out = op(rows.float().contiguous(), weight.codes, weight.scale, weight.mins, weight.bits, weight.group, grain)
     else:
         from .linear import linear  # the float GEMM (oneDNN on CPU)
@@ -125,7 +123,7 @@ def embed(tokens: torch.Tensor, table: torch.Tensor | QuantizedWeight) -> torch.
     """Embedding rows [..., C] of ``table`` [V, C]; a quantized table decodes only the rows looked up."""
     if isinstance(table, torch.Tensor):
         return torch.nn.functional.embedding(tokens, table)
-    rows = dequantize(table, tokens.reshape(-1))  # [tokens, C]
+    rows = dequantize(table, tokens.reshape(-1)).to(table.dtype)  # [tokens, C]
     return rows.view(*tokens.shape, rows.shape[-1])  # [..., C]
 
 

@@ -41,7 +41,7 @@ def quantize_weights(weights: dict[str, torch.Tensor], kind: str) -> dict[str, t
                 or torch.equal(source, matrix)
             ):
                 return result
-        result = quantize_matrix(matrix, kind)
+        result = quantize_matrix(matrix, kind).to(dtype=matrix.dtype)
         done.append((matrix, result))
         return result
 
