@@ -354,14 +354,15 @@ def _is_finite(value: Any) -> bool:
     return _is_number(value) and math.isfinite(value)
 
 
-def derived_head_dim(hidden_size: Any, num_heads: Any, names: tuple[str, str] = ("hidden_size", "num_attention_heads"),
-                     source: str = "the checkpoint") -> int:
-    """hidden_size // num_heads, or a CheckpointError naming the config fields when that is not a
-    whole positive number (a zero, a string, a float, heads that do not divide the width)."""
+def derived_head_dim(hidden_size: Any, num_heads: Any,
+                     names: tuple[str, str] = ("hidden_size", "num_attention_heads")) -> int:
+    """hidden_size // num_heads, or a ValueError naming the config fields when that is not a whole
+    positive number (a zero, a string, a float, heads that do not divide the width); the loaders
+    turn it into a CheckpointError naming the checkpoint."""
     if not _is_int(hidden_size) or hidden_size < 1:
-        raise CheckpointError(f"config of {source}: {names[0]} must be an integer >= 1, got {hidden_size!r}")
+        raise ValueError(f"{names[0]} must be an integer >= 1, got {hidden_size!r}")
     if not _is_int(num_heads) or num_heads < 1:
-        raise CheckpointError(f"config of {source}: {names[1]} must be an integer >= 1, got {num_heads!r}")
+        raise ValueError(f"{names[1]} must be an integer >= 1, got {num_heads!r}")
     if hidden_size % num_heads:
-        raise CheckpointError(f"config of {source}: {names[1]} ({num_heads}) must divide {names[0]} ({hidden_size})")
+        raise ValueError(f"{names[1]} ({num_heads}) must divide {names[0]} ({hidden_size})")
     return hidden_size // num_heads
