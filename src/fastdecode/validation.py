@@ -43,9 +43,10 @@ def is_chat(value: Any) -> bool:
 
 def check_chat(messages: list[dict], what: str = "the conversation") -> list[dict]:
     for index, message in enumerate(messages):
-        if not isinstance(message.get("role"), str) or "content" not in message:
+        if not isinstance(message.get("role"), str):
             raise InvalidPromptError(f'{what}: message {index} must be {{"role": str, "content": str}}')
-        check_text(message["content"], f"{what}: the content of message {index}")
+        if message.get("content") is not None:  # None: e.g. an assistant turn that only calls a tool
+            check_text(message["content"], f"{what}: the content of message {index}")
     return messages
 
 

@@ -141,6 +141,8 @@ def test_output_is_locked_regular_and_never_the_input(tiny, tmp_path):
     assert result.exit_code == 2 and f"in use by process {os.getpid()}" in result.stderr
     assert "Traceback" not in result.output and out.read_bytes() == b""
     assert batch(tiny, source, out).exit_code == 0  # the lock went with its holder
+    to_stdout = batch(tiny, source, "-")
+    assert to_stdout.exit_code == 0 and json.loads(to_stdout.stdout) == records(out)[0]
 
     for device in ("/dev/zero", "/dev/full"):
         result = batch(tiny, source, device)

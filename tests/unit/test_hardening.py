@@ -74,6 +74,12 @@ def test_weights_that_do_not_fit_the_config_are_listed_with_both_shapes(tiny_fol
     assert "model.layers.1.mlp.down_proj.weight (expected [128, 112], found [64, 112])" in message
 
 
+def test_every_registered_family_declares_weight_shapes():
+    from fastdecode.models.registry import FAMILIES
+
+    assert [f.name for f in FAMILIES if not hasattr(f.load_module(), "weight_shapes")] == []
+
+
 @pytest.mark.parametrize("kind, encdec", [("llama-mqa", False), ("gpt2", False), ("bloom", False),
                                           ("bart", True), ("t5-gated", True), ("marian", True)])
 def test_every_family_declares_the_shape_of_every_weight_it_loads(kind, encdec):
