@@ -30,8 +30,8 @@ from .processors import (
 class TokenSelector:
     """Applies the configured processors and picks one token per row.
 
-    Holds the per-row "seen tokens" mask for the repetition penalty and the seeded
-    ``torch.Generator`` for sampling; everything stays on the model's device.
+    Holds the per-row "seen tokens" mask for the repetition penalty and, for sampling, one seeded
+    ``torch.Generator`` per row (see the seeding rule above); everything stays on the model's device.
     """
 
     def __init__(self, config: GenerationConfig, eos_ids: list[int], vocab_size: int, device: torch.device,
@@ -46,7 +46,6 @@ class TokenSelector:
         # Token history [N, L] (left-padded with PAD) and sources [N, S] for n-gram blocking.
         self.history: torch.Tensor | None = None
         self.sources: torch.Tensor | None = None
-        self.device = device
         self.generators: list[torch.Generator] | None = None  # one per row (sampling only)
 
     def start(self, prompts: list[list[int]], device: torch.device,
