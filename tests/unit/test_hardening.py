@@ -231,3 +231,15 @@ def test_long_prompt_is_chunked_through_the_shift_policy_with_the_same_logits():
         for token in follow:  # decoding after the chunked prompt equals decoding after one by one
             torch.testing.assert_close(chunked.feed(token[None]), reference.feed(token[None]), atol=1e-4, rtol=0)
         assert chunked.cache.mask(torch.tensor([310]), torch.float32) is None  # decode stays unmasked
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options, culprit", [
+    (dict(num_beams=100000), "num_beams (100000)"),
+    (dict(n_ctx=100_000_000_000, max_new_tokens=None), "n_ctx (100000000000)"),
+    (dict(num_return_sequences=1_000_000, do_sample=True), "num_return_sequences (1000000)"),
+])
+def test_the_issue_requests_fail_before_allocating_on_the_embedded_model(smollm, options, culprit):
+    """The exact requests of the issue (terabytes each) against the memory available now."""
+    with pytest.raises(MemoryLimitError, match=culprit.replace("(", r"\(").replace(")", r"\)")):
+        smollm.generate("Hi", **{"max_new_tokens": 256, **options})
