@@ -17,9 +17,10 @@ import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
 from .base import ModelBase
-from ..config import ModelConfig, derived_head_dim
+from ..config import ModelConfig
 from ..layers.linear import linear
 from ..layers.positions import alibi_slopes
+from ..config import derived_head_dim
 
 HF_NAMES = {
     "embed.weight": "transformer.word_embeddings.weight",

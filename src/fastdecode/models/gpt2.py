@@ -16,9 +16,10 @@ import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
 from .base import ModelBase
-from ..config import ModelConfig, derived_head_dim
+from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, linear
 from ..errors import UnsupportedModelError
+from ..config import derived_head_dim
 
 # Canonical weights keep the Conv1D [in, out] layout for qkv, o, up, down.
 HF_NAMES = {

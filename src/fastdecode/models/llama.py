@@ -16,10 +16,11 @@ import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
 from .base import ModelBase
-from ..config import ModelConfig, derived_head_dim
+from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, linear
 from ..errors import UnsupportedModelError
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
+from ..config import derived_head_dim
 
 # Canonical weight name -> name in each format. "{layer}" is the block index.
 HF_NAMES = {
