@@ -11,12 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .errors import CheckpointError, InvalidOptionError
-
-SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes 0 <= seed < 2**64
-INT_OPTION_LIMIT = 1 << 62
-INT_OPTIONS = ("max_new_tokens", "min_new_tokens", "top_k", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
-               "num_beams", "num_return_sequences", "n_ctx", "n_keep", "n_discard")
+from .errors import InvalidOptionError
 
 
 @dataclass
@@ -51,11 +46,35 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
 
+    @property
+    def attention_kind(self) -> str:
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    @property
+    def position_scheme(self) -> str:
+        if self.position_kind == "rope":
+            partial = f", {self.partial_rotary_factor:g} of head dims" if self.partial_rotary_factor != 1 else ""
+            return f"rope (half-split{partial})"
+        return {"alibi": "alibi", "learned": "learned absolute"}[self.position_kind]
+
+    def kv_cache_bytes_per_token(self, bytes_per_element: int = 4) -> int:
+        """K and V for every layer, only the KV heads the model has."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    @property
+    def layer_counts(self) -> dict[str, int]:
+        """Blocks per placeholder of the weight-name templates (``{layer}``)."""
+        return {"layer": self.num_layers}
+
     def validate(self, source: str = "the checkpoint") -> None:
         """Types, ranges and divisibility of the canonical fields; CheckpointError naming the field.
 
         Run by every loader before any weight is read, so a bad value never reaches a tensor op.
         """
+        from .errors import CheckpointError
+
         def fail(message: str) -> CheckpointError:
             return CheckpointError(f"config of {source}: {message}")
 
@@ -88,28 +107,6 @@ class ModelConfig:
     def _positive_ints(self) -> tuple[str, ...]:
         return ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                 "intermediate_size", "max_position_embeddings")
-
-    @property
-    def attention_kind(self) -> str:
-        if self.num_kv_heads == self.num_heads:
-            return "MHA"
-        return "MQA" if self.num_kv_heads == 1 else "GQA"
-
-    @property
-    def position_scheme(self) -> str:
-        if self.position_kind == "rope":
-            partial = f", {self.partial_rotary_factor:g} of head dims" if self.partial_rotary_factor != 1 else ""
-            return f"rope (half-split{partial})"
-        return {"alibi": "alibi", "learned": "learned absolute"}[self.position_kind]
-
-    def kv_cache_bytes_per_token(self, bytes_per_element: int = 4) -> int:
-        """K and V for every layer, only the KV heads the model has."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
-
-    @property
-    def layer_counts(self) -> dict[str, int]:
-        """Blocks per placeholder of the weight-name templates (``{layer}``)."""
-        return {"layer": self.num_layers}
 
 
 @dataclass
@@ -148,6 +145,8 @@ class EncoderDecoderConfig(ModelConfig):
         return super()._positive_ints() + ("num_encoder_layers", "num_encoder_heads", "encoder_intermediate_size")
 
     def validate(self, source: str = "the checkpoint") -> None:
+        from .errors import CheckpointError
+
         super().validate(source)
         if self.positions not in ("learned", "sinusoidal", "relative"):
             raise CheckpointError(f"config of {source}: unknown positions {self.positions!r}")
@@ -168,6 +167,12 @@ class EncoderDecoderConfig(ModelConfig):
     @property
     def layer_counts(self) -> dict[str, int]:
         return {"layer": self.num_layers, "encoder_layer": self.num_encoder_layers}
+
+
+SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes 0 <= seed < 2**64
+INT_OPTION_LIMIT = 1 << 62  # any integer option past this would overflow a tensor index first
+INT_OPTIONS = ("max_new_tokens", "min_new_tokens", "top_k", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+               "num_beams", "num_return_sequences", "n_ctx", "n_keep", "n_discard")
 
 
 @dataclass
