@@ -46,9 +46,8 @@ def default_model_path() -> Path:
 
 
 def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "float32") -> "Generator":
-    source = validation.model_source(source)
     torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
-    path = default_model_path() if source is None else Path(source)
+    path = default_model_path() if source is None else Path(validation.model_source(source))
     if not path.exists():
         raise ModelNotFoundError(f"model path {path} does not exist")
     if path.is_dir():

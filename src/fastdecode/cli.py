@@ -242,8 +242,8 @@ def _print_results(generator, prompt_ids: list[int], options: dict[str, Any], st
 def inspect(model: str | None, as_json: bool) -> None:
     """Show a model's architecture, sizes, attention kind and KV-cache cost."""
     from . import load
-
     require_stream("stdout")
+
     info = load(model).inspect()
     if as_json:
         click.echo(json.dumps(info, indent=2))
