@@ -131,14 +131,14 @@ def run_batch(input_path: str, output: str, model: str | None, device: str, dtyp
     writer = StdoutRecords() if output == "-" else OutputFile(output, overwrite=overwrite)
     try:
         return _run_to(writer, input_path, output, model, device, dtype, options, settings, field, input_format,
-                       chat, quiet)
+                       chat, quiet, quantize)
     finally:
         writer.close()
 
 
 def _run_to(writer: OutputFile | StdoutRecords, input_path: str, output: str, model: str | None, device: str,
             dtype: str, options: dict[str, Any], settings: BatchSettings, field: str, input_format: str,
-            chat: bool | None, quiet: bool) -> int:
+            chat: bool | None, quiet: bool, quantize: str | None) -> int:
     from .. import load
 
     state = writer.state
