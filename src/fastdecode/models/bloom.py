@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
-from .base import ModelBase
+from .base import ModelBase, output_rows
 from ..config import ModelConfig
 from ..layers.linear import linear
 from ..layers.positions import alibi_slopes
@@ -111,15 +111,18 @@ class BloomModel(ModelBase):
         return (self.slopes[None, :, None, None] * distance[:, None]).to(self.dtype)  # [B, H, T, S]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | NoCache,
-                mask: torch.Tensor | None, all_logits: bool = False) -> torch.Tensor:
+                mask: torch.Tensor | None, all_logits: bool = False,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """Same contract as ``LlamaModel.forward``: logits [B, T or 1, V]."""
         cfg = self.config
         B, T = tokens.shape
         H, D, C = cfg.num_heads, cfg.head_dim, cfg.hidden_size
         x = F.embedding(tokens, self.embed)  # [B, T, C]
         x = F.layer_norm(x, (C,), *self.embed_norm, cfg.norm_eps)
-        bias = self.alibi_bias(cache.relative_positions(positions))  # [B, H, T, S]
-        bias = bias if mask is None else bias + mask
+        distance = cache.relative_positions(positions)  # [B, T, S]
+        bias = mask  # no distances: the cache is an engine StepPlan, which adds ALiBi per group itself
+        if distance is not None:
+            bias = self.alibi_bias(distance) if mask is None else self.alibi_bias(distance) + mask  # [B, H, T, S]
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (C,), layer.attn_norm, layer.attn_norm_bias, cfg.norm_eps)
             residual = h if cfg.residual_after_norm else x
@@ -132,7 +135,6 @@ class BloomModel(ModelBase):
             residual = h if cfg.residual_after_norm else x
             up = linear(h, layer.up, layer.up_bias, activation="gelu_pytorch_tanh")  # GELU fused into the GEMM
             x = residual + linear(up, layer.down, layer.down_bias)
-        if not all_logits:
-            x = x[:, -1:]
+        x = output_rows(x, all_logits, logits_at)
         x = F.layer_norm(x, (C,), *self.norm, cfg.norm_eps)
         return linear(x, self.lm_head)  # [B, T or 1, V]
