@@ -185,7 +185,8 @@ class Generator:
 
     def _submit_all(self, prompts: list, config: GenerationConfig) -> tuple[Engine, list[EngineSequence]]:
         """One engine sized for this call, every request submitted ("submit everything, step until
-        done"). Result i of a prompt samples with seed + its index in the flat result list."""
+        done"). Return sequence j of any prompt samples with seed + j, so a prompt gets the same
+        samples alone or in a batch."""
         prompts = [list(p) for p in prompts]
         self._check_prompts(prompts, config)
         repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
@@ -193,7 +194,8 @@ class Generator:
         affordable = DEFAULT_CACHE_BYTES // self.config.kv_cache_bytes_per_token(self.model.dtype.itemsize)
         engine = Engine(self, max_queue=len(repeated), cache_tokens=max(max(blocks), min(sum(blocks), affordable)))
         single = dataclasses.replace(config, num_return_sequences=1)
-        sequences = [engine.add(p, single, None if config.seed is None else config.seed + i)
+        returns = config.num_return_sequences
+        sequences = [engine.add(p, single, None if config.seed is None else config.seed + i % returns)
                      for i, p in enumerate(repeated)]
         return engine, sequences
 

@@ -98,6 +98,9 @@ def test_generate_ids_equals_the_engine_alone(llama_gen):
         assert gen.generate_ids([prompt], **options)[0] == expected
     assert gen.generate_ids([p for p, _ in greedy[:2]], max_new_tokens=12) == [
         _alone(gen, p, {"max_new_tokens": 12}) for p, _ in greedy[:2]]
+    sampled = {"max_new_tokens": 8, "do_sample": True, "seed": 9}  # a prompt samples the same in a batch
+    prompts = [p for p, _ in requests[:3]]
+    assert gen.generate_ids(prompts, **sampled) == [gen.generate_ids([p], **sampled)[0] for p in prompts]
 
 
 def test_cancel_frees_the_slots_and_reports_the_end(llama_gen):
