@@ -35,6 +35,10 @@ class PromptTooLongError(FastDecodeError):
     """A prompt (plus requested new tokens) does not fit in the model's context."""
 
 
+class QueueFullError(FastDecodeError):
+    """The engine's queue of waiting sequences is full: retry later (the server answers 503)."""
+
+
 class BatchFileError(FastDecodeError):
     """A batch input line is malformed, or an output file cannot be resumed for this input.
 
@@ -42,7 +46,3 @@ class BatchFileError(FastDecodeError):
     this error is raised only with ``--fail-fast`` (or ``fail_fast=True``) and for an output file
     that does not belong to the input (resuming it would mix two runs).
     """
-
-
-class QueueFullError(FastDecodeError):
-    """The engine's waiting queue holds ``max_queue`` requests already: try again later."""

@@ -37,11 +37,11 @@ def test_compiled_decode_step_one_graph_per_bucket_equal_logits(kind):
         chosen = [sequences[r] for r in rows]
         out = []
         with torch.inference_mode():
-            key_slots = cache.key_slots([s.block_table for s in chosen], 64)  # [B, S]: every slot a row may own
+            block_table = cache.block_tables([s.block_table for s in chosen], 4)  # [B, 4]: every block a row may own
             tokens = torch.tensor([s.output_ids[-1] for s in chosen])
             positions = torch.tensor([s.num_tokens - 1 for s in chosen])
             for _ in range(STEPS):
-                logits, tokens = step_fn(key_slots, tokens, positions)
+                logits, tokens = step_fn(block_table, tokens, positions)
                 out.append(logits.clone())
                 positions = positions + 1
         return out

@@ -29,7 +29,7 @@ class AttentionGroup:
     first: int
     rows: int
     queries: int
-    key_slots: torch.Tensor  # [rows, S] slot of each key position 0..S-1 (past a row's end: any slot, masked)
+    block_table: torch.Tensor  # [rows, n]: keys are positions 0..n*block-1 (past a row's end: masked)
     query_positions: torch.Tensor  # [rows, queries]
 
 
@@ -69,8 +69,8 @@ class StepPlan:
         for index, group in enumerate(self.groups):
             B, T = group.rows, group.queries
             qg = q[0, :, group.first : group.first + B * T].unflatten(1, (B, T)).transpose(0, 1)  # [B, H, T, D]
-            kg = keys[group.key_slots].transpose(1, 2)  # [B, S, Hkv, D] -> [B, Hkv, S, D]
-            vg = values[group.key_slots].transpose(1, 2)  # [B, S, Hkv, D] -> [B, Hkv, S, D]
+            kg = self.cache.gather(keys, group.block_table)  # [B, Hkv, S, D]
+            vg = self.cache.gather(values, group.block_table)  # [B, Hkv, S, D]
             out = attention(qg, kg, vg, self._mask(index, self.windows[layer]), scale)  # [B, H, T, D]
             outputs.append(out.transpose(0, 1).flatten(1, 2))  # [H, B*T, D]
         return torch.cat(outputs, dim=1)[None] if len(outputs) > 1 else outputs[0][None]  # [1, H, N, D]
@@ -80,7 +80,8 @@ class StepPlan:
         key = (index, window)
         if key not in self._masks:
             group = self.groups[index]
-            key_positions = torch.arange(group.key_slots.shape[1], device=group.query_positions.device)
+            num_keys = group.block_table.shape[1] * self.cache.block_size
+            key_positions = torch.arange(num_keys, device=group.query_positions.device)
             distance = key_positions[None, None, :] - group.query_positions[:, :, None]  # [B, T, S]
             self._masks[key] = position_mask(distance, window, self.score_bias, self.dtype)
         return self._masks[key]

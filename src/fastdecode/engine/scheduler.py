@@ -205,7 +205,8 @@ class Engine:
 
     def _group(self, first: int, tables: list[list[int]], num_keys: int, queries: int,
                query_positions: torch.Tensor) -> AttentionGroup:
-        return AttentionGroup(first, len(tables), queries, self.cache.key_slots(tables, num_keys), query_positions)
+        block_table = self.cache.block_tables(tables, self.cache.pool.blocks_for(num_keys))
+        return AttentionGroup(first, len(tables), queries, block_table, query_positions)
 
     def _computed(self, sequence: Sequence, num_computed: int) -> None:
         """Advance a sequence and name its newly completed blocks for the prefix cache."""
