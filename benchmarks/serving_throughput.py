@@ -96,12 +96,17 @@ def run_engine(gen, requests, max_batch_tokens: int) -> list[list[float]]:
     return stamps
 
 
-def run_transformers(model, requests) -> list[list[float]]:
+def run_transformers(model, requests, max_batch_tokens: int) -> list[list[float]]:
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(r[2] for r in requests), eos_token_id=None,
                               pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=config)
+    # Sized like the engine's cache (left alone it sizes itself from free memory: 14 GB here, OOM-killed).
+    needed = sum(len(prompt) + length for _, prompt, length in requests)
+    batching = ContinuousBatchingConfig(page_size=16, num_blocks=-(-needed // 16) + len(requests),
+                                        max_batch_tokens=max_batch_tokens)
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching)
     manager.start()
     start, ids = time.perf_counter(), []
     try:
@@ -156,7 +161,7 @@ def main() -> None:
 
         path = model_path()
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-        variants["transformers"] = lambda r: run_transformers(hf, r)
+        variants["transformers"] = lambda r: run_transformers(hf, r, args.max_batch_tokens)
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for pattern in ("all at once", "poisson"):

@@ -184,3 +184,14 @@ def test_logprobs_are_the_raw_log_softmax(llama_gen):
     assert event.logprob == pytest.approx(float(expected.max()), abs=1e-5)
     assert [t for t, _ in event.top_logprobs] == expected.topk(3).indices.tolist()
     assert sequence.output_ids == [event.token_id]
+
+
+def test_encoder_decoder_models_are_refused_by_the_engine_and_still_generate():
+    """Encoder-decoder requests keep their own loop (cross K/V per call); the engine says so."""
+    from fastdecode.errors import UnsupportedModelError
+    from tiny_encdec import build as build_encdec
+
+    gen = fastdecode.from_hf(build_encdec("bart"))
+    with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
+        gen.engine()
+    assert 1 <= len(gen.generate_ids([[5, 6, 7]], max_new_tokens=3)[0]) <= 3
