@@ -17,11 +17,13 @@ from .errors import (
     PromptTooLongError,
     TokenizerError,
 )
-from .generation.decode import DecodeLoop, SequenceResult
 from .engine import Engine, Sequence as EngineSequence
-from .engine.slots import BLOCK_SIZE
 from .engine.scheduler import DEFAULT_CACHE_BYTES
-from .generation.stopping import StopStringMatcher, TextWatcher
+from .engine.slots import BLOCK_SIZE
+from .generation.stopping import TextWatcher
+
+from .generation.decode import DecodeLoop, SequenceResult
+from .generation.stopping import StopStringMatcher
 from .loading.checkpoint import Checkpoint, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
-from .base import ModelBase, output_rows
+from .base import ModelBase
 from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, linear
 from ..errors import UnsupportedModelError
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
+from .base import output_rows
 
 # Canonical weight name -> name in each format. "{layer}" is the block index.
 HF_NAMES = {
