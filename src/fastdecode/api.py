@@ -21,7 +21,6 @@ from .engine import Engine, Sequence as EngineSequence
 from .engine.scheduler import DEFAULT_CACHE_BYTES
 from .engine.slots import BLOCK_SIZE
 from .generation.stopping import TextWatcher
-
 from .generation.decode import DecodeLoop, SequenceResult
 from .generation.stopping import StopStringMatcher
 from .loading.checkpoint import Checkpoint, resolve_device, resolve_dtype

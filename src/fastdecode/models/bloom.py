@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
-from .base import ModelBase, output_rows
+from .base import ModelBase
 from ..config import ModelConfig
 from ..layers.linear import linear
 from ..layers.positions import alibi_slopes
@@ -135,6 +135,6 @@ class BloomModel(ModelBase):
             residual = h if cfg.residual_after_norm else x
             up = linear(h, layer.up, layer.up_bias, activation="gelu_pytorch_tanh")  # GELU fused into the GEMM
             x = residual + linear(up, layer.down, layer.down_bias)
-        x = output_rows(x, all_logits, logits_at)
+        x = self.output_rows(x, all_logits, logits_at)
         x = F.layer_norm(x, (C,), *self.norm, cfg.norm_eps)
         return linear(x, self.lm_head)  # [B, T or 1, V]

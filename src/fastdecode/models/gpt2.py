@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
-from .base import ModelBase, output_rows
+from .base import ModelBase
 from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, linear
 from ..errors import UnsupportedModelError
@@ -174,6 +174,6 @@ class GPT2Model(ModelBase):
             h = F.layer_norm(x, (C,), layer.mlp_norm, layer.mlp_norm_bias, cfg.norm_eps)
             up = linear(h, layer.up, layer.up_bias, activation=cfg.hidden_act)  # GELU fused into the GEMM
             x = x + linear(up, layer.down, layer.down_bias)
-        x = output_rows(x, all_logits, logits_at)
+        x = self.output_rows(x, all_logits, logits_at)
         x = F.layer_norm(x, (C,), self.norm[0], self.norm[1], cfg.norm_eps)
         return linear(x, self.lm_head)  # [B, T or 1, V]

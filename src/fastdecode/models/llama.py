@@ -20,7 +20,6 @@ from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, linear
 from ..errors import UnsupportedModelError
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
-from .base import output_rows
 
 # Canonical weight name -> name in each format. "{layer}" is the block index.
 HF_NAMES = {
@@ -251,7 +250,7 @@ class LlamaModel(ModelBase):
             h = F.rms_norm(x, (cfg.hidden_size,), layer.mlp_norm, cfg.norm_eps)
             gated = self.act(linear(h, layer.gate, layer.gate_bias)) * linear(h, layer.up, layer.up_bias)
             x = x + linear(gated, layer.down, layer.down_bias)
-        x = output_rows(x, all_logits, logits_at)
+        x = self.output_rows(x, all_logits, logits_at)
         x = F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.norm_eps)
         return linear(x, self.lm_head)  # [B, T or 1, V]
 
