@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.attention import attention
-from .plan import position_mask
+from .plan import no_distances, position_mask
 from .slots import SlotCache
 
 
@@ -32,12 +32,13 @@ class DecodePlan:
         self.windows, self.score_bias, self.dtype = windows, score_bias, dtype
         self._masks: dict[int | None, torch.Tensor] = {}
 
-    def relative_positions(self, query_positions: torch.Tensor) -> None:
-        return None  # the plan adds the position bias itself (``score_bias``)
+    def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
+        return no_distances(query_positions)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float) -> torch.Tensor:
-        """q [B, H, 1, D]; k, v [B, Hkv, 1, D] -> [B, H, 1, D] over each row's full slot range."""
+        """q [B, H, 1, D]; k, v [B, Hkv, 1, D] -> [B, H, 1, D] over each row's full slot range (``mask``
+        unused: the plan builds its own)."""
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
         keys.index_copy_(0, self.write_slots, k[:, :, 0])  # [B, Hkv, D]
         values.index_copy_(0, self.write_slots, v[:, :, 0])

@@ -54,9 +54,8 @@ class StepPlan:
         self.dtype = dtype
         self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
 
-    def relative_positions(self, query_positions: torch.Tensor) -> None:
-        """Position biases are built per group by the plan itself (``score_bias``)."""
-        return None
+    def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
+        return no_distances(query_positions)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float) -> torch.Tensor:
@@ -85,6 +84,13 @@ class StepPlan:
             distance = key_positions[None, None, :] - group.query_positions[:, :, None]  # [B, T, S]
             self._masks[key] = position_mask(distance, window, self.score_bias, self.dtype)
         return self._masks[key]
+
+
+def no_distances(query_positions: torch.Tensor) -> torch.Tensor:
+    """What a plan reports as key-query distances to the model: zeros [1, 1, 1]. The plan ignores
+    any mask or bias the model builds from them and attends with its own per-group masks (with
+    the position bias from ``score_bias``), so a model needs no code path for the engine."""
+    return torch.zeros(1, 1, 1, dtype=torch.long, device=query_positions.device)
 
 
 def position_mask(distance: torch.Tensor, window: int | None, score_bias, dtype: torch.dtype) -> torch.Tensor:

@@ -18,7 +18,6 @@ class ModelBase:
     def device(self) -> torch.device:
         return self.embed.device
 
-
     @staticmethod
     def output_rows(x: torch.Tensor, all_logits: bool, logits_at: torch.Tensor | None) -> torch.Tensor:
         """The hidden states [B, T, C] whose logits are wanted: those at ``logits_at`` (token indices

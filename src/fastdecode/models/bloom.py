@@ -119,10 +119,8 @@ class BloomModel(ModelBase):
         H, D, C = cfg.num_heads, cfg.head_dim, cfg.hidden_size
         x = F.embedding(tokens, self.embed)  # [B, T, C]
         x = F.layer_norm(x, (C,), *self.embed_norm, cfg.norm_eps)
-        distance = cache.relative_positions(positions)  # [B, T, S]
-        bias = mask  # no distances: the cache is an engine StepPlan, which adds ALiBi per group itself
-        if distance is not None:
-            bias = self.alibi_bias(distance) if mask is None else self.alibi_bias(distance) + mask  # [B, H, T, S]
+        bias = self.alibi_bias(cache.relative_positions(positions))  # [B, H, T, S]
+        bias = bias if mask is None else bias + mask
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (C,), layer.attn_norm, layer.attn_norm_bias, cfg.norm_eps)
             residual = h if cfg.residual_after_norm else x
