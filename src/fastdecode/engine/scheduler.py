@@ -24,7 +24,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..errors import InvalidOptionError, QueueFullError, UnsupportedModelError
-from ..generation.sampling import TokenSelector
+from ..generation.sampling import TokenSelector, sequence_seeds
 from .plan import AttentionGroup, StepPlan, layer_windows
 from .sequence import Sequence, TokenEvent, token_logprobs
 from .slots import SlotCache, check_fits
@@ -70,12 +70,14 @@ class Engine:
         config = self.generator._options(options)
         prompt = list(prompt_ids)
         self.generator._check_prompts([prompt], config)
-        return self.add(prompt, config, config.seed, detokenize=self.generator.tokenizer is not None,
-                        logprobs=logprobs)
+        seeds = sequence_seeds(config, 1) if config.is_sampling else None  # as generate([prompt], seed=...)
+        return self.add(prompt, dataclasses.replace(config, seed=None), seeds and seeds[0],
+                        detokenize=self.generator.tokenizer is not None, logprobs=logprobs)
 
     def add(self, prompt: list[int], config: GenerationConfig, seed: int | None, detokenize: bool = False,
             logprobs: int | None = None) -> Sequence:
-        """Queue a validated request (the Generator validates a whole call at once)."""
+        """Queue a validated request (the Generator validates a whole call at once). ``seed``: the
+        sequence's own sampling seed (None: fresh entropy)."""
         if config.num_beams > 1:
             raise InvalidOptionError("beam search (num_beams > 1) does not run in the engine: use "
                                      "Generator.generate_ids_with_details")
@@ -98,10 +100,9 @@ class Engine:
 
     def _new_sequence(self, prompt, config, seed, detokenize, logprobs) -> Sequence:
         gen, model = self.generator, self.model
-        config = dataclasses.replace(config, seed=seed)
         eos = gen._eos_ids(config)
         selector = TokenSelector(config, eos, model.config.vocab_size, model.device)
-        selector.start([prompt], model.device)
+        selector.start([prompt], model.device, row_seeds=None if seed is None else [seed])
         watcher = None
         if detokenize or config.stop_strings():
             from ..generation.stopping import TextWatcher
