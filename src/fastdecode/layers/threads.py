@@ -19,7 +19,11 @@ PARALLEL_MIN_WORK = 1 << 22  # multiply-adds
 
 @contextmanager
 def threads_for(work: int) -> Iterator[None]:
-    """Run the body on one thread when ``work`` (multiply-adds) is below PARALLEL_MIN_WORK."""
+    """Run the body on one thread when ``work`` (multiply-adds) is below PARALLEL_MIN_WORK.
+    Inside torch.compile the thread count cannot be traced: the compiled graph keeps the caller's."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     threads = torch.get_num_threads()
     if threads == 1 or work >= PARALLEL_MIN_WORK:
         yield
