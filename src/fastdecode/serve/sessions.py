@@ -1,0 +1,126 @@
+"""Conversations longer than the context (``--n-ctx`` with ``--context-overflow shift|reevaluate``).
+
+Such a request runs through a streaming cache (``n_keep`` attention sinks + a window that shifts
+or is re-evaluated, ``generation/streaming.py``) instead of failing. The server is stateless
+(each request carries the whole conversation), so the caches of recent conversations are kept:
+a request whose tokens start with what a kept cache has consumed continues that cache and feeds
+only its new tokens, however long the conversation has grown (llama.cpp's ``cache_prompt`` with
+context shift). Unlike the scheduler, these run one at a time on their own thread: a streaming
+cache is a batch of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..errors import FastDecodeError
+from ..generation.decode import DecodeLoop
+from ..generation.streaming import streaming_engine
+from .metrics import ServerMetrics
+from .protocol import APIError, api_error_from
+from .worker import Admitted, Failed, Piece, Submission
+
+log = logging.getLogger("fastdecode.serve")
+
+_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+class _Conversation:
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.fed: list[int] = []  # tokens the cache has consumed (evicted ones included)
+
+
+class StreamingConversations:
+    def __init__(self, generator: Any, n_ctx: int, n_keep: int, policy: str, metrics: ServerMetrics,
+                 max_conversations: int = 4):
+        self.generator = generator
+        self.streaming = {"n_ctx": n_ctx, "n_keep": n_keep, "policy": policy}
+        self.metrics = metrics
+        self.max_conversations = max_conversations
+        self._kept: list[_Conversation] = []  # least recently used first
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="fastdecode-stream")
+
+    def check(self, options: dict[str, Any]) -> None:
+        """Reject bad options before anything is queued (the engine's GenerationConfig rules)."""
+        self.generator._options({**options, **self.streaming})
+
+    def submit(self, submission: Submission) -> None:
+        self._executor.submit(self._run, submission)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _take(self, prompt: list[int], config: Any) -> tuple[_Conversation, int]:
+        """The kept conversation this prompt continues (removed from the store), and how many of
+        the prompt's tokens it already holds; a fresh cache when none matches."""
+        best = None
+        for conversation in self._kept:
+            n = len(conversation.fed)
+            if 0 < n < len(prompt) and prompt[:n] == conversation.fed and (best is None or n > len(best.fed)):
+                best = conversation
+        if best is not None:
+            self._kept.remove(best)
+            return best, len(best.fed)
+        return _Conversation(streaming_engine(self.generator.model, config)), 0
+
+    def _keep(self, conversation: _Conversation) -> None:
+        self._kept.append(conversation)
+        del self._kept[: -self.max_conversations]
+
+    def _run(self, submission: Submission) -> None:
+        if submission.cancelled:
+            return
+        try:
+            self._generate(submission)
+        except FastDecodeError as exc:
+            submission.sink.put(Failed(submission.index, api_error_from(exc)))
+        except Exception as exc:  # a bug: answer it, keep serving
+            log.exception("streaming conversation failed")
+            submission.sink.put(Failed(submission.index, APIError(500, f"internal error: {exc}", "server_error")))
+
+    def _generate(self, submission: Submission) -> None:
+        from ..api import _TextWatcher
+
+        gen, prompt = self.generator, submission.prompt_ids
+        config = gen._options({**submission.options, **self.streaming})
+        conversation, cached = self._take(prompt, config)
+        loop = DecodeLoop(gen.model, [prompt[cached:]], config, gen._eos_ids(config), engine=conversation.engine)
+        watcher = _TextWatcher(gen._require_tokenizer(), config.stop_strings())
+        submission.sink.put(Admitted(submission.index))
+        generated: list[int] = []
+        last_at = None
+        try:
+            with torch.inference_mode():
+                for ((_, token),) in loop:
+                    now = time.perf_counter()
+                    self.metrics.generated_tokens.inc()
+                    if last_at is None:
+                        self.metrics.ttft.observe(now - submission.arrived)
+                    else:
+                        self.metrics.inter_token.observe(now - last_at)
+                    last_at = now
+                    generated.append(token)
+                    text = watcher.push(token)
+                    if watcher.matcher.stopped:
+                        loop.stop(0)
+                    reason = loop.results[0].finish_reason
+                    if reason is not None:
+                        text += watcher.finish()
+                    submission.sink.put(Piece(submission.index, token, text, None, None,
+                                              _FINISH_REASONS.get(reason), len(prompt), cached, len(generated)))
+                    if submission.cancelled:
+                        break
+        finally:
+            # The cache holds the prompt and every generated token but the last (never fed); with
+            # no token at all the prompt may not have been fed whole: do not keep that cache.
+            if generated:
+                conversation.fed = prompt + generated[:-1]
+                self._keep(conversation)
+            self.metrics.prompt_tokens.inc(len(prompt))
+            self.metrics.cached_prompt_tokens.inc(cached)
