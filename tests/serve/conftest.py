@@ -98,6 +98,9 @@ class RunningServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "RunningServer":
+        import httpx
+
+        self.http = httpx.Client(base_url=self.base, timeout=60)  # one client: a new one costs ~0.1 s
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -107,6 +110,7 @@ class RunningServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.http.close()
         self.server.should_exit = True
         self.thread.join(10)
 
@@ -127,12 +131,12 @@ def serve(generator, **settings) -> RunningServer:
     return RunningServer(create_app(generator, ServeSettings(model_name="tiny", **settings)))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def chat_generator():
     return tiny_chat_generator()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(chat_generator):
     with serve(chat_generator, max_queue=64) as running:
         yield running

@@ -90,7 +90,7 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
         if parsed.stream:
             return StreamingResponse(_sse(running, parsed, builder), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        choices = {i: ChoiceState(i) for i in range(len(prompts) * parsed.n)}
+        choices = {i: ChoiceState(i) for i in range(len(running.prompt_lengths) * parsed.n)}
         async for piece in running.pieces(request.is_disconnected):
             choices[piece.index].add(piece)
         if not running.done:  # the client went away: nothing to answer
@@ -128,8 +128,10 @@ def _event(body: dict[str, Any]) -> str:
 
 
 def _prompt_counts(choices: list[ChoiceState], running: RunningRequest, n: int) -> list[tuple[int, int]]:
-    """(prompt tokens, of which served from cache) per prompt, from each prompt's first choice."""
-    return [(length, choices[p * n].cached_tokens) for p, length in enumerate(running.prompt_lengths)]
+    """(prompt tokens, of which served from cache) per prompt, as its first choice's sequence saw them
+    (a continued streaming conversation counts what its cache consumed, not a re-tokenization)."""
+    return [(choices[p * n].prompt_tokens or length, choices[p * n].cached_tokens)
+            for p, length in enumerate(running.prompt_lengths)]
 
 
 def _lifespan(service: GenerationService):

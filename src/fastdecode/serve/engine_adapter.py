@@ -98,7 +98,7 @@ class AdapterEngine:
             raise InvalidOptionError("beam search runs outside the engine: use Generator.generate_ids_with_details")
         if config.num_return_sequences != 1:
             raise InvalidOptionError("the engine runs one sequence per submit: num_return_sequences must be 1")
-        if len(self._running) >= self.max_queue:
+        if sum(not r.sequence.cancelled for r in self._running) >= self.max_queue:
             raise QueueFullError(f"the engine queue is full ({self.max_queue} sequences)")
         (loop,) = gen._loops([list(prompt_ids)], config)
         recorder = None

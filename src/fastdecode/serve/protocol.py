@@ -93,9 +93,10 @@ def parse_request(body: dict[str, Any], endpoint: str, served_model: str) -> Gen
 
 def _options(fields: "_Fields", n: int) -> dict[str, Any]:
     """OpenAI and fastdecode fields -> GenerationConfig options (validated again by the engine)."""
-    max_tokens = fields.integer("max_completion_tokens", None, low=1)
+    max_tokens = fields.integer("max_completion_tokens", None, low=1)  # the newer name wins
+    legacy_max_tokens = fields.integer("max_tokens", None, low=1)
     if max_tokens is None:
-        max_tokens = fields.integer("max_tokens", None, low=1)
+        max_tokens = legacy_max_tokens
     temperature = fields.number("temperature", 1.0, low=0.0, high=2.0)
     options: dict[str, Any] = {
         "max_new_tokens": max_tokens,  # None: the server fills in what the context allows

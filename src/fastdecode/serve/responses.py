@@ -113,8 +113,7 @@ class ResponseBuilder:
                 offsets.append(at)
                 at += len(token)
             return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                    "top_logprobs": [{self._token(i): v for i, v in top} if top is not None else None
-                                     for _, _, top in entries] if self.logprobs else None,
+                    "top_logprobs": [_by_text(top, self._token) for _, _, top in entries] if self.logprobs else None,
                     "text_offset": offsets}
         content = []
         for token_id, logprob, top in entries:
@@ -123,3 +122,14 @@ class ResponseBuilder:
                             "top_logprobs": [{"token": self._token(i), "logprob": v,
                                               "bytes": list(self._token(i).encode("utf-8"))} for i, v in top or []]})
         return {"content": content}
+
+
+def _by_text(top: list[tuple[int, float]] | None, token_text: Any) -> dict[str, float] | None:
+    """The legacy completions format keys top logprobs by token text; tokens that read the same
+    (e.g. partial UTF-8 bytes) keep the best one."""
+    if top is None:
+        return None
+    entries: dict[str, float] = {}
+    for token_id, logprob in top:
+        entries.setdefault(token_text(token_id), logprob)
+    return entries

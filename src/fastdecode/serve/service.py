@@ -122,15 +122,17 @@ class GenerationService:
         self._beam_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- preparing -------------------------------------------------------------------------------
-    def encode(self, request: GenerationRequest) -> list[list[int]]:
+    def encode(self, request: GenerationRequest) -> list[tuple[list[int], str | None]]:
+        """-> (prompt ids, the text they encode or None for token prompts) per prompt."""
         gen = self.generator
         if request.endpoint == "chat" and self.encoder_decoder:
             raise APIError(400, "this is an encoder-decoder model: it has no chat; send the source text to "
                                 "/v1/completions as the prompt", param="messages", code="unsupported_model")
         try:
             if request.endpoint == "chat":
-                return [gen.encode_prompt(request.prompts[0])]
-            return [gen.encode_prompt(p) if isinstance(p, str) else list(p) for p in request.prompts]
+                text = gen._require_tokenizer().apply_chat_template(request.prompts[0], add_generation_prompt=True)
+                return [(gen.encode_prompt(request.prompts[0]), text)]
+            return [(gen.encode_prompt(p), p) if isinstance(p, str) else (list(p), None) for p in request.prompts]
         except FastDecodeError as exc:
             raise APIError(400, str(exc), param="messages" if request.endpoint == "chat" else "prompt") from exc
 
@@ -156,9 +158,11 @@ class GenerationService:
         return route, options
 
     # -- running ---------------------------------------------------------------------------------
-    async def start_request(self, request: GenerationRequest, prompts: list[list[int]]) -> RunningRequest:
+    async def start_request(self, request: GenerationRequest,
+                            encoded: list[tuple[list[int], str | None]]) -> RunningRequest:
         """Submit every choice of every prompt; return once all are accepted (else raise APIError)."""
         arrived = time.perf_counter()
+        prompts = [ids for ids, _ in encoded]
         sink = RequestSink(asyncio.get_running_loop())
         routes = [self._route(request, p) for p in prompts]
         if request.is_beam:
@@ -177,7 +181,7 @@ class GenerationService:
                 else:
                     self._check_stream_options(choice)
                 submission = Submission(p * request.n + j, prompt, choice, sink, arrived)
-                submission.route = route
+                submission.route, submission.prompt_text = route, encoded[p][1]
                 submissions.append(submission)
         for submission in submissions:
             (self.worker if submission.route == "engine" else self.conversations).submit(submission)

@@ -34,6 +34,8 @@ class _Conversation:
     def __init__(self, engine: Any):
         self.engine = engine
         self.fed: list[int] = []  # tokens the cache has consumed (evicted ones included)
+        self.fed_text: str | None = None  # their text (prompt text + generated tokens), when the prompt had one
+        self.pending: list[int] = []  # the last generated token: produced, not yet fed
 
 
 class StreamingConversations:
@@ -56,18 +58,31 @@ class StreamingConversations:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _take(self, prompt: list[int], config: Any) -> tuple[_Conversation, int]:
-        """The kept conversation this prompt continues (removed from the store), and how many of
-        the prompt's tokens it already holds; a fresh cache when none matches."""
-        best = None
-        for conversation in self._kept:
-            n = len(conversation.fed)
-            if 0 < n < len(prompt) and prompt[:n] == conversation.fed and (best is None or n > len(best.fed)):
-                best = conversation
-        if best is not None:
-            self._kept.remove(best)
-            return best, len(best.fed)
-        return _Conversation(streaming_engine(self.generator.model, config)), 0
+    def _take(self, prompt: list[int], text: str | None, config: Any) -> tuple[_Conversation, list[int], int]:
+        """The kept conversation this prompt continues (removed from the store), the tokens still
+        to feed, and how many prompt tokens the cache already holds; a fresh cache when none does.
+
+        Text prompts (chat renderings, completion strings) are matched on text, as ChatSession
+        does: a reply re-tokenized inside the next turn's rendering need not give the tokens that
+        were generated, but its text is the same. Token prompts are matched on tokens.
+        """
+        for conversation in reversed(self._kept):
+            new = self._continuation(conversation, prompt, text)
+            if new is not None:
+                self._kept.remove(conversation)
+                return conversation, new, len(conversation.fed)
+        return _Conversation(streaming_engine(self.generator.model, config)), prompt, 0
+
+    def _continuation(self, conversation: _Conversation, prompt: list[int], text: str | None) -> list[int] | None:
+        if text is not None and conversation.fed_text is not None:
+            if len(text) > len(conversation.fed_text) and text.startswith(conversation.fed_text):
+                suffix = text[len(conversation.fed_text):]
+                return conversation.pending + self.generator.tokenizer.encode(suffix, add_special_tokens=False)
+            return None
+        n = len(conversation.fed)
+        if n < len(prompt) and prompt[:n] == conversation.fed:
+            return prompt[n:]
+        return None
 
     def _keep(self, conversation: _Conversation) -> None:
         self._kept.append(conversation)
@@ -89,8 +104,8 @@ class StreamingConversations:
 
         gen, prompt = self.generator, submission.prompt_ids
         config = gen._options({**submission.options, **self.streaming})
-        conversation, cached = self._take(prompt, config)
-        loop = DecodeLoop(gen.model, [prompt[cached:]], config, gen._eos_ids(config), engine=conversation.engine)
+        conversation, new_ids, cached = self._take(prompt, submission.prompt_text, config)
+        loop = DecodeLoop(gen.model, [new_ids], config, gen._eos_ids(config), engine=conversation.engine)
         watcher = _TextWatcher(gen._require_tokenizer(), config.stop_strings())
         submission.sink.put(Admitted(submission.index))
         generated: list[int] = []
@@ -113,14 +128,19 @@ class StreamingConversations:
                     if reason is not None:
                         text += watcher.finish()
                     submission.sink.put(Piece(submission.index, token, text, None, None,
-                                              _FINISH_REASONS.get(reason), len(prompt), cached, len(generated)))
+                                              _FINISH_REASONS.get(reason), cached + len(new_ids), cached,
+                                              len(generated)))
                     if submission.cancelled:
                         break
         finally:
             # The cache holds the prompt and every generated token but the last (never fed); with
             # no token at all the prompt may not have been fed whole: do not keep that cache.
             if generated:
-                conversation.fed = prompt + generated[:-1]
+                conversation.fed = conversation.fed + new_ids + generated[:-1]
+                conversation.pending = generated[-1:]
+                if submission.prompt_text is not None:
+                    reply = gen.tokenizer.decode(generated, skip_special_tokens=False)
+                    conversation.fed_text = submission.prompt_text + reply
                 self._keep(conversation)
-            self.metrics.prompt_tokens.inc(len(prompt))
+            self.metrics.prompt_tokens.inc(cached + len(new_ids))
             self.metrics.cached_prompt_tokens.inc(cached)

@@ -70,6 +70,7 @@ class Submission:
     def __init__(self, index: int, prompt_ids: list[int], options: dict[str, Any], sink: RequestSink,
                  arrived: float):
         self.index, self.prompt_ids, self.options, self.sink, self.arrived = index, prompt_ids, options, sink, arrived
+        self.prompt_text: str | None = None  # the text the prompt was encoded from (chat rendering), if any
         self.route = "engine"  # "engine" or "stream" (a streaming-cache conversation)
         self.sequence: Any = None
         self.last_token_at: float | None = None
