@@ -51,9 +51,9 @@ def test_disconnect_mid_stream_frees_the_sequence(server):
         received = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in received)
     deadline = time.monotonic() + 10
-    while service.worker.active_sequences() and time.monotonic() < deadline:
+    while service.active_sequences() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert service.worker.active_sequences() == 0
+    assert service.active_sequences() == 0
     assert service.metrics.generated_tokens._value.get() - generated < 200  # cancelled, not run to the end
     assert server.http.get("/health").json()["running_sequences"] == 0
 

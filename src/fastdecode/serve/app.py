@@ -61,7 +61,7 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": settings.model_name,
-                "running_sequences": service.worker.active_sequences()}
+                "running_sequences": service.active_sequences()}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -1,7 +1,9 @@
 """From a validated request to a stream of pieces: tokenize, pick the route, submit, collect.
 
-Three routes:
-* the engine (continuous batching; every greedy / sampling request that fits the context),
+Four routes:
+* the engine (continuous batching; every greedy / sampling request to a decoder-only model that
+  fits the context),
+* "solo": encoder-decoder models, one decode loop per choice on the loop thread (``sessions.py``),
 * beam search (``num_beams > 1``): ``Generator.generate_ids_with_details`` on a worker thread, the
   final text of each choice in one piece,
 * conversations longer than the context with ``--context-overflow shift|reevaluate``: streaming
@@ -21,7 +23,7 @@ from ..errors import FastDecodeError
 from .engine_adapter import engine_for
 from .metrics import ServerMetrics
 from .protocol import APIError, GenerationRequest, api_error_from
-from .sessions import StreamingConversations
+from .sessions import LoopRunner
 from .worker import Admitted, EngineWorker, Failed, Piece, RequestSink, Submission
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -104,21 +106,31 @@ class GenerationService:
         if settings.n_ctx is not None and settings.n_ctx > config.max_position_embeddings:
             raise APIError(400, f"n_ctx={settings.n_ctx} exceeds the model's context "
                                 f"({config.max_position_embeddings} positions)")
-        self.worker = EngineWorker(lambda: engine_for(generator, settings.max_batch_tokens, settings.max_queue),
-                                   metrics)
-        self.conversations = None
-        if settings.context_overflow in ("shift", "reevaluate") and not self.encoder_decoder:
-            self.conversations = StreamingConversations(generator, self.context, settings.n_keep,
-                                                        settings.context_overflow, metrics)
+        self.worker = None  # the engine's scheduler serves decoder-only models
+        if not self.encoder_decoder:
+            self.worker = EngineWorker(lambda: engine_for(generator, settings.max_batch_tokens, settings.max_queue),
+                                       metrics)
+        self.overflow = settings.context_overflow in ("shift", "reevaluate") and not self.encoder_decoder
+        streaming = {"n_ctx": self.context, "n_keep": settings.n_keep, "policy": settings.context_overflow}
+        self.loops = LoopRunner(generator, streaming if self.overflow else None, metrics)
+        if self.overflow:
+            try:
+                generator._options(streaming)
+            except FastDecodeError as exc:
+                raise APIError(400, f"bad streaming settings: {exc}") from exc
         self._beam_pool = ThreadPoolExecutor(1, thread_name_prefix="fastdecode-beam")
 
     def start(self) -> None:
-        self.worker.start()
+        if self.worker is not None:
+            self.worker.start()
 
     def stop(self) -> None:
-        self.worker.stop()
-        if self.conversations is not None:
-            self.conversations.close()
+        if self.worker is not None:
+            self.worker.stop()
+        self.loops.close()
+
+    def active_sequences(self) -> int:
+        return self.worker.active_sequences() if self.worker is not None else 0
         self._beam_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- preparing -------------------------------------------------------------------------------
@@ -137,7 +149,7 @@ class GenerationService:
             raise APIError(400, str(exc), param="messages" if request.endpoint == "chat" else "prompt") from exc
 
     def _route(self, request: GenerationRequest, prompt: list[int]) -> tuple[str, dict[str, Any]]:
-        """-> ("engine" | "beam" | "stream", options with max_new_tokens filled in)."""
+        """-> ("engine" | "beam" | "solo" | "stream", options with max_new_tokens filled in)."""
         options = dict(request.options)
         room = self.context - len(prompt)
         if options["max_new_tokens"] is None:
@@ -145,10 +157,10 @@ class GenerationService:
                 options["max_new_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS
             else:
                 options["max_new_tokens"] = room if room > 0 else self.context // 2
-        route = "beam" if request.is_beam else "engine"
+        route = "beam" if request.is_beam else "solo" if self.encoder_decoder else "engine"
         if not self.encoder_decoder and len(prompt) + options["max_new_tokens"] > self.context:
-            if self.conversations is None or request.is_beam:
-                why = "beam search cannot use a streaming cache" if request.is_beam and self.conversations else (
+            if not self.overflow or request.is_beam:
+                why = "beam search cannot use a streaming cache" if request.is_beam and self.overflow else (
                     "start the server with --n-ctx N --context-overflow shift (or reevaluate) to go on past it")
                 raise APIError(400, f"the prompt has {len(prompt)} tokens; with max_tokens="
                                     f"{options['max_new_tokens']} it needs {len(prompt) + options['max_new_tokens']} "
@@ -176,15 +188,15 @@ class GenerationService:
                 if route == "engine":
                     choice["logprobs"] = request.logprobs
                 elif request.logprobs is not None:
-                    raise APIError(400, "logprobs are not available past the context (streaming cache)",
-                                   param="logprobs")
-                else:
-                    self._check_stream_options(choice)
+                    raise APIError(400, "logprobs come from the engine: they are not available for encoder-decoder "
+                                        "models or past the context (streaming cache)", param="logprobs")
                 submission = Submission(p * request.n + j, prompt, choice, sink, arrived)
                 submission.route, submission.prompt_text = route, encoded[p][1]
+                if route != "engine":
+                    self._check_loop_options(submission)
                 submissions.append(submission)
         for submission in submissions:
-            (self.worker if submission.route == "engine" else self.conversations).submit(submission)
+            (self.worker if submission.route == "engine" else self.loops).submit(submission)
 
         def cancel() -> None:
             for submission in submissions:
@@ -196,9 +208,9 @@ class GenerationService:
         await running.admitted()
         return running
 
-    def _check_stream_options(self, options: dict[str, Any]) -> None:
+    def _check_loop_options(self, submission: Submission) -> None:
         try:
-            self.conversations.check(options)
+            self.loops.check(submission)
         except FastDecodeError as exc:
             raise api_error_from(exc) from exc
 

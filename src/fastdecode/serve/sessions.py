@@ -1,6 +1,9 @@
-"""Conversations longer than the context (``--n-ctx`` with ``--context-overflow shift|reevaluate``).
+"""Requests that run one at a time on their own thread, through the generator's own decode loop.
 
-Such a request runs through a streaming cache (``n_keep`` attention sinks + a window that shifts
+* Encoder-decoder models (the engine's scheduler serves decoder-only models): one loop per
+  choice, streamed token by token.
+* Conversations longer than the context (``--n-ctx`` with ``--context-overflow shift|reevaluate``).
+  Such a request runs through a streaming cache (``n_keep`` attention sinks + a window that shifts
 or is re-evaluated, ``generation/streaming.py``) instead of failing. The server is stateless
 (each request carries the whole conversation), so the caches of recent conversations are kept:
 a request whose tokens start with what a kept cache has consumed continues that cache and feeds
@@ -38,19 +41,28 @@ class _Conversation:
         self.pending: list[int] = []  # the last generated token: produced, not yet fed
 
 
-class StreamingConversations:
-    def __init__(self, generator: Any, n_ctx: int, n_keep: int, policy: str, metrics: ServerMetrics,
+class LoopRunner:
+    """``streaming``: the n_ctx / n_keep / policy options of conversations past the context, or
+    None when the server answers those with 400 (then only "solo" submissions come here)."""
+
+    def __init__(self, generator: Any, streaming: dict[str, Any] | None, metrics: ServerMetrics,
                  max_conversations: int = 4):
         self.generator = generator
-        self.streaming = {"n_ctx": n_ctx, "n_keep": n_keep, "policy": policy}
+        self.streaming = streaming
         self.metrics = metrics
         self.max_conversations = max_conversations
         self._kept: list[_Conversation] = []  # least recently used first
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="fastdecode-stream")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="fastdecode-loops")
 
-    def check(self, options: dict[str, Any]) -> None:
-        """Reject bad options before anything is queued (the engine's GenerationConfig rules)."""
-        self.generator._options({**options, **self.streaming})
+    def check(self, submission: Submission) -> None:
+        """Reject bad options before anything is queued (GenerationConfig's and the prompt's rules)."""
+        config = self._config(submission)
+        if submission.route == "solo":  # a conversation past the context is longer than the model's on purpose
+            self.generator._check_prompts([submission.prompt_ids], config)
+
+    def _config(self, submission: Submission) -> Any:
+        streaming = self.streaming if submission.route == "stream" else {}
+        return self.generator._options({**submission.options, **streaming})
 
     def submit(self, submission: Submission) -> None:
         self._executor.submit(self._run, submission)
@@ -96,16 +108,20 @@ class StreamingConversations:
         except FastDecodeError as exc:
             submission.sink.put(Failed(submission.index, api_error_from(exc)))
         except Exception as exc:  # a bug: answer it, keep serving
-            log.exception("streaming conversation failed")
+            log.exception("generation on the loop thread failed")
             submission.sink.put(Failed(submission.index, APIError(500, f"internal error: {exc}", "server_error")))
 
     def _generate(self, submission: Submission) -> None:
         from ..api import _TextWatcher
 
         gen, prompt = self.generator, submission.prompt_ids
-        config = gen._options({**submission.options, **self.streaming})
-        conversation, new_ids, cached = self._take(prompt, submission.prompt_text, config)
-        loop = DecodeLoop(gen.model, [new_ids], config, gen._eos_ids(config), engine=conversation.engine)
+        config = self._config(submission)
+        if submission.route == "stream":
+            conversation, new_ids, cached = self._take(prompt, submission.prompt_text, config)
+            loop = DecodeLoop(gen.model, [new_ids], config, gen._eos_ids(config), engine=conversation.engine)
+        else:
+            conversation, new_ids, cached = None, prompt, 0
+            (loop,) = gen._loops([prompt], config)
         watcher = _TextWatcher(gen._require_tokenizer(), config.stop_strings())
         submission.sink.put(Admitted(submission.index))
         generated: list[int] = []
@@ -135,7 +151,7 @@ class StreamingConversations:
         finally:
             # The cache holds the prompt and every generated token but the last (never fed); with
             # no token at all the prompt may not have been fed whole: do not keep that cache.
-            if generated:
+            if generated and conversation is not None:
                 conversation.fed = conversation.fed + new_ids + generated[:-1]
                 conversation.pending = generated[-1:]
                 if submission.prompt_text is not None:
