@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 from ..errors import InvalidOptionError
@@ -24,5 +25,11 @@ def run(generator: Any, host: str, port: int, **settings: Any) -> int:
     config = uvicorn.Config(app, host=host, port=port, log_level="info",
                             timeout_graceful_shutdown=settings.get("grace_seconds", 30.0))
     server = uvicorn.Server(config)
-    server.run()
+    # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: make that
+    # one a no-op so that a drained server exits 0.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0 if server.started else 1
