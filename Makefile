@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: demo test install install-dev bench browser serve
+.PHONY: demo test install install-dev bench browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,11 +35,6 @@ browser:
 	    (apt-get update -q && apt-get install -y -q chromium chromium-driver) >/dev/null \
 	      || echo "could not install chromium: the browser test will be skipped"; \
 	  else echo "chromium is not installed (needs root): the browser test will be skipped"; fi; fi
-
-# The OpenAI-compatible server with the embedded model (http://127.0.0.1:8000, chat page at /).
-serve: install
-	$(BIN)/python -m pip install -q -e '.[serve]'
-	$(BIN)/fastdecode serve
 
 bench: install-dev
 	$(BIN)/python benchmarks/decode_speed.py

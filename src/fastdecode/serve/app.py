@@ -117,6 +117,8 @@ async def _sse(running: RunningRequest, request: GenerationRequest, builder: Res
     except APIError as exc:
         yield _event(exc.body())
         return
+    finally:
+        running.cancel()  # the client went away (the response task was cancelled): free its sequences now
     if request.include_usage:
         ordered = [choices[i] for i in sorted(choices)]
         yield _event(builder.usage_chunk(ordered, _prompt_counts(ordered, running, request.n)))
