@@ -6,6 +6,8 @@ import time
 
 import pytest
 
+from serve_helpers import chat_generator, serve, server  # noqa: F401 (fixtures)
+
 QUESTION = [{"role": "user", "content": "Hi"}]
 
 
@@ -91,8 +93,6 @@ def test_junk_in_every_field_is_never_a_500(server):
 
 
 def test_api_key_body_limit_and_full_queue(chat_generator):
-    from conftest import serve
-
     with serve(chat_generator, api_key="sekret", max_body_bytes=2000, max_queue=1) as server:
         assert post(server, "/chat/completions", chat(), expect=401)["code"] == "invalid_api_key"
         wrong = {"Authorization": "Bearer nope"}

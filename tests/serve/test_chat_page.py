@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from serve_helpers import chat_generator, server  # noqa: F401 (fixtures)
+
 webdriver = pytest.importorskip("selenium.webdriver")
 
 
@@ -85,13 +87,14 @@ def test_chat_page_streams_an_answer_keeps_the_conversation_and_stops(server, ch
     max_tokens = browser.find_element(By.ID, "max-tokens")
     max_tokens.clear()
     max_tokens.send_keys("200")
+    generated = server.service.metrics.generated_tokens._value.get()
     browser.find_element(By.ID, "input").send_keys("Tell me a long story")
     browser.find_element(By.ID, "send").click()
-    wait_for(lambda: browser.execute_script(
-        "const c = document.querySelector('.message.assistant .content'); return c && c.textContent"))
+    wait_for(lambda: browser.execute_script("return document.body.dataset.state") == "streaming")
     browser.find_element(By.ID, "stop").click()
     wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".message.assistant[data-done]"))
     assert "stopped" in browser.find_element(By.ID, "stats").text
     wait_for(lambda: server.service.active_sequences() == 0, timeout=10)
+    assert server.service.metrics.generated_tokens._value.get() - generated < 200  # cancelled, not finished
     browser.save_screenshot(str(tmp_path / "chat-stopped.png"))
     print(f"screenshots: {tmp_path / 'chat.png'}, {tmp_path / 'chat-stopped.png'}")

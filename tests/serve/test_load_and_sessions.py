@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from serve_helpers import chat_generator, serve, server  # noqa: F401 (fixtures)
+
 openai = pytest.importorskip("openai")
 
 SYSTEM = ("You are a helpful assistant. Answer in one short sentence, politely, and never repeat the question. "
@@ -75,8 +77,6 @@ def test_multi_turn_reuses_the_prefix_cache(server):
 def test_conversation_past_the_context_goes_on_through_the_streaming_cache(chat_generator):
     """--n-ctx 48: every turn outgrows the context; turn N continues the kept streaming cache and
     feeds only its new tokens. With --context-overflow error the same request is a 400."""
-    from conftest import serve
-
     with serve(chat_generator, n_ctx=48, n_keep=4, context_overflow="shift") as running:
         client = running.client()
         messages = [{"role": "user", "content": "Hello there"}]

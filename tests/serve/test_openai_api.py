@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from serve_helpers import chat_generator, serve, server, tiny_bart_generator  # noqa: F401 (fixtures)
+
 openai = pytest.importorskip("openai")
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -124,8 +126,6 @@ def test_beam_search(server, chat_generator):
 
 
 def test_encoder_decoder_model():
-    from conftest import serve, tiny_bart_generator
-
     bart = tiny_bart_generator()
     source = "The capital of France is Paris."
     with serve(bart) as server:

@@ -13,15 +13,13 @@ import time
 import httpx
 import pytest
 
-from conftest import free_port
+from serve_helpers import CHATML, free_port, hf_tokenizer
 
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
     """The tiny chat model saved as a Hugging Face folder (config, safetensors, tokenizer)."""
     import transformers as tf
-
-    from conftest import CHATML, hf_tokenizer
 
     import torch
 

@@ -1,4 +1,8 @@
-"""Tiny models behind real servers on 127.0.0.1 (a free port each), shared per module.
+"""Tiny models behind real servers on 127.0.0.1 (a free port each), and their fixtures.
+
+Test modules import the fixtures they use from here (not a conftest.py: a second module named
+``conftest`` would shadow tests/conftest.py for tests that import from it). The chat model is
+built once per test session (``shared_chat_generator``); each module gets its own server.
 
 The decoder is a seeded random Llama (GQA) whose vocabulary is a byte-level BPE trained here with
 a ChatML template; the encoder-decoder is tiny BART (tests/tiny_encdec.py) with the same kind of
@@ -7,6 +11,7 @@ tokenizer. Random weights rarely emit EOS, so lengths are set by max_tokens.
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
@@ -131,12 +136,17 @@ def serve(generator, **settings) -> RunningServer:
     return RunningServer(create_app(generator, ServeSettings(model_name="tiny", **settings)))
 
 
-@pytest.fixture(scope="session")
-def chat_generator():
+@functools.cache
+def shared_chat_generator():
     return tiny_chat_generator()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
+def chat_generator():
+    return shared_chat_generator()
+
+
+@pytest.fixture(scope="module")
 def server(chat_generator):
     with serve(chat_generator, max_queue=64) as running:
         yield running
