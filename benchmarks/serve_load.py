@@ -76,6 +76,9 @@ def hf_folder_from_gguf(gguf: Path, cache: Path) -> Path:
     model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model.config.architectures = [type(model).__name__]
+    model.hf_quantizer = None  # the weights are dequantized float32 tensors already: save them as such
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -238,6 +238,7 @@ class GenerationService:
                 for k, (result, text) in enumerate(zip(results, texts)):
                     p = group[k // n]
                     reason = "length" if result.finish_reason == "length" else "stop"
+                    self.metrics.generated_tokens.inc(len(result.tokens))
                     sink.put(Piece(p * n + k % n, None, text, None, None, reason, len(prompts[p]), 0,
                                    len(result.tokens)))
 
