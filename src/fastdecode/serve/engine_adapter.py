@@ -88,7 +88,7 @@ class AdapterEngine:
         self._running: list[_Running] = []
 
     def submit(self, prompt_ids: Seq[int], options: dict[str, Any]) -> Sequence:
-        from ..api import _TextWatcher
+        from .sessions import text_watcher
 
         options = dict(options)
         top = options.pop("logprobs", None)
@@ -104,7 +104,7 @@ class AdapterEngine:
         recorder = None
         if top is not None:
             recorder = loop.selector = _LogprobRecorder(loop.selector, int(top))
-        watcher = _TextWatcher(gen._require_tokenizer(), config.stop_strings())
+        watcher = text_watcher(gen._require_tokenizer(), config.stop_strings())
         sequence = Sequence(next(self._ids), list(prompt_ids))
         self._running.append(_Running(sequence, loop, iter(loop), watcher, recorder))
         return sequence

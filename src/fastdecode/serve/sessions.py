@@ -33,6 +33,16 @@ log = logging.getLogger("fastdecode.serve")
 _FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
+def text_watcher(tokenizer: Any, stops: list[str]) -> Any:
+    """Incremental detokenization + stop strings for one sequence. It lives in api.py on main and
+    moves to generation/stopping.py with the engine (issue 11): either way, the same object."""
+    try:
+        from ..generation.stopping import TextWatcher
+    except ImportError:
+        from ..api import _TextWatcher as TextWatcher
+    return TextWatcher(tokenizer, stops)
+
+
 class _Conversation:
     def __init__(self, engine: Any):
         self.engine = engine
@@ -112,8 +122,6 @@ class LoopRunner:
             submission.sink.put(Failed(submission.index, APIError(500, f"internal error: {exc}", "server_error")))
 
     def _generate(self, submission: Submission) -> None:
-        from ..api import _TextWatcher
-
         gen, prompt = self.generator, submission.prompt_ids
         config = self._config(submission)
         if submission.route == "stream":
@@ -122,7 +130,7 @@ class LoopRunner:
         else:
             conversation, new_ids, cached = None, prompt, 0
             (loop,) = gen._loops([prompt], config)
-        watcher = _TextWatcher(gen._require_tokenizer(), config.stop_strings())
+        watcher = text_watcher(gen._require_tokenizer(), config.stop_strings())
         submission.sink.put(Admitted(submission.index))
         generated: list[int] = []
         last_at = None
