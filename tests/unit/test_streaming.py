@@ -34,6 +34,7 @@ def llama_partial_rotary():
     rotary_dim = model.config.head_dim // 2
     inv_freq, factor = rope_inverse_frequencies(rotary_dim, model.config.rope_theta, None, 256)
     model.rope = RotaryEmbedding(rotary_dim, inv_freq, factor)
+    model.layer_ropes = [model.rope] * model.config.num_layers
     return gen
 
 
@@ -73,7 +74,8 @@ class ExplicitShiftCache(StreamingCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.rope = None  # no sink frames here: every stored key is moved into the query's frame
+        self.explicit_ropes = self.layer_ropes
+        self.layer_ropes, self.rope_groups = None, []  # no sink frames here: every key moves into the query's frame
 
     def reserve(self, positions):
         (position,) = positions
@@ -84,9 +86,9 @@ class ExplicitShiftCache(StreamingCache):
             self.slot_positions[oldest] = -1  # dropped for good
             kept = window[self.slot_positions[window] >= 0]
             self.slot_positions[kept] -= self.n_discard
-            if self.rotate_by is not None:
-                for keys in self.layer_keys:
-                    keys[:, :, kept] = self.rotate_by(keys[:, :, kept], torch.tensor(-self.n_discard))
+            if self.explicit_ropes is not None:  # each layer by its own rotary table
+                for keys, rope in zip(self.layer_keys, self.explicit_ropes):
+                    keys[:, :, kept] = rope.rotate_by(keys[:, :, kept], torch.tensor(-self.n_discard))
             self.total_shift = getattr(self, "total_shift", 0) + self.n_discard
         super().reserve([position - getattr(self, "total_shift", 0)])
         self.query_shift = [0]  # every stored key is already in the query's frame
@@ -103,7 +105,7 @@ class ExplicitShiftEngine(ShiftEngine):
         super().__init__(model, n_ctx, n_keep, n_discard)
         cfg = model.config
         self.cache = ExplicitShiftCache(cfg.num_layers, cfg.num_kv_heads, n_ctx, n_keep, n_discard, cfg.head_dim,
-                                        model.dtype, model.device, self.cache.rope)
+                                        model.dtype, model.device, self.cache.layer_ropes)
 
     def feed_chunks(self, tokens, all_logits):
         cache = self.cache
