@@ -113,3 +113,25 @@ def test_streaming_generation_equals_plain_within_the_context(pair):
     plain = gen.generate_ids([prompt], max_new_tokens=30)
     for policy in ("shift", "reevaluate"):
         assert gen.generate_ids([prompt], max_new_tokens=30, n_ctx=64, policy=policy) == plain, policy
+
+
+def test_inspect_counts_layers_and_kv_bytes_per_kind():
+    info = fastdecode.from_hf(build("gemma3")).inspect()
+    per_layer = 2 * 1 * 32 * 4  # K and V of one KV head of 32 floats
+    assert info["attention_layers"] == "3 sliding (window 8), 1 full"
+    assert info["kv_cache_bytes_per_token_by_kind"] == {"full_attention": per_layer, "sliding_attention": 3 * per_layer}
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    ({"layer_types": ["full_attention"] * 3}, "names 3 layers"),
+    ({"layer_types": ["chunked_attention"] * 4}, "unsupported attention layer type"),
+    ({"sliding_window": None}, "positive integer sliding_window"),
+    ({"attn_logit_softcapping": 50.0}, "softcapping"),
+])
+def test_bad_layer_configs_are_refused(overrides, pattern):
+    from fastdecode.errors import UnsupportedModelError
+    from fastdecode.models.gemma3 import config_from_hf
+
+    hf_config = build("gemma3").config.to_dict() | overrides
+    with pytest.raises(UnsupportedModelError, match=pattern):
+        config_from_hf(hf_config)
