@@ -120,7 +120,9 @@ class LayerMasks:
     (``cache.relative_positions``, in the query's frame: a streaming cache reports its shifted
     sinks there), once per forward and window, so every cache (static, beam, streaming, none)
     honours a layer's window without any engine knowing about it. A key at distance 0 (the
-    query's own slot) is always inside the window, so no row is ever empty.
+    query's own slot) is always inside the window, so no row is ever empty. A cache that reports
+    no distances (None: an engine's step plan, which builds each layer's mask itself from
+    ``ModelConfig.layer_windows``) gets the caller's mask as it is.
     """
 
     def __init__(self, mask: torch.Tensor | None, cache, query_positions: torch.Tensor, dtype: torch.dtype):
@@ -131,7 +133,10 @@ class LayerMasks:
         if window is None:
             return self.mask
         if window not in self._windowed:
-            distance = -self.cache.relative_positions(self.query_positions)  # [B, T, S] query - key
+            relative = self.cache.relative_positions(self.query_positions)  # [B, T, S] key - query, or None
+            if relative is None:
+                return self.mask
+            distance = -relative  # [B, T, S] query - key
             bias = torch.zeros(distance.shape, dtype=self.dtype, device=distance.device)
             bias = bias.masked_fill_(distance >= window, float("-inf"))[:, None]  # [B, 1, T, S]
             self._windowed[window] = bias if self.mask is None else self.mask + bias
