@@ -135,3 +135,19 @@ def test_bad_layer_configs_are_refused(overrides, pattern):
     hf_config = build("gemma3").config.to_dict() | overrides
     with pytest.raises(UnsupportedModelError, match=pattern):
         config_from_hf(hf_config)
+
+
+def test_gemma3_config_json_of_transformers_4():
+    """The config.json Google ships for Gemma 3 (transformers 4.x names): one RoPE base per kind, the
+    scaling on global layers only, the 5:1 pattern from sliding_window_pattern when no layer_types."""
+    from fastdecode.models.gemma3 import config_from_hf
+
+    config = config_from_hf({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+        "hidden_size": 640, "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 256, "intermediate_size": 2048, "query_pre_attn_scalar": 256, "sliding_window": 512,
+        "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "eos_token_id": [1, 106]})
+    assert config.layer_windows == ([512] * 5 + [None]) * 2
+    assert (config.rope_theta, config.rope_local_theta, config.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+    assert config.eos_token_ids == [1, 106] and config.tie_word_embeddings
