@@ -57,6 +57,8 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.num_layers, int) or self.num_layers < 1:
+            return  # a bad layer count is the loader's validation error, not this one's
         if not self.layer_types:
             kind = SLIDING if self.sliding_window is not None else FULL
             self.layer_types = [kind] * self.num_layers
@@ -68,9 +70,8 @@ class ModelConfig:
         if unknown:
             raise UnsupportedModelError(
                 f"unsupported attention layer type(s) {', '.join(map(repr, unknown))}; supported: {SLIDING!r}, {FULL!r}")
-        if SLIDING in self.layer_types and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
-            raise UnsupportedModelError(
-                f"sliding_attention layers need a positive integer sliding_window, got {self.sliding_window!r}")
+        if SLIDING in self.layer_types and self.sliding_window is None:
+            raise UnsupportedModelError("sliding_attention layers need a sliding_window, got None")
 
     @property
     def layer_windows(self) -> list[int | None]:

@@ -125,7 +125,7 @@ def test_inspect_counts_layers_and_kv_bytes_per_kind():
 @pytest.mark.parametrize("overrides, pattern", [
     ({"layer_types": ["full_attention"] * 3}, "names 3 layers"),
     ({"layer_types": ["chunked_attention"] * 4}, "unsupported attention layer type"),
-    ({"sliding_window": None}, "positive integer sliding_window"),
+    ({"sliding_window": None}, "need a sliding_window"),
     ({"attn_logit_softcapping": 50.0}, "softcapping"),
 ])
 def test_bad_layer_configs_are_refused(overrides, pattern):
