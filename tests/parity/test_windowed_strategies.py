@@ -100,11 +100,19 @@ def test_reevaluate_equals_transformers_on_the_kept_tokens(pair):
     assert ours == _hf_reevaluate(hf, prompt, 40, 24, 4, 6)
 
 
-def test_sampling_cached_equals_naive_on_padded_batch(pair):
-    kind, _, gen = pair
+def test_sampled_tokens_come_from_transformers_top_k_on_a_padded_batch(pair):
+    """Whatever the random draws, each sampled token (top_k=3) must be among transformers' 3 best
+    at its step, given that row's own history (a window ignored would shift the logits)."""
+    kind, hf, gen = pair
     prompts = [_ids(13, 6), _ids(4, 7)]
-    options = dict(do_sample=True, temperature=1.2, top_p=0.95, seed=3, max_new_tokens=24)
-    assert gen.generate_ids(prompts, **options) == gen.generate_ids(prompts, use_cache=False, **options)
+    options = dict(do_sample=True, top_k=3, seed=3, max_new_tokens=24)
+    rows = gen.generate_ids(prompts, **options)
+    assert rows == gen.generate_ids(prompts, **options)  # seeded: reproducible
+    for prompt, row in zip(prompts, rows):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + row])).logits[0, len(prompt) - 1 : -1]  # [new, V]
+        best = logits.topk(3).indices
+        assert all(token in best[step] for step, token in enumerate(row)), kind
 
 
 def test_streaming_generation_equals_plain_within_the_context(pair):
