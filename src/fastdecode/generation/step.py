@@ -55,8 +55,7 @@ class CachedEngine:
         end = cache.length
         if num_queries == 1 and not cache.has_padding:
             return None  # one query per row that sees every slot (a sliding layer adds its window itself)
-        return build_attention_mask(cache.valid[:, :end], cache.positions[:, :end], start, num_queries,
-                                    self.model.dtype)
+        return build_attention_mask(cache.valid[:, :end], start, num_queries, self.model.dtype)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.cache.keep_rows(rows)
@@ -81,7 +80,7 @@ class RecomputeEngine:
 
     def _run(self) -> torch.Tensor:
         T = self.tokens.shape[1]
-        mask = build_attention_mask(self.valid, self.positions, 0, T, self.model.dtype)
+        mask = build_attention_mask(self.valid, 0, T, self.model.dtype)
         return self.model.forward(self.tokens, self.positions, NoCache(), mask)[:, -1]
 
     def keep_rows(self, rows: torch.Tensor) -> None:

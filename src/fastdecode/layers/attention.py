@@ -87,17 +87,15 @@ def _fold_groups(q: torch.Tensor, mask: torch.Tensor | None, num_kv_heads: int):
 
 def build_attention_mask(
     key_valid: torch.Tensor,
-    key_positions: torch.Tensor,
     query_start: int,
     num_queries: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Additive causal + padding mask [B, 1, T, S] for queries in slots query_start .. query_start+T-1.
 
-    key_valid [B, S]: False for padding slots. key_positions [B, S]: each slot's token position
-    (unused here: windows are added per layer by ``LayerMasks``). A query sees keys in earlier or
-    equal slots that are valid. Each query always sees its own slot, so a padding query never has
-    an empty row (no NaN); its output is never used.
+    key_valid [B, S]: False for padding slots. A query sees keys in earlier or equal slots that are
+    valid (sliding layers add their window themselves: ``LayerMasks``). Each query always sees its
+    own slot, so a padding query never has an empty row (no NaN); its output is never used.
     """
     S = key_valid.shape[1]
     device = key_valid.device
