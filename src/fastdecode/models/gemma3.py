@@ -80,6 +80,17 @@ def weight_names(config: ModelConfig) -> tuple[list[str], list[str]]:
     return required, optional
 
 
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape in the checkpoint (HF) layout; the loader checks every weight against it."""
+    C, V, I, D = config.hidden_size, config.vocab_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * D, config.num_kv_heads * D
+    layer = {"q.weight": (q, C), "k.weight": (kv, C), "v.weight": (kv, C), "o.weight": (C, q),
+             "gate.weight": (I, C), "up.weight": (I, C), "down.weight": (C, I), "q_norm.weight": (D,),
+             "k_norm.weight": (D,), **{f"{norm}.weight": (C,) for norm in _NORMS if norm not in ("q_norm", "k_norm")}}
+    return {"embed.weight": (V, C), "norm.weight": (C,), "lm_head.weight": (V, C),
+            **{f"layers.{{layer}}.{name}": shape for name, shape in layer.items()}}
+
+
 def _pattern_layer_types(num_layers: int, pattern: int) -> list[str]:
     return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
 

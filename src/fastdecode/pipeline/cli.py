@@ -6,24 +6,29 @@ so importing it back from here would be an import cycle, fatal under ``python -m
 
 Exit codes: 0 every input succeeded; 1 some inputs failed (error records in the output,
 counting those an earlier, resumed run wrote); 2 bad usage, an output that does not belong to
-the input, or the first failed input with --fail-fast.
+the input, an output another run is writing, or the first failed input with --fail-fast; 3 the
+output could not be written (disk full, I/O error): what was written is intact, rerun to resume.
+
+The input is read once, as it streams (a pipe or a FIFO works): the progress bar's total is
+counted beforehand only for a regular file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import click
 
 from ..errors import BatchFileError
-from .inputs import InputItem, format_for, items_from_lines, skip_done
-from .output import JsonlWriter, prepare_output
+from .inputs import BOM, InputItem, format_for, items_from_lines, skip_done
+from .output import OutputFile, OutputState, encode_record, same_file
 from .runner import BatchRun, BatchSettings
 
 POSTFIX_EVERY_S = 0.5  # progress-bar text refresh period (tqdm throttles the bar itself)
@@ -44,7 +49,7 @@ def read_input(path: str, input_format: str, field: str) -> Iterator[InputItem]:
                 head.append(raw)
                 if raw.strip():
                     break
-            first = head[-1].decode("utf-8", errors="replace") if head else ""
+            first = head[-1].decode("utf-8", errors="replace").lstrip(BOM) if head else ""
             fmt = format_for("" if path == "-" else path, first)
         yield from items_from_lines(itertools.chain(head, handle), fmt, field)
     finally:
@@ -53,11 +58,36 @@ def read_input(path: str, input_format: str, field: str) -> Iterator[InputItem]:
 
 
 def count_inputs(path: str) -> int | None:
-    """Non-blank lines of the input file (the progress total); None for stdin."""
-    if path == "-":
+    """Non-blank lines of the input (the progress total) when it is a regular file; None for stdin,
+    a pipe or a FIFO, which can be read only once (counting would consume them)."""
+    if path == "-" or not stat.S_ISREG(os.stat(path).st_mode):
         return None
     with open(path, "rb") as handle:
         return sum(1 for raw in handle if raw.strip())
+
+
+def check_not_input(input_path: str, output: str) -> None:
+    """The output must not be the input under another name (a hard link, a symlink, stdin)."""
+    try:
+        out = os.stat(output)
+        source = os.fstat(0) if input_path == "-" else os.stat(input_path)
+    except (OSError, ValueError):
+        return  # no output yet, or no stdin: nothing to clobber
+    if same_file(source, out):
+        raise BatchFileError(f"the output {output} is the input file (same device and inode)")
+
+
+class StdoutRecords:
+    """``-o -``: records to stdout, nothing to resume or lock."""
+
+    state = OutputState()
+
+    def __call__(self, records: list[dict]) -> None:
+        sys.stdout.buffer.write(b"".join(encode_record(record) for record in records))
+        sys.stdout.buffer.flush()
+
+    def close(self) -> None:
+        pass
 
 
 class Progress:
@@ -85,14 +115,33 @@ class Progress:
 def run_batch(input_path: str, output: str, model: str | None, device: str, dtype: str, options: dict[str, Any],
               settings: BatchSettings, field: str, input_format: str, chat: bool | None, quiet: bool,
               overwrite: bool) -> int:
-    """The body of `fastdecode batch`; returns the exit code (0 all ok, 1 some inputs failed)."""
-    from .. import load
+    """The body of `fastdecode batch`; returns the exit code (0 all ok, 1 some inputs failed).
+
+    The output is opened (and locked) before the model loads, so a second run on the same
+    output fails at once, and held until the run ends.
+    """
     from ..config import GenerationConfig
 
     GenerationConfig.from_options(**options)  # reject bad options before loading anything
-    if input_path != "-" and Path(input_path).resolve() == Path(output).resolve():
-        raise BatchFileError("the output file must not be the input file")
-    state = prepare_output(output, overwrite=overwrite)
+    for path, stream, what in ((input_path, sys.stdin, "input"), (output, sys.stdout, "output")):
+        if path == "-" and stream is None:
+            raise BatchFileError(f"standard {what} is closed ('-' names it)")
+    if output != "-":
+        check_not_input(input_path, output)
+    writer = StdoutRecords() if output == "-" else OutputFile(output, overwrite=overwrite)
+    try:
+        return _run_to(writer, input_path, output, model, device, dtype, options, settings, field, input_format,
+                       chat, quiet)
+    finally:
+        writer.close()
+
+
+def _run_to(writer: OutputFile | StdoutRecords, input_path: str, output: str, model: str | None, device: str,
+            dtype: str, options: dict[str, Any], settings: BatchSettings, field: str, input_format: str,
+            chat: bool | None, quiet: bool) -> int:
+    from .. import load
+
+    state = writer.state
     if state.truncated_bytes and not quiet:
         click.echo(f"resume: cut a torn last line ({state.truncated_bytes} bytes) from {output}", err=True)
     if state.done and not quiet:
@@ -102,7 +151,6 @@ def run_batch(input_path: str, output: str, model: str | None, device: str, dtyp
         chat = bool(generator.tokenizer is not None and generator.tokenizer.chat_template)
     settings = dataclasses.replace(settings, chat=chat)
     items = skip_done(read_input(input_path, input_format, field), state.done, state.last)
-    writer = JsonlWriter(output)
     progress = Progress(count_inputs(input_path), state.done, quiet)
     run = BatchRun(generator, items, settings, options, on_records=writer)
     try:
@@ -111,7 +159,6 @@ def run_batch(input_path: str, output: str, model: str | None, device: str, dtyp
             progress.update(run.stats.new_tokens)
     finally:
         progress.close(run.stats.new_tokens)
-        writer.close()
     stats = run.stats
     failed = state.failed + stats.failed
     if not quiet:
@@ -131,8 +178,9 @@ def batch_command(model_options: Callable, generation_options: Callable, handle_
 
     @click.command("batch")
     @click.argument("input_path", metavar="INPUT", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
-    @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False),
-                  help="Output .jsonl; if it exists, inputs already in it are skipped (resume).")
+    @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
+                  help="Output .jsonl (a regular file; - for stdout); if it exists, inputs already in it are "
+                       "skipped (resume).")
     @click.option("--batch-size", type=int, default=None,
                   help="Prompts per batch (default 16). Excludes --max-batch-tokens.")
     @click.option("--max-batch-tokens", type=int, default=None,
