@@ -238,9 +238,12 @@ class Gemma3Model(ModelBase):
         cache: KVCache | NoCache,
         mask: torch.Tensor | None,
         all_logits: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens, positions [B, T]; mask: additive causal/padding [B, 1, T, S] or None (sliding
-        layers add their window). Returns logits [B, T, V] if ``all_logits`` else [B, 1, V]."""
+        layers add their window). Returns logits [B, T, V] if ``all_logits``, [B, K, V] at the token
+        indices ``logits_at`` [K], else [B, 1, V]. ``cache`` may be an engine's ``StepPlan`` (which
+        builds each layer's mask from ``ModelConfig.layer_windows`` itself)."""
         cfg = self.config
         C, D, eps = cfg.hidden_size, cfg.head_dim, cfg.norm_eps
         x = F.embedding(tokens, self.embed) * self.embed_scale  # [B, T, C]
@@ -258,8 +261,7 @@ class Gemma3Model(ModelBase):
             h = F.rms_norm(x, (C,), layer.mlp_norm, eps)
             gated = linear(h, layer.gate, activation=cfg.hidden_act) * linear(h, layer.up)
             x = x + F.rms_norm(linear(gated, layer.down), (C,), layer.post_mlp_norm, eps)
-        if not all_logits:
-            x = x[:, -1:]
+        x = self.output_rows(x, all_logits, logits_at)
         logits = linear(F.rms_norm(x, (C,), self.norm, eps), self.lm_head)  # [B, T or 1, V]
         cap = cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
