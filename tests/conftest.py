@@ -28,6 +28,15 @@ def smollm_path():
 
 @pytest.fixture(scope="session")
 def smollm(smollm_path):
+    """The embedded model as users get it: running on its own Q4_1 / Q8_0 blocks."""
     import fastdecode
 
     return fastdecode.load(str(smollm_path))
+
+
+@pytest.fixture(scope="session")
+def smollm_float(smollm_path):
+    """The embedded model decoded to float32 at load: the path parity with transformers is checked on."""
+    import fastdecode
+
+    return fastdecode.load(str(smollm_path), quantize="dequantize")

@@ -43,11 +43,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from .config import GenerationConfig
 
 
-def load(source: str | None = None, device: str = "cpu", dtype: str = "float32") -> "Generator":
-    """Load a model (HF folder, .gguf file, or the embedded default when None) into a Generator."""
+def load(source: str | None = None, device: str = "cpu", dtype: str = "float32",
+         quantize: str | None = None) -> "Generator":
+    """Load a model (HF folder, .gguf file, or the embedded default when None) into a Generator.
+
+    quantize: None (a quantized GGUF runs on its own blocks; float checkpoints stay float), "int8" or
+    "int4" (float matrices quantized at load), "dequantize" (GGUF blocks decoded to ``dtype``)."""
     from .api import load as _load
 
-    return _load(source, device=device, dtype=dtype)
+    return _load(source, device=device, dtype=dtype, quantize=quantize)
 
 
 def from_hf(hf_model: Any, tokenizer: Any = None) -> "Generator":

@@ -50,7 +50,13 @@ def default_model_path() -> Path:
     raise ModelNotFoundError(f"package {DEFAULT_MODEL_PACKAGE} is installed but has no {DEFAULT_MODEL_FILE}")
 
 
-def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "float32") -> "Generator":
+def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "float32",
+         quantize: str | None = None) -> "Generator":
+    """quantize: None (GGUF blocks run as they are, float checkpoints stay float), "int8" / "int4"
+    (float matrices quantized at load), "dequantize" (GGUF blocks decoded to ``dtype`` at load)."""
+    from .loading.quantize import check_quantize, quantize_weights
+
+    check_quantize(quantize)
     torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     path = default_model_path() if source is None else Path(validation.model_source(source))
     if not path.exists():
@@ -62,9 +68,11 @@ def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "fl
     elif path.suffix.lower() == ".gguf":
         from .loading.gguf import load_gguf
 
-        checkpoint = load_gguf(path, torch_dtype, torch_device)
+        checkpoint = load_gguf(path, torch_dtype, torch_device, native=quantize != "dequantize")
     else:
         raise ModelNotFoundError(f"{path} is neither a Hugging Face model folder nor a .gguf file")
+    if quantize in ("int8", "int4"):
+        checkpoint.weights = quantize_weights(checkpoint.weights, quantize)
     return Generator(checkpoint)
 
 

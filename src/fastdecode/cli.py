@@ -131,6 +131,9 @@ def model_options(command):
     command = click.option("--dtype", default="float32", show_default=True,
                            type=click.Choice(["float32", "bfloat16", "float16"]))(command)
     command = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")(command)
+    command = click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "dequantize"]),
+                           help="int8/int4: quantize a float checkpoint at load; dequantize: decode GGUF blocks "
+                                "to --dtype (default: GGUF blocks run as they are).")(command)
     return click.option("--model", "-m", default=None,
                         help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")(command)
 
@@ -183,7 +186,7 @@ def generate(prompt: str, chat: bool | None, stats: bool, endless: bool, model: 
         options["n_ctx"] = options["n_ctx"] or 1024
         options.setdefault("eos_token_id", [])  # an endless stream does not stop at end-of-text
     GenerationConfig.from_options(**options)  # reject bad options before loading anything
-    generator = load(model, device=device, dtype=dtype)
+    generator = load(model, device=device, dtype=dtype, quantize=kwargs.get("quantize"))
     loaded = time.perf_counter()
     use_chat = chat if chat is not None else bool(
         generator.tokenizer and generator.tokenizer.chat_template and not generator.config.is_encoder_decoder
@@ -238,21 +241,31 @@ def _print_results(generator, prompt_ids: list[int], options: dict[str, Any], st
 @main.command()
 @click.argument("model", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "dequantize"]),
+              help="Inspect the model as `--quantize` would load it.")
 @_handle_errors
-def inspect(model: str | None, as_json: bool) -> None:
-    """Show a model's architecture, sizes, attention kind and KV-cache cost."""
+def inspect(model: str | None, as_json: bool, quantize: str | None) -> None:
+    """Show a model's architecture, sizes, attention kind, KV-cache cost and each weight group's
+    type and bytes read per token."""
     from . import load
     require_stream("stdout")
 
-    info = load(model).inspect()
+    info = load(model, quantize=quantize).inspect()
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
     width = max(len(k) for k in info)
     for key, value in info.items():
+        if key == "weight_groups":
+            continue
         if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
             value = f"{value:,}"
         click.echo(f"{key.replace('_', ' '):<{width}}  {value}")
+    click.echo("")
+    click.echo(f"{'weight group':<34} {'type':<8} {'tensors':>7} {'bytes':>13} {'bytes read/token':>17}")
+    for row in info["weight_groups"]:
+        click.echo(f"{row['group']:<34} {row['type']:<8} {row['tensors']:>7} {row['bytes']:>13,} "
+                   f"{row['bytes_read_per_token']:>17,}")
 
 
 @main.command()
@@ -276,7 +289,7 @@ def chat(system: str | None, model: str | None, device: str, dtype: str, **kwarg
     require_stream("stdout")
     streaming = _streaming_values(kwargs)
     streaming["n_ctx"] = streaming["n_ctx"] or 2048
-    generator = load(model, device=device, dtype=dtype)
+    generator = load(model, device=device, dtype=dtype, quantize=kwargs.pop("quantize"))
     session = generator.chat_session(system=system, **streaming, **kwargs)
     while True:
         try:
@@ -322,7 +335,7 @@ def perplexity(file: str, as_json: bool, model: str | None, device: str, dtype: 
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidOptionError(f"cannot read {file}: {exc}") from exc
     streaming = _streaming_values(kwargs)
-    generator = load(model, device=device, dtype=dtype)
+    generator = load(model, device=device, dtype=dtype, quantize=kwargs.get("quantize"))
     started = time.perf_counter()
     losses = generator.score(text, **streaming, max_memory=kwargs.get("max_memory"))
     elapsed = time.perf_counter() - started

@@ -2,7 +2,45 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+
+def _storage_key(tensor: Any) -> int:
+    codes = getattr(tensor, "codes", tensor)  # a QuantizedWeight is keyed by its codes
+    return codes.untyped_storage().data_ptr()
+
+
+def _type_name(tensor: Any) -> str:
+    return getattr(tensor, "kind", None) or str(tensor.dtype).replace("torch.", "")
+
+
+def _nbytes(tensor: Any) -> int:
+    return tensor.nbytes if hasattr(tensor, "kind") else tensor.numel() * tensor.element_size()
+
+
+def weight_groups(weights: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per weight group (layer index folded to ``*``) and type: tensors, bytes, bytes read per token.
+
+    A decode step reads every matrix whole, except an embedding table: only one row per token, unless
+    it is also the (tied) LM head. Tied tensors (one storage) count once."""
+    head_key = _storage_key(weights["lm_head.weight"]) if "lm_head.weight" in weights else None
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    seen = set()
+    for name, tensor in weights.items():
+        key = _storage_key(tensor)
+        if key in seen:
+            continue
+        seen.add(key)
+        group = re.sub(r"\.\d+\.", ".*.", name)
+        row = groups.setdefault((group, _type_name(tensor)), {"group": group, "type": _type_name(tensor),
+                                                              "tensors": 0, "bytes": 0, "bytes_read_per_token": 0})
+        nbytes = _nbytes(tensor)
+        lookup_only = name.endswith("embed.weight") and key != head_key
+        row["tensors"] += 1
+        row["bytes"] += nbytes
+        row["bytes_read_per_token"] += nbytes // tensor.shape[0] if lookup_only else nbytes
+    return list(groups.values())
 
 
 def describe(generator: Any) -> dict[str, Any]:
@@ -10,17 +48,21 @@ def describe(generator: Any) -> dict[str, Any]:
     checkpoint = generator.checkpoint
     weights = checkpoint.weights
     # Tied weights (the embedding is a view of the LM head) count once: key by storage.
-    unique = {t.untyped_storage().data_ptr(): t for t in weights.values()}
+    unique = {_storage_key(t): t for t in weights.values()}
     parameters = sum(t.numel() for t in unique.values())
-    element_size = next(iter(unique.values())).element_size()
+    element_size = generator.model.dtype.itemsize
+    groups = weight_groups(weights)
+    types = sorted({row["type"] for row in groups})
     info = {
         "source": checkpoint.source,
         "format": checkpoint.file_format,
         "architecture": cfg.architecture,
         "family": cfg.family,
         "parameters": parameters,
-        "dtype": str(next(iter(unique.values())).dtype).replace("torch.", ""),
-        "weight_bytes": sum(t.numel() * t.element_size() for t in unique.values()),
+        "dtype": str(generator.model.dtype).replace("torch.", ""),
+        "weight_types": ", ".join(types),
+        "weight_bytes": sum(row["bytes"] for row in groups),
+        "weight_bytes_read_per_token": sum(row["bytes_read_per_token"] for row in groups),
         "layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size,
         "heads": cfg.num_heads,
@@ -40,6 +82,7 @@ def describe(generator: Any) -> dict[str, Any]:
     }
     if cfg.is_encoder_decoder:
         info = _with_encoder_decoder(info, cfg, generator.model, element_size)
+    info["weight_groups"] = groups
     return info
 
 

@@ -137,3 +137,17 @@ def test_greedy_with_no_repeat_ngram_flag(tiny_folder):
     assert result.exit_code == 0, result.output
     words = result.stdout.split()
     assert len(words) == len(set(words))  # n = 1: no token twice
+
+
+def test_quantize_option_and_inspect_weight_groups(tiny_folder):
+    result = run("generate", "-m", tiny_folder, "-p", "w1 w2", "--max-new-tokens", "4", "--quantize", "int8")
+    assert result.exit_code == 0, result.output
+    table = run("inspect", tiny_folder, "--quantize", "int8")
+    assert table.exit_code == 0, table.output
+    assert "bytes read/token" in table.stdout and "int8" in table.stdout
+    info = json.loads(run("inspect", tiny_folder, "--quantize", "int8", "--json").stdout)
+    groups = {row["group"]: row for row in info["weight_groups"]}
+    assert groups["layers.*.q.weight"]["type"] == "int8"
+    assert groups["layers.*.attn_norm.weight"]["type"] == "float32"
+    bad = run("generate", "-m", tiny_folder, "-p", "w1", "--quantize", "int3")
+    assert bad.exit_code == 2

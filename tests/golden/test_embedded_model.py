@@ -26,7 +26,10 @@ def test_loads_with_expected_shape(smollm):
     assert info["kv_cache_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
 
 
-def test_logits_match_transformers_on_the_same_gguf(smollm, hf_gguf):
+def test_logits_match_transformers_on_the_same_gguf(smollm_float, hf_gguf):
+    """Float32 parity on the dequantized path; the native path equals it up to summation order
+    (tests/unit/test_quantized.py)."""
+    smollm = smollm_float
     ids = smollm.encode_prompt("What is the capital of France?", chat=True)
     with torch.no_grad():
         reference = hf_gguf(torch.tensor([ids])).logits[0]
@@ -40,9 +43,11 @@ def test_logits_match_transformers_on_the_same_gguf(smollm, hf_gguf):
     torch.testing.assert_close(ours, reference, atol=2e-4, rtol=1e-4)
 
 
-def test_greedy_tokens_match_transformers(smollm, hf_gguf):
-    ids = smollm.encode_prompt("Name three colors.", chat=True)
-    ours = smollm.generate_ids([ids], max_new_tokens=24)[0]
+@pytest.mark.parametrize("path", ["native", "float32"])
+def test_greedy_tokens_match_transformers(path, smollm, smollm_float, hf_gguf):
+    gen = smollm if path == "native" else smollm_float
+    ids = gen.encode_prompt("Name three colors.", chat=True)
+    ours = gen.generate_ids([ids], max_new_tokens=24)[0]
     with torch.no_grad():
         out = hf_gguf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                max_new_tokens=24, do_sample=False)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .threads import threads_for
+
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
@@ -23,7 +25,8 @@ def attention(
     """
     B, H, T, D = q.shape
     q, mask = _fold_groups(q, mask, k.shape[1])
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    with threads_for(q.numel() * k.shape[2]):  # B*H*T*D * S multiply-adds
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.reshape(B, H, T, D)  # [B, Hkv, G*T, D] -> [B, H, T, D]
 
 

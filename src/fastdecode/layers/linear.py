@@ -10,12 +10,17 @@ throughout (products and accumulation; no bf16/tf32 "fast math" unless the user 
 GELU (erf or tanh) run as the GEMM's epilogue, saving a pass over the FFN activations (~12% of
 an encoder FFN product; bit-identical for ReLU and erf GELU).
 Anything else (CUDA, half precision, a build without oneDNN) keeps ``F.linear`` + the activation.
+A ``QuantizedWeight`` goes to its own kernels (``quantized.py``).
+Small products run on one thread (``threads.py``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .quantized import QuantizedWeight, embed, quantized_linear  # noqa: F401 - embed: one import for models
+from .threads import threads_for
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -32,12 +37,17 @@ _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_l
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """act(x [..., in] @ weight [out, in]^T + bias [out]) -> [..., out]; ``activation`` names an ACTIVATIONS entry."""
+    if isinstance(weight, QuantizedWeight):
+        out = quantized_linear(x, weight, bias)
+        return out if activation is None else ACTIVATIONS[activation](out)
     if _ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled():
         attr, algorithm = _FUSED.get(activation, ("none", ""))
-        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+        with threads_for(x.numel() * weight.shape[0]):  # rows * in * out
+            out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
         return out if activation is None or activation in _FUSED else ACTIVATIONS[activation](out)
     out = F.linear(x, weight, bias)
     return out if activation is None else ACTIVATIONS[activation](out)

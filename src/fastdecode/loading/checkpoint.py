@@ -10,6 +10,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import InvalidOptionError
+from ..layers.quantized import QuantizedWeight
 from ..models.registry import Family
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -75,7 +76,9 @@ def canonical_weights(
     weight is duplicated. ``fetch(checkpoint_name)`` returns the tensor in the target dtype/device.
     """
 
-    def io(tensor: torch.Tensor) -> torch.Tensor:
+    def io(tensor: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+        if isinstance(tensor, QuantizedWeight):  # kept [out, in]; .t() marks the [in, out] view
+            return tensor.t()
         return tensor.t() if share else tensor.t().contiguous()
 
     weights = {}

@@ -1,20 +1,45 @@
-"""Load a .gguf file: config and tokenizer from metadata, tensors dequantized to canonical layout."""
+"""Load a .gguf file: config and tokenizer from metadata, tensors to canonical layout.
+
+Linear weights and the token embedding in a type the kernels run (``gguf_blocks.REPACKERS``) stay
+quantized (``QuantizedWeight``, repacked from the file's blocks, never float32); other types are
+dequantized to the requested dtype, with one log line naming them.
+"""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from ..errors import CheckpointError, FastDecodeError
+from ..layers.quantized import QuantizedWeight
 from ..models.registry import family_for_gguf
 from .checkpoint import Checkpoint, canonical_weights, check_tokenizer_matches
+from .gguf_blocks import REPACKERS, repack
 from .gguf_file import GGUFFile
 from .names import check_weight_shapes, resolve_weight_names
 
+log = logging.getLogger("fastdecode")
 
-def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Checkpoint:
+
+def _hf_layout(module, canonical: str, weight: QuantizedWeight, config) -> QuantizedWeight:
+    """The family's GGUF -> HF layout function applied to a quantized weight's rows.
+
+    The function is run on a column of row indices [N, 1]: it comes back with rows reordered (the
+    llama Q/K RoPE permutation: reorder whole rows, codes and scales together) or transposed to
+    [1, N] (GPT-2's Conv1D layout: the weight is then seen as [in, out])."""
+    index = module.gguf_to_hf_layout(canonical, np.arange(weight.shape[0])[:, None], config)  # [N, 1] or [1, N]
+    if index.shape[0] == 1 and weight.shape[0] != 1:
+        return weight.t()
+    order = index[:, 0]
+    return weight if (order == np.arange(len(order))).all() else weight.take_rows(torch.from_numpy(order))
+
+
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool = True) -> Checkpoint:
+    """native: keep blocks of a type the kernels run quantized; False decodes every tensor to ``dtype``."""
     gguf = GGUFFile(path)
     meta = gguf.metadata
     architecture = meta.get("general.architecture")
@@ -35,8 +60,15 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Checkpoin
     check_weight_shapes(module, config, mapping, lambda name: gguf.tensors[name].shape, str(path), gguf=True)
 
     canonical_of = {name: canonical for canonical, name in mapping.items()}
+    dequantized_types = set()
 
-    def decode(name: str) -> torch.Tensor:
+    def decode(name: str) -> torch.Tensor | QuantizedWeight:
+        canonical, info = canonical_of[name], gguf.tensors[name]
+        type_name = GGMLQuantizationType(info.ggml_type).name
+        if native and type_name in REPACKERS and len(info.shape) == 2 and "pos_embed" not in canonical:
+            return _hf_layout(module, canonical, repack(type_name, gguf.raw(name), info.shape), config).to(device)
+        if type_name not in ("F32", "F16", "BF16"):
+            dequantized_types.add(type_name)
         array = module.gguf_to_hf_layout(canonical_of[name], gguf.dequantized(name), config)
         if not (array.flags.writeable and array.flags.c_contiguous):
             array = np.array(array, order="C")  # a copy: F32 tensors are read-only views of the mmap
@@ -49,6 +81,10 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Checkpoin
         raise
     except (ValueError, RuntimeError) as exc:
         raise CheckpointError(f"cannot decode tensors of {path}: {exc}") from exc
+
+    if dequantized_types:
+        log.info("fastdecode: %s has tensors of type %s without a quantized kernel; dequantized at load",
+                 path, ", ".join(sorted(dequantized_types)))
 
     from .tokenizer import Tokenizer
 

@@ -29,7 +29,7 @@ from ..cache.static import KVCache
 from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
-from ..layers.linear import ACTIVATIONS, linear
+from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.positions import sinusoidal_table
 from .seq2seq import as_list, check_tied, decoder_start_token
 
@@ -256,7 +256,7 @@ class BartModel(ModelBase):
     # -- pieces ----------------------------------------------------------------------------------
     def _embed(self, stack: SimpleNamespace, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        x = F.embedding(tokens, self.embed)  # [B, T, C]
+        x = embed(tokens, self.embed)  # [B, T, C]
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         x = x + F.embedding(positions + cfg.position_offset, stack.positions)  # [B or 1, T, C] broadcasts

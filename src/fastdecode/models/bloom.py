@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..cache.static import KVCache, NoCache
 from .base import ModelBase
 from ..config import ModelConfig
-from ..layers.linear import linear
+from ..layers.linear import embed, linear
 from ..layers.positions import alibi_slopes
 from ..config import derived_head_dim
 
@@ -129,7 +129,7 @@ class BloomModel(ModelBase):
         cfg = self.config
         B, T = tokens.shape
         H, D, C = cfg.num_heads, cfg.head_dim, cfg.hidden_size
-        x = F.embedding(tokens, self.embed)  # [B, T, C]
+        x = embed(tokens, self.embed)  # [B, T, C]
         x = F.layer_norm(x, (C,), *self.embed_norm, cfg.norm_eps)
         bias = self.alibi_bias(cache.relative_positions(positions))  # [B, H, T, S]
         bias = bias if mask is None else bias + mask

@@ -27,7 +27,7 @@ from ..cache.static import KVCache, NoCache
 from ..config import FULL, SLIDING, ModelConfig
 from ..errors import UnsupportedModelError
 from ..layers.attention import LayerMasks, merge_heads, split_heads
-from ..layers.linear import ACTIVATIONS, linear
+from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
 from .base import ModelBase, token_id_list
 
@@ -246,7 +246,7 @@ class Gemma3Model(ModelBase):
         builds each layer's mask from ``ModelConfig.layer_windows`` itself)."""
         cfg = self.config
         C, D, eps = cfg.hidden_size, cfg.head_dim, cfg.norm_eps
-        x = F.embedding(tokens, self.embed) * self.embed_scale  # [B, T, C]
+        x = embed(tokens, self.embed) * self.embed_scale  # [B, T, C]
         rotations = {kind: self.ropes[kind].cos_sin(positions, x.dtype) for kind in set(self.layer_types)}
         masks = LayerMasks(mask, cache, positions, x.dtype)
         for index, layer in enumerate(self.layers):

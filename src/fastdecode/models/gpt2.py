@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..cache.static import KVCache, NoCache
 from .base import ModelBase
 from ..config import ModelConfig
-from ..layers.linear import ACTIVATIONS, linear
+from ..layers.linear import ACTIVATIONS, embed, linear
 from ..errors import UnsupportedModelError
 from ..config import derived_head_dim
 
@@ -180,7 +180,7 @@ class GPT2Model(ModelBase):
         cfg = self.config
         B, T = tokens.shape
         H, D, C = cfg.num_heads, cfg.head_dim, cfg.hidden_size
-        x = F.embedding(tokens, self.embed) + F.embedding(positions, self.pos_embed)  # [B, T, C]
+        x = embed(tokens, self.embed) + F.embedding(positions, self.pos_embed)  # [B, T, C]
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (C,), layer.attn_norm, layer.attn_norm_bias, cfg.norm_eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias).view(B, T, 3, H, D)  # [B, T, 3, H, D]

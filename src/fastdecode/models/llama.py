@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..cache.static import KVCache, NoCache
 from .base import ModelBase, token_id_list
 from ..config import FULL, SLIDING, ModelConfig
-from ..layers.linear import ACTIVATIONS, linear
+from ..layers.linear import ACTIVATIONS, embed, linear
 from ..errors import UnsupportedModelError
 from ..layers.attention import LayerMasks
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
@@ -248,7 +248,7 @@ class LlamaModel(ModelBase):
         cfg = self.config
         B, T = tokens.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = F.embedding(tokens, self.embed)  # [B, T, C]
+        x = embed(tokens, self.embed)  # [B, T, C]
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # [B, 1, T, rot]
         masks = LayerMasks(mask, cache, positions, x.dtype)
         for index, layer in enumerate(self.layers):

@@ -28,7 +28,7 @@ def check_tied(weights: dict[str, torch.Tensor], names: tuple[str, ...], archite
     embed = weights["embed.weight"]
     for name in names:
         alias = weights.get(name)
-        if alias is None:
+        if alias is None or alias is embed:  # absent, or one shared (e.g. quantized) table
             continue
         shared = alias.data_ptr() == embed.data_ptr() and alias.stride() == embed.stride()
         if not (alias.shape == embed.shape and (shared or torch.equal(alias, embed))):

@@ -24,7 +24,7 @@ from ..cache.static import KVCache
 from ..config import EncoderDecoderConfig
 from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
-from ..layers.linear import ACTIVATIONS, linear
+from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.positions import t5_relative_buckets
 from .seq2seq import as_list, check_tied, decoder_start_token
 
@@ -175,7 +175,7 @@ class T5Model(ModelBase):
     # -- the three entry points the engine uses ---------------------------------------------------
     def encode(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Source tokens [B, S], positions [B or 1, S], valid [B, S] -> encoder output [B, S, C]."""
-        x = F.embedding(tokens, self.embed)  # [B, S, C]
+        x = embed(tokens, self.embed)  # [B, S, C]
         bias = self._relative_bias(self.encoder.relative_bias, positions, positions, bidirectional=True)
         padding = padding_bias(valid, x.dtype)  # [B, 1, 1, S] or None
         if padding is not None:
@@ -209,7 +209,7 @@ class T5Model(ModelBase):
         """
         cfg = self.config
         H, D = cfg.num_heads, cfg.head_dim
-        x = F.embedding(tokens, self.embed)  # [B, T, C]
+        x = embed(tokens, self.embed)  # [B, T, C]
         for index, layer in enumerate(self.decoder.layers):
             h = self._norm(x, layer.attn_norm)
             q, k, v = (split_heads(linear(h, w), H, D) for w in (layer.q, layer.k, layer.v))  # [B, H, T, D]

@@ -114,7 +114,7 @@ class Progress:
 
 def run_batch(input_path: str, output: str, model: str | None, device: str, dtype: str, options: dict[str, Any],
               settings: BatchSettings, field: str, input_format: str, chat: bool | None, quiet: bool,
-              overwrite: bool) -> int:
+              overwrite: bool, quantize: str | None = None) -> int:
     """The body of `fastdecode batch`; returns the exit code (0 all ok, 1 some inputs failed).
 
     The output is opened (and locked) before the model loads, so a second run on the same
@@ -131,14 +131,14 @@ def run_batch(input_path: str, output: str, model: str | None, device: str, dtyp
     writer = StdoutRecords() if output == "-" else OutputFile(output, overwrite=overwrite)
     try:
         return _run_to(writer, input_path, output, model, device, dtype, options, settings, field, input_format,
-                       chat, quiet)
+                       chat, quiet, quantize)
     finally:
         writer.close()
 
 
 def _run_to(writer: OutputFile | StdoutRecords, input_path: str, output: str, model: str | None, device: str,
             dtype: str, options: dict[str, Any], settings: BatchSettings, field: str, input_format: str,
-            chat: bool | None, quiet: bool) -> int:
+            chat: bool | None, quiet: bool, quantize: str | None) -> int:
     from .. import load
 
     state = writer.state
@@ -146,7 +146,7 @@ def _run_to(writer: OutputFile | StdoutRecords, input_path: str, output: str, mo
         click.echo(f"resume: cut a torn last line ({state.truncated_bytes} bytes) from {output}", err=True)
     if state.done and not quiet:
         click.echo(f"resume: {state.done} inputs already in {output}, skipping them", err=True)
-    generator = load(model, device=device, dtype=dtype)
+    generator = load(model, device=device, dtype=dtype, quantize=quantize)
     if chat is None:
         chat = bool(generator.tokenizer is not None and generator.tokenizer.chat_template)
     settings = dataclasses.replace(settings, chat=chat)
@@ -214,7 +214,7 @@ def batch_command(model_options: Callable, generation_options: Callable, handle_
         settings = BatchSettings(batch_size=batch_size, max_batch_tokens=max_batch_tokens, lookahead=lookahead,
                                  fail_fast=fail_fast)
         code = run_batch(input_path, output, model, device, dtype, options, settings, field, input_format, chat,
-                         quiet, overwrite)
+                         quiet, overwrite, quantize=kwargs.get("quantize"))
         sys.exit(code)
 
     return batch

@@ -1,0 +1,77 @@
+"""The AVX2 quantized-matmul extension (``qmatmul.cpp``): built once, then loaded from a cache.
+
+``make install`` builds it (``python -m fastdecode.layers.kernels``) with the C++ compiler and
+PyTorch's extension builder, into ``$FASTDECODE_CACHE`` (default ``~/.cache/fastdecode``) under a
+name keyed by the source, PyTorch version and CPU flags, so a later process only loads the shared
+library (milliseconds). ``qmatmul_op()`` returns None (and logs once why) where it cannot be had:
+no AVX2/FMA/F16C, no compiler, another device. Callers then use the pure PyTorch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+log = logging.getLogger("fastdecode")
+SOURCE = Path(__file__).with_name("qmatmul.cpp")
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17"]
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
+
+
+def _build_dir() -> Path:
+    import torch
+
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("FASTDECODE_CACHE", Path.home() / ".cache" / "fastdecode"))
+    return root / f"kernels-{key}"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the extension into the cache (a no-op when it is there); returns the library path."""
+    from torch.utils import cpp_extension
+
+    directory = _build_dir()
+    library = directory / "fastdecode_kernels.so"
+    if not library.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        # the `ninja` the venv installed, even when the venv is not activated
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        cpp_extension.load(name="fastdecode_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                           build_directory=str(directory), is_python_module=False, verbose=verbose)
+    return library
+
+
+@lru_cache(maxsize=1)
+def qmatmul_op():
+    """torch.ops.fastdecode_kernels.qmatmul, or None where the extension cannot be built or loaded."""
+    import torch
+
+    if not _cpu_has_avx2():
+        log.info("fastdecode: CPU without AVX2/FMA/F16C; quantized matmuls use the PyTorch fallback")
+        return None
+    try:
+        library = _build_dir() / "fastdecode_kernels.so"
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            log.warning("fastdecode: building the quantized kernels (once, about a minute)")
+            build()  # cpp_extension.load registers the ops itself
+        return torch.ops.fastdecode_kernels.qmatmul
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
+        log.warning("fastdecode: quantized kernels unavailable (%s); using the PyTorch fallback", exc)
+        return None
+
+
+if __name__ == "__main__":
+    print(build(verbose="-v" in sys.argv))

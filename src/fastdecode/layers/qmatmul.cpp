@@ -1,0 +1,132 @@
+// Quantized matrix products for fastdecode (AVX2 + FMA + F16C; a scalar path elsewhere).
+//
+// A quantized weight is [N outputs, K inputs] in groups of G consecutive inputs of one output row:
+//   w[n, k] = scale[n, g] * code[n, k] + min[n, g]         (g = k / G; min may be absent = 0)
+// codes are int8 [N, K] (bits 8) or 4-bit nibbles [N, K/2] (bits 4; byte j of a 32-group holds
+// element j in its low nibble and element j + 16 in its high nibble: GGUF's Q4_0/Q4_1 order).
+// scale/min are float16 (exact copies of GGUF's fp16 block scales) or float32 (K-quant products).
+//
+// y[m, n] = sum_g scale[n,g] * (sum_{k in g} code[n,k] x[m,k]) + sum_g min[n,g] * xsum[m,g]
+// Activations stay float32 (no activation quantization): each weight is decoded exactly to float32
+// and multiplied in float32, so the result equals dequantize-then-matmul up to summation order.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline float load_scale(const at::Half* p) { return _cvtsh_ss(reinterpret_cast<const uint16_t&>(*p)); }
+inline float load_scale(const float* p) { return *p; }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The G weights of one group decoded to float codes (not yet scaled): G / 8 vectors.
+template <int BITS, int G>
+inline void decode_group(const uint8_t* codes, __m256* w) {
+  if constexpr (BITS == 8) {
+    const int8_t* c = reinterpret_cast<const int8_t*>(codes);
+    for (int i = 0; i < G / 8; ++i)
+      w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * i))));
+  } else {  // 16 bytes -> elements 0..15 (low nibbles), 16..31 (high nibbles)
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+}
+
+// Rows [m0, m0 + RB) of y for outputs [n0, n1).
+template <int BITS, int G, typename S, int RB>
+void rows_block(const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scale, const S* mins,
+                float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t groups = K / G;
+  const int64_t row_bytes = K * BITS / 8;
+  const int64_t group_bytes = G * BITS / 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = codes + n * row_bytes;
+    const S* sc = scale + n * groups;
+    __m256 acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 w[G / 8];
+      decode_group<BITS, G>(c + g * group_bytes, w);
+      const __m256 s = _mm256_set1_ps(load_scale(sc + g));
+      for (int r = 0; r < RB; ++r) {
+        const float* xr = x + r * K + g * G;
+        __m256 d = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+        for (int i = 1; i < G / 8; ++i) d = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), d);
+        acc[r] = _mm256_fmadd_ps(d, s, acc[r]);
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      float total = hsum(acc[r]);
+      if (mins != nullptr) {
+        const S* mn = mins + n * groups;
+        const float* xs = xsum + r * groups;
+        for (int64_t g = 0; g < groups; ++g) total += load_scale(mn + g) * xs[g];
+      }
+      y[r * N + n] = total;
+    }
+  }
+}
+
+template <int BITS, int G, typename S>
+at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& mins, int64_t grain) {
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0), groups = K / G;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const bool has_min = mins.has_value() && mins->defined();
+  at::Tensor xsum = has_min ? x.view({M, groups, G}).sum(2).contiguous() : at::Tensor();  // [M, K/G]
+  const float* xp = x.data_ptr<float>();
+  const float* xsp = has_min ? xsum.data_ptr<float>() : nullptr;
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const S* sp = scale.data_ptr<S>();
+  const S* mp = has_min ? mins->data_ptr<S>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)
+      rows_block<BITS, G, S, 4>(xp + m * K, xsp ? xsp + m * groups : nullptr, K, cp, sp, mp, yp + m * N, N, n0, n1);
+    for (; m + 2 <= M; m += 2)
+      rows_block<BITS, G, S, 2>(xp + m * K, xsp ? xsp + m * groups : nullptr, K, cp, sp, mp, yp + m * N, N, n0, n1);
+    for (; m < M; ++m)
+      rows_block<BITS, G, S, 1>(xp + m * K, xsp ? xsp + m * groups : nullptr, K, cp, sp, mp, yp + m * N, N, n0, n1);
+  });
+  return y;
+}
+
+// x [M, K] float32 -> y [M, N] float32.
+at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                   const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t grain) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "codes and scales must be contiguous");
+  TORCH_CHECK(x.size(1) == scale.size(1) * group, "x has ", x.size(1), " inputs, the weight ", scale.size(1) * group);
+  const bool half = scale.scalar_type() == at::kHalf;
+#define FD_CASE(B, GS)                                                                               \
+  if (bits == B && group == GS)                                                                      \
+    return half ? matmul_impl<B, GS, at::Half>(x, codes, scale, mins, grain)                        \
+                : matmul_impl<B, GS, float>(x, codes, scale, mins, grain);
+  FD_CASE(8, 32)
+  FD_CASE(8, 16)
+  FD_CASE(4, 32)
+#undef FD_CASE
+  TORCH_CHECK(false, "no kernel for bits=", bits, " group=", group);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fastdecode_kernels, m) {
+  m.def("qmatmul(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int grain) -> Tensor", &qmatmul);
+}

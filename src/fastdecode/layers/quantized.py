@@ -1,0 +1,149 @@
+"""Quantized weights: ``QuantizedWeight`` (codes in groups, with scales and optional mins) and its kernels.
+
+One format serves every quantized type, so one kernel family serves them all:
+
+    w[n, k] = scale[n, g] * code[n, k] + min[n, g]        g = k // group, min absent = 0
+
+- ``bits=4``: codes are nibbles, 16 bytes per 32-group, byte j holding element j (low nibble) and
+  element j + 16 (high nibble): GGUF's own Q4_0/Q4_1 byte order, so those blocks are copied as they are.
+- ``bits=8``: codes are int8, one per weight.
+- scale/min are float16 where they are exact copies of GGUF's fp16 block scales (Q4_0, Q4_1, Q8_0), else
+  float32 (K-quant products d * sub-scale, exact in float32; our own int8/int4 quantization).
+
+The matrix is stored [out, in] (rows are outputs) and ``transposed`` marks the canonical [in, out] view
+that models hold and ``.t()`` (as for float buffers, so model code is the same for both).
+
+Kernels: the AVX2 extension (``kernels.py``) for CPU rows up to ``KERNEL_MAX_ROWS`` (batch-1 and batched
+decode steps: weights are decoded once per row block, products and sums in float32, so results equal
+dequantize-then-matmul up to summation order); more rows (prompt processing) dequantize the matrix once
+per call into a transient float32 buffer and use the float GEMM. Without the extension (no AVX2, no
+compiler, CUDA) every product goes through that dequantizing path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .kernels import qmatmul_op
+from .threads import PARALLEL_MIN_WORK
+
+KERNEL_MAX_ROWS = 32
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    kind: str  # what it came from: "Q4_1", "Q8_0", "Q6_K", "int8", "int4"...
+    bits: int  # 4 or 8
+    group: int  # inputs per scale: 32 (16 for Q6_K)
+    codes: torch.Tensor  # int8 [N, K] or uint8 [N, K/2]
+    scale: torch.Tensor  # [N, K/group] float16 or float32
+    mins: torch.Tensor | None  # like scale, or None (symmetric codes)
+    transposed: bool = False  # True: seen as [K, N] (the canonical [in, out] view)
+    dtype: torch.dtype = torch.float32  # the model's activations: embedding rows come out in it
+
+    @property
+    def shape(self) -> torch.Size:
+        rows, groups = self.scale.shape
+        return torch.Size((groups * self.group, rows) if self.transposed else (rows, groups * self.group))
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.mins) if t is not None)
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def t(self) -> QuantizedWeight:
+        return dataclasses.replace(self, transposed=not self.transposed)
+
+    @property
+    def T(self) -> QuantizedWeight:  # noqa: N802 - numpy's name, used by layout functions
+        return self.t()
+
+    def take_rows(self, rows: torch.Tensor) -> QuantizedWeight:
+        """The same weight with its output rows reordered (e.g. undoing a Q/K row permutation)."""
+        assert not self.transposed
+        return dataclasses.replace(self, codes=self.codes[rows].contiguous(), scale=self.scale[rows].contiguous(),
+                                   mins=None if self.mins is None else self.mins[rows].contiguous())
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> QuantizedWeight:
+        """Moved to ``device``; ``dtype`` sets the activations' dtype (products are float32, cast to it)."""
+        return dataclasses.replace(self, codes=self.codes.to(device), scale=self.scale.to(device),
+                                   mins=None if self.mins is None else self.mins.to(device), dtype=dtype or self.dtype)
+
+
+def dequantize(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [R, K] of the given output rows (all rows when None), in the stored [out, in] orientation."""
+    codes, scale, mins = weight.codes, weight.scale, weight.mins
+    if rows is not None:
+        codes, scale = codes[rows], scale[rows]
+        mins = None if mins is None else mins[rows]
+    R, groups = scale.shape
+    if weight.bits == 4:
+        nibbles = codes.view(R, groups, 16)  # [R, K/32, 16] bytes
+        values = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # [R, K/32, 32]: low then high
+    else:
+        values = codes.view(R, groups, weight.group).float()  # [R, K/G, G]
+    values = values * scale.float()[..., None]
+    if mins is not None:
+        values = values + mins.float()[..., None]
+    return values.view(R, groups * weight.group)  # [R, K]
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T + bias -> [..., N] in x's dtype."""
+    if weight.transposed:
+        raise ValueError("linear() takes the [out, in] view of a quantized weight: call .t() on the canonical one")
+    N, K = weight.shape
+    rows = x.reshape(-1, K)  # [M, K]
+    op = qmatmul_op() if x.device.type == "cpu" else None
+    if op is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
+        # split over threads by the weights read, not the multiply-adds: at batch 8 a layer's 0.9M-weight
+        # product would split, and the second thread of a busy machine then costs more than it saves
+        grain = max(1, math.ceil(PARALLEL_MIN_WORK / K))  # output rows per thread, at least
+        out = op(rows.float().contiguous(), weight.codes, weight.scale, weight.mins, weight.bits, weight.group, grain)
+    else:
+        from .linear import linear  # the float GEMM (oneDNN on CPU)
+
+        out = linear(rows.float(), dequantize(weight))
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], N).to(x.dtype)  # [..., N]
+
+
+def embed(tokens: torch.Tensor, table: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """Embedding rows [..., C] of ``table`` [V, C]; a quantized table decodes only the rows looked up."""
+    if isinstance(table, torch.Tensor):
+        return torch.nn.functional.embedding(tokens, table)
+    rows = dequantize(table, tokens.reshape(-1)).to(table.dtype)  # [tokens, C]
+    return rows.view(*tokens.shape, rows.shape[-1])  # [..., C]
+
+
+def quantize_matrix(weight: torch.Tensor, kind: str) -> QuantizedWeight:
+    """float [N, K] -> QuantizedWeight. "int8": symmetric, absmax / 127 per 32 inputs (as Q8_0, scales float32);
+    "int4": asymmetric, (max - min) / 15 per 32 inputs with the minimum as offset (as Q4_1).
+
+    Error model: each weight moves by at most half a step of its group: |w - w_q| <= scale / 2."""
+    N, K = weight.shape
+    if K % 32:
+        raise ValueError(f"cannot quantize a matrix with {K} inputs: not a multiple of 32")
+    groups = weight.detach().float().contiguous().view(N, K // 32, 32)  # [N, K/32, 32]
+    if kind == "int8":
+        scale = groups.abs().amax(-1) / 127  # [N, K/32]
+        codes = torch.round(groups / scale.clamp_min(1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
+        return QuantizedWeight("int8", 8, 32, codes.reshape(N, K), scale.contiguous(), None)
+    if kind == "int4":
+        low, high = groups.amin(-1), groups.amax(-1)  # [N, K/32]
+        scale = (high - low) / 15
+        q = torch.round((groups - low[..., None]) / scale.clamp_min(1e-30)[..., None]).clamp(0, 15).to(torch.uint8)
+        packed = q[..., :16] | (q[..., 16:] << 4)  # [N, K/32, 16]: element j low, j + 16 high
+        return QuantizedWeight("int4", 4, 32, packed.reshape(N, K // 2), scale.contiguous(), low.contiguous())
+    raise ValueError(f"unknown quantization {kind!r}")

@@ -1,0 +1,64 @@
+"""``load(..., quantize="int8" | "int4")``: a float checkpoint's matrices quantized once at load.
+
+Quantized: every linear weight (canonical [in, out], quantized as its [out, in] rows) and the token
+embedding tables ([V, C], one row per token; a tied LM head shares the embedding's quantized table).
+Kept float: norms, biases, position tables (learned, T5's relative buckets), anything 1-D, and a
+matrix whose input size is not a multiple of the group (32); quantized GGUF blocks stay as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..errors import InvalidOptionError
+from ..layers.quantized import QuantizedWeight, quantize_matrix
+
+log = logging.getLogger("fastdecode")
+QUANTIZE_CHOICES = ("int8", "int4", "dequantize")
+_KEEP_FLOAT = ("pos_embed", "relative_bias", "norm")
+
+
+def check_quantize(quantize: str | None) -> None:
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise InvalidOptionError(f"quantize must be None or one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
+
+
+def _is_embedding(name: str) -> bool:
+    return name.endswith("embed.weight")  # embed / encoder_embed / decoder_embed (not pos_embed: kept float)
+
+
+def quantize_weights(weights: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Canonical float weights -> the same dict with its matrices quantized (see the module docstring)."""
+    done: list[tuple[torch.Tensor, QuantizedWeight]] = []  # [out, in] float matrix -> its quantized form
+    skipped = []
+
+    def quantized(matrix: torch.Tensor) -> QuantizedWeight:
+        for source, result in done:  # tied views (same memory) and equal copies (aliases) share one table
+            if source.shape == matrix.shape and (
+                (source.data_ptr() == matrix.data_ptr() and source.stride() == matrix.stride())
+                or torch.equal(source, matrix)
+            ):
+                return result
+        result = quantize_matrix(matrix, kind).to(dtype=matrix.dtype)
+        done.append((matrix, result))
+        return result
+
+    out: dict[str, torch.Tensor | QuantizedWeight] = {}
+    # embeddings first, so that a tied LM head finds the embedding's table
+    for name in sorted(weights, key=lambda n: not _is_embedding(n)):
+        tensor = weights[name]
+        if (not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or not name.endswith(".weight")
+                or any(part in name for part in _KEEP_FLOAT)):
+            out[name] = tensor
+        elif _is_embedding(name):  # [V, C]: rows are tokens
+            out[name] = tensor if tensor.shape[1] % 32 else quantized(tensor)
+        elif tensor.shape[0] % 32:  # [in, out] with `in` not a multiple of the group
+            skipped.append(name)
+            out[name] = tensor
+        else:
+            out[name] = quantized(tensor.t()).t()  # rows of [out, in], seen as [in, out]
+    if skipped:
+        log.info("fastdecode: kept float (input size not a multiple of 32): %s", ", ".join(skipped))
+    return {name: out[name] for name in weights}
