@@ -42,3 +42,7 @@ class BatchFileError(FastDecodeError):
     this error is raised only with ``--fail-fast`` (or ``fail_fast=True``) and for an output file
     that does not belong to the input (resuming it would mix two runs).
     """
+
+
+class RayUnavailableError(FastDecodeError):
+    """``--ray`` / ``fastdecode.integrations.ray``: Ray is not installed, or the cluster cannot be reached."""
