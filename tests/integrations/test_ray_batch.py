@@ -62,6 +62,33 @@ def run_both(source: Path, tmp_path: Path, *options: str) -> tuple[bytes, bytes]
     return (tmp_path / "single.jsonl").read_bytes(), (tmp_path / "ray.jsonl").read_bytes()
 
 
+def test_encoded_rows_carry_items_exactly():
+    """The driver -> actor encoding keeps ids and prompts of any JSON type, and odd strings."""
+    from fastdecode.integrations.ray import decode_item, encode_items
+    from fastdecode.pipeline.inputs import InputItem
+
+    items = [InputItem(line=1, id=0, prompt="plain"), InputItem(line=3, id="x", prompt="lone \ud800 surrogate"),
+             InputItem(line=4, id=[1, {"a": None}], prompt=[{"role": "user", "content": "hi"}]),
+             InputItem(line=7, error="invalid JSON: ...")]
+    table = encode_items(items, first_seq=10)
+    assert table.column("seq").to_pylist() == [10, 11, 12, 13]
+    assert [decode_item(row) for row in table.to_pylist()] == items
+
+
+def test_ray_batch_sizes_and_bad_ray_options(tmp_path, tiny_folder):
+    from fastdecode.integrations.ray import ray_batch_size
+
+    assert ray_batch_size(None, 2, 128) == 128  # stdin: one window per Ray batch
+    assert ray_batch_size(48, 2, 128) == 6  # 4 batches per actor
+    assert ray_batch_size(100_000, 8, 128) == 128 and ray_batch_size(3, 2, 128) == 1
+    source = tmp_path / "in.txt"
+    source.write_text("w5 w6\n")
+    result = run("batch", str(source), "-o", str(tmp_path / "out.jsonl"), "--ray", "--actors", "0")
+    assert result.exit_code == 2 and "--actors must be an integer >= 1" in result.stderr
+    result = run("batch", str(source), "-o", str(tmp_path / "out.jsonl"), "--ray", "-m", str(tmp_path / "none"))
+    assert result.exit_code == 2 and "does not exist" in result.stderr and "Traceback" not in result.output
+
+
 def test_ray_output_equals_single_process_with_bad_rows(ray_address, tiny_folder, tmp_path):
     lines = prompt_lines(14)
     lines[2] = "{not json"

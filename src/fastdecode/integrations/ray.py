@@ -15,7 +15,7 @@ Two row layouts:
 - encoded rows (``encoded=True``, what ``fastdecode batch --ray`` sends, see ``encode_items``):
   ``seq`` (the input's position), ``line`` and ``item`` (JSON of its id, prompt and parse error,
   so that ids and prompts of mixed JSON types fit one Arrow column). Output columns: ``seq`` and
-  ``record`` (the record's output line, as ``JsonlWriter`` writes it).
+  ``record`` (the record as ASCII JSON; the driver's ``JsonlWriter`` writes it as a local run does).
 
 Ray restarts an actor whose process dies and re-runs the batch it held (``map_predictor``); a batch's records leave the actor only when the whole batch is done, so a
 retried batch is never written twice.
@@ -29,7 +29,6 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..pipeline.inputs import InputItem, item_from_object
-from ..pipeline.output import encode_record
 
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow
@@ -42,8 +41,8 @@ def encode_items(items: Sequence[InputItem], first_seq: int) -> "pyarrow.Table":
     """Parsed inputs -> one Arrow block of encoded rows, numbered from ``first_seq`` (input order)."""
     import pyarrow
 
-    payloads = [json.dumps({"id": item.id, "prompt": item.prompt, "error": item.error}, ensure_ascii=False)
-                for item in items]
+    # ASCII JSON: a lone surrogate from a "\ud800" escape survives the trip (Arrow strings are UTF-8).
+    payloads = [json.dumps({"id": item.id, "prompt": item.prompt, "error": item.error}) for item in items]
     return pyarrow.table({
         "seq": pyarrow.array(range(first_seq, first_seq + len(items)), pyarrow.int64()),
         "line": pyarrow.array([item.line for item in items], pyarrow.int64()),
@@ -110,7 +109,7 @@ class FastDecodePredictor:
             records = self.records([decode_item(row) for row in rows])
             return pyarrow.table({
                 "seq": batch.column("seq"),
-                "record": pyarrow.array([encode_record(record) for record in records], pyarrow.string()),
+                "record": pyarrow.array([json.dumps(record) for record in records], pyarrow.string()),
             })
         records = self.records([item_from_row(row, self.field) for row in rows])
         return pyarrow.Table.from_pylist([{name: record.get(name) for name in RECORD_COLUMNS} for record in records])

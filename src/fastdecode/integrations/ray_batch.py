@@ -3,7 +3,8 @@
 The driver parses the input with the single-process reader (same line numbers, ids and error
 items), puts it into Ray's object store as Arrow blocks of encoded rows (so the driver's own
 memory holds references, not prompts), maps the blocks through ``FastDecodePredictor`` actors and
-reads the records back. Every row carries its input position (``seq``); records pass through a
+reads the records back. Generation starts once the whole input is in the object store (reading is
+fast next to generating; a stdin that never closes never starts). Every row carries its input position (``seq``); records pass through a
 ``ReorderBuffer`` before they are written, so the output is in input order whatever order the
 blocks finish in (the dataset also asks Ray to preserve block order, which keeps the buffer
 empty), and a record delivered twice is an error, never a duplicate line. The output file is

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..errors import BatchFileError
+from ..errors import BatchFileError, ModelNotFoundError
 from .inputs import InputItem, format_for, items_from_lines, skip_done
 from .output import JsonlWriter, prepare_output
 from .runner import BatchRun, BatchSettings, PipelineStats, split_at_first_error
@@ -161,6 +161,8 @@ def _run_on_ray(items: Iterator[InputItem], remaining: int | None, model: str | 
     stats = PipelineStats()
     predictor = dict(model=model, options=options, field=field, chat=chat, batch_size=settings.batch_size,
                      max_batch_tokens=settings.max_batch_tokens, device=device, dtype=dtype)
+    if ray.address == "local" and model is not None and not Path(model).exists():
+        raise ModelNotFoundError(f"model path {model} does not exist")  # before Ray starts actors that cannot load it
     quiet_ray_logs()
     try:
         with ray_connection(ray):

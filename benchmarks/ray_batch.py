@@ -1,0 +1,170 @@
+"""`fastdecode batch` in one process (2 torch threads) vs on Ray (2 actors x 1 thread), side by side.
+
+    python benchmarks/ray_batch.py                 # 512 prompts, 2 alternating rounds (embedded model)
+    python benchmarks/ray_batch.py --prompts 128 --rounds 1    # a smaller run
+
+Both variants run the same input (``pipeline_speed.make_prompts``: short prompts of 8-60 tokens)
+through the same batch pipeline (length-bucketed batches of ``--batch-size``, greedy,
+``--max-new-tokens``) into a .jsonl file, each in a fresh worker process (this script re-runs
+itself with ``--role``), alternating within every round; the table gives medians over rounds.
+The two outputs must be byte-identical (checked every round).
+
+* single: ``BatchRun`` in the worker process, torch with 2 threads.
+* ray: a local Ray started by the worker (``local_ray``, 2 CPUs), 2 actors with 1 CPU and
+  1 torch thread each, the ``fastdecode batch --ray`` driver path (``ray_records``).
+
+Reported phases (seconds from the worker's start of work, after its imports):
+* single: ``load`` (model), ``first`` (first record written), ``total``.
+* ray: ``start`` (Ray's local instance up), ``put`` (input parsed, encoded into Arrow blocks and
+  put in the object store: the input-side serialization), ``first`` (first record back: includes
+  each actor's process start, imports and model load), ``total``; ``decode`` is the time to parse
+  every record line once more (the driver's extra per-record work: actors send records as JSON).
+samples/s counts the whole run (startup included) and, as "steady", the records after the first
+over the time after the first record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def run_single(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(2)
+    from fastdecode import load
+    from fastdecode.pipeline import BatchRun, BatchSettings
+    from fastdecode.pipeline.cli import read_input
+    from fastdecode.pipeline.output import JsonlWriter
+
+    started = time.perf_counter()
+    gen = load()
+    phases = {"load": time.perf_counter() - started}
+    writer = JsonlWriter(args.output)
+    settings = BatchSettings(batch_size=args.batch_size, chat=True)
+    run = BatchRun(gen, read_input(args.input, "jsonl", "prompt"), settings,
+                   {"max_new_tokens": args.max_new_tokens}, on_records=writer)
+    for count, _ in enumerate(run, start=1):
+        if count == 1:
+            phases["first"] = time.perf_counter() - started
+    writer.close()
+    phases["total"] = time.perf_counter() - started
+    return phases
+
+
+def run_ray(args: argparse.Namespace) -> dict:
+    from fastdecode.integrations.ray_batch import RayOptions, input_dataset, local_ray, ray_records
+    from fastdecode.pipeline.cli import read_input
+    from fastdecode.pipeline.output import JsonlWriter
+
+    options = RayOptions(address="local", actors=2, cpus_per_actor=1)
+    predictor = dict(model=None, options={"max_new_tokens": args.max_new_tokens}, chat=True,
+                     batch_size=args.batch_size)
+    started = time.perf_counter()
+    phases = {}
+    with local_ray(num_cpus=2):
+        phases["start"] = time.perf_counter() - started
+        put_started = time.perf_counter()
+        input_dataset(read_input(args.input, "jsonl", "prompt"), args.batch_size)  # the same work, timed alone
+        phases["put"] = time.perf_counter() - put_started
+        writer = JsonlWriter(args.output)
+        for ready in ray_records(read_input(args.input, "jsonl", "prompt"), predictor, options, 128, args.prompts):
+            phases.setdefault("first", time.perf_counter() - started)
+            writer(ready)
+        writer.close()
+        phases["total"] = time.perf_counter() - started
+    lines = Path(args.output).read_text(encoding="utf-8").splitlines()
+    decode_started = time.perf_counter()
+    for line in lines:  # what the driver does per record on top of the single-process path
+        json.loads(line)
+    phases["decode"] = time.perf_counter() - decode_started
+    return phases
+
+
+def worker(args: argparse.Namespace) -> None:
+    phases = run_single(args) if args.role == "single" else run_ray(args)
+    print("RESULT " + json.dumps(phases), flush=True)
+
+
+def spawn(role: str, args: argparse.Namespace, input_path: Path, output: Path) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "2" if role == "single" else "1"}
+    command = [sys.executable, __file__, "--role", role, "--input", str(input_path), "--output", str(output),
+               "--prompts", str(args.prompts), "--batch-size", str(args.batch_size),
+               "--max-new-tokens", str(args.max_new_tokens)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{role} worker failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--role", choices=["single", "ray"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--input", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--output", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role:
+        worker(args)
+        return
+
+    from pipeline_speed import make_prompts
+
+    folder = Path(tempfile.mkdtemp(prefix="ray-bench-"))
+    source = folder / "in.jsonl"
+    source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in make_prompts(args.prompts)))
+    print(f"{args.prompts} prompts, batch {args.batch_size}, {args.max_new_tokens} new tokens, embedded model, "
+          f"{os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.1f}", flush=True)
+    results: dict[str, list[dict]] = {"single": [], "ray": []}
+    for round_index in range(args.rounds):
+        outputs = {}
+        for role in ("single", "ray") if round_index % 2 == 0 else ("ray", "single"):
+            outputs[role] = folder / f"{role}-{round_index}.jsonl"
+            phases = spawn(role, args, source, outputs[role])
+            results[role].append(phases)
+            print(f"round {round_index + 1} {role}: " + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items())
+                  + f" (load avg {os.getloadavg()[0]:.1f})", flush=True)
+        if outputs["single"].read_bytes() != outputs["ray"].read_bytes():
+            raise SystemExit(f"round {round_index + 1}: the Ray output differs from the single-process output")
+    report(results, args.prompts)
+
+
+def report(results: dict[str, list[dict]], prompts: int) -> None:
+    def median(role: str, key: str) -> float:
+        return statistics.median(phases[key] for phases in results[role])
+
+    def steady(role: str) -> float:
+        return statistics.median((prompts - 1) / (p["total"] - p["first"]) for p in results[role])
+
+    single_total, ray_total = median("single", "total"), median("ray", "total")
+    print("\n| variant | startup | first record | total | samples/s | steady samples/s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"| single process, 2 threads | load {median('single', 'load'):.1f} s | {median('single', 'first'):.1f} s "
+          f"| {single_total:.1f} s | {prompts / single_total:.2f} | {steady('single'):.2f} |")
+    print(f"| Ray, 2 actors x 1 thread | Ray start {median('ray', 'start'):.1f} s | {median('ray', 'first'):.1f} s "
+          f"| {ray_total:.1f} s | {prompts / ray_total:.2f} | {steady('ray'):.2f} |")
+    print(f"\nRay / single: {single_total / ray_total:.2f}x samples/s end to end, "
+          f"{steady('ray') / steady('single'):.2f}x steady. Ray overhead: start {median('ray', 'start'):.1f} s, "
+          f"input encode + put {median('ray', 'put') * 1000:.0f} ms, records decode "
+          f"{median('ray', 'decode') * 1000:.0f} ms, first record {median('ray', 'first') - median('single', 'first'):+.1f} s "
+          "vs single (actor processes, imports, one model load per actor)")
+
+
+if __name__ == "__main__":
+    main()
