@@ -10,6 +10,7 @@ itself with ``--role``), alternating within every round; the table gives medians
 The two outputs must be byte-identical (checked every round).
 
 * single: ``BatchRun`` in the worker process, torch with 2 threads.
+* single1 (``--one-thread``): the same with 1 torch thread, for reference.
 * ray: a local Ray started by the worker (``local_ray``, 2 CPUs), 2 actors with 1 CPU and
   1 torch thread each, the ``fastdecode batch --ray`` driver path (``ray_records``).
 
@@ -44,7 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def run_single(args: argparse.Namespace) -> dict:
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1 if args.role == "single1" else 2)
     from fastdecode import load
     from fastdecode.pipeline import BatchRun, BatchSettings
     from fastdecode.pipeline.cli import read_input
@@ -95,7 +96,7 @@ def run_ray(args: argparse.Namespace) -> dict:
 
 
 def worker(args: argparse.Namespace) -> None:
-    phases = run_single(args) if args.role == "single" else run_ray(args)
+    phases = run_ray(args) if args.role == "ray" else run_single(args)
     print("RESULT " + json.dumps(phases), flush=True)
 
 
@@ -117,7 +118,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--role", choices=["single", "ray"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--one-thread", action="store_true",
+                        help="also a single process with 1 thread (how fast one core is, for reference)")
+    parser.add_argument("--role", choices=["single", "single1", "ray"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--input", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--output", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -132,17 +135,18 @@ def main() -> None:
     source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in make_prompts(args.prompts)))
     print(f"{args.prompts} prompts, batch {args.batch_size}, {args.max_new_tokens} new tokens, embedded model, "
           f"{os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.1f}", flush=True)
-    results: dict[str, list[dict]] = {"single": [], "ray": []}
+    roles = ("single", "ray", "single1") if args.one_thread else ("single", "ray")
+    results: dict[str, list[dict]] = {role: [] for role in roles}
     for round_index in range(args.rounds):
         outputs = {}
-        for role in ("single", "ray") if round_index % 2 == 0 else ("ray", "single"):
+        for role in roles if round_index % 2 == 0 else roles[::-1]:
             outputs[role] = folder / f"{role}-{round_index}.jsonl"
             phases = spawn(role, args, source, outputs[role])
             results[role].append(phases)
             print(f"round {round_index + 1} {role}: " + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items())
                   + f" (load avg {os.getloadavg()[0]:.1f})", flush=True)
-        if outputs["single"].read_bytes() != outputs["ray"].read_bytes():
-            raise SystemExit(f"round {round_index + 1}: the Ray output differs from the single-process output")
+        if any(outputs[role].read_bytes() != outputs["single"].read_bytes() for role in roles):
+            raise SystemExit(f"round {round_index + 1}: the outputs differ")
     report(results, args.prompts)
 
 
@@ -157,6 +161,10 @@ def report(results: dict[str, list[dict]], prompts: int) -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     print(f"| single process, 2 threads | {single_ready:.1f} s (model load) | {median('single', 'first'):.1f} s "
           f"| {single_total:.1f} s | {prompts / single_total:.2f} | {prompts / (single_total - single_ready):.2f} |")
+    if "single1" in results:
+        total, ready = median("single1", "total"), median("single1", "load")
+        print(f"| single process, 1 thread | {ready:.1f} s (model load) | {median('single1', 'first'):.1f} s "
+              f"| {total:.1f} s | {prompts / total:.2f} | {prompts / (total - ready):.2f} |")
     print(f"| Ray, 2 actors x 1 thread | {ray_ready:.1f} s (Ray start + input put; actors load after) "
           f"| {median('ray', 'first'):.1f} s | {ray_total:.1f} s | {prompts / ray_total:.2f} "
           f"| {prompts / (ray_total - ray_ready):.2f} |")

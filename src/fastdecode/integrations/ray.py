@@ -65,15 +65,25 @@ def item_from_row(row: dict[str, Any], field: str) -> InputItem:
     return item
 
 
+def assigned_cpus() -> float:
+    """CPUs Ray gave the current actor (``map_batches(num_cpus=k)``); 1 outside a Ray worker."""
+    import ray
+
+    if not ray.is_initialized():
+        return 1
+    return ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+
+
 class FastDecodePredictor:
     """A callable class for ``Dataset.map_batches``: one model per actor, batches of rows -> records.
 
     ``batch_format="pyarrow"`` is expected (``generate_dataset`` sets it); the result is an Arrow
-    table with one row per input row, in the same order.
+    table with one row per input row, in the same order. ``num_cpus``: torch threads (default: the
+    CPUs Ray assigned to the actor).
     """
 
     def __init__(self, model: str | None = None, *, options: dict[str, Any] | None = None, field: str = "prompt",
-                 chat: bool | None = None, num_cpus: int = 1, batch_size: int | None = None,
+                 chat: bool | None = None, num_cpus: int | None = None, batch_size: int | None = None,
                  max_batch_tokens: int | None = None, device: str = "cpu", dtype: str = "float32",
                  encoded: bool = False):
         import torch
@@ -83,7 +93,7 @@ class FastDecodePredictor:
         from ..pipeline import BatchSettings
         from ..pipeline.cli import resolve_chat
 
-        torch.set_num_threads(max(1, int(num_cpus)))  # the actor's CPU share, not the node's core count
+        torch.set_num_threads(max(1, int(num_cpus or assigned_cpus())))  # the actor's share, not the node's cores
         self.options = dict(options or {})
         GenerationConfig.from_options(**self.options)  # a bad option fails the actor's start, not every row
         self.generator = load(model, device=device, dtype=dtype)
@@ -159,7 +169,7 @@ def map_predictor(ds: "ray.data.Dataset", predictor_kwargs: dict[str, Any], acto
 
     return ds.map_batches(
         FastDecodePredictor,
-        fn_constructor_kwargs=dict(predictor_kwargs, num_cpus=cpus_per_actor),
+        fn_constructor_kwargs=predictor_kwargs,  # the actor reads its CPUs (torch threads) from Ray
         batch_format="pyarrow",
         batch_size=rows_per_call,
         compute=ray.data.ActorPoolStrategy(size=actors),
