@@ -49,12 +49,12 @@ def run_single(args: argparse.Namespace) -> dict:
     from fastdecode import load
     from fastdecode.pipeline import BatchRun, BatchSettings
     from fastdecode.pipeline.cli import read_input
-    from fastdecode.pipeline.output import JsonlWriter
+    from fastdecode.pipeline.output import OutputFile
 
     started = time.perf_counter()
     gen = load()
     phases = {"load": time.perf_counter() - started}
-    writer = JsonlWriter(args.output)
+    writer = OutputFile(args.output, overwrite=True)
     settings = BatchSettings(batch_size=args.batch_size, chat=True)
     run = BatchRun(gen, read_input(args.input, "jsonl", "prompt"), settings,
                    {"max_new_tokens": args.max_new_tokens}, on_records=writer)
@@ -69,7 +69,7 @@ def run_single(args: argparse.Namespace) -> dict:
 def run_ray(args: argparse.Namespace) -> dict:
     from fastdecode.integrations.ray_batch import RayOptions, input_dataset, local_ray, ray_records
     from fastdecode.pipeline.cli import read_input
-    from fastdecode.pipeline.output import JsonlWriter
+    from fastdecode.pipeline.output import OutputFile
 
     options = RayOptions(address="local", actors=2, cpus_per_actor=1)
     predictor = dict(model=None, options={"max_new_tokens": args.max_new_tokens}, chat=True,
@@ -81,7 +81,7 @@ def run_ray(args: argparse.Namespace) -> dict:
         put_started = time.perf_counter()
         input_dataset(read_input(args.input, "jsonl", "prompt"), args.batch_size)  # the same work, timed alone
         phases["put"] = time.perf_counter() - put_started
-        writer = JsonlWriter(args.output)
+        writer = OutputFile(args.output, overwrite=True)
         for ready in ray_records(read_input(args.input, "jsonl", "prompt"), predictor, options, 128, args.prompts):
             phases.setdefault("first", time.perf_counter() - started - phases["put"])
             writer(ready)

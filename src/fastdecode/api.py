@@ -17,8 +17,10 @@ from .errors import (
     TokenizerError,
 )
 from .generation.decode import DecodeLoop, SequenceResult
+from .generation.sampling import sequence_seeds
 from .generation.stopping import StopStringMatcher
 from .loading.checkpoint import Checkpoint, resolve_device, resolve_dtype
+from . import validation
 
 if TYPE_CHECKING:  # pragma: no cover
     from .generation.chat import ChatSession
@@ -45,7 +47,7 @@ def default_model_path() -> Path:
 
 def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "float32") -> "Generator":
     torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
-    path = default_model_path() if source is None else Path(source)
+    path = default_model_path() if source is None else Path(validation.model_source(source))
     if not path.exists():
         raise ModelNotFoundError(f"model path {path} does not exist")
     if path.is_dir():
@@ -104,6 +106,7 @@ class Generator:
 
     def encode_prompt(self, prompt: str | list[dict[str, str]], chat: bool = False) -> list[int]:
         """Text (or a chat conversation) -> prompt token ids, with the chat template if asked."""
+        prompt = validation.check_prompt(prompt)
         tokenizer = self._require_tokenizer()
         if (isinstance(prompt, list) or chat) and self.config.is_encoder_decoder:
             raise InvalidOptionError("chat templates are for decoder-only models; give an encoder-decoder "
@@ -153,26 +156,37 @@ class Generator:
                 f"max_new_tokens={config.max_new_tokens} exceeds the {target_limit} positions of the model's decoder"
             )
 
+    def _check_memory(self, prompts: list[list[int]], config: GenerationConfig) -> None:
+        from .memory import check_request_memory
+
+        check_request_memory(self.config, config, [len(p) for p in prompts], self.model.dtype.itemsize, self.device)
+
     def _loops(self, prompts: list[list[int]], config: GenerationConfig) -> list[DecodeLoop]:
         """One decode loop for the whole batch; one per prompt for streaming (batch of one)."""
         prompts = [list(p) for p in prompts]
         self._check_prompts(prompts, config)
+        self._check_memory(prompts, config)
         repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
         eos = self._eos_ids(config)
         if config.num_beams > 1:
             from .generation.beam import BeamSearch
 
             return [BeamSearch(self.model, prompts, config, eos)]  # R results per prompt, best first
+        seeds = sequence_seeds(config, len(prompts)) if config.is_sampling else None
         if config.n_ctx is not None:
-            return [DecodeLoop(self.model, [p], config, eos) for p in repeated]
-        return [DecodeLoop(self.model, repeated, config, eos)]
+            return [DecodeLoop(self.model, [p], config, eos, row_seeds=seeds and [seeds[i]])
+                    for i, p in enumerate(repeated)]
+        return [DecodeLoop(self.model, repeated, config, eos, row_seeds=seeds)]
 
     # -- token API ---------------------------------------------------------------------------
     def generate_ids(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[list[int]]:
-        """New token ids for each prompt (EOS included when produced); r results per prompt."""
+        """New token ids for each prompt (EOS included when produced); r results per prompt.
+
+        ``prompts``: a list of token-id lists (or 1-D tensors / arrays), or a 2-D tensor / array."""
         return [r.tokens for r in self.generate_ids_with_details(prompts, **options)]
 
     def generate_ids_with_details(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[SequenceResult]:
+        prompts = validation.token_prompts(prompts)
         config = self._options(options)
         stops = config.stop_strings()
         if stops:
@@ -189,6 +203,7 @@ class Generator:
         return results
 
     def stream_ids(self, token_ids: Sequence[int], **options: Any) -> Iterator[int]:
+        token_ids = validation.token_ids(token_ids, "the prompt")
         config = self._options(options)
         if config.num_return_sequences != 1:
             raise InvalidOptionError("stream_ids produces one sequence: num_return_sequences must be 1")
@@ -211,8 +226,8 @@ class Generator:
         A list of {"role", "content"} dicts is one chat conversation; ``chat=True`` wraps plain
         prompts as a user message and applies the model's chat template.
         """
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
-        batch = [prompts] if single else list(prompts)
+        batch, single = validation.text_prompts(prompts)
+        validation.check_flag(chat, "chat")
         ids = [self.encode_prompt(p, chat=chat) for p in batch]
         texts = self.decode_results(self.generate_ids_with_details(ids, **options), **options)
         return texts[0] if single and len(texts) == 1 else texts
@@ -255,6 +270,7 @@ class Generator:
 
     def stream_with_tokens(self, prompt_ids: Sequence[int], **options: Any) -> Iterator[tuple[int | None, str]]:
         """(token id, text piece) per generated token, then (None, held-back tail) at the end."""
+        prompt_ids = validation.token_ids(prompt_ids, "the prompt")
         config = self._options(options)
         watcher = _TextWatcher(self._require_tokenizer(), config.stop_strings())
         tokens = self.stream_ids(prompt_ids, **dict(options, stop=None))
@@ -286,11 +302,14 @@ class Generator:
         """
         if self.config.is_encoder_decoder:
             raise InvalidOptionError("score is for decoder-only models (an encoder-decoder model needs a source)")
-        ids = list(text_or_ids) if not isinstance(text_or_ids, str) else self._require_tokenizer().encode(text_or_ids)
+        value = validation.score_input(text_or_ids)
+        ids = value if not isinstance(value, str) else self._require_tokenizer().encode(value)
         config = self._options(options)
         if len(ids) < 2:
             raise InvalidOptionError("score needs at least two tokens")
-        self._check_prompts([ids], GenerationConfig.from_options(config, max_new_tokens=0))
+        config = GenerationConfig.from_options(config, max_new_tokens=0)
+        self._check_prompts([ids], config)
+        self._check_memory([ids if config.n_ctx is None else ids[:1]], config)
         from .generation.scoring import score_tokens
 
         return score_tokens(self.model, ids, config)
@@ -299,7 +318,12 @@ class Generator:
         """A multi-turn conversation kept in a streaming cache: earlier turns are never prefilled again."""
         from .generation.chat import ChatSession
 
-        config = self._options({"n_ctx": min(self.config.max_position_embeddings, 4096), **options})
+        if system is not None:
+            validation.check_text(system, "the system message")
+        if options.get("n_ctx") is None:  # None (or absent): the default size
+            options["n_ctx"] = min(self.config.max_position_embeddings, 4096)
+        config = self._options(options)
+        self._check_memory([[0]], config)
         return ChatSession(self, config, system)
 
     def inspect(self) -> dict[str, Any]:

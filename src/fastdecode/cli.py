@@ -1,20 +1,54 @@
 """The `fastdecode` command line.
 
 Every ``FastDecodeError`` is printed as one line on stderr and exits with code 2 (the same code
-click uses for usage errors); no traceback for bad input.
+click uses for usage errors; an error's own ``exit_code`` where it has one); no traceback for bad
+input. A closed standard stream a command needs is such an error; a write error on stdout (a full
+disk, /dev/full, a closed pipe) is one line and exit code 1.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import os
 import sys
 import time
 from typing import Any
 
 import click
 
-from .errors import FastDecodeError
+from .errors import FastDecodeError, InvalidOptionError
+
+# Errors writing stdout that are the environment's, not a bug: one line, exit 1.
+WRITE_ERRORS = (errno.EPIPE, errno.EBADF, errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG)
+
+
+def _say(message: str) -> None:
+    """One line on stderr, if there is a stderr."""
+    try:
+        if sys.stderr is not None:
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+    except OSError:
+        pass
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null so that the interpreter's final flush cannot fail (and print) again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+    except OSError:
+        pass
+
+
+def require_stream(name: str) -> None:
+    """Raise a typed error when standard input / output (``name``: "stdin" or "stdout") is closed."""
+    if getattr(sys, name) is None:
+        what = {"stdin": "input", "stdout": "output"}[name]
+        raise InvalidOptionError(f"standard {what} is closed: this command needs it")
 
 
 def _handle_errors(command):
@@ -23,11 +57,17 @@ def _handle_errors(command):
         try:
             return command(*args, **kwargs)
         except FastDecodeError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
+            _say(f"error: {exc}")
+            sys.exit(getattr(exc, "exit_code", 2))
         except KeyboardInterrupt:
-            click.echo("", err=True)
+            _say("")
             sys.exit(130)
+        except OSError as exc:
+            if exc.errno not in WRITE_ERRORS:
+                raise
+            _silence_stdout()
+            _say(f"error: cannot write the output: {exc.strerror or exc}")
+            sys.exit(1)
 
     return wrapper
 
@@ -57,10 +97,17 @@ def generation_options(command):
         click.option("--encoder-no-repeat-ngram-size", type=int, default=0, show_default=True,
                      help="Encoder-decoder: never copy an n-gram of this size from the source (0: off)."),
         click.option("--no-cache", "no_cache", is_flag=True, help="Recompute everything each step (slow reference)."),
+        max_memory_option,
     ]
     for option in reversed(options):
         command = option(command)
     return command
+
+
+max_memory_option = click.option(
+    "--max-memory", default=None,
+    help="Memory a request may use (bytes, or e.g. 8GB, 512MiB); checked before allocating. "
+         "Default: the memory available now.")
 
 
 def streaming_options(command):
@@ -93,7 +140,7 @@ def _collect_options(kwargs: dict[str, Any]) -> dict[str, Any]:
         name: kwargs[name]
         for name in ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
                      "repetition_penalty", "seed", "num_beams", "length_penalty", "num_return_sequences",
-                     "no_repeat_ngram_size", "encoder_no_repeat_ngram_size")
+                     "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "max_memory")
     }
     options["early_stopping"] = {"true": True, "false": False, "never": "never"}[kwargs["early_stopping"]]
     options["use_cache"] = not kwargs["no_cache"]
@@ -124,6 +171,7 @@ def main() -> None:
 def generate(prompt: str, chat: bool | None, stats: bool, endless: bool, model: str | None, device: str,
              dtype: str, **kwargs: Any) -> None:
     """Generate text for a prompt, streaming it to stdout as it is produced."""
+    require_stream("stdout")
     started = time.perf_counter()
     from . import load
     from .config import GenerationConfig
@@ -194,6 +242,7 @@ def _print_results(generator, prompt_ids: list[int], options: dict[str, Any], st
 def inspect(model: str | None, as_json: bool) -> None:
     """Show a model's architecture, sizes, attention kind and KV-cache cost."""
     from . import load
+    require_stream("stdout")
 
     info = load(model).inspect()
     if as_json:
@@ -213,14 +262,18 @@ def inspect(model: str | None, as_json: bool) -> None:
 @click.option("--temperature", type=float, default=1.0)
 @click.option("--top-p", type=float, default=1.0)
 @click.option("--seed", type=int, default=None)
+@max_memory_option
 @model_options
 @streaming_options
 @_handle_errors
 def chat(system: str | None, model: str | None, device: str, dtype: str, **kwargs: Any) -> None:
     """Interactive multi-turn chat. The conversation stays in a streaming cache between turns,
-    so earlier turns are never prefilled again. Ctrl-C stops a reply; Ctrl-D (or /quit) exits."""
+    so earlier turns are never prefilled again. Ctrl-C stops a reply; Ctrl-D (or /quit) exits.
+    A message that cannot be used (e.g. invalid UTF-8) is reported and the chat goes on."""
     from . import load
 
+    require_stream("stdin")
+    require_stream("stdout")
     streaming = _streaming_values(kwargs)
     streaming["n_ctx"] = streaming["n_ctx"] or 2048
     generator = load(model, device=device, dtype=dtype)
@@ -241,12 +294,16 @@ def chat(system: str | None, model: str | None, device: str, dtype: str, **kwarg
                 sys.stdout.flush()
         except KeyboardInterrupt:
             pass
+        except FastDecodeError as exc:  # this message is bad; the conversation is not
+            _say(f"error: {exc}")
+            continue
         click.echo("")
 
 
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@max_memory_option
 @model_options
 @streaming_options
 @_handle_errors
@@ -256,16 +313,18 @@ def perplexity(file: str, as_json: bool, model: str | None, device: str, dtype: 
     from pathlib import Path
 
     from . import load
-    from .errors import InvalidOptionError
 
+    require_stream("stdout")
+    if file == "-":
+        require_stream("stdin")
     try:
-        text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
+        text = sys.stdin.buffer.read().decode("utf-8") if file == "-" else Path(file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidOptionError(f"cannot read {file}: {exc}") from exc
     streaming = _streaming_values(kwargs)
     generator = load(model, device=device, dtype=dtype)
     started = time.perf_counter()
-    losses = generator.score(text, **streaming)
+    losses = generator.score(text, **streaming, max_memory=kwargs.get("max_memory"))
     elapsed = time.perf_counter() - started
     mean = sum(losses) / len(losses)
     result = {"tokens": len(losses), "mean_nll": mean, "perplexity": math.exp(mean), "seconds": elapsed,

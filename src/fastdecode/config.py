@@ -68,6 +68,46 @@ class ModelConfig:
         """Blocks per placeholder of the weight-name templates (``{layer}``)."""
         return {"layer": self.num_layers}
 
+    def validate(self, source: str = "the checkpoint") -> None:
+        """Types, ranges and divisibility of the canonical fields; CheckpointError naming the field.
+
+        Run by every loader before any weight is read, so a bad value never reaches a tensor op.
+        """
+        from .errors import CheckpointError
+
+        def fail(message: str) -> CheckpointError:
+            return CheckpointError(f"config of {source}: {message}")
+
+        for name in self._positive_ints():
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise fail(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise fail(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+        for name in ("norm_eps", "rope_theta", "partial_rotary_factor"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
+                raise fail(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.position_kind == "rope" and not 0 < self.partial_rotary_factor <= 1:
+            raise fail(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
+        if self.position_kind not in ("rope", "alibi", "learned"):
+            raise fail(f"position_kind must be rope, alibi or learned, got {self.position_kind!r}")
+        if self.sliding_window is not None and (not _is_int(self.sliding_window) or self.sliding_window < 1):
+            raise fail(f"sliding_window must be an integer >= 1 when a sliding window is used, "
+                       f"got {self.sliding_window!r}")
+        if not isinstance(self.hidden_act, str) or not isinstance(self.architecture, str):
+            raise fail(f"hidden_act and architecture must be strings, got {self.hidden_act!r}, {self.architecture!r}")
+        for name in ("bos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise fail(f"{name} must be an integer or absent, got {value!r}")
+        if not isinstance(self.eos_token_ids, list) or any(not _is_int(t) or t < 0 for t in self.eos_token_ids):
+            raise fail(f"eos_token_id must be a non-negative integer or a list of them, got {self.eos_token_ids!r}")
+
+    def _positive_ints(self) -> tuple[str, ...]:
+        return ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                "intermediate_size", "max_position_embeddings")
+
 
 @dataclass
 class EncoderDecoderConfig(ModelConfig):
@@ -101,6 +141,19 @@ class EncoderDecoderConfig(ModelConfig):
     gated_ffn: bool = False  # T5 v1.1 / flan-t5: act(x W0) * (x W1)
     scale_decoder_output: bool = False  # T5 with a tied head: hidden * d_model**-0.5 before the head
 
+    def _positive_ints(self) -> tuple[str, ...]:
+        return super()._positive_ints() + ("num_encoder_layers", "num_encoder_heads", "encoder_intermediate_size")
+
+    def validate(self, source: str = "the checkpoint") -> None:
+        from .errors import CheckpointError
+
+        super().validate(source)
+        if self.positions not in ("learned", "sinusoidal", "relative"):
+            raise CheckpointError(f"config of {source}: unknown positions {self.positions!r}")
+        if self.positions != "relative" and self.hidden_size % self.num_encoder_heads:
+            raise CheckpointError(f"config of {source}: num_encoder_heads ({self.num_encoder_heads}) must divide "
+                                  f"hidden_size ({self.hidden_size})")
+
     @property
     def position_scheme(self) -> str:
         if self.positions == "learned":
@@ -114,6 +167,12 @@ class EncoderDecoderConfig(ModelConfig):
     @property
     def layer_counts(self) -> dict[str, int]:
         return {"layer": self.num_layers, "encoder_layer": self.num_encoder_layers}
+
+
+SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes 0 <= seed < 2**64
+INT_OPTION_LIMIT = 1 << 62  # any integer option past this would overflow a tensor index first
+INT_OPTIONS = ("max_new_tokens", "min_new_tokens", "top_k", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+               "num_beams", "num_return_sequences", "n_ctx", "n_keep", "n_discard")
 
 
 @dataclass
@@ -135,8 +194,11 @@ class GenerationConfig:
     num_return_sequences: int = 1
     eos_token_id: int | list[int] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | list[int] | None = None  # an int, or one per prompt (see generation/sampling.py)
     use_cache: bool = True
+    # Memory a request may use, in bytes (or "8GB", "512MiB"...): checked before allocating.
+    # None: the memory available now (MemAvailable, or free CUDA memory).
+    max_memory: int | str | None = None
     # Streaming ("infinite") generation: a cache of n_ctx slots, n_keep attention sinks.
     n_ctx: int | None = None
     n_keep: int = 4
@@ -164,6 +226,10 @@ class GenerationConfig:
         def bad(message: str) -> InvalidOptionError:
             return InvalidOptionError(message)
 
+        for name in INT_OPTIONS:
+            value = getattr(self, name)
+            if _is_int(value) and value > INT_OPTION_LIMIT:  # would overflow a tensor index long before
+                raise bad(f"{name}={value} is absurdly large (the limit is 2**62)")
         if self.max_new_tokens is None:
             if self.n_ctx is None:
                 raise bad("max_new_tokens=None (endless generation) needs a streaming cache: set n_ctx")
@@ -173,14 +239,18 @@ class GenerationConfig:
             raise bad(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise bad(f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})")
-        if not _is_number(self.temperature) or self.temperature < 0 or math.isnan(self.temperature):
-            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.do_sample, bool):
+            raise bad(f"do_sample must be True or False, got {self.do_sample!r}")
+        if not isinstance(self.use_cache, bool):
+            raise bad(f"use_cache must be True or False, got {self.use_cache!r}")
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 0):
             raise bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+        if not _is_finite(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if not _is_int(self.no_repeat_ngram_size) or self.no_repeat_ngram_size < 0:
             raise bad(f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
         if not _is_int(self.encoder_no_repeat_ngram_size) or self.encoder_no_repeat_ngram_size < 0:
@@ -199,14 +269,23 @@ class GenerationConfig:
             )
         if self.early_stopping not in (True, False, "never"):
             raise bad(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
-        eos = self.eos_token_ids_or_none()
-        if eos is not None and any(not _is_int(t) or t < 0 for t in eos):
+        if self.eos_token_id is not None and not isinstance(self.eos_token_id, (int, list, tuple)):
             raise bad(f"eos_token_id must be a non-negative integer or a list of them, got {self.eos_token_id!r}")
+        eos = self.eos_token_ids_or_none()
+        if eos is not None and any(not _is_int(t) or not 0 <= t <= INT_OPTION_LIMIT for t in eos):
+            raise bad(f"eos_token_id must be a non-negative integer or a list of them, got {self.eos_token_id!r}")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         stops = self.stop_strings()
         if any(not isinstance(s, str) or not s for s in stops):
             raise bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad(f"seed must be an integer, got {self.seed!r}")
+        seeds = self.seed if isinstance(self.seed, list) else [] if self.seed is None else [self.seed]
+        if any(not _is_int(s) or not 0 <= s < SEED_LIMIT for s in seeds) or (isinstance(self.seed, list) and not seeds):
+            raise bad(f"seed must be an integer in [0, 2**64) (or a list of them, one per prompt), got {self.seed!r}")
+        if self.max_memory is not None:
+            from .memory import parse_size
+
+            parse_size(self.max_memory)
         self._validate_streaming(bad)
 
     def _validate_beams(self, bad) -> None:
@@ -214,7 +293,7 @@ class GenerationConfig:
             raise bad(f"num_return_sequences ({self.num_return_sequences}) must be <= num_beams ({self.num_beams})")
         if self.do_sample:
             raise bad("beam sampling (num_beams > 1 with do_sample=True) is not supported; use do_sample=False")
-        if not _is_number(self.length_penalty) or math.isnan(self.length_penalty):
+        if not _is_finite(self.length_penalty):
             raise bad(f"length_penalty must be a number, got {self.length_penalty!r}")
         if self.n_ctx is not None:
             raise bad("beam search keeps every beam's whole history: it cannot use a streaming cache (n_ctx)")
@@ -274,3 +353,21 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_finite(value: Any) -> bool:
+    return _is_number(value) and math.isfinite(value)
+
+
+def derived_head_dim(hidden_size: Any, num_heads: Any,
+                     names: tuple[str, str] = ("hidden_size", "num_attention_heads")) -> int:
+    """hidden_size // num_heads, or a ValueError naming the config fields when that is not a whole
+    positive number (a zero, a string, a float, heads that do not divide the width); the loaders
+    turn it into a CheckpointError naming the checkpoint."""
+    if not _is_int(hidden_size) or hidden_size < 1:
+        raise ValueError(f"{names[0]} must be an integer >= 1, got {hidden_size!r}")
+    if not _is_int(num_heads) or num_heads < 1:
+        raise ValueError(f"{names[1]} must be an integer >= 1, got {num_heads!r}")
+    if hidden_size % num_heads:
+        raise ValueError(f"{names[1]} ({num_heads}) must divide {names[0]} ({hidden_size})")
+    return hidden_size // num_heads

@@ -1,7 +1,7 @@
 """Typed errors: every bad input a user can cause maps to one of these.
 
 The CLI prints ``str(error)`` (no traceback) and exits with code 2 for any
-``FastDecodeError``.
+``FastDecodeError`` (or the error's ``exit_code`` where it has one).
 """
 
 from __future__ import annotations
@@ -42,6 +42,23 @@ class BatchFileError(FastDecodeError):
     this error is raised only with ``--fail-fast`` (or ``fail_fast=True``) and for an output file
     that does not belong to the input (resuming it would mix two runs).
     """
+
+
+class OutputWriteError(FastDecodeError):
+    """Writing results failed for a reason outside the input (disk full, I/O error); what was
+    written is intact and the run can be resumed. The CLI exits with ``exit_code`` (3)."""
+
+    exit_code = 3
+
+
+class MemoryLimitError(FastDecodeError, ValueError):
+    """A request needs more memory than the limit (available memory, or ``max_memory``); raised
+    before anything is allocated, naming the option that makes it large."""
+
+
+class InvalidPromptError(InvalidOptionError):
+    """A prompt of the wrong type (bytes, None, a number, a flat list where a list of prompts is
+    expected) or text that is not valid Unicode (a lone surrogate, undecodable bytes)."""
 
 
 class RayUnavailableError(FastDecodeError):

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 import fastdecode.pipeline.cli as pipeline_cli
 from fastdecode.cli import main
-from fastdecode.pipeline.output import JsonlWriter
+from fastdecode.pipeline.output import OutputFile
 from tiny_models import save_tiny_folder
 
 ray = pytest.importorskip("ray")
@@ -119,7 +119,7 @@ def actor_pids() -> set[int]:
     return pids
 
 
-class InterruptedWriter(JsonlWriter):
+class InterruptedOutput(OutputFile):
     """Appends the first group of records, then Ctrl-C, as a user would interrupt the run."""
 
     def __call__(self, records):
@@ -151,16 +151,18 @@ def kill_one_actor_once_records_flow(out: Path, actors: int, killed: list) -> No
 def test_interrupted_run_resumes_and_a_killed_actor_loses_nothing(ray_address, tiny_folder, tmp_path, monkeypatch):
     """Ctrl-C after the first records; then the same command resumes, and one actor's worker is
     killed with SIGKILL mid-run: Ray restarts it and re-runs its batch. The output is the
-    single-process output, byte for byte: every input exactly once, in input order."""
+    single-process output, byte for byte: every input exactly once, in input order, and, sampled
+    with a seed, the same samples (each input's seed comes from its line, not its batch)."""
     n = 48
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join(prompt_lines(n)) + "\n")
-    options = ["-m", tiny_folder, "--max-new-tokens", "12", "--batch-size", "2", "--no-chat", "-q"]
+    options = ["-m", tiny_folder, "--max-new-tokens", "12", "--batch-size", "2", "--no-chat", "--do-sample",
+               "--seed", "7", "-q"]
     out = tmp_path / "ray.jsonl"
     command = ["batch", str(source), "-o", str(out), "--ray", "local", "--actors", "2", *options]
 
     with monkeypatch.context() as patch:
-        patch.setattr(pipeline_cli, "JsonlWriter", InterruptedWriter)
+        patch.setattr(pipeline_cli, "OutputFile", InterruptedOutput)
         assert run(*command).exit_code == 130
     done = out.read_bytes().count(b"\n")
     assert 1 <= done < n // 2, done  # interrupted early: the resumed run has most of the work

@@ -612,3 +612,38 @@ def test_tensor_table_and_dequantized_values_equal_gguf_reader(everything_file):
         values = ours.dequantized(name)
         assert values.dtype == np.float32 and values.shape == info.shape, name
         np.testing.assert_array_equal(values, expected, err_msg=name)  # NaN == NaN (random K blocks)
+
+
+# --- hardening (issue 10, case 11): config values and tensor shapes are checked before use ---------
+def test_wrong_tensor_shapes_are_listed_together_before_any_matmul(tmp_path):
+    tensors = gguf_tensors("llama-gqa")
+    tensors["blk.0.attn_q.weight"] = np.zeros((64, 48), np.float32)
+    tensors["blk.1.ffn_down.weight"] = np.zeros((64, 80), np.float32)
+    path = write_gguf(tmp_path / "shapes.gguf", "llama-gqa", tensors=tensors)
+    with pytest.raises(CheckpointError, match="2 weight") as info:
+        fastdecode.load(str(path))
+    message = str(info.value)
+    assert "blk.0.attn_q.weight (expected [64, 64], found [64, 48])" in message
+    assert "blk.1.ffn_down.weight (expected [64, 96], found [64, 80])" in message
+
+
+def test_gpt2_shapes_are_compared_in_hf_layout(gguf_file):
+    assert fastdecode.load(str(gguf_file("gpt2"))).config.family == "gpt2"  # Conv1D weights transposed: fine
+
+
+@pytest.mark.parametrize("method, value, match", [
+    ("add_head_count", 0, "attention.head_count must be an integer >= 1"),
+    ("add_block_count", "2", "num_layers must be an integer >= 1, got '2'"),
+    ("add_head_count_kv", 3, r"num_kv_heads \(3\) must divide num_heads \(4\)"),
+])
+def test_bad_metadata_values_are_checkpoint_errors(method, value, match, tmp_path, monkeypatch):
+    key = {"add_head_count": "llama.attention.head_count", "add_block_count": "llama.block_count",
+           "add_head_count_kv": "llama.attention.head_count_kv"}[method]
+    if isinstance(value, str):
+        monkeypatch.setattr(GGUFWriter, method, lambda self, _: self.add_string(key, value))
+    else:
+        monkeypatch.setattr(GGUFWriter, method, lambda self, _: self.add_uint32(key, value))
+    path = write_gguf(tmp_path / "bad-meta.gguf", "llama-gqa")
+    with pytest.raises(CheckpointError, match=match) as info:
+        fastdecode.load(str(path))
+    assert str(path) in str(info.value)

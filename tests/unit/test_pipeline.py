@@ -124,6 +124,17 @@ def test_torn_tail_is_cut_and_foreign_outputs_are_refused(tmp_path):
     assert prepare_output(path, overwrite=True).done == 0
 
 
+def test_resume_scan_reads_bounded_lines(tmp_path, monkeypatch):
+    """An endless line (what /dev/zero would give) is refused after MAX_RECORD_BYTES, not read whole."""
+    from fastdecode.pipeline import output
+
+    monkeypatch.setattr(output, "MAX_RECORD_BYTES", 64)
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(b'{"id": 0, "line": 1}\n' + b"x" * 1000 + b"\n")
+    with pytest.raises(BatchFileError, match="longer than 64 bytes"):
+        prepare_output(path)
+
+
 def test_skip_done_checks_the_output_belongs_to_the_input():
     items = lambda: items_from_lines(['{"prompt": "a", "id": "x"}', '{"prompt": "b", "id": "y"}', "{}"], "jsonl")
     assert [i.id for i in skip_done(items(), 2, {"id": "y", "line": 2})] == [2]

@@ -87,6 +87,28 @@ class StreamingCache:
         first = self.window_count + 1 - (self.n_discard if self.window_count == self.window else 0)
         return self.ring_size + 1 - first
 
+    def resized(self, headroom: int) -> "StreamingCache":
+        """The same logical state in a new cache with ``headroom`` extra ring slots: sinks, visible
+        window tokens (oldest first from the ring's start), positions, shift and sink frame. Tokens
+        the policy no longer shows are not copied. Used to prefill a long input in chunks (with
+        headroom) and then decode without it (no mask, no extra slots)."""
+        layers, _, heads, _, dim = self.keys.shape
+        new = StreamingCache(layers, heads, self.n_ctx, self.n_keep, self.n_discard, dim, self.keys.dtype,
+                             self.device, self.rope, headroom)
+        n, visible = self.n_keep, self.window_count if self.sinks == self.n_keep else 0
+        first = self.ring_head + self.ring_count - visible  # oldest visible token, as a ring offset
+        old_slots = n + (torch.arange(first, first + visible, device=self.device) % self.ring_size)
+        for source, target in ((self.keys, new.keys), (self.values, new.values)):
+            target[:, :, :, :n] = source[:, :, :, :n]  # [L, 1, Hkv, n_keep, D]
+            target[:, :, :, n:n + visible] = source.index_select(3, old_slots)  # [L, 1, Hkv, visible, D]
+        new.sink_keys.copy_(self.sink_keys)
+        new.slot_positions[:n] = self.slot_positions[:n]
+        new.slot_positions[n:n + visible] = self.slot_positions[old_slots]
+        new.sink_frame, new.sinks, new.shift = self.sink_frame, self.sinks, self.shift
+        new.ring_count = new.window_count = visible
+        new.used = self.sinks + visible
+        return new
+
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes

@@ -32,7 +32,9 @@ class ChatSession:
     def send(self, message: str) -> Iterator[str]:
         """Add a user message; stream the assistant's reply as text pieces."""
         from ..api import _TextWatcher
+        from ..validation import check_text
 
+        check_text(message, "the message")  # before the conversation changes: a bad line is skipped
         self.messages.append({"role": "user", "content": message})
         rendered = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
         if rendered.startswith(self.fed_text):

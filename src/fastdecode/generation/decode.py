@@ -72,8 +72,9 @@ class DecodeLoop:
     """
 
     def __init__(self, model, prompts: list[list[int]], config: GenerationConfig, eos_ids: list[int],
-                 engine=None):
+                 engine=None, row_seeds: list[int] | None = None):
         self.model = model
+        self.row_seeds = row_seeds  # each row's sampling seed (see sampling.py), or None
         self.engine = engine  # a streaming engine that already holds a conversation, or None
         self.prompts = prompts
         self.config = config
@@ -101,7 +102,7 @@ class DecodeLoop:
                 started = engine_starter(model)(model, self.prompts, cfg)
             engine, logits, next_positions, history = started
             sources = self.prompts if model.config.is_encoder_decoder else None
-            self.selector.start(history, device, sources)
+            self.selector.start(history, device, sources, self.row_seeds)
             active = list(range(len(self.prompts)))  # sequence index of each batch row
             steps = itertools.count() if cfg.max_new_tokens is None else range(cfg.max_new_tokens)
             for step in steps:

@@ -1,10 +1,20 @@
-"""Choosing the next token from logits: the processor chain, then argmax or a seeded draw."""
+"""Choosing the next token from logits: the processor chain, then argmax or a seeded draw.
+
+Seeding rule: every row (one sequence) draws from its own ``torch.Generator``, so a sequence's
+samples depend only on its seed, never on the rows it is batched with. With ``seed=s`` (an int),
+prompt i's return sequence j is seeded with ``derive_seed(s, j)`` whatever i is (a prompt gives
+the same samples alone or in a batch); ``seed`` may also be a list with one seed per prompt (the
+batch pipeline passes ``derive_seed(s, line)`` for each input line, so that resumed or re-batched
+runs give the same records). Each step draws one uniform number per row and picks the token by
+inverse CDF over the processed probabilities.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from ..config import GenerationConfig
+from ..errors import InvalidOptionError
 from .processors import (
     PAD,
     apply_repetition_penalty,
@@ -20,8 +30,8 @@ from .processors import (
 class TokenSelector:
     """Applies the configured processors and picks one token per row.
 
-    Holds the per-row "seen tokens" mask for the repetition penalty and the seeded
-    ``torch.Generator`` for sampling; everything stays on the model's device.
+    Holds the per-row "seen tokens" mask for the repetition penalty and, for sampling, one seeded
+    ``torch.Generator`` per row (see the seeding rule above); everything stays on the model's device.
     """
 
     def __init__(self, config: GenerationConfig, eos_ids: list[int], vocab_size: int, device: torch.device,
@@ -36,19 +46,20 @@ class TokenSelector:
         # Token history [N, L] (left-padded with PAD) and sources [N, S] for n-gram blocking.
         self.history: torch.Tensor | None = None
         self.sources: torch.Tensor | None = None
-        self.generator: torch.Generator | None = None
-        if config.is_sampling:
-            self.generator = torch.Generator(device=device)
-            if config.seed is not None:
-                self.generator.manual_seed(config.seed)
-            else:
-                self.generator.seed()
+        self.generators: list[torch.Generator] | None = None  # one per row (sampling only)
 
     def start(self, prompts: list[list[int]], device: torch.device,
-              sources: list[list[int]] | None = None) -> None:
+              sources: list[list[int]] | None = None, row_seeds: list[int] | None = None) -> None:
         """Record prompt tokens (repetition penalty, n-gram blocking) and, for encoder no-repeat-n-gram
-        blocking, the encoder-decoder sources."""
+        blocking, the encoder-decoder sources. ``row_seeds``: each row's sampling seed (default:
+        ``derive_seed(seed, row)``, or fresh entropy without a seed)."""
         cfg = self.config
+        if cfg.is_sampling:
+            if row_seeds is None and cfg.seed is not None:
+                if not isinstance(cfg.seed, int):
+                    raise InvalidOptionError("a list of seeds (one per prompt) is for generate / generate_ids")
+                row_seeds = [derive_seed(cfg.seed, row) for row in range(len(prompts))]
+            self.generators = row_generators(row_seeds, len(prompts), device)
         if cfg.no_repeat_ngram_size > 0 or cfg.encoder_no_repeat_ngram_size > 0:
             self.history = pad_rows(prompts, device)
         if cfg.encoder_no_repeat_ngram_size > 0 and sources is not None:
@@ -67,6 +78,8 @@ class TokenSelector:
             self.history = self.history.index_select(0, rows)
         if self.sources is not None:
             self.sources = self.sources.index_select(0, rows)
+        if self.generators is not None:
+            self.generators = [self.generators[row] for row in rows.tolist()]
 
     def record(self, tokens: torch.Tensor) -> None:
         """Append the chosen tokens [N] to the per-row state."""
@@ -107,8 +120,7 @@ class TokenSelector:
                 logits = apply_top_k(logits, cfg.top_k)
             if cfg.top_p < 1.0:
                 logits = apply_top_p(logits, cfg.top_p)
-            probs = logits.softmax(dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+            tokens = sample_rows(logits.softmax(dim=-1), self.generators)
         else:
             tokens = logits.argmax(dim=-1)
         self.record(tokens)
@@ -123,3 +135,56 @@ def pad_rows(rows: list[list[int]], device: torch.device) -> torch.Tensor:
         if row:
             out[index, L - len(row):] = torch.tensor(row, dtype=torch.long)
     return out.to(device)
+
+
+MASK64 = (1 << 64) - 1
+
+
+def derive_seed(seed: int, key: int) -> int:
+    """A well-mixed 63-bit seed from a base seed and a key (an input line, a return-sequence
+    index): SplitMix64's finalizer, so that neighbouring keys give unrelated streams."""
+    z = (seed + 0x9E3779B97F4A7C15 * (key + 1)) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def sequence_seeds(config: GenerationConfig, num_prompts: int) -> list[int] | None:
+    """Each sequence's seed, prompt by prompt (``num_return_sequences`` each), or None unseeded.
+
+    ``seed`` an int applies to every prompt (as if it ran alone), a list gives one per prompt;
+    return sequence j of a prompt seeded p gets ``derive_seed(p, j)``."""
+    if config.seed is None:
+        return None
+    per_prompt = config.seed if isinstance(config.seed, list) else [config.seed] * num_prompts
+    if len(per_prompt) != num_prompts:
+        raise InvalidOptionError(f"seed has {len(per_prompt)} values for {num_prompts} prompts: give one per prompt")
+    return [derive_seed(seed, j) for seed in per_prompt for j in range(config.num_return_sequences)]
+
+
+def row_generators(seeds: list[int] | None, rows: int, device: torch.device) -> list[torch.Generator]:
+    """One generator per row: seeded from ``seeds``, or all from fresh entropy when None."""
+    generators = []
+    for row in range(rows):
+        generator = torch.Generator(device=device)
+        if seeds is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seeds[row])
+        generators.append(generator)
+    return generators
+
+
+def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """probs [N, V] (rows sum to about 1) -> one token per row [N], row i drawn with generators[i].
+
+    One uniform number per row from its own generator (the only per-row loop), then inverse CDF
+    for all rows at once: the first token whose cumulative probability exceeds u * total. A token
+    of probability 0 is never chosen (the CDF does not rise there).
+    """
+    uniforms = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])  # [N]
+    cdf = probs.cumsum(dim=-1)  # [N, V]
+    targets = (uniforms * cdf[:, -1]).unsqueeze(1)  # [N, 1]
+    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1)  # [N]
+    # u * total can round up to total: then no index qualifies; take the most likely token.
+    return torch.where(tokens < probs.shape[-1], tokens, probs.argmax(dim=-1))

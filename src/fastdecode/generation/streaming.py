@@ -76,6 +76,20 @@ class ShiftEngine(_StreamingEngineBase):
         self.next_position = 0  # absolute position of the next token in the stream
 
     def feed_chunks(self, tokens: torch.Tensor, all_logits: bool) -> Iterator[torch.Tensor]:
+        """A long input goes through a copy of the cache with headroom, in chunks of up to
+        MAX_CHUNK tokens (without headroom a full ring with n_discard=1 takes one token per
+        forward); the cache is copied back without headroom after, so decoding stays unmasked."""
+        count = tokens.shape[0]
+        if count <= self.cache.chunk_limit() or self.cache.ring_size > self.cache.window:
+            yield from self._feed(tokens, all_logits)
+            return
+        self.cache = self.cache.resized(headroom=min(count, self.n_ctx, MAX_CHUNK) - 1)
+        try:
+            yield from self._feed(tokens, all_logits)
+        finally:
+            self.cache = self.cache.resized(headroom=0)
+
+    def _feed(self, tokens: torch.Tensor, all_logits: bool) -> Iterator[torch.Tensor]:
         cache, device = self.cache, self.model.device
         done = 0
         while done < tokens.shape[0]:

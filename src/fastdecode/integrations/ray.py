@@ -15,7 +15,7 @@ Two row layouts:
 - encoded rows (``encoded=True``, what ``fastdecode batch --ray`` sends, see ``encode_items``):
   ``seq`` (the input's position), ``line`` and ``item`` (JSON of its id, prompt and parse error,
   so that ids and prompts of mixed JSON types fit one Arrow column). Output columns: ``seq`` and
-  ``record`` (the record as ASCII JSON; the driver's ``JsonlWriter`` writes it as a local run does).
+  ``record`` (the record as ASCII JSON; the driver's ``OutputFile`` writes it as a local run does).
 
 Ray restarts an actor whose process dies and re-runs the batch it held (``map_predictor``); a batch's records leave the actor only when the whole batch is done, so a
 retried batch is never written twice.

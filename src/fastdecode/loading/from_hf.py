@@ -7,7 +7,7 @@ from typing import Any
 from ..errors import UnsupportedModelError
 from .checkpoint import Checkpoint, canonical_weights, check_tokenizer_matches
 from .hf_folder import build_config, with_generation_config
-from .names import resolve_weight_names
+from .names import check_weight_shapes, resolve_weight_names
 
 
 def checkpoint_from_hf(hf_model: Any, tokenizer: Any = None) -> Checkpoint:
@@ -24,6 +24,7 @@ def checkpoint_from_hf(hf_model: Any, tokenizer: Any = None) -> Checkpoint:
     required, optional = module.weight_names(config)
     mapping = resolve_weight_names(required, optional, module.HF_NAMES, config.layer_counts, state,
                                    module.IGNORED_NAME_PATTERNS, f"in-memory {type(hf_model).__name__}")
+    check_weight_shapes(module, config, mapping, lambda name: state[name].shape, f"in-memory {type(hf_model).__name__}")
     weights = canonical_weights(mapping, state.__getitem__, module.OUT_IN_WEIGHTS, config, share=True)
 
     wrapped = None

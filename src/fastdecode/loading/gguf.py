@@ -11,7 +11,7 @@ from ..errors import CheckpointError, FastDecodeError
 from ..models.registry import family_for_gguf
 from .checkpoint import Checkpoint, canonical_weights, check_tokenizer_matches
 from .gguf_file import GGUFFile
-from .names import resolve_weight_names
+from .names import check_weight_shapes, resolve_weight_names
 
 
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Checkpoint:
@@ -24,11 +24,15 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Checkpoin
     module = family.load_module()
     try:
         config = module.config_from_gguf(meta, set(gguf.tensors))
-    except (KeyError, TypeError) as exc:
+    except KeyError as exc:
         raise CheckpointError(f"{path} lacks the metadata {exc}") from exc
+    except (TypeError, ValueError, ArithmeticError) as exc:
+        raise CheckpointError(f"{path} has invalid metadata: {exc}") from exc
+    config.validate(str(path))
     required, optional = module.weight_names(config)
     mapping = resolve_weight_names(required, optional, module.GGUF_NAMES, config.num_layers, gguf.tensors,
                                    module.IGNORED_NAME_PATTERNS, str(path))
+    check_weight_shapes(module, config, mapping, lambda name: gguf.tensors[name].shape, str(path), gguf=True)
 
     canonical_of = {name: canonical for canonical, name in mapping.items()}
 

@@ -11,7 +11,7 @@ from ..errors import CheckpointError, FastDecodeError, ModelNotFoundError
 from ..models.registry import family_for_hf_config
 from .checkpoint import Checkpoint, canonical_weights, check_tokenizer_matches
 from .jsonfile import read_json_object
-from .names import resolve_weight_names
+from .names import check_weight_shapes, resolve_weight_names
 
 INDEX_FILE = "model.safetensors.index.json"
 # transformers generates with the generation config (generation_config.json, else one derived from
@@ -35,11 +35,13 @@ def build_config(hf_config: dict[str, Any], source: str):
     """HF config dict -> (family, ModelConfig), with a clear error for a missing field."""
     family = family_for_hf_config(hf_config)
     try:
-        return family, family.load_module().config_from_hf(hf_config)
+        config = family.load_module().config_from_hf(hf_config)
     except KeyError as exc:
         raise CheckpointError(f"config of {source} lacks the field {exc.args[0]!r}") from exc
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, ArithmeticError) as exc:
         raise CheckpointError(f"config of {source} has an invalid value: {exc}") from exc
+    config.validate(source)
+    return family, config
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Checkpoint:
@@ -60,6 +62,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Ch
     required, optional = module.weight_names(config)
     mapping = resolve_weight_names(required, optional, module.HF_NAMES, config.layer_counts, tensors,
                                    module.IGNORED_NAME_PATTERNS, str(folder))
+    check_weight_shapes(module, config, mapping, lambda name: tensors[name].get_slice(name).get_shape(), str(folder))
 
     def fetch(name: str) -> torch.Tensor:
         try:

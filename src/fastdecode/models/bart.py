@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..cache.cross import CrossAttentionCache, padding_bias
 from .base import ModelBase
 from ..cache.static import KVCache
-from ..config import EncoderDecoderConfig
+from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
 from ..layers.linear import ACTIVATIONS, linear
@@ -85,6 +85,29 @@ def weight_names(config: EncoderDecoderConfig) -> tuple[list[str], list[str]]:
     return required, optional
 
 
+def weight_shapes(config: EncoderDecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape in the HF layout ([out, in] linear weights)."""
+    C, V = config.hidden_size, config.vocab_size
+    positions = (config.max_position_embeddings + config.position_offset, C)
+    shapes = {"embed.weight": (V, C), "encoder_embed.weight": (V, C), "decoder_embed.weight": (V, C),
+              "lm_head.weight": (V, C), "final_logits_bias": (1, V)}
+    for stack in ("encoder", "decoder"):
+        shapes[f"{stack}.pos_embed.weight"] = positions
+        for part in ("embed_norm", "norm"):
+            shapes.update({f"{stack}.{part}.weight": (C,), f"{stack}.{part}.bias": (C,)})
+    for stack, layer, ffn in (("encoder", "encoder_layer", config.encoder_intermediate_size),
+                              ("decoder", "layer", config.intermediate_size)):
+        names = _ENCODER_LAYER if stack == "encoder" else _DECODER_LAYER
+        for name in names:
+            if name.endswith("norm"):
+                weight = (C,)
+            else:
+                weight = {"up": (ffn, C), "down": (C, ffn)}.get(name, (C, C))
+            shapes[f"{stack}.layers.{{{layer}}}.{name}.weight"] = weight
+            shapes[f"{stack}.layers.{{{layer}}}.{name}.bias"] = weight[:1]
+    return shapes
+
+
 def config_from_hf(hf: dict[str, Any]) -> EncoderDecoderConfig:
     model_type = hf.get("model_type", "bart")
     if model_type not in ("bart", "mbart", "marian"):
@@ -108,7 +131,7 @@ def config_from_hf(hf: dict[str, Any]) -> EncoderDecoderConfig:
         num_layers=hf["decoder_layers"],
         num_heads=heads,
         num_kv_heads=heads,
-        head_dim=hidden // heads,
+        head_dim=derived_head_dim(hidden, heads, ("d_model", "decoder_attention_heads")),
         intermediate_size=hf["decoder_ffn_dim"],
         max_position_embeddings=positions,
         norm_eps=1e-5,  # nn.LayerNorm's default, which every BART-family layer norm uses

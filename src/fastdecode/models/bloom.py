@@ -20,6 +20,7 @@ from .base import ModelBase
 from ..config import ModelConfig
 from ..layers.linear import linear
 from ..layers.positions import alibi_slopes
+from ..config import derived_head_dim
 
 HF_NAMES = {
     "embed.weight": "transformer.word_embeddings.weight",
@@ -55,6 +56,17 @@ def weight_names(config: ModelConfig) -> tuple[list[str], list[str]]:
     return required, optional
 
 
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape in the HF layout ([out, in] linear weights, fused QKV)."""
+    C, V, I = config.hidden_size, config.vocab_size, config.intermediate_size
+    layer = {"attn_norm.weight": (C,), "attn_norm.bias": (C,), "qkv.weight": (3 * C, C), "qkv.bias": (3 * C,),
+             "o.weight": (C, C), "o.bias": (C,), "mlp_norm.weight": (C,), "mlp_norm.bias": (C,),
+             "up.weight": (I, C), "up.bias": (I,), "down.weight": (C, I), "down.bias": (C,)}
+    return {"embed.weight": (V, C), "embed_norm.weight": (C,), "embed_norm.bias": (C,), "norm.weight": (C,),
+            "norm.bias": (C,), "lm_head.weight": (V, C),
+            **{f"layers.{{layer}}.{name}": shape for name, shape in layer.items()}}
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     hidden = hf.get("hidden_size") or hf["n_embed"]
     heads = hf["n_head"]
@@ -66,7 +78,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         num_layers=hf["n_layer"],
         num_heads=heads,
         num_kv_heads=heads,
-        head_dim=hidden // heads,
+        head_dim=derived_head_dim(hidden, heads, ("hidden_size", "n_head")),
         intermediate_size=4 * hidden,
         max_position_embeddings=hf.get("seq_length") or hf.get("max_position_embeddings") or 2048,
         norm_eps=hf.get("layer_norm_epsilon", 1e-5),

@@ -19,6 +19,7 @@ from .base import ModelBase
 from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, linear
 from ..errors import UnsupportedModelError
+from ..config import derived_head_dim
 
 # Canonical weights keep the Conv1D [in, out] layout for qkv, o, up, down.
 HF_NAMES = {
@@ -77,6 +78,22 @@ def weight_names(config: ModelConfig) -> tuple[list[str], list[str]]:
     return required, optional
 
 
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape in the HF layout (Conv1D weights are [in, out])."""
+    C, V, I = config.hidden_size, config.vocab_size, config.intermediate_size
+    layer = {"attn_norm.weight": (C,), "attn_norm.bias": (C,), "qkv.weight": (C, 3 * C), "qkv.bias": (3 * C,),
+             "o.weight": (C, C), "o.bias": (C,), "mlp_norm.weight": (C,), "mlp_norm.bias": (C,),
+             "up.weight": (C, I), "up.bias": (I,), "down.weight": (I, C), "down.bias": (C,)}
+    return {"embed.weight": (V, C), "pos_embed.weight": (config.max_position_embeddings, C), "norm.weight": (C,),
+            "norm.bias": (C,), "lm_head.weight": (V, C),
+            **{f"layers.{{layer}}.{name}": shape for name, shape in layer.items()}}
+
+
+def gguf_shape_to_hf(canonical: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF-layout shape of a GGUF tensor (what ``gguf_to_hf_layout`` will make of it)."""
+    return shape[::-1] if canonical.endswith(_CONV1D) else shape
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     hidden, heads = hf["n_embd"], hf["n_head"]
     if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
@@ -89,7 +106,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         num_layers=hf["n_layer"],
         num_heads=heads,
         num_kv_heads=heads,
-        head_dim=hidden // heads,
+        head_dim=derived_head_dim(hidden, heads, ("n_embd", "n_head")),
         intermediate_size=hf.get("n_inner") or 4 * hidden,
         max_position_embeddings=hf["n_positions"],
         norm_eps=hf.get("layer_norm_epsilon", 1e-5),
@@ -112,7 +129,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         num_layers=meta["gpt2.block_count"],
         num_heads=heads,
         num_kv_heads=heads,
-        head_dim=hidden // heads,
+        head_dim=derived_head_dim(hidden, heads, ("embedding_length", "attention.head_count")),
         intermediate_size=meta.get("gpt2.feed_forward_length", 4 * hidden),
         max_position_embeddings=meta["gpt2.context_length"],
         norm_eps=meta.get("gpt2.attention.layer_norm_epsilon", 1e-5),

@@ -20,6 +20,7 @@ from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, linear
 from ..errors import UnsupportedModelError
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
+from ..config import derived_head_dim
 
 # Canonical weight name -> name in each format. "{layer}" is the block index.
 HF_NAMES = {
@@ -84,6 +85,18 @@ def weight_names(config: ModelConfig) -> tuple[list[str], list[str]]:
     return required, optional
 
 
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape in the checkpoint (HF) layout; the loader checks every weight against it."""
+    C, V, I = config.hidden_size, config.vocab_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    layer = {"attn_norm.weight": (C,), "q.weight": (q, C), "k.weight": (kv, C), "v.weight": (kv, C),
+             "q.bias": (q,), "k.bias": (kv,), "v.bias": (kv,), "o.weight": (C, q), "o.bias": (C,),
+             "mlp_norm.weight": (C,), "gate.weight": (I, C), "up.weight": (I, C), "down.weight": (C, I),
+             "gate.bias": (I,), "up.bias": (I,), "down.bias": (C,)}
+    return {"embed.weight": (V, C), "norm.weight": (C,), "lm_head.weight": (V, C),
+            **{f"layers.{{layer}}.{name}": shape for name, shape in layer.items()}}
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Map a HF config.json dict (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
     num_heads = hf["num_attention_heads"]
@@ -102,8 +115,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         hidden_size=hidden,
         num_layers=hf["num_hidden_layers"],
         num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or hidden // num_heads,
+        num_kv_heads=num_heads if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"],
+        head_dim=hf.get("head_dim") or derived_head_dim(hidden, num_heads),
         intermediate_size=hf["intermediate_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -133,7 +146,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
 
     hidden = require("embedding_length")
     num_heads = require("attention.head_count")
-    head_dim = get("attention.key_length") or hidden // num_heads
+    head_dim = get("attention.key_length") or derived_head_dim(hidden, num_heads, ("embedding_length", "attention.head_count"))
     rotary_dim = get("rope.dimension_count") or head_dim
     scaling = None
     if get("rope.scaling.type") in ("linear", "yarn"):
@@ -146,7 +159,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         hidden_size=hidden,
         num_layers=require("block_count"),
         num_heads=num_heads,
-        num_kv_heads=get("attention.head_count_kv") or num_heads,
+        num_kv_heads=get("attention.head_count_kv", num_heads),
         head_dim=head_dim,
         intermediate_size=require("feed_forward_length"),
         max_position_embeddings=get("context_length", 2048),

@@ -2,7 +2,8 @@
 
 One registration per family. A family module provides: ``HF_NAMES`` and ``GGUF_NAMES``
 (canonical weight name -> checkpoint name), ``IGNORED_NAME_PATTERNS``, ``weight_names(config)``,
-``config_from_hf(dict)``, ``config_from_gguf(metadata, tensor_names)``,
+``weight_shapes(config)`` (expected shapes, HF layout; checked at load), ``config_from_hf(dict)``,
+``config_from_gguf(metadata, tensor_names)``, optionally ``gguf_shape_to_hf(name, shape)``,
 ``gguf_to_hf_layout(name, array, config)`` and the model class named here. Encoder-decoder
 families (``is_encoder_decoder``) have no GGUF form: their model class provides ``encode``,
 ``cross_kv`` and ``decode`` instead of ``forward`` (see generation/encdec.py).
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from ..errors import UnsupportedModelError
+from ..errors import CheckpointError, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,10 @@ def family_for_hf_config(hf_config: dict[str, Any]) -> Family:
     """Pick the family from ``architectures`` (first match) or else ``model_type``."""
     architectures = hf_config.get("architectures") or []
     model_type = hf_config.get("model_type")
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise CheckpointError(f"config.json: architectures must be a list of strings, got {architectures!r}"[:300])
+    if model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(f"config.json: model_type must be a string, got {model_type!r}"[:300])
     for family in FAMILIES:
         if any(a in family.hf_architectures for a in architectures) or (
             not architectures and model_type in family.hf_model_types

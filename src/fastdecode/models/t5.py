@@ -79,6 +79,23 @@ def weight_names(config: EncoderDecoderConfig) -> tuple[list[str], list[str]]:
     return required, optional
 
 
+def weight_shapes(config: EncoderDecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape in the HF layout ([out, in] linear weights, no biases)."""
+    C, V, F = config.hidden_size, config.vocab_size, config.intermediate_size
+    inner = config.num_heads * config.head_dim
+    attention = {"q.weight": (inner, C), "k.weight": (inner, C), "v.weight": (inner, C), "o.weight": (C, inner)}
+    layer = {"attn_norm.weight": (C,), **attention, "mlp_norm.weight": (C,), "wi.weight": (F, C),
+             "wi_0.weight": (F, C), "wi_1.weight": (F, C), "wo.weight": (C, F)}
+    cross = {"cross_norm.weight": (C,), **{f"cross_{name}": shape for name, shape in attention.items()}}
+    shapes = {"embed.weight": (V, C), "encoder_embed.weight": (V, C), "decoder_embed.weight": (V, C),
+              "lm_head.weight": (V, C), "encoder.norm.weight": (C,), "decoder.norm.weight": (C,),
+              "encoder.relative_bias.weight": (config.relative_buckets, config.num_encoder_heads),
+              "decoder.relative_bias.weight": (config.relative_buckets, config.num_heads)}
+    shapes.update({f"encoder.layers.{{encoder_layer}}.{name}": shape for name, shape in layer.items()})
+    shapes.update({f"decoder.layers.{{layer}}.{name}": shape for name, shape in {**layer, **cross}.items()})
+    return shapes
+
+
 def config_from_hf(hf: dict[str, Any]) -> EncoderDecoderConfig:
     projection = hf.get("feed_forward_proj", "relu")
     parts = projection.split("-")

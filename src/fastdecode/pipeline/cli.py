@@ -6,13 +6,19 @@ so importing it back from here would be an import cycle, fatal under ``python -m
 
 Exit codes: 0 every input succeeded; 1 some inputs failed (error records in the output,
 counting those an earlier, resumed run wrote); 2 bad usage, an output that does not belong to
-the input, or the first failed input with --fail-fast.
+the input, an output another run is writing, or the first failed input with --fail-fast; 3 the
+output could not be written (disk full, I/O error): what was written is intact, rerun to resume.
+
+The input is read once, as it streams (a pipe or a FIFO works): the progress bar's total is
+counted beforehand only for a regular file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -22,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..errors import BatchFileError, ModelNotFoundError
-from .inputs import InputItem, format_for, items_from_lines, skip_done
-from .output import JsonlWriter, prepare_output
+from .inputs import BOM, InputItem, format_for, items_from_lines, skip_done
+from .output import OutputFile, OutputState, encode_record, same_file
 from .runner import BatchRun, BatchSettings, PipelineStats, split_at_first_error
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,7 +53,7 @@ def read_input(path: str, input_format: str, field: str) -> Iterator[InputItem]:
                 head.append(raw)
                 if raw.strip():
                     break
-            first = head[-1].decode("utf-8", errors="replace") if head else ""
+            first = head[-1].decode("utf-8", errors="replace").lstrip(BOM) if head else ""
             fmt = format_for("" if path == "-" else path, first)
         yield from items_from_lines(itertools.chain(head, handle), fmt, field)
     finally:
@@ -56,11 +62,36 @@ def read_input(path: str, input_format: str, field: str) -> Iterator[InputItem]:
 
 
 def count_inputs(path: str) -> int | None:
-    """Non-blank lines of the input file (the progress total); None for stdin."""
-    if path == "-":
+    """Non-blank lines of the input (the progress total) when it is a regular file; None for stdin,
+    a pipe or a FIFO, which can be read only once (counting would consume them)."""
+    if path == "-" or not stat.S_ISREG(os.stat(path).st_mode):
         return None
     with open(path, "rb") as handle:
         return sum(1 for raw in handle if raw.strip())
+
+
+def check_not_input(input_path: str, output: str) -> None:
+    """The output must not be the input under another name (a hard link, a symlink, stdin)."""
+    try:
+        out = os.stat(output)
+        source = os.fstat(0) if input_path == "-" else os.stat(input_path)
+    except (OSError, ValueError):
+        return  # no output yet, or no stdin: nothing to clobber
+    if same_file(source, out):
+        raise BatchFileError(f"the output {output} is the input file (same device and inode)")
+
+
+class StdoutRecords:
+    """``-o -``: records to stdout, nothing to resume or lock."""
+
+    state = OutputState()
+
+    def __call__(self, records: list[dict]) -> None:
+        sys.stdout.buffer.write(b"".join(encode_record(record) for record in records))
+        sys.stdout.buffer.flush()
+
+    def close(self) -> None:
+        pass
 
 
 class Progress:
@@ -97,32 +128,44 @@ def run_batch(input_path: str, output: str, model: str | None, device: str, dtyp
               overwrite: bool, ray: "RayOptions | None" = None) -> int:
     """The body of `fastdecode batch`; returns the exit code (0 all ok, 1 some inputs failed).
 
-    ``ray``: generate on Ray actors (integrations/ray_batch.py) instead of in this process; the
-    input, the output file, resuming and the records are the same.
+    The output is opened (and locked) before the model loads, so a second run on the same
+    output fails at once, and held until the run ends. ``ray``: generate on Ray actors
+    (integrations/ray_batch.py) instead of in this process; the input, the output file, resuming
+    and the records are the same.
     """
     from ..config import GenerationConfig
 
     GenerationConfig.from_options(**options)  # reject bad options before loading anything
-    if input_path != "-" and Path(input_path).resolve() == Path(output).resolve():
-        raise BatchFileError("the output file must not be the input file")
-    state = prepare_output(output, overwrite=overwrite)
+    for path, stream, what in ((input_path, sys.stdin, "input"), (output, sys.stdout, "output")):
+        if path == "-" and stream is None:
+            raise BatchFileError(f"standard {what} is closed ('-' names it)")
+    if output != "-":
+        check_not_input(input_path, output)
+    writer = StdoutRecords() if output == "-" else OutputFile(output, overwrite=overwrite)
+    try:
+        return _run_to(writer, input_path, output, model, device, dtype, options, settings, field, input_format,
+                       chat, quiet, ray)
+    finally:
+        writer.close()
+
+
+def _run_to(writer: OutputFile | StdoutRecords, input_path: str, output: str, model: str | None, device: str,
+            dtype: str, options: dict[str, Any], settings: BatchSettings, field: str, input_format: str,
+            chat: bool | None, quiet: bool, ray: "RayOptions | None") -> int:
+    state = writer.state
     if state.truncated_bytes and not quiet:
         click.echo(f"resume: cut a torn last line ({state.truncated_bytes} bytes) from {output}", err=True)
     if state.done and not quiet:
         click.echo(f"resume: {state.done} inputs already in {output}, skipping them", err=True)
     items = skip_done(read_input(input_path, input_format, field), state.done, state.last)
     total = count_inputs(input_path)
-    writer = JsonlWriter(output)
     progress = Progress(total, state.done, quiet)
-    try:
-        if ray is None:
-            stats = _run_here(items, model, device, dtype, options, settings, chat, writer, progress)
-        else:
-            remaining = None if total is None else max(total - state.done, 0)
-            stats = _run_on_ray(items, remaining, model, device, dtype, options, settings, field, chat, writer,
-                                progress, ray)
-    finally:
-        writer.close()
+    if ray is None:
+        stats = _run_here(items, model, device, dtype, options, settings, chat, writer, progress)
+    else:
+        remaining = None if total is None else max(total - state.done, 0)
+        stats = _run_on_ray(items, remaining, model, device, dtype, options, settings, field, chat, writer,
+                            progress, ray)
     failed = state.failed + stats.failed
     if not quiet:
         elapsed = stats.elapsed_s
@@ -136,7 +179,8 @@ def run_batch(input_path: str, output: str, model: str | None, device: str, dtyp
 
 
 def _run_here(items: Iterator[InputItem], model: str | None, device: str, dtype: str, options: dict[str, Any],
-              settings: BatchSettings, chat: bool | None, writer: JsonlWriter, progress: Progress) -> PipelineStats:
+              settings: BatchSettings, chat: bool | None, writer: Callable[[list[dict]], None],
+              progress: Progress) -> PipelineStats:
     """Generate in this process through the asynchronous pipeline (its writer thread appends)."""
     from .. import load
 
@@ -153,8 +197,8 @@ def _run_here(items: Iterator[InputItem], model: str | None, device: str, dtype:
 
 
 def _run_on_ray(items: Iterator[InputItem], remaining: int | None, model: str | None, device: str, dtype: str,
-                options: dict[str, Any], settings: BatchSettings, field: str, chat: bool | None, writer: JsonlWriter,
-                progress: Progress, ray: "RayOptions") -> PipelineStats:
+                options: dict[str, Any], settings: BatchSettings, field: str, chat: bool | None,
+                writer: Callable[[list[dict]], None], progress: Progress, ray: "RayOptions") -> PipelineStats:
     """Generate on Ray actors; append each group of records that arrived in input order."""
     from ..integrations.ray_batch import quiet_ray_logs, ray_connection, ray_records
 
@@ -186,8 +230,9 @@ def batch_command(model_options: Callable, generation_options: Callable, handle_
 
     @click.command("batch")
     @click.argument("input_path", metavar="INPUT", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
-    @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False),
-                  help="Output .jsonl; if it exists, inputs already in it are skipped (resume).")
+    @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
+                  help="Output .jsonl (a regular file; - for stdout); if it exists, inputs already in it are "
+                       "skipped (resume).")
     @click.option("--batch-size", type=int, default=None,
                   help="Prompts per batch (default 16). Excludes --max-batch-tokens.")
     @click.option("--max-batch-tokens", type=int, default=None,

@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import BatchFileError
 
 FORMATS = ("jsonl", "txt")
+BOM = "\ufeff"  # a UTF-8 byte order mark, as some editors write at the start of a file
 
 
 @dataclass(slots=True)
@@ -60,10 +61,26 @@ def check_prompt(prompt: Any) -> None:
     raise BatchFileError(f"the prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
 
 
+def check_id(value: Any) -> None:
+    """An id is written back as strict JSON: NaN and infinities (``1e999``) cannot be."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        raise BatchFileError("the id is NaN or infinite, which JSON cannot hold: give a string or a finite "
+                             "number") from None
+    except (TypeError, RecursionError) as exc:
+        raise BatchFileError(f"the id cannot be written as JSON ({exc})") from None
+
+
 def item_from_object(value: Any, line: int, field: str = "prompt") -> InputItem:
     """A str / chat list / dict with ``field`` and optional ``id`` -> an item (with ``error`` if bad)."""
     if isinstance(value, dict):
         item = InputItem(line=line, id=value.get("id", line - 1))
+        try:
+            check_id(item.id)
+        except BatchFileError as exc:
+            item.id, item.error = None, str(exc)
+            return item
         if field not in value:
             item.error = f"missing field {field!r}"
             return item
@@ -78,10 +95,18 @@ def item_from_object(value: Any, line: int, field: str = "prompt") -> InputItem:
 
 
 def parse_json_line(text: str, line: int, field: str = "prompt") -> InputItem:
-    """One .jsonl line -> an item; bad JSON or a non-object gives an item whose id is unknown."""
+    """One .jsonl line -> an item; bad JSON or a non-object gives an item whose id is unknown.
+
+    Whatever the parser raises (bad syntax, an integer over Python's digit limit, nesting deeper
+    than the recursion limit) is this line's error: one line never stops the run.
+    """
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
+        return InputItem(line=line, error=f"invalid JSON: {exc}")
+    except RecursionError:
+        return InputItem(line=line, error="invalid JSON: nested too deeply")
+    except (ValueError, OverflowError) as exc:  # e.g. "Exceeds the limit (4300 digits) ..."
         return InputItem(line=line, error=f"invalid JSON: {exc}")
     if not isinstance(value, dict):
         return InputItem(line=line, error=f"expected a JSON object, got {type(value).__name__}")
@@ -97,7 +122,7 @@ def items_from_lines(lines: Iterable[str | bytes], fmt: str, field: str = "promp
     """Lines (str, or bytes decoded here as UTF-8) -> items, blank lines skipped but counted.
 
     Bytes are decoded line by line so that one line of bad UTF-8 is one failed input, not a
-    crash of the whole run.
+    crash of the whole run. A byte order mark at the start of line 1 is dropped.
     """
     if fmt not in FORMATS:
         raise BatchFileError(f"unknown input format {fmt!r}; expected one of {', '.join(FORMATS)}")
@@ -108,6 +133,8 @@ def items_from_lines(lines: Iterable[str | bytes], fmt: str, field: str = "promp
             except UnicodeDecodeError as exc:
                 yield InputItem(line=line, error=f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
                 continue
+        if line == 1:
+            text = text.removeprefix(BOM)
         if not text.strip():
             continue
         yield parse_json_line(text, line, field) if fmt == "jsonl" else parse_text_line(text, line)

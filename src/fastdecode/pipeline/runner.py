@@ -209,24 +209,29 @@ class _Control:
 
 
 def generate_batch(engine: Engine, prompts: list[list[int]], options: dict[str, Any],
-                   rows_per_prompt: int) -> list[list[Any] | FastDecodeError]:
+                   rows_per_prompt: int, seeds: list[int] | None = None) -> list[list[Any] | FastDecodeError]:
     """Per prompt: its ``rows_per_prompt`` results, or the FastDecodeError it alone causes.
 
     The batch is tried whole first; only if it raises a FastDecodeError (a prompt too long...)
     is every prompt retried alone, so one bad prompt costs its batch-mates nothing but a retry.
+    ``seeds``: one sampling seed per prompt (see ``BatchRun``), or None.
     """
     try:
-        flat = engine.generate_ids_with_details(prompts, **options)
+        flat = engine.generate_ids_with_details(prompts, **(options if seeds is None else {**options, "seed": seeds}))
     except FastDecodeError as exc:
         if len(prompts) == 1:
             return [exc]
-        return [generate_batch(engine, [prompt], options, rows_per_prompt)[0] for prompt in prompts]
+        return [generate_batch(engine, [prompt], options, rows_per_prompt, None if seeds is None else [seeds[i]])[0]
+                for i, prompt in enumerate(prompts)]
     r = rows_per_prompt
     return [flat[index * r:(index + 1) * r] for index in range(len(prompts))]
 
 
 class BatchRun:
     """One run of the pipeline over ``items``; iterate (once) for records in input order.
+
+    Seeded sampling: input line n is sampled with seed ``derive_seed(seed, n)`` whatever batch it
+    lands in, so a resumed run or another batch size gives the same records.
 
     Both hooks run in the writer thread: ``postprocess(record) -> record`` once per record in
     completion order (put expensive per-record work here), ``on_records(records)`` with each
@@ -239,6 +244,8 @@ class BatchRun:
                  postprocess: Callable[[dict], dict] | None = None):
         # Validate now, in the caller's thread, before any thread starts.
         self.config = GenerationConfig.from_options(getattr(engine, "defaults", None), **options)
+        if isinstance(self.config.seed, list):
+            raise InvalidOptionError("a batch run takes one seed (each input's seed is derived from it and its line)")
         self.engine = engine
         self.items = items
         self.settings = settings
@@ -363,6 +370,8 @@ class BatchRun:
             yield record
 
     def _generate_stage(self) -> Iterator[dict]:
+        from ..generation.sampling import derive_seed  # torch: imported when the run starts
+
         control, stats = self._control, self.stats
         r = self.config.num_return_sequences
         while True:
@@ -373,7 +382,9 @@ class BatchRun:
                 break
             for batch in window:
                 started = time.perf_counter()
-                outcomes = generate_batch(self.engine, [item.ids for item in batch.items], self.options, r) \
+                seeds = None if self.config.seed is None or not self.config.is_sampling else \
+                    [derive_seed(self.config.seed, item.line) for item in batch.items]
+                outcomes = generate_batch(self.engine, [item.ids for item in batch.items], self.options, r, seeds) \
                     if batch.items else []
                 stats.generate_s += time.perf_counter() - started
                 stats.generated += len(batch.items)
