@@ -121,3 +121,11 @@ def build_bloom(seed: int = 0, **overrides):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def hf_greedy(hf, ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``ids``: exactly ``new_tokens`` new token ids."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(ids):].tolist()

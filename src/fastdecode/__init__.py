@@ -15,6 +15,7 @@ from .errors import (
     InvalidOptionError,
     ModelNotFoundError,
     PromptTooLongError,
+    QueueFullError,
     TokenizerError,
     UnsupportedModelError,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "InvalidOptionError",
     "PromptTooLongError",
     "BatchFileError",
+    "QueueFullError",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -16,6 +17,10 @@ from .errors import (
     PromptTooLongError,
     TokenizerError,
 )
+from .engine import Engine, Sequence as EngineSequence
+from .engine.scheduler import DEFAULT_CACHE_BYTES
+from .engine.slots import BLOCK_SIZE
+from .generation.stopping import TextWatcher
 from .generation.decode import DecodeLoop, SequenceResult
 from .generation.sampling import sequence_seeds
 from .generation.stopping import StopStringMatcher
@@ -178,6 +183,34 @@ class Generator:
                     for i, p in enumerate(repeated)]
         return [DecodeLoop(self.model, repeated, config, eos, row_seeds=seeds)]
 
+    # -- the engine ----------------------------------------------------------------------------
+    def engine(self, max_batch_tokens: int = 2048, max_queue: int = 256, cache_tokens: int | None = None) -> Engine:
+        """A continuous-batching engine over this model (``submit`` / ``step``; see fastdecode.engine)."""
+        return Engine(self, max_batch_tokens=max_batch_tokens, max_queue=max_queue, cache_tokens=cache_tokens)
+
+    def _runs_in_engine(self, config: GenerationConfig) -> bool:
+        """Greedy and sampling on a decoder-only model run in the engine; beam search, streaming
+        caches (n_ctx), the naive reference (use_cache=False) and encoder-decoder models keep their
+        own loops."""
+        return (not self.config.is_encoder_decoder and config.num_beams == 1 and config.n_ctx is None
+                and config.use_cache)
+
+    def _submit_all(self, prompts: list, config: GenerationConfig) -> tuple[Engine, list[EngineSequence]]:
+        """One engine sized for this call, every request submitted ("submit everything, step until
+        done"). Each sequence samples with its own seed (``sequence_seeds``: the same for a prompt
+        alone or in a batch)."""
+        prompts = [list(p) for p in prompts]
+        self._check_prompts(prompts, config)
+        self._check_memory(prompts, config)
+        repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
+        seeds = sequence_seeds(config, len(prompts)) if config.is_sampling else None
+        blocks = [-(-(len(p) + config.max_new_tokens) // BLOCK_SIZE) * BLOCK_SIZE for p in repeated]
+        affordable = DEFAULT_CACHE_BYTES // self.config.kv_cache_bytes_per_token(self.model.dtype.itemsize)
+        engine = Engine(self, max_queue=len(repeated), cache_tokens=max(max(blocks), min(sum(blocks), affordable)))
+        single = dataclasses.replace(config, num_return_sequences=1, seed=None)
+        sequences = [engine.add(p, single, seeds and seeds[i]) for i, p in enumerate(repeated)]
+        return engine, sequences
+
     # -- token API ---------------------------------------------------------------------------
     def generate_ids(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[list[int]]:
         """New token ids for each prompt (EOS included when produced); r results per prompt.
@@ -191,9 +224,14 @@ class Generator:
         stops = config.stop_strings()
         if stops:
             self._require_tokenizer()
+        if self._runs_in_engine(config):
+            engine, sequences = self._submit_all(list(prompts), config)
+            while engine.has_work():
+                engine.step()
+            return [SequenceResult(s.output_ids, s.stop_kind) for s in sequences]
         results: list[SequenceResult] = []
         for loop in self._loops(list(prompts), config):
-            watchers = [_TextWatcher(self.tokenizer, stops) for _ in loop.results] if stops else None
+            watchers = [TextWatcher(self.tokenizer, stops) for _ in loop.results] if stops else None
             for events in loop:
                 for index, token in events if watchers else ():
                     watchers[index].push(token)
@@ -209,8 +247,13 @@ class Generator:
             raise InvalidOptionError("stream_ids produces one sequence: num_return_sequences must be 1")
         if config.num_beams > 1:
             raise InvalidOptionError("beam search cannot stream (beams are final only at the end): use generate")
+        if self._runs_in_engine(config):
+            engine, _ = self._submit_all([token_ids], config)
+            while engine.has_work():
+                yield from (event.token_id for event in engine.step() if event.token_id is not None)
+            return
         (loop,) = self._loops([list(token_ids)], config)
-        watcher = _TextWatcher(self._require_tokenizer(), config.stop_strings()) if config.stop_strings() else None
+        watcher = TextWatcher(self._require_tokenizer(), config.stop_strings()) if config.stop_strings() else None
         for events in loop:
             for _, token in events:
                 yield token
@@ -272,7 +315,7 @@ class Generator:
         """(token id, text piece) per generated token, then (None, held-back tail) at the end."""
         prompt_ids = validation.token_ids(prompt_ids, "the prompt")
         config = self._options(options)
-        watcher = _TextWatcher(self._require_tokenizer(), config.stop_strings())
+        watcher = TextWatcher(self._require_tokenizer(), config.stop_strings())
         tokens = self.stream_ids(prompt_ids, **dict(options, stop=None))
         try:
             for token in tokens:
@@ -330,29 +373,3 @@ class Generator:
         from .inspect import describe
 
         return describe(self)
-
-
-class _TextWatcher:
-    """Incremental detokenization plus stop-string matching for one sequence."""
-
-    def __init__(self, tokenizer: Any, stops: list[str]):
-        from .loading.tokenizer import IncrementalDetokenizer
-
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
-        self.matcher = StopStringMatcher(stops) if stops else _PassThrough()
-
-    def push(self, token: int) -> str:
-        return self.matcher.feed(self.detokenizer.push(token))
-
-    def finish(self) -> str:
-        return self.matcher.feed(self.detokenizer.finish()) + self.matcher.finish()
-
-
-class _PassThrough:
-    stopped = False
-
-    def feed(self, piece: str) -> str:
-        return piece
-
-    def finish(self) -> str:
-        return ""

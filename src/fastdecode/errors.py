@@ -35,6 +35,10 @@ class PromptTooLongError(FastDecodeError):
     """A prompt (plus requested new tokens) does not fit in the model's context."""
 
 
+class QueueFullError(FastDecodeError):
+    """The engine's queue of waiting sequences is full: retry later (the server answers 503)."""
+
+
 class BatchFileError(FastDecodeError):
     """A batch input line is malformed, or an output file cannot be resumed for this input.
 

@@ -8,7 +8,7 @@ import torch
 import fastdecode
 from fastdecode.generation.decode import left_pad
 from fastdecode.generation.step import CachedEngine
-from tiny_models import DECODER_KINDS, VOCAB, build
+from tiny_models import DECODER_KINDS, VOCAB, build, hf_greedy
 
 pytest.importorskip("transformers")
 
@@ -35,11 +35,7 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0]  # [T, V]
 
 
-def _hf_greedy(hf, ids: list[int], new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    return out[0, len(ids):].tolist()
+_hf_greedy = hf_greedy
 
 
 def test_prefill_and_every_cached_step_match_transformers(pair):

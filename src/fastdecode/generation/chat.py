@@ -8,6 +8,7 @@ from typing import Any
 
 from ..config import GenerationConfig
 from .decode import DecodeLoop
+from .stopping import TextWatcher
 from .streaming import streaming_engine
 
 
@@ -31,7 +32,6 @@ class ChatSession:
 
     def send(self, message: str) -> Iterator[str]:
         """Add a user message; stream the assistant's reply as text pieces."""
-        from ..api import _TextWatcher
         from ..validation import check_text
 
         check_text(message, "the message")  # before the conversation changes: a bad line is skipped
@@ -45,7 +45,7 @@ class ChatSession:
             new_ids = self.tokenizer.encode(rendered, add_special_tokens=False)
         loop = DecodeLoop(self.generator.model, [new_ids], self.config, self.generator._eos_ids(self.config),
                           engine=self.engine)
-        watcher = _TextWatcher(self.tokenizer, self.config.stop_strings())
+        watcher = TextWatcher(self.tokenizer, self.config.stop_strings())
         try:
             for events in loop:
                 piece = watcher.push(events[0][1])

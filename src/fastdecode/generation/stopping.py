@@ -51,3 +51,33 @@ class StopStringMatcher:
     @property
     def output(self) -> str:
         return self.text[: self.emitted]
+
+
+class TextWatcher:
+    """Incremental detokenization plus stop-string matching for one sequence.
+
+    ``push(token)`` returns the text that can be shown now (a possible stop-string prefix held
+    back); ``matcher.stopped`` turns True once a stop string completed.
+    """
+
+    def __init__(self, tokenizer, stops: list[str]):
+        from ..loading.tokenizer import IncrementalDetokenizer
+
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.matcher = StopStringMatcher(stops) if stops else _PassThrough()
+
+    def push(self, token: int) -> str:
+        return self.matcher.feed(self.detokenizer.push(token))
+
+    def finish(self) -> str:
+        return self.matcher.feed(self.detokenizer.finish()) + self.matcher.finish()
+
+
+class _PassThrough:
+    stopped = False
+
+    def feed(self, piece: str) -> str:
+        return piece
+
+    def finish(self) -> str:
+        return ""

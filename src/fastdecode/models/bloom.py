@@ -123,7 +123,8 @@ class BloomModel(ModelBase):
         return (self.slopes[None, :, None, None] * distance[:, None]).to(self.dtype)  # [B, H, T, S]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | NoCache,
-                mask: torch.Tensor | None, all_logits: bool = False) -> torch.Tensor:
+                mask: torch.Tensor | None, all_logits: bool = False,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """Same contract as ``LlamaModel.forward``: logits [B, T or 1, V]."""
         cfg = self.config
         B, T = tokens.shape
@@ -144,7 +145,6 @@ class BloomModel(ModelBase):
             residual = h if cfg.residual_after_norm else x
             up = linear(h, layer.up, layer.up_bias, activation="gelu_pytorch_tanh")  # GELU fused into the GEMM
             x = residual + linear(up, layer.down, layer.down_bias)
-        if not all_logits:
-            x = x[:, -1:]
+        x = self.output_rows(x, all_logits, logits_at)
         x = F.layer_norm(x, (C,), *self.norm, cfg.norm_eps)
         return linear(x, self.lm_head)  # [B, T or 1, V]

@@ -174,6 +174,7 @@ class GPT2Model(ModelBase):
         cache: KVCache | NoCache,
         mask: torch.Tensor | None,
         all_logits: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Same contract as ``LlamaModel.forward``: logits [B, T or 1, V]."""
         cfg = self.config
@@ -190,7 +191,6 @@ class GPT2Model(ModelBase):
             h = F.layer_norm(x, (C,), layer.mlp_norm, layer.mlp_norm_bias, cfg.norm_eps)
             up = linear(h, layer.up, layer.up_bias, activation=cfg.hidden_act)  # GELU fused into the GEMM
             x = x + linear(up, layer.down, layer.down_bias)
-        if not all_logits:
-            x = x[:, -1:]
+        x = self.output_rows(x, all_logits, logits_at)
         x = F.layer_norm(x, (C,), self.norm[0], self.norm[1], cfg.norm_eps)
         return linear(x, self.lm_head)  # [B, T or 1, V]

@@ -240,10 +240,12 @@ class LlamaModel(ModelBase):
         cache: KVCache | NoCache,
         mask: torch.Tensor | None,
         all_logits: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens, positions [B, T]; the cache stores this forward's K/V and attends over its slots
         (``NoCache``: within these tokens only). mask: additive [B, 1, T, S] or None.
-        Returns logits [B, T, V] if ``all_logits`` else [B, 1, V] for the last token."""
+        Returns logits [B, T, V] if ``all_logits``, [B, K, V] at the token indices ``logits_at`` [K],
+        else [B, 1, V] for the last token. ``cache`` may be an engine's ``StepPlan``."""
         cfg = self.config
         B, T = tokens.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -261,8 +263,7 @@ class LlamaModel(ModelBase):
             h = F.rms_norm(x, (cfg.hidden_size,), layer.mlp_norm, cfg.norm_eps)
             gated = self.act(linear(h, layer.gate, layer.gate_bias)) * linear(h, layer.up, layer.up_bias)
             x = x + linear(gated, layer.down, layer.down_bias)
-        if not all_logits:
-            x = x[:, -1:]
+        x = self.output_rows(x, all_logits, logits_at)
         x = F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.norm_eps)
         return linear(x, self.lm_head)  # [B, T or 1, V]
 

@@ -1,0 +1,9 @@
+"""The engine: sequences, a step scheduler with continuous batching, and the slot cache.
+
+``Generator.engine(...)`` builds one; ``Generator.generate`` / ``stream`` run through one.
+"""
+
+from .scheduler import Engine
+from .sequence import Sequence, TokenEvent
+
+__all__ = ["Engine", "Sequence", "TokenEvent"]

@@ -1,0 +1,105 @@
+"""The per-step plan: what one engine forward runs, handed to the model in place of a cache.
+
+The tokens of every sequence in a step are laid out flat, ``[1, N]``, so the projections and
+MLPs run once over all of them (no padding between a 300-token prompt chunk and a one-token
+decode). The plan knows where each token's K/V goes (its sequence's slot) and which keys each
+query may see, and exposes the cache interface the models call (``attend``,
+``relative_positions``). Attention runs per *group*: every sequence with one query this step
+(decodes, or a one-token chunk) in one batched call, each longer prompt chunk in its own call.
+A query at position p of a sequence sees that sequence's slots for positions 0..p only (and,
+on a sliding-window layer, only the last ``window`` of them), so a result never depends on
+what else is in the step. Nothing about the step is stored on the cache object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.attention import attention
+from .slots import SlotCache
+
+
+@dataclass
+class AttentionGroup:
+    """Rows attending with the same number of queries: flat tokens [first, first + rows * queries)."""
+
+    first: int
+    rows: int
+    queries: int
+    block_table: torch.Tensor  # [rows, n]: keys are positions 0..n*block-1 (past a row's end: masked)
+    query_positions: torch.Tensor  # [rows, queries]
+
+
+def layer_windows(config) -> list[int | None]:
+    """The sliding window of each layer (None: full attention). Part of each layer's mask, so a
+    model whose layers differ (local / global) is served as it is."""
+    per_layer = getattr(config, "layer_windows", None)
+    if per_layer is not None:
+        return list(per_layer)
+    return [config.sliding_window] * config.num_layers
+
+
+class StepPlan:
+    def __init__(self, cache: SlotCache, write_slots: torch.Tensor, groups: list[AttentionGroup],
+                 windows: list[int | None], score_bias: Callable[[torch.Tensor], torch.Tensor] | None,
+                 dtype: torch.dtype):
+        self.cache = cache
+        self.write_slots = write_slots  # [N] slot of each flat token
+        self.groups = groups
+        self.windows = windows
+        self.score_bias = score_bias  # ALiBi: distances [B, T, S] -> bias [B, H, T, S]
+        self.dtype = dtype
+        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
+
+    def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
+        return no_distances(query_positions)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+        """q [1, H, N, D]; k, v [1, Hkv, N, D]: write k, v into the sequences' slots, then attend
+        each group over its own slots -> [1, H, N, D]. ``mask`` is unused (the plan builds its own)."""
+        keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
+        keys.index_copy_(0, self.write_slots, k[0].transpose(0, 1))  # [N, Hkv, D]
+        values.index_copy_(0, self.write_slots, v[0].transpose(0, 1))
+        outputs = []
+        for index, group in enumerate(self.groups):
+            B, T = group.rows, group.queries
+            qg = q[0, :, group.first : group.first + B * T].unflatten(1, (B, T)).transpose(0, 1)  # [B, H, T, D]
+            kg = self.cache.gather(keys, group.block_table)  # [B, Hkv, S, D]
+            vg = self.cache.gather(values, group.block_table)  # [B, Hkv, S, D]
+            out = attention(qg, kg, vg, self._mask(index, self.windows[layer]), scale)  # [B, H, T, D]
+            outputs.append(out.transpose(0, 1).flatten(1, 2))  # [H, B*T, D]
+        return torch.cat(outputs, dim=1)[None] if len(outputs) > 1 else outputs[0][None]  # [1, H, N, D]
+
+    def _mask(self, index: int, window: int | None) -> torch.Tensor:
+        """Additive mask (plus position bias) [B, 1 or H, T, S] of a group, built once per window."""
+        key = (index, window)
+        if key not in self._masks:
+            group = self.groups[index]
+            num_keys = group.block_table.shape[1] * self.cache.block_size
+            key_positions = torch.arange(num_keys, device=group.query_positions.device)
+            distance = key_positions[None, None, :] - group.query_positions[:, :, None]  # [B, T, S]
+            self._masks[key] = position_mask(distance, window, self.score_bias, self.dtype)
+        return self._masks[key]
+
+
+def no_distances(query_positions: torch.Tensor) -> torch.Tensor:
+    """What a plan reports as key-query distances to the model: zeros [1, 1, 1]. The plan ignores
+    any mask or bias the model builds from them and attends with its own per-group masks (with
+    the position bias from ``score_bias``), so a model needs no code path for the engine."""
+    return torch.zeros(1, 1, 1, dtype=torch.long, device=query_positions.device)
+
+
+def position_mask(distance: torch.Tensor, window: int | None, score_bias, dtype: torch.dtype) -> torch.Tensor:
+    """Key minus query position [B, T, S] (key j of a sequence sits at position j) -> additive
+    mask [B, 1, T, S] (or [B, H, T, S] with a position bias): a query sees keys at its position or
+    before, and on a sliding-window layer fewer than ``window`` positions back."""
+    allowed = distance <= 0
+    if window is not None:
+        allowed &= distance > -window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask = mask.masked_fill(~allowed, float("-inf"))[:, None]  # [B, 1, T, S]
+    return mask if score_bias is None else score_bias(distance) + mask

@@ -1,0 +1,121 @@
+"""One request inside the engine: its tokens, options, sampler state, stop conditions and cache blocks.
+
+A sequence is only ``num_computed`` (tokens whose K/V are in the cache) versus ``num_tokens``
+(prompt + generated): each step feeds it ``tokens[num_computed : num_computed + n]``, and when a
+step reaches its last token the model's logits there choose the next one. There is no prefill
+phase and no decode phase (vLLM v1's invariant): a prompt chunk, a prefix-cache hit and a decode
+step are all the same move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import GenerationConfig
+from ..generation.sampling import TokenSelector
+
+
+@dataclass
+class TokenEvent:
+    """One new token of one sequence (``engine.step()`` returns them in submission order).
+
+    ``token_id`` is None only for an event that carries no token: a sequence cancelled, or one
+    with ``max_new_tokens=0``, reports its end this way.
+    """
+
+    sequence: "Sequence"
+    token_id: int | None
+    text: str  # the new detokenized piece ("" while held back; stop strings never shown)
+    logprob: float | None  # log-softmax of the raw logits at the chosen token (when asked)
+    top_logprobs: list[tuple[int, float]] | None  # the k best (token id, logprob) (when asked)
+    finished: bool
+    finish_reason: str | None  # None | "stop" (EOS or stop string) | "length" | "cancelled"
+
+
+class Sequence:
+    """A request: prompt ids, its own ``GenerationConfig`` and ``TokenSelector`` (seeded generator,
+    repetition-penalty mask, n-gram history), stop watcher, and the cache blocks it owns."""
+
+    def __init__(self, seq_id: int, prompt_ids: list[int], config: GenerationConfig, selector: TokenSelector,
+                 eos_ids: list[int], watcher: Any = None, logprobs: int | None = None):
+        self.id = seq_id
+        self.prompt_ids = prompt_ids
+        self.output_ids: list[int] = []
+        self.config = config
+        self.selector = selector
+        self.eos_ids = set(eos_ids)
+        self.watcher = watcher  # generation.stopping.TextWatcher, or None (no text wanted)
+        self.logprobs = logprobs
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # prefix-cache names of its full computed blocks
+        self.finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+        self.stop_kind: str | None = None  # finer: "eos" | "stop" (a stop string) | "length" | "cancelled"
+        self.cancel_requested = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output."""
+        prompt = self.prompt_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        return (prompt + self.output_ids)[start:end]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def total_tokens(self) -> int:
+        """Cache slots the sequence may need: its prompt and every token it may generate."""
+        return len(self.prompt_ids) + self.config.max_new_tokens
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this sequence; its slots are free after the next ``step()``."""
+        self.cancel_requested = True
+
+    def finish(self, kind: str) -> None:
+        self.stop_kind = kind
+        self.finish_reason = "stop" if kind in ("eos", "stop") else kind
+
+    def accept(self, token: int, logprob: float | None = None,
+               top_logprobs: list[tuple[int, float]] | None = None) -> TokenEvent:
+        """Append a chosen token, check EOS / length / stop strings -> its event."""
+        self.output_ids.append(token)
+        text = self.watcher.push(token) if self.watcher is not None else ""
+        if token in self.eos_ids:
+            self.finish("eos")
+        elif self.watcher is not None and self.watcher.matcher.stopped:
+            self.finish("stop")
+        elif len(self.output_ids) >= self.config.max_new_tokens:
+            self.finish("length")
+        if self.finished and self.watcher is not None:
+            text += self.watcher.finish()
+        return TokenEvent(self, token, text, logprob, top_logprobs, self.finished, self.finish_reason)
+
+    def end_event(self, kind: str) -> TokenEvent:
+        """Finish without a token (cancelled, or nothing to generate)."""
+        self.finish(kind)
+        return TokenEvent(self, None, "", None, None, True, self.finish_reason)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[list[float], list[list]]:
+    """logits [K, V] (raw), chosen tokens [K] -> each chosen token's log-probability and the
+    ``top`` best (token id, log-probability) pairs per row."""
+    logprobs = logits.float().log_softmax(dim=-1)  # [K, V]
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    if top <= 0:
+        return chosen, [[] for _ in chosen]
+    values, ids = logprobs.topk(top, dim=-1)  # [K, top]
+    return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

@@ -1,0 +1,197 @@
+"""The engine: continuous batching gives each request exactly what it gets alone (and what
+transformers gives), on every attention kind; cancellation, leaks, the prefix cache."""
+
+from __future__ import annotations
+
+import gc
+import random
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastdecode
+from fastdecode.generation.decode import left_pad
+from fastdecode.generation.step import CachedEngine
+from fastdecode.errors import InvalidOptionError, PromptTooLongError, QueueFullError
+from tiny_models import VOCAB, build, hf_greedy
+
+pytest.importorskip("transformers")
+
+KINDS = ["llama-mha", "llama-gqa", "llama-mqa", "mistral", "bloom", "gpt2"]
+# Requests with different lengths, options and stop conditions (greedy next to seeded sampling
+# next to repetition penalty, an EOS, n-gram blocking, a prompt longer than the step budget).
+REQUESTS = [
+    (13, {"max_new_tokens": 12}),
+    (5, {"max_new_tokens": 9, "do_sample": True, "seed": 3, "top_k": 20, "temperature": 0.8}),
+    (17, {"max_new_tokens": 10, "repetition_penalty": 1.4}),
+    (3, {"max_new_tokens": 14, "eos_token_id": 7}),
+    (9, {"max_new_tokens": 8, "no_repeat_ngram_size": 2, "do_sample": True, "seed": 5, "top_p": 0.9}),
+    (30, {"max_new_tokens": 6}),
+]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request):
+    hf = build(request.param)
+    return request.param, hf, fastdecode.from_hf(hf)
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(2, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run(engine, arrivals: dict[int, list[tuple[list[int], dict]]]) -> list[list[int]]:
+    """Submit each request at its arrival step, step until done -> output ids in submission order."""
+    sequences, step = [], 0
+    while arrivals or engine.has_work():
+        for prompt, options in arrivals.pop(step, []):
+            sequences.append(engine.submit(prompt, options))
+        engine.step()
+        step += 1
+    assert all(s.finished for s in sequences)
+    return [s.output_ids for s in sequences]
+
+
+def _alone(gen, prompt, options) -> list[int]:
+    return _run(gen.engine(max_batch_tokens=8), {0: [(prompt, options)]})[0]
+
+
+def test_joined_a_running_batch_equals_alone_equals_transformers(pair):
+    kind, hf, gen = pair
+    requests = [(_prompt(n, seed), options) for seed, (n, options) in enumerate(REQUESTS)]
+    alone = [_alone(gen, p, o) for p, o in requests]
+    arrivals = {0: requests[:2], 2: requests[2:4], 5: requests[4:]}  # later ones join running sequences
+    assert _run(gen.engine(max_batch_tokens=8), arrivals) == alone
+    greedy_prompt = requests[0][0]
+    assert alone[0] == hf_greedy(hf, greedy_prompt, 12)
+    if kind == "mistral":  # the window (8) is exceeded, so it shapes the result
+        assert len(greedy_prompt) + 12 > hf.config.sliding_window
+
+
+@settings(max_examples=6, deadline=None)
+@given(arrival_steps=st.lists(st.integers(0, 12), min_size=len(REQUESTS), max_size=len(REQUESTS)),
+       budget=st.sampled_from([4, 9, 64]))
+def test_any_arrival_steps_and_budget_give_the_alone_result(llama_gen, arrival_steps, budget):
+    gen, requests, alone = llama_gen
+    arrivals: dict[int, list] = {}
+    for step, request in zip(arrival_steps, requests):
+        arrivals.setdefault(step, []).append(request)
+    order = [r for step in sorted(arrivals) for r in arrivals[step]]
+    outputs = _run(gen.engine(max_batch_tokens=budget), arrivals)
+    assert outputs == [alone[requests.index(r)] for r in order]
+
+
+@pytest.fixture(scope="module")
+def llama_gen():
+    gen = fastdecode.from_hf(build("llama-gqa", seed=2))
+    requests = [(_prompt(n, 40 + seed), options) for seed, (n, options) in enumerate(REQUESTS)]
+    return gen, requests, [_alone(gen, p, o) for p, o in requests]
+
+
+def test_generate_ids_equals_the_engine_alone(llama_gen):
+    gen, requests, alone = llama_gen
+    greedy = [r for r in requests if not r[1].get("do_sample")]
+    for (prompt, options), expected in zip(requests, alone):
+        assert gen.generate_ids([prompt], **options)[0] == expected
+    assert gen.generate_ids([p for p, _ in greedy[:2]], max_new_tokens=12) == [
+        _alone(gen, p, {"max_new_tokens": 12}) for p, _ in greedy[:2]]
+    sampled = {"max_new_tokens": 8, "do_sample": True, "seed": 9}  # a prompt samples the same in a batch
+    prompts = [p for p, _ in requests[:3]]
+    assert gen.generate_ids(prompts, **sampled) == [gen.generate_ids([p], **sampled)[0] for p in prompts]
+
+
+def test_cancel_frees_the_slots_and_reports_the_end(llama_gen):
+    gen = llama_gen[0]
+    engine = gen.engine(cache_tokens=256)
+    pool = engine.cache.pool
+    keep = engine.submit(_prompt(20, 1), {"max_new_tokens": 40})
+    drop = engine.submit(_prompt(30, 2), {"max_new_tokens": 60})
+    engine.step()
+    engine.step()
+    busy = pool.num_free
+    drop.cancel()
+    events = engine.step()
+    assert [(e.token_id, e.finish_reason) for e in events if e.sequence is drop] == [(None, "cancelled")]
+    assert drop.finished and drop.finish_reason == "cancelled"
+    assert pool.num_free == busy + pool.blocks_for(30 + 60)
+    keep.cancel()
+    engine.step()
+    assert pool.num_free == pool.num_blocks and not engine.has_work()
+
+
+def test_a_thousand_short_requests_leave_nothing_behind(llama_gen):
+    gen = llama_gen[0]
+    engine = gen.engine(max_batch_tokens=512, max_queue=1000, cache_tokens=4096)
+    rng = random.Random(0)
+    refs = []
+    for index in range(1000):
+        sequence = engine.submit([rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 4))],
+                                 {"max_new_tokens": rng.randint(1, 3)})
+        refs.append(weakref.ref(sequence))
+    del sequence
+    while engine.has_work():
+        engine.step()
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
+    assert not engine.running and not engine.waiting
+    gc.collect()
+    assert all(ref() is None for ref in refs)  # the engine keeps no finished sequence alive
+
+
+def test_prefix_cache_runs_only_the_rest_and_equals_a_cold_run(llama_gen):
+    gen = llama_gen[0]
+    prefix = _prompt(200, 7)
+    first, second = prefix + _prompt(9, 8), prefix + _prompt(6, 9)
+    engine = gen.engine(cache_tokens=1024)
+    _run(engine, {0: [(first, {"max_new_tokens": 5})]})
+    before = engine.tokens_run
+    sequence = engine.submit(second, {"max_new_tokens": 8})
+    while engine.has_work():
+        engine.step()
+    cached = sequence.num_cached_prompt_tokens
+    assert cached == 192  # the 12 full 16-token blocks of the shared 200 tokens
+    assert engine.tokens_run - before == len(second) - cached + 8 - 1  # the rest, then one per new token
+    assert sequence.output_ids == _alone(gen, second, {"max_new_tokens": 8})
+
+
+def test_queue_and_capacity_errors_are_typed(llama_gen):
+    gen = llama_gen[0]
+    engine = gen.engine(max_queue=2, cache_tokens=64)
+    engine.submit([3, 4], {"max_new_tokens": 2})
+    engine.submit([3, 4], {"max_new_tokens": 2})
+    with pytest.raises(QueueFullError):
+        engine.submit([3, 4], {"max_new_tokens": 2})
+    with pytest.raises(PromptTooLongError, match="cache slots"):
+        gen.engine(cache_tokens=64).submit([3] * 60, {"max_new_tokens": 10})
+    with pytest.raises(InvalidOptionError, match="beam"):
+        gen.engine().submit([3, 4], {"num_beams": 2})
+    with pytest.raises(InvalidOptionError, match="logprobs"):
+        gen.engine().submit([3, 4], {"logprobs": -1})
+
+
+def test_logprobs_are_the_raw_log_softmax(llama_gen):
+    gen = llama_gen[0]
+    prompt = _prompt(6, 3)
+    engine = gen.engine()
+    sequence = engine.submit(prompt, {"max_new_tokens": 1, "logprobs": 3})
+    (event,) = engine.step()
+    with torch.inference_mode():  # the static path's prefill as the reference
+        logits = CachedEngine(gen.model, 1, len(prompt)).prefill(*left_pad([prompt], gen.model.device))[0]
+    expected = logits.log_softmax(-1)
+    assert event.token_id == int(expected.argmax()) and event.finish_reason == "length"
+    assert event.logprob == pytest.approx(float(expected.max()), abs=1e-5)
+    assert [t for t, _ in event.top_logprobs] == expected.topk(3).indices.tolist()
+    assert sequence.output_ids == [event.token_id]
+
+
+def test_encoder_decoder_models_are_refused_by_the_engine_and_still_generate():
+    """Encoder-decoder requests keep their own loop (cross K/V per call); the engine says so."""
+    from fastdecode.errors import UnsupportedModelError
+    from tiny_encdec import build as build_encdec
+
+    gen = fastdecode.from_hf(build_encdec("bart"))
+    with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
+        gen.engine()
+    assert 1 <= len(gen.generate_ids([[5, 6, 7]], max_new_tokens=3)[0]) <= 3
