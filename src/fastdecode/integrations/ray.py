@@ -3,8 +3,8 @@
 Ray runs N actors; each loads the model once (``__init__``) with k torch threads and maps batches
 of rows to the records ``fastdecode batch`` writes (``__call__``). Inside an actor a Ray batch
 goes through the same pipeline as a single-process run (``pipeline.BatchRun``: parsing checks,
-tokenizing, length-bucketed batches, a retry alone for a prompt that fails its batch, record
-building), so a Ray run writes exactly the records a single-process run writes, and a bad row
+tokenizing, length-bucketed batches run by the engine's scheduler, a retry alone for a prompt
+that fails its batch, record building), so a Ray run writes exactly the records a single-process run writes, and a bad row
 gives an error record instead of failing the batch.
 
 Two row layouts:
@@ -17,8 +17,9 @@ Two row layouts:
   so that ids and prompts of mixed JSON types fit one Arrow column). Output columns: ``seq`` and
   ``record`` (the record as ASCII JSON; the driver's ``OutputFile`` writes it as a local run does).
 
-Ray restarts an actor whose process dies and re-runs the batch it held (``map_predictor``); a batch's records leave the actor only when the whole batch is done, so a
-retried batch is never written twice.
+Ray restarts an actor whose process dies and re-runs the batch it held (``map_predictor``); a
+batch's records leave the actor only when the whole batch is done, so a retried batch is never
+written twice.
 """
 
 from __future__ import annotations
