@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: demo test install install-dev bench
+.PHONY: demo test install install-dev bench browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,17 @@ install-dev: install
 demo: install
 	$(BIN)/fastdecode generate --prompt "$(PROMPT)" --stats
 
-test: install-dev
+test: install-dev browser
 	$(BIN)/python -m pytest -q
+
+# The web chat page's test drives Debian's chromium + chromedriver (never a browser download).
+# Installed here when running as root; otherwise that one test skips and says why.
+browser:
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -q && apt-get install -y -q chromium chromium-driver) >/dev/null \
+	      || echo "could not install chromium: the browser test will be skipped"; \
+	  else echo "chromium is not installed (needs root): the browser test will be skipped"; fi; fi
 
 bench: install-dev
 	$(BIN)/python benchmarks/decode_speed.py

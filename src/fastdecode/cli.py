@@ -340,6 +340,10 @@ from .pipeline.cli import batch_command  # noqa: E402 - the factory needs the de
 
 main.add_command(batch_command(model_options, generation_options, _handle_errors, _collect_options))
 
+from .serve.cli import serve_command  # noqa: E402 - click only; the server is imported when it runs
+
+main.add_command(serve_command(model_options, _handle_errors))
+
 
 if __name__ == "__main__":  # pragma: no cover
     main()

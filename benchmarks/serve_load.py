@@ -1,0 +1,315 @@
+"""Load test of OpenAI-compatible servers on loopback: fastdecode serve vs transformers serve vs
+llama.cpp's llama-server, same model file, same seeded streaming chat workload.
+
+For each concurrency level (default 1, 4, 16, 32 clients) every client sends its share of a fixed
+seeded list of chat requests (mixed prompt and output lengths, greedy, streaming) one after the
+other. Reported per server and level: aggregate output tokens/s, requests/s, time to first token
+(TTFT) p50/p99, inter-token latency (ITL, between streamed content chunks) p50/p99, and errors.
+Then a 10-turn conversation: TTFT of each turn (flat when earlier turns are reused).
+
+Servers run side by side: all are started first, and at each level they take turns (the order
+rotates per level and repetition), so a noisy machine slows them alike; medians over ``--reps``.
+
+    python benchmarks/serve_load.py                              # every server it can start
+    python benchmarks/serve_load.py --servers fastdecode --levels 1,4 --requests 2
+    python benchmarks/serve_load.py --llama-server /path/to/llama-server
+
+Weights: fastdecode and transformers dequantize the embedded Q4_1 GGUF to float32; llama-server
+runs the Q4_1 blocks natively. A server that cannot be started (missing binary or package) is
+reported as such, never estimated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+TOPICS = ["the ocean", "a small town", "bread baking", "the moon landing", "chess openings", "rainforests",
+          "jazz music", "the printing press", "volcanoes", "honeybees", "the Roman roads", "glaciers"]
+FILLER = ("Please be clear and concrete, use simple words, and do not repeat yourself. "
+          "Mention one surprising fact and one common misconception. ")
+
+
+def workload(count: int, seed: int = 0) -> list[dict]:
+    """A fixed seeded list of chat requests: prompts of 1-6 filler sentences, 16-128 new tokens."""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(count):
+        topic = TOPICS[rng.randrange(len(TOPICS))]
+        text = f"Tell me about {topic}. " + FILLER * rng.randint(0, 5)
+        requests.append({"messages": [{"role": "user", "content": text}], "max_tokens": rng.choice([16, 32, 64, 128])})
+    return requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gguf_path() -> Path:
+    from fastdecode.api import default_model_path
+
+    return default_model_path()
+
+
+def hf_folder_from_gguf(gguf: Path, cache: Path) -> Path:
+    """The GGUF dequantized to a float32 Hugging Face folder, once (``transformers serve`` cannot
+    load this GGUF itself: its config has no ``architectures``)."""
+    folder = cache / (gguf.stem + "-hf")
+    if (folder / "config.json").exists():
+        return folder
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model.config.architectures = [type(model).__name__]
+    model.hf_quantizer = None  # the weights are dequantized float32 tensors already: save them as such
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+class Server:
+    """One server process; ``model`` is the id requests name."""
+
+    def __init__(self, name: str, command: list[str], port: int, model: str, weights: str, env=None):
+        self.name, self.command, self.port, self.model, self.weights = name, command, port, model, weights
+        self.base = f"http://127.0.0.1:{port}"
+        self.log = Path(f"/tmp/serve_load-{name}-{port}.log")
+        self.process = subprocess.Popen(command, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return False
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return True
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        return False
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]:
+    gguf = gguf_path()
+    threads = str(args.threads)
+    skipped: dict[str, str] = {}
+    servers = []
+    for name in names:
+        port = free_port()
+        if name == "fastdecode":
+            command = [sys.executable, "-m", "fastdecode.cli", "serve", "-m", str(gguf), "--port", str(port),
+                       "--model-name", "smollm2", "--max-queue", "512"]
+            servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF dequantized to float32",
+                                  env={"OMP_NUM_THREADS": threads}))
+        elif name == "transformers":
+            exe = shutil.which("transformers") or str(Path(sys.executable).parent / "transformers")
+            if not Path(exe).exists():
+                skipped[name] = "the `transformers` CLI is not installed"
+                continue
+            model = str(hf_folder_from_gguf(gguf, Path(args.hf_cache)))
+            command = [exe, "serve", model, "--port", str(port)]
+            if args.transformers_cb:
+                command.append("--continuous-batching")
+            servers.append(Server(name, command, port, model, "Q4_1 GGUF dequantized to float32",
+                                  env={"OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1"}))
+        elif name == "llama.cpp":
+            exe = args.llama_server or shutil.which("llama-server")
+            if not exe or not Path(exe).exists():
+                skipped[name] = "no llama-server binary (build it: see benchmarks/README.md, or pass --llama-server)"
+                continue
+            command = [exe, "-m", str(gguf), "--port", str(port), "-t", threads, "-np", str(args.parallel),
+                       "-c", str(2048 * args.parallel), "--cont-batching", "--no-webui"]
+            servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF blocks, natively"))
+        else:
+            raise SystemExit(f"unknown server {name}")
+    ready = []
+    for server in servers:
+        if server.wait_ready(args.start_timeout):
+            ready.append(server)
+        else:
+            skipped[server.name] = f"did not start (log: {server.log})"
+            server.stop()
+    return ready, skipped
+
+
+async def one_request(client: httpx.AsyncClient, server: Server, request: dict) -> dict:
+    body = {"model": server.model, "stream": True, "temperature": 0, "stream_options": {"include_usage": True},
+            **request}
+    sent = time.perf_counter()
+    arrivals: list[float] = []
+    pieces: list[str] = []
+    usage_tokens = None
+    try:
+        async with client.stream("POST", server.base + "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return {"error": f"HTTP {response.status_code}"}
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens")
+                for choice in chunk.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        arrivals.append(time.perf_counter())
+                        pieces.append(choice["delta"]["content"])
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        return {"error": type(exc).__name__}
+    if not arrivals:
+        return {"error": "no content"}
+    return {"ttft": arrivals[0] - sent, "itl": [b - a for a, b in zip(arrivals, arrivals[1:])],
+            "tokens": usage_tokens or len(arrivals), "text": "".join(pieces)}
+
+
+async def run_level(server: Server, clients: int, per_client: int, requests: list[dict]) -> dict:
+    async def client_loop(client, index):
+        results = []
+        for k in range(per_client):
+            results.append(await one_request(client, server, requests[(index * per_client + k) % len(requests)]))
+        return results
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        started = time.perf_counter()
+        per_client_results = await asyncio.gather(*(client_loop(client, i) for i in range(clients)))
+        wall = time.perf_counter() - started
+    results = [r for rs in per_client_results for r in rs]
+    good = [r for r in results if "error" not in r]
+    ttft = [r["ttft"] for r in good]
+    itl = [x for r in good for x in r["itl"]]
+    return {"tokens_per_s": sum(r["tokens"] for r in good) / wall, "requests_per_s": len(good) / wall,
+            "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "itl_p50": _pct(itl, 50),
+            "itl_p99": _pct(itl, 99), "errors": len(results) - len(good),
+            "error_kinds": sorted({r["error"] for r in results if "error" in r})}
+
+
+async def conversation(server: Server, turns: int) -> list[float]:
+    """TTFT of each turn of one growing conversation (the whole history is sent every turn)."""
+    messages: list[dict] = []
+    ttfts = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"Turn {turn + 1}: tell me one more fact about "
+                                                        f"{TOPICS[turn % len(TOPICS)]}. {FILLER}"})
+            result = await one_request(client, server, {"messages": messages, "max_tokens": 48})
+            ttfts.append(result.get("ttft", float("nan")))
+            messages.append({"role": "assistant", "content": result.get("text", "")})
+    return ttfts
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", default="fastdecode,transformers,llama.cpp")
+    parser.add_argument("--levels", default="1,4,16,32")
+    parser.add_argument("--requests", type=int, default=2, help="requests per client at each level")
+    parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--parallel", type=int, default=16, help="llama-server parallel slots (-np)")
+    parser.add_argument("--llama-server", default=None, help="path of a llama-server binary")
+    parser.add_argument("--transformers-cb", action="store_true", help="transformers serve --continuous-batching")
+    parser.add_argument("--start-timeout", type=float, default=300)
+    parser.add_argument("--hf-cache", default="/tmp/fastdecode-bench", help="where the HF folder for transformers goes")
+    parser.add_argument("--json", default=None, help="also write every number here")
+    args = parser.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    requests = workload(64)
+    servers, skipped = start_servers(args.servers.split(","), args)
+    results: dict[str, dict[int, list[dict]]] = {s.name: {c: [] for c in levels} for s in servers}
+    turns: dict[str, list[float]] = {}
+    try:
+        for server in servers:  # warm-up (first-request costs), not measured
+            asyncio.run(run_level(server, 1, 1, requests))
+        for rep in range(args.reps):
+            for li, clients in enumerate(levels):
+                order = servers[(li + rep) % len(servers):] + servers[:(li + rep) % len(servers)] if servers else []
+                for server in order:
+                    print(f"[rep {rep + 1}] {server.name}: {clients} clients", file=sys.stderr, flush=True)
+                    results[server.name][clients].append(asyncio.run(run_level(server, clients, args.requests,
+                                                                               requests)))
+        for server in servers:
+            print(f"{server.name}: {args.turns}-turn conversation", file=sys.stderr, flush=True)
+            turns[server.name] = asyncio.run(conversation(server, args.turns))
+    finally:
+        for server in servers:
+            server.stop()
+    report(servers, skipped, levels, results, turns, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "turns": turns, "skipped": skipped}, indent=2))
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def report(servers, skipped, levels, results, turns, args) -> None:
+    print(f"# serve_load: {args.requests} streaming chat requests per client, greedy, {args.reps} rep(s), "
+          f"{args.threads} threads, `nproc`={os.cpu_count()}\n")
+    for server in servers:
+        print(f"- {server.name}: {server.weights}")
+    for name, why in skipped.items():
+        print(f"- {name}: NOT RUN ({why})")
+    print("\n| server | clients | output tok/s | req/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) "
+          "| errors |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for clients in levels:
+        for server in servers:
+            runs = results[server.name][clients]
+            errors = sum(r["errors"] for r in runs)
+            print(f"| {server.name} | {clients} | {_median(runs, 'tokens_per_s'):.1f} | "
+                  f"{_median(runs, 'requests_per_s'):.2f} | {_median(runs, 'ttft_p50'):.2f} | "
+                  f"{_median(runs, 'ttft_p99'):.2f} | {1000 * _median(runs, 'itl_p50'):.0f} | "
+                  f"{1000 * _median(runs, 'itl_p99'):.0f} | {errors} |")
+    if "fastdecode" in results and 16 in levels:
+        ours = results["fastdecode"][16]
+        print("\nAt 16 clients, fastdecode vs each (targets: >= 2x transformers, >= 1x llama.cpp tok/s; "
+              "p99 TTFT no worse than llama.cpp):")
+        for server in servers:
+            if server.name == "fastdecode":
+                continue
+            theirs = results[server.name][16]
+            print(f"- vs {server.name}: tokens/s {_median(ours, 'tokens_per_s') / _median(theirs, 'tokens_per_s'):.2f}x, "
+                  f"p99 TTFT {_median(ours, 'ttft_p99'):.2f} s vs {_median(theirs, 'ttft_p99'):.2f} s")
+    if turns:
+        print(f"\nTTFT (s) of each turn of a {args.turns}-turn conversation:\n")
+        print("| server | " + " | ".join(f"t{i + 1}" for i in range(args.turns)) + " |")
+        print("|---|" + "---:|" * args.turns)
+        for name, values in turns.items():
+            print(f"| {name} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
+
+
+if __name__ == "__main__":
+    main()

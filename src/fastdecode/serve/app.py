@@ -1,0 +1,216 @@
+"""The FastAPI application: OpenAI routes, the chat page, health and metrics.
+
+``create_app(generator, settings)`` builds a server around one loaded model; tests build one
+in-process on a free loopback port. Handlers only parse, submit and relay: the engine runs on its
+own thread (``worker.py``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from .metrics import ServerMetrics
+from .protocol import APIError, GenerationRequest, parse_json, parse_request
+from .responses import ChoiceState, ResponseBuilder
+from .service import GenerationService, RunningRequest, ServeSettings
+
+log = logging.getLogger("fastdecode.serve")
+
+
+def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI:
+    settings = settings or ServeSettings()
+    metrics = ServerMetrics()
+    service = GenerationService(generator, settings, metrics)
+    app = FastAPI(title="fastdecode", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=_lifespan(service))
+    app.state.service, app.state.settings, app.state.metrics = service, settings, metrics
+
+    app.add_middleware(_Guard, settings=settings, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _exc: Exception) -> JSONResponse:
+        return _error_response(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, _exc: Exception) -> JSONResponse:
+        return _error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                        code="method_not_allowed"))
+
+    @app.exception_handler(Exception)
+    async def internal(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _error_response(APIError(500, f"internal error: {exc}", "server_error", code="internal_error"))
+
+    @app.get("/", response_class=HTMLResponse)
+    async def chat_page() -> HTMLResponse:
+        return HTMLResponse(resources.files("fastdecode.serve").joinpath("static/chat.html").read_text("utf-8"))
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": settings.model_name,
+                "running_sequences": service.active_sequences()}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        model = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "fastdecode",
+                 "max_model_len": service.context}
+        return {"object": "list", "data": [model]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, "chat")
+
+    async def _generate(request: Request, endpoint: str) -> Response:
+        body = parse_json(await _read_body(request, settings.max_body_bytes))
+        parsed = parse_request(body, endpoint, settings.model_name)
+        prompts = service.encode(parsed)
+        running = await service.start_request(parsed, prompts)
+        builder = ResponseBuilder(endpoint, settings.model_name, generator.tokenizer, parsed.logprobs)
+        if parsed.stream:
+            return StreamingResponse(_sse(running, parsed, builder), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        choices = {i: ChoiceState(i) for i in range(len(running.prompt_lengths) * parsed.n)}
+        async for piece in running.pieces(request.is_disconnected):
+            choices[piece.index].add(piece)
+        if not running.done:  # the client went away: nothing to answer
+            return Response(status_code=499)
+        ordered = [choices[i] for i in sorted(choices)]
+        return JSONResponse(builder.response(ordered, _prompt_counts(ordered, running, parsed.n)))
+
+    return app
+
+
+async def _sse(running: RunningRequest, request: GenerationRequest, builder: ResponseBuilder) -> AsyncIterator[str]:
+    """Server-sent events: one ``data: {chunk}`` per piece, usage if asked, then ``data: [DONE]``.
+    An error after the stream started is sent as an ``error`` object, then the stream ends."""
+    choices = {i: ChoiceState(i) for i in range(len(running.prompt_lengths) * request.n)}
+    try:
+        for index in sorted(choices):
+            first = builder.first_chunk(index)
+            if first is not None:
+                yield _event(first)
+        async for piece in running.pieces():
+            choices[piece.index].add(piece)
+            if piece.text or piece.finish_reason is not None or request.logprobs is not None:
+                yield _event(builder.piece_chunk(piece))
+    except APIError as exc:
+        yield _event(exc.body())
+        return
+    finally:
+        running.cancel()  # the client went away (the response task was cancelled): free its sequences now
+    if request.include_usage:
+        ordered = [choices[i] for i in sorted(choices)]
+        yield _event(builder.usage_chunk(ordered, _prompt_counts(ordered, running, request.n)))
+    yield "data: [DONE]\n\n"
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _prompt_counts(choices: list[ChoiceState], running: RunningRequest, n: int) -> list[tuple[int, int]]:
+    """(prompt tokens, of which served from cache) per prompt, as its first choice's sequence saw them
+    (a continued streaming conversation counts what its cache consumed, not a re-tokenization)."""
+    return [(choices[p * n].prompt_tokens or length, choices[p * n].cached_tokens)
+            for p, length in enumerate(running.prompt_lengths)]
+
+
+def _lifespan(service: GenerationService):
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        service.start()
+        try:
+            yield
+        finally:
+            service.stop()
+
+    return lifespan
+
+
+class _Guard:
+    """Pure ASGI middleware (streams and disconnects pass through untouched): API key and declared
+    body size before the route runs, and the request counter by endpoint and status."""
+
+    def __init__(self, app: Any, settings: ServeSettings, metrics: ServerMetrics):
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+
+        async def send_and_record(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            if scope["path"].startswith("/v1/") and self.settings.api_key is not None:
+                _check_key(headers.get("authorization", ""), self.settings.api_key)
+            if scope["method"] == "POST":
+                _check_declared_size(headers.get("content-length"), self.settings.max_body_bytes)
+        except APIError as exc:
+            await _error_response(exc)(scope, receive, send_and_record)
+        else:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            self.metrics.requests.labels(endpoint=_endpoint_label(scope["path"]), status=str(status["code"])).inc()
+
+
+def _error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _check_key(authorization: str, key: str) -> None:
+    if not hmac.compare_digest(authorization.encode(), f"Bearer {key}".encode()):
+        raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                       "authentication_error", code="invalid_api_key")
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes", param=None, code="request_too_large")
+
+
+def _check_declared_size(declared: str | None, limit: int) -> None:
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, read up to ``limit`` bytes (also for chunked uploads that declare no length)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _endpoint_label(path: str) -> str:
+    known = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/")
+    return path if path in known else "other"

@@ -1,0 +1,135 @@
+"""OpenAI response objects: whole responses, stream chunks, logprobs and usage."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .worker import Piece
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, piece: Piece) -> None:
+        self.text += piece.text
+        if piece.token_id is not None and piece.token_id >= 0:
+            self.token_ids.append(piece.token_id)
+            self.logprobs.append((piece.token_id, piece.logprob, piece.top_logprobs))
+        self.finish_reason = piece.finish_reason or self.finish_reason
+        self.prompt_tokens, self.cached_tokens = piece.prompt_tokens, piece.cached_tokens
+        self.completion_tokens = max(self.completion_tokens, piece.completion_tokens)
+
+
+class ResponseBuilder:
+    """Builds the objects of one request; ``endpoint`` is "completion" or "chat"."""
+
+    def __init__(self, endpoint: str, model: str, tokenizer: Any, logprobs: int | None):
+        self.endpoint, self.model, self.tokenizer, self.logprobs = endpoint, model, tokenizer, logprobs
+        self.id = ("cmpl-" if endpoint == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        kind = {("completion", False): "text_completion", ("completion", True): "text_completion",
+                ("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}[self.endpoint, chunk]
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    # -- whole responses -------------------------------------------------------------------------
+    def response(self, choices: list[ChoiceState], prompt_counts: list[tuple[int, int]]) -> dict[str, Any]:
+        body = self._envelope(chunk=False)
+        body["choices"] = [self._choice(c) for c in choices]
+        body["usage"] = self.usage(choices, prompt_counts)
+        return body
+
+    def _choice(self, choice: ChoiceState) -> dict[str, Any]:
+        logprobs = self._logprobs(choice.logprobs) if self.logprobs is not None else None
+        if self.endpoint == "completion":
+            return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason}
+        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": logprobs, "finish_reason": choice.finish_reason}
+
+    @staticmethod
+    def usage(choices: list[ChoiceState], prompt_counts: list[tuple[int, int]]) -> dict[str, Any]:
+        """``prompt_counts``: (prompt tokens, of which cached) per distinct prompt of the request."""
+        prompt = sum(p for p, _ in prompt_counts)
+        completion = sum(c.completion_tokens for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(c for _, c in prompt_counts)}}
+
+    # -- stream chunks ---------------------------------------------------------------------------
+    def first_chunk(self, index: int) -> dict[str, Any] | None:
+        """Chat streams open each choice with the assistant role (as OpenAI does)."""
+        if self.endpoint != "chat":
+            return None
+        return self._chunk(index, {"role": "assistant", "content": ""}, None, None)
+
+    def piece_chunk(self, piece: Piece) -> dict[str, Any]:
+        logprobs = None
+        if self.logprobs is not None and piece.token_id is not None and piece.token_id >= 0:
+            logprobs = self._logprobs([(piece.token_id, piece.logprob, piece.top_logprobs)])
+        return self._chunk(piece.index, piece.text, logprobs, piece.finish_reason)
+
+    def text_chunk(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return self._chunk(index, text, None, finish_reason)
+
+    def _chunk(self, index: int, content: Any, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
+        body = self._envelope(chunk=True)
+        if self.endpoint == "completion":
+            choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            delta = content if isinstance(content, dict) else ({"content": content} if content else {})
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        body["choices"] = [choice]
+        return body
+
+    def usage_chunk(self, choices: list[ChoiceState], prompt_counts: list[tuple[int, int]]) -> dict[str, Any]:
+        body = self._envelope(chunk=True)
+        body["choices"] = []
+        body["usage"] = self.usage(choices, prompt_counts)
+        return body
+
+    # -- logprobs --------------------------------------------------------------------------------
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(self, entries: list[tuple[int, float | None, list[tuple[int, float]] | None]]) -> dict[str, Any]:
+        if self.endpoint == "completion":
+            tokens = [self._token(t) for t, _, _ in entries]
+            offsets, at = [], 0
+            for token in tokens:
+                offsets.append(at)
+                at += len(token)
+            return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                    "top_logprobs": [_by_text(top, self._token) for _, _, top in entries] if self.logprobs else None,
+                    "text_offset": offsets}
+        content = []
+        for token_id, logprob, top in entries:
+            token = self._token(token_id)
+            content.append({"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
+                            "top_logprobs": [{"token": self._token(i), "logprob": v,
+                                              "bytes": list(self._token(i).encode("utf-8"))} for i, v in top or []]})
+        return {"content": content}
+
+
+def _by_text(top: list[tuple[int, float]] | None, token_text: Any) -> dict[str, float] | None:
+    """The legacy completions format keys top logprobs by token text; tokens that read the same
+    (e.g. partial UTF-8 bytes) keep the best one."""
+    if top is None:
+        return None
+    entries: dict[str, float] = {}
+    for token_id, logprob in top:
+        entries.setdefault(token_text(token_id), logprob)
+    return entries

@@ -1,0 +1,248 @@
+"""From a validated request to a stream of pieces: tokenize, pick the route, submit, collect.
+
+Four routes:
+* the engine (continuous batching; every greedy / sampling request to a decoder-only model that
+  fits the context),
+* "solo": encoder-decoder models, one decode loop per choice on the loop thread (``sessions.py``),
+* beam search (``num_beams > 1``): ``Generator.generate_ids_with_details`` on a worker thread, the
+  final text of each choice in one piece,
+* conversations longer than the context with ``--context-overflow shift|reevaluate``: streaming
+  caches kept between turns (``sessions.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import FastDecodeError
+from .metrics import ServerMetrics
+from .protocol import APIError, GenerationRequest, api_error_from
+from .sessions import LoopRunner
+from .worker import Admitted, EngineWorker, Failed, Piece, RequestSink, Submission
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class ServeSettings:
+    model_name: str = "fastdecode"
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_batch_tokens: int = 2048
+    max_queue: int = 256
+    n_ctx: int | None = None  # the context a request may use (default: the model's)
+    n_keep: int = 4
+    context_overflow: str = "error"  # "shift", "reevaluate" or "error"
+    grace_seconds: float = 30.0  # SIGTERM: how long in-flight requests may still run
+
+
+class RunningRequest:
+    """The submissions of one request and the pieces they produce."""
+
+    def __init__(self, sink: RequestSink, submissions: list[Submission], cancel: Callable[[], None],
+                 prompt_lengths: list[int]):
+        self.sink, self.submissions, self._cancel = sink, submissions, cancel
+        self.prompt_lengths = prompt_lengths
+        self._buffer: list[Piece] = []
+        self.done = False
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done = True
+            self._cancel()
+
+    async def admitted(self) -> None:
+        """Wait until every submission is accepted; raise the first rejection (after cancelling the rest)."""
+        waiting = {s.index for s in self.submissions}
+        while waiting:
+            item = await self.sink.queue.get()
+            if isinstance(item, Failed):
+                self.cancel()
+                raise item.error
+            if isinstance(item, Admitted):
+                waiting.discard(item.index)
+            else:
+                self._buffer.append(item)
+
+    async def pieces(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[Piece]:
+        """Every piece until each choice has finished; cancels everything if the consumer stops early."""
+        open_choices = {s.index for s in self.submissions}
+        try:
+            while open_choices:
+                if self._buffer:
+                    item = self._buffer.pop(0)
+                elif is_disconnected is None:
+                    item = await self.sink.queue.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(self.sink.queue.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        if await is_disconnected():
+                            return
+                        continue
+                if isinstance(item, Failed):
+                    raise item.error
+                if isinstance(item, Piece):
+                    if item.finish_reason is not None:
+                        open_choices.discard(item.index)
+                    yield item
+            self.done = True
+        finally:
+            self.cancel()
+
+
+class GenerationService:
+    def __init__(self, generator: Any, settings: ServeSettings, metrics: ServerMetrics):
+        self.generator, self.settings, self.metrics = generator, settings, metrics
+        config = generator.config
+        self.encoder_decoder = config.is_encoder_decoder
+        self.context = settings.n_ctx or config.max_position_embeddings
+        if settings.n_ctx is not None and settings.n_ctx > config.max_position_embeddings:
+            raise APIError(400, f"n_ctx={settings.n_ctx} exceeds the model's context "
+                                f"({config.max_position_embeddings} positions)")
+        self.worker = None  # the engine's scheduler serves decoder-only models
+        if not self.encoder_decoder:
+            self.worker = EngineWorker(
+                lambda: generator.engine(max_batch_tokens=settings.max_batch_tokens, max_queue=settings.max_queue),
+                metrics)
+        self.overflow = settings.context_overflow in ("shift", "reevaluate") and not self.encoder_decoder
+        streaming = {"n_ctx": self.context, "n_keep": settings.n_keep, "policy": settings.context_overflow}
+        self.loops = LoopRunner(generator, streaming if self.overflow else None, metrics)
+        if self.overflow:
+            try:
+                generator._options(streaming)
+            except FastDecodeError as exc:
+                raise APIError(400, f"bad streaming settings: {exc}") from exc
+        self._beam_pool = ThreadPoolExecutor(1, thread_name_prefix="fastdecode-beam")
+
+    def start(self) -> None:
+        if self.worker is not None:
+            self.worker.start()
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+        self.loops.close()
+
+    def active_sequences(self) -> int:
+        return self.worker.active_sequences() if self.worker is not None else 0
+        self._beam_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- preparing -------------------------------------------------------------------------------
+    def encode(self, request: GenerationRequest) -> list[tuple[list[int], str | None]]:
+        """-> (prompt ids, the text they encode or None for token prompts) per prompt."""
+        gen = self.generator
+        if request.endpoint == "chat" and self.encoder_decoder:
+            raise APIError(400, "this is an encoder-decoder model: it has no chat; send the source text to "
+                                "/v1/completions as the prompt", param="messages", code="unsupported_model")
+        try:
+            if request.endpoint == "chat":
+                text = gen._require_tokenizer().apply_chat_template(request.prompts[0], add_generation_prompt=True)
+                return [(gen.encode_prompt(request.prompts[0]), text)]
+            return [(gen.encode_prompt(p), p) if isinstance(p, str) else (list(p), None) for p in request.prompts]
+        except FastDecodeError as exc:
+            raise APIError(400, str(exc), param="messages" if request.endpoint == "chat" else "prompt") from exc
+
+    def _route(self, request: GenerationRequest, prompt: list[int]) -> tuple[str, dict[str, Any]]:
+        """-> ("engine" | "beam" | "solo" | "stream", options with max_new_tokens filled in)."""
+        options = dict(request.options)
+        room = self.context - len(prompt)
+        if options["max_new_tokens"] is None:
+            if request.endpoint == "completion" or self.encoder_decoder:
+                options["max_new_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS
+            else:
+                options["max_new_tokens"] = room if room > 0 else self.context // 2
+        route = "beam" if request.is_beam else "solo" if self.encoder_decoder else "engine"
+        if not self.encoder_decoder and len(prompt) + options["max_new_tokens"] > self.context:
+            if not self.overflow or request.is_beam:
+                why = "beam search cannot use a streaming cache" if request.is_beam and self.overflow else (
+                    "start the server with --n-ctx N --context-overflow shift (or reevaluate) to go on past it")
+                raise APIError(400, f"the prompt has {len(prompt)} tokens; with max_tokens="
+                                    f"{options['max_new_tokens']} it needs {len(prompt) + options['max_new_tokens']} "
+                                    f"positions but the context is {self.context} ({why})",
+                               param="max_tokens", code="context_length_exceeded")
+            route = "stream"
+        return route, options
+
+    # -- running ---------------------------------------------------------------------------------
+    async def start_request(self, request: GenerationRequest,
+                            encoded: list[tuple[list[int], str | None]]) -> RunningRequest:
+        """Submit every choice of every prompt; return once all are accepted (else raise APIError)."""
+        arrived = time.perf_counter()
+        prompts = [ids for ids, _ in encoded]
+        sink = RequestSink(asyncio.get_running_loop())
+        routes = [self._route(request, p) for p in prompts]
+        if request.is_beam:
+            return self._start_beam(request, prompts, [o for _, o in routes], sink)
+        submissions = []
+        for p, (prompt, (route, options)) in enumerate(zip(prompts, routes)):
+            for j in range(request.n):
+                choice = dict(options)
+                if choice.get("seed") is not None:
+                    choice["seed"] += j  # choice j of a seeded request = an offline run with seed + j
+                if route == "engine":
+                    choice["logprobs"] = request.logprobs
+                elif request.logprobs is not None:
+                    raise APIError(400, "logprobs come from the engine: they are not available for encoder-decoder "
+                                        "models or past the context (streaming cache)", param="logprobs")
+                submission = Submission(p * request.n + j, prompt, choice, sink, arrived)
+                submission.route, submission.prompt_text = route, encoded[p][1]
+                if route != "engine":
+                    self._check_loop_options(submission)
+                submissions.append(submission)
+        for submission in submissions:
+            (self.worker if submission.route == "engine" else self.loops).submit(submission)
+
+        def cancel() -> None:
+            for submission in submissions:
+                submission.cancelled = True
+                if submission.route == "engine":
+                    self.worker.cancel(submission)
+
+        running = RunningRequest(sink, submissions, cancel, [len(p) for p in prompts])
+        await running.admitted()
+        return running
+
+    def _check_loop_options(self, submission: Submission) -> None:
+        try:
+            self.loops.check(submission)
+        except FastDecodeError as exc:
+            raise api_error_from(exc) from exc
+
+    def _start_beam(self, request: GenerationRequest, prompts: list[list[int]], options: list[dict[str, Any]],
+                    sink: RequestSink) -> RunningRequest:
+        """Beam search as one call on the beam thread; each choice arrives whole, as one final piece."""
+        gen, n = self.generator, request.n
+        by_options: dict[int, list[int]] = {}  # prompts grouped by max_new_tokens (one call each)
+        for p, o in enumerate(options):
+            by_options.setdefault(o["max_new_tokens"], []).append(p)
+        for group in by_options.values():
+            try:
+                gen._options(options[group[0]])
+            except FastDecodeError as exc:
+                raise api_error_from(exc) from exc
+
+        def run() -> None:
+            for group in by_options.values():
+                try:
+                    results = gen.generate_ids_with_details([prompts[p] for p in group], **options[group[0]])
+                except FastDecodeError as exc:
+                    sink.put(Failed(group[0] * n, api_error_from(exc)))
+                    return
+                texts = gen.decode_results(results, **options[group[0]])
+                for k, (result, text) in enumerate(zip(results, texts)):
+                    p = group[k // n]
+                    reason = "length" if result.finish_reason == "length" else "stop"
+                    self.metrics.generated_tokens.inc(len(result.tokens))
+                    sink.put(Piece(p * n + k % n, None, text, None, None, reason, len(prompts[p]), 0,
+                                   len(result.tokens)))
+
+        submissions = [Submission(i, prompts[i // n], options[i // n], sink, time.perf_counter())
+                       for i in range(len(prompts) * n)]
+        self._beam_pool.submit(run)
+        return RunningRequest(sink, submissions, lambda: None, [len(p) for p in prompts])

@@ -1,0 +1,93 @@
+"""`fastdecode serve` as a process: it loads a model folder, serves, and on SIGTERM lets the
+in-flight stream finish before exiting 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from serve_helpers import CHATML, free_port, hf_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """The tiny chat model saved as a Hugging Face folder (config, safetensors, tokenizer)."""
+    import transformers as tf
+
+    import torch
+
+    folder = tmp_path_factory.mktemp("tiny_chat_model")
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=hf_tokenizer(320, ["<|endoftext|>", "<|im_start|>",
+                                                                               "<|im_end|>"]),
+                                           bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                            bos_token_id=1, eos_token_id=2)
+    tf.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_inflight_stream_then_exits_0(model_folder):
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "fastdecode.cli", "serve", "-m", str(model_folder),
+                                "--port", str(port), "--grace-seconds", "30", "--model-name", "tiny"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        started, events = threading.Event(), []
+
+        def stream() -> None:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 120,
+                    "temperature": 0, "stream": True}
+            with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(60)
+        process.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert sum(1 for c in chunks if c["choices"][0]["delta"].get("content")) > 10  # the stream ran on, whole
+
+
+def test_cli_rejects_bad_settings_in_one_line(model_folder):
+    from click.testing import CliRunner
+
+    from fastdecode.cli import main
+
+    result = CliRunner().invoke(main, ["serve", "-m", str(model_folder), "--n-ctx", "100000"])
+    assert result.exit_code == 2
+    assert result.output.strip().startswith("error:") and "n_ctx" in result.output
+    assert len(result.output.strip().splitlines()) == 1
