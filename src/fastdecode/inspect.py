@@ -29,7 +29,9 @@ def describe(generator: Any) -> dict[str, Any]:
         "attention": cfg.attention_kind,
         "position_scheme": cfg.position_scheme,
         "sliding_window": cfg.sliding_window,
+        "attention_layers": _attention_layers(cfg),
         "kv_cache_bytes_per_token": cfg.kv_cache_bytes_per_token(element_size),
+        "kv_cache_bytes_per_token_by_kind": cfg.kv_bytes_per_token_by_kind(element_size),
         "context_length": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "tied_embeddings": cfg.tie_word_embeddings,
@@ -58,9 +60,17 @@ def _with_encoder_decoder(info: dict[str, Any], cfg: Any, model: Any, element_si
             out["max_source_positions"] = cfg.max_source_positions or "unbounded (relative)"
         elif key == "tied_embeddings":
             out[key] = getattr(model, "tied_head", value)
-        elif key != "sliding_window":
+        elif key not in ("sliding_window", "attention_layers", "kv_cache_bytes_per_token_by_kind"):
             out[key] = value
         if key == "family":
             out["encoder_decoder"] = True
     out["decoder_start_token_id"] = cfg.decoder_start_token_id
     return out
+
+
+def _attention_layers(cfg: Any) -> str:
+    """How many layers of each attention kind, e.g. "15 sliding (window 512), 3 full"."""
+    sliding = cfg.layer_types.count("sliding_attention")
+    parts = [f"{sliding} sliding (window {cfg.sliding_window})"] if sliding else []
+    full = cfg.num_layers - sliding
+    return ", ".join(parts + ([f"{full} full"] if full else []))

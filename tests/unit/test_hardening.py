@@ -80,7 +80,7 @@ def test_every_registered_family_declares_weight_shapes():
     assert [f.name for f in FAMILIES if not hasattr(f.load_module(), "weight_shapes")] == []
 
 
-@pytest.mark.parametrize("kind, encdec", [("llama-mqa", False), ("gpt2", False), ("bloom", False),
+@pytest.mark.parametrize("kind, encdec", [("llama-mqa", False), ("gpt2", False), ("bloom", False), ("gemma3", False),
                                           ("bart", True), ("t5-gated", True), ("marian", True)])
 def test_every_family_declares_the_shape_of_every_weight_it_loads(kind, encdec):
     """from_hf checks every shape on the way in; here: no loaded name lacks a declared shape."""

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.cache.ring import StreamingCache
 from fastdecode.errors import InvalidOptionError
 from fastdecode.generation.streaming import ReevaluateEngine, ShiftEngine
 from fastdecode.layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
+from streaming_reference import ExplicitShiftEngine, logit_trace
 from tiny_models import VOCAB, build, build_bloom
 
 pytest.importorskip("transformers")
@@ -34,6 +34,7 @@ def llama_partial_rotary():
     rotary_dim = model.config.head_dim // 2
     inv_freq, factor = rope_inverse_frequencies(rotary_dim, model.config.rope_theta, None, 256)
     model.rope = RotaryEmbedding(rotary_dim, inv_freq, factor)
+    model.layer_ropes = [model.rope] * model.config.num_layers
     return gen
 
 
@@ -66,68 +67,13 @@ def test_angles_are_exact_at_huge_positions():
 
 
 # -- shift equals its definition ---------------------------------------------------------------------
-class ExplicitShiftCache(StreamingCache):
-    """The definition, literally: when the policy drops tokens, rewrite every kept window key
-    rotated by -n_discard (RoPE) and move its stored position back; the query then enters at its
-    position in the shifted frame, and attention is plain (no per-segment trickery)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.rope = None  # no sink frames here: every stored key is moved into the query's frame
-
-    def reserve(self, positions):
-        (position,) = positions
-        if self.sinks == self.n_keep and self.window_count == self.window:
-            window = torch.arange(self.n_keep, self.n_keep + self.ring_size)
-            kept = window[self.slot_positions[window] >= 0]
-            oldest = kept[self.slot_positions[kept].argsort()][: self.n_discard]
-            self.slot_positions[oldest] = -1  # dropped for good
-            kept = window[self.slot_positions[window] >= 0]
-            self.slot_positions[kept] -= self.n_discard
-            if self.rotate_by is not None:
-                for keys in self.layer_keys:
-                    keys[:, :, kept] = self.rotate_by(keys[:, :, kept], torch.tensor(-self.n_discard))
-            self.total_shift = getattr(self, "total_shift", 0) + self.n_discard
-        super().reserve([position - getattr(self, "total_shift", 0)])
-        self.query_shift = [0]  # every stored key is already in the query's frame
-
-    def relative_positions(self, query_positions):
-        keys = self.slot_positions[: self.used][None, :]
-        return (keys - query_positions.reshape(-1)[:, None])[None]
-
-
-class ExplicitShiftEngine(ShiftEngine):
-    """Feeds one token at a time at its position in the shifted frame, into an ExplicitShiftCache."""
-
-    def __init__(self, model, n_ctx, n_keep, n_discard):
-        super().__init__(model, n_ctx, n_keep, n_discard)
-        cfg = model.config
-        self.cache = ExplicitShiftCache(cfg.num_layers, cfg.num_kv_heads, n_ctx, n_keep, n_discard, cfg.head_dim,
-                                        model.dtype, model.device, self.cache.rope)
-
-    def feed_chunks(self, tokens, all_logits):
-        cache = self.cache
-        for token in tokens:
-            cache.reserve([self.next_position])
-            position = torch.tensor([self.next_position - getattr(cache, "total_shift", 0)])
-            mask = cache.mask(position, self.model.dtype)
-            yield self.model.forward(token.view(1, 1), position[None], cache, mask, all_logits)[0]
-            self.next_position += 1
-
-
-def _logit_trace(engine, tokens: torch.Tensor) -> torch.Tensor:
-    """Feed tokens one at a time; logits after each [N, V]."""
-    with torch.inference_mode():
-        return torch.stack([engine.feed(tokens[i : i + 1]) for i in range(tokens.shape[0])])
-
-
 @pytest.mark.parametrize("model_name", ["llama", "llama_partial_rotary", "bloom"])
 @pytest.mark.parametrize("n_keep, n_discard", [(4, 1), (4, 5), (0, 3)])
 def test_shift_equals_explicit_key_rotation(model_name, n_keep, n_discard, request):
     gen = request.getfixturevalue(model_name)
     tokens = _tokens(70, seed=1)
-    ours = _logit_trace(ShiftEngine(gen.model, 24, n_keep, n_discard), tokens)
-    reference = _logit_trace(ExplicitShiftEngine(gen.model, 24, n_keep, n_discard), tokens)
+    ours = logit_trace(ShiftEngine(gen.model, 24, n_keep, n_discard), tokens)
+    reference = logit_trace(ExplicitShiftEngine(gen.model, 24, n_keep, n_discard), tokens)
     torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
 
 
@@ -142,7 +88,7 @@ def test_shift_chunked_feed_equals_token_by_token(model_name, n_discard, headroo
         chunks = list(engine.feed_chunks(tokens, all_logits=True))
     if headroom:
         assert max(c.shape[0] for c in chunks) > n_discard  # really chunked past the drops
-    one_by_one = _logit_trace(ShiftEngine(model, 32, 4, n_discard), tokens)
+    one_by_one = logit_trace(ShiftEngine(model, 32, 4, n_discard), tokens)
     torch.testing.assert_close(torch.cat(chunks), one_by_one, atol=ATOL, rtol=0)
 
 

@@ -45,7 +45,7 @@ class StreamingCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        rope: RotaryEmbedding | None = None,
+        layer_ropes: list[RotaryEmbedding] | None = None,
         headroom: int = 0,
     ):
         self.n_ctx, self.n_keep, self.n_discard = n_ctx, n_keep, n_discard
@@ -57,8 +57,10 @@ class StreamingCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, 1, Hkv, slots, D]
         self.layer_keys = list(self.keys.unbind(0))
         self.layer_values = list(self.values.unbind(0))
-        self.rope = rope  # RoPE: sinks are re-rotated into the window's frame; None (ALiBi): no rotation
-        self.rotate_by = rope.rotate_by if rope is not None else None
+        # RoPE: sinks are re-rotated into the window's frame, each layer by its own rotary table (layers
+        # of different attention kinds may have different bases); None (ALiBi): no rotation.
+        self.layer_ropes = layer_ropes
+        self.rope_groups = _layers_by_rope(layer_ropes) if layer_ropes is not None else []
         # Sink keys as stored (rotated at their own positions); the cache's sink slots hold them
         # rotated into the frame of shift ``sink_frame``.
         self.sink_keys = torch.zeros(shape[:3] + (n_keep, head_dim), dtype=dtype, device=device)
@@ -94,7 +96,7 @@ class StreamingCache:
         headroom) and then decode without it (no mask, no extra slots)."""
         layers, _, heads, _, dim = self.keys.shape
         new = StreamingCache(layers, heads, self.n_ctx, self.n_keep, self.n_discard, dim, self.keys.dtype,
-                             self.device, self.rope, headroom)
+                             self.device, self.layer_ropes, headroom)
         n, visible = self.n_keep, self.window_count if self.sinks == self.n_keep else 0
         first = self.ring_head + self.ring_count - visible  # oldest visible token, as a ring offset
         old_slots = n + (torch.arange(first, first + visible, device=self.device) % self.ring_size)
@@ -138,9 +140,10 @@ class StreamingCache:
         self.used = max(self.used, max(slots) + 1)
         self.query_lowest, self.query_shift = lowest, shifts
         self.writes_sinks = min(slots) < self.n_keep
-        if self.rope is not None and self.n_keep and shifts[0] == shifts[-1] != self.sink_frame:
-            # One frame for the whole forward: rotate the sink slots of every layer at once.
-            self.keys[:, :, :, : self.n_keep] = self.rope.rotate_by(self.sink_keys, shifts[0])
+        if self.rope_groups and self.n_keep and shifts[0] == shifts[-1] != self.sink_frame:
+            # One frame for the whole forward: rotate the sink slots of every layer at once (per rotary table).
+            for rope, layers in self.rope_groups:
+                self.keys[layers, :, :, : self.n_keep] = rope.rotate_by(self.sink_keys[layers], shifts[0])
             self.sink_frame = shifts[0]
 
     def _evict_oldest(self) -> None:
@@ -185,11 +188,21 @@ class StreamingCache:
             self.sink_keys[layer].copy_(keys[:, :, : self.n_keep])
         keys, values = keys[:, :, : self.used], values[:, :, : self.used]
         shifts = self.query_shift
-        if self.rope is None or self.n_keep == 0 or shifts[0] == shifts[-1]:
+        if self.layer_ropes is None or self.n_keep == 0 or shifts[0] == shifts[-1]:
             return attention(q, keys, values, mask, scale)  # sink slots already in the queries' frame
         # Queries with different shifts: each sees the original sinks rotated back by its own.
         deltas = torch.tensor(shifts, device=self.device).neg()
-        q_sinks = self.rope.rotate_by(q, deltas)
+        q_sinks = self.layer_ropes[layer].rotate_by(q, deltas)
         n = self.n_keep
         return two_segment_attention(q_sinks, self.sink_keys[layer], values[:, :, :n],
                                      q, keys[:, :, n:], values[:, :, n:], mask, scale)
+
+
+def _layers_by_rope(layer_ropes: list[RotaryEmbedding]) -> list[tuple[RotaryEmbedding, slice | torch.Tensor]]:
+    """(rotary table, the layers that use it): a slice when one table serves every layer."""
+    groups: dict[int, tuple[RotaryEmbedding, list[int]]] = {}
+    for index, rope in enumerate(layer_ropes):
+        groups.setdefault(id(rope), (rope, []))[1].append(index)
+    if len(groups) == 1:
+        return [(layer_ropes[0], slice(None))]
+    return [(rope, torch.tensor(layers)) for rope, layers in groups.values()]

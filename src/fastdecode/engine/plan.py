@@ -35,11 +35,8 @@ class AttentionGroup:
 
 def layer_windows(config) -> list[int | None]:
     """The sliding window of each layer (None: full attention). Part of each layer's mask, so a
-    model whose layers differ (local / global) is served as it is."""
-    per_layer = getattr(config, "layer_windows", None)
-    if per_layer is not None:
-        return list(per_layer)
-    return [config.sliding_window] * config.num_layers
+    model whose layers differ (local / global) is served as it is (``ModelConfig.layer_types``)."""
+    return list(config.layer_windows)
 
 
 class StepPlan:

@@ -20,7 +20,6 @@ import torch
 
 from ..cache.beam import BeamKVCache
 from ..config import GenerationConfig
-from ..errors import InvalidOptionError
 from .decode import SequenceResult, left_pad
 from .sampling import TokenSelector
 from .step import CachedEngine, Started
@@ -41,9 +40,6 @@ class DecoderBeamEngine:
         """tokens, valid, positions [B, S_p] (left-padded) -> logits [B, V]; the prompt K/V become the
         shared segment as they are (no copy, no repeat)."""
         B, S_p = tokens.shape
-        window = self.model.config.sliding_window
-        if window is not None and S_p + self.max_new_tokens > window:
-            raise InvalidOptionError("beam search beyond a sliding-window model's window is not supported")
         prefill = CachedEngine(self.model, B, S_p)
         logits = prefill.prefill(tokens, valid, positions)
         self.cache = BeamKVCache(prefill.cache.keys, prefill.cache.values, valid, positions, self.num_beams,

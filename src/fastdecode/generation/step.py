@@ -30,7 +30,6 @@ class CachedEngine:
     def __init__(self, model, batch_size: int, capacity: int):
         cfg = model.config
         self.model = model
-        self.window = cfg.sliding_window
         self.cache = KVCache(cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim,
                              model.dtype, model.device)
 
@@ -54,11 +53,9 @@ class CachedEngine:
     def _mask(self, start: int, num_queries: int) -> torch.Tensor | None:
         cache = self.cache
         end = cache.length
-        window_hit = self.window is not None and end > self.window
-        if num_queries == 1 and not cache.has_padding and not window_hit:
-            return None  # one query per row that sees every slot: no mask needed
-        return build_attention_mask(cache.valid[:, :end], cache.positions[:, :end], start, num_queries,
-                                    self.window, self.model.dtype)
+        if num_queries == 1 and not cache.has_padding:
+            return None  # one query per row that sees every slot (a sliding layer adds its window itself)
+        return build_attention_mask(cache.valid[:, :end], start, num_queries, self.model.dtype)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.cache.keep_rows(rows)
@@ -83,8 +80,7 @@ class RecomputeEngine:
 
     def _run(self) -> torch.Tensor:
         T = self.tokens.shape[1]
-        mask = build_attention_mask(self.valid, self.positions, 0, T, self.model.config.sliding_window,
-                                    self.model.dtype)
+        mask = build_attention_mask(self.valid, 0, T, self.model.dtype)
         return self.model.forward(self.tokens, self.positions, NoCache(), mask)[:, -1]
 
     def keep_rows(self, rows: torch.Tensor) -> None:

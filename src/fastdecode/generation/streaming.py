@@ -70,9 +70,9 @@ class ShiftEngine(_StreamingEngineBase):
                 f"{cfg.architecture} uses learned absolute positions, which cannot be shifted: "
                 "use policy='reevaluate'"
             )
-        rope = model.rope if cfg.position_kind == "rope" else None
+        ropes = model.layer_ropes if cfg.position_kind == "rope" else None
         self.cache = StreamingCache(cfg.num_layers, cfg.num_kv_heads, n_ctx, n_keep, n_discard, cfg.head_dim,
-                                    model.dtype, model.device, rope, headroom)
+                                    model.dtype, model.device, ropes, headroom)
         self.next_position = 0  # absolute position of the next token in the stream
 
     def feed_chunks(self, tokens: torch.Tensor, all_logits: bool) -> Iterator[torch.Tensor]:

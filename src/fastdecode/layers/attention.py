@@ -87,18 +87,15 @@ def _fold_groups(q: torch.Tensor, mask: torch.Tensor | None, num_kv_heads: int):
 
 def build_attention_mask(
     key_valid: torch.Tensor,
-    key_positions: torch.Tensor,
     query_start: int,
     num_queries: int,
-    sliding_window: int | None,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Additive mask [B, 1, T, S] for queries in slots query_start .. query_start+T-1.
+    """Additive causal + padding mask [B, 1, T, S] for queries in slots query_start .. query_start+T-1.
 
-    key_valid [B, S]: False for padding slots. key_positions [B, S]: each slot's token position.
-    A query sees keys in earlier or equal slots that are valid and, with a sliding window,
-    fewer than ``sliding_window`` positions back. Each query always sees its own slot, so a
-    padding query never has an empty row (no NaN); its output is never used.
+    key_valid [B, S]: False for padding slots. A query sees keys in earlier or equal slots that are
+    valid (sliding layers add their window themselves: ``LayerMasks``). Each query always sees its
+    own slot, so a padding query never has an empty row (no NaN); its output is never used.
     """
     S = key_valid.shape[1]
     device = key_valid.device
@@ -106,11 +103,39 @@ def build_attention_mask(
     query_slots = torch.arange(query_start, query_start + num_queries, device=device)
     causal = key_slots[None, :] <= query_slots[:, None]  # [T, S]
     allowed = causal[None] & key_valid[:, None, :]  # [B, T, S]
-    if sliding_window is not None:
-        query_positions = key_positions[:, query_start : query_start + num_queries]  # [B, T]
-        distance = query_positions[:, :, None] - key_positions[:, None, :]  # [B, T, S]
-        allowed &= distance < sliding_window
     allowed |= (key_slots[None, :] == query_slots[:, None])[None]  # own slot
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, float("-inf"))
     return mask[:, None]  # [B, 1, T, S]
+
+
+class LayerMasks:
+    """The additive masks of one forward, one per attention window (per-layer attention kinds).
+
+    ``mask`` is the caller's: causality and padding, [B, 1, T, S], or None when every key is
+    visible. A sliding layer (window w) additionally hides keys w or more positions before its
+    query. The window term is built from the cache's own key-minus-query distances
+    (``cache.relative_positions``, in the query's frame: a streaming cache reports its shifted
+    sinks there), once per forward and window, so every cache (static, beam, streaming, none)
+    honours a layer's window without any engine knowing about it. A key at distance 0 (the
+    query's own slot) is always inside the window, so no row is ever empty. A cache that reports
+    no distances (None: an engine's step plan, which builds each layer's mask itself from
+    ``ModelConfig.layer_windows``) gets the caller's mask as it is.
+    """
+
+    def __init__(self, mask: torch.Tensor | None, cache, query_positions: torch.Tensor, dtype: torch.dtype):
+        self.mask, self.cache, self.query_positions, self.dtype = mask, cache, query_positions, dtype
+        self._windowed: dict[int, torch.Tensor] = {}
+
+    def for_window(self, window: int | None) -> torch.Tensor | None:
+        if window is None:
+            return self.mask
+        if window not in self._windowed:
+            relative = self.cache.relative_positions(self.query_positions)  # [B, T, S] key - query, or None
+            if relative is None:
+                return self.mask
+            distance = -relative  # [B, T, S] query - key
+            bias = torch.zeros(distance.shape, dtype=self.dtype, device=distance.device)
+            bias = bias.masked_fill_(distance >= window, float("-inf"))[:, None]  # [B, 1, T, S]
+            self._windowed[window] = bias if self.mask is None else self.mask + bias
+        return self._windowed[window]

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+
+def token_id_list(value: Any) -> list[int]:
+    """A config's token id field (None, one id or a list of ids) as a list."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [int(value)]
 
 
 class ModelBase:

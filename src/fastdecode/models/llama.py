@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
-from .base import ModelBase
-from ..config import ModelConfig
+from .base import ModelBase, token_id_list
+from ..config import FULL, SLIDING, ModelConfig
 from ..layers.linear import ACTIVATIONS, linear
 from ..errors import UnsupportedModelError
+from ..layers.attention import LayerMasks
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
 from ..config import derived_head_dim
 
@@ -106,8 +107,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     model_type = hf.get("model_type", "llama")
     sliding_window = hf.get("sliding_window") if model_type == "mistral" or hf.get("use_sliding_window") else None
-    if model_type == "qwen2" and hf.get("use_sliding_window"):
-        raise UnsupportedModelError("qwen2 with use_sliding_window=True (per-layer windows) is not supported")
+    layer_types = list(hf.get("layer_types") or []) if sliding_window is not None else []
+    if model_type == "qwen2" and sliding_window is not None and not layer_types:
+        # Qwen2: the first max_window_layers layers attend fully, the later ones through the window
+        first_sliding = hf.get("max_window_layers", hf["num_hidden_layers"])
+        layer_types = [SLIDING if i >= first_sliding else FULL for i in range(hf["num_hidden_layers"])]
     return ModelConfig(
         family="llama",
         architecture=(hf.get("architectures") or [model_type])[0],
@@ -129,8 +133,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rope_scaling=scaling,
         partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
         sliding_window=sliding_window,
+        layer_types=layer_types,
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=_as_list(hf.get("eos_token_id")),
+        eos_token_ids=token_id_list(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
     )
 
@@ -171,7 +176,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         partial_rotary_factor=rotary_dim / head_dim,
         sliding_window=get("attention.sliding_window"),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_as_list(meta.get("tokenizer.ggml.eos_token_id")),
+        eos_token_ids=token_id_list(meta.get("tokenizer.ggml.eos_token_id")),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
 
@@ -197,14 +202,6 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
     return rotary.swapaxes(1, 2).reshape(weight.shape)  # [H, 2, D/2, ...] -> [H*D, ...]
 
 
-def _as_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [int(value)]
-
-
-
-
 class LlamaModel(ModelBase):
     """Decoder-only Llama-family model over canonical weights."""
 
@@ -226,11 +223,13 @@ class LlamaModel(ModelBase):
             )
             for i in range(config.num_layers)
         ]
+        self.layer_windows = config.layer_windows  # None: full attention; else the layer's window
         rotary_dim = int(config.head_dim * config.partial_rotary_factor)
         inv_freq, attention_factor = rope_inverse_frequencies(
             rotary_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         )
         self.rope = RotaryEmbedding(rotary_dim, inv_freq, attention_factor)
+        self.layer_ropes = [self.rope] * config.num_layers  # every layer shares one rotary table
         self.scale = config.head_dim**-0.5
 
     def forward(
@@ -251,13 +250,14 @@ class LlamaModel(ModelBase):
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = F.embedding(tokens, self.embed)  # [B, T, C]
         cos, sin = self.rope.cos_sin(positions, x.dtype)  # [B, 1, T, rot]
+        masks = LayerMasks(mask, cache, positions, x.dtype)
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (cfg.hidden_size,), layer.attn_norm, cfg.norm_eps)
             q = linear(h, layer.q, layer.q_bias).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
             k = linear(h, layer.k, layer.k_bias).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
             v = linear(h, layer.v, layer.v_bias).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
             q, k = rotate_half_split(q, cos, sin), rotate_half_split(k, cos, sin)
-            o = cache.attend(index, q, k, v, mask, self.scale)  # [B, H, T, D]
+            o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
             x = x + linear(o, layer.o, layer.o_bias)
             h = F.rms_norm(x, (cfg.hidden_size,), layer.mlp_norm, cfg.norm_eps)

