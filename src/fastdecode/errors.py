@@ -63,3 +63,7 @@ class MemoryLimitError(FastDecodeError, ValueError):
 class InvalidPromptError(InvalidOptionError):
     """A prompt of the wrong type (bytes, None, a number, a flat list where a list of prompts is
     expected) or text that is not valid Unicode (a lone surrogate, undecodable bytes)."""
+
+
+class RayUnavailableError(FastDecodeError):
+    """``--ray`` / ``fastdecode.integrations.ray``: Ray is not installed, or the cluster cannot be reached."""

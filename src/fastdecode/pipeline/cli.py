@@ -22,14 +22,18 @@ import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..errors import BatchFileError
+from ..errors import BatchFileError, ModelNotFoundError
 from .inputs import BOM, InputItem, format_for, items_from_lines, skip_done
 from .output import OutputFile, OutputState, encode_record, same_file
-from .runner import BatchRun, BatchSettings
+from .runner import BatchRun, BatchSettings, PipelineStats, split_at_first_error
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..integrations.ray_batch import RayOptions
 
 POSTFIX_EVERY_S = 0.5  # progress-bar text refresh period (tqdm throttles the bar itself)
 
@@ -112,13 +116,22 @@ class Progress:
         self.bar.close()
 
 
+def resolve_chat(generator: Any, chat: bool | None) -> bool:
+    """--chat / --no-chat, or by default: on when the model's tokenizer has a chat template."""
+    if chat is not None:
+        return chat
+    return bool(generator.tokenizer is not None and generator.tokenizer.chat_template)
+
+
 def run_batch(input_path: str, output: str, model: str | None, device: str, dtype: str, options: dict[str, Any],
               settings: BatchSettings, field: str, input_format: str, chat: bool | None, quiet: bool,
-              overwrite: bool, quantize: str | None = None) -> int:
+              overwrite: bool, ray: "RayOptions | None" = None, quantize: str | None = None) -> int:
     """The body of `fastdecode batch`; returns the exit code (0 all ok, 1 some inputs failed).
 
     The output is opened (and locked) before the model loads, so a second run on the same
-    output fails at once, and held until the run ends.
+    output fails at once, and held until the run ends. ``ray``: generate on Ray actors
+    (integrations/ray_batch.py) instead of in this process; the input, the output file, resuming
+    and the records are the same.
     """
     from ..config import GenerationConfig
 
@@ -131,35 +144,28 @@ def run_batch(input_path: str, output: str, model: str | None, device: str, dtyp
     writer = StdoutRecords() if output == "-" else OutputFile(output, overwrite=overwrite)
     try:
         return _run_to(writer, input_path, output, model, device, dtype, options, settings, field, input_format,
-                       chat, quiet, quantize)
+                       chat, quiet, ray, quantize)
     finally:
         writer.close()
 
 
 def _run_to(writer: OutputFile | StdoutRecords, input_path: str, output: str, model: str | None, device: str,
             dtype: str, options: dict[str, Any], settings: BatchSettings, field: str, input_format: str,
-            chat: bool | None, quiet: bool, quantize: str | None) -> int:
-    from .. import load
-
+            chat: bool | None, quiet: bool, ray: "RayOptions | None", quantize: str | None) -> int:
     state = writer.state
     if state.truncated_bytes and not quiet:
         click.echo(f"resume: cut a torn last line ({state.truncated_bytes} bytes) from {output}", err=True)
     if state.done and not quiet:
         click.echo(f"resume: {state.done} inputs already in {output}, skipping them", err=True)
-    generator = load(model, device=device, dtype=dtype, quantize=quantize)
-    if chat is None:
-        chat = bool(generator.tokenizer is not None and generator.tokenizer.chat_template)
-    settings = dataclasses.replace(settings, chat=chat)
     items = skip_done(read_input(input_path, input_format, field), state.done, state.last)
-    progress = Progress(count_inputs(input_path), state.done, quiet)
-    run = BatchRun(generator, items, settings, options, on_records=writer)
-    try:
-        for _ in run:
-            progress.bar.update(1)
-            progress.update(run.stats.new_tokens)
-    finally:
-        progress.close(run.stats.new_tokens)
-    stats = run.stats
+    total = count_inputs(input_path)
+    progress = Progress(total, state.done, quiet)
+    if ray is None:
+        stats = _run_here(items, model, device, dtype, quantize, options, settings, chat, writer, progress)
+    else:
+        remaining = None if total is None else max(total - state.done, 0)
+        stats = _run_on_ray(items, remaining, model, device, dtype, options, settings, field, chat, writer,
+                            progress, ray)
     failed = state.failed + stats.failed
     if not quiet:
         elapsed = stats.elapsed_s
@@ -170,6 +176,53 @@ def _run_to(writer: OutputFile | StdoutRecords, input_path: str, output: str, mo
             err=True,
         )
     return 1 if failed else 0
+
+
+def _run_here(items: Iterator[InputItem], model: str | None, device: str, dtype: str, quantize: str | None,
+              options: dict[str, Any],
+              settings: BatchSettings, chat: bool | None, writer: Callable[[list[dict]], None],
+              progress: Progress) -> PipelineStats:
+    """Generate in this process through the asynchronous pipeline (its writer thread appends)."""
+    from .. import load
+
+    generator = load(model, device=device, dtype=dtype, quantize=quantize)
+    settings = dataclasses.replace(settings, chat=resolve_chat(generator, chat))
+    run = BatchRun(generator, items, settings, options, on_records=writer)
+    try:
+        for _ in run:
+            progress.bar.update(1)
+            progress.update(run.stats.new_tokens)
+    finally:
+        progress.close(run.stats.new_tokens)
+    return run.stats
+
+
+def _run_on_ray(items: Iterator[InputItem], remaining: int | None, model: str | None, device: str, dtype: str,
+                quantize: str | None, options: dict[str, Any], settings: BatchSettings, field: str, chat: bool | None,
+                writer: Callable[[list[dict]], None], progress: Progress, ray: "RayOptions") -> PipelineStats:
+    """Generate on Ray actors; append each group of records that arrived in input order."""
+    from ..integrations.ray_batch import quiet_ray_logs, ray_connection, ray_records
+
+    stats = PipelineStats()
+    predictor = dict(model=model, options=options, field=field, chat=chat, batch_size=settings.batch_size,
+                     max_batch_tokens=settings.max_batch_tokens, device=device, dtype=dtype, quantize=quantize)
+    if ray.address == "local" and model is not None and not Path(model).exists():
+        raise ModelNotFoundError(f"model path {model} does not exist")  # before Ray starts actors that cannot load it
+    quiet_ray_logs()
+    try:
+        with ray_connection(ray):
+            for ready in ray_records(items, predictor, ray, settings.window, remaining):
+                keep, first_error = split_at_first_error(ready, settings.fail_fast)
+                if keep:
+                    writer(keep)
+                    stats.count(keep)
+                    progress.bar.update(len(keep))
+                    progress.update(stats.new_tokens)
+                if first_error is not None:
+                    raise first_error
+    finally:
+        progress.close(stats.new_tokens)
+    return stats
 
 
 def batch_command(model_options: Callable, generation_options: Callable, handle_errors: Callable,
@@ -195,13 +248,20 @@ def batch_command(model_options: Callable, generation_options: Callable, handle_
     @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
     @click.option("--fail-fast", is_flag=True, help="Stop at the first failed input (exit 2).")
     @click.option("--overwrite", is_flag=True, help="Start again instead of resuming an existing output.")
+    @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None,
+                  metavar="[ADDRESS|auto|local]",
+                  help="Generate on Ray actors: local (the default value) starts a private Ray for the run, "
+                       "auto joins this machine's cluster, or a cluster ADDRESS. Needs fastdecode[ray].")
+    @click.option("--actors", type=int, default=1, show_default=True, help="With --ray: model replicas.")
+    @click.option("--cpus-per-actor", type=int, default=1, show_default=True,
+                  help="With --ray: CPUs (and torch threads) per replica.")
     @model_options
     @generation_options
     @handle_errors
     def batch(input_path: str, output: str, batch_size: int | None, max_batch_tokens: int | None,
               lookahead: int | None, field: str, input_format: str,
-              chat: bool | None, quiet: bool, fail_fast: bool, overwrite: bool, model: str | None, device: str,
-              dtype: str, **kwargs: Any) -> None:
+              chat: bool | None, quiet: bool, fail_fast: bool, overwrite: bool, ray_address: str | None, actors: int,
+              cpus_per_actor: int, model: str | None, device: str, dtype: str, **kwargs: Any) -> None:
         """Generate for every line of INPUT (.jsonl or .txt, - for stdin) into OUTPUT (.jsonl).
 
         JSONL inputs are objects with a "prompt" (or --field) and an optional "id"; a .txt line
@@ -209,12 +269,18 @@ def batch_command(model_options: Callable, generation_options: Callable, handle_
         "finish_reason"} in input order (id defaults to the 0-based line index); a failed input
         gives {"id", "line", "error"}. Killed and restarted with the same command, the run
         resumes where it stopped. Exit code: 0 all ok, 1 some inputs failed, 2 bad usage.
+        With --ray, --actors Ray actors (each --cpus-per-actor CPUs) generate; the output is the same.
         """
         options = collect_options(kwargs)  # --num-return-sequences > 1 makes each output a list
         settings = BatchSettings(batch_size=batch_size, max_batch_tokens=max_batch_tokens, lookahead=lookahead,
                                  fail_fast=fail_fast)
+        ray = None
+        if ray_address is not None:
+            from ..integrations.ray_batch import RayOptions
+
+            ray = RayOptions(address=ray_address, actors=actors, cpus_per_actor=cpus_per_actor)
         code = run_batch(input_path, output, model, device, dtype, options, settings, field, input_format, chat,
-                         quiet, overwrite, quantize=kwargs.get("quantize"))
+                         quiet, overwrite, ray, quantize=kwargs.get("quantize"))
         sys.exit(code)
 
     return batch

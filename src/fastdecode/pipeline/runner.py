@@ -129,6 +129,24 @@ class PipelineStats:
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.started
 
+    def count(self, records: Sequence[dict]) -> None:
+        """Count records delivered in order (written, failed, new tokens)."""
+        for record in records:
+            self.failed += is_error(record)
+            tokens = record.get("num_tokens", 0)
+            self.new_tokens += sum(tokens) if isinstance(tokens, list) else tokens
+        self.written += len(records)
+
+
+def split_at_first_error(ready: list[dict], fail_fast: bool) -> tuple[list[dict], BatchFileError | None]:
+    """With ``fail_fast``: the records before the first error record, and the error to raise
+    once they are delivered; without it, every record and None."""
+    stop_at = next((index for index, record in enumerate(ready) if is_error(record)), None) if fail_fast else None
+    if stop_at is None:
+        return ready, None
+    bad = ready[stop_at]
+    return ready[:stop_at], BatchFileError(f"line {bad['line']}: {bad['error']}")
+
 
 @dataclass
 class _Batch:
@@ -313,24 +331,15 @@ class BatchRun:
 
     def _deliver(self, ready: list[dict]) -> None:
         """Hand records that are in order to on_records and to the caller; fail fast if asked."""
-        stop_at = None
-        if self.settings.fail_fast:
-            stop_at = next((index for index, record in enumerate(ready) if is_error(record)), None)
-            if stop_at is not None:
-                ready = ready[:stop_at + 1]
-        keep = ready if stop_at is None else ready[:-1]
+        keep, first_error = split_at_first_error(ready, self.settings.fail_fast)
         if keep:
             if self.on_records is not None:
                 self.on_records(keep)
             for record in keep:
-                self.stats.failed += is_error(record)
-                tokens = record.get("num_tokens", 0)
-                self.stats.new_tokens += sum(tokens) if isinstance(tokens, list) else tokens
                 self._out.put(record)
-            self.stats.written += len(keep)
-        if stop_at is not None:
-            bad = ready[-1]
-            raise BatchFileError(f"line {bad['line']}: {bad['error']}")
+            self.stats.count(keep)
+        if first_error is not None:
+            raise first_error
 
     def _post_stage(self) -> None:
         while True:
