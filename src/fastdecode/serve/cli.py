@@ -40,7 +40,7 @@ def serve_command(model_options, handle_errors) -> click.Command:
 
         overflow = context_overflow or ("shift" if kwargs["n_ctx"] is not None else "error")
         name = model_name or Path(model or default_model_path()).name.removesuffix(".gguf")
-        generator = load(model, device=device, dtype=dtype)
+        generator = load(model, device=device, dtype=dtype, quantize=kwargs.pop("quantize"))
         sys.exit(run(generator, host, port, model_name=name, context_overflow=overflow, **kwargs))
 
     return serve
