@@ -164,8 +164,8 @@ def _run_to(writer: OutputFile | StdoutRecords, input_path: str, output: str, mo
         stats = _run_here(items, model, device, dtype, quantize, options, settings, chat, writer, progress)
     else:
         remaining = None if total is None else max(total - state.done, 0)
-        stats = _run_on_ray(items, remaining, model, device, dtype, options, settings, field, chat, writer,
-                            progress, ray)
+        stats = _run_on_ray(items, remaining, model, device, dtype, quantize, options, settings, field, chat,
+                            writer, progress, ray)
     failed = state.failed + stats.failed
     if not quiet:
         elapsed = stats.elapsed_s
