@@ -35,6 +35,13 @@ class TokenEvent:
     finish_reason: str | None  # None | "stop" (EOS or stop string) | "length" | "cancelled"
 
 
+
+def public_finish_reason(kind: str | None) -> str | None:
+    """An internal finish kind ("eos", "stop" for a stop string, "length", "cancelled") -> the
+    reason results report (OpenAI's): EOS and stop strings are both "stop"."""
+    return "stop" if kind in ("eos", "stop") else kind
+
+
 class Sequence:
     """A request: prompt ids, its own ``GenerationConfig`` and ``TokenSelector`` (seeded generator,
     repetition-penalty mask, n-gram history), stop watcher, and the cache blocks it owns."""
@@ -87,7 +94,7 @@ class Sequence:
 
     def finish(self, kind: str) -> None:
         self.stop_kind = kind
-        self.finish_reason = "stop" if kind in ("eos", "stop") else kind
+        self.finish_reason = public_finish_reason(kind)
 
     def accept(self, token: int, logprob: float | None = None,
                top_logprobs: list[tuple[int, float]] | None = None) -> TokenEvent:

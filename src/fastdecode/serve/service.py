@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.sequence import public_finish_reason
 from ..errors import FastDecodeError
 from .metrics import ServerMetrics
 from .protocol import APIError, GenerationRequest, api_error_from
@@ -237,7 +238,7 @@ class GenerationService:
                 texts = gen.decode_results(results, **options[group[0]])
                 for k, (result, text) in enumerate(zip(results, texts)):
                     p = group[k // n]
-                    reason = "length" if result.finish_reason == "length" else "stop"
+                    reason = public_finish_reason(result.finish_reason)
                     self.metrics.generated_tokens.inc(len(result.tokens))
                     sink.put(Piece(p * n + k % n, None, text, None, None, reason, len(prompts[p]), 0,
                                    len(result.tokens)))

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..engine.sequence import public_finish_reason
 from ..errors import FastDecodeError
 from ..generation.decode import DecodeLoop
 from ..generation.stopping import TextWatcher
@@ -30,8 +31,6 @@ from .protocol import APIError, api_error_from
 from .worker import Admitted, Failed, Piece, Submission
 
 log = logging.getLogger("fastdecode.serve")
-
-_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 class _Conversation:
@@ -143,7 +142,7 @@ class LoopRunner:
                     if reason is not None:
                         text += watcher.finish()
                     submission.sink.put(Piece(submission.index, token, text, None, None,
-                                              _FINISH_REASONS.get(reason), cached + len(new_ids), cached,
+                                              public_finish_reason(reason), cached + len(new_ids), cached,
                                               len(generated)))
                     if submission.cancelled:
                         break
