@@ -85,5 +85,7 @@ class IncrementalDetokenizer:
         before = decode(self._emitted, skip_special_tokens=self._skip_special) if self._emitted else ""
         after = decode(self._emitted + self._held, skip_special_tokens=self._skip_special)
         piece = after[len(before) :]
-        self._stream = DecodeStream(ids=self._emitted + self._held, skip_special_tokens=self._skip_special)
+        if after.endswith("\ufffd"):  # a stream cannot start after half a character: go on after the text before
+            self._held = []
+        self._stream = DecodeStream(ids=(self._emitted + self._held) or None, skip_special_tokens=self._skip_special)
         return self._piece(piece)
