@@ -5,7 +5,8 @@
 Each repetition starts a new Python process per variant (this checkout, and ``--base``: another
 checkout's ``src`` folder, e.g. ``git archive main src | tar -x -C /tmp/base``) and reports, in
 seconds: ``import fastdecode``, then ``import torch`` (what ``load`` imports first), ``load()`` after
-that; and after the process was started: ``load`` done, the first streamed token of a short chat
+that (wall and CPU seconds: CPU time is less disturbed by a busy machine); and after the process
+was started: ``load`` done, the first streamed token of a short
 prompt. ``--cold`` drops the model file from the page cache
 before each run (``posix_fadvise(DONTNEED)``, that file only). The machine's load average is
 printed beside the table: timings on a shared machine are only comparable side by side.
@@ -28,13 +29,13 @@ t_import = time.time()
 import fastdecode
 t_imported = time.time()
 import torch
-t_torch = time.time()
+t_torch, cpu_torch = time.time(), time.process_time()
 gen = fastdecode.load(sys.argv[1] or None)
-t_loaded = time.time()
-next(iter(gen.stream([{"role": "user", "content": "Hi"}], max_new_tokens=1)))
+t_loaded, cpu_loaded = time.time(), time.process_time()
+next(iter(gen.stream("The capital of France is", max_new_tokens=1)))
 t_token = time.time()
 print(json.dumps({"imported": t_imported, "torch": t_torch - t_imported, "loaded": t_loaded,
-                  "first_token": t_token, "load_only": t_loaded - t_torch}))
+                  "first_token": t_token, "load_only": t_loaded - t_torch, "load_cpu": cpu_loaded - cpu_torch}))
 """
 
 
@@ -67,7 +68,7 @@ def run_once(src: str | None, path: str) -> dict[str, float]:
     start = time.time()
     out = subprocess.run([sys.executable, "-c", CHILD, path], env=env, capture_output=True, text=True, check=True)
     marks = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"import": marks["imported"] - start, "torch": marks["torch"], "load": marks["load_only"],
+    return {"import": marks["imported"] - start, "torch": marks["torch"], "load": marks["load_only"], "load cpu": marks["load_cpu"],
             "loaded": marks["loaded"] - start, "first token": marks["first_token"] - start}
 
 
@@ -90,11 +91,13 @@ def main() -> None:
                     drop_from_page_cache(path)
                 results[name].append(run_once(src, path))
         print(f"\n{model} ({'cold' if args.cold else 'warm'} page cache, median of {args.reps}, seconds)")
-        print("| variant | import fastdecode | import torch | load() | loaded (after start) | first token (after start) |")
-        print("|---|---|---|---|---|---|")
+        print("| variant | import fastdecode | import torch | load() | load() CPU | loaded (after start) "
+              "| first token (after start) |")
+        print("|---|---|---|---|---|---|---|")
         for name, runs in results.items():
             med = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-            print(f"| {name} | {med['import']:.2f} | {med['torch']:.2f} | {med['load']:.2f} | {med['loaded']:.2f} "
+            print(f"| {name} | {med['import']:.2f} | {med['torch']:.2f} | {med['load']:.2f} | {med['load cpu']:.2f} "
+                  f"| {med['loaded']:.2f} "
                   f"| {med['first token']:.2f} |")
     print(f"\nload average after: {os.getloadavg()}")
 

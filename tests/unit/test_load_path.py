@@ -7,6 +7,7 @@ SentencePiece merge ranking, ``transformers``' GPT-2 byte table. No timings are 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -159,3 +160,39 @@ def test_stream_goes_on_where_decode_stream_gives_up():
     assert detok.push(spm.token_to_id("▁a")) == " a"  # and it keeps streaming afterwards
     held = IncrementalDetokenizer(spm)
     assert [held.push(byte[0xE6]), held.finish(), held.push(spm.token_to_id("a"))] == ["", "\ufffd", "a"]
+
+
+# --- the tokenizer cache -------------------------------------------------------------------------
+def test_a_large_vocabularys_tokenizer_is_cached_by_file_identity(q4_1_file, tmp_path, monkeypatch):
+    from fastdecode.loading.tokenizer import cache
+
+    monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "MIN_CACHED_VOCABULARY", 0)  # the tiny test vocabulary counts as large
+    built = []
+    real_build = from_gguf._byte_level_bpe
+    monkeypatch.setattr(from_gguf, "_byte_level_bpe", lambda *args: built.append(1) or real_build(*args))
+    fields = GGUFFile(q4_1_file).metadata
+
+    def load() -> Tokenizer:
+        return Tokenizer.from_gguf_fields(fields, path=q4_1_file)
+
+    first, second = load(), load()
+    assert len(built) == 1 and cache.cache_file(q4_1_file).is_file()
+    assert second.backend.to_str() == first.backend.to_str() == Tokenizer.from_gguf_fields(fields).backend.to_str()
+    assert len(built) == 2  # no path: no cache
+    text = "in the sea, a 'résumé' <|im_start|>"
+    assert second.encode(text) == first.encode(text) and second.eos_token_ids == first.eos_token_ids
+
+    stat = q4_1_file.stat()
+    os.utime(q4_1_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the file changed: a miss
+    load()
+    assert len(built) == 3
+    cache.cache_file(q4_1_file).write_text("{ damaged")  # an unreadable entry: built and written again
+    assert load().backend.to_str() == first.backend.to_str() and len(built) == 4
+    load()
+    assert len(built) == 4
+
+    monkeypatch.setenv("FASTDECODE_CACHE", "off")
+    assert cache.cache_file(q4_1_file) is None
+    load()
+    assert len(built) == 5

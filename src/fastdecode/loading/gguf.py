@@ -87,6 +87,6 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool
 
     from .tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_gguf_fields(meta, source=str(path))
+    tokenizer = Tokenizer.from_gguf_fields(meta, source=str(path), path=path)
     check_tokenizer_matches(tokenizer, config, str(path))
     return Checkpoint(config, family, weights, tokenizer, str(path), "gguf")

@@ -67,13 +67,13 @@ def _q4_1(raw: np.ndarray, N: int, K: int):
 
 
 def _q5_0(raw: np.ndarray, N: int, K: int):
-    blocks = raw.reshape(N, K // 32, 22)  # [N, K/32, d(2) + qh(4) + 16 nibble bytes]
-    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [N, K/32, 1]: bit j = 5th bit of element j
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, K/32, 32]
+    blocks = raw.reshape(N, K // 32, 22)  # [N, K/32, d(2) + qh(4, bit j: 5th bit of element j) + 16 nibble bytes]
+    high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # [N, K/32, 32]
     qs = blocks[..., 6:]
-    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, K/32, 32]: elements j, then j + 16
-    codes = (low | (high << 4)).astype(np.int8) - np.int8(16)
-    return 8, 32, codes.reshape(N, K), _f16(blocks[..., :2]), None
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, K/32, 32]: elements j, then j + 16
+    codes |= np.left_shift(high, 4, out=high)
+    codes -= 16  # 0..31 -> -16..15, as int8 below (uint8 wraps to the same bytes)
+    return 8, 32, codes.view(np.int8).reshape(N, K), _f16(blocks[..., :2]), None
 
 
 def _k_affine(blocks: np.ndarray, N: int, K: int) -> tuple[np.ndarray, np.ndarray]:

@@ -227,7 +227,9 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf_fields(cls, fields: Mapping[str, Any], source: str = "GGUF metadata") -> Tokenizer:
+    def from_gguf_fields(
+        cls, fields: Mapping[str, Any], source: str = "GGUF metadata", path: Path | None = None
+    ) -> Tokenizer:
         """Rebuild the tokenizer a GGUF file describes from its metadata (key -> plain Python value).
 
         ``tokenizer.ggml.model`` picks the algorithm: ``"gpt2"`` is byte-level BPE with the word
@@ -235,11 +237,12 @@ class Tokenizer:
         ``<0xNN>`` byte fallback, spaces as "▁"). Control tokens (type 3) and the unknown token
         become special added tokens (matched whole, dropped by ``decode(skip_special_tokens=True)``);
         user-defined tokens (type 4) are matched whole but kept on decode, as llama.cpp and
-        transformers do. ``source`` (e.g. the file path) is used in error messages.
+        transformers do. ``source`` (e.g. the file path) is used in error messages; ``path``, the
+        file the fields were read from, lets a large vocabulary's backend be cached (``cache.py``).
         """
         from .from_gguf import gguf_tokenizer_parts
 
-        backend, options = gguf_tokenizer_parts(fields, source)
+        backend, options = gguf_tokenizer_parts(fields, source, path)
         return cls(backend, **options)
 
     @classmethod

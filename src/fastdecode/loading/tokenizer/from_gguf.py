@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from itertools import repeat
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 
 from ...errors import TokenizerError
+from .cache import cached_backend
 from .core import template_end_of_turn_ids
 from .pretokenizers import BYTE_LEVEL_PRE_TOKENIZERS
 
@@ -36,8 +38,11 @@ _LENGTH_MIX = np.uint64(0x9E3779B97F4A7C15)
 _MAX_CODE_POINTS = 1 << 24  # [V, L] code points held at once (64 MB, and 128 MB of hashes)
 
 
-def gguf_tokenizer_parts(fields: Mapping[str, Any], source: str) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
-    """(backend, keyword options of ``Tokenizer``) for the tokenizer a GGUF's metadata describes."""
+def gguf_tokenizer_parts(
+    fields: Mapping[str, Any], source: str, gguf_path: Path | None = None
+) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
+    """(backend, keyword options of ``Tokenizer``) for the tokenizer a GGUF's metadata describes;
+    ``gguf_path``: the file the fields come from, whose backend may be cached (``cache.py``)."""
     model = fields.get("tokenizer.ggml.model")
     if model is None:
         raise TokenizerError(f"{source} has no tokenizer (no 'tokenizer.ggml.model' key)")
@@ -64,33 +69,37 @@ def gguf_tokenizer_parts(fields: Mapping[str, Any], source: str) -> tuple[tokeni
     unk = token_id("tokenizer.ggml.unknown_token_id")
     pad = token_id("tokenizer.ggml.padding_token_id")
 
-    if model == "gpt2":
-        backend = _byte_level_bpe(fields, tokens, token_types, source)
-        default_add_bos = False
-    elif model == "llama":
-        backend = _sentencepiece_bpe(fields, tokens, token_types, unk, source)
-        default_add_bos = True
-    else:
+    if model not in ("gpt2", "llama"):
         raise TokenizerError(
             f"{source}: unsupported tokenizer model {model!r} (tokenizer.ggml.model); "
             "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)"
         )
-
-    special = set(np.flatnonzero(np.isin(token_types, (_TOKEN_CONTROL, _TOKEN_UNKNOWN))).tolist())
-    special |= {i for i in (bos, eos, unk) if i is not None}
-    user_defined = [i for i in np.flatnonzero(token_types == _TOKEN_USER_DEFINED).tolist() if i not in special]
-    backend.add_special_tokens(
-        [AddedToken(tokens[i], special=True, normalized=False) for i in sorted(special) if tokens[i]]
-    )
-    if user_defined:
-        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user_defined if tokens[i]])
-
+    default_add_bos = model == "llama"
     add_bos = _flag(fields.get("tokenizer.ggml.add_bos_token"), default_add_bos) and bos is not None
     add_eos = _flag(fields.get("tokenizer.ggml.add_eos_token"), False) and eos is not None
-    if add_bos or add_eos:
-        backend.post_processor = _template_processor(
-            (tokens[bos], bos) if add_bos else None, (tokens[eos], eos) if add_eos else None
+
+    def build() -> tokenizers.Tokenizer:
+        if model == "gpt2":
+            backend = _byte_level_bpe(fields, tokens, token_types, source)
+        else:
+            backend = _sentencepiece_bpe(fields, tokens, token_types, unk, source)
+        special = set(np.flatnonzero(np.isin(token_types, (_TOKEN_CONTROL, _TOKEN_UNKNOWN))).tolist())
+        special |= {i for i in (bos, eos, unk) if i is not None}
+        user_defined = [i for i in np.flatnonzero(token_types == _TOKEN_USER_DEFINED).tolist() if i not in special]
+        backend.add_special_tokens(
+            [AddedToken(tokens[i], special=True, normalized=False) for i in sorted(special) if tokens[i]]
         )
+        if user_defined:
+            backend.add_tokens(
+                [AddedToken(tokens[i], special=False, normalized=False) for i in user_defined if tokens[i]]
+            )
+        if add_bos or add_eos:
+            backend.post_processor = _template_processor(
+                (tokens[bos], bos) if add_bos else None, (tokens[eos], eos) if add_eos else None
+            )
+        return backend
+
+    backend = cached_backend(gguf_path, n, build)
 
     template = fields.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
