@@ -160,6 +160,8 @@ def test_stream_goes_on_where_decode_stream_gives_up():
     assert detok.push(spm.token_to_id("▁a")) == " a"  # and it keeps streaming afterwards
     held = IncrementalDetokenizer(spm)
     assert [held.push(byte[0xE6]), held.finish(), held.push(spm.token_to_id("a"))] == ["", "\ufffd", "a"]
+    after_half = IncrementalDetokenizer(spm, prompt_ids=[spm.token_to_id("▁hello"), byte[0xE6]])
+    assert after_half.push(spm.token_to_id("▁a")) == " a"  # the prompt's text is never emitted
 
 
 # --- the tokenizer cache -------------------------------------------------------------------------

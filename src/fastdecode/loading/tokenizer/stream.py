@@ -52,6 +52,8 @@ class IncrementalDetokenizer:
         self._skip_special = skip_special_tokens
         self._hidden = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         context = [i for i in map(int, prompt_ids) if i not in self._hidden][-self._CONTEXT_TOKENS :]
+        while context and tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            context.pop()  # DecodeStream would emit a context that ends in half a character as new text
         self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
         self._emitted = context  # the last tokens whose text is out: finish()'s left context
         self._held: list[int] = []  # tokens pushed since the last piece
