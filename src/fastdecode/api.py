@@ -381,7 +381,8 @@ class Generator:
         return score_tokens(self.model, ids, config)
 
     def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":
-        """A multi-turn conversation kept in a streaming cache: earlier turns are never prefilled again."""
+        """A multi-turn conversation kept between turns (an engine sequence, then past ``n_ctx`` a
+        streaming cache): earlier turns are never prefilled again."""
         from .generation.chat import ChatSession
 
         if system is not None:

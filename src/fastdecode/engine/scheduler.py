@@ -107,6 +107,8 @@ class Engine:
             raise QueueFullError(f"the engine's queue is full ({self.max_queue} waiting requests)")
         decoder_prompt = None
         if self.cross is not None:
+            if keep:
+                raise InvalidOptionError("an encoder-decoder request cannot be kept between turns (no chat)")
             self.cross.check_fits(prompt)
             decoder_prompt = [self.model.config.decoder_start_token_id]
         context = decoder_prompt or prompt
