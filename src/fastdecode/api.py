@@ -200,11 +200,12 @@ class Generator:
 
     # -- the engine ----------------------------------------------------------------------------
     def engine(self, max_batch_tokens: int = 2048, max_queue: int = 256, cache_tokens: int | None = None,
-               source_tokens: int | None = None) -> Engine:
+               prefill_chunk: int = 256, source_tokens: int | None = None) -> Engine:
         """A continuous-batching engine over this model (``submit`` / ``step``; see fastdecode.engine).
+        ``prefill_chunk``: prompt tokens per step while other sequences are decoding;
         ``source_tokens``: an encoder-decoder model's cross-attention slots (default: by memory)."""
         return Engine(self, max_batch_tokens=max_batch_tokens, max_queue=max_queue, cache_tokens=cache_tokens,
-                      source_tokens=source_tokens)
+                      prefill_chunk=prefill_chunk, source_tokens=source_tokens)
 
     def _runs_in_engine(self, config: GenerationConfig) -> bool:
         """Greedy and sampling run in the engine (decoder-only and encoder-decoder models); beam
