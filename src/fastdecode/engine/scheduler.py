@@ -122,11 +122,14 @@ class Engine:
         check_fits(len(context) + config.max_new_tokens, self.cache, f"a request of {len(context)} prompt tokens")
         sequence = self._new_sequence(prompt, config, seed, detokenize, logprobs, decoder_prompt=decoder_prompt)
         sequence.keep_cache = keep
-        if config.max_new_tokens == 0:
+        self._queue(sequence)
+        return sequence
+
+    def _queue(self, sequence: Sequence) -> None:
+        if sequence.config.max_new_tokens == 0:
             self._ended.append(sequence.end_event("length"))
         else:
             self.waiting.append(sequence)
-        return sequence
 
     def resume(self, kept: Sequence, new_tokens: list[int], config: GenerationConfig, seed: int | None,
                detokenize: bool = False) -> Sequence:
@@ -144,7 +147,7 @@ class Engine:
         sequence.block_table, kept.block_table = kept.block_table, []
         sequence.block_hashes, sequence.num_computed = kept.block_hashes, kept.num_computed
         sequence.num_cached_prompt_tokens = kept.num_computed
-        self.waiting.append(sequence)
+        self._queue(sequence)
         return sequence
 
     def drop(self, sequence: Sequence) -> None:
