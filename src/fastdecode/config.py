@@ -157,7 +157,7 @@ class EncoderDecoderConfig(ModelConfig):
 
     The inherited fields describe the decoder (``num_layers``, ``num_heads``, ``intermediate_size``
     are the decoder's; its self-attention cache is the KV cache). The encoder has its own depth,
-    heads and FFN width. Family flags select the variant: ``positions`` ("learned", "sinusoidal" or
+    heads and FFN width. Family flags select the variant: ``position_kind`` ("learned", "sinusoidal" or
     "relative"), pre- or post-LN, embedding scale and norms (BART family); relative buckets, gated
     FFN and the output rescale (T5).
     """
@@ -172,7 +172,7 @@ class EncoderDecoderConfig(ModelConfig):
     forced_eos_token_id: list[int] = field(default_factory=list)
     max_source_positions: int | None = None  # None: relative positions, no hard limit
     max_target_positions: int | None = None
-    positions: str = "learned"  # "learned" (+ position_offset), "sinusoidal" or "relative"
+    position_kind: str = "learned"  # "learned" (+ position_offset), "sinusoidal" or "relative"
     position_offset: int = 0  # BART/mBART look position p up at row p + 2
     embed_scale: float = 1.0  # sqrt(d_model) with scale_embedding
     pre_norm: bool = False  # mBART (and T5): LayerNorm before each sublayer, not after
@@ -190,17 +190,17 @@ class EncoderDecoderConfig(ModelConfig):
         from .errors import CheckpointError
 
         super().validate(source)
-        if self.positions not in ("learned", "sinusoidal", "relative"):
-            raise CheckpointError(f"config of {source}: unknown positions {self.positions!r}")
-        if self.positions != "relative" and self.hidden_size % self.num_encoder_heads:
+        if self.position_kind not in ("learned", "sinusoidal", "relative"):
+            raise CheckpointError(f"config of {source}: unknown position_kind {self.position_kind!r}")
+        if self.position_kind != "relative" and self.hidden_size % self.num_encoder_heads:
             raise CheckpointError(f"config of {source}: num_encoder_heads ({self.num_encoder_heads}) must divide "
                                   f"hidden_size ({self.hidden_size})")
 
     @property
     def position_scheme(self) -> str:
-        if self.positions == "learned":
+        if self.position_kind == "learned":
             return f"learned absolute (offset {self.position_offset})"
-        return "sinusoidal" if self.positions == "sinusoidal" else "relative buckets"
+        return "sinusoidal" if self.position_kind == "sinusoidal" else "relative buckets"
 
     def cross_cache_bytes_per_source_token(self, bytes_per_element: int = 4) -> int:
         """Cross-attention K and V for every decoder layer, per source token (stored once per source)."""
