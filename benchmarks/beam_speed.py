@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 
 import harness
 from harness import median, spread
-from random_models import build_bart, build_gpt2, random_ids, saved_pair
+from random_models import build_bart, build_gpt2, random_ids, run_models, saved_pair
 
 TARGET_SPEEDUP = 3.0
 TARGET_NGRAM_SHARE = 0.02
@@ -93,13 +92,8 @@ def main() -> None:
     settings.threads = args.threads or settings.threads
     torch.set_num_threads(settings.threads)
     builders = {"bart-base size": build_bart, "gpt2 size": build_gpt2}
-    chosen = {name: fn for name, fn in builders.items() if name.split("-")[0].split()[0] in args.models.split(",")}
-
-    rows = []
     started, meter = time.perf_counter(), harness.Contention()
-    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode(False):
-        for index, (name, build) in enumerate(chosen.items()):
-            rows.append(run_model(name, build, settings, Path(tmp) / str(index)))
+    rows = run_models(builders, args.models, run_model, settings)
 
     print(f"\n# Beam search: {settings.batch} prompts x {settings.prompt_length} tokens, beam {settings.beams}, "
           f"no_repeat_ngram_size {settings.ngram}, length_penalty {settings.length_penalty}, "

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 
 import harness
 from harness import median, spread
-from random_models import build_bart, build_t5, random_ids, saved_pair
+from random_models import build_bart, build_t5, random_ids, run_models, saved_pair
 
 TARGET_SPEEDUP = 2.0
 
@@ -100,13 +99,8 @@ def main() -> None:
     settings.threads = args.threads or settings.threads
     torch.set_num_threads(settings.threads)
     builders = {"bart-base size": build_bart, "t5-small size": build_t5}
-    chosen = {name: fn for name, fn in builders.items() if name.split("-")[0] in args.models.split(",")}
-
-    rows = []
     started, meter = time.perf_counter(), harness.Contention()
-    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode(False):
-        for index, (name, build) in enumerate(chosen.items()):
-            rows += run_model(name, build, settings, Path(tmp) / str(index))
+    rows = [row for model_rows in run_models(builders, args.models, run_model, settings) for row in model_rows]
 
     print(f"\n# Encoder-decoder greedy generation, {settings.batch} sources x {settings.source_length} tokens, "
           f"float32, torch {torch.__version__}\n")

@@ -133,12 +133,17 @@ def run_pipeline(gen, prompts, args, post, lookahead=None) -> dict:
             "generate waits for reader": s.starve_s, "wall": time.perf_counter() - started}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The batch workload's flags, shared with ray_batch.py."""
     parser.add_argument("--prompts", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_arguments(parser)
     parser.add_argument("--post-ms", type=float, default=None, help="post-processing cost per record (ms)")
     parser.add_argument("--post-share", type=float, default=0.3,
                         help="calibrate --post-ms so post-processing is this share of the sync loop")

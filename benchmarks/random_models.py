@@ -62,3 +62,20 @@ def random_ids(batch: int, length: int, vocab: int):
     import torch
 
     return torch.randint(3, vocab - 1, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def run_models(builders: dict, wanted: str, run_model, settings) -> list:
+    """``run_model(name, build, settings, folder)`` for each builder whose name's first word (before a
+    space or dash) is in the comma-separated ``wanted``, each in its own temporary folder."""
+    import re
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode(False):
+        for index, (name, build) in enumerate(builders.items()):
+            if re.split(r"[ -]", name)[0] in wanted.split(","):
+                results.append(run_model(name, build, settings, Path(tmp) / str(index)))
+    return results

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import harness
 from harness import median, spread, table
-from pipeline_speed import make_prompts
+from pipeline_speed import add_workload_arguments, make_prompts
 
 VARIANTS = {"single": ("2", []), "single1": ("1", []),
             "ray": ("1", ["--ray", "local", "--actors", "2", "--cpus-per-actor", "1"])}
@@ -62,10 +62,7 @@ def run_variant(name: str, args: argparse.Namespace, source: Path, output: Path)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2)
+    add_workload_arguments(parser)
     parser.add_argument("--one-thread", action="store_true",
                         help="also a single process with 1 thread (how fast one core is, for reference)")
     args = parser.parse_args()
