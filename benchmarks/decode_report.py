@@ -198,8 +198,8 @@ def best_rep_note(results: dict[str, Any], settings: Any) -> str:
 def render(results: dict[str, Any], settings: Any) -> str:
     machine = results["machine"]
     head = (f"## fastdecode decode-speed benchmark{' (--quick: indicative only)' if results['quick'] else ''}\n\n"
-            f"{machine['line']}, torch {machine['torch']}; load average at start "
-            f"{machine['load_average_start'][0]:.2f}, at end {machine['load_average_end'][0]:.2f}; other processes "
+            f"{machine['line']} at start, {machine['load_average_end'][0]:.2f} at end, torch {machine['torch']}; "
+            f"other processes "
             f"kept {machine['other_load_avg']:.2f} of {machine['cpus']} cores busy on average during the run; "
             f"total {results['elapsed_s']:.0f} s.")
     if machine["other_load_avg"] > 0.25:

@@ -349,7 +349,7 @@ def run(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
         print("loading engines ...", file=sys.stderr)
         workers = start_workers(settings, ct2_options, Path(log_dir))
         try:
-            results["load_s"] = {name: w.ready["load_s"] for name, w in workers.items()}
+            results["load_s"] = {name: w.ready["engine_s"] for name, w in workers.items()}
             results["machine"]["torch"] = workers["fastdecode"].ready["torch"]
             results["model"] = workers["fastdecode"].call("info")
             if "transformers" in workers:

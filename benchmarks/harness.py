@@ -56,7 +56,8 @@ def machine_line(threads: int) -> str:
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
                   if line.startswith("model name")), platform.machine()) if cpuinfo.exists() else platform.machine()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return f"{cpu_count()} CPUs ({model}), {threads} thread(s), python {platform.python_version()}, load average {load:.2f}"
+    return (f"{cpu_count()} CPUs ({model}), {threads} thread(s), python {platform.python_version()}, "
+            f"load average {load:.2f}")
 
 
 def quiet_env(**extra: str) -> dict[str, str]:
@@ -211,8 +212,9 @@ class WorkerError(RuntimeError):
 class Worker:
     """Parent side of one engine's process: ``script --worker NAME --options JSON``, JSON lines.
 
-    ``ready`` is the worker's first line: load_s (from the launch, imports included), torch's version
-    and threads, and whatever the engine's ``ready_info()`` adds.
+    ``ready`` is the worker's first line: load_s (from the launch: interpreter, imports, load), engine_s
+    (building the engine after torch is imported: its own imports and load), torch's version and
+    threads, and whatever the engine's ``ready_info()`` adds.
     """
 
     def __init__(self, script: str | Path, name: str, options: dict[str, Any], log_dir: Path):
@@ -317,9 +319,10 @@ def serve_worker(engine_factory: Callable[[dict[str, Any]], Any], options: dict[
     import torch
 
     torch.set_num_threads(options["threads"])
+    built = time.perf_counter()
     engine = engine_factory(options)
-    ready = {"load_s": time.time() - options.get("launched_at", time.time()), "threads": torch.get_num_threads(),
-             "torch": torch.__version__}
+    ready = {"load_s": time.time() - options.get("launched_at", time.time()), "engine_s": time.perf_counter() - built,
+             "threads": torch.get_num_threads(), "torch": torch.__version__}
     ready.update(engine.ready_info() if hasattr(engine, "ready_info") else {})
     protocol.write(json.dumps(ready) + "\n")
     state: dict[str, Any] = {}

@@ -97,7 +97,7 @@ def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]
         if name == "fastdecode":
             command = [sys.executable, "-m", "fastdecode.cli", "serve", "-m", str(gguf), "--port", str(port),
                        "--model-name", "smollm2", "--max-queue", "512"]
-            servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF blocks, natively (fastdecode.load's default)",
+            servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF blocks, natively (load's default)",
                                   env={"OMP_NUM_THREADS": threads}))
         elif name == "transformers":
             exe = shutil.which("transformers") or str(Path(sys.executable).parent / "transformers")

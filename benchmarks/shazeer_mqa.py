@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     kinds = {"MHA": HEADS, "GQA": HEADS // 4, "MQA": 1}
     results: dict[tuple[str, int, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        models = {name: saved_pair(lambda kv=kv: build_llama_block(kv, LAYERS, HIDDEN, HEADS, VOCAB, max(contexts) + 64),
+        max_context = max(contexts) + 64
+        models = {name: saved_pair(lambda kv=kv: build_llama_block(kv, LAYERS, HIDDEN, HEADS, VOCAB, max_context),
                                    Path(tmp) / name)[1] for name, kv in kinds.items()}
         for batch in (1, 8):
             for context in contexts:

@@ -76,7 +76,8 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def server_command(binary: Path, gguf: Path, port: int, threads: int, parallel: int, context_per_slot: int) -> list[str]:
+def server_command(binary: Path, gguf: Path, port: int, threads: int, parallel: int,
+                   context_per_slot: int) -> list[str]:
     """llama-server on ``gguf`` with ``parallel`` slots and continuous batching."""
     return [str(binary), "-m", str(gguf), "--port", str(port), "-t", str(threads), "-tb", str(threads),
             "-np", str(parallel), "-c", str(context_per_slot * parallel), "--cont-batching", "--no-webui"]
@@ -108,7 +109,8 @@ def server_start(binary: Path, gguf: Path, threads: int, prompt: list[int], time
         first = time.time()
         status = Path(f"/proc/{process.pid}/status")
         rss = re.search(r"^VmRSS:\s+(\d+)", status.read_text(), re.M) if status.exists() else None
-        return {"load_s": loaded - launched, "first_token_s": first - launched, "rss_kib": int(rss.group(1)) if rss else 0}
+        return {"load_s": loaded - launched, "first_token_s": first - launched,
+                "rss_kib": int(rss.group(1)) if rss else 0}
     finally:
         process.terminate()
         try:

@@ -198,7 +198,8 @@ def _run_on_ray(items: Iterator[InputItem], remaining: int | None, load: LoadSet
     predictor = dict(**dataclasses.asdict(load), options=options, field=field, chat=chat,
                      batch_size=settings.batch_size, max_batch_tokens=settings.max_batch_tokens)
     if ray.address == "local" and load.model is not None and not Path(load.model).exists():
-        raise ModelNotFoundError(f"model path {load.model} does not exist")  # before Ray starts actors that cannot load it
+        # before Ray starts actors that cannot load it
+        raise ModelNotFoundError(f"model path {load.model} does not exist")
     quiet_ray_logs()
     try:
         with ray_connection(ray):
