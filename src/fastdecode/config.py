@@ -21,6 +21,7 @@ class ModelConfig:
     """Canonical description of a decoder-only model, whatever format it came from."""
 
     is_encoder_decoder: ClassVar[bool] = False
+    position_kinds: ClassVar[tuple[str, ...]] = ("rope", "alibi", "learned")  # the schemes position_kind names
 
     family: str  # registry key: "llama" (llama, mistral, qwen2, smollm2) or "gpt2"
     architecture: str  # the name the checkpoint used (e.g. "MistralForCausalLM", "llama")
@@ -132,8 +133,9 @@ class ModelConfig:
                 raise fail(f"{name} must be a finite number >= 0, got {value!r}")
         if self.position_kind == "rope" and not 0 < self.partial_rotary_factor <= 1:
             raise fail(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
-        if self.position_kind not in ("rope", "alibi", "learned"):
-            raise fail(f"position_kind must be rope, alibi or learned, got {self.position_kind!r}")
+        if self.position_kind not in self.position_kinds:
+            kinds = ", ".join(self.position_kinds[:-1]) + " or " + self.position_kinds[-1]
+            raise fail(f"position_kind must be {kinds}, got {self.position_kind!r}")
         if self.sliding_window is not None and (not _is_int(self.sliding_window) or self.sliding_window < 1):
             raise fail(f"sliding_window must be an integer >= 1 when a sliding window is used, "
                        f"got {self.sliding_window!r}")
@@ -163,6 +165,7 @@ class EncoderDecoderConfig(ModelConfig):
     """
 
     is_encoder_decoder: ClassVar[bool] = True
+    position_kinds: ClassVar[tuple[str, ...]] = ("learned", "sinusoidal", "relative")
 
     num_encoder_layers: int = 0
     num_encoder_heads: int = 0
@@ -190,8 +193,6 @@ class EncoderDecoderConfig(ModelConfig):
         from .errors import CheckpointError
 
         super().validate(source)
-        if self.position_kind not in ("learned", "sinusoidal", "relative"):
-            raise CheckpointError(f"config of {source}: unknown position_kind {self.position_kind!r}")
         if self.position_kind != "relative" and self.hidden_size % self.num_encoder_heads:
             raise CheckpointError(f"config of {source}: num_encoder_heads ({self.num_encoder_heads}) must divide "
                                   f"hidden_size ({self.hidden_size})")
