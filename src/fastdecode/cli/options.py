@@ -63,10 +63,12 @@ def streaming_options(command):
 
 
 def streaming_values(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The streaming flags, taken out of ``kwargs``."""
     return {name: kwargs.pop(name) for name in ("n_ctx", "n_keep", "n_discard", "policy")}
 
 
 def model_options(command):
+    """Which model to load and how: --model, --quantize, --device, --dtype (see ``load_settings``)."""
     command = click.option("--dtype", default="float32", show_default=True,
                            type=click.Choice(["float32", "bfloat16", "float16"]))(command)
     command = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")(command)
@@ -78,6 +80,7 @@ def model_options(command):
 
 
 def collect_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``generation_options``' flags as the options ``Generator`` methods take (HF names)."""
     options = {
         name: kwargs[name]
         for name in ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
