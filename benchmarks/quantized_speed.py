@@ -3,9 +3,8 @@
 
 Engines (each in its own worker process; engines alternate within every repetition, medians):
 fastdecode native (the GGUF's own blocks), fastdecode float32 (blocks dequantized at load),
-llama.cpp on the same file (its own binaries: llama-batched-bench for the rates, llama-server for load
-time, first token and RSS; see peers/llama_cpp.py), CTranslate2 float32 and int8 (a conversion of the
-same weights), transformers (the GGUF dequantized). Rows: load time, first token after process start,
+llama.cpp on the same file (its own llama-server with 8 parallel slots; see peers/llama_cpp.py),
+CTranslate2 float32 and int8 (a conversion of the same weights), transformers (the GGUF dequantized). Rows: load time, first token after process start,
 tokens/s at batch 1 (64 new tokens) and batch 8 (128), prompt processing on a 512-token prompt,
 resident memory, and the bandwidth limit for the bytes each engine reads per token.
 Then a bart-base-size random model, 8 sources x 256 tokens, beam 4: fastdecode int8 / float32 vs
@@ -121,21 +120,17 @@ def missing_module(name: str) -> str | None:
     return None if module is None or importlib.util.find_spec(module) else f"{module} not installed"
 
 
-def llama_cpp_peer(args) -> tuple[llama_cpp.BatchedBench | None, str | None]:
-    """llama.cpp's batched bench (rates) and its server's start-up numbers, or why it cannot run."""
-    folder = llama_cpp.bin_dir(args.llama_cpp_bin)
-    bench, why = llama_cpp.find_binary("llama-batched-bench", folder)
-    if bench is None:
+def llama_cpp_peer(args) -> tuple[llama_cpp.ServerPeer | None, str | None]:
+    """llama-server with 8 parallel slots on the same file, started (and timed) now, or why it cannot run."""
+    binary, why = llama_cpp.find_binary("llama-server", llama_cpp.bin_dir(args.llama_cpp_bin))
+    if binary is None:
         return None, why
-    peer = llama_cpp.BatchedBench(bench, harness.embedded_model_path(), args.threads)
-    server, why = llama_cpp.find_binary("llama-server", folder)
-    if server is not None:
-        try:
-            peer.ready = llama_cpp.server_start(server, harness.embedded_model_path(), args.threads, PROMPT_IDS[:8])
-        except (RuntimeError, OSError) as exc:
-            why = str(exc)
-    peer.ready["bytes_per_token"] = harness.embedded_model_path().stat().st_size
-    peer.ready["note"] = why  # load / first token / RSS not measured when the server could not start
+    gguf = harness.embedded_model_path()
+    try:
+        peer = llama_cpp.ServerPeer(binary, gguf, args.threads, PROMPT_IDS[:8], parallel=8)
+    except (RuntimeError, OSError) as exc:
+        return None, str(exc)
+    peer.ready["bytes_per_token"] = gguf.stat().st_size
     return peer, None
 
 
@@ -172,7 +167,7 @@ def embedded_section(args) -> str:
         ready, seconds = peer.ready, {job: [r["seconds"] for r in replies] for job, replies in runs[name].items()}
         rates[name] = [median(new1 / s for s in seconds["batch 1"]), median(8 * new8 / s for s in seconds["batch 8"]),
                        median(prompt_length / s for s in seconds["prompt"])]
-        rss = peer.call("memory")["now"]["rss"] if isinstance(peer, Worker) else ready.get("rss_kib")
+        rss = peer.call("memory")["now"]["rss"] if isinstance(peer, Worker) else ready["rss_kib"]
         per_token = ready.get("bytes_per_token")
         limit = limit_tokens_per_s(bandwidth, per_token)
         rows.append([name, f"{ready['load_s']:.2f}" if "load_s" in ready else "-",
@@ -180,18 +175,17 @@ def embedded_section(args) -> str:
                      spread([new1 / s for s in seconds["batch 1"]]), spread([8 * new8 / s for s in seconds["batch 8"]]),
                      spread([prompt_length / s for s in seconds["prompt"]], 0), f"{rss / 1024:.0f}" if rss else "-",
                      f"{per_token / 1e6:.0f}" if per_token else "-", f"{limit:.0f}" if limit else "-"])
-    harness.close_all(workers)
+    harness.close_all(peers)
     header = ["engine", "load s", "first token s", "batch 1 tok/s", "batch 8 tok/s", f"prompt {prompt_length} tok/s",
               "RSS MB", "MB read/token", "bandwidth limit tok/s"]
     lines = [f"## Embedded SmolLM2-135M Q4_1 GGUF, {args.threads} threads, {args.reps} reps: median (min-max); "
              f"memory bandwidth {bandwidth:.1f} GB/s", "", harness.machine_line(args.threads), "",
              table(header, rows + [not_run(n, why, len(header)) for n, why in missing.items()]), ""]
     if "llama.cpp" in peers:
-        note = peers["llama.cpp"].ready.get("note")
-        lines.append("- llama.cpp: rates from llama-batched-bench (its own timers: the prompt pass plus new tokens - 1 "
-                     "decode steps, 8 sequences decoded together at batch 8); load and first token: llama-server "
-                     "process start to a ready /health and to a 1-token completion"
-                     + (f"; load, first token and RSS NOT RUN ({note})" if note else ""))
+        lines.append("- llama.cpp: llama-server with 8 parallel slots (continuous batching) on the same file; each "
+                     "call sends its prompts as concurrent /completion requests (greedy, ignore_eos, exactly the new "
+                     "tokens) and is timed to the last answer; load and first token: process start to a ready "
+                     "/health and to a 1-token completion")
     return "\n".join(lines + targets(rates, {r[0]: r for r in rows}))
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server, llama-bench and llama-batched-bench from the llama.cpp sources
+# Build llama.cpp's llama-server (what quantized_speed.py and serve_load.py run) from the llama.cpp sources
 # vendored in the llama-cpp-python sdist (PyPI), so the benchmarks can run llama.cpp on the same GGUF.
 # About 15 minutes on 2 cores. Needs cmake, ninja (or make) and a C++17 compiler (Debian: cmake
 # ninja-build g++). Usage:
@@ -13,7 +13,7 @@ set -euo pipefail
 CACHE_DIR="${1:-${XDG_CACHE_HOME:-$HOME/.cache}/fastdecode-bench/llama.cpp}"
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"   # the sdist whose vendored llama.cpp was benchmarked
 PYTHON="${PYTHON:-python3}"
-TARGETS=(llama-server llama-bench llama-batched-bench)
+TARGETS=(${LLAMA_CPP_TARGETS:-llama-server})   # e.g. LLAMA_CPP_TARGETS="llama-server llama-bench"
 JOBS="${JOBS:-$(nproc)}"
 
 mkdir -p "$CACHE_DIR"

@@ -1,6 +1,6 @@
-"""llama.cpp as a peer, through its own binaries (built by build_llama_cpp.sh): ``llama-batched-bench``
-for tokens/s at batch 1 and 8 and prompt processing, ``llama-server`` for load time, first token and RSS
-(and for serve_load.py's parallel slots).
+"""llama.cpp as a peer, through its own ``llama-server`` binary (built by build_llama_cpp.sh): load time,
+first token, RSS, and tokens/s at batch 1 and 8 and prompt processing through its parallel slots
+(quantized_speed.py); the same server under load (serve_load.py).
 
 The binary folder: ``--llama-cpp-bin DIR``, else ``$LLAMA_CPP_BIN``, else build_llama_cpp.sh's default
 cache. A missing binary is reported with the reason, never estimated.
@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import socket
 import subprocess
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,41 +41,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class BatchedBench:
-    """Looks like a harness.Worker to the parent: ``call("generate", prompts, new_tokens)`` runs one
-    ``llama-batched-bench`` process for that shape (B sequences of the prompt's length, random tokens,
-    its own prompt each) and returns its own timers: the prompt pass plus ``new_tokens - 1`` decode steps
-    (the first new token comes from the prompt pass, as in fastdecode's generate). The model load of
-    each process is not timed."""
-
-    def __init__(self, binary: Path, gguf: Path, threads: int):
-        self.name, self.binary, self.gguf, self.threads = "llama.cpp", binary, gguf, threads
-        self.ready: dict[str, Any] = {}
-
-    def call(self, op: str, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-        assert op == "generate", op
-        batch, length, steps = len(prompts), len(prompts[0]), new_tokens - 1
-        command = [str(self.binary), "-m", str(self.gguf), "-c", str(batch * (length + new_tokens) + 16),
-                   "-b", "2048", "-ub", "512", "-npp", str(length), "-ntg", str(steps), "-npl", str(batch),
-                   "-t", str(self.threads), "-tb", str(self.threads), "--output-format", "jsonl"]
-        cpu_before = _children_cpu_seconds()
-        done = subprocess.run(command, capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() + done.stderr.splitlines() if line.startswith("{")]
-        if done.returncode != 0 or not lines:
-            raise RuntimeError(f"llama-batched-bench failed ({done.returncode}): {done.stderr[-500:]}")
-        result = json.loads(re.sub(r"\b-?(nan|inf)\b", "null", lines[-1]))
-        return {"seconds": result["t_pp"] + (result["t_tg"] or 0.0), "cpu_s": _children_cpu_seconds() - cpu_before,
-                "rows": None, "llama": result}
-
-    def close(self) -> None:
-        pass
-
-
-def _children_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def server_command(binary: Path, gguf: Path, port: int, threads: int, parallel: int,
                    context_per_slot: int) -> list[str]:
     """llama-server on ``gguf`` with ``parallel`` slots and continuous batching."""
@@ -83,37 +48,78 @@ def server_command(binary: Path, gguf: Path, port: int, threads: int, parallel: 
             "-np", str(parallel), "-c", str(context_per_slot * parallel), "--cont-batching", "--no-webui"]
 
 
-def server_start(binary: Path, gguf: Path, threads: int, prompt: list[int], timeout: float = 120.0) -> dict[str, Any]:
-    """Start llama-server (1 slot): seconds from process start to a ready /health (load_s) and to the
-    first token of a 1-token completion of ``prompt`` (first_token_s), and its RSS then (rss_kib)."""
-    port = free_port()
-    launched = time.time()
-    process = subprocess.Popen(server_command(binary, gguf, port, threads, 1, 1024), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
+class ServerPeer:
+    """llama-server with ``parallel`` slots, looking like a harness.Worker to the parent.
+
+    ``ready``: seconds from process start to a ready ``/health`` (load_s) and to the answer of a
+    1-token completion of ``first_prompt`` (first_token_s), and the RSS then (rss_kib).
+    ``call("generate", prompts, new_tokens)`` sends every prompt at once as its own ``/completion``
+    request (token ids, greedy, ``ignore_eos``, exactly ``new_tokens``, no prompt cache), so up to
+    ``parallel`` sequences are decoded together (continuous batching), and times until the last answer.
+    """
+
+    def __init__(self, binary: Path, gguf: Path, threads: int, first_prompt: list[int], parallel: int = 8,
+                 context_per_slot: int = 1024, timeout: float = 300.0):
+        self.name, self.timeout = "llama.cpp", timeout
+        port = free_port()
+        launched = time.time()
+        self.process = subprocess.Popen(server_command(binary, gguf, port, threads, parallel, context_per_slot),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.base = f"http://127.0.0.1:{port}"
+        try:
+            self._wait_ready(launched)
+            loaded = time.time()
+            self._complete(first_prompt, 1)
+            first = time.time()
+        except BaseException:
+            self.close()
+            raise
+        self.ready = {"load_s": loaded - launched, "first_token_s": first - launched, "rss_kib": self._status("VmRSS")}
+
+    def _wait_ready(self, launched: float) -> None:
         while True:
-            if process.poll() is not None or time.time() - launched > timeout:
-                raise RuntimeError(f"llama-server did not start (exit code {process.poll()})")
+            if self.process.poll() is not None or time.time() - launched > self.timeout:
+                raise RuntimeError(f"llama-server did not start (exit code {self.process.poll()})")
             try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as response:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as response:
                     if response.status == 200:
-                        break
+                        return
             except OSError:
                 time.sleep(0.05)
-        loaded = time.time()
-        body = json.dumps({"prompt": prompt, "n_predict": 1, "temperature": 0, "cache_prompt": False}).encode()
-        request = urllib.request.Request(base + "/completion", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            response.read()
-        first = time.time()
-        status = Path(f"/proc/{process.pid}/status")
-        rss = re.search(r"^VmRSS:\s+(\d+)", status.read_text(), re.M) if status.exists() else None
-        return {"load_s": loaded - launched, "first_token_s": first - launched,
-                "rss_kib": int(rss.group(1)) if rss else 0}
-    finally:
-        process.terminate()
+
+    def _complete(self, prompt: list[int], new_tokens: int) -> int:
+        body = json.dumps({"prompt": prompt, "n_predict": new_tokens, "temperature": 0, "top_k": 1,
+                           "ignore_eos": True, "cache_prompt": False}).encode()
+        request = urllib.request.Request(self.base + "/completion", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            return json.loads(response.read())["tokens_predicted"]
+
+    def _status(self, field: str) -> int:
+        status = Path(f"/proc/{self.process.pid}/status")
+        found = re.search(rf"^{field}:\s+(\d+)", status.read_text(), re.M) if status.exists() else None
+        return int(found.group(1)) if found else 0
+
+    def _cpu_seconds(self) -> float:
+        stat = Path(f"/proc/{self.process.pid}/stat")
+        if not stat.exists():
+            return 0.0
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    def call(self, op: str, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+        assert op == "generate", op
+        cpu_before, started = self._cpu_seconds(), time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            counts = list(pool.map(lambda prompt: self._complete(prompt, new_tokens), prompts))
+        seconds = time.perf_counter() - started
+        if any(count != new_tokens for count in counts):
+            raise RuntimeError(f"llama-server produced {counts} tokens, not {new_tokens} each")
+        return {"seconds": seconds, "cpu_s": self._cpu_seconds() - cpu_before, "rows": None}
+
+    def close(self) -> None:
+        self.process.terminate()
         try:
-            process.wait(30)
+            self.process.wait(30)
         except subprocess.TimeoutExpired:
-            process.kill()
+            self.process.kill()
