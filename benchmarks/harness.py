@@ -280,6 +280,16 @@ def start_workers(script: str | Path, wanted: dict[str, dict[str, Any]], log_dir
     return workers, failed
 
 
+def stop_process(process: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after ``grace`` seconds."""
+    process.terminate()
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def close_all(workers: dict[str, Worker]) -> None:
     for worker in workers.values():
         worker.close()

@@ -4,9 +4,10 @@
 Engines (each in its own worker process; engines alternate within every repetition, medians):
 fastdecode native (the GGUF's own blocks), fastdecode float32 (blocks dequantized at load),
 llama.cpp on the same file (its own llama-server with 8 parallel slots; see peers/llama_cpp.py),
-CTranslate2 float32 and int8 (a conversion of the same weights), transformers (the GGUF dequantized). Rows: load time, first token after process start,
-tokens/s at batch 1 (64 new tokens) and batch 8 (128), prompt processing on a 512-token prompt,
-resident memory, and the bandwidth limit for the bytes each engine reads per token.
+CTranslate2 float32 and int8 (a conversion of the same weights), transformers (the GGUF dequantized).
+Rows: load time, first token after process start, tokens/s at batch 1 (64 new tokens) and batch 8
+(128), prompt processing on a 512-token prompt, resident memory, and the bandwidth limit for the
+bytes each engine reads per token.
 Then a bart-base-size random model, 8 sources x 256 tokens, beam 4: fastdecode int8 / float32 vs
 CTranslate2 int8 / float32.
 

@@ -80,11 +80,7 @@ class Server:
         return False
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        harness.stop_process(self.process)
 
 
 def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]:

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from harness import stop_process
+
 DEFAULT_BIN = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastdecode-bench/llama.cpp/build/bin"
 BUILD_HINT = "build it with benchmarks/peers/build_llama_cpp.sh, or pass --llama-cpp-bin / set LLAMA_CPP_BIN"
 
@@ -118,8 +120,4 @@ class ServerPeer:
         return {"seconds": seconds, "cpu_s": self._cpu_seconds() - cpu_before, "rows": None}
 
     def close(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        stop_process(self.process)
