@@ -13,6 +13,7 @@ what else is in the step. Nothing about the step is stored on the cache object.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,6 +40,12 @@ def layer_windows(config) -> list[int | None]:
     return list(config.layer_windows)
 
 
+def attention_terms(model) -> tuple[list[int | None], Callable | None]:
+    """(each layer's window, the model's position bias or None) a plan masks attention with."""
+    cfg = model.config
+    return layer_windows(cfg), (model.alibi_bias if cfg.position_kind == "alibi" else None)
+
+
 class StepPlan:
     def __init__(self, cache: SlotCache, write_slots: torch.Tensor, groups: list[AttentionGroup],
                  windows: list[int | None], score_bias: Callable[[torch.Tensor], torch.Tensor] | None,
@@ -50,6 +57,36 @@ class StepPlan:
         self.score_bias = score_bias  # ALiBi: distances [B, T, S] -> bias [B, H, T, S]
         self.dtype = dtype
         self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
+
+    @classmethod
+    def for_rows(cls, cache: SlotCache, rows: list[tuple[list[int], int, int]], windows: list[int | None],
+                 score_bias: Callable | None, dtype: torch.dtype) -> "StepPlan":
+        """The plan of one forward over ``rows``: (block table, first position, token count) per
+        sequence, in the order its tokens are laid out flat. Consecutive one-token rows attend as
+        one group; every longer chunk is a group of its own."""
+        device = cache.keys.device
+        slots, groups, first = [], [], 0
+        for index, (table, start, count) in enumerate(rows):
+            slots += cache.slot_ids(table, start, start + count)
+            if count == 1 and index > 0 and rows[index - 1][2] == 1:
+                continue  # already in the group of the one-token run it belongs to
+            if count == 1:
+                run = list(itertools.takewhile(lambda row: row[2] == 1, rows[index:]))
+                ends = [row[1] + 1 for row in run]
+                query_positions = torch.tensor(ends, device=device)[:, None] - 1  # [rows, 1]
+                groups.append(cls._group(cache, first, [row[0] for row in run], max(ends), 1, query_positions))
+                first += len(run)
+            else:
+                query_positions = torch.arange(start, start + count, device=device)[None]  # [1, T]
+                groups.append(cls._group(cache, first, [table], start + count, count, query_positions))
+                first += count
+        return cls(cache, torch.tensor(slots, dtype=torch.long, device=device), groups, windows, score_bias, dtype)
+
+    @staticmethod
+    def _group(cache: SlotCache, first: int, tables: list[list[int]], num_keys: int, queries: int,
+               query_positions: torch.Tensor) -> AttentionGroup:
+        block_table = cache.block_tables(tables, cache.pool.blocks_for(num_keys))
+        return AttentionGroup(first, len(tables), queries, block_table, query_positions)
 
     def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
         return no_distances(query_positions)
