@@ -25,7 +25,7 @@ import torch
 from ..config import GenerationConfig
 from ..errors import InvalidOptionError, QueueFullError, UnsupportedModelError
 from ..generation.sampling import TokenSelector, sequence_seeds
-from .plan import StepPlan, attention_terms
+from .plan import AttentionGroup, StepPlan, layer_windows
 from .sequence import Sequence, TokenEvent, token_logprobs
 from .slots import SlotCache, check_fits
 
@@ -52,7 +52,8 @@ class Engine:
         num_blocks = max(1, -(-cache_tokens // block_size))
         self.cache = SlotCache(cfg.num_layers, num_blocks, cfg.num_kv_heads, cfg.head_dim, model.dtype,
                                model.device, block_size)
-        self.windows, self.score_bias = attention_terms(model)
+        self.windows = layer_windows(cfg)
+        self.score_bias = model.alibi_bias if cfg.position_kind == "alibi" else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.tokens_run = 0  # tokens the model has run (prefix-cache hits are not run)
@@ -166,16 +167,17 @@ class Engine:
     def _run(self, work: list[tuple[Sequence, int]]) -> list[TokenEvent]:
         device = self.model.device
         work = [w for w in work if w[1] == 1] + [w for w in work if w[1] > 1]  # one-query rows first
-        tokens, positions, logit_rows, sampled = [], [], [], []
+        tokens, positions, slots, logit_rows, sampled = [], [], [], [], []
         for sequence, count in work:
             start = sequence.num_computed
             tokens += sequence.tokens(start, start + count)
             positions += range(start, start + count)
+            slots += self.cache.slot_ids(sequence.block_table, start, start + count)
             if start + count == sequence.num_tokens:
                 logit_rows.append(len(tokens) - 1)
                 sampled.append(sequence)
-        plan = StepPlan.for_rows(self.cache, [(s.block_table, s.num_computed, count) for s, count in work],
-                                 self.windows, self.score_bias, self.model.dtype)
+        plan = StepPlan(self.cache, torch.tensor(slots, device=device), self._groups(work), self.windows,
+                        self.score_bias, self.model.dtype)
         token_tensor = torch.tensor([tokens], device=device)  # [1, N]
         position_tensor = torch.tensor([positions], device=device)  # [1, N]
         logits = self.model.forward(token_tensor, position_tensor, plan, None,
@@ -184,6 +186,28 @@ class Engine:
         for sequence, count in work:
             self._computed(sequence, sequence.num_computed + count)
         return self._sample(sampled, logits)
+
+    def _groups(self, work: list[tuple[Sequence, int]]) -> list[AttentionGroup]:
+        """One group for all one-query rows, one per longer chunk (``work`` is in that order)."""
+        device = self.model.device
+        singles = [s for s, count in work if count == 1]
+        groups, first = [], 0
+        if singles:
+            ends = [s.num_computed + 1 for s in singles]
+            groups.append(self._group(first, [s.block_table for s in singles], max(ends), 1,
+                                      torch.tensor(ends, device=device)[:, None] - 1))
+            first += len(singles)
+        for sequence, count in work[len(singles):]:
+            end = sequence.num_computed + count
+            query_positions = torch.arange(sequence.num_computed, end, device=device)[None]  # [1, T]
+            groups.append(self._group(first, [sequence.block_table], end, count, query_positions))
+            first += count
+        return groups
+
+    def _group(self, first: int, tables: list[list[int]], num_keys: int, queries: int,
+               query_positions: torch.Tensor) -> AttentionGroup:
+        block_table = self.cache.block_tables(tables, self.cache.pool.blocks_for(num_keys))
+        return AttentionGroup(first, len(tables), queries, block_table, query_positions)
 
     def _computed(self, sequence: Sequence, num_computed: int) -> None:
         """Advance a sequence and name its newly completed blocks for the prefix cache."""
