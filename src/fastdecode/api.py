@@ -192,9 +192,12 @@ class Generator:
         return [DecodeLoop(self.model, repeated, config, eos, row_seeds=seeds)]
 
     # -- the engine ----------------------------------------------------------------------------
-    def engine(self, max_batch_tokens: int = 2048, max_queue: int = 256, cache_tokens: int | None = None) -> Engine:
-        """A continuous-batching engine over this model (``submit`` / ``step``; see fastdecode.engine)."""
-        return Engine(self, max_batch_tokens=max_batch_tokens, max_queue=max_queue, cache_tokens=cache_tokens)
+    def engine(self, max_batch_tokens: int = 2048, max_queue: int = 256, cache_tokens: int | None = None,
+               prefill_chunk: int = 256) -> Engine:
+        """A continuous-batching engine over this model (``submit`` / ``step``; see fastdecode.engine).
+        ``prefill_chunk``: prompt tokens per step while other sequences are decoding."""
+        return Engine(self, max_batch_tokens=max_batch_tokens, max_queue=max_queue, cache_tokens=cache_tokens,
+                      prefill_chunk=prefill_chunk)
 
     def _runs_in_engine(self, config: GenerationConfig) -> bool:
         """Greedy and sampling on a decoder-only model run in the engine; beam search, streaming

@@ -73,14 +73,14 @@ def test_joined_a_running_batch_equals_alone_equals_transformers(pair):
 
 @settings(max_examples=6, deadline=None)
 @given(arrival_steps=st.lists(st.integers(0, 12), min_size=len(REQUESTS), max_size=len(REQUESTS)),
-       budget=st.sampled_from([4, 9, 64]))
-def test_any_arrival_steps_and_budget_give_the_alone_result(llama_gen, arrival_steps, budget):
+       budget=st.sampled_from([4, 9, 64]), prefill_chunk=st.sampled_from([1, 5, 256]))
+def test_any_arrival_steps_and_budget_give_the_alone_result(llama_gen, arrival_steps, budget, prefill_chunk):
     gen, requests, alone = llama_gen
     arrivals: dict[int, list] = {}
     for step, request in zip(arrival_steps, requests):
         arrivals.setdefault(step, []).append(request)
     order = [r for step in sorted(arrivals) for r in arrivals[step]]
-    outputs = _run(gen.engine(max_batch_tokens=budget), arrivals)
+    outputs = _run(gen.engine(max_batch_tokens=budget, prefill_chunk=prefill_chunk), arrivals)
     assert outputs == [alone[requests.index(r)] for r in order]
 
 
@@ -89,6 +89,26 @@ def llama_gen():
     gen = fastdecode.from_hf(build("llama-gqa", seed=2))
     requests = [(_prompt(n, 40 + seed), options) for seed, (n, options) in enumerate(REQUESTS)]
     return gen, requests, [_alone(gen, p, o) for p, o in requests]
+
+
+def test_prompt_chunks_are_capped_while_others_decode(llama_gen):
+    gen, requests, alone = llama_gen
+    engine = gen.engine(max_batch_tokens=64, prefill_chunk=5)
+    first = engine.submit(_prompt(6, 1), {"max_new_tokens": 30})
+    engine.step()  # nobody decodes yet: the whole 6-token prompt runs at once
+    assert engine.tokens_run == 6 and first.num_computed == 6
+    second = engine.submit(_prompt(23, 2), {"max_new_tokens": 3})
+    steps = []
+    while second.num_computed < second.num_prompt_tokens:
+        before = engine.tokens_run
+        engine.step()
+        steps.append(engine.tokens_run - before)
+    assert steps == [1 + 5, 1 + 5, 1 + 5, 1 + 5, 1 + 3]  # one decode token + at most 5 prompt tokens
+    while engine.has_work():
+        engine.step()
+    assert second.output_ids == _alone(gen, _prompt(23, 2), {"max_new_tokens": 3})
+    with pytest.raises(InvalidOptionError, match="prefill_chunk"):
+        gen.engine(prefill_chunk=0)
 
 
 def test_generate_ids_equals_the_engine_alone(llama_gen):

@@ -4,9 +4,13 @@ Each ``step()``:
 1. retires cancelled sequences (their blocks are free before anything else runs);
 2. picks work within ``max_batch_tokens``: one token for every running sequence that is
    decoding, then the next chunk of every running sequence still reading its prompt, then
-   admits waiting sequences in FIFO order while the budget and the free blocks allow (a
-   sequence reserves blocks for its prompt and all its new tokens at admission, sharing any
-   cached prefix, so a running sequence never runs out of room and nothing is ever preempted);
+   admits waiting sequences in FIFO order while the budget and the free blocks allow. While any
+   sequence is decoding, the prompt chunks of a step total at most ``prefill_chunk`` tokens
+   (Sarathi-Serve's stall-free batching): a long prompt then costs the decoding sequences a few
+   slightly longer steps instead of one long one, which bounds their per-token latency; with
+   nobody decoding, prompts get the whole budget (the fastest first token). A sequence reserves
+   blocks for its prompt and all its new tokens at admission, sharing any cached prefix, so a
+   running sequence never runs out of room and nothing is ever preempted;
 3. runs ONE model forward over all of it (``StepPlan``);
 4. samples one token for every sequence whose step reached its last token, each with its own
    options and generator, and retires the finished ones.
@@ -34,7 +38,7 @@ DEFAULT_CACHE_BYTES = 1 << 30
 
 class Engine:
     def __init__(self, generator: Any, max_batch_tokens: int = 2048, max_queue: int = 256,
-                 cache_tokens: int | None = None, block_size: int = 16):
+                 cache_tokens: int | None = None, block_size: int = 16, prefill_chunk: int = 256):
         model = generator.model
         cfg = model.config
         if cfg.is_encoder_decoder:
@@ -44,8 +48,10 @@ class Engine:
             raise InvalidOptionError(f"max_batch_tokens must be an integer >= 1, got {max_batch_tokens!r}")
         if not isinstance(max_queue, int) or max_queue < 1:
             raise InvalidOptionError(f"max_queue must be an integer >= 1, got {max_queue!r}")
+        if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
+            raise InvalidOptionError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.generator, self.model = generator, model
-        self.max_batch_tokens, self.max_queue = max_batch_tokens, max_queue
+        self.max_batch_tokens, self.max_queue, self.prefill_chunk = max_batch_tokens, max_queue, prefill_chunk
         if cache_tokens is None:
             per_token = cfg.kv_cache_bytes_per_token(model.dtype.itemsize)
             cache_tokens = min(DEFAULT_CACHE_BYTES // per_token, 64 * cfg.max_position_embeddings)
@@ -139,10 +145,13 @@ class Engine:
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
         """(sequence, tokens to run) for this step: decodes first, then prompt chunks, then admissions."""
-        budget, work = self.max_batch_tokens, []
         decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
         reading = [s for s in self.running if s.num_tokens - s.num_computed > 1]
-        for sequence in decoding + reading:
+        work = [(sequence, 1) for sequence in decoding[: self.max_batch_tokens]]
+        budget = self.max_batch_tokens - len(work)
+        if work:
+            budget = min(budget, self.prefill_chunk)  # prompt tokens this step (see the module docstring)
+        for sequence in reading:
             count = min(sequence.num_tokens - sequence.num_computed, budget)
             if count == 0:
                 break
