@@ -91,6 +91,22 @@ def test_beam_search_with_ngram_blocking_matches_transformers(pair, n):
            num_return_sequences=2, min_new_tokens=4)
 
 
+def test_beams_over_long_prompts_read_the_shared_blocks_once_per_sample(pair, monkeypatch):
+    """Prompts of more than a block: decode steps fold the beams against the shared prompt blocks
+    (engine/fastseq.py), with the same sequences and scores as transformers."""
+    from fastdecode.engine import plan
+
+    kind, hf, gen = pair
+    folded = []
+    original = plan.shared_prefix_attention
+    monkeypatch.setattr(plan, "shared_prefix_attention",
+                        lambda q, ks, *rest: folded.append(ks.shape[2]) or original(q, ks, *rest))
+    prompts = _prompts((20, 37, 33), seed=4)
+    _check(hf, gen, prompts, num_beams=3, max_new_tokens=8, eos_token_id=_eos_for(gen, prompts),
+           num_return_sequences=2)
+    assert folded and min(folded) == 16  # the one prompt block every sample holds in full
+
+
 def test_beam_search_without_eos_runs_to_length(pair):
     kind, hf, gen = pair
     _check(hf, gen, _prompts((6, 9), seed=5), num_beams=3, max_new_tokens=8, num_return_sequences=3)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
+from fastdecode.engine.fastseq import shared_prefix_attention
 from fastdecode.engine.slots import SlotCache
+from fastdecode.layers.attention import attention
 from fastdecode.layers.positions import RotaryEmbedding, rope_inverse_frequencies
 
 L, HKV, D, BLOCK = 2, 2, 8, 4
@@ -146,3 +149,23 @@ def test_seq_add_without_rotation_only_moves_and_refuses_negative_positions():
         assert "position -1" in str(error)
     else:
         raise AssertionError("a move below position 0 was accepted")
+
+
+@pytest.mark.parametrize("heads, kv_heads, per_head_bias", [(4, 4, False), (4, 2, False), (4, 1, False), (4, 4, True)])
+def test_shared_prefix_attention_equals_attention_over_each_rows_keys(heads, kv_heads, per_head_bias):
+    """Beams folded into the query axis against their sample's shared keys == plain attention of
+    each row over (shared keys + its own keys), under the same mask."""
+    generator = torch.Generator().manual_seed(5)
+    B, K, S_shared, S_own, T = 3, 4, 8, 5, 1
+    q = torch.randn(B * K, heads, T, D, generator=generator)
+    k_shared, v_shared = (torch.randn(B, kv_heads, S_shared, D, generator=generator) for _ in range(2))
+    k_own, v_own = (torch.randn(B * K, kv_heads, S_own, D, generator=generator) for _ in range(2))
+    mask = torch.zeros(B * K, heads if per_head_bias else 1, T, S_shared + S_own)
+    mask[:, :, :, S_shared + 3 :] = float("-inf")  # past each row's end
+    mask[1, :, :, :2] = float("-inf")  # a sliding window hides a row's oldest shared keys
+    if per_head_bias:
+        mask = mask + torch.randn(mask.shape, generator=generator)
+    ours = shared_prefix_attention(q, k_shared, v_shared, k_own, v_own, mask, 0.3)
+    full_k = torch.cat((k_shared.repeat_interleave(K, 0), k_own), 2)  # [B*K, Hkv, S, D]
+    full_v = torch.cat((v_shared.repeat_interleave(K, 0), v_own), 2)
+    torch.testing.assert_close(ours, attention(q, full_k, full_v, mask, 0.3), atol=1e-5, rtol=1e-5)

@@ -37,7 +37,8 @@ class DecoderBeamEngine:
     reorder is ``seq_keep``: block tables are copied, no K/V moves. A beam's first write into a
     block it shares (the prompt's partial last block, or a generated block after a reorder)
     copies that one block (``writable``: copy-on-write). Every forward runs through the engine's
-    ``StepPlan``, so windows, ALiBi and every family behave as in the engine."""
+    ``StepPlan``, so windows, ALiBi and every family behave as in the engine; in a decode step the
+    prompt's shared blocks are read once per sample, the beams folded into the query axis."""
 
     def __init__(self, model, num_beams: int, max_new_tokens: int):
         self.model = model
@@ -47,6 +48,8 @@ class DecoderBeamEngine:
         self.cache: SlotCache | None = None
         self.tables: list[list[int]] = []  # block table of each beam row
         self.lengths: list[int] = []  # tokens each beam row holds
+        self.prompt_lengths: list[int] = []  # per original sample
+        self.samples: list[int] = []  # original sample of each sample still searching
         self.shared_nbytes = self.per_beam_nbytes = 0
 
     def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -74,6 +77,7 @@ class DecoderBeamEngine:
         for table in tables:
             self.cache.pool.release(table)
         self.lengths = [len(p) for p in prompts for _ in range(K)]
+        self.prompt_lengths, self.samples = [len(p) for p in prompts], list(range(len(prompts)))
         return logits
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -81,13 +85,24 @@ class DecoderBeamEngine:
         for table, length in zip(self.tables, self.lengths):
             self.cache.writable(table, length, length + 1)
         rows = [(table, length, 1) for table, length in zip(self.tables, self.lengths)]
-        logits = self._forward(tokens, positions, rows, torch.arange(len(rows)))
+        logits = self._forward(tokens, positions, rows, torch.arange(len(rows)), (self.num_beams, self._shared_blocks()))
         self.lengths = [length + 1 for length in self.lengths]
         return logits
 
-    def _forward(self, tokens, positions, rows: list[tuple[list[int], int, int]], logits_at: torch.Tensor):
+    def _shared_blocks(self) -> int:
+        """Blocks every sample's beams hold in common: the prompt's full blocks (never written
+        again, and a reorder stays within a sample), the fewest of any sample."""
+        K, size = self.num_beams, BLOCK_SIZE
+        shared = min(self.prompt_lengths[sample] // size for sample in self.samples)
+        for row, table in enumerate(self.tables):
+            if table[:shared] != self.tables[row - row % K][:shared]:
+                raise RuntimeError("beams of a sample no longer share their prompt blocks")
+        return shared
+
+    def _forward(self, tokens, positions, rows: list[tuple[list[int], int, int]], logits_at: torch.Tensor,
+                 shared: tuple[int, int] = (1, 0)):
         device = self.model.device
-        plan = StepPlan.for_rows(self.cache, rows, self.windows, self.score_bias, self.model.dtype)
+        plan = StepPlan.for_rows(self.cache, rows, self.windows, self.score_bias, self.model.dtype, shared)
         tokens = torch.as_tensor(tokens, device=device)[None]  # [1, N]
         positions = torch.as_tensor(positions, device=device)[None]  # [1, N]
         return self.model.forward(tokens, positions, plan, None, logits_at=logits_at.to(device))[0]  # [rows, V]
@@ -101,7 +116,9 @@ class DecoderBeamEngine:
     def keep_samples(self, samples: torch.Tensor) -> None:
         """Only these samples [B'] go on searching: the other samples' beams release their blocks."""
         K = self.num_beams
-        rows = [sample * K + beam for sample in samples.tolist() for beam in range(K)]
+        samples = samples.tolist()
+        rows = [sample * K + beam for sample in samples for beam in range(K)]
+        self.samples = [self.samples[sample] for sample in samples]
         self.tables = self.cache.seq_keep(self.tables, rows)
         self.lengths = [self.lengths[row] for row in rows]
 
