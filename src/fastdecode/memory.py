@@ -19,7 +19,7 @@ from .errors import InvalidOptionError, MemoryLimitError
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-PREFILL_CHUNK = 512  # the longest chunk a streaming cache prefills at once
+PREFILL_CHUNK = 512  # the longest chunk a streaming cache prefills at once (its headroom)
 
 
 def parse_size(value: Any) -> int:
@@ -73,9 +73,9 @@ def request_parts(model_config: Any, config: Any, prompt_lengths: list[int], ele
     beams = config.num_beams
     rows = prompts * (beams if beams > 1 else config.num_return_sequences)
     parts: dict[str, int] = {}
-    if config.n_ctx is not None:  # one sequence at a time, n_ctx slots (in 16-token blocks)
+    if config.n_ctx is not None:  # one sequence at a time; the ring may get prefill headroom
         rows = 1
-        parts["streaming cache (n_ctx)"] = per_token * -(-config.n_ctx // 16) * 16
+        parts["streaming cache (n_ctx)"] = per_token * (config.n_ctx + min(config.n_ctx, PREFILL_CHUNK))
         longest = min(longest, PREFILL_CHUNK)
     elif mc.is_encoder_decoder:
         parts["decoder cache"] = per_token * rows * (new + 1)

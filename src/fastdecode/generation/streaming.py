@@ -1,25 +1,17 @@
 """Infinite (streaming) generation: engines that never run out of cache.
 
-Both policies keep ``n_keep`` attention sinks and a window of ``n_ctx - n_keep`` tokens in one
-sequence of the engine's slot cache (engine/slots.py), where a token's position is its index in
-the sequence, and run every forward through the engine's ``StepPlan`` (so each layer's sliding
-window, ALiBi and every family behave as in the engine). When a token arrives to a full cache:
+Two policies, both keeping ``n_keep`` attention sinks and a window of ``n_ctx - n_keep`` slots:
 
-* ``ShiftEngine`` (llama.cpp's context shift): ``seq_add`` moves the window tokens after the
-  ``n_discard`` oldest ones ``n_discard`` positions down, over them, each key re-rotated by
-  ``-n_discard`` with its layer's rotary table (K-shift: RoPE in either layout, partial rotary);
-  then ``seq_rm`` drops the freed tail. ALiBi and window masks are rebuilt from positions, so
-  nothing is recomputed. Learned absolute positions cannot move: re-evaluate only.
-* ``ReevaluateEngine``: ``seq_rm`` of everything, then one prefill of the sinks and the newest
-  tokens at fresh positions. Works for every position scheme and costs nothing before the cache
-  is first full.
+* ``ShiftEngine``: when the cache is full, drop ``n_discard`` window tokens and move the rest
+  closer by re-indexing positions, without recomputing anything (``cache/ring.py``). Needs a
+  relative position scheme: RoPE (either layout, partial rotary) or ALiBi.
+* ``ReevaluateEngine``: when the cache is full, keep the sinks and the newest tokens, and rebuild
+  the cache by one prefill over them at fresh positions. Works for every position scheme,
+  learned absolute positions included, and costs nothing before the cache is first full.
 
-A chunk of a long input runs in one forward up to the policy's next drop (what the cache would
-hold token by token), so chunked feeding equals feeding one token at a time. A shift rewrites the
-kept window (O(window) per drop, as llama.cpp's K-shift): a larger ``n_discard`` amortizes it.
-
-Both process a single sequence and expose ``feed`` plus the ``prefill``/``decode``/``drop_rows``
-interface of the other engines, so the decode loop and the scorer use them unchanged.
+Both process a single sequence and expose ``feed`` (chunked, through the policy) plus the
+``prefill``/``decode``/``drop_rows`` interface of the other engines, so the decode loop and the
+scorer use them unchanged.
 """
 
 from __future__ import annotations
@@ -28,52 +20,23 @@ from collections.abc import Iterator
 
 import torch
 
+from ..cache.ring import StreamingCache
 from ..config import GenerationConfig
-from ..engine.plan import StepPlan, attention_terms
-from ..engine.slots import BLOCK_SIZE, SlotCache
 from ..errors import InvalidOptionError
+from .step import CachedEngine
 
 MAX_CHUNK = 512  # tokens per forward when feeding long inputs
 
 
 class _StreamingEngineBase:
     def __init__(self, model, n_ctx: int, n_keep: int, n_discard: int):
-        cfg = model.config
         self.model = model
         self.n_ctx, self.n_keep, self.n_discard = n_ctx, n_keep, n_discard
-        self.cache = SlotCache(cfg.num_layers, -(-n_ctx // BLOCK_SIZE), cfg.num_kv_heads, cfg.head_dim,
-                               model.dtype, model.device, BLOCK_SIZE)
-        self.windows, self.score_bias = attention_terms(model)
-        self.table: list[int] = []  # the one sequence's blocks
-        self.tokens: list[int] = []  # what the cache holds, in order (token i at position i)
-        self.next_position = 0  # tokens fed in the whole stream
-
-    def make_room(self) -> None:
-        """The cache is full and a token arrives: apply the policy."""
-        raise NotImplementedError
 
     def feed_chunks(self, tokens: torch.Tensor, all_logits: bool) -> Iterator[torch.Tensor]:
         """Feed tokens [N] through the policy; yield logits per chunk ([T, V], or [1, V] for the
         chunk's last token when not ``all_logits``)."""
-        done = 0
-        while done < tokens.shape[0]:
-            if len(self.tokens) == self.n_ctx:
-                self.make_room()
-            size = min(tokens.shape[0] - done, self.n_ctx - len(self.tokens), MAX_CHUNK)
-            yield self._forward(tokens[done : done + size].tolist(), all_logits)
-            self.next_position += size
-            done += size
-
-    def _forward(self, chunk: list[int], all_logits: bool) -> torch.Tensor:
-        """Append ``chunk`` to the sequence in one forward -> logits [T or 1, V]."""
-        device, start = self.model.device, len(self.tokens)
-        self.table = self.cache.writable(self.table, start, start + len(chunk))
-        plan = StepPlan.for_rows(self.cache, [(self.table, start, len(chunk))], self.windows, self.score_bias,
-                                 self.model.dtype)
-        positions = torch.arange(start, start + len(chunk), device=device)[None]  # [1, T]
-        tokens = torch.tensor(chunk, dtype=torch.long, device=device)[None]  # [1, T]
-        self.tokens += chunk
-        return self.model.forward(tokens, positions, plan, None, all_logits)[0]
+        raise NotImplementedError
 
     def feed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed tokens [N]; logits of the last one [V]."""
@@ -96,52 +59,94 @@ class _StreamingEngineBase:
 
 
 class ShiftEngine(_StreamingEngineBase):
-    def __init__(self, model, n_ctx: int, n_keep: int, n_discard: int):
+    """``headroom``: extra ring slots so that chunks of ``headroom + 1`` tokens go through one
+    forward with token-by-token semantics (used to score long texts fast)."""
+
+    def __init__(self, model, n_ctx: int, n_keep: int, n_discard: int, headroom: int = 0):
+        super().__init__(model, n_ctx, n_keep, n_discard)
         cfg = model.config
         if cfg.position_kind == "learned":
             raise InvalidOptionError(
                 f"{cfg.architecture} uses learned absolute positions, which cannot be shifted: "
                 "use policy='reevaluate'"
             )
-        super().__init__(model, n_ctx, n_keep, n_discard)
-        self.ropes = model.layer_ropes if cfg.position_kind == "rope" else None
-        self.shift = 0  # tokens dropped so far
+        ropes = model.layer_ropes if cfg.position_kind == "rope" else None
+        self.cache = StreamingCache(cfg.num_layers, cfg.num_kv_heads, n_ctx, n_keep, n_discard, cfg.head_dim,
+                                    model.dtype, model.device, ropes, headroom)
+        self.next_position = 0  # absolute position of the next token in the stream
 
-    def _rotate(self, layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
-        return self.ropes[layer].rotate_by(keys, delta)  # keys [1, Hkv, N, D]
+    def feed_chunks(self, tokens: torch.Tensor, all_logits: bool) -> Iterator[torch.Tensor]:
+        """A long input goes through a copy of the cache with headroom, in chunks of up to
+        MAX_CHUNK tokens (without headroom a full ring with n_discard=1 takes one token per
+        forward); the cache is copied back without headroom after, so decoding stays unmasked."""
+        count = tokens.shape[0]
+        if count <= self.cache.chunk_limit() or self.cache.ring_size > self.cache.window:
+            yield from self._feed(tokens, all_logits)
+            return
+        self.cache = self.cache.resized(headroom=min(count, self.n_ctx, MAX_CHUNK) - 1)
+        try:
+            yield from self._feed(tokens, all_logits)
+        finally:
+            self.cache = self.cache.resized(headroom=0)
 
-    def make_room(self) -> None:
-        """seq_add(-n_discard) of the window after the dropped tokens, then seq_rm of the tail."""
-        n, first_kept = len(self.tokens), self.n_keep + self.n_discard
-        self.table = self.cache.seq_add(self.table, first_kept, n, -self.n_discard,
-                                        self._rotate if self.ropes is not None else None)
-        self.table = self.cache.seq_rm(self.table, n - self.n_discard)
-        self.tokens = self.tokens[: self.n_keep] + self.tokens[first_kept:]
-        self.shift += self.n_discard
+    def _feed(self, tokens: torch.Tensor, all_logits: bool) -> Iterator[torch.Tensor]:
+        cache, device = self.cache, self.model.device
+        done = 0
+        while done < tokens.shape[0]:
+            size = min(tokens.shape[0] - done, cache.chunk_limit(), MAX_CHUNK)
+            chunk = tokens[done : done + size].to(device)
+            cache.reserve(list(range(self.next_position, self.next_position + size)))
+            positions = torch.arange(self.next_position, self.next_position + size, device=device)
+            mask = cache.mask(positions, self.model.dtype)
+            yield self.model.forward(chunk[None], positions[None], cache, mask, all_logits)[0]
+            done += size
+            self.next_position += size
 
 
 class ReevaluateEngine(_StreamingEngineBase):
     def __init__(self, model, n_ctx: int, n_keep: int, n_discard: int):
+        super().__init__(model, n_ctx, n_keep, n_discard)
         cfg = model.config
         if cfg.position_kind == "learned" and n_ctx > cfg.max_position_embeddings:
             raise InvalidOptionError(
                 f"n_ctx={n_ctx} exceeds the {cfg.max_position_embeddings} learned positions of {cfg.architecture}"
             )
-        super().__init__(model, n_ctx, n_keep, n_discard)
+        self.engine = CachedEngine(model, 1, n_ctx)
+        self.tokens: list[int] = []  # what the cache holds, in order
         self.rebuilds = 0
 
-    def make_room(self) -> None:
-        """seq_rm of everything; prefill the sinks and all but the ``n_discard`` oldest window tokens."""
+    def rebuild(self) -> None:
+        """Keep the sinks and all but the ``n_discard`` oldest window tokens; prefill them anew."""
         kept = self.tokens[: self.n_keep] + self.tokens[self.n_keep + self.n_discard :]
-        self.table = self.cache.seq_rm(self.table, 0)
+        self.engine.cache.length = 0
+        self.engine.cache.has_padding = False
         self.tokens = []
         self.rebuilds += 1
-        for begin in range(0, len(kept), MAX_CHUNK):
-            self._forward(kept[begin : begin + MAX_CHUNK], all_logits=False)
+        for _ in self._prefill(torch.tensor(kept, dtype=torch.long), all_logits=False):
+            pass
+
+    def _prefill(self, tokens: torch.Tensor, all_logits: bool) -> Iterator[torch.Tensor]:
+        device = self.model.device
+        for begin in range(0, tokens.shape[0], MAX_CHUNK):
+            chunk = tokens[begin : begin + MAX_CHUNK].to(device)[None]  # [1, T]
+            start = len(self.tokens)
+            positions = torch.arange(start, start + chunk.shape[1], device=device)[None]  # [1, T]
+            logits = self.engine.prefill(chunk, torch.ones_like(chunk, dtype=torch.bool), positions, all_logits)
+            self.tokens += chunk[0].tolist()
+            yield logits[0] if all_logits else logits
+
+    def feed_chunks(self, tokens: torch.Tensor, all_logits: bool) -> Iterator[torch.Tensor]:
+        done = 0
+        while done < tokens.shape[0]:
+            if len(self.tokens) == self.n_ctx:
+                self.rebuild()
+            size = min(tokens.shape[0] - done, self.n_ctx - len(self.tokens))
+            yield from self._prefill(tokens[done : done + size], all_logits)
+            done += size
 
 
-def streaming_engine(model, config: GenerationConfig):
-    """The engine for a config with ``n_ctx`` set."""
+def streaming_engine(model, config: GenerationConfig, headroom: int = 0):
+    """The engine for a config with ``n_ctx`` set (``headroom``: see ShiftEngine)."""
     if config.policy == "shift":
-        return ShiftEngine(model, config.n_ctx, config.n_keep, config.discard_count)
+        return ShiftEngine(model, config.n_ctx, config.n_keep, config.discard_count, headroom)
     return ReevaluateEngine(model, config.n_ctx, config.n_keep, config.discard_count)

@@ -30,6 +30,33 @@ def attention(
     return out.reshape(B, H, T, D)  # [B, Hkv, G*T, D] -> [B, H, T, D]
 
 
+def two_segment_attention(
+    q_first: torch.Tensor, k_first: torch.Tensor, v_first: torch.Tensor,
+    q_rest: torch.Tensor, k_rest: torch.Tensor, v_rest: torch.Tensor,
+    mask: torch.Tensor | None, scale: float,
+) -> torch.Tensor:
+    """Attention over two key segments, each scored with its own version of the queries, under
+    one softmax over both.
+
+    Used when two segments of a cache sit in different position frames: a streaming cache's
+    attention sinks keep their positions while the window has been shifted, so the queries are
+    rotated once per segment instead of rewriting cached keys.
+    q_*: [B, H, T, D]; k_*, v_*: [B, Hkv, S_*, D]; mask additive [B, 1, T, S_first + S_rest] or None
+    -> [B, H, T, D].
+    """
+    B, H, T, D = q_first.shape
+    Hkv = k_first.shape[1]
+    q_first, mask = _fold_groups(q_first, mask, Hkv)  # [B, Hkv, G*T, D]
+    q_rest, _ = _fold_groups(q_rest, None, Hkv)  # [B, Hkv, G*T, D]
+    scores = torch.cat((q_first @ k_first.transpose(-1, -2), q_rest @ k_rest.transpose(-1, -2)), dim=-1) * scale
+    if mask is not None:  # scores: [B, Hkv, G*T, S_first + S_rest]
+        scores = scores + mask
+    probs = scores.float().softmax(dim=-1).to(v_first.dtype)
+    split = k_first.shape[2]
+    out = probs[..., :split] @ v_first + probs[..., split:] @ v_rest  # [B, Hkv, G*T, D]
+    return out.reshape(B, H, T, D)  # [B, Hkv, G*T, D] -> [B, H, T, D]
+
+
 def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
     """Projected [B, T, H*D] -> per-head [B, H, T, D] (a view)."""
     B, T, _ = x.shape
