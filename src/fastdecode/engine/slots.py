@@ -14,9 +14,10 @@ reused (least recently freed first), so a later request can still revive it. Reu
 ids, never by text; a hit is confirmed by comparing the ids, not by trusting the hash.
 
 Bookkeeping verbs of the pool: ``allocate`` (reserve blocks, sharing a cached prefix),
-``release`` (drop a table's references) and ``publish`` (name newly filled full blocks so others
-can share them). The per-sequence cache verbs (``seq_cp / seq_rm / seq_keep / seq_add``, copy-on-
-write) act on tables and the K/V buffers together: ``SlotCache`` below.
+``release`` (drop a table's references), ``grow`` (more blocks for a kept sequence that goes on)
+and ``publish`` (name newly filled full blocks so others can share them). The per-sequence cache
+verbs (``seq_cp / seq_rm / seq_keep / seq_add``, copy-on-write) act on tables and the K/V buffers
+together: ``SlotCache`` below.
 """
 
 from __future__ import annotations
@@ -87,6 +88,15 @@ class BlockPool:
             self.ref_counts[block] += 1
         table += self.take(self.blocks_for(total_tokens) - len(table))
         return table, len(shared) * self.block_size
+
+    def grow(self, table: list[int], total_tokens: int) -> bool:
+        """Append fresh blocks to a kept sequence's table (a chat session's next turn) until it holds
+        ``total_tokens`` -> False, changing nothing, when too few blocks are free."""
+        missing = self.blocks_for(total_tokens) - len(table)
+        if missing > self.num_free:
+            return False
+        table += self.take(max(0, missing))
+        return True
 
     def publish(self, table: list[int], tokens: list[int], hashes: list[int], end_block: int) -> None:
         """A sequence's blocks up to ``end_block`` now hold computed K/V: extend its hash chain

@@ -44,7 +44,8 @@ def linear(
     if isinstance(weight, QuantizedWeight):
         out = quantized_linear(x, weight, bias)
         return out if activation is None else ACTIVATIONS[activation](out)
-    if _ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled():
+    if (_ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()):  # inductor picks its own GEMM for F.linear
         attr, algorithm = _FUSED.get(activation, ("none", ""))
         with threads_for(x.numel() * weight.shape[0]):  # rows * in * out
             out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
