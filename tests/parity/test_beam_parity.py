@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.cache.beam import BeamKVCache
 from fastdecode.generation.beam import DecoderBeamEngine
 from fastdecode.generation.decode import left_pad
 from tiny_models import VOCAB, build
@@ -92,6 +91,22 @@ def test_beam_search_with_ngram_blocking_matches_transformers(pair, n):
            num_return_sequences=2, min_new_tokens=4)
 
 
+def test_beams_over_long_prompts_read_the_shared_blocks_once_per_sample(pair, monkeypatch):
+    """Prompts of more than a block: decode steps fold the beams against the shared prompt blocks
+    (engine/fastseq.py), with the same sequences and scores as transformers."""
+    from fastdecode.engine import plan
+
+    kind, hf, gen = pair
+    folded = []
+    original = plan.shared_prefix_attention
+    monkeypatch.setattr(plan, "shared_prefix_attention",
+                        lambda q, ks, *rest: folded.append(ks.shape[2]) or original(q, ks, *rest))
+    prompts = _prompts((20, 37, 33), seed=4)
+    _check(hf, gen, prompts, num_beams=3, max_new_tokens=8, eos_token_id=_eos_for(gen, prompts),
+           num_return_sequences=2)
+    assert folded and min(folded) == 16  # the one prompt block every sample holds in full
+
+
 def test_beam_search_without_eos_runs_to_length(pair):
     kind, hf, gen = pair
     _check(hf, gen, _prompts((6, 9), seed=5), num_beams=3, max_new_tokens=8, num_return_sequences=3)
@@ -106,13 +121,18 @@ def test_shared_prompt_cache_does_not_grow_with_beams(pair):
         engine = DecoderBeamEngine(model, beams, 10)
         with torch.inference_mode():
             engine.prefill(tokens, valid, positions)
-        cache: BeamKVCache = engine.cache
-        sizes[beams] = (cache.shared_nbytes, cache.per_beam_nbytes)
+        pool = engine.cache.pool
+        sizes[beams] = (engine.shared_nbytes, engine.per_beam_nbytes, engine.cache.nbytes)
+        # the beams of a sample share every prompt block by reference: nothing was copied per beam
+        assert [pool.ref_counts[b] for b in engine.tables[0]] == [beams, beams]  # 20 tokens: 2 blocks
+        assert pool.num_free == pool.num_blocks - 3  # the prompts' 2 + 1 blocks, once
     assert sizes[1][0] == sizes[2][0] == sizes[4][0]
     assert sizes[4][1] == 2 * sizes[2][1] == 4 * sizes[1][1]
-    per_token = model.config.kv_cache_bytes_per_token()
-    assert sizes[4][0] == 2 * 20 * per_token  # B * S_prompt, once
-    assert sizes[4][1] == 2 * 4 * 10 * per_token  # B * K * S_generated
+    assert sizes[4][2] == sizes[4][0] + sizes[4][1]
+    per_block = 16 * model.config.kv_cache_bytes_per_token()
+    assert sizes[4][0] == (2 + 1) * per_block  # the prompts' blocks (20 and 13 tokens), once
+    # per beam: its copy of the prompt's partial last block and its generated tokens' blocks
+    assert sizes[4][1] == 4 * ((2 - 1) + (2 - 0)) * per_block
 
 
 @pytest.mark.parametrize("early_stopping", [True, False])
@@ -120,8 +140,9 @@ def test_settled_samples_leave_the_batch_without_changing_results(pair, early_st
     """A sample whose finished set can no longer change is dropped (transformers keeps computing it)."""
     kind, hf, gen = pair
     dropped = []
-    keep_samples = BeamKVCache.keep_samples
-    monkeypatch.setattr(BeamKVCache, "keep_samples", lambda self, s: (dropped.append(s.numel()), keep_samples(self, s)))
+    keep_samples = DecoderBeamEngine.keep_samples
+    monkeypatch.setattr(DecoderBeamEngine, "keep_samples",
+                        lambda self, s: (dropped.append(s.numel()), keep_samples(self, s)))
     prompts = _prompts((5, 11, 3, 8, 2), seed=2)
     _check(hf, gen, prompts, num_beams=2, length_penalty=0.5, early_stopping=early_stopping, max_new_tokens=24,
            eos_token_id=_eos_for(gen, prompts))

@@ -88,7 +88,7 @@ def test_cross_cache_layout_and_bytes():
     assert k.shape == v.shape == (2, cfg.num_heads, 5, cfg.head_dim)  # [B, H, S_src, D]
     assert engine.cross.bias.shape == (2, 1, 1, 5) and torch.isinf(engine.cross.bias[1, 0, 0, 2:]).all()
     assert engine.cross.nbytes == 2 * 5 * cfg.cross_cache_bytes_per_source_token(4)
-    engine.keep_rows(torch.tensor([1]))
+    engine.drop_rows(torch.tensor([1]))
     assert engine.cross.layer(cfg.num_layers - 1)[0].shape[0] == 1 and engine.cross.bias.shape[0] == 1
 
 

@@ -50,8 +50,8 @@ class CrossAttentionCache:
         k, v = self.layer(index)  # [B, H, S_src, D], projected once per source
         return attention(q, k, v, self.bias, scale)
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` of the batch (finished sequences dropped)."""
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` of the batch (finished sequences, or settled beam samples, dropped)."""
         self.keys = [k.index_select(0, rows) for k in self.keys]
         self.values = [v.index_select(0, rows) for v in self.values]
         if self.bias is not None:
@@ -91,12 +91,9 @@ class BeamCrossAttention:
         out = self.cross.attend(index, folded, scale)  # [B, H, K*T, D]; the padding bias [B, 1, 1, S] broadcasts
         return out.view(N // K, H, K, T, D).transpose(1, 2).reshape(N, H, T, D)  # [B*K, H, T, D]
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """A beam reorder stays within each sample: the per-source K/V do not move."""
-
     def keep_samples(self, samples: torch.Tensor) -> None:
         """Drop settled samples' source K/V."""
-        self.cross.keep_rows(samples)
+        self.cross.select_rows(samples)
 
     @property
     def nbytes(self) -> int:

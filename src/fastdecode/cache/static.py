@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from ..layers.attention import attention
-from .beam import gather_rows_in_place
 
 
 class KVCache:
@@ -83,15 +82,17 @@ class KVCache:
         """Key minus query position [B, T, S] for every filled slot (ALiBi builds its bias from these)."""
         return self.positions[:, None, : self.length] - query_positions[:, :, None]
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Drop finished sequences: keep only ``rows`` (1-D index) of the batch, so they stop costing work.
-        As many rows as before (a beam reorder): gather in place, only the filled slots."""
-        if rows.numel() == self.batch_size:
-            n = self.length
-            gather_rows_in_place((self.keys, self.values), rows, n)
-            self.valid[:, :n] = self.valid[:, :n].index_select(0, rows)
-            self.positions[:, :n] = self.positions[:, :n].index_select(0, rows)
-            return
+    def reorder_rows(self, sources: torch.Tensor) -> None:
+        """Beam reorder: row i continues row ``sources[i]`` (as many rows as before). Gathers in
+        place, only the filled slots of the rows whose source changed."""
+        n = self.length
+        gather_rows_in_place((self.keys, self.values), sources, n)
+        self.valid[:, :n] = self.valid[:, :n].index_select(0, sources)
+        self.positions[:, :n] = self.positions[:, :n].index_select(0, sources)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Row i becomes row ``rows[i]`` in new buffers of ``len(rows)`` rows: finished sequences
+        dropped (so they stop costing work), or rows repeated (one per beam)."""
         self.keys = self.keys.index_select(1, rows)
         self.values = self.values.index_select(1, rows)
         self._unbind()
@@ -101,6 +102,18 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
+
+
+def gather_rows_in_place(buffers: tuple[torch.Tensor, ...], rows: torch.Tensor, length: int) -> None:
+    """buffer[:, i, ..., :length] = buffer[:, rows[i], ..., :length] for each [L, N, H, S, D] buffer, moving
+    only the rows whose source changed: most beams usually continue themselves, so a reorder copies
+    a fraction of the cache (one small host sync to find them)."""
+    moved = torch.nonzero(rows != torch.arange(rows.numel(), device=rows.device)).flatten()  # [M]
+    if moved.numel() == 0:
+        return
+    sources = rows[moved]
+    for buffer in buffers:
+        buffer[:, moved, :, :length] = buffer[:, sources, :, :length]  # the right side is gathered first
 
 
 class NoCache:

@@ -13,12 +13,14 @@ what else is in the step. Nothing about the step is stored on the cache object.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..layers.attention import attention
+from .fastseq import shared_prefix_attention
 from .slots import SlotCache
 
 
@@ -31,12 +33,22 @@ class AttentionGroup:
     queries: int
     block_table: torch.Tensor  # [rows, n]: keys are positions 0..n*block-1 (past a row's end: masked)
     query_positions: torch.Tensor  # [rows, queries]
+    # FastSeq: each run of ``fold`` rows (a sample's beams) shares its first ``shared_blocks`` blocks,
+    # whose keys are then read once per run (engine/fastseq.py). 0: nothing shared.
+    fold: int = 1
+    shared_blocks: int = 0
 
 
 def layer_windows(config) -> list[int | None]:
     """The sliding window of each layer (None: full attention). Part of each layer's mask, so a
     model whose layers differ (local / global) is served as it is (``ModelConfig.layer_types``)."""
     return list(config.layer_windows)
+
+
+def attention_terms(model) -> tuple[list[int | None], Callable | None]:
+    """(each layer's window, the model's position bias or None) a plan masks attention with."""
+    cfg = model.config
+    return layer_windows(cfg), (model.alibi_bias if cfg.position_kind == "alibi" else None)
 
 
 class StepPlan:
@@ -50,6 +62,40 @@ class StepPlan:
         self.score_bias = score_bias  # ALiBi: distances [B, T, S] -> bias [B, H, T, S]
         self.dtype = dtype
         self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
+
+    @classmethod
+    def for_rows(cls, cache: SlotCache, rows: list[tuple[list[int], int, int]], windows: list[int | None],
+                 score_bias: Callable | None, dtype: torch.dtype, shared: tuple[int, int] = (1, 0)) -> "StepPlan":
+        """The plan of one forward over ``rows``: (block table, first position, token count) per
+        sequence, in the order its tokens are laid out flat. Consecutive one-token rows attend as
+        one group; every longer chunk is a group of its own. ``shared`` (fold, blocks): in the
+        one-token groups, each run of ``fold`` rows holds the same first ``blocks`` blocks (the
+        caller guarantees it: beams of a sample over its prompt)."""
+        device = cache.keys.device
+        slots, groups, first = [], [], 0
+        for index, (table, start, count) in enumerate(rows):
+            slots += cache.slot_ids(table, start, start + count)
+            if count == 1 and index > 0 and rows[index - 1][2] == 1:
+                continue  # already in the group of the one-token run it belongs to
+            if count == 1:
+                run = list(itertools.takewhile(lambda row: row[2] == 1, rows[index:]))
+                ends = [row[1] + 1 for row in run]
+                query_positions = torch.tensor(ends, device=device)[:, None] - 1  # [rows, 1]
+                group = cls._group(cache, first, [row[0] for row in run], max(ends), 1, query_positions)
+                group.fold, group.shared_blocks = shared if len(run) % shared[0] == 0 else (1, 0)
+                groups.append(group)
+                first += len(run)
+            else:
+                query_positions = torch.arange(start, start + count, device=device)[None]  # [1, T]
+                groups.append(cls._group(cache, first, [table], start + count, count, query_positions))
+                first += count
+        return cls(cache, torch.tensor(slots, dtype=torch.long, device=device), groups, windows, score_bias, dtype)
+
+    @staticmethod
+    def _group(cache: SlotCache, first: int, tables: list[list[int]], num_keys: int, queries: int,
+               query_positions: torch.Tensor) -> AttentionGroup:
+        block_table = cache.block_tables(tables, cache.pool.blocks_for(num_keys))
+        return AttentionGroup(first, len(tables), queries, block_table, query_positions)
 
     def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
         return no_distances(query_positions)
@@ -65,11 +111,25 @@ class StepPlan:
         for index, group in enumerate(self.groups):
             B, T = group.rows, group.queries
             qg = q[0, :, group.first : group.first + B * T].unflatten(1, (B, T)).transpose(0, 1)  # [B, H, T, D]
-            kg = self.cache.gather(keys, group.block_table)  # [B, Hkv, S, D]
-            vg = self.cache.gather(values, group.block_table)  # [B, Hkv, S, D]
-            out = attention(qg, kg, vg, self._mask(index, self.windows[layer]), scale)  # [B, H, T, D]
+            mask = self._mask(index, self.windows[layer])
+            if group.shared_blocks:
+                out = self._attend_shared(group, keys, values, qg, mask, scale)
+            else:
+                kg = self.cache.gather(keys, group.block_table)  # [B, Hkv, S, D]
+                vg = self.cache.gather(values, group.block_table)  # [B, Hkv, S, D]
+                out = attention(qg, kg, vg, mask, scale)  # [B, H, T, D]
             outputs.append(out.transpose(0, 1).flatten(1, 2))  # [H, B*T, D]
         return torch.cat(outputs, dim=1)[None] if len(outputs) > 1 else outputs[0][None]  # [1, H, N, D]
+
+    def _attend_shared(self, group: AttentionGroup, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor,
+                       mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """A group whose runs of ``fold`` rows share their first blocks: those keys once per run."""
+        m = group.shared_blocks
+        shared_table = group.block_table[:: group.fold, :m]  # [B / fold, m]: the first row of each run
+        own_table = group.block_table[:, m:]  # [B, n - m]
+        gather = self.cache.gather
+        return shared_prefix_attention(q, gather(keys, shared_table), gather(values, shared_table),
+                                       gather(keys, own_table), gather(values, own_table), mask, scale)
 
     def _mask(self, index: int, window: int | None) -> torch.Tensor:
         """Additive mask (plus position bias) [B, 1 or H, T, S] of a group, built once per window."""

@@ -13,15 +13,17 @@ rest. A block whose last owner left goes back to the free list but keeps its has
 reused (least recently freed first), so a later request can still revive it. Reuse is by token
 ids, never by text; a hit is confirmed by comparing the ids, not by trusting the hash.
 
-Verbs, in the spirit of llama.cpp's ``seq_*`` (a sequence's slots are [0, length)):
-``allocate`` (reserve blocks, sharing a cached prefix: a ``seq_cp`` without a copy), ``release``
-(``seq_rm`` of everything), ``grow`` (more blocks for a kept sequence that goes on) and ``publish``
-(name newly filled full blocks so others can share them).
+Bookkeeping verbs of the pool: ``allocate`` (reserve blocks, sharing a cached prefix),
+``release`` (drop a table's references), ``grow`` (more blocks for a kept sequence that goes on)
+and ``publish`` (name newly filled full blocks so others can share them). The per-sequence cache
+verbs (``seq_cp / seq_rm / seq_keep / seq_add``, copy-on-write) act on tables and the K/V buffers
+together: ``SlotCache`` below.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -84,11 +86,7 @@ class BlockPool:
             if self.ref_counts[block] == 0:
                 del self.free[block]
             self.ref_counts[block] += 1
-        for _ in range(self.blocks_for(total_tokens) - len(table)):
-            block, _ = self.free.popitem(last=False)
-            self._forget(block)
-            self.ref_counts[block] = 1
-            table.append(block)
+        table += self.take(self.blocks_for(total_tokens) - len(table))
         return table, len(shared) * self.block_size
 
     def grow(self, table: list[int], total_tokens: int) -> bool:
@@ -97,11 +95,7 @@ class BlockPool:
         missing = self.blocks_for(total_tokens) - len(table)
         if missing > self.num_free:
             return False
-        for _ in range(missing):
-            block, _ = self.free.popitem(last=False)
-            self._forget(block)
-            self.ref_counts[block] = 1
-            table.append(block)
+        table += self.take(max(0, missing))
         return True
 
     def publish(self, table: list[int], tokens: list[int], hashes: list[int], end_block: int) -> None:
@@ -116,6 +110,24 @@ class BlockPool:
             if table[i] not in self.block_key:  # a block shared from the cache is named already
                 self.block_key[table[i]] = (previous, block_tokens)
                 self.by_hash[previous] = table[i]
+
+    def take(self, count: int) -> list[int]:
+        """``count`` fresh blocks (least recently freed first; their prefix names are forgotten)."""
+        if count > self.num_free:
+            raise RuntimeError(f"block pool exhausted: {count} blocks wanted, {self.num_free} free")
+        blocks = []
+        for _ in range(count):
+            block, _ = self.free.popitem(last=False)
+            self._forget(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def share(self, table: list[int]) -> list[int]:
+        """Another reference to every block of ``table`` -> a table of the same blocks."""
+        for block in table:
+            self.ref_counts[block] += 1
+        return list(table)
 
     def release(self, table: list[int]) -> None:
         """The sequence is done with its blocks (``seq_rm`` of all its slots)."""
@@ -174,6 +186,72 @@ class SlotCache:
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def block_nbytes(self) -> int:
+        """K and V bytes of one block, every layer."""
+        return self.nbytes // self.pool.num_blocks
+
+    # -- per-sequence verbs (llama.cpp's seq_*). A sequence is its block table: token p sits at
+    # -- position p, in slot table[p // block] * block + p % block. Tables are host lists.
+    def seq_cp(self, table: list[int]) -> list[int]:
+        """A new sequence holding the same tokens: every block shared by reference, no K/V copied
+        (the first write into a shared block copies that one block: ``writable``)."""
+        return self.pool.share(table)
+
+    def seq_rm(self, table: list[int], p0: int) -> list[int]:
+        """Remove the tokens [p0, end) -> the kept table (blocks wholly past p0 lose this reference)."""
+        keep = self.pool.blocks_for(p0)
+        self.pool.release(table[keep:])
+        return table[:keep]
+
+    def seq_keep(self, tables: list[list[int]], sources: list[int]) -> list[list[int]]:
+        """Sequence i becomes a copy of sequence ``sources[i]`` (a beam reorder; a sequence no one
+        names is dropped): tables are shared by reference, no K/V moves, the old tables are released."""
+        kept = [self.pool.share(tables[source]) for source in sources]
+        for table in tables:
+            self.pool.release(table)
+        return kept
+
+    def writable(self, table: list[int], start: int, end: int) -> list[int]:
+        """Make tokens [start, end) of a sequence writable in place (modifies and returns ``table``):
+        blocks past its end come from the pool, and a block shared with another sequence is copied
+        first (copy-on-write, as vLLM does for the partially filled last block of forked beams)."""
+        size = self.block_size
+        table += self.pool.take(max(0, self.pool.blocks_for(end) - len(table)))
+        for index in range(start // size, self.pool.blocks_for(end)):
+            if self.pool.ref_counts[table[index]] > 1:
+                (copy,) = self.pool.take(1)
+                rows = slice(copy * size, (copy + 1) * size)
+                self.keys[:, rows] = self.keys[:, table[index] * size : (table[index] + 1) * size]
+                self.values[:, rows] = self.values[:, table[index] * size : (table[index] + 1) * size]
+                self.pool.release([table[index]])
+                table[index] = copy
+        return table
+
+    def seq_add(self, table: list[int], p0: int, p1: int, delta: int,
+                rotate: Callable[[int, torch.Tensor, int], torch.Tensor] | None = None) -> list[int]:
+        """Add ``delta`` to the positions of tokens [p0, p1) -> the table.
+
+        Here a token's position is its index in its sequence, so a token whose position changes
+        moves to the slot of its new position: K/V of [p0, p1) are copied to [p0 + delta, p1 + delta)
+        (what was there, removed or never used, is overwritten) and each key is re-rotated by
+        ``delta`` with ``rotate(layer, keys [1, Hkv, N, D], delta)`` (RoPE: llama.cpp's K-shift;
+        None for ALiBi, whose bias is rebuilt from positions like every mask). Llama.cpp's context
+        shift is ``seq_add(t, n_keep + n_discard, n, -n_discard)`` then ``seq_rm(t, n - n_discard)``."""
+        if p0 + delta < 0:
+            raise ValueError(f"seq_add would move token {p0} to position {p0 + delta}")
+        table = self.writable(table, p0 + delta, p1 + delta)
+        device = self.keys.device
+        source = torch.tensor(self.slot_ids(table, p0, p1), dtype=torch.long, device=device)  # [N]
+        target = torch.tensor(self.slot_ids(table, p0 + delta, p1 + delta), dtype=torch.long, device=device)
+        for layer, (keys, values) in enumerate(zip(self.layer_keys, self.layer_values)):
+            moved = keys.index_select(0, source)  # [N, Hkv, D] (a copy: the ranges may overlap)
+            if rotate is not None:
+                moved = rotate(layer, moved.transpose(0, 1)[None], delta)[0].transpose(0, 1)  # via [1, Hkv, N, D]
+            keys.index_copy_(0, target, moved)
+            values.index_copy_(0, target, values.index_select(0, source))
+        return table
 
 
 def check_fits(needed_tokens: int, cache: SlotCache, what: str) -> None:

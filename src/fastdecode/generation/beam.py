@@ -8,8 +8,9 @@ length penalty on the *generated* length. Stopping follows transformers' heurist
 ``early_stopping`` True / False / "never". Everything is batched tensors: one host sync per step
 (whether to continue).
 
-The engine keeps the prompt once per sample and only the generated tokens per beam
-(cache/beam.py, the FastSeq layout), so a reorder copies only the generated K/V.
+The prompt's K/V are stored once per sample and shared by its beams by reference (FastSeq), on
+the slot cache's per-sequence verbs: a reorder copies block tables, never K/V (copy-on-write of a
+shared block at a beam's first write into it).
 """
 
 from __future__ import annotations
@@ -18,52 +19,114 @@ from collections.abc import Iterator
 
 import torch
 
-from ..cache.beam import BeamKVCache
 from ..config import GenerationConfig
-from .decode import SequenceResult, left_pad
+from ..engine.plan import StepPlan, attention_terms
+from ..engine.slots import BLOCK_SIZE, SlotCache
+from .decode import SequenceResult
 from .sampling import TokenSelector
-from .step import CachedEngine, Started
+from .step import Started
 
 NEG = -1.0e9  # transformers' "impossible" score (finite, so sums stay ordered)
 
 
 class DecoderBeamEngine:
-    """Decoder-only engine for beam search: prefill B prompts once, decode B*K beams."""
+    """Decoder-only beam search on the slot cache's per-sequence verbs (engine/slots.py).
+
+    Each prompt is prefilled once into its own sequence; its K beams are ``seq_cp`` forks that
+    share the prompt's blocks by reference (FastSeq: the prompt's K/V once per sample). A beam
+    reorder is ``seq_keep``: block tables are copied, no K/V moves. A beam's first write into a
+    block it shares (the prompt's partial last block, or a generated block after a reorder)
+    copies that one block (``writable``: copy-on-write). Every forward runs through the engine's
+    ``StepPlan``, so windows, ALiBi and every family behave as in the engine; in a decode step the
+    prompt's shared blocks are read once per sample, the beams folded into the query axis."""
 
     def __init__(self, model, num_beams: int, max_new_tokens: int):
         self.model = model
         self.num_beams = num_beams
         self.max_new_tokens = max_new_tokens
-        self.cache: BeamKVCache | None = None
+        self.windows, self.score_bias = attention_terms(model)
+        self.cache: SlotCache | None = None
+        self.tables: list[list[int]] = []  # block table of each beam row
+        self.lengths: list[int] = []  # tokens each beam row holds
+        self.prompt_lengths: list[int] = []  # per original sample
+        self.samples: list[int] = []  # original sample of each sample still searching
+        self.shared_nbytes = self.per_beam_nbytes = 0
 
     def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens, valid, positions [B, S_p] (left-padded) -> logits [B, V]; the prompt K/V become the
-        shared segment as they are (no copy, no repeat)."""
-        B, S_p = tokens.shape
-        prefill = CachedEngine(self.model, B, S_p)
-        logits = prefill.prefill(tokens, valid, positions)
-        self.cache = BeamKVCache(prefill.cache.keys, prefill.cache.values, valid, positions, self.num_beams,
-                                 max(self.max_new_tokens, 1))
+        """Left-padded prompts: tokens, valid, positions [B, S_p] -> logits [B, V]."""
+        return self.start([row[ok].tolist() for row, ok in zip(tokens, valid)])
+
+    def start(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Prefill each prompt once (one forward) -> logits [B, V]; then fork K beams per prompt."""
+        model, cfg, K = self.model, self.model.config, self.num_beams
+        size = BLOCK_SIZE
+        blocks_for = lambda tokens: -(-tokens // size)  # noqa: E731
+        prompt_blocks = sum(blocks_for(len(p)) for p in prompts)
+        # Per beam: a copy of the prompt's partial block and the blocks of its generated tokens.
+        beam_blocks = K * sum(blocks_for(len(p) + self.max_new_tokens) - len(p) // size for p in prompts)
+        self.cache = SlotCache(cfg.num_layers, prompt_blocks + beam_blocks, cfg.num_kv_heads, cfg.head_dim,
+                               model.dtype, model.device, size)
+        self.shared_nbytes = prompt_blocks * self.cache.block_nbytes
+        self.per_beam_nbytes = beam_blocks * self.cache.block_nbytes
+        tables = [self.cache.pool.take(blocks_for(len(p))) for p in prompts]
+        flat = [token for p in prompts for token in p]
+        positions = [position for p in prompts for position in range(len(p))]
+        ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1  # [B] last token of each prompt
+        logits = self._forward(flat, positions, [(t, 0, len(p)) for t, p in zip(tables, prompts)], ends)
+        self.tables = [self.cache.seq_cp(table) for table in tables for _ in range(K)]
+        for table in tables:
+            self.cache.pool.release(table)
+        self.lengths = [len(p) for p in prompts for _ in range(K)]
+        self.prompt_lengths, self.samples = [len(p) for p in prompts], list(range(len(prompts)))
         return logits
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens, positions [B*K] -> logits [B*K, V]."""
-        K = self.num_beams
-        self.cache.append_slot(positions.view(-1, K)[:, 0])  # [B]: beams of a sample share positions
-        return self.model.forward(tokens[:, None], positions[:, None], self.cache, None)[:, -1]
+        """tokens, positions [B*K] -> logits [B*K, V] (positions are the rows' lengths)."""
+        for table, length in zip(self.tables, self.lengths):
+            self.cache.writable(table, length, length + 1)
+        rows = [(table, length, 1) for table, length in zip(self.tables, self.lengths)]
+        logits = self._forward(tokens, positions, rows, torch.arange(len(rows)), (self.num_beams, self._shared_blocks()))
+        self.lengths = [length + 1 for length in self.lengths]
+        return logits
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        self.cache.keep_rows(rows)
+    def _shared_blocks(self) -> int:
+        """Blocks every sample's beams hold in common: the prompt's full blocks (never written
+        again, and a reorder stays within a sample), the fewest of any sample."""
+        K, size = self.num_beams, BLOCK_SIZE
+        shared = min(self.prompt_lengths[sample] // size for sample in self.samples)
+        for row, table in enumerate(self.tables):
+            if table[:shared] != self.tables[row - row % K][:shared]:
+                raise RuntimeError("beams of a sample no longer share their prompt blocks")
+        return shared
+
+    def _forward(self, tokens, positions, rows: list[tuple[list[int], int, int]], logits_at: torch.Tensor,
+                 shared: tuple[int, int] = (1, 0)):
+        device = self.model.device
+        plan = StepPlan.for_rows(self.cache, rows, self.windows, self.score_bias, self.model.dtype, shared)
+        tokens = torch.as_tensor(tokens, device=device)[None]  # [1, N]
+        positions = torch.as_tensor(positions, device=device)[None]  # [1, N]
+        return self.model.forward(tokens, positions, plan, None, logits_at=logits_at.to(device))[0]  # [rows, V]
+
+    def reorder_beams(self, sources: torch.Tensor) -> None:
+        """Beam row i continues row ``sources[i]`` (of its own sample) -> ``seq_keep``."""
+        sources = sources.tolist()
+        self.tables = self.cache.seq_keep(self.tables, sources)
+        self.lengths = [self.lengths[source] for source in sources]
 
     def keep_samples(self, samples: torch.Tensor) -> None:
-        """Drop settled samples' shared prompt K/V (their beams go with the next ``keep_rows``)."""
-        self.cache.keep_samples(samples)
+        """Only these samples [B'] go on searching: the other samples' beams release their blocks."""
+        K = self.num_beams
+        samples = samples.tolist()
+        rows = [sample * K + beam for sample in samples for beam in range(K)]
+        self.samples = [self.samples[sample] for sample in samples]
+        self.tables = self.cache.seq_keep(self.tables, rows)
+        self.lengths = [self.lengths[row] for row in rows]
 
 
 def start_beam_decoder_only(model, prompts: list[list[int]], config: GenerationConfig) -> Started:
-    tokens, valid, positions = left_pad(prompts, model.device)
     engine = DecoderBeamEngine(model, config.num_beams, config.max_new_tokens)
-    return Started(engine, engine.prefill(tokens, valid, positions), positions[:, -1] + 1, prompts)
+    next_positions = torch.tensor([len(p) for p in prompts], device=model.device)  # [B]
+    return Started(engine, engine.start(prompts), next_positions, prompts)
 
 
 def beam_starter(model):
@@ -101,7 +164,7 @@ class BeamSearch:
         """(bytes stored once per sample, bytes stored per beam) of the engine's K/V caches."""
         engine = self.engine
         if isinstance(engine, DecoderBeamEngine):
-            return engine.cache.shared_nbytes, engine.cache.per_beam_nbytes
+            return engine.shared_nbytes, engine.per_beam_nbytes
         return engine.cross.nbytes, engine.cache.nbytes  # encoder-decoder: cross K/V, decoder self K/V
 
     def run(self) -> list[SequenceResult]:
@@ -189,6 +252,7 @@ class BeamSearch:
             if not go_on:
                 break
             rows = origin + offsets  # [B, K] row (in the current layout) each beam continues
+            sources = rows  # [B', K] the same, in the layout after settled samples leave
             if any_settled:
                 for sample in torch.nonzero(settled).flatten().tolist():
                     final[alive[sample]] = (fin_tokens[sample], fin_length[sample], fin_scores[sample])
@@ -201,10 +265,10 @@ class BeamSearch:
                 engine.keep_samples(staying)
                 B = staying.numel()
                 offsets = (torch.arange(B, device=device) * K)[:, None]
-            rows = rows.view(-1)  # [B*K]
+                sources = origin[staying] + offsets
             tokens = running_tokens[:, :, step].reshape(-1)  # [B*K]
-            engine.keep_rows(rows)
-            self.selector.keep_rows(rows)
+            engine.reorder_beams(sources.view(-1))  # [B*K]
+            self.selector.select_rows(rows.view(-1))  # old layout: drops and reorders at once
             self.selector.record(tokens)
             logits = engine.decode(tokens, positions)
             positions = positions + 1

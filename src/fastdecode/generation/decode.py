@@ -122,8 +122,8 @@ class DecodeLoop:
                     return
                 if len(keep) < len(active):
                     rows = torch.tensor(keep, dtype=torch.long, device=device)
-                    engine.keep_rows(rows)
-                    self.selector.keep_rows(rows)
+                    engine.drop_rows(rows)
+                    self.selector.select_rows(rows)
                     new_tokens, next_positions = new_tokens[rows], next_positions[rows]
                     active = [active[row] for row in keep]
                 logits = engine.decode(new_tokens, next_positions)

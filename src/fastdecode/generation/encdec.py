@@ -11,7 +11,7 @@ three model calls per request, batched with every other running request); the en
 beam search (``start_beam_encoder_decoder``), the naive reference, and tests that drive one step
 at a time.
 
-Both engines have CachedEngine's interface (prefill / decode / keep_rows), so the decode loop,
+Both engines have CachedEngine's interface (prefill / decode / drop_rows), so the decode loop,
 the processors and the stop logic are shared with decoder-only models. ``prefill`` takes the
 *source*; the decoder start token is fed inside it, at target position 0.
 
@@ -64,7 +64,7 @@ def start_beam_encoder_decoder(model, sources: list[list[int]], config) -> Start
     B, K = tokens.shape[0], config.num_beams
     engine = EncoderDecoderEngine(model, B, config.max_new_tokens)
     logits = engine.prefill(tokens, valid, positions)  # [B, V]
-    engine.cache.keep_rows(torch.arange(B, device=model.device).repeat_interleave(K))  # [B*K] rows
+    engine.cache.select_rows(torch.arange(B, device=model.device).repeat_interleave(K))  # [B*K] rows
     engine.cross = BeamCrossAttention(engine.cross, K)
     next_positions = torch.ones(B, dtype=torch.long, device=model.device)
     return Started(engine, logits, next_positions, [[model.config.decoder_start_token_id]] * B)
@@ -107,13 +107,22 @@ class EncoderDecoderEngine:
         bias = self_bias_rows(self.self_bias, start, 1)
         return self.model.decode(tokens, positions, self.cache, start, bias, self.cross)[:, -1]
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        self.cache.keep_rows(rows)
-        self.cross.keep_rows(rows)
+    def drop_rows(self, rows: torch.Tensor) -> None:
+        """Only ``rows`` go on: finished rows leave the batch."""
+        self.cache.select_rows(rows)
+        self.cross.select_rows(rows)
 
     def keep_samples(self, samples: torch.Tensor) -> None:
-        """Beam search: drop settled samples' source K/V (their beams go with the next ``keep_rows``)."""
+        """Beam search: only these samples [B'] go on searching (their beams' rows and source K/V)."""
+        K = self.cross.num_beams
+        beams = torch.arange(K, device=samples.device)
+        self.cache.select_rows((samples[:, None] * K + beams).flatten())  # [B'*K]
         self.cross.keep_samples(samples)
+
+    def reorder_beams(self, sources: torch.Tensor) -> None:
+        """Beam search: row i continues row ``sources[i]`` of the same sample (decoder self K/V only;
+        the source K/V are per sample and do not move)."""
+        self.cache.reorder_rows(sources)
 
 
 class EncoderDecoderRecompute:
@@ -144,7 +153,7 @@ class EncoderDecoderRecompute:
         bias = model.decoder_self_bias(T)  # [1, H|1, T, T]
         return model.decode(self.target, self.target_positions, None, 0, bias, cross)[:, -1]
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
+    def drop_rows(self, rows: torch.Tensor) -> None:
         self.source = self.source.index_select(0, rows)
         self.valid = self.valid.index_select(0, rows)
         self.target = self.target.index_select(0, rows)

@@ -70,8 +70,9 @@ class TokenSelector:
         for row, prompt in enumerate(prompts):
             self.seen[row, torch.tensor(prompt, dtype=torch.long, device=device)] = True
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep (or, for beam search, reorder and repeat) rows of the per-row state."""
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Row i of the per-row state becomes row ``rows[i]``: finished rows dropped, or (beam search)
+        beams reordered and settled samples dropped, in one gather."""
         if self.seen is not None:
             self.seen = self.seen.index_select(0, rows)
         if self.history is not None:

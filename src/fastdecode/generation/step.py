@@ -57,8 +57,9 @@ class CachedEngine:
             return None  # one query per row that sees every slot (a sliding layer adds its window itself)
         return build_attention_mask(cache.valid[:, :end], start, num_queries, self.model.dtype)
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        self.cache.keep_rows(rows)
+    def drop_rows(self, rows: torch.Tensor) -> None:
+        """Only ``rows`` (an increasing 1-D index) go on: finished rows leave the batch."""
+        self.cache.select_rows(rows)
 
 
 class RecomputeEngine:
@@ -83,7 +84,7 @@ class RecomputeEngine:
         mask = build_attention_mask(self.valid, 0, T, self.model.dtype)
         return self.model.forward(self.tokens, self.positions, NoCache(), mask)[:, -1]
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
+    def drop_rows(self, rows: torch.Tensor) -> None:
         self.tokens = self.tokens.index_select(0, rows)
         self.valid = self.valid.index_select(0, rows)
         self.positions = self.positions.index_select(0, rows)

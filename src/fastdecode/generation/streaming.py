@@ -10,7 +10,7 @@ Two policies, both keeping ``n_keep`` attention sinks and a window of ``n_ctx - 
   learned absolute positions included, and costs nothing before the cache is first full.
 
 Both process a single sequence and expose ``feed`` (chunked, through the policy) plus the
-``prefill``/``decode``/``keep_rows`` interface of the other engines, so the decode loop and the
+``prefill``/``decode``/``drop_rows`` interface of the other engines, so the decode loop and the
 scorer use them unchanged.
 """
 
@@ -54,7 +54,7 @@ class _StreamingEngineBase:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.feed(tokens)[None]  # [1, V]
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
+    def drop_rows(self, rows: torch.Tensor) -> None:
         pass  # a single sequence: when it finishes, the loop ends
 
 
