@@ -29,7 +29,7 @@ from fastdecode.layers.quantized import QuantizedWeight, dequantize, quantize_ma
 from fastdecode.loading.gguf_blocks import repack  # noqa: E402
 from test_gguf_loading import EOT, MERGES, TOKEN_TYPES, TOKENS  # noqa: E402
 
-GGUF_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+GGUF_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
 # byte offset of the float16 super-block scale(s) d (and dmin) inside a K-quant block
 K_SCALE_OFFSETS = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}

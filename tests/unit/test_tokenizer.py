@@ -596,7 +596,9 @@ def test_stream_decodes_a_bounded_window(smol: Tokenizer) -> None:
     ids = spy.encode(text)
     detok = IncrementalDetokenizer(spy)
     assert "".join(_stream(detok, ids)) == text
-    assert len(ids) > 300 and max(calls) <= 8
+    # DecodeStream decodes its window in Rust (not through Tokenizer.decode); the Python decodes
+    # left (finish()'s flush, DecodeStream's error fallback) must stay as bounded.
+    assert len(ids) > 300 and max(calls, default=0) <= 8
 
 
 def test_stream_spm_byte_fallback_and_space_strip(spm: Tokenizer) -> None:

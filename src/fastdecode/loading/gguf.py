@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 
 from ..errors import CheckpointError, FastDecodeError
 from ..layers.quantized import QuantizedWeight
@@ -64,7 +63,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool
 
     def decode(name: str) -> torch.Tensor | QuantizedWeight:
         canonical, info = canonical_of[name], gguf.tensors[name]
-        type_name = GGMLQuantizationType(info.ggml_type).name
+        type_name = info.type_name
         if native and type_name in REPACKERS and len(info.shape) == 2 and "pos_embed" not in canonical:
             return _hf_layout(module, canonical, repack(type_name, gguf.raw(name), info.shape), config).to(device)
         if type_name not in ("F32", "F16", "BF16"):
@@ -88,6 +87,6 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool
 
     from .tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_gguf_fields(meta, source=str(path))
+    tokenizer = Tokenizer.from_gguf_fields(meta, source=str(path), path=path)
     check_tokenizer_matches(tokenizer, config, str(path))
     return Checkpoint(config, family, weights, tokenizer, str(path), "gguf")

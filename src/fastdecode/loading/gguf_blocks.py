@@ -8,12 +8,13 @@ dequantization; only the order of the sums in a product differs):
   Q8_0   8.5          32     int8 q          d (f16)                  none            8 + 0.5
   Q4_0   4.5          32     nibble q        d (f16)                  -8 d (f16)      4 + 1
   Q4_1   5.0          32     nibble q        d (f16)                  m (f16)         4 + 1
+  Q5_0   5.5          32     int8 q - 16     d (f16)                  none            8 + 0.5
   Q4_K   4.5          32     nibble q        d * sc (f32, exact)      -dmin * m (f32)  4 + 2
   Q5_K   5.5          32     int8 q (0..31)  d * sc (f32)             -dmin * m (f32)  8 + 2
   Q6_K   6.5625       16     int8 q - 32     d * sc (f32)             none            8 + 2
 
 (-8 d is exact in f16: a power-of-two multiple; d * sc is an 11-bit by 6- or 8-bit integer product,
-exact in float32's 24-bit mantissa.) Q5_K and Q6_K are held as int8 codes: exact, but they read
+exact in float32's 24-bit mantissa.) Q5_0, Q5_K and Q6_K are held as int8 codes: exact, but they read
 about 1.5-1.8x the file's bytes per token; Q4_* read 1.1-1.3x (float16/float32 scales beside nibbles).
 """
 
@@ -65,6 +66,16 @@ def _q4_1(raw: np.ndarray, N: int, K: int):
     return 4, 32, codes, _f16(blocks[..., :2]), _f16(blocks[..., 2:4])
 
 
+def _q5_0(raw: np.ndarray, N: int, K: int):
+    blocks = raw.reshape(N, K // 32, 22)  # [N, K/32, d(2) + qh(4, bit j: 5th bit of element j) + 16 nibble bytes]
+    high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # [N, K/32, 32]
+    qs = blocks[..., 6:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, K/32, 32]: elements j, then j + 16
+    codes |= np.left_shift(high, 4, out=high)
+    codes -= 16  # 0..31 -> -16..15, as int8 below (uint8 wraps to the same bytes)
+    return 8, 32, codes.view(np.int8).reshape(N, K), _f16(blocks[..., :2]), None
+
+
 def _k_affine(blocks: np.ndarray, N: int, K: int) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K super-block header -> per-32 (scale, min) float32 [N, K/32]."""
     d = _f16(blocks[:, :2]).astype(np.float32)[:, None]  # [B, 1]
@@ -100,7 +111,8 @@ def _q6_k(raw: np.ndarray, N: int, K: int):
     return 8, 16, (q.astype(np.int8) - 32).reshape(N, K), scale, None
 
 
-REPACKERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+REPACKERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q5_K": _q5_k,
+             "Q6_K": _q6_k}
 
 
 def repack(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:

@@ -3,7 +3,7 @@
 Why not ``gguf.GGUFReader``: it builds a numpy memmap object for every element of every
 metadata array, which takes about 2.6 s for SmolLM2's 98k tokenizer strings (the whole cold
 start budget is 5 s). The container format is small and stable, so the header is parsed here
-with ``struct`` (about 0.1 s); quantized blocks are still decoded by the ``gguf`` package
+with ``struct`` (about 0.1 s); blocks without a kernel are still decoded by the ``gguf`` package
 (``gguf.quants.dequantize``), whose job that is.
 
 Format (little-endian): magic "GGUF", version u32, tensor count u64, metadata count u64,
@@ -30,6 +30,16 @@ DEFAULT_ALIGNMENT = 32
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _NUMPY_DTYPES = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's byte count
+
+
+# ggml type code -> (name, elements per block, bytes per block) for the types a load reads without
+# the ``gguf`` package (importing it costs 0.1-0.3 s: it pulls in yaml and its metadata helpers);
+# other codes are looked up in ``gguf.constants`` when a file has them.
+GGML_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+}
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,10 @@ class GGUFTensorInfo:
     ggml_type: int
     offset: int  # absolute byte offset in the file
     nbytes: int
+
+    @property
+    def type_name(self) -> str:  # "Q4_K", "F32"...
+        return ggml_type(self.ggml_type, self.name)[0]
 
 
 class GGUFFile:
@@ -108,6 +122,20 @@ class GGUFFile:
             raise ValueError("string runs past the end of the file")
         return self._map[start : self._pos].decode("utf-8")
 
+    def _read_strings(self, count: int) -> list[str]:
+        """A string array (a vocabulary: 262,144 tokens for Gemma 3) in one tight loop, decoded by ``map``."""
+        buf, pos, unpack_length = self._map, self._pos, _LENGTH.unpack_from
+        pieces = [b""] * count
+        for index in range(count):
+            (length,) = unpack_length(buf, pos)
+            pos += 8
+            pieces[index] = buf[pos : pos + length]
+            pos += length
+        if pos > len(buf):
+            raise ValueError("string array runs past the end of the file")
+        self._pos = pos
+        return list(map(bytes.decode, pieces))
+
     def _read_value(self, value_type: int) -> Any:
         if value_type in _SCALAR_FORMATS:
             return self._unpack("<" + _SCALAR_FORMATS[value_type])[0]
@@ -120,6 +148,8 @@ class GGUFFile:
                 values = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._pos)
                 self._pos += dtype.itemsize * count
                 return values.tolist()
+            if item_type == _STRING:
+                return self._read_strings(count)
             return [self._read_value(item_type) for _ in range(count)]
         raise ValueError(f"unknown metadata value type {value_type}")
 
@@ -132,30 +162,44 @@ class GGUFFile:
         return data.reshape(*rows, -1) if rows else data.reshape(1, -1)
 
     def dequantized(self, name: str) -> np.ndarray:
-        """The tensor as float32 in numpy order, decoded by ``gguf.quants``."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
+        """The tensor as float32 in numpy order (F32: a read-only view of the file); quantized
+        blocks are decoded by ``gguf.quants``."""
         info = self.tensors[name]
-        qtype = GGMLQuantizationType(info.ggml_type)
-        if qtype == GGMLQuantizationType.BF16:  # bf16 -> f32: place the 16 bits high
-            bits = self.raw(name).view(np.uint16).astype(np.uint32) << 16
-            values = bits.view(np.float32)
+        raw = self.raw(name)
+        if info.type_name == "F32":
+            values = raw.view("<f4")
+        elif info.type_name == "F16":
+            values = raw.view("<f2").astype(np.float32)
+        elif info.type_name == "BF16":  # bf16 -> f32: place the 16 bits high
+            values = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
         else:
+            from gguf import GGMLQuantizationType
+            from gguf.quants import dequantize
+
+            qtype = GGMLQuantizationType(info.ggml_type)
             try:
-                values = dequantize(self.raw(name), qtype)
+                values = dequantize(raw, qtype)
             except NotImplementedError as exc:
                 raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported type {qtype.name}") from exc
         return values.reshape(info.shape)
 
 
-def _tensor_nbytes(dims: tuple[int, ...], ggml_type: int, name: str) -> int:
+def ggml_type(code: int, tensor: str) -> tuple[str, int, int]:
+    """(type name, elements per block, bytes per block) of a ggml type code."""
+    if code in GGML_TYPES:
+        return GGML_TYPES[code]
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:
-        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        qtype = GGMLQuantizationType(code)
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
     except (ValueError, KeyError) as exc:
-        raise CheckpointError(f"tensor {name!r} has unknown ggml type {ggml_type}") from exc
+        raise CheckpointError(f"tensor {tensor!r} has unknown ggml type {code}") from exc
+    return qtype.name, block_size, type_size
+
+
+def _tensor_nbytes(dims: tuple[int, ...], code: int, name: str) -> int:
+    _, block_size, type_size = ggml_type(code, name)
     count = 1
     for d in dims:
         count *= d
