@@ -64,9 +64,16 @@ def test_repacked_blocks_decode_exactly_as_the_gguf_package(qtype):
 
 
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [1, 3, 8, quantized.KERNEL_MAX_ROWS + 5])
-def test_quantized_product_equals_dequantized_product(qtype, rows):
-    """Same weights, float32 products: only the summation order differs (error ~ K * 2^-24 * sum|w x|)."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33, 512])
+@pytest.mark.parametrize("path", ["dispatch", "kernel"])
+def test_quantized_product_equals_dequantized_product(qtype, rows, path, monkeypatch):
+    """Same weights, float32 products: only the summation order differs (error ~ K * 2^-24 * sum|w x|).
+    "dispatch": what linear() picks for that many rows; "kernel": the AVX2 kernel for every row count
+    (its 8-, 4-, 2- and 1-row blocks, with and without mins)."""
+    if path == "kernel":
+        if qmatmul_op() is None:
+            pytest.skip("no AVX2 kernel on this machine")
+        monkeypatch.setattr(quantized, "KERNEL_MAX_ROWS", 1 << 20)
     shape = (72, 512)
     weight = repack(qtype.name, random_blocks(qtype, shape, seed=2), shape)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(3))

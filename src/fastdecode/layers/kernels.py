@@ -5,6 +5,7 @@ PyTorch's extension builder, into ``$FASTDECODE_CACHE`` (default ``~/.cache/fast
 name keyed by the source, PyTorch version and CPU flags, so a later process only loads the shared
 library (milliseconds). ``qmatmul_op()`` returns None (and logs once why) where it cannot be had:
 no AVX2/FMA/F16C, no compiler, another device. Callers then use the pure PyTorch path.
+The op has a fake (meta) kernel, so ``torch.compile(fullgraph=True)`` traces it.
 """
 
 from __future__ import annotations
@@ -67,10 +68,21 @@ def qmatmul_op():
         else:
             log.warning("fastdecode: building the quantized kernels (once, about a minute)")
             build()  # cpp_extension.load registers the ops itself
+        _register_fake()
         return torch.ops.fastdecode_kernels.qmatmul
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
         log.warning("fastdecode: quantized kernels unavailable (%s); using the PyTorch fallback", exc)
         return None
+
+
+def _register_fake() -> None:
+    """The op's shape function (a "fake" kernel): torch.compile / FakeTensor tracing run it instead of
+    the C++ code, so a compiled decode step (fullgraph) traces through quantized products."""
+    import torch
+
+    @torch.library.register_fake("fastdecode_kernels::qmatmul")
+    def _qmatmul_fake(x, codes, scale, mins, bits, group, grain):  # x [M, K] -> [M, N]
+        return x.new_empty((x.shape[0], scale.shape[0]))
 
 
 if __name__ == "__main__":
