@@ -303,3 +303,36 @@ def test_int4_quantizes_and_runs(tmp_path):
         reference = hf(torch.tensor([prompt])).logits[0]
     # 4 bits: each weight moves by up to 1/30 of its group's range
     assert (_logits(gen, prompt) - reference).abs().max() / reference.abs().max() < 0.15
+
+
+# --- 5: torch.compile traces the quantized op (its fake kernel) ---------------------------------------
+@pytest.mark.slow
+def test_compiled_quantized_decode_step_is_one_graph_with_equal_logits(tmp_path):
+    """fullgraph=True fails on any op without a fake kernel: the quantized products must trace."""
+    import functools
+
+    from fastdecode.engine.decode_step import decode_step
+
+    if qmatmul_op() is None:
+        pytest.skip("no AVX2 kernel on this machine: the PyTorch fallback traces as it is")
+    gen = fastdecode.load(write_tiny_llama(tmp_path / "q4.gguf", QT.Q4_1, tied=False))
+    engine = gen.engine(cache_tokens=256)
+    prompts = [[5, 9, 3, 7, 11], [4, 8, 12], [6, 2, 10, 13]]
+    sequences = [engine.submit(p, {"max_new_tokens": 8}) for p in prompts]
+    engine.step()  # prompts read: each row now decodes one token per step
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    bound = functools.partial(decode_step, gen.model, engine.cache, engine.windows, engine.score_bias)
+    compiled = torch.compile(bound, backend=counting_backend, fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        block_table = engine.cache.block_tables([s.block_table for s in sequences], 2)  # [B, 2]
+        tokens = torch.tensor([s.output_ids[-1] for s in sequences])
+        positions = torch.tensor([s.num_tokens - 1 for s in sequences])
+        eager_logits, _ = bound(block_table, tokens, positions)
+        traced_logits, _ = compiled(block_table, tokens, positions)  # rewrites the same slots
+    assert len(graphs) == 1
+    torch.testing.assert_close(traced_logits, eager_logits, atol=1e-5, rtol=0)

@@ -14,7 +14,6 @@ import hashlib
 import logging
 import os
 import sys
-from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger("fastdecode")
@@ -53,9 +52,17 @@ def build(verbose: bool = False) -> Path:
     return library
 
 
-@lru_cache(maxsize=1)
+_LOADED: dict[str, object] = {}  # "qmatmul" -> the op (or None): a plain dict lookup torch.compile traces
+
+
 def qmatmul_op():
     """torch.ops.fastdecode_kernels.qmatmul, or None where the extension cannot be built or loaded."""
+    if "qmatmul" not in _LOADED:
+        _LOADED["qmatmul"] = _load_qmatmul()
+    return _LOADED["qmatmul"]
+
+
+def _load_qmatmul():
     import torch
 
     if not _cpu_has_avx2():
