@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import qmatmul_op
-from .threads import PARALLEL_MIN_WORK
+from .threads import PARALLEL_MIN_WORK, threads_for
 
 KERNEL_MAX_ROWS = 32
 
@@ -107,10 +107,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     rows = x.reshape(-1, K)  # [M, K]
     op = qmatmul_op() if x.device.type == "cpu" else None
     if op is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
-        # split over threads by the weights read, not the multiply-adds: at batch 8 a layer's 0.9M-weight
-        # product would split, and the second thread of a busy machine then costs more than it saves
-        grain = max(1, math.ceil(PARALLEL_MIN_WORK / K))  # output rows per thread, at least
-        out = op(rows.float().contiguous(), weight.codes, weight.scale, weight.mins, weight.bits, weight.group, grain)
+        M = rows.shape[0]
+        grain = max(1, math.ceil(PARALLEL_MIN_WORK / (M * K)))  # output rows per thread, at least
+        with threads_for(M * K * N):
+            out = op(rows.float().contiguous(), weight.codes, weight.scale, weight.mins, weight.bits, weight.group,
+                     grain)
     else:
         from .linear import linear  # the float GEMM (oneDNN on CPU)
 
