@@ -59,6 +59,7 @@ def test_repacked_blocks_decode_exactly_as_the_gguf_package(qtype):
     weight = repack(qtype.name, raw, shape)
     reference = torch.from_numpy(gguf_dequantize(raw, qtype).reshape(shape))
     assert torch.equal(dequantize(weight), reference)  # bit-identical weights
+    assert torch.equal(quantized.dense_weight(weight, work=1 << 30), reference)  # the AVX2 decoder (prefill), too
     rows = torch.tensor([5, 0, 47, 5])
     assert torch.equal(dequantize(weight, rows), reference[rows])  # embedding lookups decode rows only
 
@@ -185,9 +186,8 @@ def test_embedded_model_runs_on_its_own_blocks_with_no_float_copy(smollm, smollm
     floats = [name for name, w in weights.items() if isinstance(w, torch.Tensor) and w.dim() == 2]
     assert floats == []
     # decode steps take the kernel: whole matrices are decoded (transiently) only for the long prefill
-    real, decoded = quantized.dequantize, []
-    monkeypatch.setattr(quantized, "dequantize",
-                        lambda weight, rows=None: decoded.append(rows is None) or real(weight, rows))
+    real, decoded = quantized.dense_weight, []
+    monkeypatch.setattr(quantized, "dense_weight", lambda weight, work: decoded.append(True) or real(weight, work))
     ids = smollm.encode_prompt("What is the capital of France?", chat=True)
     assert len(ids) > quantized.KERNEL_MAX_ROWS
     answer = smollm.tokenizer.decode(smollm.generate_ids([ids], max_new_tokens=12)[0])

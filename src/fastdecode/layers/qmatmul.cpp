@@ -140,6 +140,50 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   return y;
 }
 
+template <int BITS, int G, typename S>
+at::Tensor dequantize_impl(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
+                           int64_t grain) {
+  const int64_t N = scale.size(0), groups = scale.size(1), K = groups * G;
+  at::Tensor w = at::empty({N, K}, scale.options().dtype(at::kFloat));
+  const bool has_min = mins.has_value() && mins->defined();
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const S* sp = scale.data_ptr<S>();
+  const S* mp = has_min ? mins->data_ptr<S>() : nullptr;
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t g = 0; g < groups; ++g) {
+        __m256 v[G / 8];
+        decode_group<BITS, G>(cp + (n * groups + g) * (G * BITS / 8), v);
+        const __m256 s = _mm256_set1_ps(load_scale(sp + n * groups + g));
+        float* out = wp + n * K + g * G;
+        if (mp != nullptr) {  // scale * code + min: the same two roundings as quantized.dequantize()
+          const __m256 m = _mm256_set1_ps(load_scale(mp + n * groups + g));
+          for (int i = 0; i < G / 8; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_add_ps(_mm256_mul_ps(v[i], s), m));
+        } else {
+          for (int i = 0; i < G / 8; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(v[i], s));
+        }
+      }
+  });
+  return w;
+}
+
+// codes, scale, mins of [N, K] -> float32 [N, K] (for products with many rows: then a float GEMM).
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
+                      int64_t bits, int64_t group, int64_t grain) {
+  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "codes and scales must be contiguous");
+  const bool half = scale.scalar_type() == at::kHalf;
+#define FD_CASE(B, GS)                                                                               \
+  if (bits == B && group == GS)                                                                      \
+    return half ? dequantize_impl<B, GS, at::Half>(codes, scale, mins, grain)                       \
+                : dequantize_impl<B, GS, float>(codes, scale, mins, grain);
+  FD_CASE(8, 32)
+  FD_CASE(8, 16)
+  FD_CASE(4, 32)
+#undef FD_CASE
+  TORCH_CHECK(false, "no kernel for bits=", bits, " group=", group);
+}
+
 // x [M, K] float32 -> y [M, N] float32.
 at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                    const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t grain) {
@@ -163,6 +207,10 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 // A CPU kernel (not a composite one), so kernels.py can give the op a fake kernel for torch.compile.
 TORCH_LIBRARY(fastdecode_kernels, m) {
   m.def("qmatmul(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int grain) -> Tensor");
+  m.def("dequantize(Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int grain) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) { m.impl("qmatmul", &qmatmul); }
+TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) {
+  m.impl("qmatmul", &qmatmul);
+  m.impl("dequantize", &dequantize);
+}
