@@ -82,6 +82,13 @@ def from_hf(hf_model: Any, tokenizer: Any = None) -> "Generator":
     return Generator(checkpoint_from_hf(hf_model, tokenizer))
 
 
+def _slots_for(lengths: list[int], bytes_per_token: int) -> int:
+    """Cache slots for an engine that runs every sequence of a call at once when the default
+    cache budget allows (whole blocks each), and at least the longest one."""
+    blocks = [-(-n // BLOCK_SIZE) * BLOCK_SIZE for n in lengths]
+    return max(max(blocks), min(sum(blocks), DEFAULT_CACHE_BYTES // bytes_per_token))
+
+
 class Generator:
     """A model, its tokenizer and default options; every generation entry point lives here."""
 
@@ -192,16 +199,18 @@ class Generator:
         return [DecodeLoop(self.model, repeated, config, eos, row_seeds=seeds)]
 
     # -- the engine ----------------------------------------------------------------------------
-    def engine(self, max_batch_tokens: int = 2048, max_queue: int = 256, cache_tokens: int | None = None) -> Engine:
-        """A continuous-batching engine over this model (``submit`` / ``step``; see fastdecode.engine)."""
-        return Engine(self, max_batch_tokens=max_batch_tokens, max_queue=max_queue, cache_tokens=cache_tokens)
+    def engine(self, max_batch_tokens: int = 2048, max_queue: int = 256, cache_tokens: int | None = None,
+               prefill_chunk: int = 256, source_tokens: int | None = None) -> Engine:
+        """A continuous-batching engine over this model (``submit`` / ``step``; see fastdecode.engine).
+        ``prefill_chunk``: prompt tokens per step while other sequences are decoding;
+        ``source_tokens``: an encoder-decoder model's cross-attention slots (default: by memory)."""
+        return Engine(self, max_batch_tokens=max_batch_tokens, max_queue=max_queue, cache_tokens=cache_tokens,
+                      prefill_chunk=prefill_chunk, source_tokens=source_tokens)
 
     def _runs_in_engine(self, config: GenerationConfig) -> bool:
-        """Greedy and sampling on a decoder-only model run in the engine; beam search, streaming
-        caches (n_ctx), the naive reference (use_cache=False) and encoder-decoder models keep their
-        own loops."""
-        return (not self.config.is_encoder_decoder and config.num_beams == 1 and config.n_ctx is None
-                and config.use_cache)
+        """Greedy and sampling run in the engine (decoder-only and encoder-decoder models); beam
+        search, streaming caches (n_ctx) and the naive reference (use_cache=False) keep their own loops."""
+        return config.num_beams == 1 and config.n_ctx is None and config.use_cache
 
     def _submit_all(self, prompts: list, config: GenerationConfig) -> tuple[Engine, list[EngineSequence]]:
         """One engine sized for this call, every request submitted ("submit everything, step until
@@ -212,9 +221,16 @@ class Generator:
         self._check_memory(prompts, config)
         repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
         seeds = sequence_seeds(config, len(prompts)) if config.is_sampling else None
-        blocks = [-(-(len(p) + config.max_new_tokens) // BLOCK_SIZE) * BLOCK_SIZE for p in repeated]
-        affordable = DEFAULT_CACHE_BYTES // self.config.kv_cache_bytes_per_token(self.model.dtype.itemsize)
-        engine = Engine(self, max_queue=len(repeated), cache_tokens=max(max(blocks), min(sum(blocks), affordable)))
+        itemsize = self.model.dtype.itemsize
+        source_tokens = None
+        if self.config.is_encoder_decoder:  # the decoder runs its start token, the sources go to the encoder
+            source_tokens = _slots_for([len(p) for p in repeated], self.config.cross_cache_bytes_per_source_token(itemsize))
+            contexts = [1] * len(repeated)
+        else:
+            contexts = [len(p) for p in repeated]
+        cache_tokens = _slots_for([n + config.max_new_tokens for n in contexts],
+                                  self.config.kv_cache_bytes_per_token(itemsize))
+        engine = Engine(self, max_queue=len(repeated), cache_tokens=cache_tokens, source_tokens=source_tokens)
         single = dataclasses.replace(config, num_return_sequences=1, seed=None)
         sequences = [engine.add(p, single, seeds and seeds[i]) for i, p in enumerate(repeated)]
         return engine, sequences
@@ -366,7 +382,8 @@ class Generator:
         return score_tokens(self.model, ids, config)
 
     def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":
-        """A multi-turn conversation kept in a streaming cache: earlier turns are never prefilled again."""
+        """A multi-turn conversation kept between turns (an engine sequence, then past ``n_ctx`` a
+        streaming cache): earlier turns are never prefilled again."""
         from .generation.chat import ChatSession
 
         if system is not None:

@@ -4,8 +4,6 @@ transformers gives), on every attention kind; cancellation, leaks, the prefix ca
 from __future__ import annotations
 
 import gc
-import random
-import weakref
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ import fastdecode
 from fastdecode.generation.decode import left_pad
 from fastdecode.generation.step import CachedEngine
 from fastdecode.errors import InvalidOptionError, PromptTooLongError, QueueFullError
+from engine_helpers import run_arrivals, run_short_requests
 from tiny_models import VOCAB, build, hf_greedy
 
 pytest.importorskip("transformers")
@@ -43,20 +42,8 @@ def _prompt(length: int, seed: int) -> list[int]:
     return torch.randint(2, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _run(engine, arrivals: dict[int, list[tuple[list[int], dict]]]) -> list[list[int]]:
-    """Submit each request at its arrival step, step until done -> output ids in submission order."""
-    sequences, step = [], 0
-    while arrivals or engine.has_work():
-        for prompt, options in arrivals.pop(step, []):
-            sequences.append(engine.submit(prompt, options))
-        engine.step()
-        step += 1
-    assert all(s.finished for s in sequences)
-    return [s.output_ids for s in sequences]
-
-
 def _alone(gen, prompt, options) -> list[int]:
-    return _run(gen.engine(max_batch_tokens=8), {0: [(prompt, options)]})[0]
+    return run_arrivals(gen.engine(max_batch_tokens=8), {0: [(prompt, options)]})[0]
 
 
 def test_joined_a_running_batch_equals_alone_equals_transformers(pair):
@@ -64,7 +51,7 @@ def test_joined_a_running_batch_equals_alone_equals_transformers(pair):
     requests = [(_prompt(n, seed), options) for seed, (n, options) in enumerate(REQUESTS)]
     alone = [_alone(gen, p, o) for p, o in requests]
     arrivals = {0: requests[:2], 2: requests[2:4], 5: requests[4:]}  # later ones join running sequences
-    assert _run(gen.engine(max_batch_tokens=8), arrivals) == alone
+    assert run_arrivals(gen.engine(max_batch_tokens=8), arrivals) == alone
     greedy_prompt = requests[0][0]
     assert alone[0] == hf_greedy(hf, greedy_prompt, 12)
     if kind == "mistral":  # the window (8) is exceeded, so it shapes the result
@@ -73,14 +60,14 @@ def test_joined_a_running_batch_equals_alone_equals_transformers(pair):
 
 @settings(max_examples=6, deadline=None)
 @given(arrival_steps=st.lists(st.integers(0, 12), min_size=len(REQUESTS), max_size=len(REQUESTS)),
-       budget=st.sampled_from([4, 9, 64]))
-def test_any_arrival_steps_and_budget_give_the_alone_result(llama_gen, arrival_steps, budget):
+       budget=st.sampled_from([4, 9, 64]), prefill_chunk=st.sampled_from([1, 5, 256]))
+def test_any_arrival_steps_and_budget_give_the_alone_result(llama_gen, arrival_steps, budget, prefill_chunk):
     gen, requests, alone = llama_gen
     arrivals: dict[int, list] = {}
     for step, request in zip(arrival_steps, requests):
         arrivals.setdefault(step, []).append(request)
     order = [r for step in sorted(arrivals) for r in arrivals[step]]
-    outputs = _run(gen.engine(max_batch_tokens=budget), arrivals)
+    outputs = run_arrivals(gen.engine(max_batch_tokens=budget, prefill_chunk=prefill_chunk), arrivals)
     assert outputs == [alone[requests.index(r)] for r in order]
 
 
@@ -89,6 +76,26 @@ def llama_gen():
     gen = fastdecode.from_hf(build("llama-gqa", seed=2))
     requests = [(_prompt(n, 40 + seed), options) for seed, (n, options) in enumerate(REQUESTS)]
     return gen, requests, [_alone(gen, p, o) for p, o in requests]
+
+
+def test_prompt_chunks_are_capped_while_others_decode(llama_gen):
+    gen, requests, alone = llama_gen
+    engine = gen.engine(max_batch_tokens=64, prefill_chunk=5)
+    first = engine.submit(_prompt(6, 1), {"max_new_tokens": 30})
+    engine.step()  # nobody decodes yet: the whole 6-token prompt runs at once
+    assert engine.tokens_run == 6 and first.num_computed == 6
+    second = engine.submit(_prompt(23, 2), {"max_new_tokens": 3})
+    steps = []
+    while second.num_computed < second.num_prompt_tokens:
+        before = engine.tokens_run
+        engine.step()
+        steps.append(engine.tokens_run - before)
+    assert steps == [1 + 5, 1 + 5, 1 + 5, 1 + 5, 1 + 3]  # one decode token + at most 5 prompt tokens
+    while engine.has_work():
+        engine.step()
+    assert second.output_ids == _alone(gen, _prompt(23, 2), {"max_new_tokens": 3})
+    with pytest.raises(InvalidOptionError, match="prefill_chunk"):
+        gen.engine(prefill_chunk=0)
 
 
 def test_generate_ids_equals_the_engine_alone(llama_gen):
@@ -125,27 +132,17 @@ def test_cancel_frees_the_slots_and_reports_the_end(llama_gen):
 def test_a_thousand_short_requests_leave_nothing_behind(llama_gen):
     gen = llama_gen[0]
     engine = gen.engine(max_batch_tokens=512, max_queue=1000, cache_tokens=4096)
-    rng = random.Random(0)
-    refs = []
-    for index in range(1000):
-        sequence = engine.submit([rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 4))],
-                                 {"max_new_tokens": rng.randint(1, 3)})
-        refs.append(weakref.ref(sequence))
-    del sequence
-    while engine.has_work():
-        engine.step()
-    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
-    assert not engine.running and not engine.waiting
+    refs = run_short_requests(engine, 1000, range(2, VOCAB), 4)
     gc.collect()
     assert all(ref() is None for ref in refs)  # the engine keeps no finished sequence alive
 
 
-def test_prefix_cache_runs_only_the_rest_and_equals_a_cold_run(llama_gen):
+def test_prefix_cache_runs_only_the_rest_and_equals_a_coldrun_arrivals(llama_gen):
     gen = llama_gen[0]
     prefix = _prompt(200, 7)
     first, second = prefix + _prompt(9, 8), prefix + _prompt(6, 9)
     engine = gen.engine(cache_tokens=1024)
-    _run(engine, {0: [(first, {"max_new_tokens": 5})]})
+    run_arrivals(engine, {0: [(first, {"max_new_tokens": 5})]})
     before = engine.tokens_run
     sequence = engine.submit(second, {"max_new_tokens": 8})
     while engine.has_work():
@@ -184,14 +181,3 @@ def test_logprobs_are_the_raw_log_softmax(llama_gen):
     assert event.logprob == pytest.approx(float(expected.max()), abs=1e-5)
     assert [t for t, _ in event.top_logprobs] == expected.topk(3).indices.tolist()
     assert sequence.output_ids == [event.token_id]
-
-
-def test_encoder_decoder_models_are_refused_by_the_engine_and_still_generate():
-    """Encoder-decoder requests keep their own loop (cross K/V per call); the engine says so."""
-    from fastdecode.errors import UnsupportedModelError
-    from tiny_encdec import build as build_encdec
-
-    gen = fastdecode.from_hf(build_encdec("bart"))
-    with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
-        gen.engine()
-    assert 1 <= len(gen.generate_ids([[5, 6, 7]], max_new_tokens=3)[0]) <= 3

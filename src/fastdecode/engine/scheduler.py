@@ -4,12 +4,23 @@ Each ``step()``:
 1. retires cancelled sequences (their blocks are free before anything else runs);
 2. picks work within ``max_batch_tokens``: one token for every running sequence that is
    decoding, then the next chunk of every running sequence still reading its prompt, then
-   admits waiting sequences in FIFO order while the budget and the free blocks allow (a
-   sequence reserves blocks for its prompt and all its new tokens at admission, sharing any
-   cached prefix, so a running sequence never runs out of room and nothing is ever preempted);
+   admits waiting sequences in FIFO order while the budget and the free blocks allow. While any
+   sequence is decoding, the prompt chunks of a step total at most ``prefill_chunk`` tokens
+   (Sarathi-Serve's stall-free batching): a long prompt then costs the decoding sequences a few
+   slightly longer steps instead of one long one, which bounds their per-token latency; with
+   nobody decoding, prompts get the whole budget (the fastest first token). A sequence reserves
+   blocks for its prompt and all its new tokens at admission, sharing any cached prefix, so a
+   running sequence never runs out of room and nothing is ever preempted;
 3. runs ONE model forward over all of it (``StepPlan``);
 4. samples one token for every sequence whose step reached its last token, each with its own
    options and generator, and retires the finished ones.
+
+Encoder-decoder models run the same loop: admission also reserves the sequence's cross-attention
+blocks and the step runs the encoder over the sources it admitted (engine/cross.py); the
+decoder's self-attention uses the slot cache like a decoder-only model's.
+
+A sequence submitted with ``keep=True`` (a chat session) keeps its blocks when it finishes;
+``resume`` continues it with new tokens (only they run), ``drop`` frees it.
 
 One thread owns an Engine (it is not thread-safe); ``Sequence.cancel()`` only sets a flag.
 """
@@ -23,8 +34,9 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
-from ..errors import InvalidOptionError, QueueFullError, UnsupportedModelError
+from ..errors import InvalidOptionError, QueueFullError
 from ..generation.sampling import TokenSelector, sequence_seeds
+from .cross import CrossStore, RowGroup, decoder_score_bias
 from .plan import AttentionGroup, StepPlan, layer_windows
 from .sequence import Sequence, TokenEvent, token_logprobs
 from .slots import SlotCache, check_fits
@@ -34,18 +46,20 @@ DEFAULT_CACHE_BYTES = 1 << 30
 
 class Engine:
     def __init__(self, generator: Any, max_batch_tokens: int = 2048, max_queue: int = 256,
-                 cache_tokens: int | None = None, block_size: int = 16):
+                 cache_tokens: int | None = None, block_size: int = 16, prefill_chunk: int = 256,
+                 source_tokens: int | None = None):
+        """``cache_tokens``: self-attention slots; ``source_tokens``: cross-attention slots of an
+        encoder-decoder model (source tokens of the sequences admitted at once)."""
         model = generator.model
         cfg = model.config
-        if cfg.is_encoder_decoder:
-            raise UnsupportedModelError("the engine serves decoder-only models; encoder-decoder models run "
-                                        "through Generator.generate")
         if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise InvalidOptionError(f"max_batch_tokens must be an integer >= 1, got {max_batch_tokens!r}")
         if not isinstance(max_queue, int) or max_queue < 1:
             raise InvalidOptionError(f"max_queue must be an integer >= 1, got {max_queue!r}")
+        if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
+            raise InvalidOptionError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.generator, self.model = generator, model
-        self.max_batch_tokens, self.max_queue = max_batch_tokens, max_queue
+        self.max_batch_tokens, self.max_queue, self.prefill_chunk = max_batch_tokens, max_queue, prefill_chunk
         if cache_tokens is None:
             per_token = cfg.kv_cache_bytes_per_token(model.dtype.itemsize)
             cache_tokens = min(DEFAULT_CACHE_BYTES // per_token, 64 * cfg.max_position_embeddings)
@@ -54,6 +68,13 @@ class Engine:
                                model.device, block_size)
         self.windows = layer_windows(cfg)
         self.score_bias = model.alibi_bias if cfg.position_kind == "alibi" else None
+        self.cross: CrossStore | None = None
+        if cfg.is_encoder_decoder:
+            if source_tokens is None:
+                per_token = cfg.cross_cache_bytes_per_source_token(model.dtype.itemsize)
+                source_tokens = min(DEFAULT_CACHE_BYTES // per_token, 64 * cfg.max_position_embeddings)
+            self.cross = CrossStore(model, source_tokens, block_size)
+            self.score_bias = decoder_score_bias(model)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.tokens_run = 0  # tokens the model has run (prefix-cache hits are not run)
@@ -75,9 +96,10 @@ class Engine:
                         detokenize=self.generator.tokenizer is not None, logprobs=logprobs)
 
     def add(self, prompt: list[int], config: GenerationConfig, seed: int | None, detokenize: bool = False,
-            logprobs: int | None = None) -> Sequence:
+            logprobs: int | None = None, keep: bool = False) -> Sequence:
         """Queue a validated request (the Generator validates a whole call at once). ``seed``: the
-        sequence's own sampling seed (None: fresh entropy)."""
+        sequence's own sampling seed (None: fresh entropy). ``keep``: its blocks outlive its end
+        (``resume`` / ``drop``)."""
         if config.num_beams > 1:
             raise InvalidOptionError("beam search (num_beams > 1) does not run in the engine: use "
                                      "Generator.generate_ids_with_details")
@@ -90,25 +112,67 @@ class Engine:
             raise InvalidOptionError(f"logprobs={logprobs} exceeds the vocabulary size {self.model.config.vocab_size}")
         if len(self.waiting) >= self.max_queue:
             raise QueueFullError(f"the engine's queue is full ({self.max_queue} waiting requests)")
-        check_fits(len(prompt) + config.max_new_tokens, self.cache, f"a request of {len(prompt)} prompt tokens")
-        sequence = self._new_sequence(prompt, config, seed, detokenize, logprobs)
-        if config.max_new_tokens == 0:
+        decoder_prompt = None
+        if self.cross is not None:
+            if keep:
+                raise InvalidOptionError("an encoder-decoder request cannot be kept between turns (no chat)")
+            self.cross.check_fits(prompt)
+            decoder_prompt = [self.model.config.decoder_start_token_id]
+        context = decoder_prompt or prompt
+        check_fits(len(context) + config.max_new_tokens, self.cache, f"a request of {len(context)} prompt tokens")
+        sequence = self._new_sequence(prompt, config, seed, detokenize, logprobs, decoder_prompt=decoder_prompt)
+        sequence.keep_cache = keep
+        self._queue(sequence)
+        return sequence
+
+    def _queue(self, sequence: Sequence) -> None:
+        if sequence.config.max_new_tokens == 0:
             self._ended.append(sequence.end_event("length"))
         else:
             self.waiting.append(sequence)
+
+    def resume(self, kept: Sequence, new_tokens: list[int], config: GenerationConfig, seed: int | None,
+               detokenize: bool = False) -> Sequence:
+        """Continue a finished kept sequence (a chat session's next turn): its tokens plus
+        ``new_tokens`` are the new request's prompt, the K/V already computed stay in its blocks and
+        only the rest runs. The processors see the tokens this turn feeds (the old last token and
+        ``new_tokens``), as a streaming cache continuing a conversation does. ``kept`` is spent."""
+        if not (kept.keep_cache and kept.finished and kept.source is None):
+            raise InvalidOptionError("only a finished sequence submitted with keep=True can be resumed")
+        prompt = kept.tokens(0, kept.num_tokens) + list(new_tokens)
+        check_fits(len(prompt) + config.max_new_tokens, self.cache, f"a conversation of {len(prompt)} tokens")
+        fed = prompt[kept.num_computed:]
+        sequence = self._new_sequence(prompt, config, seed, detokenize, None, history=fed)
+        sequence.keep_cache = True
+        sequence.block_table, kept.block_table = kept.block_table, []
+        sequence.block_hashes, sequence.num_computed = kept.block_hashes, kept.num_computed
+        sequence.num_cached_prompt_tokens = kept.num_computed
+        self._queue(sequence)
         return sequence
 
-    def _new_sequence(self, prompt, config, seed, detokenize, logprobs) -> Sequence:
+    def drop(self, sequence: Sequence) -> None:
+        """Free a kept sequence's blocks (it must have finished)."""
+        sequence.keep_cache = False
+        self._release(sequence)
+
+    def _new_sequence(self, prompt, config, seed, detokenize, logprobs, decoder_prompt=None,
+                      history=None) -> Sequence:
         gen, model = self.generator, self.model
         eos = gen._eos_ids(config)
-        selector = TokenSelector(config, eos, model.config.vocab_size, model.device)
-        selector.start([prompt], model.device, row_seeds=None if seed is None else [seed])
+        selector = TokenSelector(config, eos, model.config.vocab_size, model.device,
+                                 forced_bos=getattr(model.config, "forced_bos_token_id", None),
+                                 forced_eos=getattr(model.config, "forced_eos_token_id", ()))
+        # The processors' history: the decoder's tokens (an encoder-decoder's start token, as
+        # transformers penalizes it), and the source for encoder n-gram blocking.
+        history = history if history is not None else decoder_prompt or prompt
+        selector.start([history], model.device, sources=None if decoder_prompt is None else [prompt],
+                       row_seeds=None if seed is None else [seed])
         watcher = None
         if detokenize or config.stop_strings():
             from ..generation.stopping import TextWatcher
 
             watcher = TextWatcher(gen._require_tokenizer(), config.stop_strings())
-        sequence = Sequence(self._next_id, prompt, config, selector, eos, watcher, logprobs)
+        sequence = Sequence(self._next_id, prompt, config, selector, eos, watcher, logprobs, decoder_prompt)
         self._next_id += 1
         return sequence
 
@@ -123,6 +187,8 @@ class Engine:
         work = self._schedule()
         if work:
             with torch.inference_mode():
+                if self.cross is not None:
+                    self.cross.encode_pending()  # the sources admitted this step, once each
                 events += self._run(work)
         self.running = [s for s in self.running if not s.finished]
         return sorted(events, key=lambda event: event.sequence.id)
@@ -139,30 +205,51 @@ class Engine:
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
         """(sequence, tokens to run) for this step: decodes first, then prompt chunks, then admissions."""
-        budget, work = self.max_batch_tokens, []
         decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
         reading = [s for s in self.running if s.num_tokens - s.num_computed > 1]
-        for sequence in decoding + reading:
+        work = [(sequence, 1) for sequence in decoding[: self.max_batch_tokens]]
+        budget = self.max_batch_tokens - len(work)
+        if work:
+            budget = min(budget, self.prefill_chunk)  # prompt tokens this step (see the module docstring)
+        for sequence in reading:
             count = min(sequence.num_tokens - sequence.num_computed, budget)
             if count == 0:
                 break
             work.append((sequence, count))
             budget -= count
-        pool = self.cache.pool
         while self.waiting and budget > 0:
             sequence = self.waiting[0]
-            if not pool.can_allocate(sequence.prompt_ids, sequence.total_tokens):
+            if not self._admit(sequence):
                 break  # FIFO: the head waits for room, nobody overtakes it
             self.waiting.popleft()
-            table, cached = pool.allocate(sequence.prompt_ids, sequence.total_tokens)
-            sequence.block_table, sequence.num_computed = table, cached
-            sequence.num_cached_prompt_tokens = cached
-            sequence.block_hashes = pool.chain(sequence.prompt_ids, cached // pool.block_size)
             self.running.append(sequence)
-            count = min(sequence.num_tokens - cached, budget)
+            count = min(sequence.num_tokens - sequence.num_computed, budget)
             work.append((sequence, count))
             budget -= count
         return work
+
+    def _admit(self, sequence: Sequence) -> bool:
+        """Reserve the blocks a waiting sequence needs -> False (nothing reserved) if they are not free.
+
+        A new decoder-only sequence shares its prompt's cached prefix; a resumed one grows the
+        blocks it kept; an encoder-decoder one also reserves its cross-attention blocks and never
+        shares (its decoder's K/V depend on its source, not only on its tokens)."""
+        pool = self.cache.pool
+        if sequence.block_table:  # resumed: it holds its computed tokens already
+            return pool.grow(sequence.block_table, sequence.total_tokens)
+        if sequence.source is not None:
+            if not (self.cross.can_admit(sequence) and pool.can_allocate([], sequence.total_tokens)):
+                return False
+            sequence.block_table, _ = pool.allocate([], sequence.total_tokens)
+            self.cross.admit(sequence)
+            return True
+        if not pool.can_allocate(sequence.prompt_ids, sequence.total_tokens):
+            return False
+        table, cached = pool.allocate(sequence.prompt_ids, sequence.total_tokens)
+        sequence.block_table, sequence.num_computed = table, cached
+        sequence.num_cached_prompt_tokens = cached
+        sequence.block_hashes = pool.chain(sequence.prompt_ids, cached // pool.block_size)
+        return True
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[TokenEvent]:
         device = self.model.device
@@ -176,32 +263,43 @@ class Engine:
             if start + count == sequence.num_tokens:
                 logit_rows.append(len(tokens) - 1)
                 sampled.append(sequence)
-        plan = StepPlan(self.cache, torch.tensor(slots, device=device), self._groups(work), self.windows,
+        rows = self._row_groups(work)
+        plan = StepPlan(self.cache, torch.tensor(slots, device=device), self._groups(rows), self.windows,
                         self.score_bias, self.model.dtype)
         token_tensor = torch.tensor([tokens], device=device)  # [1, N]
         position_tensor = torch.tensor([positions], device=device)  # [1, N]
-        logits = self.model.forward(token_tensor, position_tensor, plan, None,
-                                    logits_at=torch.tensor(logit_rows, dtype=torch.long, device=device))[0]  # [K, V]
+        logits_at = torch.tensor(logit_rows, dtype=torch.long, device=device)
+        if self.cross is None:
+            logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
+        else:
+            logits = self.model.decode(token_tensor, position_tensor, plan, None, None, self.cross.step(rows),
+                                       logits_at=logits_at)[0]  # [K, V]
         self.tokens_run += len(tokens)
         for sequence, count in work:
             self._computed(sequence, sequence.num_computed + count)
         return self._sample(sampled, logits)
 
-    def _groups(self, work: list[tuple[Sequence, int]]) -> list[AttentionGroup]:
-        """One group for all one-query rows, one per longer chunk (``work`` is in that order)."""
-        device = self.model.device
+    @staticmethod
+    def _row_groups(work: list[tuple[Sequence, int]]) -> list[RowGroup]:
+        """(first flat token, sequences, queries each): one group for all one-query rows, one per
+        longer chunk (``work`` is in that order)."""
         singles = [s for s, count in work if count == 1]
-        groups, first = [], 0
-        if singles:
-            ends = [s.num_computed + 1 for s in singles]
-            groups.append(self._group(first, [s.block_table for s in singles], max(ends), 1,
-                                      torch.tensor(ends, device=device)[:, None] - 1))
-            first += len(singles)
+        groups = [(0, singles, 1)] if singles else []
+        first = len(singles)
         for sequence, count in work[len(singles):]:
-            end = sequence.num_computed + count
-            query_positions = torch.arange(sequence.num_computed, end, device=device)[None]  # [1, T]
-            groups.append(self._group(first, [sequence.block_table], end, count, query_positions))
+            groups.append((first, [sequence], count))
             first += count
+        return groups
+
+    def _groups(self, rows: list[RowGroup]) -> list[AttentionGroup]:
+        """The self-attention groups: each row sees its own slots up to its query positions."""
+        device = self.model.device
+        groups = []
+        for first, sequences, count in rows:
+            starts = torch.tensor([s.num_computed for s in sequences], device=device)[:, None]  # [B, 1]
+            query_positions = starts + torch.arange(count, device=device)[None]  # [B, T]
+            end = max(s.num_computed for s in sequences) + count
+            groups.append(self._group(first, [s.block_table for s in sequences], end, count, query_positions))
         return groups
 
     def _group(self, first: int, tables: list[list[int]], num_keys: int, queries: int,
@@ -214,7 +312,7 @@ class Engine:
         pool = self.cache.pool
         done_before, sequence.num_computed = sequence.num_computed // pool.block_size, num_computed
         done_now = num_computed // pool.block_size
-        if done_now > done_before:
+        if done_now > done_before and sequence.source is None:  # no naming: decoder K/V depend on the source
             pool.publish(sequence.block_table, sequence.tokens(0, num_computed), sequence.block_hashes, done_now)
 
     def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
@@ -239,6 +337,8 @@ class Engine:
         return events
 
     def _release(self, sequence: Sequence) -> None:
-        if sequence.block_table:
+        if self.cross is not None:
+            self.cross.release(sequence)
+        if sequence.block_table and not sequence.keep_cache:
             self.cache.pool.release(sequence.block_table)
             sequence.block_table = []

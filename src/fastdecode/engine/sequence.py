@@ -5,6 +5,10 @@ A sequence is only ``num_computed`` (tokens whose K/V are in the cache) versus `
 step reaches its last token the model's logits there choose the next one. There is no prefill
 phase and no decode phase (vLLM v1's invariant): a prompt chunk, a prefix-cache hit and a decode
 step are all the same move.
+
+An encoder-decoder request's prompt is its *source*: the encoder reads it once, at admission
+(engine/cross.py), and the tokens the decoder runs (``context``) are the model's decoder start
+token(s) followed by the generated ones.
 """
 
 from __future__ import annotations
@@ -47,9 +51,16 @@ class Sequence:
     repetition-penalty mask, n-gram history), stop watcher, and the cache blocks it owns."""
 
     def __init__(self, seq_id: int, prompt_ids: list[int], config: GenerationConfig, selector: TokenSelector,
-                 eos_ids: list[int], watcher: Any = None, logprobs: int | None = None):
+                 eos_ids: list[int], watcher: Any = None, logprobs: int | None = None,
+                 decoder_prompt: list[int] | None = None):
         self.id = seq_id
-        self.prompt_ids = prompt_ids
+        self.prompt_ids = prompt_ids  # the request's prompt (an encoder-decoder model's source)
+        # What the (decoder's) self-attention runs before the generated tokens: the prompt, or for an
+        # encoder-decoder request the decoder start token(s), with the prompt as ``source``.
+        self.context = prompt_ids if decoder_prompt is None else decoder_prompt
+        self.source = None if decoder_prompt is None else prompt_ids
+        self.source_table: list[int] = []  # blocks of its cross-attention K/V (engine/cross.py)
+        self.keep_cache = False  # a kept sequence (chat session): its blocks outlive its end
         self.output_ids: list[int] = []
         self.config = config
         self.selector = selector
@@ -70,14 +81,14 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.context) + len(self.output_ids)
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """Token ids [start, end) of prompt + output."""
-        prompt = self.prompt_ids
-        if end <= len(prompt):
-            return prompt[start:end]
-        return (prompt + self.output_ids)[start:end]
+        """Token ids [start, end) of context (the prompt, or the decoder start) + output."""
+        context = self.context
+        if end <= len(context):
+            return context[start:end]
+        return (context + self.output_ids)[start:end]
 
     @property
     def finished(self) -> bool:
@@ -85,8 +96,8 @@ class Sequence:
 
     @property
     def total_tokens(self) -> int:
-        """Cache slots the sequence may need: its prompt and every token it may generate."""
-        return len(self.prompt_ids) + self.config.max_new_tokens
+        """Cache slots the sequence may need: its context and every token it may generate."""
+        return len(self.context) + self.config.max_new_tokens
 
     def cancel(self) -> None:
         """Ask the engine to drop this sequence; its slots are free after the next ``step()``."""

@@ -15,7 +15,8 @@ ids, never by text; a hit is confirmed by comparing the ids, not by trusting the
 
 Verbs, in the spirit of llama.cpp's ``seq_*`` (a sequence's slots are [0, length)):
 ``allocate`` (reserve blocks, sharing a cached prefix: a ``seq_cp`` without a copy), ``release``
-(``seq_rm`` of everything) and ``publish`` (name newly filled full blocks so others can share them).
+(``seq_rm`` of everything), ``grow`` (more blocks for a kept sequence that goes on) and ``publish``
+(name newly filled full blocks so others can share them).
 """
 
 from __future__ import annotations
@@ -89,6 +90,19 @@ class BlockPool:
             self.ref_counts[block] = 1
             table.append(block)
         return table, len(shared) * self.block_size
+
+    def grow(self, table: list[int], total_tokens: int) -> bool:
+        """Append fresh blocks to a kept sequence's table (a chat session's next turn) until it holds
+        ``total_tokens`` -> False, changing nothing, when too few blocks are free."""
+        missing = self.blocks_for(total_tokens) - len(table)
+        if missing > self.num_free:
+            return False
+        for _ in range(missing):
+            block, _ = self.free.popitem(last=False)
+            self._forget(block)
+            self.ref_counts[block] = 1
+            table.append(block)
+        return True
 
     def publish(self, table: list[int], tokens: list[int], hashes: list[int], end_block: int) -> None:
         """A sequence's blocks up to ``end_block`` now hold computed K/V: extend its hash chain

@@ -1,34 +1,116 @@
-"""Multi-turn chat over one streaming cache: each turn feeds only its new tokens."""
+"""Multi-turn chat: the conversation is one engine sequence kept between turns.
+
+A turn resumes the kept sequence with the turn's new tokens (``Engine.resume``): the K/V of every
+earlier turn stay in the sequence's blocks and the model runs only the new tokens (the last
+reply token, which was generated but never fed, and the user's message as the template renders
+it). The new tokens are found on text, as before: the chat template renders the whole
+conversation and the turn adds the rendering's suffix past what the conversation holds (when a
+template rewrites earlier text, the session starts over from the whole rendering).
+
+Overflow: the session has ``n_ctx`` positions (sinks + shift or re-evaluate past them). While a
+turn cannot run past ``n_ctx`` it runs in the engine, which gives what a streaming cache gives
+before its first eviction. The first turn that could overflow (or that has no ``max_new_tokens``)
+hands the conversation over to the streaming cache of generation/streaming.py: it is fed the
+tokens computed so far once, and every later turn runs there, exactly as before. (The engine has
+no streaming shift yet; once the slot cache can shift positions, the hand-over can go.)
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 
 from ..config import GenerationConfig
+from ..engine import Engine, Sequence, TokenEvent
+from ..generation.sampling import sequence_seeds
 from .decode import DecodeLoop
 from .stopping import TextWatcher
 from .streaming import streaming_engine
 
 
-class ChatSession:
-    """A conversation whose tokens live in a streaming cache between turns.
+class EngineConversation:
+    """A conversation in an engine of its own (``n_ctx`` slots): the kept sequence between turns."""
 
-    The chat template renders the whole conversation; what a new turn adds is the rendering's
-    suffix past what the cache already holds, so earlier turns are never prefilled again (when
-    a template rewrites earlier text, the session falls back to feeding the whole rendering).
-    """
+    def __init__(self, generator: Any, n_ctx: int):
+        self.generator = generator
+        self.n_ctx = min(n_ctx, generator.config.max_position_embeddings)
+        self.engine = Engine(generator, max_queue=1, cache_tokens=self.n_ctx)
+        self.sequence: Sequence | None = None
+
+    @property
+    def next_position(self) -> int:
+        """Tokens whose K/V the conversation holds (the position of the next token fed)."""
+        return 0 if self.sequence is None else self.sequence.num_computed
+
+    @property
+    def tokens_run(self) -> int:
+        return self.engine.tokens_run
+
+    def fits(self, new_ids: list[int], config: GenerationConfig) -> bool:
+        """Whether a turn feeding ``new_ids`` stays within ``n_ctx`` whatever it generates."""
+        held = 0 if self.sequence is None else self.sequence.num_tokens
+        return config.max_new_tokens is not None and held + len(new_ids) + config.max_new_tokens <= self.n_ctx
+
+    def turn(self, new_ids: list[int], config: GenerationConfig) -> Iterator[TokenEvent]:
+        """Feed ``new_ids`` after the conversation; the reply's events. Stopping early (closing the
+        iterator) cancels the reply but keeps what it computed."""
+        engine_config = dataclasses.replace(config, n_ctx=None, seed=None)
+        seeds = sequence_seeds(config, 1) if config.is_sampling else None
+        seed = seeds and seeds[0]
+        if self.sequence is None:
+            sequence = self.engine.add(new_ids, engine_config, seed, detokenize=True, keep=True)
+        else:
+            sequence = self.engine.resume(self.sequence, new_ids, engine_config, seed, detokenize=True)
+        self.sequence = sequence
+        try:
+            while self.engine.has_work():
+                yield from (event for event in self.engine.step() if event.sequence is sequence)
+        finally:
+            if not sequence.finished:
+                sequence.cancel()
+                self.engine.step()  # retires it; a kept sequence keeps its blocks
+
+    def pending(self) -> list[int]:
+        """Tokens of the conversation not fed yet (the last reply token)."""
+        return [] if self.sequence is None else self.sequence.tokens(self.sequence.num_computed,
+                                                                     self.sequence.num_tokens)
+
+    def hand_over(self, config: GenerationConfig):
+        """A streaming cache holding what this conversation computed (fed once); frees the engine's."""
+        streaming = streaming_engine(self.generator.model, config)
+        if self.sequence is not None and self.sequence.num_computed:
+            with torch.inference_mode():
+                streaming.feed(torch.tensor(self.sequence.tokens(0, self.sequence.num_computed), dtype=torch.long))
+        self.close()
+        return streaming
+
+    def close(self) -> None:
+        if self.sequence is not None:
+            self.engine.drop(self.sequence)
+            self.sequence = None
+
+
+class ChatSession:
+    """A conversation kept between turns: in the engine, then (past ``n_ctx``) in a streaming cache."""
 
     def __init__(self, generator: Any, config: GenerationConfig, system: str | None = None):
         self.generator = generator
         self.config = config
         self.tokenizer = generator._require_tokenizer()
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-        self.engine = streaming_engine(generator.model, config)
-        self.fed_text = ""  # the rendering the cache holds (plus the pending token's text)
-        self.pending: list[int] = []  # generated but not yet fed (the last token of the reply)
+        streaming_engine(generator.model, config)  # refuses a policy the model cannot stream with, as before
+        self.engine: Any = self._fresh_conversation()  # EngineConversation, or a streaming engine
+        self.fed_text = ""  # the rendering the conversation holds (plus the pending token's text)
+        self.pending: list[int] = []  # streaming cache: generated but not yet fed (the reply's last token)
         self.full_rebuilds = 0
+
+    def _fresh_conversation(self) -> Any:
+        if self.config.num_beams == 1 and self.config.use_cache:
+            return EngineConversation(self.generator, self.config.n_ctx)
+        return streaming_engine(self.generator.model, self.config)
 
     def send(self, message: str) -> Iterator[str]:
         """Add a user message; stream the assistant's reply as text pieces."""
@@ -38,31 +120,49 @@ class ChatSession:
         self.messages.append({"role": "user", "content": message})
         rendered = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
         if rendered.startswith(self.fed_text):
-            new_ids = self.pending + self.tokenizer.encode(rendered[len(self.fed_text):], add_special_tokens=False)
-        else:  # the template changed earlier text: start the cache over
-            self.engine = streaming_engine(self.generator.model, self.config)
+            new_ids = self.tokenizer.encode(rendered[len(self.fed_text):], add_special_tokens=False)
+        else:  # the template changed earlier text: start the conversation over
+            if isinstance(self.engine, EngineConversation):
+                self.engine.close()  # its engine stays (the prefix cache may still serve full blocks)
+            else:
+                self.engine = self._fresh_conversation()
+            self.pending = []
             self.full_rebuilds += 1
             new_ids = self.tokenizer.encode(rendered, add_special_tokens=False)
-        loop = DecodeLoop(self.generator.model, [new_ids], self.config, self.generator._eos_ids(self.config),
-                          engine=self.engine)
-        watcher = TextWatcher(self.tokenizer, self.config.stop_strings())
+        if isinstance(self.engine, EngineConversation) and not self.engine.fits(new_ids, self.config):
+            self.pending = self.engine.pending()
+            self.engine = self.engine.hand_over(self.config)
+        generated: list[int] = []
         try:
-            for events in loop:
-                piece = watcher.push(events[0][1])
-                if piece:
-                    yield piece
-                if watcher.matcher.stopped:
-                    loop.stop(0)
-            tail = watcher.finish()
-            if tail:
-                yield tail
+            if isinstance(self.engine, EngineConversation):
+                for event in self.engine.turn(new_ids, self.config):
+                    if event.token_id is not None:
+                        generated.append(event.token_id)
+                    if event.text:
+                        yield event.text
+            else:
+                yield from self._streaming_turn(self.pending + new_ids, generated)
         finally:
-            generated = loop.results[0].tokens
             reply = self.tokenizer.decode(generated, skip_special_tokens=True)
             self.messages.append({"role": "assistant", "content": reply})
-            # The cache holds everything but the last generated token, which the next turn feeds.
+            # The conversation holds everything but the last generated token, which the next turn feeds.
             self.fed_text = rendered + self.tokenizer.decode(generated, skip_special_tokens=False)
             self.pending = generated[-1:]
 
+    def _streaming_turn(self, new_ids: list[int], generated: list[int]) -> Iterator[str]:
+        loop = DecodeLoop(self.generator.model, [new_ids], self.config, self.generator._eos_ids(self.config),
+                          engine=self.engine)
+        watcher = TextWatcher(self.tokenizer, self.config.stop_strings())
+        for events in loop:
+            generated.append(events[0][1])
+            piece = watcher.push(events[0][1])
+            if piece:
+                yield piece
+            if watcher.matcher.stopped:
+                loop.stop(0)
+        tail = watcher.finish()
+        if tail:
+            yield tail
 
-__all__ = ["ChatSession"]
+
+__all__ = ["ChatSession", "EngineConversation"]

@@ -6,6 +6,11 @@ over the source and the decoder over the whole target (N*M + M(M+1)/2 token-pass
 is its last: the encoder hoisted out of the loop, the cross-attention K/V projected once, and the
 decoder's self-attention K/V cached, so each step passes one token (N + M).
 
+Greedy and sampling requests run in the engine's scheduler instead (engine/cross.py: the same
+three model calls per request, batched with every other running request); the engines here serve
+beam search (``start_beam_encoder_decoder``), the naive reference, and tests that drive one step
+at a time.
+
 Both engines have CachedEngine's interface (prefill / decode / keep_rows), so the decode loop,
 the processors and the stop logic are shared with decoder-only models. ``prefill`` takes the
 *source*; the decoder start token is fed inside it, at target position 0.

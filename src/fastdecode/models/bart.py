@@ -11,7 +11,8 @@ Flags:
   embedding LayerNorm, usually ``scale_embedding``; its own ``decoder_start_token_id`` (the pad id).
 
 The model is functional over canonical weights and owns nothing per request: the engine
-(generation/encdec.py) calls ``encode`` once, ``cross_kv`` once per layer, then ``decode`` per step.
+(engine/cross.py at admission; generation/encdec.py for beam search and the naive loop) calls
+``encode`` once, ``cross_kv`` once per layer, then ``decode`` per step.
 """
 
 from __future__ import annotations
@@ -233,11 +234,15 @@ class BartModel(ModelBase):
         self_bias: torch.Tensor | None,
         cross: CrossAttentionCache,
         all_logits: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Target tokens, positions [B, T] -> logits [B, T or 1, V].
+        """Target tokens, positions [B, T] -> logits [B, T or 1, V] ([B, K, V] at ``logits_at`` [K]).
 
         Self-attention K/V are written to ``cache`` at slot ``start`` (None: attend within these
         tokens only); ``self_bias`` is the additive causal mask [1, 1, T, S] (None: every slot visible).
+        ``start`` None: ``cache`` is an engine step plan (engine/plan.py) over flat tokens [1, N] of
+        many sequences; it writes each token's K/V to its sequence's slots and builds its own masks,
+        and ``cross`` is the step's view of each sequence's own source (engine/cross.py).
         """
         x = self._embed(self.decoder, tokens, positions)
         for index, layer in enumerate(self.decoder.layers):
@@ -246,8 +251,7 @@ class BartModel(ModelBase):
             x = self._residual(x, layer.cross_norm, layer.cross_norm_bias,
                                lambda h: self._cross_attention(h, layer, index, cross))
             x = self._residual(x, layer.mlp_norm, layer.mlp_norm_bias, lambda h: self._mlp(h, layer))
-        if not all_logits:
-            x = x[:, -1:]
+        x = self.output_rows(x, all_logits, logits_at)
         x = self._final_norm(self.decoder, x)
         return linear(x, self.lm_head, self.logits_bias)  # [B, T or 1, V]
 
@@ -290,6 +294,8 @@ class BartModel(ModelBase):
         q = split_heads(linear(h, layer.q, layer.q_bias), H, D)  # [B, H, T, D]
         k = split_heads(linear(h, layer.k, layer.k_bias), H, D)
         v = split_heads(linear(h, layer.v, layer.v_bias), H, D)
+        if start is None:  # an engine step plan: each sequence's own slots, the plan's masks
+            return linear(merge_heads(cache.attend(index, q, k, v, None, self.scale)), layer.o, layer.o_bias)
         if cache is not None:
             k, v = cache.update(index, start, k, v)  # [B, H, S, D]
         return linear(merge_heads(attention(q, k, v, bias, self.scale)), layer.o, layer.o_bias)

@@ -204,11 +204,14 @@ class T5Model(ModelBase):
         self_bias: torch.Tensor,
         cross: CrossAttentionCache,
         all_logits: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Target tokens, positions [B, T] -> logits [B, T or 1, V].
+        """Target tokens, positions [B, T] -> logits [B, T or 1, V] ([B, K, V] at ``logits_at`` [K]).
 
         ``self_bias`` [1, H, T, S]: relative bias plus causal mask, rows of ``decoder_self_bias``.
         Self-attention K/V go to ``cache`` at slot ``start`` (None: attend within these tokens only).
+        ``start`` None: ``cache`` is an engine step plan over flat tokens [1, N] of many sequences;
+        it writes their K/V to each sequence's slots and masks with ``decoder_position_bias``.
         """
         cfg = self.config
         H, D = cfg.num_heads, cfg.head_dim
@@ -216,16 +219,19 @@ class T5Model(ModelBase):
         for index, layer in enumerate(self.decoder.layers):
             h = self._norm(x, layer.attn_norm)
             q, k, v = (split_heads(linear(h, w), H, D) for w in (layer.q, layer.k, layer.v))  # [B, H, T, D]
-            if cache is not None:
-                k, v = cache.update(index, start, k, v)  # [B, H, S, D]
-            x = x + linear(merge_heads(attention(q, k, v, self_bias, 1.0)), layer.o)
+            if start is None:  # an engine step plan: each sequence's own slots, the plan's masks
+                o = cache.attend(index, q, k, v, None, 1.0)  # [B, H, T, D]
+            else:
+                if cache is not None:
+                    k, v = cache.update(index, start, k, v)  # [B, H, S, D]
+                o = attention(q, k, v, self_bias, 1.0)  # [B, H, T, D]
+            x = x + linear(merge_heads(o), layer.o)
             h = self._norm(x, layer.cross_norm)
             q = split_heads(linear(h, layer.cross_q), H, D)  # [B, H, T, D]
             o = cross.attend(index, q, 1.0)  # [B, H, T, D] against K/V projected once per source
             x = x + linear(merge_heads(o), layer.cross_o)
             x = x + self._ffn(self._norm(x, layer.mlp_norm), layer)
-        if not all_logits:
-            x = x[:, -1:]
+        x = self.output_rows(x, all_logits, logits_at)
         x = self._norm(x, self.decoder.norm)
         if cfg.scale_decoder_output:
             x = x * cfg.hidden_size**-0.5
@@ -242,8 +248,16 @@ class T5Model(ModelBase):
     def _relative_bias(self, table: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
                        bidirectional: bool) -> torch.Tensor:
         """[buckets, H] table, positions [B or 1, T] and [B or 1, S] -> additive bias [B or 1, H, T, S]."""
-        cfg = self.config
         relative = key_positions[:, None, :] - query_positions[:, :, None]  # [B, T, S]
+        return self._bucket_bias(table, relative, bidirectional)
+
+    def decoder_position_bias(self, distance: torch.Tensor) -> torch.Tensor:
+        """Key minus query positions [B, T, S] -> the decoder's relative bias [B, H, T, S] (an engine
+        plan's ``score_bias``: the plan adds it to its own causal mask)."""
+        return self._bucket_bias(self.decoder.relative_bias, distance, bidirectional=False)
+
+    def _bucket_bias(self, table: torch.Tensor, relative: torch.Tensor, bidirectional: bool) -> torch.Tensor:
+        cfg = self.config
         buckets = t5_relative_buckets(relative, bidirectional, cfg.relative_buckets, cfg.relative_max_distance)
         return F.embedding(buckets, table).permute(0, 3, 1, 2)  # [B, T, S, H] -> [B, H, T, S]
 

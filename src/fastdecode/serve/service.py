@@ -1,9 +1,8 @@
 """From a validated request to a stream of pieces: tokenize, pick the route, submit, collect.
 
-Four routes:
-* the engine (continuous batching; every greedy / sampling request to a decoder-only model that
-  fits the context),
-* "solo": encoder-decoder models, one decode loop per choice on the loop thread (``sessions.py``),
+Three routes:
+* the engine (continuous batching; every greedy / sampling request that fits the context, to a
+  decoder-only or an encoder-decoder model),
 * beam search (``num_beams > 1``): ``Generator.generate_ids_with_details`` on a worker thread, the
   final text of each choice in one piece,
 * conversations longer than the context with ``--context-overflow shift|reevaluate``: streaming
@@ -106,11 +105,9 @@ class GenerationService:
         if settings.n_ctx is not None and settings.n_ctx > config.max_position_embeddings:
             raise APIError(400, f"n_ctx={settings.n_ctx} exceeds the model's context "
                                 f"({config.max_position_embeddings} positions)")
-        self.worker = None  # the engine's scheduler serves decoder-only models
-        if not self.encoder_decoder:
-            self.worker = EngineWorker(
-                lambda: generator.engine(max_batch_tokens=settings.max_batch_tokens, max_queue=settings.max_queue),
-                metrics)
+        self.worker = EngineWorker(
+            lambda: generator.engine(max_batch_tokens=settings.max_batch_tokens, max_queue=settings.max_queue),
+            metrics)
         self.overflow = settings.context_overflow in ("shift", "reevaluate") and not self.encoder_decoder
         streaming = {"n_ctx": self.context, "n_keep": settings.n_keep, "policy": settings.context_overflow}
         self.loops = LoopRunner(generator, streaming if self.overflow else None, metrics)
@@ -122,17 +119,15 @@ class GenerationService:
         self._beam_pool = ThreadPoolExecutor(1, thread_name_prefix="fastdecode-beam")
 
     def start(self) -> None:
-        if self.worker is not None:
-            self.worker.start()
+        self.worker.start()
 
     def stop(self) -> None:
-        if self.worker is not None:
-            self.worker.stop()
+        self.worker.stop()
         self.loops.close()
+        self._beam_pool.shutdown(wait=False, cancel_futures=True)
 
     def active_sequences(self) -> int:
-        return self.worker.active_sequences() if self.worker is not None else 0
-        self._beam_pool.shutdown(wait=False, cancel_futures=True)
+        return self.worker.active_sequences()
 
     # -- preparing -------------------------------------------------------------------------------
     def encode(self, request: GenerationRequest) -> list[tuple[list[int], str | None]]:
@@ -150,7 +145,7 @@ class GenerationService:
             raise APIError(400, str(exc), param="messages" if request.endpoint == "chat" else "prompt") from exc
 
     def _route(self, request: GenerationRequest, prompt: list[int]) -> tuple[str, dict[str, Any]]:
-        """-> ("engine" | "beam" | "solo" | "stream", options with max_new_tokens filled in)."""
+        """-> ("engine" | "beam" | "stream", options with max_new_tokens filled in)."""
         options = dict(request.options)
         room = self.context - len(prompt)
         if options["max_new_tokens"] is None:
@@ -158,7 +153,7 @@ class GenerationService:
                 options["max_new_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS
             else:
                 options["max_new_tokens"] = room if room > 0 else self.context // 2
-        route = "beam" if request.is_beam else "solo" if self.encoder_decoder else "engine"
+        route = "beam" if request.is_beam else "engine"
         if not self.encoder_decoder and len(prompt) + options["max_new_tokens"] > self.context:
             if not self.overflow or request.is_beam:
                 why = "beam search cannot use a streaming cache" if request.is_beam and self.overflow else (
@@ -189,8 +184,8 @@ class GenerationService:
                 if route == "engine":
                     choice["logprobs"] = request.logprobs
                 elif request.logprobs is not None:
-                    raise APIError(400, "logprobs come from the engine: they are not available for encoder-decoder "
-                                        "models or past the context (streaming cache)", param="logprobs")
+                    raise APIError(400, "logprobs come from the engine: they are not available past the context "
+                                        "(streaming cache)", param="logprobs")
                 submission = Submission(p * request.n + j, prompt, choice, sink, arrived)
                 submission.route, submission.prompt_text = route, encoded[p][1]
                 if route != "engine":

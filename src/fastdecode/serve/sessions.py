@@ -1,10 +1,9 @@
-"""Requests that run one at a time on their own thread, through the generator's own decode loop.
+"""Conversations longer than the context, one at a time on their own thread, through the
+generator's own decode loop over a streaming cache.
 
-* Encoder-decoder models (the engine's scheduler serves decoder-only models): one loop per
-  choice, streamed token by token.
-* Conversations longer than the context (``--n-ctx`` with ``--context-overflow shift|reevaluate``).
-  Such a request runs through a streaming cache (``n_keep`` attention sinks + a window that shifts
-or is re-evaluated, ``generation/streaming.py``) instead of failing. The server is stateless
+With ``--n-ctx`` and ``--context-overflow shift|reevaluate``, such a request runs through a
+streaming cache (``n_keep`` attention sinks + a window that shifts or is re-evaluated,
+``generation/streaming.py``) instead of failing. The server is stateless
 (each request carries the whole conversation), so the caches of recent conversations are kept:
 a request whose tokens start with what a kept cache has consumed continues that cache and feeds
 only its new tokens, however long the conversation has grown (llama.cpp's ``cache_prompt`` with
@@ -43,7 +42,7 @@ class _Conversation:
 
 class LoopRunner:
     """``streaming``: the n_ctx / n_keep / policy options of conversations past the context, or
-    None when the server answers those with 400 (then only "solo" submissions come here)."""
+    None when the server answers those with 400 (then nothing comes here)."""
 
     def __init__(self, generator: Any, streaming: dict[str, Any] | None, metrics: ServerMetrics,
                  max_conversations: int = 4):
@@ -56,13 +55,10 @@ class LoopRunner:
 
     def check(self, submission: Submission) -> None:
         """Reject bad options before anything is queued (GenerationConfig's and the prompt's rules)."""
-        config = self._config(submission)
-        if submission.route == "solo":  # a conversation past the context is longer than the model's on purpose
-            self.generator._check_prompts([submission.prompt_ids], config)
+        self._config(submission)
 
     def _config(self, submission: Submission) -> Any:
-        streaming = self.streaming if submission.route == "stream" else {}
-        return self.generator._options({**submission.options, **streaming})
+        return self.generator._options({**submission.options, **(self.streaming or {})})
 
     def submit(self, submission: Submission) -> None:
         self._executor.submit(self._run, submission)
@@ -114,12 +110,8 @@ class LoopRunner:
     def _generate(self, submission: Submission) -> None:
         gen, prompt = self.generator, submission.prompt_ids
         config = self._config(submission)
-        if submission.route == "stream":
-            conversation, new_ids, cached = self._take(prompt, submission.prompt_text, config)
-            loop = DecodeLoop(gen.model, [new_ids], config, gen._eos_ids(config), engine=conversation.engine)
-        else:
-            conversation, new_ids, cached = None, prompt, 0
-            (loop,) = gen._loops([prompt], config)
+        conversation, new_ids, cached = self._take(prompt, submission.prompt_text, config)
+        loop = DecodeLoop(gen.model, [new_ids], config, gen._eos_ids(config), engine=conversation.engine)
         watcher = TextWatcher(gen._require_tokenizer(), config.stop_strings())
         submission.sink.put(Admitted(submission.index))
         generated: list[int] = []
@@ -149,7 +141,7 @@ class LoopRunner:
         finally:
             # The cache holds the prompt and every generated token but the last (never fed); with
             # no token at all the prompt may not have been fed whole: do not keep that cache.
-            if generated and conversation is not None:
+            if generated:
                 conversation.fed = conversation.fed + new_ids + generated[:-1]
                 conversation.pending = generated[-1:]
                 if submission.prompt_text is not None:

@@ -1,0 +1,121 @@
+"""Encoder-decoder requests in the engine: the encoder at admission, cross-attention K/V per sequence.
+
+An encoder-decoder sequence is admitted like any other (self-attention blocks for its decoder
+tokens) and also reserves blocks in a second slot cache, the *cross store*, for the K/V its
+source gives every decoder layer. In the step that admits it, the encoder runs once over its
+source (every source admitted in that step in one right-padded batch: the encoder masks the
+padding, so a source's output never depends on its batch), each decoder layer projects the
+cross K/V once, and only the real tokens' K/V are written to the sequence's cross blocks. They
+stay there, unchanged, until the sequence finishes or is cancelled (``release``).
+
+In the step's one flat forward (tokens of many sequences side by side, ``[1, N]``), a decoder
+layer's cross-attention runs per attention group of the step (the groups of ``plan.py``): each
+row gathers its own source's K/V through its cross block table and a key mask hides the slots
+past its source's length, so no row ever sees another request's source or padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import PromptTooLongError
+from ..generation.encdec import right_pad
+from ..layers.attention import attention
+from .sequence import Sequence
+from .slots import SlotCache
+
+RowGroup = tuple[int, list[Sequence], int]  # (first flat token, its sequences, queries per sequence)
+
+
+def decoder_score_bias(model):
+    """The decoder self-attention's position bias for a step plan: T5's relative buckets (learned
+    and sinusoidal positions are added to the embeddings instead)."""
+    return model.decoder_position_bias if model.config.positions == "relative" else None
+
+
+class CrossStore:
+    """The cross-attention K/V of every admitted encoder-decoder sequence, in blocks of a slot cache
+    with one layer per decoder layer: ``[blocks * block_size, H, D]`` per layer for K and for V."""
+
+    def __init__(self, model, source_tokens: int, block_size: int):
+        cfg = model.config
+        self.model = model
+        num_blocks = max(1, -(-source_tokens // block_size))
+        self.cache = SlotCache(cfg.num_layers, num_blocks, cfg.num_heads, cfg.head_dim, model.dtype, model.device,
+                               block_size)
+        self.pending: list[Sequence] = []  # admitted, not encoded yet
+
+    @property
+    def pool(self):
+        return self.cache.pool
+
+    def check_fits(self, source: list[int]) -> None:
+        if self.pool.blocks_for(len(source)) > self.pool.num_blocks:
+            raise PromptTooLongError(
+                f"a source of {len(source)} tokens needs {len(source)} cross-attention slots but the engine's "
+                f"cross-attention store holds {self.cache.capacity_tokens}: give the engine more source_tokens"
+            )
+
+    def can_admit(self, sequence: Sequence) -> bool:
+        return self.pool.blocks_for(len(sequence.source)) <= self.pool.num_free
+
+    def admit(self, sequence: Sequence) -> None:
+        """Reserve the sequence's cross blocks (never shared: no prefix cache for sources); the
+        encoder runs in ``encode_pending``, before the step's forward."""
+        sequence.source_table, _ = self.pool.allocate([], len(sequence.source))
+        self.pending.append(sequence)
+
+    def release(self, sequence: Sequence) -> None:
+        if sequence.source_table:
+            self.pool.release(sequence.source_table)
+            sequence.source_table = []
+        if sequence in self.pending:
+            self.pending.remove(sequence)
+
+    def encode_pending(self) -> None:
+        """Encode every source admitted since the last step and store its cross K/V."""
+        if not self.pending:
+            return
+        model, cache = self.model, self.cache
+        sources = [s.source for s in self.pending]
+        tokens, valid, positions = right_pad(sources, model.device)  # [B, S] each, positions [1, S]
+        memory = model.encode(tokens, positions, valid)  # [B, S, C]
+        slots = torch.tensor([slot for s in self.pending for slot in cache.slot_ids(s.source_table, 0, len(s.source))],
+                             dtype=torch.long, device=model.device)  # [sum of source lengths]
+        for layer in range(model.config.num_layers):
+            k, v = model.cross_kv(layer, memory)  # [B, H, S, D]
+            cache.layer_keys[layer].index_copy_(0, slots, k.transpose(1, 2)[valid])  # [B, S, H, D] -> [sum, H, D]
+            cache.layer_values[layer].index_copy_(0, slots, v.transpose(1, 2)[valid])
+        self.pending.clear()
+
+    def step(self, groups: list[RowGroup]) -> "CrossStep":
+        return CrossStep(self.cache, groups, self.model.dtype)
+
+
+class CrossStep:
+    """The cross-attention view of one engine step (the decoder calls ``attend`` per layer)."""
+
+    def __init__(self, cache: SlotCache, groups: list[RowGroup], dtype: torch.dtype):
+        self.cache = cache
+        self.groups = []  # (first, rows, queries, source block tables [B, n], key mask [B, 1, 1, S])
+        device = cache.keys.device
+        for first, sequences, queries in groups:
+            lengths = torch.tensor([len(s.source) for s in sequences], device=device)  # [B]
+            num_blocks = cache.pool.blocks_for(int(max(len(s.source) for s in sequences)))
+            table = cache.block_tables([s.source_table for s in sequences], num_blocks)  # [B, n]
+            keys = torch.arange(num_blocks * cache.block_size, device=device)  # [S]
+            mask = torch.zeros(len(sequences), keys.shape[0], dtype=dtype, device=device)
+            mask = mask.masked_fill(keys[None, :] >= lengths[:, None], float("-inf"))[:, None, None]  # [B, 1, 1, S]
+            self.groups.append((first, len(sequences), queries, table, mask))
+
+    def attend(self, index: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Cross-attention of decoder layer ``index``: q [1, H, N, D] (flat tokens) -> [1, H, N, D]."""
+        keys, values = self.cache.layer_keys[index], self.cache.layer_values[index]
+        outputs = []
+        for first, B, T, table, mask in self.groups:
+            qg = q[0, :, first : first + B * T].unflatten(1, (B, T)).transpose(0, 1)  # [H, B*T, D] -> [B, H, T, D]
+            kg = self.cache.gather(keys, table)  # [B, H, S, D]
+            vg = self.cache.gather(values, table)  # [B, H, S, D]
+            out = attention(qg, kg, vg, mask, scale)  # [B, H, T, D]
+            outputs.append(out.transpose(0, 1).flatten(1, 2))  # [H, B*T, D]
+        return torch.cat(outputs, dim=1)[None] if len(outputs) > 1 else outputs[0][None]  # [1, H, N, D]

@@ -1,0 +1,131 @@
+"""Encoder-decoder requests through the engine: the encoder once at admission, cross K/V kept per
+sequence; each request gets what it gets alone (and what transformers gives), on learned (BART),
+sinusoidal (Marian) and relative-bucket (T5) positions; cancellation and leaks."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import fastdecode
+from fastdecode.errors import PromptTooLongError
+from engine_helpers import run_arrivals, run_short_requests
+from tiny_encdec import VOCAB, build, hf_greedy, single_thread  # noqa: F401 (autouse fixture)
+
+pytest.importorskip("transformers")
+
+KINDS = ["bart", "marian", "t5"]
+# Sources of different lengths next to different options and stop conditions: greedy, seeded
+# sampling, repetition penalty, an EOS, n-gram blocking on the target and on the source.
+REQUESTS = [
+    (11, {"max_new_tokens": 10, "min_new_tokens": 10}),
+    (4, {"max_new_tokens": 8, "do_sample": True, "seed": 3, "top_k": 20, "temperature": 0.8}),
+    (17, {"max_new_tokens": 9, "repetition_penalty": 1.6}),
+    (6, {"max_new_tokens": 12, "eos_token_id": 9}),
+    (9, {"max_new_tokens": 7, "no_repeat_ngram_size": 2, "do_sample": True, "seed": 5, "top_p": 0.9}),
+    (13, {"max_new_tokens": 6, "encoder_no_repeat_ngram_size": 2}),
+]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request):
+    hf = build(request.param, seed=7)
+    return request.param, hf, fastdecode.from_hf(hf)
+
+
+def _source(length: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB - 1, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _alone(gen, source, options) -> list[int]:
+    return run_arrivals(gen.engine(), {0: [(source, options)]})[0]
+
+
+@pytest.fixture(scope="module")
+def requests_alone(pair):
+    gen = pair[2]
+    requests = [(_source(n, 10 + seed), options) for seed, (n, options) in enumerate(REQUESTS)]
+    return requests, [_alone(gen, s, o) for s, o in requests]
+
+
+def test_greedy_through_the_engine_equals_transformers(pair):
+    kind, hf, gen = pair
+    sources = [_source(n, seed) for seed, n in ((1, 5), (2, 17), (3, 1))]
+    assert run_arrivals(gen.engine(), {0: [(s, {"max_new_tokens": 12, "min_new_tokens": 12}) for s in sources]}) == \
+        hf_greedy(hf, sources, 12), kind
+
+
+@pytest.mark.parametrize("arrival_steps", [(0, 0, 2, 2, 5, 5), (0, 1, 3, 4, 4, 9), (3, 0, 0, 7, 1, 2)])
+def test_joining_a_running_batch_at_any_step_equals_alone(pair, requests_alone, arrival_steps):
+    kind, hf, gen = pair
+    requests, alone = requests_alone
+    arrivals: dict[int, list] = {}
+    for step, request in zip(arrival_steps, requests):
+        arrivals.setdefault(step, []).append(request)
+    order = [r for step in sorted(arrivals) for r in arrivals[step]]
+    assert run_arrivals(gen.engine(max_batch_tokens=4), arrivals) == [alone[requests.index(r)] for r in order], kind
+    assert alone[0] == hf_greedy(hf, [requests[0][0]], 10)[0]
+    assert alone[2] == hf_greedy(hf, [requests[2][0]], 9, min_new_tokens=0, repetition_penalty=1.6)[0]
+
+
+def test_generate_ids_runs_in_the_engine_and_equals_it_alone(pair, monkeypatch):
+    kind, hf, gen = pair
+    from fastdecode.engine import Engine
+
+    engines = []
+    original = Engine.step
+    monkeypatch.setattr(Engine, "step", lambda self: engines.append(self) or original(self))
+    sources = [_source(n, 30 + n) for n in (3, 12)]
+    options = {"max_new_tokens": 8, "do_sample": True, "seed": 4}
+    assert gen.generate_ids(sources, **options) == [_alone(gen, s, options) for s in sources]
+    assert engines and all(e.cross is not None for e in engines)
+    assert list(gen.stream_ids(sources[0], max_new_tokens=5, min_new_tokens=5)) == \
+        _alone(gen, sources[0], {"max_new_tokens": 5, "min_new_tokens": 5})
+
+
+def test_encoder_runs_once_per_admission_step(pair, monkeypatch):
+    kind, hf, gen = pair
+    calls = []
+    original = gen.model.encode
+    monkeypatch.setattr(gen.model, "encode", lambda tokens, *rest: calls.append(tokens.shape[0]) or
+                        original(tokens, *rest))
+    engine = gen.engine()
+    run_arrivals(engine, {0: [(_source(5, 1), {"max_new_tokens": 6}), (_source(9, 2), {"max_new_tokens": 6})],
+                  3: [(_source(4, 3), {"max_new_tokens": 6})]})
+    assert calls == [2, 1]  # the two admitted together share one encoder call; the joiner has its own
+
+
+def test_cancel_frees_the_self_attention_blocks_and_the_cross_kv(pair):
+    kind, hf, gen = pair
+    engine = gen.engine(cache_tokens=256, source_tokens=256)
+    pool, cross = engine.cache.pool, engine.cross.pool
+    keep = engine.submit(_source(20, 1), {"max_new_tokens": 40, "min_new_tokens": 40})
+    drop = engine.submit(_source(35, 2), {"max_new_tokens": 30, "min_new_tokens": 30})
+    engine.step()
+    engine.step()
+    busy, cross_busy = pool.num_free, cross.num_free
+    drop.cancel()
+    events = engine.step()
+    assert [(e.token_id, e.finish_reason) for e in events if e.sequence is drop] == [(None, "cancelled")]
+    assert pool.num_free == busy + pool.blocks_for(1 + 30)  # decoder start token + new tokens
+    assert cross.num_free == cross_busy + cross.blocks_for(35) and drop.source_table == []
+    keep.cancel()
+    engine.step()
+    assert pool.num_free == pool.num_blocks and cross.num_free == cross.num_blocks and not engine.has_work()
+
+
+def test_two_hundred_short_requests_leave_nothing_behind():
+    gen = fastdecode.from_hf(build("bart", seed=1))
+    engine = gen.engine(max_batch_tokens=64, max_queue=200, cache_tokens=512, source_tokens=256)
+    refs = run_short_requests(engine, 200, range(3, VOCAB - 1), 6)
+    assert engine.cross.pool.num_free == engine.cross.pool.num_blocks and not engine.cross.pending
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
+def test_a_source_larger_than_the_cross_store_is_refused_at_submit():
+    gen = fastdecode.from_hf(build("t5"))
+    with pytest.raises(PromptTooLongError, match="cross-attention"):
+        gen.engine(source_tokens=32).submit(list(range(3, 40)), {"max_new_tokens": 2})
