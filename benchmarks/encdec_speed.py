@@ -7,11 +7,11 @@ t5-small-sized T5 (6+6, d_model 512, 8 heads, d_ff 2048, vocab 32128). Greedy de
 CPU, 8 sources of 256 tokens, 48 new tokens (EOS suppressed with min_new_tokens so every engine
 does the same work). Every timed call includes the encoder, as a user's call does.
 
-fastdecode loads the model the way a user does (``fastdecode.load`` of a saved folder: canonical
-[in, out] weights); transformers runs the in-memory model it was saved from. The two alternate
-(A/B/A/B...) so drifting machine load hits both alike; medians are reported. The naive loop
-(``use_cache=False``: encoder and decoder re-run over everything at every step) re-encodes 8 x 256
-tokens per step, so it gets a shorter run (``--naive-new-tokens``), compared with fastdecode's
+fastdecode loads the model the way a user does (``fastdecode.load`` of a saved folder); transformers
+runs the in-memory model it was saved from. They alternate (harness.alternate); medians with min-max.
+Where the time goes: both engines generating 1 token (the encoder plus one decoder step). The naive
+loop (``use_cache=False``: encoder and decoder re-run over everything at every step) re-encodes
+8 x 256 tokens per step, so it gets a shorter run (``--naive-new-tokens``), compared with fastdecode's
 cached loop on that same shorter run.
 
     python benchmarks/encdec_speed.py            # ~3 minutes on 2 shared cores
@@ -24,21 +24,16 @@ spinning at barriers than computing (runs were 4-8x slower and erratic); ``--thr
 from __future__ import annotations
 
 import argparse
-import platform
-import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-import fastdecode  # noqa: E402
-from fastdecode.generation.encdec import right_pad  # noqa: E402
-from random_models import build_bart, build_t5  # noqa: E402
+import harness
+from harness import median, spread
+from random_models import build_bart, build_t5, random_ids, run_models, saved_pair
 
 TARGET_SPEEDUP = 2.0
 
@@ -58,24 +53,10 @@ class Settings:
         return cls(source_length=64, new_tokens=16, reps=2, naive_new_tokens=4, naive_reps=1)
 
 
-def timed(fn) -> tuple[float, object]:
-    started = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - started, result
-
-
-def run_model(name: str, build, settings: Settings, folder: Path) -> list[dict]:
-    torch.manual_seed(0)
-    hf = build().eval()
-    hf.generation_config.forced_eos_token_id = None  # same work for every engine: no forced tokens
-    hf.generation_config.forced_bos_token_id = None
-    hf.save_pretrained(folder)
-    gen = fastdecode.load(str(folder))
-    vocab = hf.config.vocab_size
-    sources = torch.randint(3, vocab - 1, (settings.batch, settings.source_length),
-                            generator=torch.Generator().manual_seed(1))
-    ids = sources.tolist()
-    mask = torch.ones_like(sources)
+def run_model(name: str, build, settings: Settings, folder: Path) -> list[list[str]]:
+    hf, gen = saved_pair(build, folder)
+    sources = random_ids(settings.batch, settings.source_length, hf.config.vocab_size)
+    ids, mask = sources.tolist(), torch.ones_like(sources)
 
     def ours(new_tokens: int, use_cache: bool = True):
         return gen.generate_ids(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=use_cache)
@@ -88,46 +69,24 @@ def run_model(name: str, build, settings: Settings, folder: Path) -> list[dict]:
 
     print(f"## {name}: warm-up", file=sys.stderr, flush=True)
     ours(2), theirs(2)
-    times: dict[str, list[float]] = {"fastdecode": [], "transformers": []}
-    outputs = {}
-    for rep in range(settings.reps):  # alternate A/B
-        for engine, fn in (("fastdecode", ours), ("transformers", theirs)):
-            seconds, outputs[engine] = timed(lambda: fn(settings.new_tokens))
-            times[engine].append(seconds)
-            print(f"  {name} {engine} rep {rep}: {seconds:.2f}s", file=sys.stderr, flush=True)
-    same = sum(a == b for a, b in zip(outputs["fastdecode"], outputs["transformers"]))
+    full, outputs = harness.alternate({"transformers generate": lambda: theirs(settings.new_tokens),
+                                       "fastdecode": lambda: ours(settings.new_tokens)}, settings.reps, name)
+    same = sum(a == b for a, b in zip(outputs["fastdecode"], outputs["transformers generate"]))
+    first, _ = harness.alternate({"transformers, 1 token (encoder + 1 step)": lambda: theirs(1),
+                                  "fastdecode, 1 token (encoder + 1 step)": lambda: ours(1)}, settings.reps, name)
+    naive, _ = harness.alternate({"fastdecode naive (use_cache=False)": lambda: ours(settings.naive_new_tokens, False),
+                                  "fastdecode cached": lambda: ours(settings.naive_new_tokens)},
+                                 settings.naive_reps, name)
 
-    # The encoder alone (same 8 x S sources), to show where the time goes.
-    tokens, valid, positions = right_pad(ids, gen.device)
-    encoder: dict[str, list[float]] = {"fastdecode": [], "transformers": []}
-    with torch.inference_mode():
-        for rep in range(settings.reps):
-            encoder["fastdecode"].append(timed(lambda: gen.model.encode(tokens, positions, valid))[0])
-            encoder["transformers"].append(timed(lambda: hf.get_encoder()(input_ids=sources, attention_mask=mask))[0])
+    def rows(times: dict[str, list[float]], new_tokens: int, note: str = "") -> list[list[str]]:
+        (base_name, base), (engine, seconds) = times.items()
+        return [[name, label, str(new_tokens), spread(s, 2), spread([settings.batch / x for x in s], 2), speedup,
+                 str(len(s)), text]
+                for label, s, speedup, text in ((base_name, base, "", ""),
+                                                (engine, seconds, f"{median(base) / median(seconds):.2f}x", note))]
 
-    short: dict[str, list[float]] = {"naive": [], "cached": []}
-    for rep in range(settings.naive_reps):
-        for engine, use_cache in (("naive", False), ("cached", True)):
-            seconds, _ = timed(lambda: ours(settings.naive_new_tokens, use_cache))
-            short[engine].append(seconds)
-            print(f"  {name} {engine} ({settings.naive_new_tokens} tokens) rep {rep}: {seconds:.2f}s",
-                  file=sys.stderr, flush=True)
-
-    def row(engine, seconds, new_tokens, reference=None):
-        median = statistics.median(seconds)
-        return {"model": name, "engine": engine, "new_tokens": new_tokens, "seconds": median,
-                "samples_per_s": settings.batch / median, "reps": len(seconds),
-                "speedup": None if reference is None else statistics.median(reference) / median}
-
-    return [
-        row("transformers encoder forward only", encoder["transformers"], 0),
-        row("fastdecode encoder forward only", encoder["fastdecode"], 0, encoder["transformers"]),
-        row("transformers generate", times["transformers"], settings.new_tokens),
-        row("fastdecode", times["fastdecode"], settings.new_tokens, times["transformers"])
-        | {"identical": f"{same}/{settings.batch} targets identical"},
-        row("fastdecode naive (use_cache=False)", short["naive"], settings.naive_new_tokens),
-        row("fastdecode cached", short["cached"], settings.naive_new_tokens, short["naive"]),
-    ]
+    return (rows(first, 1) + rows(full, settings.new_tokens, f"{same}/{settings.batch} targets identical")
+            + rows(naive, settings.naive_new_tokens))
 
 
 def main() -> None:
@@ -137,34 +96,24 @@ def main() -> None:
     parser.add_argument("--models", default="bart,t5", help="comma-separated: bart, t5")
     args = parser.parse_args()
     settings = Settings.quick() if args.quick else Settings()
-    if args.threads:
-        settings.threads = args.threads
+    settings.threads = args.threads or settings.threads
     torch.set_num_threads(settings.threads)
     builders = {"bart-base size": build_bart, "t5-small size": build_t5}
-    chosen = {name: fn for name, fn in builders.items() if name.split("-")[0] in args.models.split(",")}
-
-    rows = []
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode(False):
-        for index, (name, build) in enumerate(chosen.items()):
-            rows += run_model(name, build, settings, Path(tmp) / str(index))
+    started, meter = time.perf_counter(), harness.Contention()
+    rows = [row for model_rows in run_models(builders, args.models, run_model, settings) for row in model_rows]
 
     print(f"\n# Encoder-decoder greedy generation, {settings.batch} sources x {settings.source_length} tokens, "
-          f"float32, CPU ({platform.processor() or platform.machine()}, {settings.threads} thread(s), "
-          f"torch {torch.__version__})\n")
-    print("| model | engine | new tokens | median s | samples/s | speedup | reps | note |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
-    for r in rows:
-        speedup = "" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-        print(f"| {r['model']} | {r['engine']} | {r['new_tokens']} | {r['seconds']:.2f} | {r['samples_per_s']:.2f} | "
-              f"{speedup} | {r['reps']} | {r.get('identical', '')} |")
-    print("\nspeedup: fastdecode vs transformers (same run, alternating), and the cached loop vs the "
-          f"naive loop on the shorter run. samples/s of the encoder rows: sources encoded per second. "
+          f"float32, torch {torch.__version__}\n")
+    print(harness.machine_line(settings.threads) + f"; other processes kept {meter.other_cores():.2f} cores busy\n")
+    print(harness.table(["model", "engine", "new tokens", "seconds", "samples/s", "speedup", "reps", "note"], rows))
+    print("\nseconds, samples/s: median (min-max) over alternating reps. speedup: the second row of each pair vs "
+          f"the first (fastdecode vs transformers; the cached loop vs the naive loop on the shorter run). "
           f"Target vs transformers generate: >= {TARGET_SPEEDUP:.1f}x.")
-    for r in rows:
-        if r["engine"] == "fastdecode":
-            verdict = "meets" if r["speedup"] >= TARGET_SPEEDUP else "misses"
-            print(f"- {r['model']}: {r['speedup']:.2f}x transformers ({verdict} the {TARGET_SPEEDUP:.1f}x target)")
+    for row in rows:
+        if row[1] == "fastdecode":
+            value = float(row[5].rstrip("x"))
+            verdict = "meets" if value >= TARGET_SPEEDUP else "misses"
+            print(f"- {row[0]}: {row[5]} transformers ({verdict} the {TARGET_SPEEDUP:.1f}x target)")
     print(f"\ntotal benchmark time {time.perf_counter() - started:.0f}s")
 
 

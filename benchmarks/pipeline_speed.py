@@ -44,17 +44,15 @@ import argparse
 import json
 import os
 import random
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import torch
 
-import torch  # noqa: E402
-
-import fastdecode  # noqa: E402
+import fastdecode
+import harness
+from harness import median, spread, table
 
 TOPICS = ["rivers", "the moon", "bread", "chess", "volcanoes", "jazz", "bees", "glass", "trains", "salt",
           "clouds", "maps", "tea", "bridges", "owls", "copper"]
@@ -135,12 +133,17 @@ def run_pipeline(gen, prompts, args, post, lookahead=None) -> dict:
             "generate waits for reader": s.starve_s, "wall": time.perf_counter() - started}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The batch workload's flags, shared with ray_batch.py."""
     parser.add_argument("--prompts", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_arguments(parser)
     parser.add_argument("--post-ms", type=float, default=None, help="post-processing cost per record (ms)")
     parser.add_argument("--post-share", type=float, default=0.3,
                         help="calibrate --post-ms so post-processing is this share of the sync loop")
@@ -171,8 +174,8 @@ def main() -> None:
         variants["pipeline-nobucket"] = lambda post: run_pipeline(gen, prompts, args, post, lookahead=args.batch_size)
     load_before = os.getloadavg()[0]
     print(f"{args.prompts} prompts ({min(lengths)}-{max(lengths)} tokens), batch {args.batch_size}, "
-          f"{args.max_new_tokens} new tokens, post {args.post_ms:.1f} ms/record ({args.post_kind}), "
-          f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs, load avg {load_before:.1f}", flush=True)
+          f"{args.max_new_tokens} new tokens, post {args.post_ms:.1f} ms/record ({args.post_kind}); "
+          f"{harness.machine_line(torch.get_num_threads())}", flush=True)
 
     results: dict[str, list[dict]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as folder:
@@ -186,19 +189,16 @@ def main() -> None:
                     post.close()
                 print(f"  round {round_index + 1} {name:18s} {results[name][-1]['wall']:7.2f} s", flush=True)
 
-    sync_rate = statistics.median(args.prompts / r["wall"] for r in results["sync"])
-    print(f"\n{'variant':20s} {'samples/s (median)':>19s} {'min':>7s} {'max':>7s} {'vs sync':>8s}")
+    sync_rate = median(args.prompts / r["wall"] for r in results["sync"])
+    rates = {name: [args.prompts / r["wall"] for r in runs] for name, runs in results.items()}
+    print("\n" + table(["variant", "samples/s: median (min-max)", "vs sync"],
+                       [[name, spread(r, 2), f"{median(r) / sync_rate:.2f}x"] for name, r in rates.items()]))
     for name, runs in results.items():
-        rates = [args.prompts / r["wall"] for r in runs]
-        print(f"{name:20s} {statistics.median(rates):19.2f} {min(rates):7.2f} {max(rates):7.2f} "
-              f"{statistics.median(rates) / sync_rate:7.2f}x")
-    for name, runs in results.items():
-        wall = statistics.median(r["wall"] for r in runs)
+        wall = median(r["wall"] for r in runs)
         stages = [k for k in runs[0] if k != "wall"]
-        shares = ", ".join(f"{k} {statistics.median(r[k] for r in runs) / wall:.1%}" for k in stages)
+        shares = ", ".join(f"{k} {median(r[k] for r in runs) / wall:.1%}" for k in stages)
         print(f"stage time / wall, {name}: {shares}")
     print(f"load avg {load_before:.1f} -> {os.getloadavg()[0]:.1f} (other processes share these cores)")
-
 
 if __name__ == "__main__":
     main()

@@ -28,3 +28,54 @@ def build_gpt2():
     import transformers as tf
 
     return tf.GPT2LMHeadModel(tf.GPT2Config())
+
+
+def build_llama_block(num_kv_heads: int, layers: int = 4, hidden: int = 512, heads: int = 8, vocab: int = 4096,
+                      context: int = 8192 + 64):
+    """A small Llama (head dim 64) that differs only in its K/V heads: MHA, GQA or MQA."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+                            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=num_kv_heads,
+                            max_position_embeddings=context, tie_word_embeddings=False)
+    return tf.LlamaForCausalLM(config)
+
+
+def saved_pair(build, folder):
+    """(transformers model, fastdecode Generator) on the same random weights: the model is built (seed 0),
+    saved to ``folder`` and loaded from there the way a user loads a checkpoint. Forced BOS/EOS tokens
+    are off so that every engine does the same work."""
+    import torch
+
+    import fastdecode
+
+    torch.manual_seed(0)
+    hf = build().eval()
+    hf.generation_config.forced_eos_token_id = None
+    hf.generation_config.forced_bos_token_id = None
+    hf.save_pretrained(folder)
+    return hf, fastdecode.load(str(folder))
+
+
+def random_ids(batch: int, length: int, vocab: int):
+    """[batch, length] seeded token ids that avoid the first special ids and the last id."""
+    import torch
+
+    return torch.randint(3, vocab - 1, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def run_models(builders: dict, wanted: str, run_model, settings) -> list:
+    """``run_model(name, build, settings, folder)`` for each builder whose name's first word (before a
+    space or dash) is in the comma-separated ``wanted``, each in its own temporary folder."""
+    import re
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode(False):
+        for index, (name, build) in enumerate(builders.items()):
+            if re.split(r"[ -]", name)[0] in wanted.split(","):
+                results.append(run_model(name, build, settings, Path(tmp) / str(index)))
+    return results

@@ -12,10 +12,10 @@ rotates per level and repetition), so a noisy machine slows them alike; medians 
 
     python benchmarks/serve_load.py                              # every server it can start
     python benchmarks/serve_load.py --servers fastdecode --levels 1,4 --requests 2
-    python benchmarks/serve_load.py --llama-server /path/to/llama-server
+    python benchmarks/serve_load.py --llama-cpp-bin /path/to/llama.cpp/build/bin   # or LLAMA_CPP_BIN
 
-Weights: fastdecode and transformers dequantize the embedded Q4_1 GGUF to float32; llama-server
-runs the Q4_1 blocks natively. A server that cannot be started (missing binary or package) is
+Weights: fastdecode and llama-server run the embedded GGUF's Q4_1 blocks natively; transformers
+dequantizes them to float32. A server that cannot be started (missing binary or package) is
 reported as such, never estimated.
 """
 
@@ -27,14 +27,17 @@ import json
 import os
 import random
 import shutil
-import socket
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+import harness
+from harness import median, not_run, percentile, table
+from peers import llama_cpp
+from peers.ctranslate2 import hf_folder_from_gguf
 
 TOPICS = ["the ocean", "a small town", "bread baking", "the moon landing", "chess openings", "rainforests",
           "jazz music", "the printing press", "volcanoes", "honeybees", "the Roman roads", "glaciers"]
@@ -51,37 +54,6 @@ def workload(count: int, seed: int = 0) -> list[dict]:
         text = f"Tell me about {topic}. " + FILLER * rng.randint(0, 5)
         requests.append({"messages": [{"role": "user", "content": text}], "max_tokens": rng.choice([16, 32, 64, 128])})
     return requests
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def gguf_path() -> Path:
-    from fastdecode.api import default_model_path
-
-    return default_model_path()
-
-
-def hf_folder_from_gguf(gguf: Path, cache: Path) -> Path:
-    """The GGUF dequantized to a float32 Hugging Face folder, once (``transformers serve`` cannot
-    load this GGUF itself: its config has no ``architectures``)."""
-    folder = cache / (gguf.stem + "-hf")
-    if (folder / "config.json").exists():
-        return folder
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model.config.architectures = [type(model).__name__]
-    model.hf_quantizer = None  # the weights are dequantized float32 tensors already: save them as such
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 class Server:
@@ -108,43 +80,38 @@ class Server:
         return False
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        harness.stop_process(self.process)
 
 
 def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]:
-    gguf = gguf_path()
+    gguf = harness.embedded_model_path()
     threads = str(args.threads)
     skipped: dict[str, str] = {}
     servers = []
     for name in names:
-        port = free_port()
+        port = llama_cpp.free_port()
         if name == "fastdecode":
             command = [sys.executable, "-m", "fastdecode.cli", "serve", "-m", str(gguf), "--port", str(port),
                        "--model-name", "smollm2", "--max-queue", "512"]
-            servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF dequantized to float32",
+            servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF blocks, natively (load's default)",
                                   env={"OMP_NUM_THREADS": threads}))
         elif name == "transformers":
             exe = shutil.which("transformers") or str(Path(sys.executable).parent / "transformers")
             if not Path(exe).exists():
                 skipped[name] = "the `transformers` CLI is not installed"
                 continue
-            model = str(hf_folder_from_gguf(gguf, Path(args.hf_cache)))
+            model = str(hf_folder_from_gguf(gguf, Path(args.hf_cache) / (gguf.stem + "-hf")))
             command = [exe, "serve", model, "--port", str(port)]
             if args.transformers_cb:
                 command.append("--continuous-batching")
             servers.append(Server(name, command, port, model, "Q4_1 GGUF dequantized to float32",
                                   env={"OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1"}))
         elif name == "llama.cpp":
-            exe = args.llama_server or shutil.which("llama-server")
-            if not exe or not Path(exe).exists():
-                skipped[name] = "no llama-server binary (build it: see benchmarks/README.md, or pass --llama-server)"
+            exe, why = llama_cpp.find_binary("llama-server", llama_cpp.bin_dir(args.llama_cpp_bin))
+            if exe is None:
+                skipped[name] = why
                 continue
-            command = [exe, "-m", str(gguf), "--port", str(port), "-t", threads, "-np", str(args.parallel),
-                       "-c", str(2048 * args.parallel), "--cont-batching", "--no-webui"]
+            command = llama_cpp.server_command(exe, gguf, port, args.threads, args.parallel, 2048)
             servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF blocks, natively"))
         else:
             raise SystemExit(f"unknown server {name}")
@@ -205,8 +172,8 @@ async def run_level(server: Server, clients: int, per_client: int, requests: lis
     ttft = [r["ttft"] for r in good]
     itl = [x for r in good for x in r["itl"]]
     return {"tokens_per_s": sum(r["tokens"] for r in good) / wall, "requests_per_s": len(good) / wall,
-            "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "itl_p50": _pct(itl, 50),
-            "itl_p99": _pct(itl, 99), "errors": len(results) - len(good),
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "itl_p50": percentile(itl, 50),
+            "itl_p99": percentile(itl, 99), "errors": len(results) - len(good),
             "error_kinds": sorted({r["error"] for r in results if "error" in r})}
 
 
@@ -224,13 +191,6 @@ async def conversation(server: Server, turns: int) -> list[float]:
     return ttfts
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default="fastdecode,transformers,llama.cpp")
@@ -240,7 +200,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--parallel", type=int, default=16, help="llama-server parallel slots (-np)")
-    parser.add_argument("--llama-server", default=None, help="path of a llama-server binary")
+    parser.add_argument("--llama-cpp-bin", default=None,
+                        help=f"folder of the llama.cpp binaries (default: $LLAMA_CPP_BIN or {llama_cpp.DEFAULT_BIN})")
     parser.add_argument("--transformers-cb", action="store_true", help="transformers serve --continuous-batching")
     parser.add_argument("--start-timeout", type=float, default=300)
     parser.add_argument("--hf-cache", default="/tmp/fastdecode-bench", help="where the HF folder for transformers goes")
@@ -273,26 +234,26 @@ def main() -> None:
 
 
 def _median(runs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
+    return median(r[key] for r in runs)
 
 
 def report(servers, skipped, levels, results, turns, args) -> None:
-    print(f"# serve_load: {args.requests} streaming chat requests per client, greedy, {args.reps} rep(s), "
-          f"{args.threads} threads, `nproc`={os.cpu_count()}\n")
+    print(f"# serve_load: {args.requests} streaming chat requests per client, greedy, {args.reps} rep(s): medians\n")
+    print(harness.machine_line(args.threads) + "\n")
     for server in servers:
         print(f"- {server.name}: {server.weights}")
-    for name, why in skipped.items():
-        print(f"- {name}: NOT RUN ({why})")
-    print("\n| server | clients | output tok/s | req/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) "
-          "| errors |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    header = ["server", "clients", "output tok/s", "req/s", "TTFT p50 (s)", "TTFT p99 (s)", "ITL p50 (ms)",
+              "ITL p99 (ms)", "errors"]
+    rows = []
     for clients in levels:
         for server in servers:
             runs = results[server.name][clients]
-            errors = sum(r["errors"] for r in runs)
-            print(f"| {server.name} | {clients} | {_median(runs, 'tokens_per_s'):.1f} | "
-                  f"{_median(runs, 'requests_per_s'):.2f} | {_median(runs, 'ttft_p50'):.2f} | "
-                  f"{_median(runs, 'ttft_p99'):.2f} | {1000 * _median(runs, 'itl_p50'):.0f} | "
-                  f"{1000 * _median(runs, 'itl_p99'):.0f} | {errors} |")
+            rows.append([server.name, clients, f"{_median(runs, 'tokens_per_s'):.1f}",
+                         f"{_median(runs, 'requests_per_s'):.2f}", f"{_median(runs, 'ttft_p50'):.2f}",
+                         f"{_median(runs, 'ttft_p99'):.2f}", f"{1000 * _median(runs, 'itl_p50'):.0f}",
+                         f"{1000 * _median(runs, 'itl_p99'):.0f}", sum(r["errors"] for r in runs)])
+    rows += [not_run(name, why, len(header)) for name, why in skipped.items()]
+    print("\n" + table(header, rows))
     if "fastdecode" in results and 16 in levels:
         ours = results["fastdecode"][16]
         print("\nAt 16 clients, fastdecode vs each (targets: >= 2x transformers, >= 1x llama.cpp tok/s; "
@@ -305,10 +266,8 @@ def report(servers, skipped, levels, results, turns, args) -> None:
                   f"p99 TTFT {_median(ours, 'ttft_p99'):.2f} s vs {_median(theirs, 'ttft_p99'):.2f} s")
     if turns:
         print(f"\nTTFT (s) of each turn of a {args.turns}-turn conversation:\n")
-        print("| server | " + " | ".join(f"t{i + 1}" for i in range(args.turns)) + " |")
-        print("|---|" + "---:|" * args.turns)
-        for name, values in turns.items():
-            print(f"| {name} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
+        print(table(["server"] + [f"t{i + 1}" for i in range(args.turns)],
+                    [[name] + [f"{v:.2f}" for v in values] for name, values in turns.items()]))
 
 
 if __name__ == "__main__":

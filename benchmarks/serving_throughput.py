@@ -1,4 +1,4 @@
-"""Serving throughput on the embedded SmolLM2-135M: the old static path vs the engine vs
+"""Serving throughput on the embedded SmolLM2-135M: static batches vs continuous batching (the engine) vs
 transformers' continuous batching, on one mixed workload.
 
     python benchmarks/serving_throughput.py                       # 64 requests, prompts 8-400, outputs 8-256
@@ -8,9 +8,9 @@ Workload (fixed seed): ``--requests`` requests, prompt lengths uniform in [8, ma
 output lengths uniform in [8, max-output] (EOS disabled, so every request produces exactly its
 length), either all submitted at once or arriving as a Poisson process of ``--rate`` requests/s.
 
-* static: the old path (one left-padded batch, one shared cache length, ``DecodeLoop``): batches
-  of 8 in arrival order; a batch starts when its last request has arrived and the previous batch
-  is done, and runs until its longest output is done (shorter rows' extra tokens are waste).
+* static: batches of 8 in arrival order through ``Generator.engine()``; a batch starts when its last
+  request has arrived and the previous batch is done, and every row runs until the batch's longest
+  output is done (shorter rows' extra tokens are waste), as a static batch does.
 * engine: ``Generator.engine()``: requests are submitted when they arrive and join the running
   batch at the next step (chunked prefill mixed with decode).
 * transformers: transformers' ``ContinuousBatchingManager`` (``init_continuous_batching``) on the
@@ -26,16 +26,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import torch
 
-import torch  # noqa: E402
-
-from decode_speed import model_path, table  # noqa: E402  (the shared harness helpers)
+from harness import embedded_model_path, median, percentile, table
 
 STATIC_BATCH = 8
 
@@ -59,18 +55,20 @@ def wait_until(start: float, moment: float) -> None:
 
 def run_static(gen, requests) -> list[list[float]]:
     """Token timestamps per request (seconds from the start)."""
-    from fastdecode.generation.decode import DecodeLoop
-
+    # a budget that admits a whole batch's prompts in one step, as one left-padded batch would
+    engine = gen.engine(max_batch_tokens=STATIC_BATCH * max(len(r[1]) for r in requests), max_queue=STATIC_BATCH)
     start, stamps = time.perf_counter(), [[] for _ in requests]
     for first in range(0, len(requests), STATIC_BATCH):
         batch = list(range(first, min(first + STATIC_BATCH, len(requests))))
         wait_until(start, max(requests[i][0] for i in batch))
         longest = max(requests[i][2] for i in batch)
-        config = gen._options({"max_new_tokens": longest, "eos_token_id": []})
-        for events in DecodeLoop(gen.model, [requests[i][1] for i in batch], config, []):
+        index_of = {engine.submit(requests[i][1], {"max_new_tokens": longest, "eos_token_id": []}).id: i
+                    for i in batch}
+        while engine.has_work():
+            events = engine.step()
             now = time.perf_counter() - start
-            for row, _ in events:
-                index = batch[row]
+            for event in events:
+                index = index_of[event.sequence.id]
                 if len(stamps[index]) < requests[index][2]:
                     stamps[index].append(now)
     return stamps
@@ -131,11 +129,9 @@ def summarize(requests, stamps) -> dict[str, float]:
     tokens = sum(len(s) for s in stamps)
     assert all(len(s) == r[2] for r, s in zip(requests, stamps)), "a request got a wrong number of tokens"
 
-    def pct(values, q):
-        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
-
-    return {"req_s": len(requests) / wall, "tok_s": tokens / wall, "ttft_p50": pct(ttft, 50),
-            "ttft_p99": pct(ttft, 99), "tpot_p50": pct(per_token, 50), "tpot_p99": pct(per_token, 99)}
+    return {"req_s": len(requests) / wall, "tok_s": tokens / wall, "ttft_p50": percentile(ttft, 50),
+            "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(per_token, 50),
+            "tpot_p99": percentile(per_token, 99)}
 
 
 def main() -> None:
@@ -159,7 +155,7 @@ def main() -> None:
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
-        path = model_path()
+        path = embedded_model_path()
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
         variants["transformers"] = lambda r: run_transformers(hf, r, args.max_batch_tokens)
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
@@ -172,8 +168,8 @@ def main() -> None:
                 print(f"done: {pattern} / {name}", file=sys.stderr, flush=True)
     rows = []
     for (pattern, name), runs in results.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        base = statistics.median(r["tok_s"] for r in results[(pattern, "static")])
+        med = {k: median(r[k] for r in runs) for k in runs[0]}
+        base = median(r["tok_s"] for r in results[(pattern, "static")])
         rows.append([pattern, name, f"{med['req_s']:.2f}", f"{med['tok_s']:.1f}", f"{med['tok_s'] / base:.2f}x",
                      f"{med['ttft_p50']:.2f}", f"{med['ttft_p99']:.2f}", f"{med['tpot_p50'] * 1000:.0f}",
                      f"{med['tpot_p99'] * 1000:.0f}"])

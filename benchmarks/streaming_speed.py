@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 import fastdecode
-from fastdecode.cache.static import NoCache
+import harness
+from harness import table
 
 SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
 
@@ -56,16 +57,12 @@ def plain_latency(gen, prompt_ids, steps):
 
 
 def naive_window_latency(gen, prompt_ids, window, steps):
-    """ms per token of a sliding window recomputed from scratch every step (no cache at all)."""
-    model = gen.model
+    """ms per token of a sliding window recomputed from scratch every step (no cache at all): each token
+    is a 1-token ``use_cache=False`` generation over the last ``window`` tokens."""
     context = (prompt_ids * (window // len(prompt_ids) + 1))[:window]
     start = time.perf_counter()
-    with torch.inference_mode():
-        for _ in range(steps):
-            ids = torch.tensor([context[-window:]])
-            mask = torch.full((window, window), float("-inf")).triu(1)[None, None]
-            logits = model.forward(ids, torch.arange(window)[None], NoCache(), mask)[0, -1]
-            context.append(int(logits.argmax()))
+    for _ in range(steps):
+        context += gen.generate_ids([context[-window:]], max_new_tokens=1, eos_token_id=[], use_cache=False)[0]
     return (time.perf_counter() - start) / steps * 1e3
 
 
@@ -118,25 +115,22 @@ def main() -> None:
     shift_ms = 1e3 / results["shift"]["last_tps"]
     reeval_ms = results["reevaluate"]["ms_per_token"]
     print(f"\n## Streaming generation, {total} tokens, n_ctx=512, n_keep=4 "
-          f"(embedded SmolLM2-135M, fp32, {args.threads} thread(s))\n")
-    print("| policy | tok/s first {0} | tok/s last {0} | ms/token overall | RSS after first {0} | RSS at end |".format(block))
-    print("|---|---|---|---|---|---|")
-    for policy, r in results.items():
-        print(f"| {policy} | {r['first_tps']:.1f} | {r['last_tps']:.1f} | {r['ms_per_token']:.1f} | "
-              f"{r['rss_first_mib']:.0f} MiB | {r['rss_last_mib']:.0f} MiB |")
-    print("\n| per-token latency | ms | vs plain |")
-    print("|---|---|---|")
-    print(f"| plain cached generation inside the context | {plain:.1f} | 1.00 |")
-    print(f"| shift, steady state (last {block}, cache full) | {shift_ms:.1f} | {shift_ms / plain:.2f} |")
-    print(f"| re-evaluate, amortized over all {total} | {reeval_ms:.1f} | {reeval_ms / plain:.2f} |")
-    print(f"| naive sliding window (recompute 512 each step) | {naive:.1f} | {naive / plain:.2f} |")
+          f"(embedded SmolLM2-135M, fp32)\n\n{harness.machine_line(args.threads)}\n")
+    print(table(["policy", f"tok/s first {block}", f"tok/s last {block}", "ms/token overall",
+                 f"RSS after first {block}", "RSS at end"],
+                [[policy, f"{r['first_tps']:.1f}", f"{r['last_tps']:.1f}", f"{r['ms_per_token']:.1f}",
+                  f"{r['rss_first_mib']:.0f} MiB", f"{r['rss_last_mib']:.0f} MiB"] for policy, r in results.items()]))
+    print("\n" + table(["per-token latency", "ms", "vs plain"], [
+        ["plain cached generation inside the context", f"{plain:.1f}", "1.00"],
+        [f"shift, steady state (last {block}, cache full)", f"{shift_ms:.1f}", f"{shift_ms / plain:.2f}"],
+        [f"re-evaluate, amortized over all {total}", f"{reeval_ms:.1f}", f"{reeval_ms / plain:.2f}"],
+        ["naive sliding window (recompute 512 each step)", f"{naive:.1f}", f"{naive / plain:.2f}"]]))
     print(f"\nshift vs naive sliding window: {naive / shift_ms:.1f}x faster. "
           f"Target: shift <= 1.10x plain -> {'PASS' if shift_ms / plain <= 1.10 else 'FAIL'}")
-    print(f"\n| scoring {quality_tokens} tokens of the seeds | mean NLL | perplexity | vs full |")
-    print("|---|---|---|---|")
     base = next(iter(quality.values()))
-    for name, value in quality.items():
-        print(f"| {name} | {value:.4f} | {math.exp(value):.2f} | {value / base:.3f} |")
+    print("\n" + table([f"scoring {quality_tokens} tokens of the seeds", "mean NLL", "perplexity", "vs full"],
+                       [[name, f"{value:.4f}", f"{math.exp(value):.2f}", f"{value / base:.3f}"]
+                        for name, value in quality.items()]))
     if args.json:
         args.json.write_text(json.dumps({"stream": results, "plain_ms": plain, "naive_ms": naive,
                                          "quality": quality}, indent=2))

@@ -1,10 +1,7 @@
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 # Tests run thousands of tiny ops; with two OpenMP threads on a two-core machine that something
 # else is also using, every op waits for the other thread and tests slow down tenfold. Speed is
@@ -40,3 +37,20 @@ def smollm_float(smollm_path):
     import fastdecode
 
     return fastdecode.load(str(smollm_path), quantize="dequantize")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama (GQA) folder with a word tokenizer and a chat template, saved once per session.
+    Read-only: a test that changes files works on a copy (tiny_models.copy_folder)."""
+    from tiny_models import save_tiny_folder
+
+    folder = tmp_path_factory.mktemp("tiny")
+    save_tiny_folder(folder, "llama-gqa")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tiny_model_dir) -> str:
+    """tiny_model_dir as the string a command line takes."""
+    return str(tiny_model_dir)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 VOCAB = 160
@@ -166,3 +169,17 @@ def hf_greedy(hf, ids: list[int], new_tokens: int) -> list[int]:
         out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     return out[0, len(ids):].tolist()
+
+
+def copy_folder(src, dst, **config_changes):
+    """A copy of the model folder ``src`` at ``dst`` (created), with ``config_changes`` applied to its
+    config.json; returns ``dst``."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir()
+    for path in src.iterdir():
+        (dst / path.name).write_bytes(path.read_bytes())
+    if config_changes:
+        config = json.loads((dst / "config.json").read_text())
+        config.update(config_changes)
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst

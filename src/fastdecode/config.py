@@ -21,6 +21,7 @@ class ModelConfig:
     """Canonical description of a decoder-only model, whatever format it came from."""
 
     is_encoder_decoder: ClassVar[bool] = False
+    position_kinds: ClassVar[tuple[str, ...]] = ("rope", "alibi", "learned")  # the schemes position_kind names
 
     family: str  # registry key: "llama" (llama, mistral, qwen2, smollm2) or "gpt2"
     architecture: str  # the name the checkpoint used (e.g. "MistralForCausalLM", "llama")
@@ -132,8 +133,9 @@ class ModelConfig:
                 raise fail(f"{name} must be a finite number >= 0, got {value!r}")
         if self.position_kind == "rope" and not 0 < self.partial_rotary_factor <= 1:
             raise fail(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
-        if self.position_kind not in ("rope", "alibi", "learned"):
-            raise fail(f"position_kind must be rope, alibi or learned, got {self.position_kind!r}")
+        if self.position_kind not in self.position_kinds:
+            kinds = ", ".join(self.position_kinds[:-1]) + " or " + self.position_kinds[-1]
+            raise fail(f"position_kind must be {kinds}, got {self.position_kind!r}")
         if self.sliding_window is not None and (not _is_int(self.sliding_window) or self.sliding_window < 1):
             raise fail(f"sliding_window must be an integer >= 1 when a sliding window is used, "
                        f"got {self.sliding_window!r}")
@@ -157,12 +159,13 @@ class EncoderDecoderConfig(ModelConfig):
 
     The inherited fields describe the decoder (``num_layers``, ``num_heads``, ``intermediate_size``
     are the decoder's; its self-attention cache is the KV cache). The encoder has its own depth,
-    heads and FFN width. Family flags select the variant: ``positions`` ("learned", "sinusoidal" or
+    heads and FFN width. Family flags select the variant: ``position_kind`` ("learned", "sinusoidal" or
     "relative"), pre- or post-LN, embedding scale and norms (BART family); relative buckets, gated
     FFN and the output rescale (T5).
     """
 
     is_encoder_decoder: ClassVar[bool] = True
+    position_kinds: ClassVar[tuple[str, ...]] = ("learned", "sinusoidal", "relative")
 
     num_encoder_layers: int = 0
     num_encoder_heads: int = 0
@@ -172,7 +175,7 @@ class EncoderDecoderConfig(ModelConfig):
     forced_eos_token_id: list[int] = field(default_factory=list)
     max_source_positions: int | None = None  # None: relative positions, no hard limit
     max_target_positions: int | None = None
-    positions: str = "learned"  # "learned" (+ position_offset), "sinusoidal" or "relative"
+    position_kind: str = "learned"  # "learned" (+ position_offset), "sinusoidal" or "relative"
     position_offset: int = 0  # BART/mBART look position p up at row p + 2
     embed_scale: float = 1.0  # sqrt(d_model) with scale_embedding
     pre_norm: bool = False  # mBART (and T5): LayerNorm before each sublayer, not after
@@ -190,17 +193,15 @@ class EncoderDecoderConfig(ModelConfig):
         from .errors import CheckpointError
 
         super().validate(source)
-        if self.positions not in ("learned", "sinusoidal", "relative"):
-            raise CheckpointError(f"config of {source}: unknown positions {self.positions!r}")
-        if self.positions != "relative" and self.hidden_size % self.num_encoder_heads:
+        if self.position_kind != "relative" and self.hidden_size % self.num_encoder_heads:
             raise CheckpointError(f"config of {source}: num_encoder_heads ({self.num_encoder_heads}) must divide "
                                   f"hidden_size ({self.hidden_size})")
 
     @property
     def position_scheme(self) -> str:
-        if self.positions == "learned":
+        if self.position_kind == "learned":
             return f"learned absolute (offset {self.position_offset})"
-        return "sinusoidal" if self.positions == "sinusoidal" else "relative buckets"
+        return "sinusoidal" if self.position_kind == "sinusoidal" else "relative buckets"
 
     def cross_cache_bytes_per_source_token(self, bytes_per_element: int = 4) -> int:
         """Cross-attention K and V for every decoder layer, per source token (stored once per source)."""

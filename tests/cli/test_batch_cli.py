@@ -11,32 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 import fastdecode
 from fastdecode.cli import main
-from tiny_models import save_tiny_folder
 
 pytest.importorskip("transformers")
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matrices: one thread is faster, and steadier on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-batch")
-    save_tiny_folder(folder, "llama-gqa")
-    return str(folder)
 
 
 @pytest.fixture(scope="module")

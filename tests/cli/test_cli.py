@@ -12,16 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from fastdecode.cli import main
-from tiny_models import save_tiny_folder
 
 pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-cli")
-    save_tiny_folder(folder, "llama-gqa")
-    return str(folder)
 
 
 def run(*args: str):

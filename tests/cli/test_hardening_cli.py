@@ -14,11 +14,9 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from fastdecode.cli import main
-from tiny_models import save_tiny_folder
 
 pytest.importorskip("transformers")
 
@@ -26,27 +24,12 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 GENERATE = ("--max-new-tokens", "3", "--no-chat")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-hardening-cli")
-    save_tiny_folder(folder, "llama-gqa")
-    return str(folder)
-
-
 def run(*args: str, input: bytes | str | None = None):
     return CliRunner().invoke(main, list(args), input=input)
 
 
-def batch(tiny: str, source, out, *extra: str, input=None):
-    return run("batch", str(source), "-o", str(out), "-m", tiny, *GENERATE, "-q", *extra, input=input)
+def batch(tiny_folder: str, source, out, *extra: str, input=None):
+    return run("batch", str(source), "-o", str(out), "-m", tiny_folder, *GENERATE, "-q", *extra, input=input)
 
 
 def records(path: Path) -> list[dict]:
@@ -68,7 +51,7 @@ def subprocess_cli(*args: str, close: tuple[int, ...] = (), stdin=None, stdout=N
                           stderr=subprocess.PIPE, preexec_fn=prepare, env=env, timeout=timeout)
 
 
-def test_poison_lines_bom_and_non_finite_ids_become_error_records(tiny, tmp_path):
+def test_poison_lines_bom_and_non_finite_ids_become_error_records(tiny_folder, tmp_path):
     """Cases 1, 3, 7: a 5000-digit id, 200,000-deep nesting, NaN / 1e999 ids, a lone surrogate:
     each is its line's error record and the run goes on; a BOM is stripped in every format."""
     lines = ['\ufeff{"prompt": "w5 w6", "id": "first"}',
@@ -81,7 +64,7 @@ def test_poison_lines_bom_and_non_finite_ids_become_error_records(tiny, tmp_path
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join(lines) + "\n", encoding="utf-8")
     out = tmp_path / "out.jsonl"
-    result = batch(tiny, source, out)
+    result = batch(tiny_folder, source, out)
     assert result.exit_code == 1, result.output
     got = records(out)
     assert [r["line"] for r in got] == [1, 2, 3, 4, 5, 6, 7]
@@ -93,28 +76,28 @@ def test_poison_lines_bom_and_non_finite_ids_become_error_records(tiny, tmp_path
     for line in out.read_text().splitlines():  # strict JSON: no NaN / Infinity constants anywhere
         json.loads(line, parse_constant=lambda constant: pytest.fail(f"{constant} in {line}"))
     # a rerun resumes the file (it is valid JSON throughout) and has nothing left to do
-    again = batch(tiny, source, out)
+    again = batch(tiny_folder, source, out)
     assert again.exit_code == 1 and records(out) == got
 
     # BOM on stdin (sniffed as JSONL, not taken as text) and in a .txt file (not sent to the model)
     stdin_out, txt_out = tmp_path / "stdin.jsonl", tmp_path / "txt.jsonl"
-    result = batch(tiny, "-", stdin_out, input='\ufeff{"prompt": "w5 w6"}\n'.encode())
+    result = batch(tiny_folder, "-", stdin_out, input='\ufeff{"prompt": "w5 w6"}\n'.encode())
     assert result.exit_code == 0 and records(stdin_out)[0]["prompt"] == "w5 w6"
     txt = tmp_path / "in.txt"
     txt.write_bytes("\ufeffw5 w6\nw7\n".encode())
-    assert batch(tiny, txt, txt_out).exit_code == 0
+    assert batch(tiny_folder, txt, txt_out).exit_code == 0
     assert [r["prompt"] for r in records(txt_out)] == ["w5 w6", "w7"]
     assert records(txt_out)[0]["output"] == records(stdin_out)[0]["output"]
 
 
-def test_pipes_and_fifos_are_read_once(tiny, tmp_path):
+def test_pipes_and_fifos_are_read_once(tiny_folder, tmp_path):
     """Case 2: process substitution (a pipe's /dev/fd path) and a named FIFO are read exactly once."""
     read_end, write_end = os.pipe()
     os.write(write_end, b'{"prompt": "w5"}\n{"prompt": "w6"}\n')
     os.close(write_end)
     out = tmp_path / "pipe.jsonl"
     try:
-        result = batch(tiny, f"/dev/fd/{read_end}", out, "--input-format", "jsonl")
+        result = batch(tiny_folder, f"/dev/fd/{read_end}", out, "--input-format", "jsonl")
     finally:
         os.close(read_end)
     assert result.exit_code == 0, result.output
@@ -124,12 +107,12 @@ def test_pipes_and_fifos_are_read_once(tiny, tmp_path):
     os.mkfifo(fifo)
     writer = threading.Thread(target=lambda: fifo.write_text('{"prompt": "w7"}\n'), daemon=True)
     writer.start()
-    result = batch(tiny, fifo, tmp_path / "fifo.jsonl", "--input-format", "jsonl")
+    result = batch(tiny_folder, fifo, tmp_path / "fifo.jsonl", "--input-format", "jsonl")
     writer.join(timeout=30)
     assert result.exit_code == 0 and [r["prompt"] for r in records(tmp_path / "fifo.jsonl")] == ["w7"]
 
 
-def test_output_is_locked_regular_and_never_the_input(tiny, tmp_path):
+def test_output_is_locked_regular_and_never_the_input(tiny_folder, tmp_path):
     """Cases 4, 5, 8: a second run on a locked output exits 2 naming the holder; devices are
     refused; a hard link (or stdin) of the input is recognised by device and inode."""
     source = tmp_path / "in.jsonl"
@@ -137,34 +120,34 @@ def test_output_is_locked_regular_and_never_the_input(tiny, tmp_path):
     out = tmp_path / "out.jsonl"
     with open(out, "ab") as held:  # what a running batch process holds
         fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        result = batch(tiny, source, out)
+        result = batch(tiny_folder, source, out)
     assert result.exit_code == 2 and f"in use by process {os.getpid()}" in result.stderr
     assert "Traceback" not in result.output and out.read_bytes() == b""
-    assert batch(tiny, source, out).exit_code == 0  # the lock went with its holder
-    to_stdout = batch(tiny, source, "-")
+    assert batch(tiny_folder, source, out).exit_code == 0  # the lock went with its holder
+    to_stdout = batch(tiny_folder, source, "-")
     assert to_stdout.exit_code == 0 and json.loads(to_stdout.stdout) == records(out)[0]
 
     for device in ("/dev/zero", "/dev/full"):
-        result = batch(tiny, source, device)
+        result = batch(tiny_folder, source, device)
         assert result.exit_code == 2 and "not a regular file" in result.stderr
 
     link = tmp_path / "link.jsonl"
     os.link(source, link)
     for extra in ((), ("--overwrite",)):
-        result = batch(tiny, source, link, *extra)
+        result = batch(tiny_folder, source, link, *extra)
         assert result.exit_code == 2 and "is the input file" in result.stderr
     with open(source, "rb") as stdin:
-        result = subprocess_cli("batch", "-", "-o", str(link), "-m", tiny, *GENERATE, "--overwrite", stdin=stdin)
+        result = subprocess_cli("batch", "-", "-o", str(link), "-m", tiny_folder, *GENERATE, "--overwrite", stdin=stdin)
     assert result.returncode == 2 and b"is the input file" in result.stderr
     assert source.read_text() == '{"prompt": "w5"}\n'  # never emptied
 
 
-def test_full_disk_is_one_clear_resumable_error(tiny, tmp_path):
+def test_full_disk_is_one_clear_resumable_error(tiny_folder, tmp_path):
     """Case 6: a write error (here a file-size limit: EFBIG) is one line, exit 3, and the rerun resumes."""
     source = tmp_path / "in.txt"
     source.write_text("".join(f"w{5 + i} w{6 + i}\n" for i in range(8)))
     out = tmp_path / "out.jsonl"
-    args = ("batch", str(source), "-o", str(out), "-m", tiny, *GENERATE, "-q", "--batch-size", "2")
+    args = ("batch", str(source), "-o", str(out), "-m", tiny_folder, *GENERATE, "-q", "--batch-size", "2")
     result = subprocess_cli(*args, limit_file_size=300)
     assert result.returncode == 3, result.stderr
     message = result.stderr.decode().strip()
@@ -175,14 +158,14 @@ def test_full_disk_is_one_clear_resumable_error(tiny, tmp_path):
     assert [r["line"] for r in records(out)] == list(range(1, 9))
 
 
-def test_seeded_sampling_is_the_same_across_batch_sizes_and_resume(tiny, tmp_path):
+def test_seeded_sampling_is_the_same_across_batch_sizes_and_resume(tiny_folder, tmp_path):
     """Case 9: each input's samples depend only on the seed and its line."""
     source = tmp_path / "in.txt"
     source.write_text("".join(f"w{5 + i} w{9 + 2 * i}\n" for i in range(10)))
     options = ("--do-sample", "--temperature", "1.5", "--seed", "7", "--max-new-tokens", "6")
 
     def sampled(name: str, *extra: str) -> list[dict]:
-        result = run("batch", str(source), "-o", str(tmp_path / name), "-m", tiny, "--no-chat", "-q", *options, *extra)
+        result = run("batch", str(source), "-o", str(tmp_path / name), "-m", tiny_folder, "--no-chat", "-q", *options, *extra)
         assert result.exit_code == 0, result.output
         return records(tmp_path / name)
 
@@ -195,36 +178,36 @@ def test_seeded_sampling_is_the_same_across_batch_sizes_and_resume(tiny, tmp_pat
     assert len({r["output"] for r in reference}) > 5  # really sampled
 
 
-def test_closed_and_full_standard_streams(tiny, tmp_path):
+def test_closed_and_full_standard_streams(tiny_folder, tmp_path):
     """Case 14: one line, exit 2 (a closed stream a command needs) or 1 (a write error), no traceback."""
-    for args, fd, expected in ((("chat", "-m", tiny), 0, "standard input is closed"),
-                               (("perplexity", "-", "-m", tiny), 0, "standard input is closed"),
-                               (("batch", "-", "-o", str(tmp_path / "o.jsonl"), "-m", tiny), 0,
+    for args, fd, expected in ((("chat", "-m", tiny_folder), 0, "standard input is closed"),
+                               (("perplexity", "-", "-m", tiny_folder), 0, "standard input is closed"),
+                               (("batch", "-", "-o", str(tmp_path / "o.jsonl"), "-m", tiny_folder), 0,
                                 "standard input is closed"),
-                               (("generate", "-p", "w5", "-m", tiny), 1, "standard output is closed")):
+                               (("generate", "-p", "w5", "-m", tiny_folder), 1, "standard output is closed")):
         result = subprocess_cli(*args, close=(fd,))
         message = result.stderr.decode().strip()
         assert result.returncode == 2 and message == f"error: {expected}" or message.startswith(
             f"error: {expected}"), (args, message)
     with open("/dev/full", "wb") as full:
-        result = subprocess_cli("generate", "-p", "w5", "-m", tiny, *GENERATE, stdout=full)
+        result = subprocess_cli("generate", "-p", "w5", "-m", tiny_folder, *GENERATE, stdout=full)
     message = result.stderr.decode().strip()
     assert result.returncode == 1 and message == "error: cannot write the output: No space left on device"
 
 
-def test_invalid_utf8_absurd_options_and_a_chat_that_survives_a_bad_line(tiny):
+def test_invalid_utf8_absurd_options_and_a_chat_that_survives_a_bad_line(tiny_folder, tmp_path):
     """Cases 10, 12, 13 through the CLI."""
-    result = subprocess_cli("generate", "-p", os.fsdecode(b"\xff\xfe\xc3("), "-m", tiny, *GENERATE)
+    result = subprocess_cli("generate", "-p", os.fsdecode(b"\xff\xfe\xc3("), "-m", tiny_folder, *GENERATE)
     assert result.returncode == 2 and b"not valid Unicode" in result.stderr and b"Traceback" not in result.stderr
     for args, message in ((("--do-sample", "--seed", "99999999999999999999999"), "seed must be an integer in"),
                           (("--repetition-penalty", "nan"), "repetition_penalty must be a finite number"),
                           (("--n-ctx", "100000000000"), "lower n_ctx (100000000000)"),
                           (("--num-beams", "4", "--max-memory", "1KB"), "lower num_beams (4)")):
-        result = run("generate", "-p", "w5", "-m", tiny, *GENERATE, *args)
+        result = run("generate", "-p", "w5", "-m", tiny_folder, *GENERATE, *args)
         assert result.exit_code == 2 and message in result.stderr, (args, result.output)
-    with open(Path(tiny) / "chat-input.txt", "wb") as handle:
+    with open(tmp_path / "chat-input.txt", "wb") as handle:
         handle.write(b"w5 w6\n\xff\xfe bad\nw7\n")
-    with open(Path(tiny) / "chat-input.txt", "rb") as stdin:
-        result = subprocess_cli("chat", "-m", tiny, "--max-new-tokens", "3", stdin=stdin)
+    with open(tmp_path / "chat-input.txt", "rb") as stdin:
+        result = subprocess_cli("chat", "-m", tiny_folder, "--max-new-tokens", "3", stdin=stdin)
     assert result.returncode == 0 and b"not valid Unicode" in result.stderr and b"Traceback" not in result.stderr
     assert result.stdout.count(b"> ") == 4 and result.stdout.count(b" w") >= 4  # replied before and after

@@ -20,7 +20,6 @@ from click.testing import CliRunner
 import fastdecode.pipeline.cli as pipeline_cli
 from fastdecode.cli import main
 from fastdecode.pipeline.output import OutputFile
-from tiny_models import save_tiny_folder
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
@@ -35,13 +34,6 @@ ACTOR_TITLE = b"MapBatches(FastDecodePredictor)"  # in the process title Ray giv
 def ray_address():
     with local_ray(num_cpus=2) as address:
         yield address
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-ray")
-    save_tiny_folder(folder, "llama-gqa")
-    return str(folder)
 
 
 def prompt_lines(n: int, start: int = 0) -> list[str]:

@@ -16,28 +16,14 @@ from fastdecode.errors import (
     TokenizerError,
     UnsupportedModelError,
 )
-from tiny_models import save_tiny_folder, save_word_tokenizer
+from tiny_models import copy_folder, save_tiny_folder, save_word_tokenizer
 
 pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    save_tiny_folder(folder, "llama-gqa")
-    return folder
-
-
-@pytest.fixture(scope="module")
 def tiny(tiny_folder):
     return fastdecode.load(str(tiny_folder))
-
-
-def _copy(src, dst):
-    dst.mkdir()
-    for path in src.iterdir():
-        (dst / path.name).write_bytes(path.read_bytes())
-    return dst
 
 
 def test_missing_path(tmp_path):
@@ -58,14 +44,14 @@ def test_folder_without_config(tmp_path):
 
 
 def test_corrupt_config(tiny_folder, tmp_path):
-    folder = _copy(tiny_folder, tmp_path / "m")
+    folder = copy_folder(tiny_folder, tmp_path / "m")
     (folder / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="config.json"):
         fastdecode.load(str(folder))
 
 
 def test_config_missing_a_field(tiny_folder, tmp_path):
-    folder = _copy(tiny_folder, tmp_path / "m")
+    folder = copy_folder(tiny_folder, tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())
     del config["num_hidden_layers"]
     (folder / "config.json").write_text(json.dumps(config))
@@ -74,7 +60,7 @@ def test_config_missing_a_field(tiny_folder, tmp_path):
 
 
 def test_unsupported_architecture_lists_supported(tiny_folder, tmp_path):
-    folder = _copy(tiny_folder, tmp_path / "m")
+    folder = copy_folder(tiny_folder, tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())
     config["architectures"], config["model_type"] = ["BertForMaskedLM"], "bert"
     (folder / "config.json").write_text(json.dumps(config))
@@ -83,7 +69,7 @@ def test_unsupported_architecture_lists_supported(tiny_folder, tmp_path):
 
 
 def test_unsupported_rope_scaling(tiny_folder, tmp_path):
-    folder = _copy(tiny_folder, tmp_path / "m")
+    folder = copy_folder(tiny_folder, tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())
     config["rope_scaling"] = {"rope_type": "longrope", "factor": 2.0}
     (folder / "config.json").write_text(json.dumps(config))
@@ -92,7 +78,7 @@ def test_unsupported_rope_scaling(tiny_folder, tmp_path):
 
 
 def test_truncated_safetensors(tiny_folder, tmp_path):
-    folder = _copy(tiny_folder, tmp_path / "m")
+    folder = copy_folder(tiny_folder, tmp_path / "m")
     weights = folder / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
@@ -101,14 +87,14 @@ def test_truncated_safetensors(tiny_folder, tmp_path):
 
 
 def test_garbage_safetensors(tiny_folder, tmp_path):
-    folder = _copy(tiny_folder, tmp_path / "m")
+    folder = copy_folder(tiny_folder, tmp_path / "m")
     (folder / "model.safetensors").write_bytes(b"\x00garbage" * 10)
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         fastdecode.load(str(folder))
 
 
 def test_folder_without_weights(tiny_folder, tmp_path):
-    folder = _copy(tiny_folder, tmp_path / "m")
+    folder = copy_folder(tiny_folder, tmp_path / "m")
     (folder / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         fastdecode.load(str(folder))
@@ -117,7 +103,7 @@ def test_folder_without_weights(tiny_folder, tmp_path):
 def test_missing_and_unexpected_weights_listed_together(tiny_folder, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    folder = _copy(tiny_folder, tmp_path / "m")
+    folder = copy_folder(tiny_folder, tmp_path / "m")
     tensors = load_file(str(folder / "model.safetensors"))
     del tensors["model.layers.1.mlp.up_proj.weight"]
     tensors["model.layers.0.mystery.weight"] = tensors["model.norm.weight"].clone()
@@ -130,7 +116,7 @@ def test_missing_and_unexpected_weights_listed_together(tiny_folder, tmp_path):
 
 
 def test_tokenizer_larger_than_vocabulary(tiny_folder, tmp_path):
-    folder = _copy(tiny_folder, tmp_path / "m")
+    folder = copy_folder(tiny_folder, tmp_path / "m")
     save_word_tokenizer(folder, vocab_size=500)
     with pytest.raises(TokenizerError, match="500 tokens"):
         fastdecode.load(str(folder))

@@ -69,3 +69,31 @@ def test_compiled_decode_step_one_graph_per_bucket_equal_logits(kind):
     for step in range(STEPS):
         events = engine.step()
         assert [e.token_id for e in events] == eager[step].argmax(-1).tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama-gqa", "mistral", "bloom", "gpt2"])
+def test_the_engine_decodes_through_the_compiled_step_with_unchanged_tokens(kind):
+    """compile_decode: the engine's pure-decode steps run the traced fixed-shape step (padded to
+    row and block buckets); every request's tokens equal the varlen engine's, next to requests
+    arriving later with other options (the mistral prompts pass its window)."""
+    from engine_helpers import run_arrivals
+    from fastdecode.engine.compiled import CompiledDecode
+
+    gen = fastdecode.from_hf(build(kind))
+    requests = [(torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist(), options)
+                for n, options in [(13, {"max_new_tokens": 20}), (3, {"max_new_tokens": 9, "do_sample": True, "seed": 5}),
+                                   (21, {"max_new_tokens": 12, "repetition_penalty": 1.3}), (6, {"max_new_tokens": 15})]]
+    arrivals = {0: requests[:2], 3: requests[2:3], 7: requests[3:]}
+    expected = run_arrivals(gen.engine(max_batch_tokens=16), dict(arrivals))
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    engine = gen.engine(max_batch_tokens=16)
+    engine.compiled = CompiledDecode(engine, backend=counting_backend)
+    assert run_arrivals(engine, dict(arrivals)) == expected
+    assert 1 <= len(graphs) <= 8  # one per (rows, blocks) bucket met, not one per step
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks - 1  # only the scratch block stays

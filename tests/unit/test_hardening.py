@@ -4,7 +4,6 @@ numeric option ranges, API types and invalid text, per-row seeding, chunked stre
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -17,31 +16,14 @@ from fastdecode.generation.streaming import ShiftEngine
 from fastdecode.memory import check_request_memory, parse_size, request_parts
 from fastdecode.models.registry import family_by_name
 from tiny_encdec import build as build_encdec
-from tiny_models import VOCAB, build, save_tiny_folder
+from tiny_models import VOCAB, build, copy_folder
 
 pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-hardening")
-    save_tiny_folder(folder, "llama-gqa")
-    return folder
-
-
-@pytest.fixture(scope="module")
 def tiny(tiny_folder):
     return fastdecode.load(str(tiny_folder))
-
-
-def _with_config(src, dst, **changes):
-    dst.mkdir()
-    for path in src.iterdir():
-        (dst / path.name).write_bytes(path.read_bytes())
-    config = json.loads((dst / "config.json").read_text())
-    config.update(changes)
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
 
 
 # -- case 11: config values and weight shapes ------------------------------------------------------
@@ -60,13 +42,13 @@ def _with_config(src, dst, **changes):
     ({"num_hidden_layers": True}, "num_layers must be an integer >= 1, got True"),
 ])
 def test_bad_config_values_are_checkpoint_errors(tiny_folder, tmp_path, changes, match):
-    folder = _with_config(tiny_folder, tmp_path / "bad", **changes)
+    folder = copy_folder(tiny_folder, tmp_path / "bad", **changes)
     with pytest.raises(CheckpointError, match=match):
         fastdecode.load(str(folder))
 
 
 def test_weights_that_do_not_fit_the_config_are_listed_with_both_shapes(tiny_folder, tmp_path):
-    folder = _with_config(tiny_folder, tmp_path / "wide", hidden_size=128)  # weights are 64 wide
+    folder = copy_folder(tiny_folder, tmp_path / "wide", hidden_size=128)  # weights are 64 wide
     with pytest.raises(CheckpointError, match="whose shape does not match") as info:
         fastdecode.load(str(folder))
     message = str(info.value)

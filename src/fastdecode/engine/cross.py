@@ -30,7 +30,7 @@ RowGroup = tuple[int, list[Sequence], int]  # (first flat token, its sequences, 
 def decoder_score_bias(model):
     """The decoder self-attention's position bias for a step plan: T5's relative buckets (learned
     and sinusoidal positions are added to the embeddings instead)."""
-    return model.decoder_position_bias if model.config.positions == "relative" else None
+    return model.decoder_position_bias if model.config.position_kind == "relative" else None
 
 
 class CrossStore:

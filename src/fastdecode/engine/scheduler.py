@@ -36,6 +36,7 @@ import torch
 from ..config import GenerationConfig
 from ..errors import InvalidOptionError, QueueFullError
 from ..generation.sampling import TokenSelector, sequence_seeds
+from .compiled import CompiledDecode
 from .cross import CrossStore, RowGroup, decoder_score_bias
 from .plan import AttentionGroup, StepPlan, layer_windows
 from .sequence import Sequence, TokenEvent, token_logprobs
@@ -47,9 +48,11 @@ DEFAULT_CACHE_BYTES = 1 << 30
 class Engine:
     def __init__(self, generator: Any, max_batch_tokens: int = 2048, max_queue: int = 256,
                  cache_tokens: int | None = None, block_size: int = 16, prefill_chunk: int = 256,
-                 source_tokens: int | None = None):
+                 source_tokens: int | None = None, compile_decode: bool = False):
         """``cache_tokens``: self-attention slots; ``source_tokens``: cross-attention slots of an
-        encoder-decoder model (source tokens of the sequences admitted at once)."""
+        encoder-decoder model (source tokens of the sequences admitted at once); ``compile_decode``:
+        run steps where every row decodes one token through the compiled fixed-shape decode step
+        (decoder-only models; see engine/compiled.py)."""
         model = generator.model
         cfg = model.config
         if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
@@ -75,6 +78,10 @@ class Engine:
                 source_tokens = min(DEFAULT_CACHE_BYTES // per_token, 64 * cfg.max_position_embeddings)
             self.cross = CrossStore(model, source_tokens, block_size)
             self.score_bias = decoder_score_bias(model)
+        if compile_decode and cfg.is_encoder_decoder:
+            raise InvalidOptionError("compile_decode is for decoder-only models (the fixed-shape decode step has "
+                                     "no cross attention)")
+        self.compiled = CompiledDecode(self) if compile_decode else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.tokens_run = 0  # tokens the model has run (prefix-cache hits are not run)
@@ -252,6 +259,13 @@ class Engine:
         return True
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[TokenEvent]:
+        if self.compiled is not None and all(count == 1 for _, count in work):
+            sequences = [sequence for sequence, _ in work]
+            logits = self.compiled.logits(sequences)  # [B, V]
+            self.tokens_run += len(sequences)
+            for sequence in sequences:
+                self._computed(sequence, sequence.num_computed + 1)
+            return self._sample(sequences, logits)
         device = self.model.device
         work = [w for w in work if w[1] == 1] + [w for w in work if w[1] > 1]  # one-query rows first
         tokens, positions, slots, logit_rows, sampled = [], [], [], [], []

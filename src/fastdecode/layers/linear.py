@@ -1,14 +1,12 @@
 """``linear``: F.linear on the fastest exact float32 GEMM PyTorch offers on this CPU, with the
 activation fused into it where possible.
 
-PyTorch's CPU ``F.linear`` calls MKL's sgemm. On our AMD EPYC (AVX-512) oneDNN's float32 GEMM, which
-PyTorch ships as ``torch.ops.mkldnn._linear_pointwise`` (inductor's CPU linear), measured 2-3x faster
-on encoder-sized products (2048 x 768 -> 3072) and 1.5-4x on decode steps (8 x 768 -> 50265 and
-the layer projections), on the same canonical [in, out] buffers, single thread. It is float32
-throughout (products and accumulation; no bf16/tf32 "fast math" unless the user enables it in
-``torch.backends.mkldnn``); results differ from MKL's only by summation order (~1e-6). ReLU and
-GELU (erf or tanh) run as the GEMM's epilogue, saving a pass over the FFN activations (~12% of
-an encoder FFN product; bit-identical for ReLU and erf GELU).
+PyTorch's CPU ``F.linear`` calls MKL's sgemm; oneDNN's float32 GEMM, which PyTorch ships as
+``torch.ops.mkldnn._linear_pointwise`` (inductor's CPU linear), is faster on the same canonical
+[in, out] buffers (figures: benchmarks/README.md). It is float32 throughout (products and
+accumulation; no bf16/tf32 "fast math" unless the user enables it in ``torch.backends.mkldnn``);
+results differ from MKL's only by summation order (~1e-6). ReLU and GELU (erf or tanh) run as the
+GEMM's epilogue, saving a pass over the FFN activations (bit-identical for ReLU and erf GELU).
 Anything else (CUDA, half precision, a build without oneDNN) keeps ``F.linear`` + the activation.
 A ``QuantizedWeight`` goes to its own kernels (``quantized.py``).
 Small products run on one thread (``threads.py``).
@@ -44,7 +42,8 @@ def linear(
     if isinstance(weight, QuantizedWeight):
         out = quantized_linear(x, weight, bias)
         return out if activation is None else ACTIVATIONS[activation](out)
-    if _ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled():
+    if (_ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()):  # inductor picks its own GEMM for F.linear
         attr, algorithm = _FUSED.get(activation, ("none", ""))
         with threads_for(x.numel() * weight.shape[0]):  # rows * in * out
             out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)

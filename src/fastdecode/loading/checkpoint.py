@@ -69,8 +69,8 @@ def canonical_weights(
     """Checkpoint tensors (HF layout) -> canonical tensors, one at a time (no double peak memory).
 
     Canonical layout: every linear weight is [in, out]. A batch-1 decode step is a chain of
-    matrix-vector products, and MKL reads an [in, out] weight about 1.4x faster than [out, in]
-    on our CPUs; models call ``F.linear(x, w.t())``, which runs ``x @ w`` on that buffer.
+    matrix-vector products, and MKL reads an [in, out] weight faster than [out, in] (figures:
+    benchmarks/README.md); models call ``F.linear(x, w.t())``, which runs ``x @ w`` on that buffer.
     Tied embeddings keep one buffer in the LM-head layout [C, V]; the embedding table is its
     transposed view. ``share`` (an in-memory HF model) makes views instead of copies, so no
     weight is duplicated. ``fetch(checkpoint_name)`` returns the tensor in the target dtype/device.

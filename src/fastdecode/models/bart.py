@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.cross import CrossAttentionCache, padding_bias
-from .base import ModelBase
+from .base import ModelBase, token_id_list
 from ..cache.static import KVCache
 from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import UnsupportedModelError
@@ -33,7 +33,7 @@ from ..layers.attention import attention, merge_heads, split_heads
 from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.threads import one_thread_except_big_ops
 from ..layers.positions import sinusoidal_table
-from .seq2seq import as_list, check_tied, decoder_start_token
+from .seq2seq import check_tied, decoder_start_token
 
 # Canonical name -> HF sublayer name, per layer of each stack.
 _ENCODER_LAYER = {
@@ -76,7 +76,7 @@ def weight_names(config: EncoderDecoderConfig) -> tuple[list[str], list[str]]:
     required = ["embed.weight"]
     optional = ["encoder_embed.weight", "decoder_embed.weight", "final_logits_bias"]
     (optional if config.tie_word_embeddings else required).append("lm_head.weight")
-    if config.positions == "learned":
+    if config.position_kind == "learned":
         required += [f"{stack}.pos_embed.weight" for stack in stacks]
     if config.embedding_norm:
         required += [f"{stack}.embed_norm.{kind}" for stack in stacks for kind in _KINDS]
@@ -143,17 +143,17 @@ def config_from_hf(hf: dict[str, Any]) -> EncoderDecoderConfig:
         attention_out_bias=True,
         mlp_bias=True,
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=as_list(hf.get("eos_token_id")),
+        eos_token_ids=token_id_list(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
         num_encoder_layers=hf["encoder_layers"],
         num_encoder_heads=hf["encoder_attention_heads"],
         encoder_intermediate_size=hf["encoder_ffn_dim"],
         decoder_start_token_id=decoder_start_token(hf),
         forced_bos_token_id=hf.get("forced_bos_token_id"),
-        forced_eos_token_id=as_list(hf.get("forced_eos_token_id")),
+        forced_eos_token_id=token_id_list(hf.get("forced_eos_token_id")),
         max_source_positions=positions,
         max_target_positions=positions,
-        positions="sinusoidal" if marian else "learned",
+        position_kind="sinusoidal" if marian else "learned",
         position_offset=0 if marian else 2,
         embed_scale=math.sqrt(hidden) if hf.get("scale_embedding") else 1.0,
         pre_norm=mbart,
@@ -174,7 +174,7 @@ class BartModel(ModelBase):
         self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for linear
         bias = weights.get("final_logits_bias")
         self.logits_bias = None if bias is None else bias.reshape(-1)  # [1, V] -> [V]
-        if config.positions == "sinusoidal":
+        if config.position_kind == "sinusoidal":
             table = sinusoidal_table(config.max_position_embeddings, config.hidden_size, self.embed.dtype,
                                      self.embed.device)
             pos_tables = {"encoder": table, "decoder": table}

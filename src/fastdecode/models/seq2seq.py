@@ -35,8 +35,3 @@ def check_tied(weights: dict[str, torch.Tensor], names: tuple[str, ...], archite
             raise UnsupportedModelError(f"{architecture} with {name} different from the shared embedding "
                                         "(untied encoder/decoder embeddings) is not supported")
 
-
-def as_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [int(value)]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.cross import CrossAttentionCache, padding_bias
-from .base import ModelBase
+from .base import ModelBase, token_id_list
 from ..cache.static import KVCache
 from ..config import EncoderDecoderConfig
 from ..errors import UnsupportedModelError
@@ -27,7 +27,7 @@ from ..layers.attention import attention, merge_heads, split_heads
 from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.threads import one_thread_except_big_ops
 from ..layers.positions import t5_relative_buckets
-from .seq2seq import as_list, check_tied, decoder_start_token
+from .seq2seq import check_tied, decoder_start_token
 
 _ATTENTION = ("q", "k", "v", "o")
 _FFN = ("wi", "wi_0", "wi_1", "wo")  # wi (v1.0) or wi_0 / wi_1 (gated), then wo
@@ -123,17 +123,17 @@ def config_from_hf(hf: dict[str, Any]) -> EncoderDecoderConfig:
         hidden_act=activation,
         tie_word_embeddings=bool(rescale),
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=as_list(hf.get("eos_token_id")),
+        eos_token_ids=token_id_list(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
         num_encoder_layers=encoder_layers,
         num_encoder_heads=heads,
         encoder_intermediate_size=hf["d_ff"],
         decoder_start_token_id=decoder_start_token(hf),
         forced_bos_token_id=hf.get("forced_bos_token_id"),
-        forced_eos_token_id=as_list(hf.get("forced_eos_token_id")),
+        forced_eos_token_id=token_id_list(hf.get("forced_eos_token_id")),
         max_source_positions=None,  # relative positions: no table to run past
         max_target_positions=None,
-        positions="relative",
+        position_kind="relative",
         pre_norm=True,
         final_norm=True,
         relative_buckets=hf.get("relative_attention_num_buckets", 32),

@@ -1,6 +1,6 @@
 """Asynchronous batch generation: reader -> tokenize -> generate -> detokenize -> writer.
 
-``fastdecode batch`` (pipeline/cli.py) and ``Generator.batch`` both run ``BatchRun``
+``fastdecode batch`` (cli/batch.py, its body in pipeline/cli.py) and ``Generator.batch`` both run ``BatchRun``
 (runner.py); inputs.py parses lines, batching.py buckets by length, records.py builds the
 output records and keeps their order, output.py resumes and appends the .jsonl output.
 """
@@ -8,6 +8,7 @@ output records and keeps their order, output.py resumes and appends the .jsonl o
 from __future__ import annotations
 
 from .inputs import InputItem, items_from_lines, items_from_objects
-from .runner import BatchRun, BatchSettings, PipelineStats
+from .runner import BatchRun, BatchSettings, LoadSettings, PipelineStats
 
-__all__ = ["BatchRun", "BatchSettings", "InputItem", "PipelineStats", "items_from_lines", "items_from_objects"]
+__all__ = ["BatchRun", "BatchSettings", "InputItem", "LoadSettings", "PipelineStats", "items_from_lines",
+           "items_from_objects"]

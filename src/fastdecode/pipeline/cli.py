@@ -1,8 +1,5 @@
-"""`fastdecode batch INPUT -o OUTPUT`: the pipeline over a file, resumable, with a progress bar.
-
-The command is built by ``batch_command(...)`` from the shared option decorators of
-``fastdecode.cli`` (passed in rather than imported: ``fastdecode.cli`` registers this command,
-so importing it back from here would be an import cycle, fatal under ``python -m fastdecode.cli``).
+"""The body of `fastdecode batch INPUT -o OUTPUT` (the command and its flags: cli/batch.py): the
+pipeline over a file, resumable, with a progress bar.
 
 Exit codes: 0 every input succeeded; 1 some inputs failed (error records in the output,
 counting those an earlier, resumed run wrote); 2 bad usage, an output that does not belong to
@@ -30,7 +27,7 @@ import click
 from ..errors import BatchFileError, ModelNotFoundError
 from .inputs import BOM, InputItem, format_for, items_from_lines, skip_done
 from .output import OutputFile, OutputState, encode_record, same_file
-from .runner import BatchRun, BatchSettings, PipelineStats, split_at_first_error
+from .runner import BatchRun, BatchSettings, LoadSettings, PipelineStats, split_at_first_error
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..integrations.ray_batch import RayOptions
@@ -123,9 +120,9 @@ def resolve_chat(generator: Any, chat: bool | None) -> bool:
     return bool(generator.tokenizer is not None and generator.tokenizer.chat_template)
 
 
-def run_batch(input_path: str, output: str, model: str | None, device: str, dtype: str, options: dict[str, Any],
-              settings: BatchSettings, field: str, input_format: str, chat: bool | None, quiet: bool,
-              overwrite: bool, ray: "RayOptions | None" = None, quantize: str | None = None) -> int:
+def run_batch(input_path: str, output: str, load: LoadSettings, options: dict[str, Any], settings: BatchSettings,
+              field: str, input_format: str, chat: bool | None, quiet: bool, overwrite: bool,
+              ray: "RayOptions | None" = None) -> int:
     """The body of `fastdecode batch`; returns the exit code (0 all ok, 1 some inputs failed).
 
     The output is opened (and locked) before the model loads, so a second run on the same
@@ -143,15 +140,14 @@ def run_batch(input_path: str, output: str, model: str | None, device: str, dtyp
         check_not_input(input_path, output)
     writer = StdoutRecords() if output == "-" else OutputFile(output, overwrite=overwrite)
     try:
-        return _run_to(writer, input_path, output, model, device, dtype, options, settings, field, input_format,
-                       chat, quiet, ray, quantize)
+        return _run_to(writer, input_path, output, load, options, settings, field, input_format, chat, quiet, ray)
     finally:
         writer.close()
 
 
-def _run_to(writer: OutputFile | StdoutRecords, input_path: str, output: str, model: str | None, device: str,
-            dtype: str, options: dict[str, Any], settings: BatchSettings, field: str, input_format: str,
-            chat: bool | None, quiet: bool, ray: "RayOptions | None", quantize: str | None) -> int:
+def _run_to(writer: OutputFile | StdoutRecords, input_path: str, output: str, load: LoadSettings,
+            options: dict[str, Any], settings: BatchSettings, field: str, input_format: str, chat: bool | None,
+            quiet: bool, ray: "RayOptions | None") -> int:
     state = writer.state
     if state.truncated_bytes and not quiet:
         click.echo(f"resume: cut a torn last line ({state.truncated_bytes} bytes) from {output}", err=True)
@@ -161,11 +157,10 @@ def _run_to(writer: OutputFile | StdoutRecords, input_path: str, output: str, mo
     total = count_inputs(input_path)
     progress = Progress(total, state.done, quiet)
     if ray is None:
-        stats = _run_here(items, model, device, dtype, quantize, options, settings, chat, writer, progress)
+        stats = _run_here(items, load, options, settings, chat, writer, progress)
     else:
         remaining = None if total is None else max(total - state.done, 0)
-        stats = _run_on_ray(items, remaining, model, device, dtype, quantize, options, settings, field, chat,
-                            writer, progress, ray)
+        stats = _run_on_ray(items, remaining, load, options, settings, field, chat, writer, progress, ray)
     failed = state.failed + stats.failed
     if not quiet:
         elapsed = stats.elapsed_s
@@ -178,14 +173,10 @@ def _run_to(writer: OutputFile | StdoutRecords, input_path: str, output: str, mo
     return 1 if failed else 0
 
 
-def _run_here(items: Iterator[InputItem], model: str | None, device: str, dtype: str, quantize: str | None,
-              options: dict[str, Any],
-              settings: BatchSettings, chat: bool | None, writer: Callable[[list[dict]], None],
-              progress: Progress) -> PipelineStats:
+def _run_here(items: Iterator[InputItem], load: LoadSettings, options: dict[str, Any], settings: BatchSettings,
+              chat: bool | None, writer: Callable[[list[dict]], None], progress: Progress) -> PipelineStats:
     """Generate in this process through the asynchronous pipeline (its writer thread appends)."""
-    from .. import load
-
-    generator = load(model, device=device, dtype=dtype, quantize=quantize)
+    generator = load.load()
     settings = dataclasses.replace(settings, chat=resolve_chat(generator, chat))
     run = BatchRun(generator, items, settings, options, on_records=writer)
     try:
@@ -197,17 +188,18 @@ def _run_here(items: Iterator[InputItem], model: str | None, device: str, dtype:
     return run.stats
 
 
-def _run_on_ray(items: Iterator[InputItem], remaining: int | None, model: str | None, device: str, dtype: str,
-                quantize: str | None, options: dict[str, Any], settings: BatchSettings, field: str, chat: bool | None,
-                writer: Callable[[list[dict]], None], progress: Progress, ray: "RayOptions") -> PipelineStats:
+def _run_on_ray(items: Iterator[InputItem], remaining: int | None, load: LoadSettings, options: dict[str, Any],
+                settings: BatchSettings, field: str, chat: bool | None, writer: Callable[[list[dict]], None],
+                progress: Progress, ray: "RayOptions") -> PipelineStats:
     """Generate on Ray actors; append each group of records that arrived in input order."""
     from ..integrations.ray_batch import quiet_ray_logs, ray_connection, ray_records
 
     stats = PipelineStats()
-    predictor = dict(model=model, options=options, field=field, chat=chat, batch_size=settings.batch_size,
-                     max_batch_tokens=settings.max_batch_tokens, device=device, dtype=dtype, quantize=quantize)
-    if ray.address == "local" and model is not None and not Path(model).exists():
-        raise ModelNotFoundError(f"model path {model} does not exist")  # before Ray starts actors that cannot load it
+    predictor = dict(**dataclasses.asdict(load), options=options, field=field, chat=chat,
+                     batch_size=settings.batch_size, max_batch_tokens=settings.max_batch_tokens)
+    if ray.address == "local" and load.model is not None and not Path(load.model).exists():
+        # before Ray starts actors that cannot load it
+        raise ModelNotFoundError(f"model path {load.model} does not exist")
     quiet_ray_logs()
     try:
         with ray_connection(ray):
@@ -223,64 +215,3 @@ def _run_on_ray(items: Iterator[InputItem], remaining: int | None, model: str | 
     finally:
         progress.close(stats.new_tokens)
     return stats
-
-
-def batch_command(model_options: Callable, generation_options: Callable, handle_errors: Callable,
-                  collect_options: Callable[[dict[str, Any]], dict[str, Any]]) -> click.Command:
-    """Build the `batch` click command from fastdecode.cli's shared pieces."""
-
-    @click.command("batch")
-    @click.argument("input_path", metavar="INPUT", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
-    @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
-                  help="Output .jsonl (a regular file; - for stdout); if it exists, inputs already in it are "
-                       "skipped (resume).")
-    @click.option("--batch-size", type=int, default=None,
-                  help="Prompts per batch (default 16). Excludes --max-batch-tokens.")
-    @click.option("--max-batch-tokens", type=int, default=None,
-                  help="Budget per batch: rows x (longest prompt + max new tokens).")
-    @click.option("--lookahead", type=int, default=None,
-                  help="Inputs sorted together by length (default 8 batches, or 256).")
-    @click.option("--field", default="prompt", show_default=True, help="JSONL field that holds the prompt.")
-    @click.option("--input-format", type=click.Choice(["auto", "jsonl", "txt"]), default="auto", show_default=True,
-                  help="auto: by suffix (.jsonl / .txt), else by the first line.")
-    @click.option("--chat/--no-chat", default=None,
-                  help="Apply the model's chat template (default: on when the model has one).")
-    @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
-    @click.option("--fail-fast", is_flag=True, help="Stop at the first failed input (exit 2).")
-    @click.option("--overwrite", is_flag=True, help="Start again instead of resuming an existing output.")
-    @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None,
-                  metavar="[ADDRESS|auto|local]",
-                  help="Generate on Ray actors: local (the default value) starts a private Ray for the run, "
-                       "auto joins this machine's cluster, or a cluster ADDRESS. Needs fastdecode[ray].")
-    @click.option("--actors", type=int, default=1, show_default=True, help="With --ray: model replicas.")
-    @click.option("--cpus-per-actor", type=int, default=1, show_default=True,
-                  help="With --ray: CPUs (and torch threads) per replica.")
-    @model_options
-    @generation_options
-    @handle_errors
-    def batch(input_path: str, output: str, batch_size: int | None, max_batch_tokens: int | None,
-              lookahead: int | None, field: str, input_format: str,
-              chat: bool | None, quiet: bool, fail_fast: bool, overwrite: bool, ray_address: str | None, actors: int,
-              cpus_per_actor: int, model: str | None, device: str, dtype: str, **kwargs: Any) -> None:
-        """Generate for every line of INPUT (.jsonl or .txt, - for stdin) into OUTPUT (.jsonl).
-
-        JSONL inputs are objects with a "prompt" (or --field) and an optional "id"; a .txt line
-        is one prompt. Each output line is {"id", "line", "prompt", "output", "num_tokens",
-        "finish_reason"} in input order (id defaults to the 0-based line index); a failed input
-        gives {"id", "line", "error"}. Killed and restarted with the same command, the run
-        resumes where it stopped. Exit code: 0 all ok, 1 some inputs failed, 2 bad usage.
-        With --ray, --actors Ray actors (each --cpus-per-actor CPUs) generate; the output is the same.
-        """
-        options = collect_options(kwargs)  # --num-return-sequences > 1 makes each output a list
-        settings = BatchSettings(batch_size=batch_size, max_batch_tokens=max_batch_tokens, lookahead=lookahead,
-                                 fail_fast=fail_fast)
-        ray = None
-        if ray_address is not None:
-            from ..integrations.ray_batch import RayOptions
-
-            ray = RayOptions(address=ray_address, actors=actors, cpus_per_actor=cpus_per_actor)
-        code = run_batch(input_path, output, model, device, dtype, options, settings, field, input_format, chat,
-                         quiet, overwrite, ray, quantize=kwargs.get("quantize"))
-        sys.exit(code)
-
-    return batch

@@ -62,6 +62,22 @@ class Engine(Protocol):
 
 
 @dataclass(frozen=True)
+class LoadSettings:
+    """Which model a run loads and how: the arguments of ``fastdecode.load``, passed as one record
+    from the CLI through the batch runner to this process or to each Ray actor."""
+
+    model: str | None = None  # HF folder or .gguf file; None: the embedded model
+    device: str = "cpu"
+    dtype: str = "float32"
+    quantize: str | None = None
+
+    def load(self) -> Any:
+        from .. import load
+
+        return load(self.model, device=self.device, dtype=self.dtype, quantize=self.quantize)
+
+
+@dataclass(frozen=True)
 class BatchSettings:
     """How inputs are grouped; ``batch_size`` and ``max_batch_tokens`` exclude each other."""
 

@@ -1,0 +1,101 @@
+"""The options several subcommands share: generation options with the Hugging Face names (dashes for
+underscores), the streaming cache, the model to load; and turning parsed flags back into the
+options ``Generator`` methods take."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ..pipeline.runner import LoadSettings
+
+
+def generation_options(command):
+    """Flags that mirror the Hugging Face option names (dashes for underscores)."""
+    options = [
+        click.option("--max-new-tokens", type=int, default=256, show_default=True),
+        click.option("--min-new-tokens", type=int, default=0, show_default=True),
+        click.option("--do-sample/--greedy", default=False, help="Sample instead of greedy decoding."),
+        click.option("--temperature", type=float, default=1.0, show_default=True),
+        click.option("--top-k", type=int, default=None),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
+        click.option("--eos-token-id", type=int, multiple=True, help="Token id that ends generation (repeatable)."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output."),
+        click.option("--seed", type=int, default=None, help="Seed for reproducible sampling."),
+        click.option("--num-beams", type=int, default=1, show_default=True, help="Beam search when > 1."),
+        click.option("--length-penalty", type=float, default=1.0, show_default=True,
+                     help="Beam score = log-prob sum / generated length ** this."),
+        click.option("--early-stopping", type=click.Choice(["true", "false", "never"]), default="false",
+                     show_default=True, help="Beam search stopping rule (as transformers)."),
+        click.option("--num-return-sequences", type=int, default=1, show_default=True,
+                     help="Results per prompt (<= --num-beams for beam search)."),
+        click.option("--no-repeat-ngram-size", type=int, default=0, show_default=True,
+                     help="Never repeat an n-gram of this size (0: off)."),
+        click.option("--encoder-no-repeat-ngram-size", type=int, default=0, show_default=True,
+                     help="Encoder-decoder: never copy an n-gram of this size from the source (0: off)."),
+        click.option("--no-cache", "no_cache", is_flag=True, help="Recompute everything each step (slow reference)."),
+        max_memory_option,
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+max_memory_option = click.option(
+    "--max-memory", default=None,
+    help="Memory a request may use (bytes, or e.g. 8GB, 512MiB); checked before allocating. "
+         "Default: the memory available now.")
+
+
+def streaming_options(command):
+    """Streaming cache flags: n_ctx slots with n_keep attention sinks (see generation/streaming.py)."""
+    options = [
+        click.option("--n-ctx", type=int, default=None, help="Streaming cache size in tokens (enables streaming)."),
+        click.option("--n-keep", type=int, default=4, show_default=True, help="Attention-sink tokens kept."),
+        click.option("--n-discard", type=int, default=None, help="Tokens dropped when full (default: half)."),
+        click.option("--policy", type=click.Choice(["shift", "reevaluate"]), default="shift", show_default=True),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def streaming_values(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The streaming flags, taken out of ``kwargs``."""
+    return {name: kwargs.pop(name) for name in ("n_ctx", "n_keep", "n_discard", "policy")}
+
+
+def model_options(command):
+    """Which model to load and how: --model, --quantize, --device, --dtype (see ``load_settings``)."""
+    command = click.option("--dtype", default="float32", show_default=True,
+                           type=click.Choice(["float32", "bfloat16", "float16"]))(command)
+    command = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")(command)
+    command = click.option("--quantize", default=None, type=click.Choice(["int8", "int4", "dequantize"]),
+                           help="int8/int4: quantize a float checkpoint at load; dequantize: decode GGUF blocks "
+                                "to --dtype (default: GGUF blocks run as they are).")(command)
+    return click.option("--model", "-m", default=None,
+                        help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")(command)
+
+
+def collect_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``generation_options``' flags as the options ``Generator`` methods take (HF names)."""
+    options = {
+        name: kwargs[name]
+        for name in ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+                     "repetition_penalty", "seed", "num_beams", "length_penalty", "num_return_sequences",
+                     "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "max_memory")
+    }
+    options["early_stopping"] = {"true": True, "false": False, "never": "never"}[kwargs["early_stopping"]]
+    options["use_cache"] = not kwargs["no_cache"]
+    if kwargs["eos_token_id"]:
+        options["eos_token_id"] = list(kwargs["eos_token_id"])
+    if kwargs["stop"]:
+        options["stop"] = list(kwargs["stop"])
+    return options
+
+
+def load_settings(model: str | None, device: str, dtype: str, kwargs: dict[str, Any]) -> LoadSettings:
+    """The model flags (``model_options``) as one record; ``--quantize`` is taken out of ``kwargs``."""
+    return LoadSettings(model=model, device=device, dtype=dtype, quantize=kwargs.pop("quantize", None))

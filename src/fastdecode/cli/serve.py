@@ -1,0 +1,45 @@
+"""`fastdecode serve`: the command (click only; the server itself is imported when it runs)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .errors import handle_errors
+from .options import load_settings, model_options
+
+
+@click.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--max-batch-tokens", type=int, default=2048, show_default=True,
+              help="Tokens per scheduler step (prefill chunks + decodes).")
+@click.option("--max-queue", type=int, default=256, show_default=True,
+              help="Sequences waiting or running; beyond it requests get 503 + Retry-After.")
+@click.option("--api-key", default=None, envvar="FASTDECODE_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1/ routes (or env FASTDECODE_API_KEY).")
+@click.option("--n-ctx", type=int, default=None, help="Context per request (default: the model's).")
+@click.option("--n-keep", type=int, default=4, show_default=True,
+              help="Attention-sink tokens kept when a conversation outgrows --n-ctx.")
+@click.option("--context-overflow", type=click.Choice(["shift", "reevaluate", "error"]), default=None,
+              help="Past the context: go on through a streaming cache, or answer 400 "
+                   "(default: shift with --n-ctx, else error).")
+@click.option("--max-body-bytes", type=int, default=1 << 20, show_default=True)
+@click.option("--grace-seconds", type=float, default=30.0, show_default=True,
+              help="On SIGTERM, how long in-flight requests may still run.")
+@click.option("--model-name", default=None, help="The model id clients send (default: the file or folder name).")
+@model_options
+@handle_errors
+def serve(model: str | None, device: str, dtype: str, host: str, port: int, model_name: str | None,
+          context_overflow: str | None, **kwargs: Any) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API, with a web chat page at /."""
+    from ..api import default_model_path
+    from ..serve.server import run
+
+    overflow = context_overflow or ("shift" if kwargs["n_ctx"] is not None else "error")
+    name = model_name or Path(model or default_model_path()).name.removesuffix(".gguf")
+    generator = load_settings(model, device, dtype, kwargs).load()
+    sys.exit(run(generator, host, port, model_name=name, context_overflow=overflow, **kwargs))
