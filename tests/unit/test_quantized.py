@@ -327,6 +327,7 @@ def test_compiled_quantized_decode_step_is_one_graph_with_equal_logits(tmp_path)
         return graph_module.forward
 
     bound = functools.partial(decode_step, gen.model, engine.cache, engine.windows, engine.score_bias)
+    torch._dynamo.reset()  # earlier tests compiled decode_step too: start below dynamo's recompile limit
     compiled = torch.compile(bound, backend=counting_backend, fullgraph=True, dynamic=False)
     with torch.inference_mode():
         block_table = engine.cache.block_tables([s.block_table for s in sequences], 2)  # [B, 2]
