@@ -59,14 +59,22 @@ def test_repacked_blocks_decode_exactly_as_the_gguf_package(qtype):
     weight = repack(qtype.name, raw, shape)
     reference = torch.from_numpy(gguf_dequantize(raw, qtype).reshape(shape))
     assert torch.equal(dequantize(weight), reference)  # bit-identical weights
+    assert torch.equal(quantized.dense_weight(weight, work=1 << 30), reference)  # the AVX2 decoder (prefill), too
     rows = torch.tensor([5, 0, 47, 5])
     assert torch.equal(dequantize(weight, rows), reference[rows])  # embedding lookups decode rows only
 
 
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [1, 3, 8, quantized.KERNEL_MAX_ROWS + 5])
-def test_quantized_product_equals_dequantized_product(qtype, rows):
-    """Same weights, float32 products: only the summation order differs (error ~ K * 2^-24 * sum|w x|)."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33, 512])
+@pytest.mark.parametrize("path", ["dispatch", "kernel"])
+def test_quantized_product_equals_dequantized_product(qtype, rows, path, monkeypatch):
+    """Same weights, float32 products: only the summation order differs (error ~ K * 2^-24 * sum|w x|).
+    "dispatch": what linear() picks for that many rows; "kernel": the AVX2 kernel for every row count
+    (its 8-, 4-, 2- and 1-row blocks, with and without mins)."""
+    if path == "kernel":
+        if qmatmul_op() is None:
+            pytest.skip("no AVX2 kernel on this machine")
+        monkeypatch.setattr(quantized, "KERNEL_MAX_ROWS", 1 << 20)
     shape = (72, 512)
     weight = repack(qtype.name, random_blocks(qtype, shape, seed=2), shape)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(3))
@@ -178,9 +186,8 @@ def test_embedded_model_runs_on_its_own_blocks_with_no_float_copy(smollm, smollm
     floats = [name for name, w in weights.items() if isinstance(w, torch.Tensor) and w.dim() == 2]
     assert floats == []
     # decode steps take the kernel: whole matrices are decoded (transiently) only for the long prefill
-    real, decoded = quantized.dequantize, []
-    monkeypatch.setattr(quantized, "dequantize",
-                        lambda weight, rows=None: decoded.append(rows is None) or real(weight, rows))
+    real, decoded = quantized.dense_weight, []
+    monkeypatch.setattr(quantized, "dense_weight", lambda weight, work: decoded.append(True) or real(weight, work))
     ids = smollm.encode_prompt("What is the capital of France?", chat=True)
     assert len(ids) > quantized.KERNEL_MAX_ROWS
     answer = smollm.tokenizer.decode(smollm.generate_ids([ids], max_new_tokens=12)[0])
@@ -296,3 +303,37 @@ def test_int4_quantizes_and_runs(tmp_path):
         reference = hf(torch.tensor([prompt])).logits[0]
     # 4 bits: each weight moves by up to 1/30 of its group's range
     assert (_logits(gen, prompt) - reference).abs().max() / reference.abs().max() < 0.15
+
+
+# --- 5: torch.compile traces the quantized op (its fake kernel) ---------------------------------------
+@pytest.mark.slow
+def test_compiled_quantized_decode_step_is_one_graph_with_equal_logits(tmp_path):
+    """fullgraph=True fails on any op without a fake kernel: the quantized products must trace."""
+    import functools
+
+    from fastdecode.engine.decode_step import decode_step
+
+    if qmatmul_op() is None:
+        pytest.skip("no AVX2 kernel on this machine: the PyTorch fallback traces as it is")
+    gen = fastdecode.load(write_tiny_llama(tmp_path / "q4.gguf", QT.Q4_1, tied=False))
+    engine = gen.engine(cache_tokens=256)
+    prompts = [[5, 9, 3, 7, 11], [4, 8, 12], [6, 2, 10, 13]]
+    sequences = [engine.submit(p, {"max_new_tokens": 8}) for p in prompts]
+    engine.step()  # prompts read: each row now decodes one token per step
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    bound = functools.partial(decode_step, gen.model, engine.cache, engine.windows, engine.score_bias)
+    torch._dynamo.reset()  # earlier tests compiled decode_step too: start below dynamo's recompile limit
+    compiled = torch.compile(bound, backend=counting_backend, fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        block_table = engine.cache.block_tables([s.block_table for s in sequences], 2)  # [B, 2]
+        tokens = torch.tensor([s.output_ids[-1] for s in sequences])
+        positions = torch.tensor([s.num_tokens - 1 for s in sequences])
+        eager_logits, _ = bound(block_table, tokens, positions)
+        traced_logits, _ = compiled(block_table, tokens, positions)  # rewrites the same slots
+    assert len(graphs) == 1
+    torch.testing.assert_close(traced_logits, eager_logits, atol=1e-5, rtol=0)

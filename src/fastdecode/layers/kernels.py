@@ -5,6 +5,7 @@ PyTorch's extension builder, into ``$FASTDECODE_CACHE`` (default ``~/.cache/fast
 name keyed by the source, PyTorch version and CPU flags, so a later process only loads the shared
 library (milliseconds). ``qmatmul_op()`` returns None (and logs once why) where it cannot be had:
 no AVX2/FMA/F16C, no compiler, another device. Callers then use the pure PyTorch path.
+The ops have fake (meta) kernels, so ``torch.compile(fullgraph=True)`` traces it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import hashlib
 import logging
 import os
 import sys
-from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger("fastdecode")
@@ -52,9 +52,28 @@ def build(verbose: bool = False) -> Path:
     return library
 
 
-@lru_cache(maxsize=1)
+_LOADED: dict[str, object] = {}  # "ops" -> torch.ops.fastdecode_kernels (or None): a dict torch.compile reads
+
+
+def _ops():
+    if "ops" not in _LOADED:
+        _LOADED["ops"] = _load_ops()
+    return _LOADED["ops"]
+
+
 def qmatmul_op():
     """torch.ops.fastdecode_kernels.qmatmul, or None where the extension cannot be built or loaded."""
+    ops = _ops()
+    return None if ops is None else ops.qmatmul
+
+
+def dequantize_op():
+    """torch.ops.fastdecode_kernels.dequantize (codes -> float32 [N, K]), or None like ``qmatmul_op``."""
+    ops = _ops()
+    return None if ops is None else ops.dequantize
+
+
+def _load_ops():
     import torch
 
     if not _cpu_has_avx2():
@@ -67,10 +86,25 @@ def qmatmul_op():
         else:
             log.warning("fastdecode: building the quantized kernels (once, about a minute)")
             build()  # cpp_extension.load registers the ops itself
-        return torch.ops.fastdecode_kernels.qmatmul
+        _register_fake()
+        return torch.ops.fastdecode_kernels
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
         log.warning("fastdecode: quantized kernels unavailable (%s); using the PyTorch fallback", exc)
         return None
+
+
+def _register_fake() -> None:
+    """The op's shape function (a "fake" kernel): torch.compile / FakeTensor tracing run it instead of
+    the C++ code, so a compiled decode step (fullgraph) traces through quantized products."""
+    import torch
+
+    @torch.library.register_fake("fastdecode_kernels::qmatmul")
+    def _qmatmul_fake(x, codes, scale, mins, bits, group, grain):  # x [M, K] -> [M, N]
+        return x.new_empty((x.shape[0], scale.shape[0]))
+
+    @torch.library.register_fake("fastdecode_kernels::dequantize")
+    def _dequantize_fake(codes, scale, mins, bits, group, grain):  # -> float32 [N, K]
+        return scale.new_empty((scale.shape[0], scale.shape[1] * group), dtype=torch.float32)
 
 
 if __name__ == "__main__":

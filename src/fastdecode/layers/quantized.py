@@ -14,10 +14,11 @@ The matrix is stored [out, in] (rows are outputs) and ``transposed`` marks the c
 that models hold and ``.t()`` (as for float buffers, so model code is the same for both).
 
 Kernels: the AVX2 extension (``kernels.py``) for CPU rows up to ``KERNEL_MAX_ROWS`` (batch-1 and batched
-decode steps: weights are decoded once per row block, products and sums in float32, so results equal
-dequantize-then-matmul up to summation order); more rows (prompt processing) dequantize the matrix once
-per call into a transient float32 buffer and use the float GEMM. Without the extension (no AVX2, no
-compiler, CUDA) every product goes through that dequantizing path.
+decode steps: each weight group is decoded once per call for up to 8 rows at a time, products and sums
+in float32, so results equal dequantize-then-matmul up to summation order); more rows (prompt
+processing) decode the matrix once per call into a transient float32 buffer (the AVX2 decoder, one
+pass) and use the float GEMM. Without the extension (no AVX2, no compiler, CUDA) every product goes
+through that dequantizing path, in PyTorch.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import qmatmul_op
-from .threads import PARALLEL_MIN_WORK
+from .kernels import dequantize_op, qmatmul_op
+from .threads import PARALLEL_MIN_WORK, threads_for
 
 KERNEL_MAX_ROWS = 32
 
@@ -98,6 +99,18 @@ def dequantize(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> tor
     return values.view(R, groups * weight.group)  # [R, K]
 
 
+def dense_weight(weight: QuantizedWeight, work: int) -> torch.Tensor:
+    """The whole matrix as float32 [N, K] for a GEMM with ``work`` multiply-adds: the AVX2 decoder on
+    CPU (bit-identical to ``dequantize``, one pass, split over threads like the product), else ``dequantize``."""
+    op = dequantize_op() if weight.device.type == "cpu" else None
+    if op is None:
+        return dequantize(weight)
+    N, K = weight.shape
+    grain = max(1, math.ceil(PARALLEL_MIN_WORK * N / work))  # rows per thread: the product's share of them
+    with threads_for(work):
+        return op(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, grain)
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T + bias -> [..., N] in x's dtype."""
     if weight.transposed:
@@ -106,14 +119,15 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     rows = x.reshape(-1, K)  # [M, K]
     op = qmatmul_op() if x.device.type == "cpu" else None
     if op is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
-        # split over threads by the weights read, not the multiply-adds: at batch 8 a layer's 0.9M-weight
-        # product would split, and the second thread of a busy machine then costs more than it saves
-        grain = max(1, math.ceil(PARALLEL_MIN_WORK / K))  # output rows per thread, at least
-        out = op(rows.float().contiguous(), weight.codes, weight.scale, weight.mins, weight.bits, weight.group, grain)
+        M = rows.shape[0]
+        grain = max(1, math.ceil(PARALLEL_MIN_WORK / (M * K)))  # output rows per thread, at least
+        with threads_for(M * K * N):
+            out = op(rows.float().contiguous(), weight.codes, weight.scale, weight.mins, weight.bits, weight.group,
+                     grain)
     else:
         from .linear import linear  # the float GEMM (oneDNN on CPU)
 
-        out = linear(rows.float(), dequantize(weight))
+        out = linear(rows.float(), dense_weight(weight, work=rows.shape[0] * K * N))
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], N).to(x.dtype)  # [..., N]

@@ -31,6 +31,7 @@ from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
 from ..layers.linear import ACTIVATIONS, embed, linear
+from ..layers.threads import one_thread_except_big_ops
 from ..layers.positions import sinusoidal_table
 from .seq2seq import check_tied, decoder_start_token
 
@@ -203,6 +204,7 @@ class BartModel(ModelBase):
                                norm=pair(f"{stack}.norm"))
 
     # -- the three entry points the engine uses ---------------------------------------------------
+    @one_thread_except_big_ops
     def encode(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Source tokens [B, S], positions [B or 1, S], valid [B, S] -> encoder output [B, S, C]."""
         cfg = self.config
@@ -222,6 +224,7 @@ class BartModel(ModelBase):
         return (split_heads(linear(memory, layer.cross_k, layer.cross_k_bias), H, D),
                 split_heads(linear(memory, layer.cross_v, layer.cross_v_bias), H, D))
 
+    @one_thread_except_big_ops
     def decode(
         self,
         tokens: torch.Tensor,

@@ -19,6 +19,7 @@ from ..cache.static import KVCache, NoCache
 from .base import ModelBase
 from ..config import ModelConfig
 from ..layers.linear import embed, linear
+from ..layers.threads import one_thread_except_big_ops
 from ..layers.positions import alibi_slopes
 from ..config import derived_head_dim
 
@@ -122,6 +123,7 @@ class BloomModel(ModelBase):
         query (softmax ignores a per-row constant), so values stay small however long a stream runs."""
         return (self.slopes[None, :, None, None] * distance[:, None]).to(self.dtype)  # [B, H, T, S]
 
+    @one_thread_except_big_ops
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | NoCache,
                 mask: torch.Tensor | None, all_logits: bool = False,
                 logits_at: torch.Tensor | None = None) -> torch.Tensor:

@@ -28,6 +28,7 @@ from ..config import FULL, SLIDING, ModelConfig
 from ..errors import UnsupportedModelError
 from ..layers.attention import LayerMasks, merge_heads, split_heads
 from ..layers.linear import ACTIVATIONS, embed, linear
+from ..layers.threads import one_thread_except_big_ops
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
 from .base import ModelBase, token_id_list
 
@@ -231,6 +232,7 @@ class Gemma3Model(ModelBase):
         self.layer_ropes = [self.ropes[kind] for kind in config.layer_types]
         self.scale = config.attention_scale or config.head_dim**-0.5
 
+    @one_thread_except_big_ops
     def forward(
         self,
         tokens: torch.Tensor,

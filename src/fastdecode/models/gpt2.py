@@ -18,6 +18,7 @@ from ..cache.static import KVCache, NoCache
 from .base import ModelBase
 from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, embed, linear
+from ..layers.threads import one_thread_except_big_ops
 from ..errors import UnsupportedModelError
 from ..config import derived_head_dim
 
@@ -167,6 +168,7 @@ class GPT2Model(ModelBase):
             self.layers.append(SimpleNamespace(**w, **b))
         self.scale = config.head_dim**-0.5
 
+    @one_thread_except_big_ops
     def forward(
         self,
         tokens: torch.Tensor,

@@ -18,6 +18,7 @@ from ..cache.static import KVCache, NoCache
 from .base import ModelBase, token_id_list
 from ..config import FULL, SLIDING, ModelConfig
 from ..layers.linear import ACTIVATIONS, embed, linear
+from ..layers.threads import one_thread_except_big_ops
 from ..errors import UnsupportedModelError
 from ..layers.attention import LayerMasks
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
@@ -232,6 +233,7 @@ class LlamaModel(ModelBase):
         self.layer_ropes = [self.rope] * config.num_layers  # every layer shares one rotary table
         self.scale = config.head_dim**-0.5
 
+    @one_thread_except_big_ops
     def forward(
         self,
         tokens: torch.Tensor,

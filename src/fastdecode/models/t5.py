@@ -25,6 +25,7 @@ from ..config import EncoderDecoderConfig
 from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
 from ..layers.linear import ACTIVATIONS, embed, linear
+from ..layers.threads import one_thread_except_big_ops
 from ..layers.positions import t5_relative_buckets
 from .seq2seq import check_tied, decoder_start_token
 
@@ -173,6 +174,7 @@ class T5Model(ModelBase):
                                norm=weights[f"{stack}.norm.weight"])
 
     # -- the three entry points the engine uses ---------------------------------------------------
+    @one_thread_except_big_ops
     def encode(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Source tokens [B, S], positions [B or 1, S], valid [B, S] -> encoder output [B, S, C]."""
         x = embed(tokens, self.embed)  # [B, S, C]
@@ -192,6 +194,7 @@ class T5Model(ModelBase):
         H, D = self.config.num_heads, self.config.head_dim
         return split_heads(linear(memory, layer.cross_k), H, D), split_heads(linear(memory, layer.cross_v), H, D)
 
+    @one_thread_except_big_ops
     def decode(
         self,
         tokens: torch.Tensor,
