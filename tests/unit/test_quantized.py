@@ -7,6 +7,8 @@ test_gguf_loading.py) for whole models; transformers' float model for ``quantize
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -337,3 +339,24 @@ def test_compiled_quantized_decode_step_is_one_graph_with_equal_logits(tmp_path)
         traced_logits, _ = compiled(block_table, tokens, positions)  # rewrites the same slots
     assert len(graphs) == 1
     torch.testing.assert_close(traced_logits, eager_logits, atol=1e-5, rtol=0)
+
+
+def test_a_stale_build_lock_left_by_a_killed_build_does_not_block_the_next(tmp_path, monkeypatch):
+    """torch's extension builder waits forever on a ``lock`` file a killed build left behind; the
+    build runs under our own flock (released by the kernel when a process dies) and clears it."""
+    from torch.utils import cpp_extension
+
+    from fastdecode.layers import kernels
+
+    monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path))
+    directory = kernels._build_dir()
+    directory.mkdir(parents=True)
+    (directory / "lock").write_text("")  # what a build killed mid-way leaves
+
+    def fake_load(name, sources, extra_cflags, build_directory, is_python_module, verbose):
+        assert not (Path(build_directory) / "lock").exists()
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert kernels.build() == directory / "fastdecode_kernels.so"
+    assert kernels.build().exists()  # built once, then found

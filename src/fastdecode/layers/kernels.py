@@ -41,14 +41,25 @@ def build(verbose: bool = False) -> Path:
     """Compile the extension into the cache (a no-op when it is there); returns the library path."""
     from torch.utils import cpp_extension
 
+    import fcntl
+
     directory = _build_dir()
     library = directory / "fastdecode_kernels.so"
-    if not library.exists():
-        directory.mkdir(parents=True, exist_ok=True)
-        # the `ninja` the venv installed, even when the venv is not activated
-        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        cpp_extension.load(name="fastdecode_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                           build_directory=str(directory), is_python_module=False, verbose=verbose)
+    if library.exists():
+        return library
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    # One build at a time, under a lock the kernel drops when its process dies. torch's own
+    # ``lock`` file in the build folder is not: a build killed mid-way leaves it behind and the next
+    # build would wait on it forever. Holding ours, any such file is stale, so it is removed.
+    with open(directory.parent / f"{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not library.exists():
+            directory.mkdir(exist_ok=True)
+            (directory / "lock").unlink(missing_ok=True)
+            # the `ninja` the venv installed, even when the venv is not activated
+            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+            cpp_extension.load(name="fastdecode_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                               build_directory=str(directory), is_python_module=False, verbose=verbose)
     return library
 
 
