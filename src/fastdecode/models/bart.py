@@ -18,14 +18,14 @@ The model is functional over canonical weights and owns nothing per request: the
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from ..cache.cross import CrossAttentionCache, padding_bias
-from .base import ModelBase, token_id_list
+from .base import ModelBase, Weight, token_id_list
 from ..cache.static import KVCache
 from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import UnsupportedModelError
@@ -162,6 +162,59 @@ def config_from_hf(hf: dict[str, Any]) -> EncoderDecoderConfig:
     )
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class BartEncoderBlock:
+    """An encoder layer's weights: LayerNorm scales [C] and projections as [out, in] views of
+    [in, out] buffers, each with its bias (norm shifts [C])."""
+
+    attn_norm: torch.Tensor
+    attn_norm_bias: torch.Tensor
+    q: Weight
+    q_bias: torch.Tensor
+    k: Weight
+    k_bias: torch.Tensor
+    v: Weight
+    v_bias: torch.Tensor
+    o: Weight
+    o_bias: torch.Tensor
+    mlp_norm: torch.Tensor
+    mlp_norm_bias: torch.Tensor
+    up: Weight
+    up_bias: torch.Tensor
+    down: Weight
+    down_bias: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BartDecoderBlock(BartEncoderBlock):
+    """A decoder layer: the encoder layer's weights plus its cross-attention's."""
+
+    cross_norm: torch.Tensor
+    cross_norm_bias: torch.Tensor
+    cross_q: Weight
+    cross_q_bias: torch.Tensor
+    cross_k: Weight
+    cross_k_bias: torch.Tensor
+    cross_v: Weight
+    cross_v_bias: torch.Tensor
+    cross_o: Weight
+    cross_o_bias: torch.Tensor
+
+
+BlockT = TypeVar("BlockT", bound=BartEncoderBlock)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BartStack(Generic[BlockT]):
+    """One stack: its layers, its position table [P, C] (learned or sinusoidal), and its embedding
+    and final LayerNorms as (weight, bias) pairs, None where the variant has none."""
+
+    layers: list[BlockT]
+    positions: torch.Tensor
+    embed_norm: tuple[torch.Tensor, torch.Tensor] | None
+    norm: tuple[torch.Tensor, torch.Tensor] | None
+
+
 class BartModel(ModelBase):
     """Encoder-decoder over canonical weights: ``encode`` / ``cross_kv`` / ``decode``."""
 
@@ -180,12 +233,12 @@ class BartModel(ModelBase):
             pos_tables = {"encoder": table, "decoder": table}
         else:
             pos_tables = {stack: weights[f"{stack}.pos_embed.weight"] for stack in ("encoder", "decoder")}
-        self.encoder = self._stack(weights, "encoder", config.num_encoder_layers, _ENCODER_LAYER, pos_tables)
-        self.decoder = self._stack(weights, "decoder", config.num_layers, _DECODER_LAYER, pos_tables)
+        self.encoder = self._stack(weights, "encoder", config.num_encoder_layers, BartEncoderBlock, pos_tables)
+        self.decoder = self._stack(weights, "decoder", config.num_layers, BartDecoderBlock, pos_tables)
         self.scale = config.head_dim**-0.5
 
     @staticmethod
-    def _stack(weights, stack: str, num_layers: int, names: dict[str, str], pos_tables) -> SimpleNamespace:
+    def _stack(weights, stack: str, num_layers: int, block: type[BlockT], pos_tables) -> BartStack[BlockT]:
         def pair(prefix: str) -> tuple[torch.Tensor, torch.Tensor] | None:
             weight = weights.get(f"{prefix}.weight")
             return None if weight is None else (weight, weights[f"{prefix}.bias"])
@@ -194,14 +247,14 @@ class BartModel(ModelBase):
         for i in range(num_layers):
             prefix = f"{stack}.layers.{i}"
             layer = {}
-            for name in names:
+            for name in (field.name for field in fields(block) if not field.name.endswith("_bias")):
                 weight = weights[f"{prefix}.{name}.weight"]
                 # [in, out] buffers seen as [out, in]: linear then runs x @ buffer (the fast layout)
                 layer[name] = weight if name.endswith("norm") else weight.t()
                 layer[f"{name}_bias"] = weights[f"{prefix}.{name}.bias"]
-            layers.append(SimpleNamespace(**layer))
-        return SimpleNamespace(layers=layers, positions=pos_tables[stack], embed_norm=pair(f"{stack}.embed_norm"),
-                               norm=pair(f"{stack}.norm"))
+            layers.append(block(**layer))
+        return BartStack(layers=layers, positions=pos_tables[stack], embed_norm=pair(f"{stack}.embed_norm"),
+                         norm=pair(f"{stack}.norm"))
 
     # -- the three entry points the engine uses ---------------------------------------------------
     @one_thread_except_big_ops
@@ -261,7 +314,7 @@ class BartModel(ModelBase):
         return mask[None, None]  # [1, 1, P, P]
 
     # -- pieces ----------------------------------------------------------------------------------
-    def _embed(self, stack: SimpleNamespace, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _embed(self, stack: BartStack, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         x = embed(tokens, self.embed)  # [B, T, C]
         if cfg.embed_scale != 1.0:
@@ -278,7 +331,7 @@ class BartModel(ModelBase):
             return x + sublayer(F.layer_norm(x, (C,), norm_w, norm_b, eps))
         return F.layer_norm(x + sublayer(x), (C,), norm_w, norm_b, eps)
 
-    def _final_norm(self, stack: SimpleNamespace, x: torch.Tensor) -> torch.Tensor:
+    def _final_norm(self, stack: BartStack, x: torch.Tensor) -> torch.Tensor:
         if stack.norm is None:
             return x
         return F.layer_norm(x, (self.config.hidden_size,), *stack.norm, self.config.norm_eps)

@@ -6,6 +6,11 @@ from typing import Any
 
 import torch
 
+from ..layers.quantized import QuantizedWeight
+
+# A matrix a block holds: float, or quantized at load (``quantize=``) or in a GGUF file.
+Weight = torch.Tensor | QuantizedWeight
+
 
 def token_id_list(value: Any) -> list[int]:
     """A config's token id field (None, one id or a list of ids) as a list."""

@@ -16,7 +16,7 @@ w) serves both and the model adds 1 once at construction.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ from ..layers.attention import LayerMasks, merge_heads, split_heads
 from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.threads import one_thread_except_big_ops
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
-from .base import ModelBase, token_id_list
+from .base import ModelBase, Weight, token_id_list
 
 _PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 _NORMS = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
@@ -201,6 +201,26 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
     return weight
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Gemma3Block:
+    """One decoder block's weights: the (1 + w) norm scales ([C], q/k norms [D]) and the
+    projections as [out, in] views of [in, out] buffers. No biases."""
+
+    attn_norm: torch.Tensor
+    post_attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    post_mlp_norm: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    q: Weight
+    k: Weight
+    v: Weight
+    o: Weight
+    gate: Weight
+    up: Weight
+    down: Weight
+
+
 class Gemma3Model(ModelBase):
     """Decoder-only Gemma 3 text model over canonical weights (HF's norm weights w; scale 1 + w)."""
 
@@ -214,7 +234,7 @@ class Gemma3Model(ModelBase):
         self.norm = 1.0 + weights["norm.weight"]
         self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for linear()
         self.layers = [
-            SimpleNamespace(
+            Gemma3Block(
                 **{name: 1.0 + weights[f"layers.{i}.{name}.weight"] for name in _NORMS},  # the (1 + w) scales
                 # [in, out] buffers seen as [out, in]: linear() then runs x @ buffer (the fast layout)
                 **{name: weights[f"layers.{i}.{name}.weight"].t() for name in _PROJECTIONS},

@@ -7,7 +7,7 @@ gated SiLU MLP. Flags: q/k/v bias (Qwen2), tied embeddings, RoPE scaling, slidin
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
-from .base import ModelBase, token_id_list
+from .base import ModelBase, Weight, token_id_list
 from ..config import FULL, SLIDING, ModelConfig
 from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.threads import one_thread_except_big_ops
@@ -203,6 +203,29 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
     return rotary.swapaxes(1, 2).reshape(weight.shape)  # [H, 2, D/2, ...] -> [H*D, ...]
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class LlamaBlock:
+    """One decoder block's weights: norm scales [C]; projections as [out, in] views of [in, out]
+    buffers; a bias per projection where the checkpoint has one (Qwen2: q, k, v)."""
+
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    q: Weight
+    k: Weight
+    v: Weight
+    o: Weight
+    gate: Weight
+    up: Weight
+    down: Weight
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    gate_bias: torch.Tensor | None
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+
 class LlamaModel(ModelBase):
     """Decoder-only Llama-family model over canonical weights."""
 
@@ -215,7 +238,7 @@ class LlamaModel(ModelBase):
         self.norm = weights["norm.weight"]
         self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for linear()
         self.layers = [
-            SimpleNamespace(
+            LlamaBlock(
                 attn_norm=weights[f"layers.{i}.attn_norm.weight"],
                 mlp_norm=weights[f"layers.{i}.mlp_norm.weight"],
                 # [in, out] buffers seen as [out, in]: linear() then runs x @ buffer (the fast layout)

@@ -12,14 +12,14 @@ Flags: ReLU FFN (v1.0) or gated GELU ``act(x W0) * (x W1)`` (v1.1, flan); tied h
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from ..cache.cross import CrossAttentionCache, padding_bias
-from .base import ModelBase, token_id_list
+from .base import ModelBase, Weight, token_id_list
 from ..cache.static import KVCache
 from ..config import EncoderDecoderConfig
 from ..errors import UnsupportedModelError
@@ -143,6 +143,46 @@ def config_from_hf(hf: dict[str, Any]) -> EncoderDecoderConfig:
     )
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class T5EncoderBlock:
+    """An encoder layer's weights: RMS norm scales [C] and projections as [out, in] views of
+    [in, out] buffers; the FFN has ``wi`` (v1.0) or ``wi_0`` and ``wi_1`` (gated), the others None."""
+
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    q: Weight
+    k: Weight
+    v: Weight
+    o: Weight
+    wi: Weight | None
+    wi_0: Weight | None
+    wi_1: Weight | None
+    wo: Weight
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class T5DecoderBlock(T5EncoderBlock):
+    """A decoder layer: the encoder layer's weights plus its cross-attention's."""
+
+    cross_norm: torch.Tensor
+    cross_q: Weight
+    cross_k: Weight
+    cross_v: Weight
+    cross_o: Weight
+
+
+BlockT = TypeVar("BlockT", bound=T5EncoderBlock)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class T5Stack(Generic[BlockT]):
+    """One stack: its layers, its relative-position bucket biases [buckets, H] and final norm scale [C]."""
+
+    layers: list[BlockT]
+    relative_bias: torch.Tensor
+    norm: torch.Tensor
+
+
 class T5Model(ModelBase):
     """Encoder-decoder over canonical weights: ``encode`` / ``cross_kv`` / ``decode``."""
 
@@ -156,22 +196,20 @@ class T5Model(ModelBase):
         self.tied_head = head is None or config.tie_word_embeddings
         # [C, V] buffer seen as [V, C] for linear; a missing untied head is the embedding itself
         self.lm_head = self.embed if head is None else head.t()
-        self.encoder = self._stack(weights, "encoder", config.num_encoder_layers, cross=False)
-        self.decoder = self._stack(weights, "decoder", config.num_layers, cross=True)
+        self.encoder = self._stack(weights, "encoder", config.num_encoder_layers, T5EncoderBlock)
+        self.decoder = self._stack(weights, "decoder", config.num_layers, T5DecoderBlock)
 
-    def _stack(self, weights, stack: str, num_layers: int, cross: bool) -> SimpleNamespace:
-        names = ["attn_norm", "mlp_norm", *_ATTENTION, *_FFN] + (["cross_norm"] + [f"cross_{p}" for p in _ATTENTION]
-                                                                 if cross else [])
+    def _stack(self, weights, stack: str, num_layers: int, block: type[BlockT]) -> T5Stack[BlockT]:
         layers = []
         for i in range(num_layers):
             layer = {}
-            for name in names:
+            for name in (field.name for field in fields(block)):  # the block's weights, cross_* in a decoder
                 weight = weights.get(f"{stack}.layers.{i}.{name}.weight")
                 # [in, out] buffers seen as [out, in]: linear then runs x @ buffer (the fast layout)
                 layer[name] = weight if weight is None or name.endswith("norm") else weight.t()
-            layers.append(SimpleNamespace(**layer))
-        return SimpleNamespace(layers=layers, relative_bias=weights[f"{stack}.relative_bias.weight"],  # [buckets, H]
-                               norm=weights[f"{stack}.norm.weight"])
+            layers.append(block(**layer))
+        return T5Stack(layers=layers, relative_bias=weights[f"{stack}.relative_bias.weight"],  # [buckets, H]
+                       norm=weights[f"{stack}.norm.weight"])
 
     # -- the three entry points the engine uses ---------------------------------------------------
     @one_thread_except_big_ops
