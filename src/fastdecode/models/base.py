@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,6 +11,26 @@ from ..layers.quantized import QuantizedWeight
 
 # A matrix a block holds: float, or quantized at load (``quantize=``) or in a GGUF file.
 Weight = torch.Tensor | QuantizedWeight
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LayerNormBlock:
+    """One block's weights in the GPT-2 / BLOOM layout: LayerNorm scales and shifts [C]; a fused
+    qkv product, o, up and down as [out, in] views of [in, out] buffers, each with its bias (the
+    families differ in how qkv is interleaved, which their forwards handle)."""
+
+    attn_norm: torch.Tensor
+    attn_norm_bias: torch.Tensor
+    qkv: Weight
+    qkv_bias: torch.Tensor
+    o: Weight
+    o_bias: torch.Tensor
+    mlp_norm: torch.Tensor
+    mlp_norm_bias: torch.Tensor
+    up: Weight
+    up_bias: torch.Tensor
+    down: Weight
+    down_bias: torch.Tensor
 
 
 def token_id_list(value: Any) -> list[int]:

@@ -8,7 +8,6 @@ the cache reports key-query distances in the current frames (``cache.relative_po
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
-from .base import ModelBase, Weight
+from .base import LayerNormBlock, ModelBase
 from ..config import ModelConfig
 from ..layers.linear import embed, linear
 from ..layers.threads import one_thread_except_big_ops
@@ -101,25 +100,6 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
     return weight
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class BloomBlock:
-    """One block's weights: LayerNorm scales and shifts [C]; fused qkv (interleaved per head), o, up,
-    down as [out, in] views of [in, out] buffers, each with its bias."""
-
-    attn_norm: torch.Tensor
-    attn_norm_bias: torch.Tensor
-    qkv: Weight
-    qkv_bias: torch.Tensor
-    o: Weight
-    o_bias: torch.Tensor
-    mlp_norm: torch.Tensor
-    mlp_norm_bias: torch.Tensor
-    up: Weight
-    up_bias: torch.Tensor
-    down: Weight
-    down_bias: torch.Tensor
-
-
 class BloomModel(ModelBase):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         self.config = config
@@ -133,7 +113,7 @@ class BloomModel(ModelBase):
             layer.update({f"{part}_bias": weights[f"layers.{i}.{part}.bias"] for part in _PARTS})
             for part in ("qkv", "o", "up", "down"):
                 layer[part] = layer[part].t()  # [in, out] buffer seen as [out, in]
-            self.layers.append(BloomBlock(**layer))
+            self.layers.append(LayerNormBlock(**layer))
         self.slopes = alibi_slopes(config.num_heads).to(self.embed.device)  # [H]
         self.scale = config.head_dim**-0.5
 

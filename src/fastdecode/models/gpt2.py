@@ -7,7 +7,6 @@ HF model, never copied.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
-from .base import ModelBase, Weight
+from .base import LayerNormBlock, ModelBase
 from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.threads import one_thread_except_big_ops
@@ -147,26 +146,6 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
     return weight.T if canonical.endswith(_CONV1D) else weight
 
 
-
-@dataclass(frozen=True, slots=True, eq=False)
-class GPT2Block:
-    """One block's weights: LayerNorm scales and shifts [C]; fused qkv, o, up, down as [out, in]
-    views of their Conv1D [in, out] buffers, each with its bias."""
-
-    attn_norm: torch.Tensor
-    attn_norm_bias: torch.Tensor
-    qkv: Weight
-    qkv_bias: torch.Tensor
-    o: Weight
-    o_bias: torch.Tensor
-    mlp_norm: torch.Tensor
-    mlp_norm_bias: torch.Tensor
-    up: Weight
-    up_bias: torch.Tensor
-    down: Weight
-    down_bias: torch.Tensor
-
-
 class GPT2Model(ModelBase):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         if config.hidden_act not in ACTIVATIONS:
@@ -183,7 +162,7 @@ class GPT2Model(ModelBase):
             b = {f"{n}_bias": weights[f"layers.{i}.{n}.bias"] for n in names}
             for n in ("qkv", "o", "up", "down"):
                 w[n] = w[n].t()  # Conv1D [in, out] -> linear [out, in] (a view)
-            self.layers.append(GPT2Block(**w, **b))
+            self.layers.append(LayerNormBlock(**w, **b))
         self.scale = config.head_dim**-0.5
 
     @one_thread_except_big_ops
