@@ -259,15 +259,21 @@ class Engine:
         return True
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[TokenEvent]:
-        if self.compiled is not None and all(count == 1 for _, count in work):
-            sequences = [sequence for sequence, _ in work]
-            logits = self.compiled.logits(sequences)  # [B, V]
-            self.tokens_run += len(sequences)
-            for sequence in sequences:
-                self._computed(sequence, sequence.num_computed + 1)
-            return self._sample(sequences, logits)
-        device = self.model.device
         work = [w for w in work if w[1] == 1] + [w for w in work if w[1] > 1]  # one-query rows first
+        if self.compiled is not None and all(count == 1 for _, count in work):
+            sampled = [sequence for sequence, _ in work]  # every row decodes its last token
+            logits = self.compiled.logits(sampled)  # [B, V]
+        else:
+            logits, sampled = self._forward(work)
+        self.tokens_run += sum(count for _, count in work)
+        for sequence, count in work:
+            self._computed(sequence, sequence.num_computed + count)
+        return self._sample(sampled, logits)
+
+    def _forward(self, work: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        """One flat varlen forward over ``work`` -> (logits [K, V], the K sequences that reached
+        their last token, in logits order)."""
+        device = self.model.device
         tokens, positions, slots, logit_rows, sampled = [], [], [], [], []
         for sequence, count in work:
             start = sequence.num_computed
@@ -288,10 +294,7 @@ class Engine:
         else:
             logits = self.model.decode(token_tensor, position_tensor, plan, None, None, self.cross.step(rows),
                                        logits_at=logits_at)[0]  # [K, V]
-        self.tokens_run += len(tokens)
-        for sequence, count in work:
-            self._computed(sequence, sequence.num_computed + count)
-        return self._sample(sampled, logits)
+        return logits, sampled
 
     @staticmethod
     def _row_groups(work: list[tuple[Sequence, int]]) -> list[RowGroup]:
