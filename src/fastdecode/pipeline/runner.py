@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from ..config import GenerationConfig
 from ..errors import BatchFileError, FastDecodeError, InvalidOptionError
+from ..validation import positive_int
 from .batching import plan_window
 from .inputs import InputItem
 from .records import ReorderBuffer, error_record, is_error, success_record
@@ -89,9 +90,8 @@ class BatchSettings:
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_batch_tokens", "lookahead"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise InvalidOptionError(f"{name} must be an integer >= 1, got {value!r}")
+            if getattr(self, name) is not None:
+                positive_int(getattr(self, name), name)
         if self.batch_size is not None and self.max_batch_tokens is not None:
             raise InvalidOptionError("give batch_size or max_batch_tokens, not both")
 
