@@ -1,7 +1,8 @@
 """Tiny random transformers models written to .gguf the way llama.cpp's ``convert_hf_to_gguf.py``
 writes them (metadata keys, tensor names, quantized 2-D weights, Q/K rows permuted for ``llama``),
 with a tiny byte-level BPE vocabulary; and their HF references after the same quantization round
-trip. Used by tests/unit/test_gguf_loading.py (see its docstring for why each step is as it is)."""
+trip. Used by tests/unit/test_gguf_loading.py (its docstring says why each step is as it is),
+test_load_path.py and test_quantized.py."""
 
 from __future__ import annotations
 
