@@ -48,7 +48,7 @@ CONVERSATION = [
 ]
 
 
-# --- fixtures (gguf_path, gguf_fields and smol are in tests/unit/conftest.py) -------------------------
+# --- fixtures (gguf_path, gguf_fields and smol are in tests/conftest.py) ------------------------------
 @pytest.fixture(scope="module")
 def hf_smol(gguf_path: Path):
     transformers = pytest.importorskip("transformers")
