@@ -68,6 +68,18 @@ def test_encdec_beam_search_matches_transformers(pair, beams, length_penalty, ea
            num_return_sequences=2)
 
 
+def test_batched_sources_of_different_lengths_equal_each_alone(pair):
+    kind, hf, gen = pair
+    sources = _sources((9, 4, 13), seed=3)
+    options = dict(num_beams=3, no_repeat_ngram_size=2, max_new_tokens=10, eos_token_id=_eos_for(gen, sources),
+                   num_return_sequences=2)
+    batched = gen.generate_ids_with_details(sources, **options)
+    alone = [r for source in sources for r in gen.generate_ids_with_details([source], **options)]
+    assert [r.tokens for r in batched] == [r.tokens for r in alone], kind
+    torch.testing.assert_close(torch.tensor([r.score for r in batched]), torch.tensor([r.score for r in alone]),
+                               atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_encoder_no_repeat_ngram_matches_transformers(pair, n):
     kind, hf, gen = pair

@@ -153,12 +153,13 @@ class EncodedSources:
     def encode(cls, model, sources: list[list[int]]) -> "EncodedSources":
         """Run the encoder once over every source (one right-padded batch: the encoder masks the
         padding, so a source's output never depends on its batch), then project each decoder
-        layer's cross K/V once. Contiguous here, once: a strided view would be copied by every step."""
+        layer's cross K/V once."""
         return cls.from_padded(model, *right_pad(sources, model.device))
 
     @classmethod
     def from_padded(cls, model, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> "EncodedSources":
-        """Right-padded sources: tokens, valid [B, S], positions [1, S] (``right_pad``)."""
+        """Right-padded sources: tokens, valid [B, S], positions [1, S] (``right_pad``). K/V are made
+        contiguous here, once: a strided view would be copied by every step's attention."""
         memory = model.encode(tokens, positions, valid)  # [B, S, C]
         keys, values = [], []
         for layer in range(model.config.num_layers):
