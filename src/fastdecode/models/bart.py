@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,10 @@ from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.threads import one_thread_except_big_ops
 from ..layers.positions import sinusoidal_table
 from .seq2seq import check_tied, decoder_start_token, padding_bias
+
+if TYPE_CHECKING:  # the engine's views a decoder step attends through
+    from ..engine.cross import CrossStep, EncodedSources, FoldedCross
+    from ..engine.plan import StepPlan
 
 # Canonical name -> HF sublayer name, per layer of each stack.
 _ENCODER_LAYER = {
@@ -280,9 +284,9 @@ class BartModel(ModelBase):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        plan,
+        plan: StepPlan | None,
         self_bias: torch.Tensor | None,
-        cross,
+        cross: CrossStep | FoldedCross | EncodedSources,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:

@@ -13,7 +13,7 @@ Flags: ReLU FFN (v1.0) or gated GELU ``act(x W0) * (x W1)`` (v1.1, flan); tied h
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,10 @@ from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.threads import one_thread_except_big_ops
 from ..layers.positions import t5_relative_buckets
 from .seq2seq import check_tied, decoder_start_token, padding_bias
+
+if TYPE_CHECKING:  # the engine's views a decoder step attends through
+    from ..engine.cross import CrossStep, EncodedSources, FoldedCross
+    from ..engine.plan import StepPlan
 
 _ATTENTION = ("q", "k", "v", "o")
 _FFN = ("wi", "wi_0", "wi_1", "wo")  # wi (v1.0) or wi_0 / wi_1 (gated), then wo
@@ -235,9 +239,9 @@ class T5Model(ModelBase):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        plan,
+        plan: StepPlan | None,
         self_bias: torch.Tensor | None,
-        cross,
+        cross: CrossStep | FoldedCross | EncodedSources,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
