@@ -239,3 +239,18 @@ def test_chat_turns_feed_only_their_new_tokens(tmp_path):
     assert fed_in_second < len(whole)  # the first turn was not prefilled again
     assert session.engine.next_position == len(whole) + len(gen.tokenizer.encode(session.messages[-1]["content"],
                                                                                    add_special_tokens=False)) - 1
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "gemma3"])
+def test_sinks_move_like_seq_add(kind):
+    """The per-token sink move (every layer at once, per RoPE table) equals the slot cache's verb
+    ``seq_add`` with the K-shift, layer by layer (Gemma 3: two rotary tables)."""
+    model = fastdecode.from_hf(build(kind)).model
+    moved, verb = StreamEngine(model, 16, 4, 1, headroom=8), StreamEngine(model, 16, 4, 1, headroom=8)
+    with torch.inference_mode():
+        for engine in (moved, verb):
+            engine.feed(_tokens(16, 10))
+        moved._move_sinks(3)
+        verb.table = verb.cache.seq_add(verb.table, 0, 4, 3, verb._rotate)
+    torch.testing.assert_close(moved.cache.keys, verb.cache.keys, atol=1e-6, rtol=0)
+    assert torch.equal(moved.cache.values, verb.cache.values)

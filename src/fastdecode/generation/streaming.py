@@ -42,6 +42,7 @@ from ..engine.plan import layer_windows, no_distances, position_mask
 from ..engine.slots import BLOCK_SIZE, SlotCache
 from ..errors import InvalidOptionError
 from ..layers.attention import attention, two_segment_attention
+from ..layers.positions import rotate_half_split
 
 MAX_CHUNK = 512  # tokens per forward when feeding long inputs (the shift policy's headroom)
 
@@ -77,6 +78,7 @@ class StreamEngine:
         self.windows = layer_windows(cfg)
         self.score_bias = model.alibi_bias if cfg.position_kind == "alibi" else None
         self.ropes = model.layer_ropes if cfg.position_kind == "rope" else None
+        self._rotations: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.next_position = 0  # tokens fed in the whole stream
         # The policy, token by token (stream positions).
         self.sinks = 0  # sinks held (< n_keep only at the start)
@@ -147,12 +149,11 @@ class StreamEngine:
     def _shift_forward(self, chunk: list[int], all_logits: bool) -> torch.Tensor:
         lowest, shifts = self._advance(len(chunk))
         first = shifts[0] - self.compacted  # where the first query's frame puts the sinks
-        rotate = self._rotate if self.ropes is not None else None
-        if self.sinks and first != self.sink_start:  # sinks up over the dropped tokens (seq_add)
-            self.table = self.cache.seq_add(self.table, self.sink_start, self.sink_start + self.sinks,
-                                            first - self.sink_start, rotate)
+        if self.sinks and first != self.sink_start:  # sinks up over the dropped tokens
+            self._move_sinks(first)
         self.sink_start = first
         if first and self.end + len(chunk) > self.capacity:  # compaction: everything held back to position 0
+            rotate = self._rotate if self.ropes is not None else None
             self.table = self.cache.seq_add(self.table, first, self.end, -first, rotate)
             self.table = self.cache.seq_rm(self.table, self.end - first)
             self.compacted, self.end, self.sink_start = self.compacted + first, self.end - first, 0
@@ -160,8 +161,44 @@ class StreamEngine:
         plan = self._plan(len(chunk), lowest=[p - base for p in lowest], corrections=[s - shifts[0] for s in shifts])
         return self._forward(chunk, plan, all_logits)
 
+    def _move_sinks(self, to: int) -> None:
+        """``seq_add(table, sink_start, sink_start + sinks, to - sink_start)`` with the K-shift, done
+        for every layer at once (one rotation per RoPE table instead of a dozen small ops per
+        layer: with ``n_discard=1`` this runs at every token). Equal to SlotCache.seq_add (tested)."""
+        cache, delta = self.cache, to - self.sink_start
+        self.table = cache.writable(self.table, to, to + self.sinks)
+        device = cache.keys.device
+        source = torch.tensor(cache.slot_ids(self.table, self.sink_start, self.sink_start + self.sinks), device=device)
+        target = torch.tensor(cache.slot_ids(self.table, to, to + self.sinks), device=device)  # [n_keep]
+        moved = cache.keys.index_select(1, source)  # [L, n_keep, Hkv, D] (a copy: the ranges may overlap)
+        for rope, layers in self._rope_groups():
+            deltas = torch.tensor([[delta]], device=device)  # [1, 1]
+            moved[layers] = rotate_half_split(moved[layers], *rope.cos_sin(deltas, moved.dtype, scaled=False))
+        cache.keys.index_copy_(1, target, moved)
+        cache.values.index_copy_(1, target, cache.values.index_select(1, source))
+
+    def _rope_groups(self) -> list[tuple[object, slice | list[int]]]:
+        """(rotary table, the layers using it): one slice when every layer shares one table."""
+        if self.ropes is None:
+            return []
+        groups: dict[int, tuple[object, list[int]]] = {}
+        for layer, rope in enumerate(self.ropes):
+            groups.setdefault(id(rope), (rope, []))[1].append(layer)
+        if len(groups) == 1:
+            return [(self.ropes[0], slice(None))]
+        return list(groups.values())
+
     def _rotate(self, layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
-        return self.ropes[layer].rotate_by(keys, delta)
+        """seq_add's K-shift: keys [1, Hkv, N, D] rotated by ``delta`` with the layer's RoPE table
+        (cos/sin computed once per table and delta, not once per layer)."""
+        rope = self.ropes[layer]
+        if any(d != delta for _, d in self._rotations):
+            self._rotations = {}  # only the current delta's tables are kept
+        key = (id(rope), delta)
+        if key not in self._rotations:
+            deltas = torch.tensor([[delta]], device=keys.device)  # [1, 1]
+            self._rotations[key] = rope.cos_sin(deltas, keys.dtype, scaled=False)
+        return rotate_half_split(keys, *self._rotations[key])
 
     # -- the re-evaluate policy --------------------------------------------------------------------
     def _rebuild(self) -> None:
