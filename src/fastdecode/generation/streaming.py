@@ -42,7 +42,6 @@ from ..engine.plan import layer_windows, no_distances, position_mask
 from ..engine.slots import BLOCK_SIZE, SlotCache
 from ..errors import InvalidOptionError
 from ..layers.attention import attention, two_segment_attention
-from ..layers.positions import rotate_half_split
 
 MAX_CHUNK = 512  # tokens per forward when feeding long inputs (the shift policy's headroom)
 
@@ -78,7 +77,7 @@ class StreamEngine:
         self.windows = layer_windows(cfg)
         self.score_bias = model.alibi_bias if cfg.position_kind == "alibi" else None
         self.ropes = model.layer_ropes if cfg.position_kind == "rope" else None
-        self._rotations: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rope_groups = self._rope_groups(self.ropes)
         self.next_position = 0  # tokens fed in the whole stream
         # The policy, token by token (stream positions).
         self.sinks = 0  # sinks held (< n_keep only at the start)
@@ -171,34 +170,26 @@ class StreamEngine:
         source = torch.tensor(cache.slot_ids(self.table, self.sink_start, self.sink_start + self.sinks), device=device)
         target = torch.tensor(cache.slot_ids(self.table, to, to + self.sinks), device=device)  # [n_keep]
         moved = cache.keys.index_select(1, source)  # [L, n_keep, Hkv, D] (a copy: the ranges may overlap)
-        for rope, layers in self._rope_groups():
-            deltas = torch.tensor([[delta]], device=device)  # [1, 1]
-            moved[layers] = rotate_half_split(moved[layers], *rope.cos_sin(deltas, moved.dtype, scaled=False))
+        for rope, layers in self.rope_groups:
+            moved[layers] = rope.rotate_by(moved[layers], delta)  # [L', n_keep, Hkv, D]: rotations broadcast
         cache.keys.index_copy_(1, target, moved)
         cache.values.index_copy_(1, target, cache.values.index_select(1, source))
 
-    def _rope_groups(self) -> list[tuple[object, slice | list[int]]]:
+    @staticmethod
+    def _rope_groups(ropes) -> list[tuple[object, slice | list[int]]]:
         """(rotary table, the layers using it): one slice when every layer shares one table."""
-        if self.ropes is None:
+        if ropes is None:
             return []
         groups: dict[int, tuple[object, list[int]]] = {}
-        for layer, rope in enumerate(self.ropes):
+        for layer, rope in enumerate(ropes):
             groups.setdefault(id(rope), (rope, []))[1].append(layer)
         if len(groups) == 1:
-            return [(self.ropes[0], slice(None))]
+            return [(ropes[0], slice(None))]
         return list(groups.values())
 
     def _rotate(self, layer: int, keys: torch.Tensor, delta: int) -> torch.Tensor:
-        """seq_add's K-shift: keys [1, Hkv, N, D] rotated by ``delta`` with the layer's RoPE table
-        (cos/sin computed once per table and delta, not once per layer)."""
-        rope = self.ropes[layer]
-        if any(d != delta for _, d in self._rotations):
-            self._rotations = {}  # only the current delta's tables are kept
-        key = (id(rope), delta)
-        if key not in self._rotations:
-            deltas = torch.tensor([[delta]], device=keys.device)  # [1, 1]
-            self._rotations[key] = rope.cos_sin(deltas, keys.dtype, scaled=False)
-        return rotate_half_split(keys, *self._rotations[key])
+        """seq_add's K-shift (compaction): keys [1, Hkv, N, D] rotated by ``delta``, the layer's table."""
+        return self.ropes[layer].rotate_by(keys, delta)
 
     # -- the re-evaluate policy --------------------------------------------------------------------
     def _rebuild(self) -> None:
