@@ -20,7 +20,8 @@ are dropped and the rest move ``n_discard`` positions closer to the sinks.
   the tail (llama.cpp's verbs, literally) moves everything back to position 0: one O(n_ctx)
   K-rotation per ``headroom`` tokens.
 
-Chunks. A long input runs ``headroom`` tokens per forward whatever ``n_discard`` is. Each query
+Chunks. A long input runs ``headroom`` tokens per forward whatever ``n_discard`` is (the first
+chunk of a fresh stream up to ``n_ctx + headroom``, at most 512). Each query
 of a chunk sees the sinks plus its own last window, exactly as token by token: window keys it
 no longer holds are masked (they stay in their slots until a later forward overwrites them),
 and when drops happen inside the chunk, query t's sinks sit ``c_t`` positions too far (the sinks
@@ -98,7 +99,8 @@ class StreamEngine:
         done = 0
         while done < tokens.shape[0]:
             if self.policy == "shift":
-                size = min(tokens.shape[0] - done, self.headroom)
+                limit = min(self.capacity, MAX_CHUNK) if self.end == 0 else self.headroom  # a fresh stream: all of it
+                size = min(tokens.shape[0] - done, limit)
                 yield self._shift_forward(tokens[done : done + size].tolist(), all_logits)
             else:
                 if self.end == self.n_ctx:
