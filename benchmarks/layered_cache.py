@@ -55,9 +55,10 @@ def worker(args: argparse.Namespace) -> None:
         engine.submit(prompt, {"max_new_tokens": steps + 2, "eos_token_id": []})
     started, times, held = set(), [], None
     cache = engine.cache
-    per_token = {"full": 0, **{f"sliding (window {w})": 0 for w in getattr(cache, "windows", [])}}
-    for layer, window in enumerate(gen.config.layer_windows):
-        per_token["full" if window is None else f"sliding (window {window})"] += 2 * 256 * 4
+    per_token: dict[str, int] = {}  # K/V bytes per token of each kind this checkout's cache keeps
+    for window in getattr(cache, "layer_windows", [None] * SHAPE["num_hidden_layers"]):
+        kind = "full" if window is None else f"sliding (window {window})"
+        per_token[kind] = per_token.get(kind, 0) + 2 * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * 4
     while engine.has_work():
         decoding = len(started) == batch
         began = time.perf_counter()
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed per run")
     parser.add_argument("--threads", type=int, default=harness.cpu_count())
     parser.add_argument("--base-src", default="/work/main/src", help="the checkout to compare with (main)")
+    parser.add_argument("--speed-only", action="store_true", help="skip the memory table")
+    parser.add_argument("--speed-rows", default="", help="BATCHxCONTEXT,... (default 1x512,1x2048,8x512,8x2048)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--context", type=int, default=512, help=argparse.SUPPRESS)
@@ -97,32 +100,34 @@ def main() -> None:
     ours = str(HERE.parent / "src")
     reps = 2 if args.quick else args.reps
     memory_contexts = [512, 2048] if args.quick else [512, 1024, 2048, 4096, 8192]
-    speed_contexts = [512] if args.quick else [512, 2048]
+    speed_rows = [(1, 512), (8, 512)] if args.quick else [(1, 512), (1, 2048), (8, 512), (8, 2048)]
+    if args.speed_rows:
+        speed_rows = [tuple(int(x) for x in row.split("x")) for row in args.speed_rows.split(",")]
     print(harness.machine_line(args.threads))
     contention = harness.Contention()
 
     rows = []
-    for context in memory_contexts:
+    for context in [] if args.speed_only else memory_contexts:
         result = run_child(ours, 1, context, args.steps, args.threads)
         held = result["held_bytes"]
         rows.append([context, *(f"{held[k] / 2**20:.2f}" for k in sorted(held)), f"{sum(held.values()) / 2**20:.2f}",
                      f"{result['every_layer_bytes'] / 2**20:.2f}",
                      f"{result['every_layer_bytes'] / sum(held.values()):.1f}x"])
         print(f"  memory, context {context}: done", file=sys.stderr, flush=True)
-    kinds = sorted(held)
-    print("\n## KV bytes one sequence holds (MiB, fp32, at its first decode step)\n")
-    print(table(["context", *kinds, "layered total", "every layer, every token (main)", "saving"], rows))
+    if rows:
+        print("\n## KV bytes one sequence holds (MiB, fp32, at its first decode step)\n")
+        print(table(["context", *sorted(held), "layered total", "every layer, every token (main, computed)",
+                     "saving"], rows))
 
     rows = []
-    for batch in (1, 8):
-        for context in speed_contexts:
-            times: dict[str, list[float]] = {"main": [], "layered": []}
-            for rep in range(reps):
-                for name, src in (("main", args.base_src), ("layered", ours)):
-                    times[name].append(run_child(src, batch, context, args.steps, args.threads)["step_s"] * 1e3)
-                print(f"  speed, batch {batch}, context {context}, rep {rep + 1}/{reps}", file=sys.stderr, flush=True)
-            rows.append([batch, context, spread(times["main"]), spread(times["layered"]),
-                         f"{median(times['main']) / median(times['layered']):.2f}x"])
+    for batch, context in speed_rows:
+        times: dict[str, list[float]] = {"main": [], "layered": []}
+        for rep in range(reps):
+            for name, src in (("main", args.base_src), ("layered", ours)):
+                times[name].append(run_child(src, batch, context, args.steps, args.threads)["step_s"] * 1e3)
+            print(f"  speed, batch {batch}, context {context}, rep {rep + 1}/{reps}", file=sys.stderr, flush=True)
+        rows.append([batch, context, spread(times["main"]), spread(times["layered"]),
+                     f"{median(times['main']) / median(times['layered']):.2f}x"])
     print("\n## Decode step (ms, median (min-max) over alternating worker processes)\n")
     print(table(["batch", "context", "main", "layered", "main / layered"], rows))
     print(f"\nOther processes kept {contention.other_cores():.2f} cores busy on average during the run "

@@ -180,3 +180,21 @@ def test_inspect_and_memory_estimates_count_each_kind(gemma):
     config = gen._options({"max_new_tokens": 10})
     assert request_parts(cfg, config, [30], 4)["KV cache"] == sequence_kv_bytes(cfg, 40, 4)
     assert check_request_memory(cfg, config, [30], 4) > 0
+
+
+def test_a_cache_without_kinds_still_masks_each_layers_window(gemma):
+    """A strategy may keep every layer in full (a cache built without ``layer_windows``): the plan
+    stores by the cache's kinds and masks by the model's windows."""
+    from fastdecode.engine.plan import StepPlan, attention_terms
+
+    hf, gen = gemma
+    model, prompt = gen.model, _prompt(30, 12)
+    cfg = model.config
+    cache = SlotCache(cfg.num_layers, 8, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"), BLOCK)
+    windows, bias = attention_terms(model)
+    table = cache.take(len(prompt))
+    plan = StepPlan.for_rows(cache, [(table, 0, len(prompt))], windows, bias, torch.float32)
+    with torch.inference_mode():
+        ours = model.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], plan, None, all_logits=True)
+        expected = hf(torch.tensor([prompt])).logits
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)

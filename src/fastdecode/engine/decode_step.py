@@ -40,7 +40,7 @@ class DecodePlan:
             key_positions = key_starts + torch.arange(table.shape[1] * size, device=table.device)  # [B, S]
             self.distance[kind] = (key_positions - positions[:, None])[:, None]  # [B, 1, S]
         self.windows, self.score_bias, self.dtype = windows, score_bias, dtype
-        self._masks: dict[int | None, torch.Tensor] = {}
+        self._masks: dict[tuple[int | None, int | None], torch.Tensor] = {}
 
     def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
         return no_distances(query_positions)
@@ -49,16 +49,16 @@ class DecodePlan:
                scale: float) -> torch.Tensor:
         """q [B, H, 1, D]; k, v [B, Hkv, 1, D] -> [B, H, 1, D] over each row's slots of the layer's
         kind (``mask`` unused: the plan builds its own)."""
-        window = self.windows[layer]
+        kind, window = self.cache.layer_windows[layer], self.windows[layer]  # storage kind, mask window
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
-        keys.index_copy_(0, self.write_slots[window], k[:, :, 0])  # [B, Hkv, D]
-        values.index_copy_(0, self.write_slots[window], v[:, :, 0])
-        table = self.tables[window][0]
+        keys.index_copy_(0, self.write_slots[kind], k[:, :, 0])  # [B, Hkv, D]
+        values.index_copy_(0, self.write_slots[kind], v[:, :, 0])
+        table = self.tables[kind][0]
         kg = self.cache.gather(keys, table)  # [B, Hkv, S, D]
         vg = self.cache.gather(values, table)  # [B, Hkv, S, D]
-        if window not in self._masks:
-            self._masks[window] = position_mask(self.distance[window], window, self.score_bias, self.dtype)
-        return attention(q, kg, vg, self._masks[window], scale)
+        if (kind, window) not in self._masks:
+            self._masks[kind, window] = position_mask(self.distance[kind], window, self.score_bias, self.dtype)
+        return attention(q, kg, vg, self._masks[kind, window], scale)
 
 
 def decode_step(model, cache: SlotCache, windows: list[int | None], score_bias, block_table: torch.Tensor,

@@ -71,7 +71,7 @@ class StepPlan:
         self.windows = windows
         self.score_bias = score_bias  # ALiBi: distances [B, T, S] -> bias [B, H, T, S]
         self.dtype = dtype
-        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
+        self._masks: dict[tuple[int, int | None, int | None], torch.Tensor] = {}
 
     @classmethod
     def for_rows(cls, cache: SlotCache, rows: list[tuple[list[int], int, int]], windows: list[int | None],
@@ -106,21 +106,22 @@ class StepPlan:
         """q [1, H, N, D]; k, v [1, Hkv, N, D]: write k, v into the sequences' slots of the layer's
         kind, then attend each group over its own slots -> [1, H, N, D]. ``mask`` is unused (the
         plan builds its own)."""
-        window = self.windows[layer]
+        # The layer's kind in the cache (None: stored in full) and the window its attention masks with
+        # (a cache built without kinds stores a sliding layer in full and masks it all the same).
+        kind, window = self.cache.layer_windows[layer], self.windows[layer]
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
-        keys.index_copy_(0, self.write_slots[window], k[0].transpose(0, 1))  # [N, Hkv, D]
-        values.index_copy_(0, self.write_slots[window], v[0].transpose(0, 1))
+        keys.index_copy_(0, self.write_slots[kind], k[0].transpose(0, 1))  # [N, Hkv, D]
+        values.index_copy_(0, self.write_slots[kind], v[0].transpose(0, 1))
         outputs = []
         for index, group in enumerate(self.groups):
             B, T = group.rows, group.queries
             qg = q[0, :, group.first : group.first + B * T].unflatten(1, (B, T)).transpose(0, 1)  # [B, H, T, D]
-            mask = self._mask(index, window)
-            shared_blocks = group.shared_blocks if window is None else group.window_shared.get(window, 0)
+            mask = self._mask(index, kind, window)
+            shared_blocks = group.shared_blocks if kind is None else group.window_shared.get(kind, 0)
+            table = group.block_table if kind is None else group.window_tables[kind][0]
             if shared_blocks:
-                table = group.block_table if window is None else group.window_tables[window][0]
                 out = self._attend_shared(group, table, shared_blocks, keys, values, qg, mask, scale)
             else:
-                table = group.block_table if window is None else group.window_tables[window][0]
                 kg = self.cache.gather(keys, table)  # [B, Hkv, S, D]
                 vg = self.cache.gather(values, table)  # [B, Hkv, S, D]
                 out = attention(qg, kg, vg, mask, scale)  # [B, H, T, D]
@@ -137,12 +138,13 @@ class StepPlan:
         return shared_prefix_attention(q, gather(keys, shared_table), gather(values, shared_table),
                                        gather(keys, own_table), gather(values, own_table), mask, scale)
 
-    def _mask(self, index: int, window: int | None) -> torch.Tensor:
-        """Additive mask (plus position bias) [B, 1 or H, T, S] of a group, built once per window."""
-        key = (index, window)
+    def _mask(self, index: int, kind: int | None, window: int | None) -> torch.Tensor:
+        """Additive mask (plus position bias) [B, 1 or H, T, S] of a group over the keys of a cache
+        kind, built once per (kind, window)."""
+        key = (index, kind, window)
         if key not in self._masks:
             group = self.groups[index]
-            table, key_starts = (group.block_table, 0) if window is None else group.window_tables[window]
+            table, key_starts = (group.block_table, 0) if kind is None else group.window_tables[kind]
             key_positions = key_starts + torch.arange(table.shape[1] * self.cache.block_size,
                                                       device=group.query_positions.device)  # [S] or [B, S]
             distance = key_positions.view(-1, 1, key_positions.shape[-1]) - group.query_positions[:, :, None]  # [B, T, S]
