@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> None:
     for row in range(batch):
         prompt = [(7 * row + 13 * i) % (SHAPE["vocab_size"] - 3) + 3 for i in range(context)]
         engine.submit(prompt, {"max_new_tokens": steps + 2, "eos_token_id": []})
-    started, times, held = set(), [], None
+    started, times, cpu_times, held = set(), [], [], None
     cache = engine.cache
     per_token: dict[str, int] = {}  # K/V bytes per token of each kind this checkout's cache keeps
     for window in getattr(cache, "layer_windows", [None] * SHAPE["num_hidden_layers"]):
@@ -61,14 +61,15 @@ def worker(args: argparse.Namespace) -> None:
         per_token[kind] = per_token.get(kind, 0) + 2 * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * 4
     while engine.has_work():
         decoding = len(started) == batch
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         events = engine.step()
         if decoding:
             times.append(time.perf_counter() - began)
+            cpu_times.append(time.process_time() - began_cpu)
             if held is None and hasattr(cache, "held_tokens"):
                 held = {kind: tokens * per_token[kind] for kind, tokens in cache.held_tokens().items()}
         started |= {event.sequence.id for event in events}
-    print(json.dumps({"step_s": median(times[1:]), "held_bytes": held,
+    print(json.dumps({"step_s": median(times[1:]), "step_cpu_s": median(cpu_times[1:]), "held_bytes": held,
                       "every_layer_bytes": sum(per_token.values()) * batch * (context + 1)}))
 
 
@@ -122,14 +123,19 @@ def main() -> None:
     rows = []
     for batch, context in speed_rows:
         times: dict[str, list[float]] = {"main": [], "layered": []}
+        cpu: dict[str, list[float]] = {"main": [], "layered": []}
         for rep in range(reps):
             for name, src in (("main", args.base_src), ("layered", ours)):
-                times[name].append(run_child(src, batch, context, args.steps, args.threads)["step_s"] * 1e3)
+                result = run_child(src, batch, context, args.steps, args.threads)
+                times[name].append(result["step_s"] * 1e3)
+                cpu[name].append(result["step_cpu_s"] * 1e3)
             print(f"  speed, batch {batch}, context {context}, rep {rep + 1}/{reps}", file=sys.stderr, flush=True)
         rows.append([batch, context, spread(times["main"]), spread(times["layered"]),
-                     f"{median(times['main']) / median(times['layered']):.2f}x"])
-    print("\n## Decode step (ms, median (min-max) over alternating worker processes)\n")
-    print(table(["batch", "context", "main", "layered", "main / layered"], rows))
+                     f"{median(times['main']) / median(times['layered']):.2f}x", spread(cpu["main"]),
+                     spread(cpu["layered"]), f"{median(cpu['main']) / median(cpu['layered']):.2f}x"])
+    print("\n## Decode step (ms, median (min-max) over alternating worker processes; CPU ms: the process's own)\n")
+    print(table(["batch", "context", "main", "layered", "main / layered", "main CPU", "layered CPU",
+                 "main / layered CPU"], rows))
     print(f"\nOther processes kept {contention.other_cores():.2f} cores busy on average during the run "
           f"(machine shared: read the ratios, not the absolute times). {harness.machine_line(args.threads)}")
 
