@@ -49,10 +49,14 @@ def worker(args: argparse.Namespace) -> None:
     hf = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**SHAPE, layer_types=layer_types)).eval()
     gen = fastdecode.from_hf(hf)
     batch, context, steps = args.batch, args.context, args.steps
-    engine = gen.engine(max_batch_tokens=2048, max_queue=batch, cache_tokens=batch * (context + steps + 32))
+    # Enough new tokens that no sequence ends before every one has read its prompt (the engine
+    # decodes the first ones while later prompts still read in chunks); cancelled after the timing.
+    new_tokens = steps + 2 + batch * context // 128
+    engine = gen.engine(max_batch_tokens=2048, max_queue=batch, cache_tokens=batch * (context + new_tokens + 32))
+    sequences = []
     for row in range(batch):
         prompt = [(7 * row + 13 * i) % (SHAPE["vocab_size"] - 3) + 3 for i in range(context)]
-        engine.submit(prompt, {"max_new_tokens": steps + 2, "eos_token_id": []})
+        sequences.append(engine.submit(prompt, {"max_new_tokens": new_tokens, "eos_token_id": []}))
     started, times, cpu_times, held = set(), [], [], None
     cache = engine.cache
     per_token: dict[str, int] = {}  # K/V bytes per token of each kind this checkout's cache keeps
@@ -60,10 +64,13 @@ def worker(args: argparse.Namespace) -> None:
         kind = "full" if window is None else f"sliding (window {window})"
         per_token[kind] = per_token.get(kind, 0) + 2 * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * 4
     while engine.has_work():
-        decoding = len(started) == batch
+        decoding = len(started) == batch  # every prompt is read: the step decodes ``batch`` rows
+        if len(times) == steps + 1:
+            for sequence in sequences:
+                sequence.cancel()
         began, began_cpu = time.perf_counter(), time.process_time()
         events = engine.step()
-        if decoding:
+        if decoding and len(events) == batch:
             times.append(time.perf_counter() - began)
             cpu_times.append(time.process_time() - began_cpu)
             if held is None and hasattr(cache, "held_tokens"):
