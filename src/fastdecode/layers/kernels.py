@@ -110,7 +110,7 @@ def _register_fake() -> None:
     import torch
 
     @torch.library.register_fake("fastdecode_kernels::qmatmul")
-    def _qmatmul_fake(x, codes, scale, mins, bits, group, grain):  # x [M, K] -> [M, N]
+    def _qmatmul_fake(x, codes, scale, mins, bits, group, grain, parts=1):  # x [M, K] -> [M, N]
         return x.new_empty((x.shape[0], scale.shape[0]))
 
     @torch.library.register_fake("fastdecode_kernels::dequantize")
