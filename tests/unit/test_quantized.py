@@ -78,42 +78,37 @@ def _weights_of_every_type():
 WEIGHTS = dict(_weights_of_every_type())
 
 
-def _activation_rounding(x: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's activation quantization, emulated: x [M, K] -> (xq, d of the last part per element) [M, K].
-    Per block of 32 inputs, a = round-half-even(v * (127 / max|v|)), d = max|v| / 127 (float32 as in C++),
-    v = x for the first part and the residual x - d1 * a1 for the second; xq = sum of d * a."""
+def _activation_rounding(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization, emulated: x [M, K] -> (xq = d * a, d per element) [M, K],
+    a = round-half-even(x * (127 / max|x|)) per block of 32 inputs, d = max|x| / 127 (float32 as in C++)."""
     M, K = x.shape
-    residual = x.view(M, K // 32, 32)  # [M, K/32, 32]
-    xq = torch.zeros_like(residual)
-    for _ in range(parts):
-        top = residual.abs().amax(-1, keepdim=True)  # [M, K/32, 1]
-        inverse = torch.where(top > 0, 127 / top, torch.zeros_like(top))
-        d = top / 127
-        part = torch.round(residual * inverse) * d
-        xq, residual = xq + part, residual - part
-    return xq.view(M, K), d.expand(M, K // 32, 32).reshape(M, K)
+    blocks = x.view(M, K // 32, 32)  # [M, K/32, 32]
+    top = blocks.abs().amax(-1, keepdim=True)  # [M, K/32, 1]
+    inverse = torch.where(top > 0, 127 / top, torch.zeros_like(top))
+    d = top / 127
+    return (torch.round(blocks * inverse) * d).view(M, K), d.expand(M, K // 32, 32).reshape(M, K)
 
 
-def _kernel(x: torch.Tensor, weight: QuantizedWeight, parts: int = 1) -> torch.Tensor:
-    return qmatmul_op()(x, weight.codes, weight.scale, weight.mins, weight.bits, weight.group, 1 << 40, parts)
+def _kernel(x: torch.Tensor, weight: QuantizedWeight, activation_bits: int = 8) -> torch.Tensor:
+    return qmatmul_op()(x, weight.codes, weight.scale, weight.mins, weight.bits, weight.group, 1 << 40,
+                        activation_bits)
 
 
 needs_kernel = pytest.mark.skipif("qmatmul_op() is None", reason="no AVX2 kernel on this machine")
 
 
 @needs_kernel
-@pytest.mark.parametrize("parts", [1, 2])
 @pytest.mark.parametrize("label", WEIGHTS)
-def test_kernel_is_the_exact_product_with_int8_rounded_activations(label, parts):
+def test_kernel_is_the_exact_product_with_int8_rounded_activations(label):
     """The integer arithmetic, emulated in float64: the kernel computes sum_k w[n, k] * xq[m, k] (codes
     times activation codes in int32, then scales), so only float32 rounding of the sums remains."""
     weight = WEIGHTS[label]
     x = torch.randn(13, weight.shape[1], generator=torch.Generator().manual_seed(3))
     dense = dequantize(weight).double()
-    xq, _ = _activation_rounding(x, parts)
+    xq, _ = _activation_rounding(x)
     expected = xq.double() @ dense.T
     bound = 1e-5 * (xq.double().abs() @ dense.abs().T)  # float32 sums of K/32 block products
-    assert ((_kernel(x, weight, parts) - expected).abs() <= bound).all()
+    assert ((_kernel(x, weight) - expected).abs() <= bound).all()
 
 
 # Tolerance against the dequantized-float32 product (the kernel's only rounding is the activations'):
@@ -128,21 +123,19 @@ def test_kernel_is_the_exact_product_with_int8_rounded_activations(label, parts)
 # for every type: an int8 activation moves by at most 1/254 of its block's largest value. llama.cpp
 # accepts the same rounding (Q8_0 / Q8_1 activation blocks of 32; Q8_K blocks of 256 for K-quants,
 # coarser than ours) and its test-quantize-fns allows a dot-product error of 0.02 per element.
-# With two parts (the logits layer, quantized.for_logits) the same holds with d = d2 ~ d1 / 254.
 @needs_kernel
-@pytest.mark.parametrize("parts", [1, 2])
 @pytest.mark.parametrize("label", WEIGHTS)
-def test_kernel_error_against_the_float_product_is_the_activation_rounding(label, parts):
+def test_kernel_error_against_the_float_product_is_the_activation_rounding(label):
     weight = WEIGHTS[label]
     x = torch.randn(8, weight.shape[1], generator=torch.Generator().manual_seed(3)).double()
     dense = dequantize(weight).double()
-    error = _kernel(x.float(), weight, parts).double() - x @ dense.T  # [M, N]
-    _, d = _activation_rounding(x.float(), parts)
+    error = _kernel(x.float(), weight).double() - x @ dense.T  # [M, N]
+    _, d = _activation_rounding(x.float())
     worst = (d.double() / 2) @ dense.abs().T + 1e-5 * (x.abs() @ dense.abs().T)
     assert (error.abs() <= worst).all()
     sigma = ((d.double() ** 2 / 12) @ (dense**2).T).sqrt()
     rms_ratio = float(error.pow(2).mean().sqrt() / sigma.pow(2).mean().sqrt())
-    print(f"{label} {parts} part(s): error RMS {rms_ratio:.2f} sigma")
+    print(f"{label}: error RMS {rms_ratio:.2f} sigma")
     assert rms_ratio <= 1.5
 
 
@@ -157,11 +150,12 @@ def test_8_bit_codes_at_the_extremes_do_not_saturate():
     torch.testing.assert_close(_kernel(x, weight), x @ dequantize(weight).T, atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("logits_layer", [False, True], ids=["int8-activations", "for_logits"])
 @pytest.mark.parametrize("label", WEIGHTS)
-def test_a_row_gets_the_same_bits_whatever_it_is_batched_with(label):
+def test_a_row_gets_the_same_bits_whatever_it_is_batched_with(label, logits_layer):
     """What linear() picks for 1..32 rows: each row's result equals the row alone, bit for bit, so a
     request's tokens never depend on the other requests of its batch (and its row's position)."""
-    weight = WEIGHTS[label]
+    weight = quantized.for_logits(WEIGHTS[label]) if logits_layer else WEIGHTS[label]
     x = torch.randn(13, weight.shape[1], generator=torch.Generator().manual_seed(9))
     together = quantized.quantized_linear(x, weight, None)
     for rows in ([0], [3, 7], [12, 0, 5], list(range(8))):
@@ -169,14 +163,15 @@ def test_a_row_gets_the_same_bits_whatever_it_is_batched_with(label):
 
 
 @pytest.mark.parametrize("label", WEIGHTS)
-@pytest.mark.parametrize("fallback", [False, True], ids=["prefill", "no-kernel"])
-def test_many_rows_and_the_fallback_are_the_exact_float_product(label, fallback, monkeypatch):
+@pytest.mark.parametrize("path", ["prefill", "no-kernel", "for_logits"])
+def test_many_rows_the_fallback_and_the_logits_layer_are_the_exact_float_product(label, path, monkeypatch):
     """Prompt processing (more than KERNEL_MAX_ROWS rows) decodes the weights exactly and runs the float
-    GEMM; without the AVX2 extension (forced here) every row count does: only summation order differs."""
-    if fallback:
+    GEMM; without the AVX2 extension (forced here) every row count does; the logits layer's kernel
+    (for_logits: float32 activations, 8-, 4- and 1-row blocks) too: only summation order differs."""
+    if path == "no-kernel":
         monkeypatch.setitem(kernels._LOADED, "ops", None)
-    weight = WEIGHTS[label]
-    for rows in ([1, 8, 33] if fallback else [33, 512]):
+    weight = quantized.for_logits(WEIGHTS[label]) if path == "for_logits" else WEIGHTS[label]
+    for rows in {"prefill": [33, 512], "no-kernel": [1, 8, 33], "for_logits": [1, 3, 5, 13]}[path]:
         x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(3))
         bias = torch.randn(weight.shape[0])
         dense = dequantize(weight)

@@ -57,52 +57,43 @@ inline float hmax(__m256 v) {
 }
 
 // ---- activations: rows quantized once per call ------------------------------------------------------
-// PARTS = 1: x ~ d1 * a1. PARTS = 2: the residual x - d1 * a1 (at most d1 / 2) is quantized the same
-// way, x ~ d1 * a1 + d2 * a2 with d2 ~ d1 / 254: 16-bit-like activations from two int8 dot products.
 struct QuantizedRows {
   int64_t K;
-  int parts;
-  std::vector<int8_t> codes;  // [parts, M, K]
-  std::vector<float> scale;   // [parts, M, K/32]: d, x ~ sum over parts of d * code
-  std::vector<float> sums;    // [M, K/G]: sum over parts of d * (sum of the codes) per weight group (mins term)
-  const int8_t* part_codes(int p) const { return codes.data() + p * (codes.size() / parts); }
-  const float* part_scale(int p) const { return scale.data() + p * (scale.size() / parts); }
+  std::vector<int8_t> codes;  // [M, K]
+  std::vector<float> scale;   // [M, K/32]: d, x ~ d * code
+  std::vector<float> sums;    // [M, K/G]: d * (sum of the codes) per weight group, for the mins term
 };
 
 template <int G>
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int parts) {
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t blocks = K / 32;
-  QuantizedRows q{K, parts, std::vector<int8_t>(parts * M * K), std::vector<float>(parts * M * blocks),
-                  std::vector<float>(M * K / G, 0.0f)};
+  QuantizedRows q{K, std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * K / G)};
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t i = 0; i < M * blocks; ++i) {
-    __m256 v[4];  // the block, then what the parts so far leave of it
-    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(x + 32 * i + 8 * j);
-    for (int p = 0; p < parts; ++p) {
-      __m256 amax = _mm256_setzero_ps();
-      for (int j = 0; j < 4; ++j) amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], abs_mask));
-      const float top = hmax(amax), d = top / 127.0f;
-      const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-      __m256i c[4];  // |v * 127 / max| <= 127 (+ one rounding): never -128
-      for (int j = 0; j < 4; ++j) {
-        c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));  // nearest even
-        v[j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(c[j]), _mm256_set1_ps(d), v[j]);  // the residual
-      }
-      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-      const __m256i ordered = _mm256_permutevar8x32_epi32(packed, order);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.codes.data() + p * M * K + 32 * i), ordered);
-      q.scale[p * M * blocks + i] = d;
-      // code sums per group: lanes 0-3 of `fours` sum inputs 0..15, lanes 4-7 inputs 16..31 (exact in float)
-      const __m256 fours = _mm256_cvtepi32_ps(
-          _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), ordered), _mm256_set1_epi16(1)));
-      const float low = hsum(_mm256_blend_ps(fours, _mm256_setzero_ps(), 0xF0)), high = hsum(fours) - low;
-      if constexpr (G == 32) {
-        q.sums[i] += d * (low + high);
-      } else {  // G == 16
-        q.sums[2 * i] += d * low;
-        q.sums[2 * i + 1] += d * high;
-      }
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(x + 32 * i + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], abs_mask));
+    }
+    const float top = hmax(amax), d = top / 127.0f;
+    const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    __m256i c[4];  // |x * 127 / max| <= 127 (+ one rounding): never -128
+    for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));  // nearest even
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(packed, order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.codes.data() + 32 * i), ordered);
+    q.scale[i] = d;
+    // code sums per group: lanes 0-3 of `fours` sum inputs 0..15, lanes 4-7 inputs 16..31 (exact in float)
+    const __m256 fours = _mm256_cvtepi32_ps(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), ordered), _mm256_set1_epi16(1)));
+    const float low = hsum(_mm256_blend_ps(fours, _mm256_setzero_ps(), 0xF0)), high = hsum(fours) - low;
+    if constexpr (G == 32) {
+      q.sums[i] = d * (low + high);
+    } else {  // G == 16
+      q.sums[2 * i] = d * low;
+      q.sums[2 * i + 1] = d * high;
     }
   }
   return q;
@@ -157,7 +148,7 @@ inline float mins_term(const S* mins_row, const float* sums, int64_t groups) {
 constexpr int64_t PREFETCH_TILES = 2;
 // Outputs [n0, n0 + NR) x rows [m0, m0 + RB): each weight block is loaded once for the RB rows, and
 // NR outputs run side by side (independent accumulators) for instruction-level parallelism.
-template <int BITS, int G, typename S, int NR, int RB, int PARTS>
+template <int BITS, int G, typename S, int NR, int RB>
 void dot_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S* scale, const S* mins, float* y,
               int64_t N, int64_t n0) {
   const int64_t K = q.K, blocks = K / 32, groups = K / G, row_bytes = K * BITS / 8;
@@ -173,12 +164,11 @@ void dot_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S*
       __m256i signs = _mm256_setzero_si256();  // 8 bits: the codes (their signs); unused for 4 bits
       const __m256i magnitudes = unsigned_codes<BITS>(codes + (n0 + j) * row_bytes + b * (32 * BITS / 8), signs);
       const __m256 w_scale = lane_scales<G>(scale + (n0 + j) * groups, b);
-      for (int p = 0; p < PARTS; ++p)
-        for (int r = 0; r < RB; ++r) {
-          const __m256 dots = block_dot<BITS>(magnitudes, signs, q.part_codes(p) + (m0 + r) * K + 32 * b);
-          const __m256 act_scale = _mm256_set1_ps(q.part_scale(p)[(m0 + r) * blocks + b]);
-          acc[j][r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(w_scale, act_scale), acc[j][r]);
-        }
+      for (int r = 0; r < RB; ++r) {
+        const __m256 dots = block_dot<BITS>(magnitudes, signs, q.codes.data() + (m0 + r) * K + 32 * b);
+        const __m256 act_scale = _mm256_set1_ps(q.scale[(m0 + r) * blocks + b]);
+        acc[j][r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(w_scale, act_scale), acc[j][r]);
+      }
     }
   }
   for (int j = 0; j < NR; ++j)
@@ -190,48 +180,18 @@ void dot_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S*
 }
 
 // All rows for outputs [n0, n1): NR outputs at a time, the tail one by one.
-template <int BITS, int G, typename S, int NR, int RB, int PARTS>
+template <int BITS, int G, typename S, int NR, int RB>
 void rows_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S* scale, const S* mins, float* y,
                int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) dot_tile<BITS, G, S, NR, RB, PARTS>(q, m0, codes, scale, mins, y, N, n);
-  for (; n < n1; ++n) dot_tile<BITS, G, S, 1, RB, PARTS>(q, m0, codes, scale, mins, y, N, n);
+  for (; n + NR <= n1; n += NR) dot_tile<BITS, G, S, NR, RB>(q, m0, codes, scale, mins, y, N, n);
+  for (; n < n1; ++n) dot_tile<BITS, G, S, 1, RB>(q, m0, codes, scale, mins, y, N, n);
 }
 
 // Outputs per chunk: a chunk's codes (32 x K/2 bytes for 4 bits, 9 KB at K = 576) stay in L1/L2
 // while every row block passes over them, so each weight byte comes from memory once per call.
 constexpr int64_t OUTPUT_CHUNK = 32;
 
-template <int BITS, int G, typename S, int PARTS>
-void all_tiles(const QuantizedRows& q, int64_t M, const uint8_t* cp, const S* sp, const S* mp, float* yp, int64_t N,
-               int64_t n0, int64_t n1) {
-  for (int64_t c = n0; c < n1; c += OUTPUT_CHUNK) {
-    const int64_t c1 = std::min(c + OUTPUT_CHUNK, n1);
-    int64_t m = 0;  // registers: NR x RB accumulators + NR weight blocks
-    for (; m + 4 <= M; m += 4) rows_tile<BITS, G, S, 2, 4, PARTS>(q, m, cp, sp, mp, yp, N, c, c1);
-    for (; m + 2 <= M; m += 2) rows_tile<BITS, G, S, 4, 2, PARTS>(q, m, cp, sp, mp, yp, N, c, c1);
-    for (; m < M; ++m) rows_tile<BITS, G, S, 4, 1, PARTS>(q, m, cp, sp, mp, yp, N, c, c1);
-  }
-}
-
-template <int BITS, int G, typename S>
-at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& mins, int64_t grain, int64_t parts) {
-  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const QuantizedRows q = quantize_rows<G>(x.data_ptr<float>(), M, K, static_cast<int>(parts));
-  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  const S* sp = scale.data_ptr<S>();
-  const S* mp = mins.has_value() && mins->defined() ? mins->data_ptr<S>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    if (parts == 1) all_tiles<BITS, G, S, 1>(q, M, cp, sp, mp, yp, N, n0, n1);
-    else all_tiles<BITS, G, S, 2>(q, M, cp, sp, mp, yp, N, n0, n1);
-  });
-  return y;
-}
-
-// ---- dequantize: the exact float32 weights -----------------------------------------------------------
 // The G weights of one group decoded to float codes (not yet scaled): G / 8 vectors.
 template <int BITS, int G>
 inline void decode_group(const uint8_t* codes, __m256* w) {
@@ -251,6 +211,69 @@ inline void decode_group(const uint8_t* codes, __m256* w) {
   }
 }
 
+// ---- float32 activations (activation_bits = 32): exact products, for the logits layer ----------------
+// Each group is decoded to its float32 weights (scale * code + min: the same two roundings as
+// dequantize(), bit-identical weights) once for RB rows, then FMAs in float32: the result equals
+// dequantize-then-matmul up to summation order. The same per-row operations for every RB.
+template <int BITS, int G, typename S, int RB>
+void float_rows(const float* x, int64_t K, const uint8_t* codes, const S* scale, const S* mins, float* y, int64_t N,
+                int64_t n0, int64_t n1) {
+  const int64_t groups = K / G, row_bytes = K * BITS / 8, group_bytes = G * BITS / 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 w[G / 8];
+      decode_group<BITS, G>(codes + n * row_bytes + g * group_bytes, w);
+      const __m256 s = _mm256_set1_ps(load_scale(scale + n * groups + g));
+      const __m256 m = _mm256_set1_ps(mins != nullptr ? load_scale(mins + n * groups + g) : 0.0f);
+      for (int i = 0; i < G / 8; ++i) w[i] = mins != nullptr ? _mm256_add_ps(_mm256_mul_ps(w[i], s), m) : _mm256_mul_ps(w[i], s);
+      for (int r = 0; r < RB; ++r)
+        for (int i = 0; i < G / 8; ++i) acc[r] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + r * K + g * G + 8 * i), acc[r]);
+    }
+    for (int r = 0; r < RB; ++r) y[r * N + n] = hsum(acc[r]);
+  }
+}
+
+// Outputs [n0, n1), all rows: a chunk of OUTPUT_CHUNK outputs' codes stays in cache while row blocks pass.
+template <int BITS, int G, typename S>
+void outputs_range(const QuantizedRows& q, const float* x, int64_t M, int64_t K, const uint8_t* cp, const S* sp,
+                   const S* mp, float* yp, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t c = n0; c < n1; c += OUTPUT_CHUNK) {
+    const int64_t c1 = std::min(c + OUTPUT_CHUNK, n1);
+    int64_t m = 0;
+    if (x != nullptr) {  // float32 activations: 8 accumulators + G/8 weight vectors fit in 16 registers
+      for (; m + 8 <= M; m += 8) float_rows<BITS, G, S, 8>(x + m * K, K, cp, sp, mp, yp + m * N, N, c, c1);
+      for (; m + 4 <= M; m += 4) float_rows<BITS, G, S, 4>(x + m * K, K, cp, sp, mp, yp + m * N, N, c, c1);
+      for (; m < M; ++m) float_rows<BITS, G, S, 1>(x + m * K, K, cp, sp, mp, yp + m * N, N, c, c1);
+      continue;
+    }
+    // int8 activations; registers: NR x RB accumulators + NR weight blocks
+    for (; m + 4 <= M; m += 4) rows_tile<BITS, G, S, 2, 4>(q, m, cp, sp, mp, yp, N, c, c1);
+    for (; m + 2 <= M; m += 2) rows_tile<BITS, G, S, 4, 2>(q, m, cp, sp, mp, yp, N, c, c1);
+    for (; m < M; ++m) rows_tile<BITS, G, S, 4, 1>(q, m, cp, sp, mp, yp, N, c, c1);
+  }
+}
+
+template <int BITS, int G, typename S>
+at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& mins, int64_t grain, int64_t activation_bits) {
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const bool exact = activation_bits == 32;
+  const QuantizedRows q = exact ? QuantizedRows{K, {}, {}, {}} : quantize_rows<G>(x.data_ptr<float>(), M, K);
+  const float* xp = exact ? x.data_ptr<float>() : nullptr;
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const S* sp = scale.data_ptr<S>();
+  const S* mp = mins.has_value() && mins->defined() ? mins->data_ptr<S>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    outputs_range<BITS, G, S>(q, xp, M, K, cp, sp, mp, yp, N, n0, n1);
+  });
+  return y;
+}
+
+// ---- dequantize: the exact float32 weights -----------------------------------------------------------
 template <int BITS, int G, typename S>
 at::Tensor dequantize_impl(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
                            int64_t grain) {
@@ -297,8 +320,8 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c1
 
 // x [M, K] float32 -> y [M, N] float32, activations quantized to int8 per 32 (see the top of the file).
 at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                   const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t grain, int64_t parts) {
-  TORCH_CHECK(parts == 1 || parts == 2, "activations are quantized in 1 or 2 int8 parts, not ", parts);
+                   const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t grain, int64_t activation_bits) {
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 32, "activation_bits is 8 or 32, not ", activation_bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "codes and scales must be contiguous");
   TORCH_CHECK(x.size(1) == scale.size(1) * group, "x has ", x.size(1), " inputs, the weight ", scale.size(1) * group);
@@ -306,8 +329,8 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   const bool half = scale.scalar_type() == at::kHalf;
 #define FD_CASE(B, GS)                                                                               \
   if (bits == B && group == GS)                                                                      \
-    return half ? matmul_impl<B, GS, at::Half>(x, codes, scale, mins, grain, parts)                 \
-                : matmul_impl<B, GS, float>(x, codes, scale, mins, grain, parts);
+    return half ? matmul_impl<B, GS, at::Half>(x, codes, scale, mins, grain, activation_bits)                 \
+                : matmul_impl<B, GS, float>(x, codes, scale, mins, grain, activation_bits);
   FD_CASE(8, 32)
   FD_CASE(8, 16)
   FD_CASE(4, 32)
@@ -319,7 +342,7 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 
 // A CPU kernel (not a composite one), so kernels.py can give the op a fake kernel for torch.compile.
 TORCH_LIBRARY(fastdecode_kernels, m) {
-  m.def("qmatmul(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int grain, int parts=1) -> Tensor");
+  m.def("qmatmul(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int grain, int activation_bits=8) -> Tensor");
   m.def("dequantize(Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int grain) -> Tensor");
 }
 

@@ -45,7 +45,7 @@ class QuantizedWeight:
     mins: torch.Tensor | None  # like scale, or None (symmetric codes)
     transposed: bool = False  # True: seen as [K, N] (the canonical [in, out] view)
     dtype: torch.dtype = torch.float32  # the model's activations: embedding rows come out in it
-    activation_parts: int = 1  # the kernel's int8 parts per activation: 2 for the logits layer (below)
+    activation_bits: int = 8  # the decode kernel's activations: 8 (int8 per 32 inputs) or 32 (exact; for_logits)
 
     @property
     def shape(self) -> torch.Size:
@@ -124,7 +124,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         grain = max(1, math.ceil(PARALLEL_MIN_WORK / (M * K)))  # output rows per thread, at least
         with threads_for(M * K * N):
             out = op(rows.float().contiguous(), weight.codes, weight.scale, weight.mins, weight.bits, weight.group,
-                     grain, weight.activation_parts)
+                     grain, weight.activation_bits)
     else:
         from .linear import linear  # the float GEMM (oneDNN on CPU)
 
@@ -135,14 +135,15 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
 
 
 def for_logits(weight: QuantizedWeight) -> QuantizedWeight:
-    """The same weight, its products run with two int8 parts per activation (16-bit-like inputs).
+    """The same weight, its decode products with float32 activations (exact, like prefill's).
 
     For the output (logits) layer: its products decide the tokens directly, and rounding its input
     to int8 moves logits by ~0.5% of their RMS, enough to flip near ties (the embedded model's first
     answer token to "What is the capital of France?" is a 0.09-logit tie, "The" 25.33 vs "L" 25.24;
-    one part answers "L'Étoile...", as llama.cpp does on the same file). At M = 1 that matrix is
-    memory-bound and the second part costs nothing measurable; at M = 8 it costs ~1.6x on that matrix."""
-    return dataclasses.replace(weight, activation_parts=2)
+    int8 activations answer "L'Étoile...", as llama.cpp does on the same file). That matrix is
+    memory-bound at M = 1 and its float kernel (weights decoded once for 8 rows) is as fast as the
+    integer one at M = 8 (measured: benchmarks/qmatmul_kernels.py), so exactness costs nothing there."""
+    return dataclasses.replace(weight, activation_bits=32)
 
 
 def embed(tokens: torch.Tensor, table: torch.Tensor | QuantizedWeight) -> torch.Tensor:

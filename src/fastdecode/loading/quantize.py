@@ -26,8 +26,8 @@ def check_quantize(quantize: str | None) -> None:
 
 
 def logits_layer_precise(weights: dict[str, torch.Tensor | QuantizedWeight]) -> dict:
-    """A quantized LM head runs with 16-bit-like activations (``quantized.for_logits``); other matrices,
-    the embedding view of a tied head included, are unchanged."""
+    """A quantized LM head runs its decode products on float32 activations (``quantized.for_logits``);
+    other matrices, the embedding view of a tied head included, are unchanged."""
     head = weights.get("lm_head.weight")
     if isinstance(head, QuantizedWeight):
         weights = {**weights, "lm_head.weight": for_logits(head)}
