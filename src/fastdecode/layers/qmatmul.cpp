@@ -23,6 +23,9 @@
 // Each (row, output) result is computed by the same operations in the same order whatever the
 // number of rows or the row/output blocking: a row's result never depends on the other rows.
 //
+// qmatmul with activation_bits = 32 (the logits layer): float32 activations, codes decoded once per
+// 8 rows, exact up to summation order (see float_rows).
+//
 // dequantize (prefill, many rows): codes -> float32 weights bit-identical to quantized.dequantize(),
 // for an exact float GEMM.
 #include <ATen/ATen.h>
@@ -212,12 +215,23 @@ inline void decode_group(const uint8_t* codes, __m256* w) {
 }
 
 // ---- float32 activations (activation_bits = 32): exact products, for the logits layer ----------------
-// Each group is decoded to its float32 weights (scale * code + min: the same two roundings as
-// dequantize(), bit-identical weights) once for RB rows, then FMAs in float32: the result equals
-// dequantize-then-matmul up to summation order. The same per-row operations for every RB.
+// Per group, the float dot product of the codes (decoded once for RB rows) with x, times the scale; the
+// mins term is sum_g min[n, g] * xsum[r, g] (x summed per group once per call). Exact up to summation
+// order (codes and scales are exact floats), and the same per-row operations for every RB.
+template <int G>
+std::vector<float> group_sums(const float* x, int64_t M, int64_t K) {
+  std::vector<float> sums(M * K / G);
+  for (int64_t i = 0; i < M * K / G; ++i) {
+    __m256 v = _mm256_loadu_ps(x + G * i);
+    for (int j = 1; j < G / 8; ++j) v = _mm256_add_ps(v, _mm256_loadu_ps(x + G * i + 8 * j));
+    sums[i] = hsum(v);
+  }
+  return sums;
+}
+
 template <int BITS, int G, typename S, int RB>
-void float_rows(const float* x, int64_t K, const uint8_t* codes, const S* scale, const S* mins, float* y, int64_t N,
-                int64_t n0, int64_t n1) {
+void float_rows(const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scale, const S* mins,
+                float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t groups = K / G, row_bytes = K * BITS / 8, group_bytes = G * BITS / 8;
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[RB];
@@ -226,26 +240,33 @@ void float_rows(const float* x, int64_t K, const uint8_t* codes, const S* scale,
       __m256 w[G / 8];
       decode_group<BITS, G>(codes + n * row_bytes + g * group_bytes, w);
       const __m256 s = _mm256_set1_ps(load_scale(scale + n * groups + g));
-      const __m256 m = _mm256_set1_ps(mins != nullptr ? load_scale(mins + n * groups + g) : 0.0f);
-      for (int i = 0; i < G / 8; ++i) w[i] = mins != nullptr ? _mm256_add_ps(_mm256_mul_ps(w[i], s), m) : _mm256_mul_ps(w[i], s);
-      for (int r = 0; r < RB; ++r)
-        for (int i = 0; i < G / 8; ++i) acc[r] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + r * K + g * G + 8 * i), acc[r]);
+      for (int r = 0; r < RB; ++r) {
+        const float* xr = x + r * K + g * G;
+        __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+        for (int i = 1; i < G / 8; ++i) dot = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), dot);
+        acc[r] = _mm256_fmadd_ps(dot, s, acc[r]);
+      }
     }
-    for (int r = 0; r < RB; ++r) y[r * N + n] = hsum(acc[r]);
+    for (int r = 0; r < RB; ++r) {
+      float total = hsum(acc[r]);
+      if (mins != nullptr) total += mins_term(mins + n * groups, xsum + r * groups, groups);
+      y[r * N + n] = total;
+    }
   }
 }
 
 // Outputs [n0, n1), all rows: a chunk of OUTPUT_CHUNK outputs' codes stays in cache while row blocks pass.
 template <int BITS, int G, typename S>
-void outputs_range(const QuantizedRows& q, const float* x, int64_t M, int64_t K, const uint8_t* cp, const S* sp,
+void outputs_range(const QuantizedRows& q, const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* cp, const S* sp,
                    const S* mp, float* yp, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t c = n0; c < n1; c += OUTPUT_CHUNK) {
     const int64_t c1 = std::min(c + OUTPUT_CHUNK, n1);
     int64_t m = 0;
     if (x != nullptr) {  // float32 activations: 8 accumulators + G/8 weight vectors fit in 16 registers
-      for (; m + 8 <= M; m += 8) float_rows<BITS, G, S, 8>(x + m * K, K, cp, sp, mp, yp + m * N, N, c, c1);
-      for (; m + 4 <= M; m += 4) float_rows<BITS, G, S, 4>(x + m * K, K, cp, sp, mp, yp + m * N, N, c, c1);
-      for (; m < M; ++m) float_rows<BITS, G, S, 1>(x + m * K, K, cp, sp, mp, yp + m * N, N, c, c1);
+      const int64_t groups = K / G;
+      for (; m + 8 <= M; m += 8) float_rows<BITS, G, S, 8>(x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
+      for (; m + 4 <= M; m += 4) float_rows<BITS, G, S, 4>(x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
+      for (; m < M; ++m) float_rows<BITS, G, S, 1>(x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
       continue;
     }
     // int8 activations; registers: NR x RB accumulators + NR weight blocks
@@ -263,12 +284,13 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   const bool exact = activation_bits == 32;
   const QuantizedRows q = exact ? QuantizedRows{K, {}, {}, {}} : quantize_rows<G>(x.data_ptr<float>(), M, K);
   const float* xp = exact ? x.data_ptr<float>() : nullptr;
+  const std::vector<float> xsum = exact && mins.has_value() && mins->defined() ? group_sums<G>(xp, M, K) : std::vector<float>();
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const S* sp = scale.data_ptr<S>();
   const S* mp = mins.has_value() && mins->defined() ? mins->data_ptr<S>() : nullptr;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    outputs_range<BITS, G, S>(q, xp, M, K, cp, sp, mp, yp, N, n0, n1);
+    outputs_range<BITS, G, S>(q, xp, xsum.data(), M, K, cp, sp, mp, yp, N, n0, n1);
   });
   return y;
 }

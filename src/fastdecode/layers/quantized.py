@@ -14,11 +14,13 @@ The matrix is stored [out, in] (rows are outputs) and ``transposed`` marks the c
 that models hold and ``.t()`` (as for float buffers, so model code is the same for both).
 
 Kernels: the AVX2 extension (``kernels.py``) for CPU rows up to ``KERNEL_MAX_ROWS`` (batch-1 and batched
-decode steps: each weight group is decoded once per call for up to 8 rows at a time, products and sums
-in float32, so results equal dequantize-then-matmul up to summation order); more rows (prompt
-processing) decode the matrix once per call into a transient float32 buffer (the AVX2 decoder, one
-pass) and use the float GEMM. Without the extension (no AVX2, no compiler, CUDA) every product goes
-through that dequantizing path, in PyTorch.
+decode steps): each activation row is quantized once per call to int8 per 32 inputs and multiplied by
+the codes in integer arithmetic (llama.cpp's scheme; error bound in tests/unit/test_quantized.py), with
+one exception, the logits layer (``for_logits``: float32 activations, exact up to summation order).
+A row's result is bitwise the same whatever else is in the batch. More rows (prompt processing) decode
+the matrix once per call into a transient float32 buffer (the AVX2 decoder, one pass) and use the
+float GEMM, exact. Without the extension (no AVX2, no compiler, CUDA) every product goes through that
+dequantizing path, in PyTorch.
 """
 
 from __future__ import annotations
