@@ -1,8 +1,9 @@
 """A long prompt through the streaming cache (issue 10, case 16): time to the first new token.
 
 SmolLM2-135M (embedded), a ~1,680-token prompt from the seed texts, n_ctx=256, n_keep=4, one thread.
-Compares the shift policy (chunked prefill: the prompt goes through a copy of the ring with
-headroom), re-evaluate, and ``score(n_ctx=256)``, all through the public API (``stream_ids`` up to
+Compares the shift policy (chunked prefill: the prompt goes through the stream's slot-cache
+sequence ``headroom`` tokens per forward, each query seeing its own window and sink frame),
+re-evaluate, and ``score(n_ctx=256)``, all through the public API (``stream_ids`` up to
 its first token, ``score``); runs alternate (harness.alternate), medians with min-max and ratios.
 
 The old path, one token per forward through the full ring (what a prompt cost before chunking), is

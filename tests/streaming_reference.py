@@ -1,63 +1,44 @@
-"""The streaming shift policy by its definition, for tests: when the policy drops tokens, every kept
-window key is rewritten (rotated by -n_discard per layer with that layer's RoPE table) and its
-stored position moved back; queries then enter at their position in the shifted frame."""
+"""The streaming shift policy by its definition, for tests: a plain static cache of n_ctx slots,
+where slot i holds the token at position i. When a token arrives to a full cache, the n_discard
+oldest window tokens are dropped, every kept window key is rewritten rotated by -n_discard (each
+layer with its own RoPE table) and moved n_discard slots down at once, and the token enters at
+its position in the shifted frame; attention is the model's own over the static cache (no slot
+cache, no plan, no sink frames), so it shares nothing with generation/streaming.py."""
 
 from __future__ import annotations
 
 import torch
 
-from fastdecode.cache.ring import StreamingCache
-from fastdecode.generation.streaming import ShiftEngine
+from fastdecode.cache.static import KVCache
 
 
-class ExplicitShiftCache(StreamingCache):
-    """The definition, literally: when the policy drops tokens, rewrite every kept window key
-    rotated by -n_discard (RoPE) and move its stored position back; the query then enters at its
-    position in the shifted frame, and attention is plain (no per-segment trickery)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.explicit_ropes = self.layer_ropes
-        self.layer_ropes, self.rope_groups = None, []  # no sink frames here: every key moves into the query's frame
-
-    def reserve(self, positions):
-        (position,) = positions
-        if self.sinks == self.n_keep and self.window_count == self.window:
-            window = torch.arange(self.n_keep, self.n_keep + self.ring_size)
-            kept = window[self.slot_positions[window] >= 0]
-            oldest = kept[self.slot_positions[kept].argsort()][: self.n_discard]
-            self.slot_positions[oldest] = -1  # dropped for good
-            kept = window[self.slot_positions[window] >= 0]
-            self.slot_positions[kept] -= self.n_discard
-            if self.explicit_ropes is not None:  # each layer by its own rotary table
-                for keys, rope in zip(self.layer_keys, self.explicit_ropes):
-                    keys[:, :, kept] = rope.rotate_by(keys[:, :, kept], torch.tensor(-self.n_discard))
-            self.total_shift = getattr(self, "total_shift", 0) + self.n_discard
-        super().reserve([position - getattr(self, "total_shift", 0)])
-        self.query_shift = [0]  # every stored key is already in the query's frame
-
-    def relative_positions(self, query_positions):
-        keys = self.slot_positions[: self.used][None, :]
-        return (keys - query_positions.reshape(-1)[:, None])[None]
-
-
-class ExplicitShiftEngine(ShiftEngine):
-    """Feeds one token at a time at its position in the shifted frame, into an ExplicitShiftCache."""
-
+class ExplicitShiftEngine:
     def __init__(self, model, n_ctx, n_keep, n_discard):
-        super().__init__(model, n_ctx, n_keep, n_discard)
         cfg = model.config
-        self.cache = ExplicitShiftCache(cfg.num_layers, cfg.num_kv_heads, n_ctx, n_keep, n_discard, cfg.head_dim,
-                                        model.dtype, model.device, self.cache.layer_ropes)
+        self.model, self.n_ctx, self.n_keep, self.n_discard = model, n_ctx, n_keep, n_discard
+        self.cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, n_ctx, cfg.head_dim, model.dtype, model.device)
+        self.ropes = model.layer_ropes if cfg.position_kind == "rope" else None
 
-    def feed_chunks(self, tokens, all_logits):
-        cache = self.cache
+    def _shift(self):
+        cache, n, first, d = self.cache, self.cache.length, self.n_keep + self.n_discard, self.n_discard
+        for layer, (keys, values) in enumerate(zip(cache.layer_keys, cache.layer_values)):
+            kept = keys[:, :, first:n].clone()  # [1, Hkv, n - first, D]
+            if self.ropes is not None:
+                kept = self.ropes[layer].rotate_by(kept, torch.tensor(-d))
+            keys[:, :, self.n_keep : n - d] = kept
+            values[:, :, self.n_keep : n - d] = values[:, :, first:n].clone()
+        cache.length = n - d  # slot i still holds position i
+
+    def feed(self, tokens):
+        logits = None
         for token in tokens:
-            cache.reserve([self.next_position])
-            position = torch.tensor([self.next_position - getattr(cache, "total_shift", 0)])
-            mask = cache.mask(position, self.model.dtype)
-            yield self.model.forward(token.view(1, 1), position[None], cache, mask, all_logits)[0]
-            self.next_position += 1
+            if self.cache.length == self.n_ctx:
+                self._shift()
+            position = self.cache.length
+            positions = torch.tensor([[position]], device=self.model.device)
+            self.cache.append_slots(torch.ones(1, 1, dtype=torch.bool, device=self.model.device), positions)
+            logits = self.model.forward(token.view(1, 1).to(self.model.device), positions, self.cache, None)[0, -1]
+        return logits
 
 
 def logit_trace(engine, tokens: torch.Tensor) -> torch.Tensor:

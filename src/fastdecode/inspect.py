@@ -74,6 +74,7 @@ def describe(generator: Any) -> dict[str, Any]:
         "attention_layers": _attention_layers(cfg),
         "kv_cache_bytes_per_token": cfg.kv_cache_bytes_per_token(element_size),
         "kv_cache_bytes_per_token_by_kind": cfg.kv_bytes_per_token_by_kind(element_size),
+        "kv_cache_bytes_per_sequence_by_context": _sequence_kv_bytes(cfg, element_size),
         "context_length": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "tied_embeddings": cfg.tie_word_embeddings,
@@ -103,7 +104,8 @@ def _with_encoder_decoder(info: dict[str, Any], cfg: Any, model: Any, element_si
             out["max_source_positions"] = cfg.max_source_positions or "unbounded (relative)"
         elif key == "tied_embeddings":
             out[key] = getattr(model, "tied_head", value)
-        elif key not in ("sliding_window", "attention_layers", "kv_cache_bytes_per_token_by_kind"):
+        elif key not in ("sliding_window", "attention_layers", "kv_cache_bytes_per_token_by_kind",
+                         "kv_cache_bytes_per_sequence_by_context"):
             out[key] = value
         if key == "family":
             out["encoder_decoder"] = True
@@ -117,3 +119,16 @@ def _attention_layers(cfg: Any) -> str:
     parts = [f"{sliding} sliding (window {cfg.sliding_window})"] if sliding else []
     full = cfg.num_layers - sliding
     return ", ".join(parts + ([f"{full} full"] if full else []))
+
+
+def _sequence_kv_bytes(cfg: Any, element_size: int) -> dict[int, int]:
+    """K/V bytes one sequence holds in the engine's layered cache at a few context lengths (powers
+    of 4 from 512 to the model's context): sliding layers stop growing past their window."""
+    from .memory import sequence_kv_bytes
+
+    lengths, length = [], 512
+    while length < cfg.max_position_embeddings:
+        lengths.append(length)
+        length *= 4
+    lengths.append(cfg.max_position_embeddings)
+    return {n: sequence_kv_bytes(cfg, n, element_size) for n in lengths}

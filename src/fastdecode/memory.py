@@ -7,6 +7,10 @@ bytes per token), the encoder-decoder cross-attention cache, the logits and samp
 allocator (or the kernel's OOM killer) fail half way. The limit is ``max_memory`` when given,
 else the memory available now (``MemAvailable`` in /proc/meminfo; free memory on a CUDA device).
 The estimate is deliberately a little generous (transient buffers counted), never a promise.
+
+The KV cache is layered (engine/slots.py): full-attention layers hold every token of a sequence,
+sliding-window layers only their window plus one prompt chunk, so for a model with sliding layers
+the estimate grows with the context only by the full layers' bytes per token.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from .errors import InvalidOptionError, MemoryLimitError
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 PREFILL_CHUNK = 512  # the longest chunk a streaming cache prefills at once (its headroom)
+ENGINE_CHUNK = 256  # the engine's default prefill_chunk: the longest chunk of a model with sliding layers
+BLOCK_SLACK = 2 * 16  # a sliding kind's blocks may start and end part-way (two blocks of 16 slots)
 
 
 def parse_size(value: Any) -> int:
@@ -64,6 +70,16 @@ def available_memory(device: Any = "cpu") -> int | None:
         return None
 
 
+def sequence_kv_bytes(model_config: Any, num_tokens: int, element_bytes: int, chunk: int = ENGINE_CHUNK) -> int:
+    """K/V bytes one sequence of ``num_tokens`` holds at its peak in the engine's layered cache:
+    full layers every token, sliding layers at most their window plus one chunk."""
+    by_kind = model_config.kv_bytes_per_token_by_kind(element_bytes)
+    sliding_tokens = num_tokens
+    if model_config.sliding_window is not None:
+        sliding_tokens = min(num_tokens, model_config.sliding_window + chunk + BLOCK_SLACK)
+    return by_kind.get("full_attention", 0) * num_tokens + by_kind.get("sliding_attention", 0) * sliding_tokens
+
+
 def request_parts(model_config: Any, config: Any, prompt_lengths: list[int], element_bytes: int) -> dict[str, int]:
     """The big buffers of one request, in bytes: {what: size}. ``prompt_lengths`` one per prompt."""
     mc = model_config
@@ -82,8 +98,8 @@ def request_parts(model_config: Any, config: Any, prompt_lengths: list[int], ele
         parts["cross-attention cache"] = mc.cross_cache_bytes_per_source_token(element_bytes) * prompts * longest
     elif beams > 1:  # FastSeq layout: the prompt once per sample, generated tokens per beam
         parts["KV cache"] = per_token * (prompts * longest + rows * new)
-    else:
-        parts["KV cache"] = per_token * rows * (longest + new)
+    else:  # the engine's layered slot cache
+        parts["KV cache"] = rows * sequence_kv_bytes(mc, longest + new, element_bytes)
     # logits, probabilities and their sorted / cumulative copies per row (float32)
     parts["logits"] = 4 * rows * mc.vocab_size * (6 if beams > 1 else 4)
     if not config.use_cache:

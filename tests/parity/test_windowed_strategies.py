@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.generation.streaming import ShiftEngine
+from fastdecode.generation.streaming import StreamEngine
 from streaming_reference import ExplicitShiftEngine, logit_trace
 from tiny_models import VOCAB, build
 
@@ -59,11 +59,11 @@ def test_score_matches_transformers(pair, options):
 
 @pytest.mark.parametrize("n_keep, n_discard", [(4, 1), (4, 5), (0, 3)])
 def test_shift_equals_explicit_key_rotation(pair, n_keep, n_discard):
-    """Past n_ctx: the shift policy (sinks re-rotated per layer's RoPE table, keys never rewritten)
+    """Past n_ctx: the shift policy (sinks moved up with each layer's RoPE table, the window left in place)
     equals its definition (every kept key rotated back), windows seen in the shifted frame."""
     kind, _, gen = pair
     tokens = torch.tensor(_ids(60, 3))
-    ours = logit_trace(ShiftEngine(gen.model, 24, n_keep, n_discard), tokens)
+    ours = logit_trace(StreamEngine(gen.model, 24, n_keep, n_discard), tokens)
     reference = logit_trace(ExplicitShiftEngine(gen.model, 24, n_keep, n_discard), tokens)
     torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
 
@@ -72,7 +72,7 @@ def test_chunked_shift_scoring_equals_token_by_token(pair):
     kind, _, gen = pair
     ids = _ids(80, 4)
     chunked = torch.tensor(gen.score(ids, n_ctx=24, n_keep=4, n_discard=3))
-    trace = logit_trace(ShiftEngine(gen.model, 24, 4, 3), torch.tensor(ids[:-1]))
+    trace = logit_trace(StreamEngine(gen.model, 24, 4, 3), torch.tensor(ids[:-1]))
     one_by_one = torch.nn.functional.cross_entropy(trace, torch.tensor(ids[1:]), reduction="none")
     torch.testing.assert_close(chunked, one_by_one, atol=ATOL, rtol=0)
 

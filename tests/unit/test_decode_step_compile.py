@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.engine.decode_step import decode_step
+from fastdecode.engine.decode_step import decode_step, decode_window_tables
 from tiny_models import VOCAB, build
 
 pytest.importorskip("transformers")
@@ -26,11 +26,12 @@ def test_compiled_decode_step_one_graph_per_bucket_equal_logits(kind):
     sequences = [engine.submit(p, {"max_new_tokens": 40}) for p in prompts]
     engine.step()  # every prompt read, one token each: the rest is decoding
     cache = engine.cache
-    snapshot = cache.keys.clone(), cache.values.clone()
+    buffers = [cache.keys, cache.values, *cache.window_keys.values(), *cache.window_values.values()]
+    snapshot = [buffer.clone() for buffer in buffers]
 
     def restore():
-        cache.keys.copy_(snapshot[0])
-        cache.values.copy_(snapshot[1])
+        for buffer, saved in zip(buffers, snapshot):
+            buffer.copy_(saved)
 
     def run(step_fn, rows):
         """STEPS greedy steps of the given rows -> logits per step."""
@@ -41,7 +42,11 @@ def test_compiled_decode_step_one_graph_per_bucket_equal_logits(kind):
             tokens = torch.tensor([s.output_ids[-1] for s in chosen])
             positions = torch.tensor([s.num_tokens - 1 for s in chosen])
             for _ in range(STEPS):
-                logits, tokens = step_fn(block_table, tokens, positions)
+                # a sliding kind's blocks are taken as its tokens are written (engine/slots.py)
+                for sequence, position in zip(chosen, positions.tolist()):
+                    cache.prepare(sequence.block_table, position, position + 1)
+                windowed = decode_window_tables(cache, [s.block_table for s in chosen], positions.tolist())
+                logits, tokens = step_fn(block_table, tokens, positions, windowed)
                 out.append(logits.clone())
                 positions = positions + 1
         return out

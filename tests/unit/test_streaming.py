@@ -8,7 +8,7 @@ import torch
 
 import fastdecode
 from fastdecode.errors import InvalidOptionError
-from fastdecode.generation.streaming import ReevaluateEngine, ShiftEngine
+from fastdecode.generation.streaming import StreamEngine
 from fastdecode.layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
 from streaming_reference import ExplicitShiftEngine, logit_trace
 from tiny_models import VOCAB, build, build_bloom
@@ -72,37 +72,42 @@ def test_angles_are_exact_at_huge_positions():
 def test_shift_equals_explicit_key_rotation(model_name, n_keep, n_discard, request):
     gen = request.getfixturevalue(model_name)
     tokens = _tokens(70, seed=1)
-    ours = logit_trace(ShiftEngine(gen.model, 24, n_keep, n_discard), tokens)
+    ours = logit_trace(StreamEngine(gen.model, 24, n_keep, n_discard), tokens)
     reference = logit_trace(ExplicitShiftEngine(gen.model, 24, n_keep, n_discard), tokens)
     torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("model_name", ["llama", "bloom"])
-@pytest.mark.parametrize("n_discard, headroom", [(7, 0), (7, 20), (1, 0), (1, 31)])
+@pytest.mark.parametrize("n_discard, headroom", [(7, 5), (7, 20), (1, 3), (1, 32)])
 def test_shift_chunked_feed_equals_token_by_token(model_name, n_discard, headroom, request):
-    """Chunks (up to the policy's next drop, or any size with headroom) equal one token at a time."""
+    """Chunks of ``headroom`` tokens (drops inside a chunk, compactions between chunks) equal one
+    token at a time."""
     model = request.getfixturevalue(model_name).model
     tokens = _tokens(90, seed=2)
-    engine = ShiftEngine(model, 32, 4, n_discard, headroom)
+    engine = StreamEngine(model, 32, 4, n_discard, headroom=headroom)
     with torch.inference_mode():
         chunks = list(engine.feed_chunks(tokens, all_logits=True))
-    if headroom:
-        assert max(c.shape[0] for c in chunks) > n_discard  # really chunked past the drops
-    one_by_one = logit_trace(ShiftEngine(model, 32, 4, n_discard), tokens)
+    assert chunks[0].shape[0] == 32 + headroom  # a fresh stream takes n_ctx + headroom at once
+    assert max(c.shape[0] for c in chunks[1:]) <= headroom and engine.compacted > 0
+    one_by_one = logit_trace(StreamEngine(model, 32, 4, n_discard), tokens)
     torch.testing.assert_close(torch.cat(chunks), one_by_one, atol=ATOL, rtol=0)
 
 
-def test_ring_of_one_never_moves_a_cached_key(llama):
-    """n_discard=1: one token in, one out; of the window only the new token's slot is written
-    (the n_keep sink slots are re-rotated from their originals: O(n_keep) per step)."""
-    engine = ShiftEngine(llama.model, 16, 4, 1)
+def test_a_ring_of_one_moves_only_the_sinks(llama):
+    """n_discard=1 on a full cache: the sinks move one position up over the dropped token
+    (seq_add on n_keep keys), the new token takes one slot, no window key is rewritten and the
+    decode step needs no mask; once the headroom is used up, one compaction moves everything back."""
+    engine = StreamEngine(llama.model, 16, 4, 1, headroom=8)
     with torch.inference_mode():
-        engine.feed(_tokens(16, 3))
+        engine.feed(_tokens(17, 3))
         before = engine.cache.keys.clone()
         engine.feed(_tokens(1, 4))
-    changed = (engine.cache.keys != before).flatten(0, 2).any(dim=-1).any(dim=0)  # [slots] touched
-    assert changed[4:].sum().item() == 1 and engine.cache.shift == 1
-    assert engine.cache.mask(torch.tensor([16]), torch.float32) is None  # nothing hidden: no mask
+        changed = (engine.cache.keys != before).flatten(2).any(dim=-1).any(dim=0)  # [slots] written
+        assert changed.sum().item() == 4 + 1 and engine.shift == 2 and engine.sink_start == 2
+        plan = engine._plan(1)
+        assert plan._mask(None) is None and plan.slot_range is not None  # one view, no mask, no gather
+        engine.feed(_tokens(10, 5))
+    assert engine.compacted > 0 and engine.end <= 16 + 8 and engine.cache.pool.num_free == 0
 
 
 def test_learned_positions_cannot_shift():
@@ -160,10 +165,10 @@ def test_reevaluate_equals_naive_loop(kind):
 
 def test_reevaluate_long_prompt_goes_through_the_policy(llama):
     prompt = _tokens(50, 7).tolist()
-    engine = ReevaluateEngine(llama.model, 16, 2, 4)
+    engine = StreamEngine(llama.model, 16, 2, 4, policy="reevaluate")
     with torch.inference_mode():
         engine.feed(torch.tensor(prompt))
-    assert engine.rebuilds > 0 and len(engine.tokens) <= 16
+    assert engine.rebuilds > 0 and len(engine.tokens) == engine.end <= 16
     assert llama.generate_ids([prompt], max_new_tokens=5, n_ctx=16, n_keep=2, n_discard=4, policy="reevaluate")[0] \
         == _naive_reevaluate(llama.model, prompt, 5, 16, 2, 4)
 
@@ -235,3 +240,18 @@ def test_chat_turns_feed_only_their_new_tokens(tmp_path):
     assert fed_in_second < len(whole)  # the first turn was not prefilled again
     assert session.engine.next_position == len(whole) + len(gen.tokenizer.encode(session.messages[-1]["content"],
                                                                                    add_special_tokens=False)) - 1
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "gemma3"])
+def test_sinks_move_like_seq_add(kind):
+    """The per-token sink move (every layer at once, per RoPE table) equals the slot cache's verb
+    ``seq_add`` with the K-shift, layer by layer (Gemma 3: two rotary tables)."""
+    model = fastdecode.from_hf(build(kind)).model
+    moved, verb = StreamEngine(model, 16, 4, 1, headroom=8), StreamEngine(model, 16, 4, 1, headroom=8)
+    with torch.inference_mode():
+        for engine in (moved, verb):
+            engine.feed(_tokens(16, 10))
+        moved._move_sinks(3)
+        verb.table = verb.cache.seq_add(verb.table, 0, 4, 3, verb._rotate)
+    torch.testing.assert_close(moved.cache.keys, verb.cache.keys, atol=1e-6, rtol=0)
+    assert torch.equal(moved.cache.values, verb.cache.values)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .decode_step import decode_step
+from .decode_step import decode_step, decode_window_tables
 
 
 RECOMPILE_LIMIT = 64  # row buckets (1 .. 64) x block buckets (1 .. 512)
@@ -33,7 +33,8 @@ def bucket(count: int) -> int:
 class CompiledDecode:
     def __init__(self, engine: Any, backend: Any = "inductor"):
         self.cache = engine.cache
-        self.scratch = self.cache.pool.allocate([], 1)[0][0]  # the padding rows' block, never freed
+        self.scratch_table = self.cache.scratch_table()  # the padding rows' blocks, never freed
+        self.scratch = self.scratch_table[0]
         step = functools.partial(decode_step, engine.model, engine.cache, engine.windows, engine.score_bias)
         self.step = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
 
@@ -48,8 +49,13 @@ class CompiledDecode:
         pad = rows - len(sequences)
         tokens = torch.tensor([s.tokens(s.num_tokens - 1, s.num_tokens)[0] for s in sequences] + [0] * pad,
                               device=device)  # [rows]
-        positions = torch.tensor([s.num_tokens - 1 for s in sequences] + [0] * pad, device=device)  # [rows]
+        last = [s.num_tokens - 1 for s in sequences] + [0] * pad
+        positions = torch.tensor(last, device=device)  # [rows]
+        # Sliding kinds: padding rows read and write their kind's scratch block.
+        padding = self.scratch_table
+        windowed = decode_window_tables(self.cache, [s.block_table for s in sequences] + [padding] * pad,
+                                        last)
         # Each (rows, blocks) bucket is its own graph: more than dynamo's default 8 per function.
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            logits, _ = self.step(table, tokens, positions)
+            logits, _ = self.step(table, tokens, positions, windowed)
         return logits[: len(sequences)]

@@ -6,6 +6,11 @@ built from the positions hides the slots not written yet, as gpt-fast's ``KVCach
 slots and the mask are tensors, the K/V writes are ``index_copy_`` at tensor indices, and the
 next token is chosen on the device (``argmax``): nothing inside asks the host for a value, so
 ``torch.compile(fullgraph=True, dynamic=False)`` (or a CUDA graph) captures one graph per bucket.
+
+A layered cache (engine/slots.py) adds one table per sliding kind, ``[B, m]`` with a fixed
+``m = (window - 1) // block + 2`` (every block one query can see), starting at each row's first
+visible block, and that block's first position ``[B, 1]``: a sliding layer reads only its window,
+whatever the context length, still at fixed shapes.
 """
 
 from __future__ import annotations
@@ -21,40 +26,56 @@ class DecodePlan:
     """The cache view of one fixed-shape decode step (the model calls ``attend`` per layer)."""
 
     def __init__(self, cache: SlotCache, block_table: torch.Tensor, positions: torch.Tensor,
-                 windows: list[int | None], score_bias, dtype: torch.dtype):
+                 windows: list[int | None], score_bias, dtype: torch.dtype,
+                 window_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()):
         self.cache = cache
-        self.block_table = block_table  # [B, n]: every block a row may own
         size = cache.block_size
-        block_of_token = block_table.gather(1, (positions // size)[:, None])[:, 0]  # [B]
-        self.write_slots = block_of_token * size + positions % size  # [B] slot of each new token
-        key_positions = torch.arange(block_table.shape[1] * size, device=block_table.device)
-        self.distance = (key_positions[None, :] - positions[:, None])[:, None]  # [B, 1, S]
+        # kind -> (tables [B, n]: the blocks a row may read, first key position [B, 1])
+        self.tables = {None: (block_table, torch.zeros_like(positions)[:, None])}
+        self.tables.update(zip(cache.windows, window_tables))
+        self.write_slots, self.distance = {}, {}
+        for kind, (table, key_starts) in self.tables.items():
+            index = (positions - key_starts[:, 0]) // size  # [B] block of the new token in the row's table
+            self.write_slots[kind] = table.gather(1, index[:, None])[:, 0] * size + positions % size  # [B]
+            key_positions = key_starts + torch.arange(table.shape[1] * size, device=table.device)  # [B, S]
+            self.distance[kind] = (key_positions - positions[:, None])[:, None]  # [B, 1, S]
         self.windows, self.score_bias, self.dtype = windows, score_bias, dtype
-        self._masks: dict[int | None, torch.Tensor] = {}
+        self._masks: dict[tuple[int | None, int | None], torch.Tensor] = {}
 
     def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
         return no_distances(query_positions)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float) -> torch.Tensor:
-        """q [B, H, 1, D]; k, v [B, Hkv, 1, D] -> [B, H, 1, D] over each row's full slot range (``mask``
-        unused: the plan builds its own)."""
+        """q [B, H, 1, D]; k, v [B, Hkv, 1, D] -> [B, H, 1, D] over each row's slots of the layer's
+        kind (``mask`` unused: the plan builds its own)."""
+        kind, window = self.cache.layer_windows[layer], self.windows[layer]  # storage kind, mask window
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
-        keys.index_copy_(0, self.write_slots, k[:, :, 0])  # [B, Hkv, D]
-        values.index_copy_(0, self.write_slots, v[:, :, 0])
-        kg = self.cache.gather(keys, self.block_table)  # [B, Hkv, S, D]
-        vg = self.cache.gather(values, self.block_table)  # [B, Hkv, S, D]
-        window = self.windows[layer]
-        if window not in self._masks:
-            self._masks[window] = position_mask(self.distance, window, self.score_bias, self.dtype)
-        return attention(q, kg, vg, self._masks[window], scale)
+        keys.index_copy_(0, self.write_slots[kind], k[:, :, 0])  # [B, Hkv, D]
+        values.index_copy_(0, self.write_slots[kind], v[:, :, 0])
+        table = self.tables[kind][0]
+        kg = self.cache.gather(keys, table)  # [B, Hkv, S, D]
+        vg = self.cache.gather(values, table)  # [B, Hkv, S, D]
+        if (kind, window) not in self._masks:
+            self._masks[kind, window] = position_mask(self.distance[kind], window, self.score_bias, self.dtype)
+        return attention(q, kg, vg, self._masks[kind, window], scale)
 
 
 def decode_step(model, cache: SlotCache, windows: list[int | None], score_bias, block_table: torch.Tensor,
-                tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token for each of B rows: tokens, positions [B], block tables [B, n] -> (logits [B, V],
-    greedy next tokens [B]), both on the device. Bind the first four arguments (functools.partial)
-    and compile the rest: the shapes depend only on (B, n)."""
-    plan = DecodePlan(cache, block_table, positions, windows, score_bias, model.dtype)
+                tokens: torch.Tensor, positions: torch.Tensor,
+                window_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of B rows: tokens, positions [B], block tables [B, n] (and each sliding
+    kind's (tables [B, m], first key positions [B, 1]), in ``cache.windows`` order) -> (logits
+    [B, V], greedy next tokens [B]), both on the device. Bind the first four arguments
+    (functools.partial) and compile the rest: the shapes depend only on (B, n)."""
+    plan = DecodePlan(cache, block_table, positions, windows, score_bias, model.dtype, window_tables)
     logits = model.forward(tokens[:, None], positions[:, None], plan, None)[:, -1]  # [B, V]
     return logits, logits.argmax(dim=-1)
+
+
+def decode_window_tables(cache: SlotCache, tables: list, positions: list[int]) -> tuple:
+    """Each sliding kind's fixed-shape view for rows decoding at ``positions`` (``decode_step``'s
+    ``window_tables``)."""
+    size = cache.block_size
+    return tuple(cache.window_tables(tables, positions, [p + 1 for p in positions], w, (w - 1) // size + 2)
+                 for w in cache.windows)

@@ -9,19 +9,24 @@ query may see, and exposes the cache interface the models call (``attend``,
 A query at position p of a sequence sees that sequence's slots for positions 0..p only (and,
 on a sliding-window layer, only the last ``window`` of them), so a result never depends on
 what else is in the step. Nothing about the step is stored on the cache object.
+
+The cache is layered (engine/slots.py): a full layer reads its kind's blocks from position 0, a
+sliding layer only the blocks of its window in its own kind (``window_tables``: a table per
+group starting at the first block its queries can see, with that block's first position), so
+each group carries one table per kind and a mask per window built from the key positions.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..layers.attention import attention
 from .fastseq import shared_prefix_attention
-from .slots import SlotCache
+from .slots import SlotCache, first_visible_block
 
 
 @dataclass
@@ -33,10 +38,15 @@ class AttentionGroup:
     queries: int
     block_table: torch.Tensor  # [rows, n]: keys are positions 0..n*block-1 (past a row's end: masked)
     query_positions: torch.Tensor  # [rows, queries]
+    # Each sliding kind's view: window -> (tables [rows, m] from the first visible block, position of
+    # each row's first key [rows, 1]).
+    window_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # FastSeq: each run of ``fold`` rows (a sample's beams) shares its first ``shared_blocks`` blocks,
     # whose keys are then read once per run (engine/fastseq.py). 0: nothing shared.
     fold: int = 1
     shared_blocks: int = 0
+    # The same for each sliding kind: its tables then start at the group's earliest visible block.
+    window_shared: dict[int, int] = field(default_factory=dict)
 
 
 def layer_windows(config) -> list[int | None]:
@@ -52,95 +62,115 @@ def attention_terms(model) -> tuple[list[int | None], Callable | None]:
 
 
 class StepPlan:
-    def __init__(self, cache: SlotCache, write_slots: torch.Tensor, groups: list[AttentionGroup],
+    def __init__(self, cache: SlotCache, write_slots: dict[int | None, torch.Tensor], groups: list[AttentionGroup],
                  windows: list[int | None], score_bias: Callable[[torch.Tensor], torch.Tensor] | None,
                  dtype: torch.dtype):
         self.cache = cache
-        self.write_slots = write_slots  # [N] slot of each flat token
+        self.write_slots = write_slots  # kind (None: full, else the window) -> [N] slot of each flat token
         self.groups = groups
         self.windows = windows
         self.score_bias = score_bias  # ALiBi: distances [B, T, S] -> bias [B, H, T, S]
         self.dtype = dtype
-        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
+        self._masks: dict[tuple[int, int | None, int | None], torch.Tensor] = {}
 
     @classmethod
     def for_rows(cls, cache: SlotCache, rows: list[tuple[list[int], int, int]], windows: list[int | None],
                  score_bias: Callable | None, dtype: torch.dtype, shared: tuple[int, int] = (1, 0)) -> "StepPlan":
         """The plan of one forward over ``rows``: (block table, first position, token count) per
-        sequence, in the order its tokens are laid out flat. Consecutive one-token rows attend as
-        one group; every longer chunk is a group of its own. ``shared`` (fold, blocks): in the
-        one-token groups, each run of ``fold`` rows holds the same first ``blocks`` blocks (the
-        caller guarantees it: beams of a sample over its prompt)."""
+        sequence, in the order its tokens are laid out flat (the caller made the tokens writable:
+        ``SlotCache.prepare``). Consecutive one-token rows attend as one group; every longer chunk
+        is a group of its own. ``shared`` (fold, blocks): in the one-token groups, each run of
+        ``fold`` rows holds the same first ``blocks`` full-kind blocks (the caller guarantees it:
+        beams of a sample over its prompt)."""
         device = cache.keys.device
-        slots, groups, first = [], [], 0
+        kinds = [None, *cache.windows]
+        slots: dict[int | None, list[int]] = {kind: [] for kind in kinds}
+        groups, first = [], 0
         for index, (table, start, count) in enumerate(rows):
-            slots += cache.slot_ids(table, start, start + count)
+            for kind in kinds:
+                slots[kind] += cache.slot_ids(table, start, start + count, kind)
             if count == 1 and index > 0 and rows[index - 1][2] == 1:
                 continue  # already in the group of the one-token run it belongs to
-            if count == 1:
-                run = list(itertools.takewhile(lambda row: row[2] == 1, rows[index:]))
-                ends = [row[1] + 1 for row in run]
-                query_positions = torch.tensor(ends, device=device)[:, None] - 1  # [rows, 1]
-                group = cls._group(cache, first, [row[0] for row in run], max(ends), 1, query_positions)
-                group.fold, group.shared_blocks = shared if len(run) % shared[0] == 0 else (1, 0)
-                groups.append(group)
-                first += len(run)
-            else:
-                query_positions = torch.arange(start, start + count, device=device)[None]  # [1, T]
-                groups.append(cls._group(cache, first, [table], start + count, count, query_positions))
-                first += count
-        return cls(cache, torch.tensor(slots, dtype=torch.long, device=device), groups, windows, score_bias, dtype)
-
-    @staticmethod
-    def _group(cache: SlotCache, first: int, tables: list[list[int]], num_keys: int, queries: int,
-               query_positions: torch.Tensor) -> AttentionGroup:
-        block_table = cache.block_tables(tables, cache.pool.blocks_for(num_keys))
-        return AttentionGroup(first, len(tables), queries, block_table, query_positions)
+            run = list(itertools.takewhile(lambda row: row[2] == 1, rows[index:])) if count == 1 else [rows[index]]
+            fold, shared_blocks = shared if count == 1 and len(run) % shared[0] == 0 else (1, 0)
+            groups.append(attention_group(cache, first, run, fold, shared_blocks))
+            first += sum(row[2] for row in run)
+        write_slots = {kind: torch.tensor(s, dtype=torch.long, device=device) for kind, s in slots.items()}
+        return cls(cache, write_slots, groups, windows, score_bias, dtype)
 
     def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
         return no_distances(query_positions)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float) -> torch.Tensor:
-        """q [1, H, N, D]; k, v [1, Hkv, N, D]: write k, v into the sequences' slots, then attend
-        each group over its own slots -> [1, H, N, D]. ``mask`` is unused (the plan builds its own)."""
+        """q [1, H, N, D]; k, v [1, Hkv, N, D]: write k, v into the sequences' slots of the layer's
+        kind, then attend each group over its own slots -> [1, H, N, D]. ``mask`` is unused (the
+        plan builds its own)."""
+        # The layer's kind in the cache (None: stored in full) and the window its attention masks with
+        # (a cache built without kinds stores a sliding layer in full and masks it all the same).
+        kind, window = self.cache.layer_windows[layer], self.windows[layer]
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
-        keys.index_copy_(0, self.write_slots, k[0].transpose(0, 1))  # [N, Hkv, D]
-        values.index_copy_(0, self.write_slots, v[0].transpose(0, 1))
+        keys.index_copy_(0, self.write_slots[kind], k[0].transpose(0, 1))  # [N, Hkv, D]
+        values.index_copy_(0, self.write_slots[kind], v[0].transpose(0, 1))
         outputs = []
         for index, group in enumerate(self.groups):
             B, T = group.rows, group.queries
             qg = q[0, :, group.first : group.first + B * T].unflatten(1, (B, T)).transpose(0, 1)  # [B, H, T, D]
-            mask = self._mask(index, self.windows[layer])
-            if group.shared_blocks:
-                out = self._attend_shared(group, keys, values, qg, mask, scale)
+            mask = self._mask(index, kind, window)
+            shared_blocks = group.shared_blocks if kind is None else group.window_shared.get(kind, 0)
+            table = group.block_table if kind is None else group.window_tables[kind][0]
+            if shared_blocks:
+                out = self._attend_shared(group, table, shared_blocks, keys, values, qg, mask, scale)
             else:
-                kg = self.cache.gather(keys, group.block_table)  # [B, Hkv, S, D]
-                vg = self.cache.gather(values, group.block_table)  # [B, Hkv, S, D]
+                kg = self.cache.gather(keys, table)  # [B, Hkv, S, D]
+                vg = self.cache.gather(values, table)  # [B, Hkv, S, D]
                 out = attention(qg, kg, vg, mask, scale)  # [B, H, T, D]
             outputs.append(out.transpose(0, 1).flatten(1, 2))  # [H, B*T, D]
         return torch.cat(outputs, dim=1)[None] if len(outputs) > 1 else outputs[0][None]  # [1, H, N, D]
 
-    def _attend_shared(self, group: AttentionGroup, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor,
-                       mask: torch.Tensor, scale: float) -> torch.Tensor:
-        """A group whose runs of ``fold`` rows share their first blocks: those keys once per run."""
-        m = group.shared_blocks
-        shared_table = group.block_table[:: group.fold, :m]  # [B / fold, m]: the first row of each run
-        own_table = group.block_table[:, m:]  # [B, n - m]
+    def _attend_shared(self, group: AttentionGroup, table: torch.Tensor, m: int, keys: torch.Tensor,
+                       values: torch.Tensor, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """A group whose runs of ``fold`` rows share the first ``m`` blocks of their tables [B, n]
+        in this kind: those keys once per run."""
+        shared_table = table[:: group.fold, :m]  # [B / fold, m]: the first row of each run
+        own_table = table[:, m:]  # [B, n - m]
         gather = self.cache.gather
         return shared_prefix_attention(q, gather(keys, shared_table), gather(values, shared_table),
                                        gather(keys, own_table), gather(values, own_table), mask, scale)
 
-    def _mask(self, index: int, window: int | None) -> torch.Tensor:
-        """Additive mask (plus position bias) [B, 1 or H, T, S] of a group, built once per window."""
-        key = (index, window)
+    def _mask(self, index: int, kind: int | None, window: int | None) -> torch.Tensor:
+        """Additive mask (plus position bias) [B, 1 or H, T, S] of a group over the keys of a cache
+        kind, built once per (kind, window)."""
+        key = (index, kind, window)
         if key not in self._masks:
             group = self.groups[index]
-            num_keys = group.block_table.shape[1] * self.cache.block_size
-            key_positions = torch.arange(num_keys, device=group.query_positions.device)
-            distance = key_positions[None, None, :] - group.query_positions[:, :, None]  # [B, T, S]
+            table, key_starts = (group.block_table, 0) if kind is None else group.window_tables[kind]
+            key_positions = key_starts + torch.arange(table.shape[1] * self.cache.block_size,
+                                                      device=group.query_positions.device)  # [S] or [B, S]
+            distance = key_positions.view(-1, 1, key_positions.shape[-1]) - group.query_positions[:, :, None]  # [B, T, S]
             self._masks[key] = position_mask(distance, window, self.score_bias, self.dtype)
         return self._masks[key]
+
+
+def attention_group(cache: SlotCache, first: int, rows: list[tuple[list[int], int, int]], fold: int = 1,
+                    shared_blocks: int = 0) -> AttentionGroup:
+    """The group of ``rows`` (block table, first position, token count; every row the same count),
+    whose flat tokens start at ``first``: each kind's tables and the query positions. ``fold``,
+    ``shared_blocks``: runs of rows holding the same first full-kind blocks (``for_rows``); the
+    sliding kinds' tables then start together, so the shared blocks still visible lead each."""
+    device = cache.keys.device
+    count = rows[0][2]
+    tables, starts = [row[0] for row in rows], [row[1] for row in rows]
+    ends = [start + count for start in starts]
+    query_positions = torch.tensor(starts, device=device)[:, None] + torch.arange(count, device=device)  # [B, T]
+    block_table = cache.block_tables(tables, cache.pool.blocks_for(max(ends)))
+    window_tables = {w: cache.window_tables(tables, starts, ends, w, common_first=shared_blocks > 0)
+                     for w in cache.windows}
+    size = cache.block_size
+    window_shared = {w: max(0, shared_blocks - min(first_visible_block(w, start, size) for start in starts))
+                     for w in window_tables}
+    return AttentionGroup(first, len(rows), count, block_table, query_positions, window_tables, fold, shared_blocks,
+                          window_shared)
 
 
 def no_distances(query_positions: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,9 @@ Each ``step()``:
    slightly longer steps instead of one long one, which bounds their per-token latency; with
    nobody decoding, prompts get the whole budget (the fastest first token). A sequence reserves
    blocks for its prompt and all its new tokens at admission, sharing any cached prefix, so a
-   running sequence never runs out of room and nothing is ever preempted;
+   running sequence never runs out of room and nothing is ever preempted (a model with
+   sliding-window layers: full blocks for the full layers, and for each sliding kind a reservation
+   of what its window and one chunk need, chunks then capped at ``prefill_chunk``; engine/slots.py);
 3. runs ONE model forward over all of it (``StepPlan``);
 4. samples one token for every sequence whose step reached its last token, each with its own
    options and generator, and retires the finished ones.
@@ -39,11 +41,12 @@ from ..generation.sampling import TokenSelector, sequence_seeds
 from ..validation import positive_int
 from .compiled import CompiledDecode
 from .cross import CrossStore, RowGroup, decoder_score_bias
-from .plan import AttentionGroup, StepPlan, layer_windows
+from .plan import StepPlan, layer_windows
 from .sequence import Sequence, TokenEvent, token_logprobs
 from .slots import SlotCache, check_fits
 
 DEFAULT_CACHE_BYTES = 1 << 30
+WINDOW_SEQUENCES = 16  # sequences a sliding kind's pool serves at their peak at once (shorter ones take less)
 
 
 class Engine:
@@ -65,9 +68,15 @@ class Engine:
             per_token = cfg.kv_cache_bytes_per_token(model.dtype.itemsize)
             cache_tokens = min(DEFAULT_CACHE_BYTES // per_token, 64 * cfg.max_position_embeddings)
         num_blocks = max(1, -(-cache_tokens // block_size))
-        self.cache = SlotCache(cfg.num_layers, num_blocks, cfg.num_kv_heads, cfg.head_dim, model.dtype,
-                               model.device, block_size)
         self.windows = layer_windows(cfg)
+        # A sliding layer needs its window plus one chunk per sequence, not the context: prompt chunks
+        # of a model with sliding layers stay within prefill_chunk, which bounds that.
+        sliding = [w for w in self.windows if w is not None]
+        self.max_chunk = min(max_batch_tokens, prefill_chunk) if sliding else max_batch_tokens
+        window_blocks = min(num_blocks, WINDOW_SEQUENCES * (-(-(max(sliding, default=0) + self.max_chunk - 1)
+                                                              // block_size) + 1))
+        self.cache = SlotCache(cfg.num_layers, num_blocks, cfg.num_kv_heads, cfg.head_dim, model.dtype,
+                               model.device, block_size, self.windows, window_blocks)
         self.score_bias = model.alibi_bias if cfg.position_kind == "alibi" else None
         self.cross: CrossStore | None = None
         if cfg.is_encoder_decoder:
@@ -124,7 +133,8 @@ class Engine:
             self.cross.check_fits(prompt)
             decoder_prompt = [self.model.config.decoder_start_token_id]
         context = decoder_prompt or prompt
-        check_fits(len(context) + config.max_new_tokens, self.cache, f"a request of {len(context)} prompt tokens")
+        check_fits(len(context) + config.max_new_tokens, self.cache, f"a request of {len(context)} prompt tokens",
+                   self.max_chunk)
         sequence = self._new_sequence(prompt, config, seed, detokenize, logprobs, decoder_prompt=decoder_prompt)
         sequence.keep_cache = keep
         self._queue(sequence)
@@ -145,7 +155,8 @@ class Engine:
         if not (kept.keep_cache and kept.finished and kept.source is None):
             raise InvalidOptionError("only a finished sequence submitted with keep=True can be resumed")
         prompt = kept.tokens(0, kept.num_tokens) + list(new_tokens)
-        check_fits(len(prompt) + config.max_new_tokens, self.cache, f"a conversation of {len(prompt)} tokens")
+        check_fits(len(prompt) + config.max_new_tokens, self.cache, f"a conversation of {len(prompt)} tokens",
+                   self.max_chunk)
         fed = prompt[kept.num_computed:]
         sequence = self._new_sequence(prompt, config, seed, detokenize, None, history=fed)
         sequence.keep_cache = True
@@ -217,7 +228,7 @@ class Engine:
         if work:
             budget = min(budget, self.prefill_chunk)  # prompt tokens this step (see the module docstring)
         for sequence in reading:
-            count = min(sequence.num_tokens - sequence.num_computed, budget)
+            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk)
             if count == 0:
                 break
             work.append((sequence, count))
@@ -228,7 +239,7 @@ class Engine:
                 break  # FIFO: the head waits for room, nobody overtakes it
             self.waiting.popleft()
             self.running.append(sequence)
-            count = min(sequence.num_tokens - sequence.num_computed, budget)
+            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk)
             work.append((sequence, count))
             budget -= count
         return work
@@ -239,18 +250,19 @@ class Engine:
         A new decoder-only sequence shares its prompt's cached prefix; a resumed one grows the
         blocks it kept; an encoder-decoder one also reserves its cross-attention blocks and never
         shares (its decoder's K/V depend on its source, not only on its tokens)."""
-        pool = self.cache.pool
+        cache, total, chunk = self.cache, sequence.total_tokens, self.max_chunk
         if sequence.block_table:  # resumed: it holds its computed tokens already
-            return pool.grow(sequence.block_table, sequence.total_tokens)
+            return cache.grow(sequence.block_table, total, chunk)
         if sequence.source is not None:
-            if not (self.cross.can_admit(sequence) and pool.can_allocate([], sequence.total_tokens)):
+            if not (self.cross.can_admit(sequence) and cache.can_allocate([], total, chunk)):
                 return False
-            sequence.block_table, _ = pool.allocate([], sequence.total_tokens)
+            sequence.block_table, _ = cache.allocate([], total, chunk)
             self.cross.admit(sequence)
             return True
-        if not pool.can_allocate(sequence.prompt_ids, sequence.total_tokens):
+        if not cache.can_allocate(sequence.prompt_ids, total, chunk):
             return False
-        table, cached = pool.allocate(sequence.prompt_ids, sequence.total_tokens)
+        table, cached = cache.allocate(sequence.prompt_ids, total, chunk)
+        pool = cache.pool
         sequence.block_table, sequence.num_computed = table, cached
         sequence.num_cached_prompt_tokens = cached
         sequence.block_hashes = pool.chain(sequence.prompt_ids, cached // pool.block_size)
@@ -258,6 +270,8 @@ class Engine:
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[TokenEvent]:
         work = [w for w in work if w[1] == 1] + [w for w in work if w[1] > 1]  # one-query rows first
+        for sequence, count in work:  # sliding kinds: drop what slid out, take the blocks written now
+            self.cache.prepare(sequence.block_table, sequence.num_computed, sequence.num_computed + count)
         if self.compiled is not None and all(count == 1 for _, count in work):
             sampled = [sequence for sequence, _ in work]  # every row decodes its last token
             logits = self.compiled.logits(sampled)  # [B, V]
@@ -272,18 +286,17 @@ class Engine:
         """One flat varlen forward over ``work`` -> (logits [K, V], the K sequences that reached
         their last token, in logits order)."""
         device = self.model.device
-        tokens, positions, slots, logit_rows, sampled = [], [], [], [], []
+        tokens, positions, logit_rows, sampled = [], [], [], []
         for sequence, count in work:
             start = sequence.num_computed
             tokens += sequence.tokens(start, start + count)
             positions += range(start, start + count)
-            slots += self.cache.slot_ids(sequence.block_table, start, start + count)
             if start + count == sequence.num_tokens:
                 logit_rows.append(len(tokens) - 1)
                 sampled.append(sequence)
         rows = self._row_groups(work)
-        plan = StepPlan(self.cache, torch.tensor(slots, device=device), self._groups(rows), self.windows,
-                        self.score_bias, self.model.dtype)
+        plan = StepPlan.for_rows(self.cache, [(s.block_table, s.num_computed, count) for s, count in work],
+                                 self.windows, self.score_bias, self.model.dtype)
         token_tensor = torch.tensor([tokens], device=device)  # [1, N]
         position_tensor = torch.tensor([positions], device=device)  # [1, N]
         logits_at = torch.tensor(logit_rows, dtype=torch.long, device=device)
@@ -306,29 +319,14 @@ class Engine:
             first += count
         return groups
 
-    def _groups(self, rows: list[RowGroup]) -> list[AttentionGroup]:
-        """The self-attention groups: each row sees its own slots up to its query positions."""
-        device = self.model.device
-        groups = []
-        for first, sequences, count in rows:
-            starts = torch.tensor([s.num_computed for s in sequences], device=device)[:, None]  # [B, 1]
-            query_positions = starts + torch.arange(count, device=device)[None]  # [B, T]
-            end = max(s.num_computed for s in sequences) + count
-            groups.append(self._group(first, [s.block_table for s in sequences], end, count, query_positions))
-        return groups
-
-    def _group(self, first: int, tables: list[list[int]], num_keys: int, queries: int,
-               query_positions: torch.Tensor) -> AttentionGroup:
-        block_table = self.cache.block_tables(tables, self.cache.pool.blocks_for(num_keys))
-        return AttentionGroup(first, len(tables), queries, block_table, query_positions)
-
     def _computed(self, sequence: Sequence, num_computed: int) -> None:
         """Advance a sequence and name its newly completed blocks for the prefix cache."""
         pool = self.cache.pool
         done_before, sequence.num_computed = sequence.num_computed // pool.block_size, num_computed
         done_now = num_computed // pool.block_size
         if done_now > done_before and sequence.source is None:  # no naming: decoder K/V depend on the source
-            pool.publish(sequence.block_table, sequence.tokens(0, num_computed), sequence.block_hashes, done_now)
+            self.cache.publish(sequence.block_table, sequence.tokens(0, num_computed), sequence.block_hashes,
+                               done_now)
 
     def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
         if not sampled:
@@ -355,5 +353,5 @@ class Engine:
         if self.cross is not None:
             self.cross.release(sequence)
         if sequence.block_table and not sequence.keep_cache:
-            self.cache.pool.release(sequence.block_table)
+            self.cache.release(sequence.block_table)
             sequence.block_table = []

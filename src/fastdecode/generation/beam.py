@@ -64,18 +64,20 @@ class DecoderBeamEngine:
         prompt_blocks = sum(blocks_for(len(p)) for p in prompts)
         # Per beam: a copy of the prompt's partial block and the blocks of its generated tokens.
         beam_blocks = K * sum(blocks_for(len(p) + self.max_new_tokens) - len(p) // size for p in prompts)
+        # Sliding-window layers get pools of the same size (engine/slots.py): a beam hands back what
+        # slides out of its window, but the prefill holds every prompt's blocks at once.
         self.cache = SlotCache(cfg.num_layers, prompt_blocks + beam_blocks, cfg.num_kv_heads, cfg.head_dim,
-                               model.dtype, model.device, size)
+                               model.dtype, model.device, size, self.windows)
         self.shared_nbytes = prompt_blocks * self.cache.block_nbytes
         self.per_beam_nbytes = beam_blocks * self.cache.block_nbytes
-        tables = [self.cache.pool.take(blocks_for(len(p))) for p in prompts]
+        tables = [self.cache.take(len(p)) for p in prompts]
         flat = [token for p in prompts for token in p]
         positions = [position for p in prompts for position in range(len(p))]
         ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1  # [B] last token of each prompt
         logits = self._forward(flat, positions, [(t, 0, len(p)) for t, p in zip(tables, prompts)], ends)
         self.tables = [self.cache.seq_cp(table) for table in tables for _ in range(K)]
         for table in tables:
-            self.cache.pool.release(table)
+            self.cache.release(table)
         self.lengths = [len(p) for p in prompts for _ in range(K)]
         self.prompt_lengths, self.samples = [len(p) for p in prompts], list(range(len(prompts)))
         return logits
@@ -83,7 +85,7 @@ class DecoderBeamEngine:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens, positions [B*K] -> logits [B*K, V] (positions are the rows' lengths)."""
         for table, length in zip(self.tables, self.lengths):
-            self.cache.writable(table, length, length + 1)
+            self.cache.prepare(table, length, length + 1)  # sliding kinds hand back what left the window
         rows = [(table, length, 1) for table, length in zip(self.tables, self.lengths)]
         logits = self._forward(tokens, positions, rows, torch.arange(len(rows)), (self.num_beams, self._shared_blocks()))
         self.lengths = [length + 1 for length in self.lengths]

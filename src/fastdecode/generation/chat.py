@@ -11,8 +11,9 @@ Overflow: the session has ``n_ctx`` positions (sinks + shift or re-evaluate past
 turn cannot run past ``n_ctx`` it runs in the engine, which gives what a streaming cache gives
 before its first eviction. The first turn that could overflow (or that has no ``max_new_tokens``)
 hands the conversation over to the streaming cache of generation/streaming.py: it is fed the
-tokens computed so far once, and every later turn runs there, exactly as before. (The engine has
-no streaming shift yet; once the slot cache can shift positions, the hand-over can go.)
+tokens computed so far once, and every later turn runs there, exactly as before. (The stream is a
+sequence of its own slot cache, with ``n_ctx`` plus headroom slots; the engine's scheduler does
+not run streams, so the hand-over stays.)
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def score_tokens(model, ids: list[int], config: GenerationConfig) -> list[float]
 
 def _chunk_logits(model, inputs: torch.Tensor, config: GenerationConfig):
     if config.n_ctx is not None:
-        engine = streaming_engine(model, config, headroom=min(config.n_ctx, CHUNK) - 1)
+        engine = streaming_engine(model, config)
         yield from engine.feed_chunks(inputs, all_logits=True)
         return
     engine = CachedEngine(model, 1, inputs.shape[0])

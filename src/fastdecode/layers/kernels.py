@@ -18,7 +18,7 @@ from pathlib import Path
 
 log = logging.getLogger("fastdecode")
 SOURCE = Path(__file__).with_name("qmatmul.cpp")
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-ffp-contract=off"]  # no fused mul+add: bitwise row results
 
 
 def _cpu_has_avx2() -> bool:
@@ -110,7 +110,7 @@ def _register_fake() -> None:
     import torch
 
     @torch.library.register_fake("fastdecode_kernels::qmatmul")
-    def _qmatmul_fake(x, codes, scale, mins, bits, group, grain):  # x [M, K] -> [M, N]
+    def _qmatmul_fake(x, codes, scale, mins, bits, group, grain, activation_bits=8):  # x [M, K] -> [M, N]
         return x.new_empty((x.shape[0], scale.shape[0]))
 
     @torch.library.register_fake("fastdecode_kernels::dequantize")

@@ -1,4 +1,4 @@
-// Quantized matrix products for fastdecode (AVX2 + FMA + F16C; a scalar path elsewhere).
+// Quantized matrix products for fastdecode (AVX2 + FMA + F16C; elsewhere the PyTorch fallback).
 //
 // A quantized weight is [N outputs, K inputs] in groups of G consecutive inputs of one output row:
 //   w[n, k] = scale[n, g] * code[n, k] + min[n, g]         (g = k / G; min may be absent = 0)
@@ -6,8 +6,28 @@
 // element j in its low nibble and element j + 16 in its high nibble: GGUF's Q4_0/Q4_1 order).
 // scale/min are float16 (exact copies of GGUF's fp16 block scales) or float32 (K-quant products).
 //
-// y[m, n] = sum_k w[n, k] x[m, k] in float32; activations are not quantized and weights are decoded
-// exactly, so the result equals dequantize-then-matmul up to summation order (and FMA rounding).
+// qmatmul (decode steps, few rows): each activation row is quantized once per call to int8 per block
+// of 32 inputs, x[k] ~ xq[k] = d[b] * a[k] with d[b] = max|x in block b| / 127 and |a| <= 127 (round
+// to nearest even), with the sum of its codes per weight group. Then
+//   y[m, n] = sum_b  (sum_{k in b} code[n, k] a[m, k])  * scale[n, g(k)] * d[m, b]     (int32 inside)
+//           + sum_g  min[n, g] * d[m, b(g)] * (sum_{k in g} a[m, k])
+//           = sum_k  w[n, k] * xq[m, k]           exactly, up to float32 rounding of the sums,
+// so the error against the float product is sum_k w[n, k] (xq - x)[m, k], |xq - x| <= d / 2: it scales
+// with the weights themselves (with exact x sums in the mins term it would scale with scale * code,
+// up to 2x larger for Q4_0/Q4_1's offset codes). The same scheme as llama.cpp's Q8_0/Q8_1 activations.
+// The integer products run on AVX2's maddubs (unsigned byte x signed byte, pair sums in int16) and
+// madd (to int32). maddubs saturates pair sums beyond 32767: 4-bit codes (<= 15) and 8-bit codes
+// through the sign trick (|code| <= 128 as an unsigned byte, activation sign-flipped to match, so
+// |pair sum| <= 2 * 128 * 127 = 32512) never reach it. The tolerance derivation is in
+// tests/unit/test_quantized.py.
+// Each (row, output) result is computed by the same operations in the same order whatever the
+// number of rows or the row/output blocking: a row's result never depends on the other rows.
+//
+// qmatmul with activation_bits = 32 (the logits layer): float32 activations, codes decoded once per
+// 8 rows, exact up to summation order (see float_rows).
+//
+// dequantize (prefill, many rows): codes -> float32 weights bit-identical to quantized.dequantize(),
+// for an exact float GEMM.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,6 +40,10 @@ namespace {
 
 inline float load_scale(const at::Half* p) { return _cvtsh_ss(reinterpret_cast<const uint16_t&>(*p)); }
 inline float load_scale(const float* p) { return *p; }
+inline __m256 load8_scales(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8_scales(const float* p) { return _mm256_loadu_ps(p); }
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -27,6 +51,149 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// ---- activations: rows quantized once per call ------------------------------------------------------
+struct QuantizedRows {
+  int64_t K;
+  std::vector<int8_t> codes;  // [M, K]
+  std::vector<float> scale;   // [M, K/32]: d, x ~ d * code
+  std::vector<float> sums;    // [M, K/G]: d * (sum of the codes) per weight group, for the mins term
+};
+
+template <int G>
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t blocks = K / 32;
+  QuantizedRows q{K, std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * K / G)};
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  for (int64_t i = 0; i < M * blocks; ++i) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(x + 32 * i + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], abs_mask));
+    }
+    const float top = hmax(amax), d = top / 127.0f;
+    const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    __m256i c[4];  // |x * 127 / max| <= 127 (+ one rounding): never -128
+    for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));  // nearest even
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(packed, order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.codes.data() + 32 * i), ordered);
+    q.scale[i] = d;
+    // code sums per group: lanes 0-3 of `fours` sum inputs 0..15, lanes 4-7 inputs 16..31 (exact in float)
+    const __m256 fours = _mm256_cvtepi32_ps(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), ordered), _mm256_set1_epi16(1)));
+    const float low = hsum(_mm256_blend_ps(fours, _mm256_setzero_ps(), 0xF0)), high = hsum(fours) - low;
+    if constexpr (G == 32) {
+      q.sums[i] = d * (low + high);
+    } else {  // G == 16
+      q.sums[2 * i] = d * low;
+      q.sums[2 * i + 1] = d * high;
+    }
+  }
+  return q;
+}
+
+// ---- weights: one 32-input block of one output row ---------------------------------------------------
+// The block's codes as maddubs' unsigned operand (4 bits: the codes; 8 bits: |code|).
+template <int BITS>
+inline __m256i unsigned_codes(const uint8_t* p, __m256i& signs) {
+  if constexpr (BITS == 4) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, mask);                       // elements 0..15
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);    // elements 16..31
+    return _mm256_set_m128i(hi, lo);
+  } else {
+    signs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm256_sign_epi8(signs, signs);  // |code|; -128 stays 0x80 = 128 as an unsigned byte
+  }
+}
+
+// int32 x 8 partial dot products (lane i: inputs 4i..4i+3) of one weight block with one activation block.
+template <int BITS>
+inline __m256 block_dot(__m256i magnitudes, __m256i signs, const int8_t* a) {
+  __m256i act = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  if constexpr (BITS == 8) act = _mm256_sign_epi8(act, signs);  // a * sign(code): 0 where the code is 0
+  const __m256i pairs = _mm256_maddubs_epi16(magnitudes, act);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// The weight scale of each int32 lane of block b: G = 32 one scale; G = 16 lanes 0-3 and 4-7 differ.
+template <int G, typename S>
+inline __m256 lane_scales(const S* scale_row, int64_t b) {
+  if constexpr (G == 32) return _mm256_set1_ps(load_scale(scale_row + b));
+  else return _mm256_set_m128(_mm_set1_ps(load_scale(scale_row + 2 * b + 1)), _mm_set1_ps(load_scale(scale_row + 2 * b)));
+}
+
+// sum_g min[g] * xsum[g], 8 groups at a time then one by one (a fixed order for a given K).
+template <typename S>
+inline float mins_term(const S* mins_row, const float* sums, int64_t groups) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(load8_scales(mins_row + g), _mm256_loadu_ps(sums + g), acc);
+  float total = hsum(acc);
+  for (; g < groups; ++g) total += load_scale(mins_row + g) * sums[g];
+  return total;
+}
+
+// Software prefetch of the codes PREFETCH_TILES tiles ahead: NR interleaved rows are more streams than
+// the hardware prefetcher follows well (measured on the 49152x576 Q8_0 output layer, M = 1: 30% faster
+// with 1 or 2 tiles than without, on a loaded machine).
+constexpr int64_t PREFETCH_TILES = 2;
+// Outputs [n0, n0 + NR) x rows [m0, m0 + RB): each weight block is loaded once for the RB rows, and
+// NR outputs run side by side (independent accumulators) for instruction-level parallelism.
+template <int BITS, int G, typename S, int NR, int RB>
+void dot_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S* scale, const S* mins, float* y,
+              int64_t N, int64_t n0) {
+  const int64_t K = q.K, blocks = K / 32, groups = K / G, row_bytes = K * BITS / 8;
+  __m256 acc[NR][RB];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < RB; ++r) acc[j][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b % (64 * 8 / (32 * BITS)) == 0)  // one cache line of codes per output row (prefetches never fault)
+      for (int j = 0; j < NR; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(codes + (n0 + PREFETCH_TILES * NR + j) * row_bytes + b * (32 * BITS / 8)),
+                     _MM_HINT_T0);
+    for (int j = 0; j < NR; ++j) {
+      __m256i signs = _mm256_setzero_si256();  // 8 bits: the codes (their signs); unused for 4 bits
+      const __m256i magnitudes = unsigned_codes<BITS>(codes + (n0 + j) * row_bytes + b * (32 * BITS / 8), signs);
+      const __m256 w_scale = lane_scales<G>(scale + (n0 + j) * groups, b);
+      for (int r = 0; r < RB; ++r) {
+        const __m256 dots = block_dot<BITS>(magnitudes, signs, q.codes.data() + (m0 + r) * K + 32 * b);
+        const __m256 act_scale = _mm256_set1_ps(q.scale[(m0 + r) * blocks + b]);
+        acc[j][r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(w_scale, act_scale), acc[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < RB; ++r) {
+      float total = hsum(acc[j][r]);
+      if (mins != nullptr) total += mins_term(mins + (n0 + j) * groups, q.sums.data() + (m0 + r) * groups, groups);
+      y[(m0 + r) * N + n0 + j] = total;
+    }
+}
+
+// All rows for outputs [n0, n1): NR outputs at a time, the tail one by one.
+template <int BITS, int G, typename S, int NR, int RB>
+void rows_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S* scale, const S* mins, float* y,
+               int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) dot_tile<BITS, G, S, NR, RB>(q, m0, codes, scale, mins, y, N, n);
+  for (; n < n1; ++n) dot_tile<BITS, G, S, 1, RB>(q, m0, codes, scale, mins, y, N, n);
+}
+
+// Outputs per chunk: a chunk's codes (32 x K/2 bytes for 4 bits, 9 KB at K = 576) stay in L1/L2
+// while every row block passes over them, so each weight byte comes from memory once per call.
+constexpr int64_t OUTPUT_CHUNK = 32;
 
 // The G weights of one group decoded to float codes (not yet scaled): G / 8 vectors.
 template <int BITS, int G>
@@ -47,99 +214,88 @@ inline void decode_group(const uint8_t* codes, __m256* w) {
   }
 }
 
-// Rows [m0, m0 + RB) of y for outputs [n0, n1).
-// Few rows (RB <= 2): per group, the dot product of the codes with x, then times the scale; the mins
-// term is sum_g min[n,g] * xsum[r,g] (xsum: x summed per group). Fewest operations per weight.
-// More rows: each group is decoded to its float32 weights once (scale * code + min, the same two
-// roundings as dequantize(): bit-identical weights) and reused for all RB rows.
+// ---- float32 activations (activation_bits = 32): exact products, for the logits layer ----------------
+// Per group, the float dot product of the codes (decoded once for RB rows) with x, times the scale; the
+// mins term is sum_g min[n, g] * xsum[r, g] (x summed per group once per call). Exact up to summation
+// order (codes and scales are exact floats), and the same per-row operations for every RB.
+template <int G>
+std::vector<float> group_sums(const float* x, int64_t M, int64_t K) {
+  std::vector<float> sums(M * K / G);
+  for (int64_t i = 0; i < M * K / G; ++i) {
+    __m256 v = _mm256_loadu_ps(x + G * i);
+    for (int j = 1; j < G / 8; ++j) v = _mm256_add_ps(v, _mm256_loadu_ps(x + G * i + 8 * j));
+    sums[i] = hsum(v);
+  }
+  return sums;
+}
+
 template <int BITS, int G, typename S, int RB>
-void rows_block(const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scale,
-                const S* mins, float* y, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t groups = K / G;
-  const int64_t row_bytes = K * BITS / 8;
-  const int64_t group_bytes = G * BITS / 8;
+void float_rows(const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scale, const S* mins,
+                float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t groups = K / G, row_bytes = K * BITS / 8, group_bytes = G * BITS / 8;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = codes + n * row_bytes;
-    const S* sc = scale + n * groups;
-    const S* mn = mins != nullptr ? mins + n * groups : nullptr;
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       __m256 w[G / 8];
-      decode_group<BITS, G>(c + g * group_bytes, w);
-      const __m256 s = _mm256_set1_ps(load_scale(sc + g));
-      if constexpr (RB <= 2) {
-        for (int r = 0; r < RB; ++r) {
-          const float* xr = x + r * K + g * G;
-          __m256 d = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
-          for (int i = 1; i < G / 8; ++i) d = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), d);
-          acc[r] = _mm256_fmadd_ps(d, s, acc[r]);
-        }
-      } else {
-        if (mn != nullptr) {
-          const __m256 m = _mm256_set1_ps(load_scale(mn + g));
-          for (int i = 0; i < G / 8; ++i) w[i] = _mm256_add_ps(_mm256_mul_ps(w[i], s), m);
-        } else {
-          for (int i = 0; i < G / 8; ++i) w[i] = _mm256_mul_ps(w[i], s);
-        }
-        for (int r = 0; r < RB; ++r) {
-          const float* xr = x + r * K + g * G;
-          for (int i = 0; i < G / 8; ++i) acc[r] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), acc[r]);
-        }
+      decode_group<BITS, G>(codes + n * row_bytes + g * group_bytes, w);
+      const __m256 s = _mm256_set1_ps(load_scale(scale + n * groups + g));
+      for (int r = 0; r < RB; ++r) {
+        const float* xr = x + r * K + g * G;
+        __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+        for (int i = 1; i < G / 8; ++i) dot = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), dot);
+        acc[r] = _mm256_fmadd_ps(dot, s, acc[r]);
       }
     }
     for (int r = 0; r < RB; ++r) {
       float total = hsum(acc[r]);
-      if (RB <= 2 && mn != nullptr) {
-        const float* xs = xsum + r * groups;
-        for (int64_t g = 0; g < groups; ++g) total += load_scale(mn + g) * xs[g];
-      }
+      if (mins != nullptr) total += mins_term(mins + n * groups, xsum + r * groups, groups);
       y[r * N + n] = total;
     }
   }
 }
 
-// Outputs per chunk: a chunk's codes (32 x K/2 bytes for 4 bits, 18 KB at K = 576) stay in L1/L2
-// while every row block of x passes over them, so each weight byte comes from memory once per call.
-constexpr int64_t OUTPUT_CHUNK = 32;
-
+// Outputs [n0, n1), all rows: a chunk of OUTPUT_CHUNK outputs' codes stays in cache while row blocks pass.
 template <int BITS, int G, typename S>
-void chunk_all_rows(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* codes, const S* scale,
-                    const S* mins, float* y, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t groups = K / G;
-  int64_t m = 0;
-  // 8 rows per decoded group: 8 accumulators + G/8 weight vectors + scale + partial fit in 16 ymm registers
-  for (; m + 8 <= M; m += 8)
-    rows_block<BITS, G, S, 8>(x + m * K, xsum ? xsum + m * groups : nullptr, K, codes, scale, mins, y + m * N, N, n0, n1);
-  for (; m + 4 <= M; m += 4)
-    rows_block<BITS, G, S, 4>(x + m * K, xsum ? xsum + m * groups : nullptr, K, codes, scale, mins, y + m * N, N, n0, n1);
-  for (; m + 2 <= M; m += 2)
-    rows_block<BITS, G, S, 2>(x + m * K, xsum ? xsum + m * groups : nullptr, K, codes, scale, mins, y + m * N, N, n0, n1);
-  for (; m < M; ++m)
-    rows_block<BITS, G, S, 1>(x + m * K, xsum ? xsum + m * groups : nullptr, K, codes, scale, mins, y + m * N, N, n0, n1);
+void outputs_range(const QuantizedRows& q, const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* cp, const S* sp,
+                   const S* mp, float* yp, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t c = n0; c < n1; c += OUTPUT_CHUNK) {
+    const int64_t c1 = std::min(c + OUTPUT_CHUNK, n1);
+    int64_t m = 0;
+    if (x != nullptr) {  // float32 activations: 8 accumulators + G/8 weight vectors fit in 16 registers
+      const int64_t groups = K / G;
+      for (; m + 8 <= M; m += 8) float_rows<BITS, G, S, 8>(x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
+      for (; m + 4 <= M; m += 4) float_rows<BITS, G, S, 4>(x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
+      for (; m < M; ++m) float_rows<BITS, G, S, 1>(x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
+      continue;
+    }
+    // int8 activations; registers: NR x RB accumulators + NR weight blocks
+    for (; m + 4 <= M; m += 4) rows_tile<BITS, G, S, 2, 4>(q, m, cp, sp, mp, yp, N, c, c1);
+    for (; m + 2 <= M; m += 2) rows_tile<BITS, G, S, 4, 2>(q, m, cp, sp, mp, yp, N, c, c1);
+    for (; m < M; ++m) rows_tile<BITS, G, S, 4, 1>(q, m, cp, sp, mp, yp, N, c, c1);
+  }
 }
 
 template <int BITS, int G, typename S>
 at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& mins, int64_t grain) {
-  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0), groups = K / G;
+                       const c10::optional<at::Tensor>& mins, int64_t grain, int64_t activation_bits) {
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  const bool has_min = mins.has_value() && mins->defined();
-  // per-group sums of the rows that take the few-rows path (M % 4 of them, the last ones)
-  at::Tensor xsum = has_min && M % 4 ? x.view({M, groups, G}).sum(2).contiguous() : at::Tensor();  // [M, K/G]
-  const float* xp = x.data_ptr<float>();
-  const float* xsp = xsum.defined() ? xsum.data_ptr<float>() : nullptr;
+  const bool exact = activation_bits == 32;
+  const QuantizedRows q = exact ? QuantizedRows{K, {}, {}, {}} : quantize_rows<G>(x.data_ptr<float>(), M, K);
+  const float* xp = exact ? x.data_ptr<float>() : nullptr;
+  const std::vector<float> xsum = exact && mins.has_value() && mins->defined() ? group_sums<G>(xp, M, K) : std::vector<float>();
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const S* sp = scale.data_ptr<S>();
-  const S* mp = has_min ? mins->data_ptr<S>() : nullptr;
+  const S* mp = mins.has_value() && mins->defined() ? mins->data_ptr<S>() : nullptr;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t c = n0; c < n1; c += OUTPUT_CHUNK)
-      chunk_all_rows<BITS, G, S>(xp, xsp, M, K, cp, sp, mp, yp, N, c, std::min(c + OUTPUT_CHUNK, n1));
+    outputs_range<BITS, G, S>(q, xp, xsum.data(), M, K, cp, sp, mp, yp, N, n0, n1);
   });
   return y;
 }
 
+// ---- dequantize: the exact float32 weights -----------------------------------------------------------
 template <int BITS, int G, typename S>
 at::Tensor dequantize_impl(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
                            int64_t grain) {
@@ -184,17 +340,19 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c1
   TORCH_CHECK(false, "no kernel for bits=", bits, " group=", group);
 }
 
-// x [M, K] float32 -> y [M, N] float32.
+// x [M, K] float32 -> y [M, N] float32, activations quantized to int8 per 32 (see the top of the file).
 at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                   const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t grain) {
+                   const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t grain, int64_t activation_bits) {
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 32, "activation_bits is 8 or 32, not ", activation_bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "codes and scales must be contiguous");
   TORCH_CHECK(x.size(1) == scale.size(1) * group, "x has ", x.size(1), " inputs, the weight ", scale.size(1) * group);
+  TORCH_CHECK(x.size(1) % 32 == 0, "activations are quantized in blocks of 32: ", x.size(1), " inputs");
   const bool half = scale.scalar_type() == at::kHalf;
 #define FD_CASE(B, GS)                                                                               \
   if (bits == B && group == GS)                                                                      \
-    return half ? matmul_impl<B, GS, at::Half>(x, codes, scale, mins, grain)                        \
-                : matmul_impl<B, GS, float>(x, codes, scale, mins, grain);
+    return half ? matmul_impl<B, GS, at::Half>(x, codes, scale, mins, grain, activation_bits)                 \
+                : matmul_impl<B, GS, float>(x, codes, scale, mins, grain, activation_bits);
   FD_CASE(8, 32)
   FD_CASE(8, 16)
   FD_CASE(4, 32)
@@ -206,7 +364,7 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 
 // A CPU kernel (not a composite one), so kernels.py can give the op a fake kernel for torch.compile.
 TORCH_LIBRARY(fastdecode_kernels, m) {
-  m.def("qmatmul(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int grain) -> Tensor");
+  m.def("qmatmul(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int grain, int activation_bits=8) -> Tensor");
   m.def("dequantize(Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int grain) -> Tensor");
 }
 

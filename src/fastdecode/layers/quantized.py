@@ -14,11 +14,13 @@ The matrix is stored [out, in] (rows are outputs) and ``transposed`` marks the c
 that models hold and ``.t()`` (as for float buffers, so model code is the same for both).
 
 Kernels: the AVX2 extension (``kernels.py``) for CPU rows up to ``KERNEL_MAX_ROWS`` (batch-1 and batched
-decode steps: each weight group is decoded once per call for up to 8 rows at a time, products and sums
-in float32, so results equal dequantize-then-matmul up to summation order); more rows (prompt
-processing) decode the matrix once per call into a transient float32 buffer (the AVX2 decoder, one
-pass) and use the float GEMM. Without the extension (no AVX2, no compiler, CUDA) every product goes
-through that dequantizing path, in PyTorch.
+decode steps): each activation row is quantized once per call to int8 per 32 inputs and multiplied by
+the codes in integer arithmetic (llama.cpp's scheme; error bound in tests/unit/test_quantized.py), with
+one exception, the logits layer (``for_logits``: float32 activations, exact up to summation order).
+A row's result is bitwise the same whatever else is in the batch. More rows (prompt processing) decode
+the matrix once per call into a transient float32 buffer (the AVX2 decoder, one pass) and use the
+float GEMM, exact. Without the extension (no AVX2, no compiler, CUDA) every product goes through that
+dequantizing path, in PyTorch.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class QuantizedWeight:
     mins: torch.Tensor | None  # like scale, or None (symmetric codes)
     transposed: bool = False  # True: seen as [K, N] (the canonical [in, out] view)
     dtype: torch.dtype = torch.float32  # the model's activations: embedding rows come out in it
+    activation_bits: int = 8  # the decode kernel's activations: 8 (int8 per 32 inputs) or 32 (exact; for_logits)
 
     @property
     def shape(self) -> torch.Size:
@@ -123,7 +126,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         grain = max(1, math.ceil(PARALLEL_MIN_WORK / (M * K)))  # output rows per thread, at least
         with threads_for(M * K * N):
             out = op(rows.float().contiguous(), weight.codes, weight.scale, weight.mins, weight.bits, weight.group,
-                     grain)
+                     grain, weight.activation_bits)
     else:
         from .linear import linear  # the float GEMM (oneDNN on CPU)
 
@@ -131,6 +134,18 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], N).to(x.dtype)  # [..., N]
+
+
+def for_logits(weight: QuantizedWeight) -> QuantizedWeight:
+    """The same weight, its decode products with float32 activations (exact, like prefill's).
+
+    For the output (logits) layer: its products decide the tokens directly, and rounding its input
+    to int8 moves logits by ~0.5% of their RMS, enough to flip near ties (the embedded model's first
+    answer token to "What is the capital of France?" is a 0.09-logit tie, "The" 25.33 vs "L" 25.24;
+    int8 activations answer "L'Étoile...", as llama.cpp does on the same file). That matrix is
+    memory-bound at M = 1 and its float kernel (weights decoded once for 8 rows) is as fast as the
+    integer one at M = 8 (measured: benchmarks/qmatmul_kernels.py), so exactness costs nothing there."""
+    return dataclasses.replace(weight, activation_bits=32)
 
 
 def embed(tokens: torch.Tensor, table: torch.Tensor | QuantizedWeight) -> torch.Tensor:

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from ..errors import InvalidOptionError
-from ..layers.quantized import QuantizedWeight, quantize_matrix
+from ..layers.quantized import QuantizedWeight, for_logits, quantize_matrix
 
 log = logging.getLogger("fastdecode")
 QUANTIZE_CHOICES = ("int8", "int4", "dequantize")
@@ -23,6 +23,15 @@ _KEEP_FLOAT = ("pos_embed", "relative_bias", "norm")
 def check_quantize(quantize: str | None) -> None:
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise InvalidOptionError(f"quantize must be None or one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
+
+
+def logits_layer_precise(weights: dict[str, torch.Tensor | QuantizedWeight]) -> dict:
+    """A quantized LM head runs its decode products on float32 activations (``quantized.for_logits``);
+    other matrices, the embedding view of a tied head included, are unchanged."""
+    head = weights.get("lm_head.weight")
+    if isinstance(head, QuantizedWeight):
+        weights = {**weights, "lm_head.weight": for_logits(head)}
+    return weights
 
 
 def _is_embedding(name: str) -> bool:

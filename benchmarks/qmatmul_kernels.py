@@ -1,0 +1,126 @@
+"""The quantized decode kernels, before and after a change, side by side in one run.
+
+Two source trees (``--baseline-src``: e.g. a worktree of main; ``--src``: this one) run the same jobs
+in their own worker processes, alternating (base, new, base, new...), medians over ``--reps``:
+
+* kernel: ``quantized_linear`` on the embedded model's own weights, one 576x1536 (gate, Q4_1), one
+  1536x576 (down, Q4_1) and the 49152x576 output layer (Q8_0), at M = 1 and 8 rows, 1 and 2 threads
+  (the microseconds per call, median of ~0.3 s of calls);
+* decode: the embedded model's tokens/s at batch 1 and 8 (``--new-tokens`` each), ``--threads``.
+
+    python benchmarks/qmatmul_kernels.py --baseline-src /path/to/main/src [--reps 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MATRICES = {"576x1536 gate Q4_1": "layers.0.gate.weight", "1536x576 down Q4_1": "layers.0.down.weight",
+            "49152x576 output Q8_0": "lm_head.weight", "49152x576 Q8_0 int8 activations": "lm_head.weight"}
+PROMPT = "The history of the printing press begins"
+
+
+def kernel_job() -> dict[str, float]:
+    import torch
+
+    import fastdecode
+    from fastdecode.layers.quantized import quantized_linear
+    from fastdecode.layers.threads import one_thread_except_big_ops
+
+    gen = fastdecode.load()
+    results = {}
+    for label, name in MATRICES.items():
+        weight = gen.checkpoint.weights[name].t()  # [out, in]
+        if "int8 activations" in label:  # the output matrix as every other matrix runs (this tree only)
+            if not hasattr(weight, "activation_bits"):
+                continue
+            weight = dataclasses.replace(weight, activation_bits=8)
+        for rows in (1, 8):
+            x = torch.randn(rows, weight.shape[1])
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                call = one_thread_except_big_ops(lambda: quantized_linear(x, weight, None))  # a forward's rules
+                call()
+                times, started = [], time.perf_counter()
+                while time.perf_counter() - started < 0.3 or len(times) < 5:
+                    t0 = time.perf_counter()
+                    call()
+                    times.append(time.perf_counter() - t0)
+                results[f"{label} M={rows} t={threads}"] = statistics.median(times) * 1e6
+    return results
+
+
+def decode_job(threads: int, new_tokens: int) -> dict[str, float]:
+    import torch
+
+    import fastdecode
+
+    torch.set_num_threads(threads)
+    gen = fastdecode.load()
+    ids = gen.encode_prompt(PROMPT)
+    results = {}
+    for batch in (1, 8):
+        gen.generate_ids([ids] * batch, max_new_tokens=2, eos_token_id=[])  # warm
+        started = time.perf_counter()
+        gen.generate_ids([ids] * batch, max_new_tokens=new_tokens, eos_token_id=[])
+        results[f"decode batch {batch} tok/s"] = batch * new_tokens / (time.perf_counter() - started)
+    return results
+
+
+def run_worker(src: str, job: str, args) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=src, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
+    command = [sys.executable, __file__, "--worker", job, "--threads", str(args.threads),
+               "--new-tokens", str(args.new_tokens)]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline-src", required=False, help="src/ folder of the baseline tree")
+    parser.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "src"))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="threads of the decode job")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--jobs", default="kernel,decode")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(kernel_job() if args.worker == "kernel" else decode_job(args.threads, args.new_tokens)))
+        return
+    if not args.baseline_src:
+        parser.error("--baseline-src is required")
+    sides = {"base": args.baseline_src, "new": args.src}
+    samples: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
+    load_before = os.getloadavg()[0]
+    for rep in range(args.reps):
+        for job in args.jobs.split(","):
+            for side, src in sides.items():
+                for key, value in run_worker(src, job, args).items():
+                    samples[side].setdefault(key, []).append(value)
+                print(f"rep {rep + 1}/{args.reps} {job} {side} done", file=sys.stderr, flush=True)
+    print(f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; {os.cpu_count()} cores; "
+          f"medians of {args.reps} alternating runs (min-max)")
+    print("| measure | base | new | new / base |")
+    print("|---|---|---|---|")
+    for key in samples["new"]:
+        new = statistics.median(samples["new"][key])
+        unit = "" if "tok/s" in key else " us"
+        spread = "-".join(f"{v:.0f}" for v in (min(samples["new"][key]), max(samples["new"][key])))
+        if key not in samples["base"]:
+            print(f"| {key} | - | {new:.1f}{unit} ({spread}) | - |")
+            continue
+        base = statistics.median(samples["base"][key])
+        print(f"| {key} | {base:.1f}{unit} | {new:.1f}{unit} ({spread}) | {new / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
