@@ -10,6 +10,11 @@ The engines alternate (A/B/A/B, harness.alternate) so drifting machine load hits
 with min-max. The cost of no-repeat-n-gram blocking is measured the same way: fastdecode with and
 without it (``no_repeat_ngram_size=0``), alternating, as the difference of the medians.
 
+K/V cache bytes after the run. fastdecode (FastSeq layout): the prompt (encoder-decoder: the
+source's cross-attention K/V) is stored once per sample, the generated tokens once per beam. The
+bytes per token come from ``Generator.inspect()``, times the tokens each part holds. transformers: every
+tensor of the cache its ``generate`` returns, with every beam holding the whole prompt.
+
     python benchmarks/beam_speed.py            # several minutes on 2 shared cores
     python benchmarks/beam_speed.py --quick    # smoke run
 
@@ -59,11 +64,14 @@ def run_model(name: str, build, settings: Settings, folder: Path) -> dict:
                    min_new_tokens=settings.new_tokens)
     start = 1 if hf.config.is_encoder_decoder else settings.prompt_length  # transformers' rows hold more
 
+    their_cache = {}
+
     def theirs(batch=prompts, attention=mask, **extra):
         with torch.inference_mode():
-            out = hf.generate(batch, attention_mask=attention, do_sample=False,
+            out = hf.generate(batch, attention_mask=attention, do_sample=False, return_dict_in_generate=True,
                               pad_token_id=hf.config.eos_token_id, **{**options, **extra})
-        return [row[start:].tolist() for row in out]
+        their_cache["bytes"] = tensor_bytes(out.past_key_values)
+        return [row[start:].tolist() for row in out.sequences]
 
     print(f"## {name}: warm-up", flush=True, file=sys.stderr)
     gen.generate_ids(ids[:1], **{**options, "max_new_tokens": 2, "min_new_tokens": 2})
@@ -76,10 +84,45 @@ def run_model(name: str, build, settings: Settings, folder: Path) -> dict:
     same = sum(a == b[: len(a)] for a, b in zip(outputs["fastdecode"], outputs["transformers"]))
     fd, tf_ = median(times["fastdecode"]), median(times["transformers"])
     ngram_s = fd - median(times["fastdecode, n-gram blocking off"])
+    shared, per_beam = fastseq_cache_bytes(gen.inspect(), settings)
     return {"model": name, "fd": [settings.batch / s for s in times["fastdecode"]],
             "tf": [settings.batch / s for s in times["transformers"]], "speedup": tf_ / fd,
-            "identical": f"{same}/{len(outputs['fastdecode'])}",
+            "identical": f"{same}/{len(outputs['fastdecode'])}", "shared": shared, "per_beam": per_beam,
+            "their_cache": their_cache["bytes"],
             "ngram_ms_per_step": 1000 * ngram_s / settings.new_tokens, "ngram_share": ngram_s / fd}
+
+
+def fastseq_cache_bytes(info: dict, settings: Settings) -> tuple[int, int]:
+    """(bytes stored once per sample, bytes stored per beam) of fastdecode's K/V after the run: the
+    prompts (an encoder-decoder's sources, as cross-attention K/V) once, the new tokens per beam."""
+    if "cross_attention_cache_bytes_per_source_token" in info:  # encoder-decoder
+        once, generated = info["cross_attention_cache_bytes_per_source_token"], info["kv_cache_bytes_per_target_token"]
+    else:
+        once = generated = info["kv_cache_bytes_per_token"]
+    return (once * settings.batch * settings.prompt_length,
+            generated * settings.batch * settings.beams * settings.new_tokens)
+
+
+def tensor_bytes(cache) -> int:
+    """Bytes of every tensor in a transformers cache object (self-attention and cross-attention)."""
+    total, seen = 0, set()
+
+    def visit(obj, depth=0):
+        nonlocal total
+        if depth > 4 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            total += obj.nbytes
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item, depth + 1)
+        elif hasattr(obj, "__dict__"):
+            for item in vars(obj).values():
+                visit(item, depth + 1)
+
+    visit(cache)
+    return total
 
 
 def main() -> None:
@@ -99,10 +142,12 @@ def main() -> None:
           f"no_repeat_ngram_size {settings.ngram}, length_penalty {settings.length_penalty}, "
           f"{settings.new_tokens} new tokens, float32, torch {torch.__version__}\n")
     print(harness.machine_line(settings.threads) + f"; other processes kept {meter.other_cores():.2f} cores busy\n")
+    mib = 1 / 2**20
     print(harness.table(
-        ["model", "transformers samples/s", "fastdecode samples/s", "speedup", "identical", "n-gram ms/step",
-         "n-gram share"],
+        ["model", "transformers samples/s", "fastdecode samples/s", "speedup", "identical",
+         "fastdecode K/V MiB (once per sample + per beam)", "transformers K/V MiB", "n-gram ms/step", "n-gram share"],
         [[r["model"], spread(r["tf"], 2), spread(r["fd"], 2), f"{r['speedup']:.2f}x", r["identical"],
+          f"{r['shared'] * mib:.1f} + {r['per_beam'] * mib:.1f}", f"{r['their_cache'] * mib:.1f}",
           f"{r['ngram_ms_per_step']:.2f}", f"{100 * r['ngram_share']:.2f}%"] for r in rows]))
     print(f"\nsamples/s: median (min-max) over {settings.reps} alternating reps. n-gram: fastdecode with blocking "
           f"minus without, medians (noise can make it negative).\nTargets: >= {TARGET_SPEEDUP:.0f}x transformers "

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
-from decode_speed import PROMPT_IDS, batch_prompts, long_prompt
+from decode_engines import PROMPT_IDS, batch_prompts, long_prompt
 from harness import Worker, limit_tokens_per_s, median, not_run, spread, table
 from peers import llama_cpp
 from peers.ctranslate2 import prepare_ctranslate2

@@ -8,14 +8,31 @@ tensors and numpy arrays of an integer dtype (1-D for one sequence, 2-D for many
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
 from .errors import InvalidOptionError, InvalidPromptError
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (``True`` is an int subclass, never a count)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_finite(value: Any) -> bool:
+    return is_number(value) and math.isfinite(value)
+
+
+def positive_int(value: Any, name: str) -> int:
+    """A count or a size option: an int >= 1 (not a bool) -> itself, else InvalidOptionError naming it."""
+    if not is_int(value) or value < 1:
+        raise InvalidOptionError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
 
 
 def _type(value: Any) -> str:
@@ -85,7 +102,7 @@ def token_ids(ids: Any, what: str = "the token ids") -> list[int]:
         ids = ids.tolist()
     if not isinstance(ids, (list, tuple)):
         raise InvalidPromptError(f"{what} must be a list of integers, got {_type(ids)}")
-    bad = [t for t in ids if not _is_int(t)]
+    bad = [t for t in ids if not is_int(t)]
     if bad:
         raise InvalidPromptError(f"{what} must be integers, got {_type(bad[0])} {bad[0]!r}")
     return list(ids)
@@ -100,7 +117,7 @@ def token_prompts(prompts: Any) -> list[list[int]]:
         return [token_ids(row, f"prompt {i}") for i, row in enumerate(prompts.tolist())]
     if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, (list, tuple)):
         raise InvalidPromptError(f"generate_ids takes a list of token-id sequences, got {_type(prompts)}")
-    if prompts and all(_is_int(t) for t in prompts):
+    if prompts and all(is_int(t) for t in prompts):
         raise InvalidPromptError(f"generate_ids takes a list of prompts, each a list of token ids; got a flat list "
                                  f"of ints: wrap one prompt as [[{', '.join(map(str, prompts[:3]))}, ...]]")
     return [token_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]

@@ -181,3 +181,11 @@ def test_logprobs_are_the_raw_log_softmax(llama_gen):
     assert event.logprob == pytest.approx(float(expected.max()), abs=1e-5)
     assert [t for t, _ in event.top_logprobs] == expected.topk(3).indices.tolist()
     assert sequence.output_ids == [event.token_id]
+
+
+@pytest.mark.parametrize("name", ["max_batch_tokens", "max_queue", "prefill_chunk"])
+@pytest.mark.parametrize("value", [0, -3, True, 2.0, "8", None])
+def test_engine_sizes_must_be_positive_ints(llama_gen, name, value):
+    gen = llama_gen[0]
+    with pytest.raises(InvalidOptionError, match=f"{name} must be an integer >= 1, got {value!r}"):
+        gen.engine(**{name: value})

@@ -23,8 +23,8 @@ import fastdecode  # noqa: E402
 from fastdecode.layers.quantized import QuantizedWeight  # noqa: E402
 from fastdecode.loading.gguf_file import GGML_TYPES, GGUFFile  # noqa: E402
 from fastdecode.loading.tokenizer import IncrementalDetokenizer, Tokenizer, from_gguf  # noqa: E402
-from test_gguf_loading import MERGES, TOKEN_TYPES, TOKENS, write_gguf  # noqa: E402
-from test_tokenizer import _spm_fields  # noqa: E402
+from tiny_gguf import MERGES, TOKEN_TYPES, TOKENS, write_gguf  # noqa: E402
+from test_tokenizer_stream import _spm_fields  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from fastdecode.layers import kernels, quantized  # noqa: E402
 from fastdecode.layers.kernels import qmatmul_op  # noqa: E402
 from fastdecode.layers.quantized import QuantizedWeight, dequantize, quantize_matrix  # noqa: E402
 from fastdecode.loading.gguf_blocks import repack  # noqa: E402
-from test_gguf_loading import EOT, MERGES, TOKEN_TYPES, TOKENS  # noqa: E402
+from tiny_gguf import EOT, MERGES, TOKEN_TYPES, TOKENS  # noqa: E402
 
 GGUF_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)

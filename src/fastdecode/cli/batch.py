@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ..pipeline.cli import run_batch
-from ..pipeline.runner import BatchSettings
+from ..pipeline.settings import BatchSettings
 from .errors import handle_errors
 from .options import collect_options, generation_options, load_settings, model_options
 

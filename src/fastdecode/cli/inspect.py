@@ -7,7 +7,7 @@ import json
 
 import click
 
-from ..pipeline.runner import LoadSettings
+from ..pipeline.settings import LoadSettings
 from .errors import handle_errors, require_stream
 
 

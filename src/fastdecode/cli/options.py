@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from ..pipeline.runner import LoadSettings
+from ..pipeline.settings import LoadSettings
 
 
 def generation_options(command):

@@ -38,6 +38,7 @@ import torch
 from ..config import GenerationConfig
 from ..errors import InvalidOptionError, QueueFullError
 from ..generation.sampling import TokenSelector, sequence_seeds
+from ..validation import positive_int
 from .compiled import CompiledDecode
 from .cross import CrossStore, RowGroup, decoder_score_bias
 from .plan import StepPlan, layer_windows
@@ -58,12 +59,9 @@ class Engine:
         (decoder-only models; see engine/compiled.py)."""
         model = generator.model
         cfg = model.config
-        if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
-            raise InvalidOptionError(f"max_batch_tokens must be an integer >= 1, got {max_batch_tokens!r}")
-        if not isinstance(max_queue, int) or max_queue < 1:
-            raise InvalidOptionError(f"max_queue must be an integer >= 1, got {max_queue!r}")
-        if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
-            raise InvalidOptionError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+        for name, value in (("max_batch_tokens", max_batch_tokens), ("max_queue", max_queue),
+                            ("prefill_chunk", prefill_chunk)):
+            positive_int(value, name)
         self.generator, self.model = generator, model
         self.max_batch_tokens, self.max_queue, self.prefill_chunk = max_batch_tokens, max_queue, prefill_chunk
         if cache_tokens is None:

@@ -146,13 +146,12 @@ def generate_dataset(ds: "ray.data.Dataset", model: str | None = None, *, actors
     Output rows keep the input order when the DataContext preserves order.
     """
     from ..config import GenerationConfig
-    from ..errors import InvalidOptionError
     from ..pipeline import BatchSettings
+    from ..validation import positive_int
 
     GenerationConfig.from_options(**options)  # fail here, in the driver, before any actor starts
     for name, value in (("actors", actors), ("cpus_per_actor", cpus_per_actor)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise InvalidOptionError(f"{name} must be an integer >= 1, got {value!r}")
+        positive_int(value, name)
     settings = BatchSettings(batch_size=batch_size, max_batch_tokens=max_batch_tokens, lookahead=rows_per_call)
     return map_predictor(ds, dict(model=model, options=options, field=field, chat=chat, batch_size=batch_size,
                                   max_batch_tokens=max_batch_tokens, device=device, dtype=dtype, quantize=quantize),

@@ -28,9 +28,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidOptionError, RayUnavailableError
+from ..errors import RayUnavailableError
 from ..pipeline.inputs import InputItem
 from ..pipeline.records import ReorderBuffer
+from ..validation import positive_int
 from .ray import encoded_blocks, map_predictor, ray_batch_size
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,9 +51,7 @@ class RayOptions:
 
     def __post_init__(self) -> None:
         for name in ("actors", "cpus_per_actor"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidOptionError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+            positive_int(getattr(self, name), f"--{name.replace('_', '-')}")
 
 
 def import_ray() -> Any:

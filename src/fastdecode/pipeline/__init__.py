@@ -1,14 +1,16 @@
 """Asynchronous batch generation: reader -> tokenize -> generate -> detokenize -> writer.
 
 ``fastdecode batch`` (cli/batch.py, its body in pipeline/cli.py) and ``Generator.batch`` both run ``BatchRun``
-(runner.py); inputs.py parses lines, batching.py buckets by length, records.py builds the
-output records and keeps their order, output.py resumes and appends the .jsonl output.
+(runner.py; its threads' stop flag and queue calls in stages.py, its settings in settings.py); inputs.py
+parses lines, batching.py buckets by length, records.py builds the output records and keeps their order,
+output.py resumes and appends the .jsonl output.
 """
 
 from __future__ import annotations
 
 from .inputs import InputItem, items_from_lines, items_from_objects
-from .runner import BatchRun, BatchSettings, LoadSettings, PipelineStats
+from .runner import BatchRun, PipelineStats
+from .settings import BatchSettings, LoadSettings
 
 __all__ = ["BatchRun", "BatchSettings", "InputItem", "LoadSettings", "PipelineStats", "items_from_lines",
            "items_from_objects"]

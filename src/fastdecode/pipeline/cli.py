@@ -27,7 +27,8 @@ import click
 from ..errors import BatchFileError, ModelNotFoundError
 from .inputs import BOM, InputItem, format_for, items_from_lines, skip_done
 from .output import OutputFile, OutputState, encode_record, same_file
-from .runner import BatchRun, BatchSettings, LoadSettings, PipelineStats, split_at_first_error
+from .runner import BatchRun, PipelineStats, split_at_first_error
+from .settings import BatchSettings, LoadSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..integrations.ray_batch import RayOptions

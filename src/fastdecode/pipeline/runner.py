@@ -32,7 +32,6 @@ every record before it is written, it is not (so a rerun after fixing the line r
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,13 +42,8 @@ from ..errors import BatchFileError, FastDecodeError, InvalidOptionError
 from .batching import plan_window
 from .inputs import InputItem
 from .records import ReorderBuffer, error_record, is_error, success_record
-
-DEFAULT_BATCH_SIZE = 16
-WINDOW_BATCHES = 8  # default look-ahead: this many batches' worth of inputs are sorted together
-TOKEN_BUDGET_WINDOW = 256  # default look-ahead when batches are limited by max_batch_tokens
-POST_QUEUE = 2  # generated batches waiting for the writer thread
-POLL_S = 0.05  # how often a blocked stage checks whether the run was stopped
-
+from .settings import POST_QUEUE, BatchSettings
+from .stages import END, POLL_S, StageControl, Stopped
 
 class Engine(Protocol):
     """What the pipeline needs from a model: ``fastdecode.Generator`` (or a test double)."""
@@ -59,68 +53,6 @@ class Engine(Protocol):
     def generate_ids_with_details(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[Any]: ...
 
     def decode_results(self, results: Sequence[Any], **options: Any) -> list[str]: ...
-
-
-@dataclass(frozen=True)
-class LoadSettings:
-    """Which model a run loads and how: the arguments of ``fastdecode.load``, passed as one record
-    from the CLI through the batch runner to this process or to each Ray actor."""
-
-    model: str | None = None  # HF folder or .gguf file; None: the embedded model
-    device: str = "cpu"
-    dtype: str = "float32"
-    quantize: str | None = None
-
-    def load(self) -> Any:
-        from .. import load
-
-        return load(self.model, device=self.device, dtype=self.dtype, quantize=self.quantize)
-
-
-@dataclass(frozen=True)
-class BatchSettings:
-    """How inputs are grouped; ``batch_size`` and ``max_batch_tokens`` exclude each other."""
-
-    batch_size: int | None = None  # prompts per batch (default DEFAULT_BATCH_SIZE)
-    max_batch_tokens: int | None = None  # padded-token budget per batch (see batching.padded_tokens)
-    lookahead: int | None = None  # inputs sorted together by length (the reorder bound)
-    chat: bool = False  # wrap each plain prompt as a user message with the chat template
-    fail_fast: bool = False  # stop at the first failed input instead of recording it
-
-    def __post_init__(self) -> None:
-        for name in ("batch_size", "max_batch_tokens", "lookahead"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise InvalidOptionError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.batch_size is not None and self.max_batch_tokens is not None:
-            raise InvalidOptionError("give batch_size or max_batch_tokens, not both")
-
-    @property
-    def rows(self) -> int | None:
-        """Prompts per batch, or None when a token budget limits batches instead."""
-        if self.max_batch_tokens is not None:
-            return None
-        return self.batch_size or DEFAULT_BATCH_SIZE
-
-    @property
-    def window(self) -> int:
-        if self.lookahead is not None:
-            return self.lookahead
-        return self.rows * WINDOW_BATCHES if self.rows else TOKEN_BUDGET_WINDOW
-
-    def max_items_in_flight(self) -> int:
-        """The most inputs read but not yet written: the memory bound, whatever the input size.
-
-        Three windows: one the reader fills (or holds, blocked on the full queue), one queued,
-        one in the caller's hands. Plus earlier windows not yet fully written: the writer takes
-        batches first in, first out, so those are the windows of the last POST_QUEUE + 1
-        generated batches, which span one earlier window when a window has that many batches
-        (its records wait in the reorder buffer for its oldest pending batch), else up to
-        POST_QUEUE + 1 of them.
-        """
-        batches_per_window = self.window // self.rows if self.rows else 1
-        earlier = 1 if batches_per_window >= POST_QUEUE + 1 else POST_QUEUE + 1
-        return (3 + earlier) * self.window
 
 
 @dataclass
@@ -170,60 +102,6 @@ class _Batch:
     failed: list[InputItem]  # inputs that already failed (ride along so that order is kept)
 
 
-class _Stopped(Exception):
-    """Raised inside a stage when another stage stopped the run."""
-
-
-_END = object()
-
-
-class _Control:
-    """The run's shared stop flag and first error; blocking queue calls that honour the flag."""
-
-    def __init__(self) -> None:
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self._lock = threading.Lock()
-
-    def fail(self, error: BaseException) -> None:
-        with self._lock:
-            if self.error is None:
-                self.error = error
-        self.stop.set()
-
-    def put(self, channel: queue.Queue, value: Any) -> None:
-        while not self.stop.is_set():
-            try:
-                channel.put(value, timeout=POLL_S)
-                return
-            except queue.Full:
-                pass
-        raise _Stopped
-
-    def get(self, channel: queue.Queue) -> Any:
-        while not self.stop.is_set():
-            try:
-                return channel.get(timeout=POLL_S)
-            except queue.Empty:
-                pass
-        raise _Stopped
-
-    def run_stage(self, stage: Callable[[], None], name: str) -> threading.Thread:
-        """Start ``stage`` in a daemon thread that reports any exception here and stops the run."""
-        def body() -> None:
-            try:
-                stage()
-            except _Stopped:
-                pass
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                self.fail(exc)
-
-        # Daemon: a reader blocked on a silent stdin must not keep the process alive.
-        thread = threading.Thread(target=body, name=f"fastdecode-{name}", daemon=True)
-        thread.start()
-        return thread
-
-
 def generate_batch(engine: Engine, prompts: list[list[int]], options: dict[str, Any],
                    rows_per_prompt: int, seeds: list[int] | None = None) -> list[list[Any] | FastDecodeError]:
     """Per prompt: its ``rows_per_prompt`` results, or the FastDecodeError it alone causes.
@@ -269,7 +147,7 @@ class BatchRun:
         self.on_records = on_records
         self.postprocess = postprocess
         self.stats = PipelineStats()
-        self._control = _Control()
+        self._control = StageControl()
         self._windows: queue.Queue = queue.Queue(maxsize=1)
         self._post: queue.Queue = queue.Queue(maxsize=POST_QUEUE)
         self._out: queue.Queue = queue.Queue()
@@ -323,7 +201,7 @@ class BatchRun:
                 stats.read_s += time.perf_counter() - started
         if window:
             control.put(self._windows, self._plan(window))
-        control.put(self._windows, _END)
+        control.put(self._windows, END)
 
     # -- writer thread ----------------------------------------------------------------------
     def _records(self, batch: _Batch, outcomes: list[list[Any] | FastDecodeError]) -> list[tuple[int, dict]]:
@@ -360,7 +238,7 @@ class BatchRun:
     def _post_stage(self) -> None:
         while True:
             work = self._control.get(self._post)
-            if work is _END:
+            if work is END:
                 break
             started = time.perf_counter()
             ready = []
@@ -371,7 +249,7 @@ class BatchRun:
             self.stats.post_s += time.perf_counter() - started
         if len(self._reorder):
             raise RuntimeError(f"pipeline bug: {len(self._reorder)} records never became ready")
-        self._out.put(_END)
+        self._out.put(END)
 
     # -- caller's thread --------------------------------------------------------------------
     def _drain(self) -> Iterator[dict]:
@@ -380,8 +258,8 @@ class BatchRun:
                 record = self._out.get_nowait()
             except queue.Empty:
                 return
-            if record is _END:
-                self._out.put(_END)  # leave the end marker for the final wait
+            if record is END:
+                self._out.put(END)  # leave the end marker for the final wait
                 return
             yield record
 
@@ -394,7 +272,7 @@ class BatchRun:
             waited = time.perf_counter()
             window = control.get(self._windows)
             stats.starve_s += time.perf_counter() - waited
-            if window is _END:
+            if window is END:
                 break
             for batch in window:
                 started = time.perf_counter()
@@ -407,8 +285,8 @@ class BatchRun:
                 stats.batches += bool(batch.items)
                 control.put(self._post, (batch, outcomes))
                 yield from self._drain()
-        control.put(self._post, _END)
-        while (record := control.get(self._out)) is not _END:
+        control.put(self._post, END)
+        while (record := control.get(self._out)) is not END:
             yield record
 
     def __iter__(self) -> Iterator[dict]:
@@ -421,7 +299,7 @@ class BatchRun:
         try:
             yield from self._generate_stage()
             finished = True
-        except _Stopped:
+        except Stopped:
             yield from self._drain()  # records written before the failure still reach the caller
             if control.error is not None:
                 raise control.error from None

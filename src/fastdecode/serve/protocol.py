@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FastDecodeError, PromptTooLongError, QueueFullError
+from ..validation import is_int
 
 MAX_CHOICES = 16  # n per request
 MAX_STOPS = 4  # OpenAI's limit on stop strings
@@ -159,11 +160,11 @@ def _completion_prompts(fields: "_Fields") -> list[Any]:
                         "token-id lists", param="prompt")
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and all(_is_int(t) for t in p)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and all(is_int(t) for t in p)
                                                      for p in prompt):
         prompts = list(prompt)
     else:
@@ -218,7 +219,7 @@ class _Fields:
         value = self.body.get(name)
         if value is None:
             return default
-        if not _is_int(value) or (low is not None and value < low) or (high is not None and value > high):
+        if not is_int(value) or (low is not None and value < low) or (high is not None and value > high):
             raise APIError(400, f"{name} must be an integer{_range(low, high)}, got {value!r}", param=name)
         return value
 
@@ -241,7 +242,3 @@ def _range(low: float | None, high: float | None, low_open: bool = False) -> str
     if low is not None:
         return f" {'>' if low_open else '>='} {low}"
     return ""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,214 @@
+"""Tiny random transformers models written to .gguf the way llama.cpp's ``convert_hf_to_gguf.py``
+writes them (metadata keys, tensor names, quantized 2-D weights, Q/K rows permuted for ``llama``),
+with a tiny byte-level BPE vocabulary; and their HF references after the same quantization round
+trip. Used by tests/unit/test_gguf_loading.py (its docstring says why each step is as it is),
+test_load_path.py and test_quantized.py."""
+
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFWriter, LlamaFileType
+from gguf.quants import dequantize, quantize
+
+from tiny_models import _rope
+
+
+# --- a tiny byte-level BPE vocabulary (GPT-2 style) ------------------------------------------
+def _gpt2_byte_alphabet() -> list[str]:
+    """GPT-2's bytes_to_unicode, in byte order: the 256 base tokens of a byte-level BPE vocab."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENS = _gpt2_byte_alphabet() + [m.replace(" ", "") for m in MERGES] + SPECIALS
+TOKEN_TYPES = [1] * (len(TOKENS) - len(SPECIALS)) + [3] * len(SPECIALS)  # 1 normal, 3 control
+VOCAB = len(TOKENS)  # 267
+EOT = TOKENS.index("<|endoftext|>")
+
+FILE_TYPES = {QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16, QT.BF16: LlamaFileType.MOSTLY_BF16,
+              QT.Q8_0: LlamaFileType.MOSTLY_Q8_0, QT.Q4_0: LlamaFileType.MOSTLY_Q4_0,
+              QT.Q4_1: LlamaFileType.MOSTLY_Q4_1}
+GGUF_ARCH = {"llama-gqa": "llama", "llama-mqa": "llama", "llama-tied": "llama", "qwen2": "qwen2", "gpt2": "gpt2"}
+
+
+# --- tiny random HF models ---------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def hf_model(kind: str, seed: int = 0):
+    """Seeded eval-mode HF model. Weights are re-drawn at std 0.1 (norm gains ~1, biases non-zero):
+    HF's default init (std 0.02, zero biases) leaves attention nearly uniform, so a wrong Q/K row
+    order would barely move the logits."""
+    tf = transformers
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5,
+                  bos_token_id=EOT, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    if kind == "llama-gqa":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common | {"num_key_value_heads": 2}, **_rope(50000.0)))
+    elif kind == "llama-mqa":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common | {"num_key_value_heads": 1}, **_rope()))
+    elif kind == "llama-tied":
+        config = tf.LlamaConfig(**common | {"num_key_value_heads": 2, "tie_word_embeddings": True}, **_rope())
+        model = tf.LlamaForCausalLM(config)
+    elif kind == "qwen2":  # q/k/v biases; llama.cpp does not permute qwen2's Q/K
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common | {"num_key_value_heads": 2}, **_rope(1e6)))
+    elif kind == "gpt2":
+        config = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                               layer_norm_epsilon=1e-5, bos_token_id=EOT, eos_token_id=EOT,
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = tf.GPT2LMHeadModel(config)
+    else:
+        raise ValueError(kind)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied parameters are listed once
+            noise = torch.randn(param.shape, generator=generator)
+            is_norm_gain = param.ndim == 1 and name.endswith("weight")
+            param.copy_(1 + 0.1 * noise if is_norm_gain else 0.1 * noise)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _is_conv1d(name: str) -> bool:
+    return name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+
+
+def hf_reference(kind: str, qtype: QT):
+    """The HF model with every weight the GGUF file quantizes replaced by its dequantized value."""
+    model = hf_model(kind)
+    if qtype == QT.F32:
+        return model
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if param.ndim != 2 or name.endswith("wpe.weight"):  # stored F32 (see _write)
+                continue
+            rows = param.numpy().T if _is_conv1d(name) else param.numpy()  # GGUF rows: [out, in]
+            rows = dequantize(quantize(np.ascontiguousarray(rows), qtype), qtype)
+            param.copy_(torch.from_numpy(rows.T if _is_conv1d(name) else rows))
+    return reference
+
+
+# --- HF -> GGUF, as convert_hf_to_gguf.py does it ----------------------------------------------
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.permute: Q/K rows from half-split to interleaved RoPE."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(kind: str) -> dict[str, np.ndarray]:
+    """llama.cpp tensor name -> float32 array (numpy order, i.e. HF's [out, in] for linears)."""
+    model = hf_model(kind)
+    cfg = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    out = {}
+    if kind == "gpt2":
+        out["token_embd.weight"] = sd["transformer.wte.weight"]
+        out["position_embd.weight"] = sd["transformer.wpe.weight"]
+        parts = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output",
+                 "ln_2": "ffn_norm", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+        for i in range(cfg.n_layer):
+            for hf_part, part in parts.items():
+                for kind_ in ("weight", "bias"):
+                    value = sd[f"transformer.h.{i}.{hf_part}.{kind_}"]
+                    out[f"blk.{i}.{part}.{kind_}"] = value.T.copy() if value.ndim == 2 else value
+        out["output_norm.weight"] = sd["transformer.ln_f.weight"]
+        out["output_norm.bias"] = sd["transformer.ln_f.bias"]
+        return out  # tied: the converter writes no output.weight for GPT-2
+
+    permute = GGUF_ARCH[kind] == "llama"
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    out["token_embd.weight"] = sd["model.embed_tokens.weight"]
+    parts = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        for hf_part, part in parts.items():
+            for kind_ in ("weight", "bias"):
+                key = f"model.layers.{i}.{hf_part}.{kind_}"
+                if key not in sd:
+                    continue
+                value = sd[key]
+                if permute and part in ("attn_q", "attn_k"):
+                    value = llama_cpp_permute(value, heads if part == "attn_q" else kv_heads)
+                out[f"blk.{i}.{part}.{kind_}"] = value
+    out["output_norm.weight"] = sd["model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        out["output.weight"] = sd["lm_head.weight"]
+    return out
+
+
+def rope_theta(config) -> float:
+    parameters = getattr(config, "rope_parameters", None)  # transformers 5.x; 4.x: rope_theta
+    return parameters["rope_theta"] if parameters else config.rope_theta
+
+
+def write_gguf(path: Path, kind: str, qtype: QT = QT.F32, *, arch: str | None = None,
+               tensors: dict[str, np.ndarray] | None = None, pre: str | None = "default") -> Path:
+    """Write ``kind`` as a GGUF file; ``arch`` / ``tensors`` / ``pre`` override for error cases."""
+    model = hf_model(kind)
+    cfg = model.config
+    arch = arch or GGUF_ARCH[kind]
+    tensors = gguf_tensors(kind) if tensors is None else tensors
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny random {kind}")
+    if kind == "gpt2":  # GPT2Model.set_gguf_parameters
+        writer.add_block_count(cfg.n_layer)
+        writer.add_context_length(cfg.n_positions)
+        writer.add_embedding_length(cfg.n_embd)
+        writer.add_feed_forward_length(4 * cfg.n_embd)
+        writer.add_head_count(cfg.n_head)
+        writer.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    else:  # TextModel / LlamaModel.set_gguf_parameters
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        writer.add_block_count(cfg.num_hidden_layers)
+        writer.add_context_length(cfg.max_position_embeddings)
+        writer.add_embedding_length(cfg.hidden_size)
+        writer.add_feed_forward_length(cfg.intermediate_size)
+        writer.add_head_count(cfg.num_attention_heads)
+        writer.add_head_count_kv(cfg.num_key_value_heads)
+        writer.add_rope_freq_base(rope_theta(cfg))
+        writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        if arch == "llama":
+            writer.add_vocab_size(cfg.vocab_size)
+            writer.add_rope_dimension_count(head_dim)
+    writer.add_file_type(FILE_TYPES[qtype])
+    # SpecialVocab / get_vocab_base: byte-level BPE vocabulary
+    writer.add_tokenizer_model("gpt2")
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(TOKENS)
+    writer.add_token_types(TOKEN_TYPES)
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(EOT)
+    writer.add_eos_token_id(EOT)
+    for name, array in tensors.items():
+        # prepare_tensors: 1-D tensors, norms and position embeddings stay F32
+        keep_f32 = array.ndim != 2 or name.endswith("_norm.weight") or name.startswith("position_embd")
+        if array.dtype != np.float32:  # error cases: written as given (e.g. int32 -> ggml I32)
+            writer.add_tensor(name, array)
+        elif keep_f32 or qtype == QT.F32:
+            writer.add_tensor(name, np.ascontiguousarray(array))
+        else:
+            writer.add_tensor(name, quantize(np.ascontiguousarray(array, dtype=np.float32), qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
