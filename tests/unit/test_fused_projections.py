@@ -75,6 +75,11 @@ def test_quantized_model_fuses_only_matching_formats(tmp_path):
     assert weights["layers.0.q.weight"].kind == "int8"  # each projection still listed under its name
     assert weights["layers.0.k.weight"].codes.untyped_storage().data_ptr() == \
         layer.qkv.parts[0][0].codes.untyped_storage().data_ptr()
+    groups = {row["group"]: row for row in gen.inspect()["weight_groups"]}  # views of one storage count apart
+    for name in ("q", "k", "v", "gate", "up"):
+        row = groups[f"layers.*.{name}.weight"]
+        assert row["tensors"] == gen.config.num_layers and row["bytes"] == gen.config.num_layers * weights[
+            f"layers.0.{name}.weight"].nbytes
     # a V of another format runs as its own product
     weights = dict(weights)
     C, kv = weights["layers.0.v.weight"].shape  # [in, out]
