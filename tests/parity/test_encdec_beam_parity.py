@@ -1,4 +1,5 @@
-"""Encoder-decoder beam search vs transformers on tiny BART and T5 (fp32): same sequences, same scores."""
+"""Encoder-decoder beam search vs transformers on tiny BART, Marian and T5 (fp32): same sequences, same
+scores; the sources' cross K/V once per sample, the decoder's K/V in the slot cache per beam."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.cache.cross import BeamCrossAttention
+from fastdecode.engine.cross import EncodedSources
 from fastdecode.generation.encdec import start_beam_encoder_decoder
 from fastdecode.config import GenerationConfig
 from tiny_encdec import VOCAB, build, hf_greedy, single_thread  # noqa: F401 (autouse fixture)
@@ -14,7 +15,7 @@ from tiny_encdec import VOCAB, build, hf_greedy, single_thread  # noqa: F401 (au
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module", params=["bart", "t5"])
+@pytest.fixture(scope="module", params=["bart", "marian", "t5"])
 def pair(request, tmp_path_factory):
     hf = build(request.param)
     with torch.no_grad():
@@ -67,6 +68,18 @@ def test_encdec_beam_search_matches_transformers(pair, beams, length_penalty, ea
            num_return_sequences=2)
 
 
+def test_batched_sources_of_different_lengths_equal_each_alone(pair):
+    kind, hf, gen = pair
+    sources = _sources((9, 4, 13), seed=3)
+    options = dict(num_beams=3, no_repeat_ngram_size=2, max_new_tokens=10, eos_token_id=_eos_for(gen, sources),
+                   num_return_sequences=2)
+    batched = gen.generate_ids_with_details(sources, **options)
+    alone = [r for source in sources for r in gen.generate_ids_with_details([source], **options)]
+    assert [r.tokens for r in batched] == [r.tokens for r in alone], kind
+    torch.testing.assert_close(torch.tensor([r.score for r in batched]), torch.tensor([r.score for r in alone]),
+                               atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_encoder_no_repeat_ngram_matches_transformers(pair, n):
     kind, hf, gen = pair
@@ -78,25 +91,35 @@ def test_encoder_no_repeat_ngram_matches_transformers(pair, n):
 
 
 def test_cross_attention_kv_stay_once_per_source(pair):
+    """The sources' cross K/V are stored once per sample whatever the beam count; the decoder's
+    self-attention blocks grow per beam, and a beam reorder moves blocks, never cross K/V."""
     kind, hf, gen = pair
+    cfg = gen.config
     sources = _sources((9, 4))
-    sizes = []
-    for beams in (2, 4):
+    sizes = {}
+    for beams in (1, 2, 4):
         config = GenerationConfig(num_beams=beams, max_new_tokens=6)
         with torch.inference_mode():
             engine = start_beam_encoder_decoder(gen.model, sources, config).engine
-        assert isinstance(engine.cross, BeamCrossAttention)
-        sizes.append((engine.cross.nbytes, engine.cache.nbytes))
-    assert sizes[0][0] == sizes[1][0]  # cross K/V: per source, whatever the beam count
-    assert sizes[1][1] == 2 * sizes[0][1]  # decoder self-attention: per beam
+            cross = engine.sources
+            assert cross.keys[0].shape == (2, cfg.num_heads, 9, cfg.head_dim)  # [B, H, S_src, D]: per source
+            assert cross.nbytes == 2 * 9 * cfg.cross_cache_bytes_per_source_token(4)
+            # the start token: one block per sample, shared by reference by its beams
+            assert [engine.cache.pool.ref_counts[table[0]] for table in engine.tables] == [beams] * 2 * beams
+            pointers = [k.data_ptr() for k in cross.keys]
+            engine.decode(torch.arange(2 * beams) + 3, torch.ones(2 * beams, dtype=torch.long))
+            engine.reorder_beams(torch.arange(2 * beams).view(2, beams)[:, :1].repeat(1, beams).flatten())
+            assert [k.data_ptr() for k in engine.sources.keys] == pointers  # nothing moved or copied
+        sizes[beams] = (cross.nbytes, engine.shared_nbytes, engine.per_beam_nbytes)
+    assert sizes[1][:2] == sizes[2][:2] == sizes[4][:2]  # once per sample
+    assert sizes[4][2] == 2 * sizes[2][2] == 4 * sizes[1][2]  # decoder self-attention: per beam
 
 
 def test_settled_sources_leave_the_batch_without_changing_results(pair, monkeypatch):
     kind, hf, gen = pair
     dropped = []
-    keep_samples = BeamCrossAttention.keep_samples
-    monkeypatch.setattr(BeamCrossAttention, "keep_samples",
-                        lambda self, s: (dropped.append(s.numel()), keep_samples(self, s)))
+    keep = EncodedSources.keep
+    monkeypatch.setattr(EncodedSources, "keep", lambda self, s: (dropped.append(s.numel()), keep(self, s)))
     sources = _sources((9, 4, 13, 6, 7), seed=2)
     _check(hf, gen, sources, num_beams=2, early_stopping=True, max_new_tokens=16, eos_token_id=2)
     if kind == "bart":  # with this seed only BART's sources settle at different steps

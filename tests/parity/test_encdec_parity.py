@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.generation.encdec import EncoderDecoderEngine, right_pad
+from fastdecode.generation.encdec import EncoderDecoderBeamEngine, right_pad
 from tiny_encdec import ENCDEC_KINDS, VOCAB, build, hf_greedy, single_thread  # noqa: F401 (autouse fixture)
 
 pytest.importorskip("transformers")
@@ -53,7 +53,7 @@ def test_every_decoder_step_matches_transformers(pair):
     with torch.no_grad():
         reference = hf(input_ids=torch.tensor([source]), decoder_input_ids=torch.tensor([target])).logits[0]  # [T, V]
 
-    engine = EncoderDecoderEngine(gen.model, 1, len(target))
+    engine = EncoderDecoderBeamEngine(gen.model, 1, len(target))  # one beam: plain cached decoding
     tokens, valid, positions = right_pad([source], gen.device)
     with torch.inference_mode():
         step_logits = [engine.prefill(tokens, valid, positions)[0]]
@@ -95,8 +95,8 @@ def test_from_hf_equals_load_of_saved_folder(pair):
     assert wrapped.generate_ids(sources, max_new_tokens=16) == gen.generate_ids(sources, max_new_tokens=16)
     tokens, valid, positions = right_pad(sources, gen.device)
     with torch.inference_mode():
-        a = EncoderDecoderEngine(wrapped.model, 2, 4).prefill(tokens, valid, positions)
-        b = EncoderDecoderEngine(gen.model, 2, 4).prefill(tokens, valid, positions)
+        a = EncoderDecoderBeamEngine(wrapped.model, 1, 4).prefill(tokens, valid, positions)
+        b = EncoderDecoderBeamEngine(gen.model, 1, 4).prefill(tokens, valid, positions)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     hf_pointers = {p.data_ptr() for p in hf.parameters()}
     assert wrapped.model.embed.data_ptr() in hf_pointers, kind  # shared, not copied

@@ -17,7 +17,7 @@ from fastdecode.errors import (
     TokenizerError,
     UnsupportedModelError,
 )
-from fastdecode.generation.encdec import EncoderDecoderEngine, right_pad
+from fastdecode.generation.encdec import EncoderDecoderBeamEngine, right_pad
 from tiny_encdec import build, save_tiny_encdec_folder, single_thread  # noqa: F401 (autouse fixture)
 from tiny_models import save_word_tokenizer
 
@@ -53,21 +53,33 @@ def _count_calls(monkeypatch, model, method: str) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", ["bart", "t5"])
-@pytest.mark.parametrize("new_tokens", [3, 17])
-def test_encoder_and_cross_kv_run_once_per_call(monkeypatch, kind, new_tokens):
+@pytest.mark.parametrize("new_tokens, num_beams", [(3, 1), (17, 1), (17, 3)])
+def test_encoder_and_cross_kv_run_once_per_call(monkeypatch, kind, new_tokens, num_beams):
+    """Greedy (the engine) and beam search alike: one encoder call for every source of the call,
+    the cross K/V projected once, one decoder pass per new token (all beams in it)."""
     gen = fastdecode.from_hf(build(kind))
     model = gen.model
-    encodes = _count_calls(monkeypatch, model, "encode")
     steps = _count_calls(monkeypatch, model, "decode")
     cross = {f"{layer}.cross_{p}": getattr(model.decoder.layers[layer], f"cross_{p}")
              for layer in range(model.config.num_layers) for p in ("k", "v", "q")}
     counts = _count_linear(monkeypatch, importlib.import_module(f"fastdecode.models.{kind}"), cross)
-    out = gen.generate_ids([[5, 6, 7, 8], [9, 10]], max_new_tokens=new_tokens, eos_token_id=[])
+    encoded_rows = _count_rows(monkeypatch, model, "encode")
+    out = gen.generate_ids([[5, 6, 7, 8], [9, 10]], max_new_tokens=new_tokens, eos_token_id=[], num_beams=num_beams)
     assert [len(o) for o in out] == [new_tokens, new_tokens]
-    assert encodes[0] == 1 and steps[0] == new_tokens  # one decoder pass per new token
+    assert encoded_rows == [2]  # one encoder call, each source once, whatever the beam count
+    assert steps[0] == new_tokens  # one decoder pass per new token
     for name, count in counts.items():
         expected = new_tokens if name.endswith("q") else 1  # the query is per step, K and V once
         assert count == expected, (name, count)
+
+
+def _count_rows(monkeypatch, model, method: str) -> list[int]:
+    """The batch size of each call of ``model.method`` (its first argument's rows)."""
+    rows = []
+    original = getattr(model, method)
+    monkeypatch.setattr(model, method, lambda tokens, *args, **kwargs: (rows.append(tokens.shape[0]),
+                                                                        original(tokens, *args, **kwargs))[1])
+    return rows
 
 
 def test_naive_loop_recomputes_encoder_every_step(monkeypatch):
@@ -81,15 +93,16 @@ def test_cross_cache_layout_and_bytes():
     gen = fastdecode.from_hf(build("bart"))
     cfg = gen.config
     sources = [[5, 6, 7, 8, 9], [10, 11]]
-    engine = EncoderDecoderEngine(gen.model, 2, 4)
+    engine = EncoderDecoderBeamEngine(gen.model, 1, 4)
     with torch.inference_mode():
         engine.prefill(*right_pad(sources, gen.device))
-    k, v = engine.cross.layer(0)
+    cross = engine.sources
+    k, v = cross.keys[0], cross.values[0]
     assert k.shape == v.shape == (2, cfg.num_heads, 5, cfg.head_dim)  # [B, H, S_src, D]
-    assert engine.cross.bias.shape == (2, 1, 1, 5) and torch.isinf(engine.cross.bias[1, 0, 0, 2:]).all()
-    assert engine.cross.nbytes == 2 * 5 * cfg.cross_cache_bytes_per_source_token(4)
+    assert cross.bias.shape == (2, 1, 1, 5) and torch.isinf(cross.bias[1, 0, 0, 2:]).all()
+    assert cross.nbytes == 2 * 5 * cfg.cross_cache_bytes_per_source_token(4)
     engine.drop_rows(torch.tensor([1]))
-    assert engine.cross.layer(cfg.num_layers - 1)[0].shape[0] == 1 and engine.cross.bias.shape[0] == 1
+    assert cross.keys[cfg.num_layers - 1].shape[0] == 1 and cross.bias.shape[0] == 1
 
 
 def test_inspect_shows_encoder_decoder_and_cross_cache():

@@ -275,12 +275,12 @@ def test_int8_encoder_decoder_close_to_float(kind, tmp_path):
     assert isinstance(gen.checkpoint.weights["embed.weight"], QuantizedWeight)
     generator = torch.Generator().manual_seed(7)
     sources = [torch.randint(3, VOCAB - 1, (length,), generator=generator).tolist() for length in (5, 9, 13, 7, 11, 6)]
-    from fastdecode.generation.encdec import EncoderDecoderEngine, right_pad
+    from fastdecode.generation.encdec import EncoderDecoderBeamEngine, right_pad
 
     start = hf.generation_config.decoder_start_token_id
     with torch.no_grad():
         reference = hf(input_ids=torch.tensor([sources[2]]), decoder_input_ids=torch.tensor([[start]])).logits[0, 0]
-    engine = EncoderDecoderEngine(gen.model, 1, 1)
+    engine = EncoderDecoderBeamEngine(gen.model, 1, 1)
     tokens, valid, positions = right_pad([sources[2]], gen.device)
     with torch.inference_mode():
         ours = engine.prefill(tokens, valid, positions)[0]

@@ -70,8 +70,7 @@ class KVCache:
         return attention(q, keys, values, mask, scale)
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, Hkv, T, D] at slot ``start``; return the layer's K, V up to their end
-        (for models that combine the cache with their own attention, as the encoder-decoders do)."""
+        """Write k, v [B, Hkv, T, D] at slot ``start``; return the layer's K, V up to their end."""
         end = start + k.shape[2]
         keys, values = self.layer_keys[layer], self.layer_values[layer]
         keys[:, :, start:end] = k
@@ -82,17 +81,9 @@ class KVCache:
         """Key minus query position [B, T, S] for every filled slot (ALiBi builds its bias from these)."""
         return self.positions[:, None, : self.length] - query_positions[:, :, None]
 
-    def reorder_rows(self, sources: torch.Tensor) -> None:
-        """Beam reorder: row i continues row ``sources[i]`` (as many rows as before). Gathers in
-        place, only the filled slots of the rows whose source changed."""
-        n = self.length
-        gather_rows_in_place((self.keys, self.values), sources, n)
-        self.valid[:, :n] = self.valid[:, :n].index_select(0, sources)
-        self.positions[:, :n] = self.positions[:, :n].index_select(0, sources)
-
     def select_rows(self, rows: torch.Tensor) -> None:
         """Row i becomes row ``rows[i]`` in new buffers of ``len(rows)`` rows: finished sequences
-        dropped (so they stop costing work), or rows repeated (one per beam)."""
+        dropped, so they stop costing work."""
         self.keys = self.keys.index_select(1, rows)
         self.values = self.values.index_select(1, rows)
         self._unbind()
@@ -102,18 +93,6 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
-
-
-def gather_rows_in_place(buffers: tuple[torch.Tensor, ...], rows: torch.Tensor, length: int) -> None:
-    """buffer[:, i, ..., :length] = buffer[:, rows[i], ..., :length] for each [L, N, H, S, D] buffer, moving
-    only the rows whose source changed: most beams usually continue themselves, so a reorder copies
-    a fraction of the cache (one small host sync to find them)."""
-    moved = torch.nonzero(rows != torch.arange(rows.numel(), device=rows.device)).flatten()  # [M]
-    if moved.numel() == 0:
-        return
-    sources = rows[moved]
-    for buffer in buffers:
-        buffer[:, moved, :, :length] = buffer[:, sources, :, :length]  # the right side is gathered first
 
 
 class NoCache:

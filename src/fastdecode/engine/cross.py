@@ -12,6 +12,12 @@ In the step's one flat forward (tokens of many sequences side by side, ``[1, N]`
 layer's cross-attention runs per attention group of the step (the groups of ``plan.py``): each
 row gathers its own source's K/V through its cross block table and a key mask hides the slots
 past its source's length, so no row ever sees another request's source or padding.
+
+Beam search runs outside the scheduler (generation/beam.py) over a fixed set of sources:
+``EncodedSources`` encodes them once, in one right-padded batch, and keeps each source's cross
+K/V once, contiguous per layer (no block table to gather through at every step: the sources
+never change during the search). Its K beams fold into the query axis (FastSeq), so a beam
+reorder moves no cross K/V and each source's K/V is read once per step for all its beams.
 """
 
 from __future__ import annotations
@@ -19,12 +25,28 @@ from __future__ import annotations
 import torch
 
 from ..errors import PromptTooLongError
-from ..generation.encdec import right_pad
 from ..layers.attention import attention
+from ..models.seq2seq import padding_bias
 from .sequence import Sequence
 from .slots import SlotCache
 
 RowGroup = tuple[int, list[Sequence], int]  # (first flat token, its sequences, queries per sequence)
+
+
+def right_pad(sources: list[list[int]], device: torch.device, pad_id: int = 0):
+    """-> tokens [B, S], valid [B, S], positions [1, S] (the same 0..S-1 for every row).
+
+    Every row's real tokens sit at positions 0..n-1, exactly as when the source is alone, so the
+    positions and T5's encoder bias are shared by the whole batch; the padding is masked out of
+    encoder self-attention and of every cross-attention."""
+    B, S = len(sources), max(len(s) for s in sources)
+    tokens = torch.full((B, S), pad_id, dtype=torch.long)
+    valid = torch.zeros((B, S), dtype=torch.bool)
+    for row, source in enumerate(sources):
+        tokens[row, : len(source)] = torch.tensor(source, dtype=torch.long)
+        valid[row, : len(source)] = True
+    positions = torch.arange(S, dtype=torch.long)[None]  # [1, S]
+    return tokens.to(device), valid.to(device), positions.to(device)
 
 
 def decoder_score_bias(model):
@@ -77,15 +99,12 @@ class CrossStore:
         if not self.pending:
             return
         model, cache = self.model, self.cache
-        sources = [s.source for s in self.pending]
-        tokens, valid, positions = right_pad(sources, model.device)  # [B, S] each, positions [1, S]
-        memory = model.encode(tokens, positions, valid)  # [B, S, C]
+        encoded = EncodedSources.encode(model, [s.source for s in self.pending])
         slots = torch.tensor([slot for s in self.pending for slot in cache.slot_ids(s.source_table, 0, len(s.source))],
                              dtype=torch.long, device=model.device)  # [sum of source lengths]
-        for layer in range(model.config.num_layers):
-            k, v = model.cross_kv(layer, memory)  # [B, H, S, D]
-            cache.layer_keys[layer].index_copy_(0, slots, k.transpose(1, 2)[valid])  # [B, S, H, D] -> [sum, H, D]
-            cache.layer_values[layer].index_copy_(0, slots, v.transpose(1, 2)[valid])
+        for layer, (k, v) in enumerate(zip(encoded.keys, encoded.values)):  # [B, H, S, D] each
+            cache.layer_keys[layer].index_copy_(0, slots, k.transpose(1, 2)[encoded.valid])  # -> [sum, H, D]
+            cache.layer_values[layer].index_copy_(0, slots, v.transpose(1, 2)[encoded.valid])
         self.pending.clear()
 
     def step(self, groups: list[RowGroup]) -> "CrossStep":
@@ -119,3 +138,71 @@ class CrossStep:
             out = attention(qg, kg, vg, mask, scale)  # [B, H, T, D]
             outputs.append(out.transpose(0, 1).flatten(1, 2))  # [H, B*T, D]
         return torch.cat(outputs, dim=1)[None] if len(outputs) > 1 else outputs[0][None]  # [1, H, N, D]
+
+
+class EncodedSources:
+    """The cross-attention K/V of B sources, once per source: per decoder layer K and V
+    ``[B, H, S, D]`` (S: the longest source), which slots are real tokens ``valid`` ``[B, S]`` and
+    the source-padding mask ``bias`` ``[B, 1, 1, S]`` (None when no source is padded)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor):
+        self.keys, self.values, self.valid = keys, values, valid
+        self.bias = padding_bias(valid, keys[0].dtype)
+
+    @classmethod
+    def encode(cls, model, sources: list[list[int]]) -> "EncodedSources":
+        """Run the encoder once over every source (one right-padded batch: the encoder masks the
+        padding, so a source's output never depends on its batch), then project each decoder
+        layer's cross K/V once."""
+        return cls.from_padded(model, *right_pad(sources, model.device))
+
+    @classmethod
+    def from_padded(cls, model, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> "EncodedSources":
+        """Right-padded sources: tokens, valid [B, S], positions [1, S] (``right_pad``). K/V are made
+        contiguous here, once: a strided view would be copied by every step's attention."""
+        memory = model.encode(tokens, positions, valid)  # [B, S, C]
+        keys, values = [], []
+        for layer in range(model.config.num_layers):
+            k, v = model.cross_kv(layer, memory)  # [B, H, S, D]
+            keys.append(k.contiguous())
+            values.append(v.contiguous())
+        return cls(keys, values, valid)
+
+    @property
+    def num_sources(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+
+    def attend(self, index: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Cross-attention of decoder layer ``index``, one row per source: q [B, H, T, D] -> [B, H, T, D]."""
+        return attention(q, self.keys[index], self.values[index], self.bias, scale)
+
+    def folded(self, rows_per_source: int) -> "FoldedCross":
+        return FoldedCross(self, rows_per_source)
+
+    def keep(self, sources: torch.Tensor) -> None:
+        """Only these sources [B'] go on (settled beam samples, finished rows leave)."""
+        self.keys = [k.index_select(0, sources) for k in self.keys]
+        self.values = [v.index_select(0, sources) for v in self.values]
+        self.valid = self.valid.index_select(0, sources)
+        if self.bias is not None:
+            self.bias = self.bias.index_select(0, sources)
+
+
+class FoldedCross:
+    """The cross-attention view of one flat forward (``[1, N]`` tokens, one query per row) whose
+    rows are ``fold`` consecutive rows per source (a sample's beams): the rows of a source fold into
+    its query axis, ``[B, H, fold, D] x [B, H, S, D]``, so its K/V are read once for all of them."""
+
+    def __init__(self, sources: EncodedSources, fold: int):
+        self.sources, self.fold = sources, fold
+
+    def attend(self, index: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [1, H, N, D] (N = B * fold flat rows) -> [1, H, N, D]."""
+        B = self.sources.num_sources
+        folded = q[0].unflatten(1, (B, self.fold)).transpose(0, 1)  # [H, N, D] -> [B, H, fold, D]
+        out = self.sources.attend(index, folded, scale)  # [B, H, fold, D]; the bias [B, 1, 1, S] broadcasts
+        return out.transpose(0, 1).flatten(1, 2)[None]  # [B, H, fold, D] -> [1, H, N, D]

@@ -292,7 +292,7 @@ class Engine:
         if self.cross is None:
             logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
         else:
-            logits = self.model.decode(token_tensor, position_tensor, plan, None, None, self.cross.step(rows),
+            logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(rows),
                                        logits_at=logits_at)[0]  # [K, V]
         return logits, sampled
 

@@ -105,7 +105,12 @@ class DecoderBeamEngine:
         plan = StepPlan.for_rows(self.cache, rows, self.windows, self.score_bias, self.model.dtype, shared)
         tokens = torch.as_tensor(tokens, device=device)[None]  # [1, N]
         positions = torch.as_tensor(positions, device=device)[None]  # [1, N]
-        return self.model.forward(tokens, positions, plan, None, logits_at=logits_at.to(device))[0]  # [rows, V]
+        return self._run_model(tokens, positions, plan, logits_at.to(device), len(rows))[0]  # [rows, V]
+
+    def _run_model(self, tokens: torch.Tensor, positions: torch.Tensor, plan: StepPlan, logits_at: torch.Tensor,
+                   num_rows: int) -> torch.Tensor:
+        """The model's forward over flat tokens, positions [1, N] -> logits [1, rows, V]."""
+        return self.model.forward(tokens, positions, plan, None, logits_at=logits_at)
 
     def reorder_beams(self, sources: torch.Tensor) -> None:
         """Beam row i continues row ``sources[i]`` (of its own sample) -> ``seq_keep``."""
@@ -161,11 +166,9 @@ class BeamSearch:
         pass
 
     def cache_bytes(self) -> tuple[int, int]:
-        """(bytes stored once per sample, bytes stored per beam) of the engine's K/V caches."""
-        engine = self.engine
-        if isinstance(engine, DecoderBeamEngine):
-            return engine.shared_nbytes, engine.per_beam_nbytes
-        return engine.cross.nbytes, engine.cache.nbytes  # encoder-decoder: cross K/V, decoder self K/V
+        """(bytes stored once per sample, bytes stored per beam) of the engine's K/V caches (an
+        encoder-decoder's cross K/V are part of the first)."""
+        return self.engine.shared_nbytes, self.engine.per_beam_nbytes
 
     def run(self) -> list[SequenceResult]:
         for _ in self:

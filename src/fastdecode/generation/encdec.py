@@ -1,128 +1,89 @@
-"""Encoder-decoder generation: the encoder once, the cross-attention K/V once, then decoder steps.
+"""Encoder-decoder generation outside the scheduler: beam search, and the naive reference.
 
 The seed (bart-incremental-decoding) gives three recipes. Its first, every step running the encoder
 over the source and the decoder over the whole target (N*M + M(M+1)/2 token-passes), is
-``EncoderDecoderRecompute`` (``use_cache=False``), kept as the reference. ``EncoderDecoderEngine``
-is its last: the encoder hoisted out of the loop, the cross-attention K/V projected once, and the
-decoder's self-attention K/V cached, so each step passes one token (N + M).
+``EncoderDecoderRecompute`` (``use_cache=False``), kept as the reference. Its last, the encoder
+hoisted out of the loop, the cross-attention K/V projected once and the decoder's self-attention
+K/V cached (N + M token-passes), is what every cached path runs: greedy and sampling requests in
+the engine's scheduler (engine/cross.py), beam search here (``EncoderDecoderBeamEngine``).
 
-Greedy and sampling requests run in the engine's scheduler instead (engine/cross.py: the same
-three model calls per request, batched with every other running request); the engines here serve
-beam search (``start_beam_encoder_decoder``), the naive reference, and tests that drive one step
-at a time.
-
-Both engines have CachedEngine's interface (prefill / decode / drop_rows), so the decode loop,
-the processors and the stop logic are shared with decoder-only models. ``prefill`` takes the
-*source*; the decoder start token is fed inside it, at target position 0.
-
-Sources are right-padded: every row's real tokens sit at positions 0..n-1, exactly as when the
-source is alone, so positions ([1, S]) and T5's encoder bias are shared by the whole batch; the
-padding is masked out of encoder self-attention and of every cross-attention. Targets need no
-padding at all: every row starts with the same token at position 0 and grows one slot per step.
+Beam search is decoder-only beam search (``DecoderBeamEngine``: the slot cache's verbs, every
+forward through a ``StepPlan``) whose "prompt" is the decoder start token, plus the sources: the
+encoder runs once per source, each source's cross K/V are stored once and read once per step for
+all of its beams (``EncodedSources``, FastSeq), and a beam reorder moves decoder blocks only.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..cache.cross import BeamCrossAttention, CrossAttentionCache
-from ..cache.static import KVCache
+from ..engine.cross import EncodedSources, decoder_score_bias, right_pad
+from ..engine.plan import StepPlan
+from .beam import DecoderBeamEngine
 from .step import Started
 
-
-def right_pad(sources: list[list[int]], device: torch.device, pad_id: int = 0):
-    """-> tokens [B, S], valid [B, S], positions [1, S] (the same 0..S-1 for every row)."""
-    B, S = len(sources), max(len(s) for s in sources)
-    tokens = torch.full((B, S), pad_id, dtype=torch.long)
-    valid = torch.zeros((B, S), dtype=torch.bool)
-    for row, source in enumerate(sources):
-        tokens[row, : len(source)] = torch.tensor(source, dtype=torch.long)
-        valid[row, : len(source)] = True
-    positions = torch.arange(S, dtype=torch.long)[None]  # [1, S]
-    return tokens.to(device), valid.to(device), positions.to(device)
+__all__ = ["EncoderDecoderBeamEngine", "EncoderDecoderRecompute", "right_pad", "start_beam_encoder_decoder",
+           "start_encoder_decoder"]
 
 
 def start_encoder_decoder(model, sources: list[list[int]], config) -> Started:
-    """Encode the sources, project the cross-attention K/V, run the decoder start token."""
-    tokens, valid, positions = right_pad(sources, model.device)
-    B = tokens.shape[0]
-    # Slots for the start token and every generated token but the last (it is never fed back).
+    """Encode the sources, then run the decoder start token (one beam per source: plain decoding)."""
     if config.use_cache:
-        engine = EncoderDecoderEngine(model, B, config.max_new_tokens)
-    else:
-        engine = EncoderDecoderRecompute(model)
-    logits = engine.prefill(tokens, valid, positions)
-    next_positions = torch.ones(B, dtype=torch.long, device=model.device)
-    return Started(engine, logits, next_positions, [[model.config.decoder_start_token_id]] * B)
+        return start_beam_encoder_decoder(model, sources, config, num_beams=1)
+    engine = EncoderDecoderRecompute(model)
+    logits = engine.prefill(*right_pad(sources, model.device))
+    next_positions = torch.ones(len(sources), dtype=torch.long, device=model.device)
+    return Started(engine, logits, next_positions, [[model.config.decoder_start_token_id]] * len(sources))
 
 
-def start_beam_encoder_decoder(model, sources: list[list[int]], config) -> Started:
-    """Beam search start: encode B sources and run the start token for B rows (all beams of a sample
-    are identical so far), then give the decoder self-attention cache one row per beam while the
-    cross-attention K/V stay once per source (beams fold into its query axis)."""
-    tokens, valid, positions = right_pad(sources, model.device)
-    B, K = tokens.shape[0], config.num_beams
-    engine = EncoderDecoderEngine(model, B, config.max_new_tokens)
-    logits = engine.prefill(tokens, valid, positions)  # [B, V]
-    engine.cache.select_rows(torch.arange(B, device=model.device).repeat_interleave(K))  # [B*K] rows
-    engine.cross = BeamCrossAttention(engine.cross, K)
-    next_positions = torch.ones(B, dtype=torch.long, device=model.device)
-    return Started(engine, logits, next_positions, [[model.config.decoder_start_token_id]] * B)
+def start_beam_encoder_decoder(model, sources: list[list[int]], config, num_beams: int | None = None) -> Started:
+    """Beam search start: encode the B sources once, run the start token once per source -> logits
+    [B, V] (every beam of a sample is the same so far); the K beams fork at the first decode."""
+    engine = EncoderDecoderBeamEngine(model, num_beams or config.num_beams, config.max_new_tokens)
+    logits = engine.start(sources)
+    next_positions = torch.ones(len(sources), dtype=torch.long, device=model.device)
+    return Started(engine, logits, next_positions, [[model.config.decoder_start_token_id]] * len(sources))
 
 
-def decoder_start_tokens(model, batch_size: int) -> torch.Tensor:
-    return torch.full((batch_size,), model.config.decoder_start_token_id, dtype=torch.long, device=model.device)
+class EncoderDecoderBeamEngine(DecoderBeamEngine):
+    """``DecoderBeamEngine`` over the decoder, with each sample's source encoded once.
 
+    ``start(sources)`` encodes every source (one encoder call) and stores its cross K/V once;
+    then, as for a decoder-only prompt, the decoder start token runs once per sample into its own
+    sequence of the slot cache and the K beams are ``seq_cp`` forks of it. Decoder self-attention
+    goes through the engine's ``StepPlan`` (T5's relative bias as the plan's position bias, BART's
+    learned positions in the embedding), cross-attention through ``EncodedSources`` with the beams
+    of a sample folded into its query axis."""
 
-def self_bias_rows(table: torch.Tensor, start: int, num_queries: int) -> torch.Tensor:
-    """Rows start..start+T-1 of a decoder self-attention bias table [1, H|1, P, P] -> [1, H|1, T, start+T]."""
-    end = start + num_queries
-    return table[:, :, start:end, :end]
-
-
-class EncoderDecoderEngine:
-    """Encoder and cross-attention K/V once per call; the decoder's self-attention K/V in a KV cache."""
-
-    def __init__(self, model, batch_size: int, capacity: int):
-        cfg = model.config
-        self.model = model
-        self.cache = KVCache(cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim,
-                             model.dtype, model.device)
-        # Causal mask (plus T5's relative bias) for every target slot, built once; steps take rows of it.
-        self.self_bias = model.decoder_self_bias(capacity)  # [1, H|1, P, P]
-        self.cross: CrossAttentionCache | None = None
+    def __init__(self, model, num_beams: int, max_new_tokens: int):
+        super().__init__(model, num_beams, max_new_tokens)
+        self.score_bias = decoder_score_bias(model)
+        self.sources: EncodedSources | None = None
 
     def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Source tokens, valid [B, S], positions [1, S] -> logits [B, V] after the decoder start token."""
-        model = self.model
-        memory = model.encode(tokens, positions, valid)  # [B, S, C]
-        self.cross = CrossAttentionCache.build(model.cross_kv, model.config.num_layers, memory, valid)
-        B = tokens.shape[0]
-        return self.decode(decoder_start_tokens(model, B), torch.zeros(B, dtype=torch.long, device=model.device))
+        """Right-padded sources: tokens, valid [B, S] (positions unused) -> logits [B, V]."""
+        return self.start([row[ok].tolist() for row, ok in zip(tokens, valid)])
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens, positions [B] -> logits [B, V] for the next token of every row."""
-        tokens, positions = tokens[:, None], positions[:, None]  # [B, 1]
-        start = self.cache.append_slots(torch.ones_like(tokens, dtype=torch.bool), positions)
-        bias = self_bias_rows(self.self_bias, start, 1)
-        return self.model.decode(tokens, positions, self.cache, start, bias, self.cross)[:, -1]
+    def start(self, sources: list[list[int]]) -> torch.Tensor:
+        """Encode the sources once, run the start token once per source -> logits [B, V]."""
+        self.sources = EncodedSources.encode(self.model, sources)
+        logits = super().start([[self.model.config.decoder_start_token_id]] * len(sources))
+        self.shared_nbytes += self.sources.nbytes  # stored once per sample, whatever the beam count
+        return logits
 
-    def drop_rows(self, rows: torch.Tensor) -> None:
-        """Only ``rows`` go on: finished rows leave the batch."""
-        self.cache.select_rows(rows)
-        self.cross.select_rows(rows)
+    def _run_model(self, tokens: torch.Tensor, positions: torch.Tensor, plan: StepPlan, logits_at: torch.Tensor,
+                   num_rows: int) -> torch.Tensor:
+        cross = self.sources.folded(num_rows // self.sources.num_sources)  # rows: one sample's beams side by side
+        return self.model.decode(tokens, positions, plan, None, cross, logits_at=logits_at)
 
     def keep_samples(self, samples: torch.Tensor) -> None:
-        """Beam search: only these samples [B'] go on searching (their beams' rows and source K/V)."""
-        K = self.cross.num_beams
-        beams = torch.arange(K, device=samples.device)
-        self.cache.select_rows((samples[:, None] * K + beams).flatten())  # [B'*K]
-        self.cross.keep_samples(samples)
+        """Only these samples [B'] go on: their beams' blocks and their sources' cross K/V."""
+        super().keep_samples(samples)
+        self.sources.keep(samples)
 
-    def reorder_beams(self, sources: torch.Tensor) -> None:
-        """Beam search: row i continues row ``sources[i]`` of the same sample (decoder self K/V only;
-        the source K/V are per sample and do not move)."""
-        self.cache.reorder_rows(sources)
+    def drop_rows(self, rows: torch.Tensor) -> None:
+        """Plain decoding (one beam per source): finished rows leave the batch."""
+        self.keep_samples(rows)
 
 
 class EncoderDecoderRecompute:
@@ -136,7 +97,8 @@ class EncoderDecoderRecompute:
     def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.source, self.valid, self.source_positions = tokens, valid, positions
         B = tokens.shape[0]
-        self.target = decoder_start_tokens(self.model, B)[:, None]  # [B, 1]
+        start = self.model.config.decoder_start_token_id
+        self.target = torch.full((B, 1), start, dtype=torch.long, device=tokens.device)  # [B, 1]
         self.target_positions = torch.zeros_like(self.target)
         return self._run()
 
@@ -147,11 +109,10 @@ class EncoderDecoderRecompute:
 
     def _run(self) -> torch.Tensor:
         model = self.model
-        memory = model.encode(self.source, self.source_positions, self.valid)  # [B, S, C]
-        cross = CrossAttentionCache.build(model.cross_kv, model.config.num_layers, memory, self.valid)
+        cross = EncodedSources.from_padded(model, self.source, self.valid, self.source_positions)  # every step
         T = self.target.shape[1]
         bias = model.decoder_self_bias(T)  # [1, H|1, T, T]
-        return model.decode(self.target, self.target_positions, None, 0, bias, cross)[:, -1]
+        return model.decode(self.target, self.target_positions, None, bias, cross)[:, -1]
 
     def drop_rows(self, rows: torch.Tensor) -> None:
         self.source = self.source.index_select(0, rows)

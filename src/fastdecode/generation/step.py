@@ -20,7 +20,7 @@ from ..layers.attention import build_attention_mask
 class Started(NamedTuple):
     """What starting a generation returns: the engine after its prefill, and where decoding resumes."""
 
-    engine: object  # CachedEngine, RecomputeEngine, or an encoder-decoder engine (generation/encdec.py)
+    engine: object  # CachedEngine, RecomputeEngine, a beam engine (generation/beam.py, generation/encdec.py)
     logits: torch.Tensor  # [B, V] for the first new token
     next_positions: torch.Tensor  # [B] position of the token fed at the next decode
     history: list[list[int]]  # tokens the processors count as already seen (repetition penalty)

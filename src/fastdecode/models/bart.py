@@ -19,21 +19,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
 
-from ..cache.cross import CrossAttentionCache, padding_bias
 from .base import ModelBase, Weight, token_id_list
-from ..cache.static import KVCache
 from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
 from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.threads import one_thread_except_big_ops
 from ..layers.positions import sinusoidal_table
-from .seq2seq import check_tied, decoder_start_token
+from .seq2seq import check_tied, decoder_start_token, padding_bias
+
+if TYPE_CHECKING:  # the engine's views a decoder step attends through
+    from ..engine.cross import CrossStep, EncodedSources, FoldedCross
+    from ..engine.plan import StepPlan
 
 # Canonical name -> HF sublayer name, per layer of each stack.
 _ENCODER_LAYER = {
@@ -282,25 +284,23 @@ class BartModel(ModelBase):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache | None,
-        start: int,
+        plan: StepPlan | None,
         self_bias: torch.Tensor | None,
-        cross: CrossAttentionCache,
+        cross: CrossStep | FoldedCross | EncodedSources,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Target tokens, positions [B, T] -> logits [B, T or 1, V] ([B, K, V] at ``logits_at`` [K]).
 
-        Self-attention K/V are written to ``cache`` at slot ``start`` (None: attend within these
-        tokens only); ``self_bias`` is the additive causal mask [1, 1, T, S] (None: every slot visible).
-        ``start`` None: ``cache`` is an engine step plan (engine/plan.py) over flat tokens [1, N] of
-        many sequences; it writes each token's K/V to its sequence's slots and builds its own masks,
-        and ``cross`` is the step's view of each sequence's own source (engine/cross.py).
+        ``plan``: an engine step plan (engine/plan.py) over flat tokens [1, N] of many sequences; it
+        writes each token's K/V to its sequence's slots and builds its own masks. None: attend within
+        these tokens only, under ``self_bias``, the additive causal mask [1, 1, T, T] (the naive
+        reference). ``cross``: the step's view of each row's source K/V (engine/cross.py).
         """
         x = self._embed(self.decoder, tokens, positions)
         for index, layer in enumerate(self.decoder.layers):
             x = self._residual(x, layer.attn_norm, layer.attn_norm_bias,
-                               lambda h: self._cached_self_attention(h, layer, index, cache, start, self_bias))
+                               lambda h: self._target_self_attention(h, layer, index, plan, self_bias))
             x = self._residual(x, layer.cross_norm, layer.cross_norm_bias,
                                lambda h: self._cross_attention(h, layer, index, cross))
             x = self._residual(x, layer.mlp_norm, layer.mlp_norm_bias, lambda h: self._mlp(h, layer))
@@ -342,18 +342,16 @@ class BartModel(ModelBase):
         v = split_heads(linear(h, layer.v, layer.v_bias), H, D)
         return linear(merge_heads(attention(q, k, v, mask, D**-0.5)), layer.o, layer.o_bias)
 
-    def _cached_self_attention(self, h, layer, index: int, cache, start: int, bias) -> torch.Tensor:
+    def _target_self_attention(self, h, layer, index: int, plan, bias) -> torch.Tensor:
         H, D = self.config.num_heads, self.config.head_dim
         q = split_heads(linear(h, layer.q, layer.q_bias), H, D)  # [B, H, T, D]
         k = split_heads(linear(h, layer.k, layer.k_bias), H, D)
         v = split_heads(linear(h, layer.v, layer.v_bias), H, D)
-        if start is None:  # an engine step plan: each sequence's own slots, the plan's masks
-            return linear(merge_heads(cache.attend(index, q, k, v, None, self.scale)), layer.o, layer.o_bias)
-        if cache is not None:
-            k, v = cache.update(index, start, k, v)  # [B, H, S, D]
+        if plan is not None:  # each sequence's own slots, the plan's masks
+            return linear(merge_heads(plan.attend(index, q, k, v, None, self.scale)), layer.o, layer.o_bias)
         return linear(merge_heads(attention(q, k, v, bias, self.scale)), layer.o, layer.o_bias)
 
-    def _cross_attention(self, h, layer, index: int, cross: CrossAttentionCache) -> torch.Tensor:
+    def _cross_attention(self, h, layer, index: int, cross) -> torch.Tensor:
         H, D = self.config.num_heads, self.config.head_dim
         q = split_heads(linear(h, layer.cross_q, layer.cross_q_bias), H, D)  # [B, H, T, D]
         o = cross.attend(index, q, self.scale)  # [B, H, T, D] against K/V projected once per source

@@ -1,4 +1,5 @@
-"""Helpers the encoder-decoder families (bart.py, t5.py) share: config fields and tied embeddings."""
+"""Helpers the encoder-decoder families (bart.py, t5.py) share: config fields, tied embeddings, the
+source-padding mask."""
 
 from __future__ import annotations
 
@@ -35,3 +36,15 @@ def check_tied(weights: dict[str, torch.Tensor], names: tuple[str, ...], archite
             raise UnsupportedModelError(f"{architecture} with {name} different from the shared embedding "
                                         "(untied encoder/decoder embeddings) is not supported")
 
+
+
+def padding_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """valid [B, S] -> additive key mask [B, 1, 1, S] (0 or -inf), or None when nothing is padded.
+
+    Every row keeps at least one real token, so no attention row is all -inf (no NaN).
+    """
+    if bool(valid.all()):
+        return None
+    bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
+    bias.masked_fill_(~valid, float("-inf"))
+    return bias[:, None, None, :]  # [B, 1, 1, S]

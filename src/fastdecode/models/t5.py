@@ -13,21 +13,23 @@ Flags: ReLU FFN (v1.0) or gated GELU ``act(x W0) * (x W1)`` (v1.1, flan); tied h
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
 
-from ..cache.cross import CrossAttentionCache, padding_bias
 from .base import ModelBase, Weight, token_id_list
-from ..cache.static import KVCache
 from ..config import EncoderDecoderConfig
 from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
 from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.threads import one_thread_except_big_ops
 from ..layers.positions import t5_relative_buckets
-from .seq2seq import check_tied, decoder_start_token
+from .seq2seq import check_tied, decoder_start_token, padding_bias
+
+if TYPE_CHECKING:  # the engine's views a decoder step attends through
+    from ..engine.cross import CrossStep, EncodedSources, FoldedCross
+    from ..engine.plan import StepPlan
 
 _ATTENTION = ("q", "k", "v", "o")
 _FFN = ("wi", "wi_0", "wi_1", "wo")  # wi (v1.0) or wi_0 / wi_1 (gated), then wo
@@ -237,19 +239,18 @@ class T5Model(ModelBase):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache | None,
-        start: int,
-        self_bias: torch.Tensor,
-        cross: CrossAttentionCache,
+        plan: StepPlan | None,
+        self_bias: torch.Tensor | None,
+        cross: CrossStep | FoldedCross | EncodedSources,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Target tokens, positions [B, T] -> logits [B, T or 1, V] ([B, K, V] at ``logits_at`` [K]).
 
-        ``self_bias`` [1, H, T, S]: relative bias plus causal mask, rows of ``decoder_self_bias``.
-        Self-attention K/V go to ``cache`` at slot ``start`` (None: attend within these tokens only).
-        ``start`` None: ``cache`` is an engine step plan over flat tokens [1, N] of many sequences;
-        it writes their K/V to each sequence's slots and masks with ``decoder_position_bias``.
+        ``plan``: an engine step plan over flat tokens [1, N] of many sequences; it writes their K/V
+        to each sequence's slots and masks with ``decoder_position_bias``. None: attend within these
+        tokens only, under ``self_bias`` [1, H, T, T] (relative bias plus causal mask,
+        ``decoder_self_bias``: the naive reference). ``cross``: each row's source K/V (engine/cross.py).
         """
         cfg = self.config
         H, D = cfg.num_heads, cfg.head_dim
@@ -257,11 +258,9 @@ class T5Model(ModelBase):
         for index, layer in enumerate(self.decoder.layers):
             h = self._norm(x, layer.attn_norm)
             q, k, v = (split_heads(linear(h, w), H, D) for w in (layer.q, layer.k, layer.v))  # [B, H, T, D]
-            if start is None:  # an engine step plan: each sequence's own slots, the plan's masks
-                o = cache.attend(index, q, k, v, None, 1.0)  # [B, H, T, D]
+            if plan is not None:  # each sequence's own slots, the plan's masks
+                o = plan.attend(index, q, k, v, None, 1.0)  # [B, H, T, D]
             else:
-                if cache is not None:
-                    k, v = cache.update(index, start, k, v)  # [B, H, S, D]
                 o = attention(q, k, v, self_bias, 1.0)  # [B, H, T, D]
             x = x + linear(merge_heads(o), layer.o)
             h = self._norm(x, layer.cross_norm)
