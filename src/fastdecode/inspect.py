@@ -7,8 +7,10 @@ from typing import Any
 
 
 def _storage_key(tensor: Any) -> int:
+    """Where a weight's data starts: a tied table and its transposed view share it; fused projections'
+    views (layers/fused.py) share one storage but each starts elsewhere in it."""
     codes = getattr(tensor, "codes", tensor)  # a QuantizedWeight is keyed by its codes
-    return codes.untyped_storage().data_ptr()
+    return codes.data_ptr()
 
 
 def _type_name(tensor: Any) -> str:

@@ -1,8 +1,8 @@
 """The one attention entry point every family uses, and the mask builder.
 
-Grouped-query and multi-query attention never repeat K/V: the query heads of a group are
-folded into the query-time axis, so each KV head is read once for all queries that use it
-(DESIGN.md section 2).
+Grouped-query and multi-query attention never repeat K/V (DESIGN.md section 2): ``attention``
+uses SDPA's native grouped heads (each KV head read once for its group), and the two-segment
+attention folds the query heads of a group into the query-time axis.
 """
 
 from __future__ import annotations
@@ -24,10 +24,13 @@ def attention(
     Returns [B, H, T, D].
     """
     B, H, T, D = q.shape
-    q, mask = _fold_groups(q, mask, k.shape[1])
+    Hkv = k.shape[1]
+    if mask is not None and mask.shape[1] != 1 and H != Hkv:
+        raise ValueError("a per-head attention bias needs one KV head per query head")
     with threads_for(q.numel() * k.shape[2]):  # B*H*T*D * S multiply-adds
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.reshape(B, H, T, D)  # [B, Hkv, G*T, D] -> [B, H, T, D]
+        # SDPA's native GQA: each KV head serves its group of query heads as it is (PyTorch's CPU
+        # flash kernel indexes head h // G; no K/V copy), one op with no per-layer mask folding.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
 
 
 def two_segment_attention(

@@ -109,6 +109,15 @@ class RotaryEmbedding:
         factor = self.attention_factor if scaled else 1.0
         return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> (cos, signed sin) [B, T, 1, rotary_dim] for ``rotate_heads`` on heads laid
+        out [B, T, H, D] (a projection's output before its transpose). The sine's first half is
+        negated once here instead of negating half of every rotated vector."""
+        cos, sin = self.cos_sin(positions, dtype)  # [B, 1, T, rot]
+        half = self.rotary_dim // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos.transpose(1, 2), signed_sin.transpose(1, 2)  # [B, 1, T, rot] -> [B, T, 1, rot]
+
     def rotate_by(self, x: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
         """Rotate already-rotated vectors x [B, H, T, D] by ``delta`` more positions (an int, or
         one delta per query [T]).
@@ -134,6 +143,17 @@ def rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     x1, x2 = x_rot.chunk(2, dim=-1)
     rotated = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
     return torch.cat((rotated, x_pass), dim=-1)
+
+
+def rotate_heads(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``rotate_half_split`` with the tables of ``RotaryEmbedding.tables``: x [B, T, H, D], any
+    number of heads (queries and keys at once). Bit-identical to it: x2 * -sin is -x2 * sin, and
+    swapping the halves with one ``flip`` replaces the negation and the concatenation."""
+    rot = cos.shape[-1]
+    if rot != x.shape[-1]:  # partial rotary: dims past rot pass through
+        return torch.cat((rotate_heads(x[..., :rot], cos, signed_sin), x[..., rot:]), dim=-1)
+    swapped = x.unflatten(-1, (2, rot // 2)).flip(-2).flatten(-2)  # [..., D]: (x2, x1)
+    return x * cos + swapped * signed_sin
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:

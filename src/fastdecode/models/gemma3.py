@@ -26,10 +26,11 @@ import torch.nn.functional as F
 from ..cache.static import KVCache, NoCache
 from ..config import FULL, SLIDING, ModelConfig
 from ..errors import UnsupportedModelError
-from ..layers.attention import LayerMasks, merge_heads, split_heads
+from ..layers.attention import LayerMasks, merge_heads
+from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.threads import one_thread_except_big_ops
-from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
+from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_heads
 from .base import ModelBase, Weight, token_id_list
 
 _PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -203,21 +204,19 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Gemma3Block:
-    """One decoder block's weights: the (1 + w) norm scales ([C], q/k norms [D]) and the
-    projections as [out, in] views of [in, out] buffers. No biases."""
+    """One decoder block's weights: the (1 + w) norm scales ([C]; the q and k norms [D] repeated
+    over their heads: [H + Hkv, D], so one multiply scales every query and key head), Q, K, V as
+    one fused product and gate, up as another (``FusedProjection``), o and down as [out, in]
+    views of [in, out] buffers. No biases."""
 
     attn_norm: torch.Tensor
     post_attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
     post_mlp_norm: torch.Tensor
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-    q: Weight
-    k: Weight
-    v: Weight
+    qk_norm: torch.Tensor
+    qkv: FusedProjection
     o: Weight
-    gate: Weight
-    up: Weight
+    gate_up: FusedProjection
     down: Weight
 
 
@@ -235,9 +234,13 @@ class Gemma3Model(ModelBase):
         self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for linear()
         self.layers = [
             Gemma3Block(
-                **{name: 1.0 + weights[f"layers.{i}.{name}.weight"] for name in _NORMS},  # the (1 + w) scales
+                **{name: 1.0 + weights[f"layers.{i}.{name}.weight"] for name in _NORMS[:4]},  # the (1 + w) scales
+                qk_norm=torch.cat((1.0 + weights[f"layers.{i}.q_norm.weight"].expand(config.num_heads, -1),
+                                   1.0 + weights[f"layers.{i}.k_norm.weight"].expand(config.num_kv_heads, -1))),
+                qkv=fuse_projections(weights, [f"layers.{i}.{name}" for name in ("q", "k", "v")]),
+                gate_up=fuse_projections(weights, [f"layers.{i}.{name}" for name in ("gate", "up")]),
                 # [in, out] buffers seen as [out, in]: linear() then runs x @ buffer (the fast layout)
-                **{name: weights[f"layers.{i}.{name}.weight"].t() for name in _PROJECTIONS},
+                **{name: weights[f"layers.{i}.{name}.weight"].t() for name in ("o", "down")},
             )
             for i in range(config.num_layers)
         ]
@@ -268,21 +271,26 @@ class Gemma3Model(ModelBase):
         builds each layer's mask from ``ModelConfig.layer_windows`` itself)."""
         cfg = self.config
         C, D, eps = cfg.hidden_size, cfg.head_dim, cfg.norm_eps
+        B, T = tokens.shape
+        H, Hkv = cfg.num_heads, cfg.num_kv_heads
+        act = ACTIVATIONS[cfg.hidden_act]
         x = embed(tokens, self.embed) * self.embed_scale  # [B, T, C]
-        rotations = {kind: self.ropes[kind].cos_sin(positions, x.dtype) for kind in set(self.layer_types)}
+        # cos, signed sin [B, T, 1, D] per attention kind: once per forward, not per layer
+        rotations = {kind: self.ropes[kind].tables(positions, x.dtype) for kind in set(self.layer_types)}
         masks = LayerMasks(mask, cache, positions, x.dtype)
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (C,), layer.attn_norm, eps)
-            q = F.rms_norm(split_heads(linear(h, layer.q), cfg.num_heads, D), (D,), layer.q_norm, eps)  # [B, H, T, D]
-            k = F.rms_norm(split_heads(linear(h, layer.k), cfg.num_kv_heads, D), (D,), layer.k_norm, eps)
-            v = split_heads(linear(h, layer.v), cfg.num_kv_heads, D)  # [B, Hkv, T, D]
-            cos, sin = rotations[self.layer_types[index]]  # [B, 1, T, D]
-            q, k = rotate_half_split(q, cos, sin), rotate_half_split(k, cos, sin)
+            heads = layer.qkv(h).view(B, T, H + 2 * Hkv, D)  # [B, T, H + 2*Hkv, D]: q, k, v heads
+            qk = F.rms_norm(heads[:, :, : H + Hkv], (D,), None, eps) * layer.qk_norm  # [B, T, H + Hkv, D]
+            qk = rotate_heads(qk, *rotations[self.layer_types[index]])  # q and k at once
+            q = qk[:, :, :H].transpose(1, 2)  # [B, H, T, D]
+            k = qk[:, :, H:].transpose(1, 2)  # [B, Hkv, T, D]
+            v = heads[:, :, H + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
             o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
             x = x + F.rms_norm(linear(merge_heads(o), layer.o), (C,), layer.post_attn_norm, eps)
             h = F.rms_norm(x, (C,), layer.mlp_norm, eps)
-            gated = linear(h, layer.gate, activation=cfg.hidden_act) * linear(h, layer.up)
-            x = x + F.rms_norm(linear(gated, layer.down), (C,), layer.post_mlp_norm, eps)
+            gate, up = layer.gate_up.split(h)  # [B, T, I] each
+            x = x + F.rms_norm(linear(act(gate) * up, layer.down), (C,), layer.post_mlp_norm, eps)
         x = self.output_rows(x, all_logits, logits_at)
         logits = linear(F.rms_norm(x, (C,), self.norm, eps), self.lm_head)  # [B, T or 1, V]
         cap = cfg.final_logit_softcapping

@@ -21,7 +21,8 @@ from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.threads import one_thread_except_big_ops
 from ..errors import UnsupportedModelError
 from ..layers.attention import LayerMasks
-from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
+from ..layers.fused import FusedProjection, fuse_projections
+from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_heads
 from ..config import derived_head_dim
 
 # Canonical weight name -> name in each format. "{layer}" is the block index.
@@ -205,24 +206,17 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
 
 @dataclass(frozen=True, slots=True, eq=False)
 class LlamaBlock:
-    """One decoder block's weights: norm scales [C]; projections as [out, in] views of [in, out]
-    buffers; a bias per projection where the checkpoint has one (Qwen2: q, k, v)."""
+    """One decoder block's weights: norm scales [C]; Q, K, V as one fused product and gate, up as
+    another (``FusedProjection``); o and down as [out, in] views of [in, out] buffers; a bias per
+    projection where the checkpoint has one (Qwen2: q, k, v)."""
 
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
-    q: Weight
-    k: Weight
-    v: Weight
+    qkv: FusedProjection
     o: Weight
-    gate: Weight
-    up: Weight
+    gate_up: FusedProjection
     down: Weight
-    q_bias: torch.Tensor | None
-    k_bias: torch.Tensor | None
-    v_bias: torch.Tensor | None
     o_bias: torch.Tensor | None
-    gate_bias: torch.Tensor | None
-    up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
 
 
@@ -241,9 +235,11 @@ class LlamaModel(ModelBase):
             LlamaBlock(
                 attn_norm=weights[f"layers.{i}.attn_norm.weight"],
                 mlp_norm=weights[f"layers.{i}.mlp_norm.weight"],
+                qkv=fuse_projections(weights, [f"layers.{i}.{name}" for name in ("q", "k", "v")]),
+                gate_up=fuse_projections(weights, [f"layers.{i}.{name}" for name in ("gate", "up")]),
                 # [in, out] buffers seen as [out, in]: linear() then runs x @ buffer (the fast layout)
-                **{name: weights[f"layers.{i}.{name}.weight"].t() for name in ("q", "k", "v", "o", "gate", "up", "down")},
-                **{f"{name}_bias": weights.get(f"layers.{i}.{name}.bias") for name in ("q", "k", "v", "o", "gate", "up", "down")},
+                **{name: weights[f"layers.{i}.{name}.weight"].t() for name in ("o", "down")},
+                **{f"{name}_bias": weights.get(f"layers.{i}.{name}.bias") for name in ("o", "down")},
             )
             for i in range(config.num_layers)
         ]
@@ -274,21 +270,21 @@ class LlamaModel(ModelBase):
         B, T = tokens.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = embed(tokens, self.embed)  # [B, T, C]
-        cos, sin = self.rope.cos_sin(positions, x.dtype)  # [B, 1, T, rot]
+        rotary = self.rope.tables(positions, x.dtype)  # cos, signed sin [B, T, 1, rot]: once per forward
         masks = LayerMasks(mask, cache, positions, x.dtype)
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (cfg.hidden_size,), layer.attn_norm, cfg.norm_eps)
-            q = linear(h, layer.q, layer.q_bias).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
-            k = linear(h, layer.k, layer.k_bias).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
-            v = linear(h, layer.v, layer.v_bias).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
-            q, k = rotate_half_split(q, cos, sin), rotate_half_split(k, cos, sin)
+            heads = layer.qkv(h).view(B, T, H + 2 * Hkv, D)  # [B, T, H + 2*Hkv, D]: q, k, v heads
+            qk = rotate_heads(heads[:, :, : H + Hkv], *rotary)  # [B, T, H + Hkv, D]: q and k at once
+            q = qk[:, :, :H].transpose(1, 2)  # [B, H, T, D]
+            k = qk[:, :, H:].transpose(1, 2)  # [B, Hkv, T, D]
+            v = heads[:, :, H + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
             o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
             x = x + linear(o, layer.o, layer.o_bias)
             h = F.rms_norm(x, (cfg.hidden_size,), layer.mlp_norm, cfg.norm_eps)
-            gated = self.act(linear(h, layer.gate, layer.gate_bias)) * linear(h, layer.up, layer.up_bias)
-            x = x + linear(gated, layer.down, layer.down_bias)
+            gate, up = layer.gate_up.split(h)  # [B, T, I] each
+            x = x + linear(self.act(gate) * up, layer.down, layer.down_bias)
         x = self.output_rows(x, all_logits, logits_at)
         x = F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.norm_eps)
         return linear(x, self.lm_head)  # [B, T or 1, V]
-
