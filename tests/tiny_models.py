@@ -183,3 +183,13 @@ def copy_folder(src, dst, **config_changes):
         config.update(config_changes)
         (dst / "config.json").write_text(json.dumps(config))
     return dst
+
+
+def prefill_logits(gen, ids: list[int]) -> torch.Tensor:
+    """A Generator's logits [T, V] at every position of one cached prefill of ``ids``."""
+    from fastdecode.generation.decode import left_pad
+    from fastdecode.generation.step import CachedEngine
+
+    engine = CachedEngine(gen.model, 1, len(ids))
+    with torch.inference_mode():
+        return engine.prefill(*left_pad([ids], gen.model.device), all_logits=True)[0]

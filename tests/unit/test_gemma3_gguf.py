@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import fastdecode  # noqa: E402
 from fastdecode.loading.gguf_file import GGUFFile  # noqa: E402
-from tiny_models import build_gemma3  # noqa: E402
+from tiny_models import build_gemma3, prefill_logits  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -98,15 +98,6 @@ def _logits(model, ids):
         return model(torch.tensor([ids])).logits[0]
 
 
-def _our_logits(gen, ids):
-    from fastdecode.generation.decode import left_pad
-    from fastdecode.generation.step import CachedEngine
-
-    engine = CachedEngine(gen.model, 1, len(ids))
-    with torch.inference_mode():
-        return engine.prefill(*left_pad([ids], gen.device), all_logits=True)[0]
-
-
 def test_file_stores_norms_plus_one_and_config_round_trips(hf_model, gguf_path):
     stored = GGUFFile(gguf_path).dequantized("blk.0.attn_q_norm.weight")
     np.testing.assert_array_equal(stored, hf_model.model.layers[0].self_attn.q_norm.weight.detach().numpy() + 1)
@@ -118,7 +109,7 @@ def test_file_stores_norms_plus_one_and_config_round_trips(hf_model, gguf_path):
 
 def test_gguf_logits_match_the_hf_model_and_transformers_reading_the_same_file(hf_model, gguf_path):
     ids = _ids(30, 1)  # past the window of 8
-    ours = _our_logits(fastdecode.load(str(gguf_path)), ids)
+    ours = prefill_logits(fastdecode.load(str(gguf_path)), ids)
     torch.testing.assert_close(ours, _logits(hf_model, ids), atol=ATOL, rtol=0)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     torch.testing.assert_close(ours, _logits(theirs.eval(), ids), atol=ATOL, rtol=0)

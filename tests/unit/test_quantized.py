@@ -1,8 +1,9 @@
-"""Quantized execution: GGUF blocks run as they are, and float checkpoints quantized at load.
+"""Quantized execution: GGUF blocks run as they are (float checkpoints quantized at load:
+test_quantize_at_load.py).
 
 Oracles: ``gguf.quants.dequantize`` (the gguf package's own decoder) for every block type; the
 dequantized float32 path of the same file (itself checked against transformers in
-test_gguf_loading.py) for whole models; transformers' float model for ``quantize="int8"``.
+test_gguf_loading.py) for whole models.
 """
 
 from __future__ import annotations
@@ -22,14 +23,12 @@ from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 import fastdecode  # noqa: E402
-from fastdecode.errors import InvalidOptionError  # noqa: E402
-from fastdecode.generation.decode import left_pad  # noqa: E402
-from fastdecode.generation.step import CachedEngine  # noqa: E402
 from fastdecode.layers import kernels, quantized  # noqa: E402
 from fastdecode.layers.kernels import qmatmul_op  # noqa: E402
 from fastdecode.layers.quantized import QuantizedWeight, dequantize, quantize_matrix  # noqa: E402
 from fastdecode.loading.gguf_blocks import repack  # noqa: E402
 from tiny_gguf import EOT, MERGES, TOKEN_TYPES, TOKENS  # noqa: E402
+from tiny_models import prefill_logits  # noqa: E402
 
 GGUF_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
@@ -233,13 +232,6 @@ def write_tiny_llama(path, qtype: QT, tied: bool) -> str:
     return str(path)
 
 
-def _logits(gen, ids: list[int]) -> torch.Tensor:
-    engine = CachedEngine(gen.model, 1, len(ids))
-    tokens, valid, positions = left_pad([ids], gen.model.device)
-    with torch.inference_mode():
-        return engine.prefill(tokens, valid, positions, all_logits=True)[0]  # [T, V]
-
-
 # Whole random models through the kernel (<= KERNEL_MAX_ROWS rows): each product carries the activation
 # rounding above (~0.3% of its RMS), and 15 products in a row (7 per layer + the LM head) compound
 # it, amplified by these random weights' gains. Measured RMS logit error, relative to the logits' RMS:
@@ -260,15 +252,16 @@ def test_tiny_gguf_runs_natively_and_matches_its_dequantized_path(qtype, tmp_pat
     assert not any(isinstance(w, QuantizedWeight) for w in dense.checkpoint.weights.values())
     long_ids = torch.randint(0, len(TOKENS), (40,), generator=torch.Generator().manual_seed(4)).tolist()
     assert len(long_ids) > quantized.KERNEL_MAX_ROWS
-    reference = _logits(dense, long_ids)
-    torch.testing.assert_close(_logits(native, long_ids), reference, atol=1e-4 * float(reference.abs().max()), rtol=0)
+    reference = prefill_logits(dense, long_ids)
+    torch.testing.assert_close(prefill_logits(native, long_ids), reference,
+                               atol=1e-4 * float(reference.abs().max()), rtol=0)
     ids = long_ids[:12]
-    reference = _logits(dense, ids)
-    error = (_logits(native, ids) - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt()
+    reference = prefill_logits(dense, ids)
+    error = (prefill_logits(native, ids) - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt()
     print(f"{qtype.name}: kernel logits RMS error {float(error):.4f} of the logits' RMS")
     assert error < NATIVE_LOGIT_RMS_BOUND
     generated = native.generate_ids([ids], max_new_tokens=6, eos_token_id=[])[0]
-    forced = _logits(dense, ids + generated)[len(ids) - 1 : -1]  # [6, V]: the dense model at each step
+    forced = prefill_logits(dense, ids + generated)[len(ids) - 1 : -1]  # [6, V]: the dense model at each step
     chosen = forced.gather(1, torch.tensor(generated)[:, None])[:, 0]  # [6]
     slack = 2 * NATIVE_LOGIT_RMS_BOUND * reference.pow(2).mean().sqrt()
     assert (chosen >= forced.max(1).values - slack).all()
@@ -328,95 +321,6 @@ def test_perplexity_of_the_seeds_native_q4_1_within_1_percent_of_float(smollm, s
     print(f"perplexity: native {np.exp(native_nll):.4f}, dequantized float32 {np.exp(dense_nll):.4f}")
     assert abs(np.exp(native_nll) / np.exp(dense_nll) - 1) < 0.01
     assert native_nll != dense_nll  # two different computations (the kernel really ran)
-
-
-# --- 4: quantize="int8" / "int4" on float checkpoints of every family --------------------------------
-def test_quantize_matrix_error_is_at_most_half_a_step():
-    weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(5))
-    for kind in ("int8", "int4"):
-        q = quantize_matrix(weight, kind)
-        steps = q.scale.repeat_interleave(32, dim=1)  # [N, K]
-        assert ((dequantize(q) - weight).abs() <= steps / 2 + 1e-6).all()
-
-
-def test_unknown_quantize_value_is_rejected():
-    with pytest.raises(InvalidOptionError, match="quantize"):
-        fastdecode.load(quantize="int3")
-
-
-def _decoder_prompts() -> list[list[int]]:
-    generator = torch.Generator().manual_seed(6)
-    return [torch.randint(2, 150, (length,), generator=generator).tolist() for length in (5, 9, 13, 7, 11, 6, 10, 8)]
-
-
-# family -> largest |logit difference| allowed, relative to the float model's largest |logit|.
-# int8 per-32 groups move each weight by at most 1/254 of its group's largest; measured on these
-# random models: 0.42% (llama), 0.59% (gpt2), 0.32% (bloom), 0.56% (bart), 0.91% (t5) of the logit scale, greedy
-# tokens identical on 100% of the prompts. The bounds leave >= 2x margin; "most" greedy = 75%.
-INT8_LOGIT_BOUND = {"llama-gqa": 0.02, "gpt2": 0.02, "bloom": 0.02, "bart": 0.02, "t5": 0.02}
-
-
-@pytest.mark.parametrize("kind", ["llama-gqa", "gpt2", "bloom"])
-def test_int8_decoder_only_close_to_float(kind, tmp_path):
-    from tiny_models import save_tiny_folder
-
-    hf = save_tiny_folder(tmp_path, kind)
-    gen = fastdecode.load(str(tmp_path), quantize="int8")
-    assert isinstance(gen.checkpoint.weights["embed.weight"], QuantizedWeight)
-    prompts = _decoder_prompts()
-    with torch.no_grad():
-        reference = hf(torch.tensor([prompts[2]])).logits[0]
-    error = (_logits(gen, prompts[2]) - reference).abs().max() / reference.abs().max()
-    assert error < INT8_LOGIT_BOUND[kind]
-    ours = gen.generate_ids(prompts, max_new_tokens=8, eos_token_id=[])
-    with torch.no_grad():
-        theirs = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=8, do_sample=False)[0, len(p):].tolist() for p in prompts]
-    same = sum(a == b for a, b in zip(ours, theirs)) / len(prompts)
-    print(f"{kind} int8: max logit error {float(error):.4f} of the scale; greedy identical on {same:.0%}")
-    assert same >= 0.75
-
-
-@pytest.mark.parametrize("kind", ["bart", "t5"])
-def test_int8_encoder_decoder_close_to_float(kind, tmp_path):
-    from tiny_encdec import VOCAB, hf_greedy, save_tiny_encdec_folder
-
-    hf = save_tiny_encdec_folder(tmp_path, kind)
-    gen = fastdecode.load(str(tmp_path), quantize="int8")
-    assert isinstance(gen.checkpoint.weights["embed.weight"], QuantizedWeight)
-    generator = torch.Generator().manual_seed(7)
-    sources = [torch.randint(3, VOCAB - 1, (length,), generator=generator).tolist() for length in (5, 9, 13, 7, 11, 6)]
-    from fastdecode.generation.encdec import EncoderDecoderBeamEngine, right_pad
-
-    start = hf.generation_config.decoder_start_token_id
-    with torch.no_grad():
-        reference = hf(input_ids=torch.tensor([sources[2]]), decoder_input_ids=torch.tensor([[start]])).logits[0, 0]
-    engine = EncoderDecoderBeamEngine(gen.model, 1, 1)
-    tokens, valid, positions = right_pad([sources[2]], gen.device)
-    with torch.inference_mode():
-        ours = engine.prefill(tokens, valid, positions)[0]
-    error = (ours - reference).abs().max() / reference.abs().max()
-    assert error < INT8_LOGIT_BOUND[kind]
-    mine = gen.generate_ids(sources, max_new_tokens=8, min_new_tokens=8)
-    theirs = hf_greedy(hf, sources, 8)
-    same = sum(a == b for a, b in zip(mine, theirs)) / len(sources)
-    print(f"{kind} int8: max logit error {float(error):.4f} of the scale; greedy identical on {same:.0%}")
-    assert same >= 0.75
-    beams = gen.generate_ids(sources[:2], max_new_tokens=6, min_new_tokens=6, num_beams=3)  # beam search too
-    assert [len(b) for b in beams] == [6, 6]
-
-
-def test_int4_quantizes_and_runs(tmp_path):
-    from tiny_models import save_tiny_folder
-
-    hf = save_tiny_folder(tmp_path, "llama-gqa")
-    gen = fastdecode.load(str(tmp_path), quantize="int4")
-    assert gen.checkpoint.weights["layers.0.q.weight"].kind == "int4"
-    prompt = _decoder_prompts()[2]
-    with torch.no_grad():
-        reference = hf(torch.tensor([prompt])).logits[0]
-    # 4 bits: each weight moves by up to 1/30 of its group's range
-    assert (_logits(gen, prompt) - reference).abs().max() / reference.abs().max() < 0.15
 
 
 # --- 5: torch.compile traces the quantized op (its fake kernel) ---------------------------------------

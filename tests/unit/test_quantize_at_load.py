@@ -1,0 +1,105 @@
+"""``load(..., quantize="int8" | "int4")``: float checkpoints of every family quantized at load.
+
+Oracle: transformers' float model on the same weights (and the float path of the same folder).
+The GGUF block types and the kernels are tested in test_quantized.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import fastdecode  # noqa: E402
+from fastdecode.errors import InvalidOptionError  # noqa: E402
+from fastdecode.layers.quantized import QuantizedWeight, dequantize, quantize_matrix  # noqa: E402
+from tiny_models import prefill_logits  # noqa: E402
+
+# --- 4: quantize="int8" / "int4" on float checkpoints of every family --------------------------------
+def test_quantize_matrix_error_is_at_most_half_a_step():
+    weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(5))
+    for kind in ("int8", "int4"):
+        q = quantize_matrix(weight, kind)
+        steps = q.scale.repeat_interleave(32, dim=1)  # [N, K]
+        assert ((dequantize(q) - weight).abs() <= steps / 2 + 1e-6).all()
+
+
+def test_unknown_quantize_value_is_rejected():
+    with pytest.raises(InvalidOptionError, match="quantize"):
+        fastdecode.load(quantize="int3")
+
+
+def _decoder_prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(6)
+    return [torch.randint(2, 150, (length,), generator=generator).tolist() for length in (5, 9, 13, 7, 11, 6, 10, 8)]
+
+
+# family -> largest |logit difference| allowed, relative to the float model's largest |logit|.
+# int8 per-32 groups move each weight by at most 1/254 of its group's largest; measured on these
+# random models: 0.42% (llama), 0.59% (gpt2), 0.32% (bloom), 0.56% (bart), 0.91% (t5) of the logit scale, greedy
+# tokens identical on 100% of the prompts. The bounds leave >= 2x margin; "most" greedy = 75%.
+INT8_LOGIT_BOUND = {"llama-gqa": 0.02, "gpt2": 0.02, "bloom": 0.02, "bart": 0.02, "t5": 0.02}
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "gpt2", "bloom"])
+def test_int8_decoder_only_close_to_float(kind, tmp_path):
+    from tiny_models import save_tiny_folder
+
+    hf = save_tiny_folder(tmp_path, kind)
+    gen = fastdecode.load(str(tmp_path), quantize="int8")
+    assert isinstance(gen.checkpoint.weights["embed.weight"], QuantizedWeight)
+    prompts = _decoder_prompts()
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompts[2]])).logits[0]
+    error = (prefill_logits(gen, prompts[2]) - reference).abs().max() / reference.abs().max()
+    assert error < INT8_LOGIT_BOUND[kind]
+    ours = gen.generate_ids(prompts, max_new_tokens=8, eos_token_id=[])
+    with torch.no_grad():
+        theirs = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=8, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    same = sum(a == b for a, b in zip(ours, theirs)) / len(prompts)
+    print(f"{kind} int8: max logit error {float(error):.4f} of the scale; greedy identical on {same:.0%}")
+    assert same >= 0.75
+
+
+@pytest.mark.parametrize("kind", ["bart", "t5"])
+def test_int8_encoder_decoder_close_to_float(kind, tmp_path):
+    from tiny_encdec import VOCAB, hf_greedy, save_tiny_encdec_folder
+
+    hf = save_tiny_encdec_folder(tmp_path, kind)
+    gen = fastdecode.load(str(tmp_path), quantize="int8")
+    assert isinstance(gen.checkpoint.weights["embed.weight"], QuantizedWeight)
+    generator = torch.Generator().manual_seed(7)
+    sources = [torch.randint(3, VOCAB - 1, (length,), generator=generator).tolist() for length in (5, 9, 13, 7, 11, 6)]
+    from fastdecode.generation.encdec import EncoderDecoderBeamEngine, right_pad
+
+    start = hf.generation_config.decoder_start_token_id
+    with torch.no_grad():
+        reference = hf(input_ids=torch.tensor([sources[2]]), decoder_input_ids=torch.tensor([[start]])).logits[0, 0]
+    engine = EncoderDecoderBeamEngine(gen.model, 1, 1)
+    tokens, valid, positions = right_pad([sources[2]], gen.device)
+    with torch.inference_mode():
+        ours = engine.prefill(tokens, valid, positions)[0]
+    error = (ours - reference).abs().max() / reference.abs().max()
+    assert error < INT8_LOGIT_BOUND[kind]
+    mine = gen.generate_ids(sources, max_new_tokens=8, min_new_tokens=8)
+    theirs = hf_greedy(hf, sources, 8)
+    same = sum(a == b for a, b in zip(mine, theirs)) / len(sources)
+    print(f"{kind} int8: max logit error {float(error):.4f} of the scale; greedy identical on {same:.0%}")
+    assert same >= 0.75
+    beams = gen.generate_ids(sources[:2], max_new_tokens=6, min_new_tokens=6, num_beams=3)  # beam search too
+    assert [len(b) for b in beams] == [6, 6]
+
+
+def test_int4_quantizes_and_runs(tmp_path):
+    from tiny_models import save_tiny_folder
+
+    hf = save_tiny_folder(tmp_path, "llama-gqa")
+    gen = fastdecode.load(str(tmp_path), quantize="int4")
+    assert gen.checkpoint.weights["layers.0.q.weight"].kind == "int4"
+    prompt = _decoder_prompts()[2]
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt])).logits[0]
+    # 4 bits: each weight moves by up to 1/30 of its group's range
+    assert (prefill_logits(gen, prompt) - reference).abs().max() / reference.abs().max() < 0.15
