@@ -1,4 +1,4 @@
-"""The AVX2 quantized-matmul extension (``qmatmul.cpp``): built once, then loaded from a cache.
+"""The AVX2 extension (every ``layers/*.cpp``, with their ``*.h``): built once, then loaded from a cache.
 
 ``make install`` builds it (``python -m fastdecode.layers.kernels``) with the C++ compiler and
 PyTorch's extension builder, into ``$FASTDECODE_CACHE`` (default ``~/.cache/fastdecode``) under a
@@ -17,7 +17,10 @@ import sys
 from pathlib import Path
 
 log = logging.getLogger("fastdecode")
-SOURCE = Path(__file__).with_name("qmatmul.cpp")
+# One shared library from every C++ source here: qmatmul.cpp defines the op library
+# (TORCH_LIBRARY(fastdecode_kernels)), the other sources add to it (TORCH_LIBRARY_FRAGMENT).
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-ffp-contract=off"]  # no fused mul+add: bitwise row results
 
 
@@ -32,7 +35,8 @@ def _cpu_has_avx2() -> bool:
 def _build_dir() -> Path:
     import torch
 
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    text = b"".join(f.name.encode() + f.read_bytes() for f in SOURCES + HEADERS)
+    key = hashlib.sha256(text + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     root = Path(os.environ.get("FASTDECODE_CACHE", Path.home() / ".cache" / "fastdecode"))
     return root / f"kernels-{key}"
 
@@ -58,7 +62,7 @@ def build(verbose: bool = False) -> Path:
             (directory / "lock").unlink(missing_ok=True)
             # the `ninja` the venv installed, even when the venv is not activated
             os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-            cpp_extension.load(name="fastdecode_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+            cpp_extension.load(name="fastdecode_kernels", sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS,
                                build_directory=str(directory), is_python_module=False, verbose=verbose)
     return library
 
