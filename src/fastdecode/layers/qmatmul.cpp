@@ -328,7 +328,9 @@ void outputs_range(const QuantizedRows& q, const float* x, const float* xsum, in
       for (; m < M; ++m) float_rows<BITS, G, S, 1>(x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
       continue;
     }
-    // int8 activations; registers: NR x RB accumulators + NR weight blocks
+    // int8 activations; registers: NR x RB accumulators + NR weight blocks (8 rows: each block decoded once
+    // for all of them, ~3% faster than 2 x 4 on the 4-bit matrices, alike on 8-bit ones)
+    for (; m + 8 <= M; m += 8) rows_tile<BITS, G, S, 1, 8>(q, m, cp, sp, mp, yp, N, c, c1);
     for (; m + 4 <= M; m += 4) rows_tile<BITS, G, S, 2, 4>(q, m, cp, sp, mp, yp, N, c, c1);
     for (; m + 2 <= M; m += 2) rows_tile<BITS, G, S, 4, 2>(q, m, cp, sp, mp, yp, N, c, c1);
     for (; m < M; ++m) rows_tile<BITS, G, S, 4, 1>(q, m, cp, sp, mp, yp, N, c, c1);
