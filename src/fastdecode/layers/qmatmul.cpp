@@ -139,40 +139,30 @@ inline float mins_term(const S* mins_row, const float* sums, int64_t groups) {
 // (8 float16 scales converted at once) before the blocks' integer dot products use them.
 constexpr int64_t CHUNK_BLOCKS = 8;
 
-// combined[j][r][s] = weight scale s x activation scale of its block, for the blocks [b, b + count) of
-// NR outputs and RB rows (s: count scales for G = 32, 2 * count for G = 16). Every product is one float
-// multiply of the same two numbers whichever way it is made (vector or scalar): bitwise the same.
-template <int G, typename S, int NR, int RB>
+// G = 32: combined[j][r][i] = weight scale x activation scale of block b + i, for the blocks
+// [b, b + count) of NR outputs and RB rows. Every product is one float multiply of the same two numbers
+// whichever way it is made (vector or scalar, or per block for G = 16): bitwise the same.
+template <typename S, int NR, int RB>
 inline void combine_scales(const S* const* scale_rows, const float* const* act_scales, int64_t b, int64_t count,
-                           float (*combined)[RB][2 * CHUNK_BLOCKS]) {
+                           float (*combined)[RB][CHUNK_BLOCKS]) {
   if (count == CHUNK_BLOCKS) {
     for (int r = 0; r < RB; ++r) {
       const __m256 d = _mm256_loadu_ps(act_scales[r] + b);
-      if constexpr (G == 32) {
-        for (int j = 0; j < NR; ++j) _mm256_store_ps(combined[j][r], _mm256_mul_ps(load8_scales(scale_rows[j] + b), d));
-      } else {  // G == 16: the scales of block i are 2i, 2i + 1
-        const __m256 low = _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-        const __m256 high = _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
-        for (int j = 0; j < NR; ++j) {
-          _mm256_store_ps(combined[j][r], _mm256_mul_ps(load8_scales(scale_rows[j] + 2 * b), low));
-          _mm256_store_ps(combined[j][r] + 8, _mm256_mul_ps(load8_scales(scale_rows[j] + 2 * b + 8), high));
-        }
-      }
+      for (int j = 0; j < NR; ++j) _mm256_store_ps(combined[j][r], _mm256_mul_ps(load8_scales(scale_rows[j] + b), d));
     }
     return;
   }
-  constexpr int per_block = 32 / G;
   for (int j = 0; j < NR; ++j)
     for (int r = 0; r < RB; ++r)
-      for (int64_t s = 0; s < per_block * count; ++s)
-        combined[j][r][s] = load_scale(scale_rows[j] + per_block * b + s) * act_scales[r][b + s / per_block];
+      for (int64_t i = 0; i < count; ++i) combined[j][r][i] = load_scale(scale_rows[j] + b + i) * act_scales[r][b + i];
 }
 
-// The combined scale of each int32 lane of block i: G = 32 one; G = 16 lanes 0-3 and 4-7 differ.
-template <int G>
-inline __m256 lane_scales(const float* combined, int64_t i) {
-  if constexpr (G == 32) return _mm256_broadcast_ss(combined + i);
-  else return _mm256_set_m128(_mm_broadcast_ss(combined + 2 * i + 1), _mm_broadcast_ss(combined + 2 * i));
+// G = 16: the weight scales of block b's int32 lanes (lanes 0-3 and 4-7 differ), times the activation
+// scale per row in the block loop (two scales per block: measured faster than the combined table at
+// 8 rows, where its two broadcasts per row and block cost more loads).
+template <typename S>
+inline __m256 lane_scales16(const S* scale_row, int64_t b) {
+  return _mm256_set_m128(_mm_set1_ps(load_scale(scale_row + 2 * b + 1)), _mm_set1_ps(load_scale(scale_row + 2 * b)));
 }
 
 // Software prefetch of the codes PREFETCH_TILES tiles ahead: NR interleaved rows are more streams than
@@ -203,8 +193,8 @@ void dot_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S*
   __m256 acc[NR][RB];
   for (int j = 0; j < NR; ++j)
     for (int r = 0; r < RB; ++r) acc[j][r] = _mm256_setzero_ps();
-  alignas(32) float combined[NR][RB][2 * CHUNK_BLOCKS];
-  // block i of the chunk at b (a lambda, so full chunks unroll with a constant count)
+  alignas(32) float combined[NR][RB][CHUNK_BLOCKS];  // G = 32 only
+  // block i of the chunk at b
   auto block = [&](int64_t b, int64_t i) __attribute__((always_inline)) {
     const int64_t offset = (b + i) * block_bytes;
     if (i % blocks_per_line == 0)
@@ -212,19 +202,24 @@ void dot_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S*
     for (int j = 0; j < NR; ++j) {
       __m256i signs = _mm256_setzero_si256();  // 8 bits: the codes (their signs); unused for 4 bits
       const __m256i magnitudes = unsigned_codes<BITS>(code_rows[j] + offset, signs);
+      __m256 w_scales = _mm256_setzero_ps();
+      if constexpr (G == 16) w_scales = lane_scales16(scale_rows[j], b + i);
       for (int r = 0; r < RB; ++r) {
         const __m256 dots = block_dot<BITS>(magnitudes, signs, act_rows[r] + 32 * (b + i));
-        acc[j][r] = _mm256_fmadd_ps(dots, lane_scales<G>(combined[j][r], i), acc[j][r]);
+        __m256 scales;
+        if constexpr (G == 32) scales = _mm256_broadcast_ss(combined[j][r] + i);
+        else scales = _mm256_mul_ps(w_scales, _mm256_broadcast_ss(act_scales[r] + b + i));
+        acc[j][r] = _mm256_fmadd_ps(dots, scales, acc[j][r]);
       }
     }
   };
   int64_t b = 0;
   for (; b + CHUNK_BLOCKS <= blocks; b += CHUNK_BLOCKS) {
-    combine_scales<G, S, NR, RB>(scale_rows, act_scales, b, CHUNK_BLOCKS, combined);
+    if constexpr (G == 32) combine_scales<S, NR, RB>(scale_rows, act_scales, b, CHUNK_BLOCKS, combined);
     for (int64_t i = 0; i < CHUNK_BLOCKS; ++i) block(b, i);
   }
   if (b < blocks) {
-    combine_scales<G, S, NR, RB>(scale_rows, act_scales, b, blocks - b, combined);
+    if constexpr (G == 32) combine_scales<S, NR, RB>(scale_rows, act_scales, b, blocks - b, combined);
     for (int64_t i = 0; i < blocks - b; ++i) block(b, i);
   }
   for (int j = 0; j < NR; ++j)
