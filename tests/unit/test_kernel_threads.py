@@ -89,6 +89,7 @@ def test_kernels_get_the_callers_threads_inside_a_one_thread_forward():
         seen["torch"] = torch.get_num_threads()
         seen["small"] = thread_policy.kernel_threads(thread_policy.KERNEL_PARALLEL_MIN_WORK - 1)
         seen["kernel"] = thread_policy.kernel_threads(thread_policy.KERNEL_PARALLEL_MIN_WORK)
+        seen["logits"] = thread_policy.kernel_threads(thread_policy.KERNEL_PARALLEL_MAX_WORK)
         with thread_policy.threads_for(thread_policy.PARALLEL_MIN_WORK):
             seen["big OpenMP op"] = torch.get_num_threads()
         seen["after"] = torch.get_num_threads()
@@ -96,7 +97,7 @@ def test_kernels_get_the_callers_threads_inside_a_one_thread_forward():
     try:
         torch.set_num_threads(2)
         forward()
-        assert seen == {"torch": 1, "small": 1, "kernel": 2, "big OpenMP op": 2, "after": 1}
+        assert seen == {"torch": 1, "small": 1, "kernel": 2, "logits": 1, "big OpenMP op": 2, "after": 1}
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(previous)

@@ -101,7 +101,8 @@ class ChunkPool {
       if ((spins & 63) == 63 && std::chrono::steady_clock::now() > until) {
         std::unique_lock<std::mutex> lock(mutex_);
         caller_waiting_.store(true, std::memory_order_seq_cst);
-        finished_.wait(lock, [&] { return done_.load(std::memory_order_seq_cst) + mine >= chunks; });
+        finished_.wait_for(lock, std::chrono::milliseconds(1),  // (re-checked at least every ms)
+                           [&] { return done_.load(std::memory_order_seq_cst) + mine >= chunks; });
         caller_waiting_.store(false, std::memory_order_relaxed);
       }
     }

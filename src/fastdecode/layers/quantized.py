@@ -112,7 +112,8 @@ def dense_weight(weight: QuantizedWeight, work: int) -> torch.Tensor:
     op = dequantize_op() if weight.device.type == "cpu" else None
     if op is None:
         return dequantize(weight)
-    return op(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, kernel_threads(work))
+    threads = kernel_threads(min(work, weight.outputs * weight.inputs))  # the decoder's own size caps it
+    return op(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads)
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -126,7 +127,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     if rows.dtype != torch.float32:
         rows = rows.float()
     M = rows.shape[0]
-    op = qmatmul_op() if M <= KERNEL_MAX_ROWS and rows.device.type == "cpu" else None
+    op = qmatmul_op() if M <= KERNEL_MAX_ROWS and rows.is_cpu else None
     if op is not None:
         out = op(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
                  weight.bits, weight.group, kernel_threads(M * K * N), weight.activation_bits)
