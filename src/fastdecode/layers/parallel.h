@@ -30,10 +30,17 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
 namespace fastdecode {
+
+// The same chunks on this thread, in order.
+template <typename F>
+inline void run_alone(int64_t n, int64_t chunk, const F& body) {
+  for (int64_t begin = 0; begin < n; begin += chunk) body(begin, std::min(n, begin + chunk));
+}
 
 class ChunkPool {
  public:
@@ -62,10 +69,15 @@ class ChunkPool {
     static const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
     const int helpers = static_cast<int>(std::min<int64_t>({threads - 1, chunks - 1, cores - 1, MAX_HELPERS}));
     if (helpers <= 0 || chunks >= (int64_t{1} << 31) || owner_.test_and_set(std::memory_order_acquire)) {  // alone, or the pool is busy
-      for (int64_t begin = 0; begin < n; begin += chunk) body(begin, std::min(n, begin + chunk));
+      run_alone(n, chunk, body);
       return;
     }
-    ensure_helpers(helpers);
+    try {
+      ensure_helpers(helpers);
+    } catch (const std::system_error&) {  // no more threads to be had: this call and later ones run alone
+      run_alone(n, chunk, body);
+      return;  // (the pool stays owned: nobody waits on it)
+    }
     // Publish the job: fields first, then the ticket (generation, chunk 0) that makes them visible.
     // (release/acquire on the fields too: a helper that reads a later job's field also sees this
     // job's close below, so its claim fails; free on x86.)
@@ -203,7 +215,7 @@ inline void parallel_chunks(int64_t n, int64_t chunk, int64_t threads, const F& 
   if (threads <= 0) threads = at::get_num_threads();
   chunk = std::max<int64_t>(1, chunk);
   if (threads <= 1 || n <= chunk) {
-    for (int64_t begin = 0; begin < n; begin += chunk) body(begin, std::min(n, begin + chunk));
+    run_alone(n, chunk, body);
     return;
   }
   ChunkPool::instance().run(n, chunk, static_cast<int>(threads), body);
