@@ -114,11 +114,11 @@ def _register_fake() -> None:
     import torch
 
     @torch.library.register_fake("fastdecode_kernels::qmatmul")
-    def _qmatmul_fake(x, codes, scale, mins, bits, group, grain, activation_bits=8):  # x [M, K] -> [M, N]
+    def _qmatmul_fake(x, codes, scale, mins, bits, group, threads, activation_bits=8):  # x [M, K] -> [M, N]
         return x.new_empty((x.shape[0], scale.shape[0]))
 
     @torch.library.register_fake("fastdecode_kernels::dequantize")
-    def _dequantize_fake(codes, scale, mins, bits, group, grain):  # -> float32 [N, K]
+    def _dequantize_fake(codes, scale, mins, bits, group, threads):  # -> float32 [N, K]
         return scale.new_empty((scale.shape[0], scale.shape[1] * group), dtype=torch.float32)
 
 
