@@ -23,7 +23,7 @@ _GATED_KINDS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
 
 def _kernels(x: torch.Tensor):
     """The extension's op namespace when x can use it, else None."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    if x.dtype is not torch.float32 or not x.is_cpu:
         return None
     return elementwise_ops()
 
