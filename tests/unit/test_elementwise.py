@@ -92,3 +92,14 @@ def test_models_agree_on_both_paths(kind, monkeypatch):
     monkeypatch.setattr(elementwise, "elementwise_ops", lambda: None)
     torch.testing.assert_close(fused_logits, _logits(gen, ids), atol=1e-5, rtol=0)
     assert gen.generate_ids([ids], max_new_tokens=12) == fused_tokens
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rotary_tables_are_cos_sin_with_the_signed_sine(scaling):
+    inv_freq, factor = rope_inverse_frequencies(32, 10000.0, scaling, 256)
+    rope = RotaryEmbedding(32, inv_freq, factor)
+    positions = torch.tensor([[0, 5, 100], [3, 4, 4000]])
+    cos, sin = rope.cos_sin(positions, torch.float32)  # [B, 1, T, rot]
+    table_cos, signed_sin = rope.tables(positions, torch.float32)  # [B, T, 1, rot]
+    assert torch.equal(table_cos, cos.transpose(1, 2))
+    assert torch.equal(signed_sin, torch.cat((-sin[..., :16], sin[..., 16:]), dim=-1).transpose(1, 2))
