@@ -244,6 +244,8 @@ class Gemma3Model(ModelBase):
             )
             for i in range(config.num_layers)
         ]
+        # the norm after each block: the next block's input norm, the final norm after the last
+        self.next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
         self.layer_windows = config.layer_windows
         inv_freq, factor = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
                                                     config.max_position_embeddings)
@@ -279,14 +281,13 @@ class Gemma3Model(ModelBase):
         masks = LayerMasks(mask, cache, positions, x.dtype)
         # h: the normed input of the next sub-block; each residual add is fused with the norm after it
         h = rms_norm(x, self.layers[0].attn_norm, eps)
-        for index, layer in enumerate(self.layers):
+        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
             # q [B, H, T, D], k, v [B, Hkv, T, D]; q and k RMS-normed per head, scaled and rotated
             q, k, v = qkv_heads(layer.qkv(h), H, Hkv, *rotations[self.layer_types[index]], layer.qk_norm, eps)
             o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
             x, h = add_rms_norm(x, linear(merge_heads(o), layer.o), layer.mlp_norm, eps, layer.post_attn_norm)
             mlp = linear(gated(layer.gate_up(h), cfg.hidden_act), layer.down)  # [B, T, C]
             # the last block's output goes through the final norm (row-wise, so before output_rows)
-            next_norm = self.layers[index + 1].attn_norm if index + 1 < len(self.layers) else self.norm
             x, h = add_rms_norm(x, mlp, next_norm, eps, layer.post_mlp_norm)
         logits = linear(self.output_rows(h, all_logits, logits_at), self.lm_head)  # [B, T or 1, V]
         cap = cfg.final_logit_softcapping

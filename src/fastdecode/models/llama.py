@@ -242,6 +242,8 @@ class LlamaModel(ModelBase):
             )
             for i in range(config.num_layers)
         ]
+        # the norm after each block: the next block's input norm, the final norm after the last
+        self.next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
         self.layer_windows = config.layer_windows  # None: full attention; else the layer's window
         rotary_dim = int(config.head_dim * config.partial_rotary_factor)
         inv_freq, attention_factor = rope_inverse_frequencies(
@@ -273,13 +275,12 @@ class LlamaModel(ModelBase):
         masks = LayerMasks(mask, cache, positions, x.dtype)
         # h: the normed input of the next sub-block; each residual add is fused with the norm after it
         h = rms_norm(x, self.layers[0].attn_norm, cfg.norm_eps)
-        for index, layer in enumerate(self.layers):
+        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
             q, k, v = qkv_heads(layer.qkv(h), H, Hkv, *rotary)  # [B, H or Hkv, T, D]: q and k rotated
             o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
             x, h = add_rms_norm(x, linear(o, layer.o, layer.o_bias), layer.mlp_norm, cfg.norm_eps)
             mlp = linear(gated(layer.gate_up(h), cfg.hidden_act), layer.down, layer.down_bias)  # [B, T, C]
             # the last block's output goes through the final norm (row-wise, so before output_rows)
-            next_norm = self.layers[index + 1].attn_norm if index + 1 < len(self.layers) else self.norm
             x, h = add_rms_norm(x, mlp, next_norm, cfg.norm_eps)
         return linear(self.output_rows(h, all_logits, logits_at), self.lm_head)  # [B, T or 1, V]
