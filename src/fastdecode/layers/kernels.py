@@ -88,6 +88,12 @@ def dequantize_op():
     return None if ops is None else ops.dequantize
 
 
+def elementwise_ops():
+    """torch.ops.fastdecode_kernels (its rms_norm, add_rms_norm, qkv_heads, gated: layers/elementwise.cpp),
+    or None like ``qmatmul_op``."""
+    return _ops()
+
+
 def _load_ops():
     import torch
 
@@ -120,6 +126,26 @@ def _register_fake() -> None:
     @torch.library.register_fake("fastdecode_kernels::dequantize")
     def _dequantize_fake(codes, scale, mins, bits, group, threads):  # -> float32 [N, K]
         return scale.new_empty((scale.shape[0], scale.shape[1] * group), dtype=torch.float32)
+
+    @torch.library.register_fake("fastdecode_kernels::rms_norm")
+    def _rms_norm_fake(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("fastdecode_kernels::add_rms_norm")
+    def _add_rms_norm_fake(x, delta, delta_weight, weight, eps):
+        return (torch.empty_like(x, memory_format=torch.contiguous_format),
+                torch.empty_like(x, memory_format=torch.contiguous_format))
+
+    @torch.library.register_fake("fastdecode_kernels::qkv_heads")
+    def _qkv_heads_fake(qkv, num_heads, num_kv_heads, norm_weight, eps, cos, sin):  # [B, T, (H + 2 Hkv) D]
+        B, T, width = qkv.shape
+        D = width // (num_heads + 2 * num_kv_heads)
+        return (qkv.new_empty((B, num_heads, T, D)), qkv.new_empty((B, num_kv_heads, T, D)),
+                qkv.new_empty((B, num_kv_heads, T, D)))  # q [B, H, T, D], k and v [B, Hkv, T, D]
+
+    @torch.library.register_fake("fastdecode_kernels::gated")
+    def _gated_fake(gate_up, activation):  # [..., 2I] -> [..., I]
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
 if __name__ == "__main__":
