@@ -6,9 +6,14 @@ in their own worker processes, alternating (base, new, base, new...), medians ov
 * kernel: ``quantized_linear`` on the embedded model's own weights, one 576x1536 (gate, Q4_1), one
   1536x576 (down, Q4_1) and the 49152x576 output layer (Q8_0), at M = 1 and 8 rows, 1 and 2 threads
   (the microseconds per call, median of ~0.3 s of calls);
+* sweep: one decode step's matrices (``--model``: a GGUF path, default the embedded model), every
+  matrix once in file order so the weights stream from memory as in a step, the raw op at 1 thread:
+  milliseconds per sweep (thread CPU time, so time spent descheduled on a busy machine is left out)
+  for the int8-activation layers and the float-activation logits layer, M = 1 and 8, min of 5 sweeps;
 * decode: the embedded model's tokens/s at batch 1 and 8 (``--new-tokens`` each), ``--threads``.
 
     python benchmarks/qmatmul_kernels.py --baseline-src /path/to/main/src [--reps 3] [--threads 1]
+        [--jobs kernel,sweep,decode] [--model path/to/model.gguf]
 """
 
 from __future__ import annotations
@@ -58,6 +63,34 @@ def kernel_job() -> dict[str, float]:
     return results
 
 
+def sweep_job(model: str | None) -> dict[str, float]:
+    import torch
+
+    import fastdecode
+    from fastdecode.layers.kernels import qmatmul_op
+
+    torch.set_num_threads(1)
+    op, gen = qmatmul_op(), fastdecode.load(model)
+    weights = [w.t() if w.transposed else w for name, w in gen.checkpoint.weights.items()
+               if hasattr(w, "codes") and not name.startswith("embed")]  # [out, in] each; lookups excluded
+    results = {}
+    for rows in (1, 8):
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+        sweeps = []
+        for _ in range(5):
+            spent = {8: 0.0, 32: 0.0}  # by activation bits
+            for w in weights:
+                started = time.thread_time()
+                op(inputs[w.shape[1]], w.codes, w.scale, w.mins, w.bits, w.group, 1 << 40, w.activation_bits)
+                spent[w.activation_bits] += time.thread_time() - started
+            sweeps.append(spent)
+        for bits, label in ((8, "layers"), (32, "logits")):
+            gigabytes = sum(w.nbytes for w in weights if w.activation_bits == bits) / 1e9
+            best = min(s[bits] for s in sweeps)
+            results[f"sweep {label} {gigabytes * 1e3:.0f} MB M={rows} ms"] = best * 1e3
+    return results
+
+
 def decode_job(threads: int, new_tokens: int) -> dict[str, float]:
     import torch
 
@@ -78,7 +111,7 @@ def decode_job(threads: int, new_tokens: int) -> dict[str, float]:
 def run_worker(src: str, job: str, args) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=src, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
     command = [sys.executable, __file__, "--worker", job, "--threads", str(args.threads),
-               "--new-tokens", str(args.new_tokens)]
+               "--new-tokens", str(args.new_tokens)] + (["--model", args.model] if args.model else [])
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -91,10 +124,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="threads of the decode job")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--jobs", default="kernel,decode")
+    parser.add_argument("--model", default=None, help="GGUF of the sweep job (default: the embedded model)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(kernel_job() if args.worker == "kernel" else decode_job(args.threads, args.new_tokens)))
+        jobs = {"kernel": kernel_job, "sweep": lambda: sweep_job(args.model),
+                "decode": lambda: decode_job(args.threads, args.new_tokens)}
+        print(json.dumps(jobs[args.worker]()))
         return
     if not args.baseline_src:
         parser.error("--baseline-src is required")
@@ -113,8 +149,8 @@ def main() -> None:
     print("|---|---|---|---|")
     for key in samples["new"]:
         new = statistics.median(samples["new"][key])
-        unit = "" if "tok/s" in key else " us"
-        spread = "-".join(f"{v:.0f}" for v in (min(samples["new"][key]), max(samples["new"][key])))
+        unit = "" if "tok/s" in key or key.endswith(" ms") else " us"
+        spread = "-".join(f"{v:.1f}" for v in (min(samples["new"][key]), max(samples["new"][key])))
         if key not in samples["base"]:
             print(f"| {key} | - | {new:.1f}{unit} ({spread}) | - |")
             continue

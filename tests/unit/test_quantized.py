@@ -138,6 +138,35 @@ def test_kernel_error_against_the_float_product_is_the_activation_rounding(label
     assert rms_ratio <= 1.5
 
 
+def _odd_width_weights(K: int):
+    """Weights whose K/32 blocks are not a whole number of the kernel's 8-block scale passes (K = 96: a
+    partial pass only; K = 608: two full passes and 3 blocks), one of each code layout: 8-bit float16
+    G32 (Q8_0), 4-bit float16 scales + mins (Q4_1), 4-bit float32 (int4), 8-bit float32 G16 (Q6_K's)."""
+    rng = np.random.default_rng(K)
+    yield "Q8_0", repack("Q8_0", gguf_quantize((0.1 * rng.standard_normal((24, K))).astype(np.float32), QT.Q8_0), (24, K))
+    yield "Q4_1", repack("Q4_1", gguf_quantize((0.1 * rng.standard_normal((24, K))).astype(np.float32), QT.Q4_1), (24, K))
+    yield "int4", quantize_matrix(torch.from_numpy(rng.standard_normal((24, K)).astype(np.float32)), "int4")
+    codes = torch.from_numpy(rng.integers(-128, 128, (24, K), dtype=np.int8))
+    scale = torch.from_numpy(rng.uniform(1e-3, 4e-3, (24, K // 16)).astype(np.float32))
+    yield "G16", QuantizedWeight("Q6_K", 8, 16, codes, scale, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("K", [96, 608])
+def test_partial_scale_passes_are_the_same_exact_product(K):
+    """The kernel combines weight and activation scales 8 blocks at a time; the blocks left over take a
+    scalar path that must give the same product (float64 emulation) and the same bits per row."""
+    for label, weight in _odd_width_weights(K):
+        x = torch.randn(11, K, generator=torch.Generator().manual_seed(4))
+        dense = dequantize(weight).double()
+        xq, _ = _activation_rounding(x)
+        expected = xq.double() @ dense.T
+        together = _kernel(x, weight)
+        assert ((together - expected).abs() <= 1e-5 * (xq.double().abs() @ dense.abs().T)).all(), label
+        for rows in ([4], [10, 2], list(range(1, 9))):
+            assert torch.equal(_kernel(x[rows], weight), together[rows]), label
+
+
 @needs_kernel
 def test_8_bit_codes_at_the_extremes_do_not_saturate():
     """maddubs' int16 pair sums: codes -128 and 127 against activations of +-127 (every input at its
