@@ -88,6 +88,13 @@ def dequantize_op():
     return None if ops is None else ops.dequantize
 
 
+def paged_attention_op():
+    """torch.ops.fastdecode_kernels.paged_attention (one-query decode attention over a block pool,
+    layers/attention.cpp), or None like ``qmatmul_op``."""
+    ops = _ops()
+    return None if ops is None else ops.paged_attention
+
+
 def _load_ops():
     import torch
 
@@ -120,6 +127,11 @@ def _register_fake() -> None:
     @torch.library.register_fake("fastdecode_kernels::dequantize")
     def _dequantize_fake(codes, scale, mins, bits, group, grain):  # -> float32 [N, K]
         return scale.new_empty((scale.shape[0], scale.shape[1] * group), dtype=torch.float32)
+
+    @torch.library.register_fake("fastdecode_kernels::paged_attention")
+    def _paged_attention_fake(q, keys, values, k_new, v_new, write_slots, table, key_start, positions, block, window,
+                              scale, bias):  # q [B, H, D] -> [B, H, D] (keys, values written in place)
+        return q.new_empty(q.shape)
 
 
 if __name__ == "__main__":
