@@ -32,6 +32,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The lane sums of 8 vectors -> one vector: lane u = sum of a[u]'s lanes.
+inline __m256 eight_sums(const __m256* a) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
 // exp(x) for 8 floats (Cephes' range reduction and polynomial, relative error ~2e-7); x below
 // -87.3 (including -inf) gives 0.
 inline __m256 exp8(__m256 x) {
@@ -83,36 +90,66 @@ struct Rows {
   float* out;  // [B, H, D] contiguous
 };
 
-// One row's query heads of one KV head: G = H / Hkv heads, scores in `scores` [G, Lp].
-void attend_one(const Rows& r, int64_t b, int64_t kv, std::vector<float>& scores) {
+// Calls run(j, slot, count) for the visible keys lo .. lo + L - 1 of a row in runs of consecutive
+// slots (a run never crosses a block): key j of the run is slot + (j - its first j).
+template <typename Run>
+inline void for_each_run(const int64_t* table, int64_t block, int64_t start, int64_t lo, int64_t L, Run run) {
+  for (int64_t j = 0; j < L;) {
+    const int64_t i = lo + j - start, offset = i % block;
+    const int64_t count = std::min(block - offset, L - j);
+    run(j, table[i / block] * block + offset, count);
+    j += count;
+  }
+}
+
+// One row's query heads of one KV head: G = H / Hkv heads, scores in `scores` [G, Lp], value
+// sums in `sums` [G, D].
+void attend_one(const Rows& r, int64_t b, int64_t kv, std::vector<float>& scores, std::vector<float>& sums) {
   const int64_t G = r.H / r.Hkv, D = r.D, pos = r.positions[b], start = r.key_start[b];
   const int64_t lo = r.window > 0 ? std::max(start, pos - r.window + 1) : start;
   const int64_t L = pos - lo + 1, Lp = (L + 7) / 8 * 8;
   scores.assign(G * Lp, -INFINITY);
+  sums.assign(G * D, 0.0f);
   const int64_t* table = r.table + b * r.n;
-  const int64_t row_stride = r.Hkv * D;
-  auto slot_of = [&](int64_t j) {  // key j of the visible range -> its slot
-    const int64_t i = lo + j - start;
-    return table[i / r.block] * r.block + i % r.block;
-  };
+  const int64_t row_stride = r.Hkv * D;  // floats from one slot to the next
   const float* q = r.q + b * r.q_b + kv * G * r.q_h;
-  float dot[4];
-  // Scores: each key read once for the G heads sharing it.
-  for (int64_t j = 0; j < L; ++j) {
-    const float* k = r.keys + slot_of(j) * row_stride + kv * D;
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-      const int64_t tile = std::min<int64_t>(4, G - g0);
-      dots(q + g0 * r.q_h, r.q_h, tile, k, D, dot);
-      for (int64_t g = 0; g < tile; ++g) {
-        float s = dot[g] * r.scale;
-        if (r.bias) {
-          const int64_t h = r.bias_h ? kv * G + g0 + g : 0;
-          s += r.bias[b * r.bias_b + h * r.bias_h + (lo + j - start)];
+  // Scores, 8 consecutive keys of a run at a time (head dims a multiple of 8) for one head: 8 sums
+  // in registers, added across lanes together (eight_sums); other keys one at a time for the G heads.
+  for_each_run(table, r.block, start, lo, L, [&](int64_t j0, int64_t slot, int64_t count) {
+    const float* k0 = r.keys + slot * row_stride + kv * D;
+    const int64_t eights = D % 8 == 0 ? count / 8 * 8 : 0;
+    for (int64_t t = 0; t < eights; t += 8) {
+      const float* k = k0 + t * row_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * r.q_h;
+        __m256 acc[8];
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qg + d);
+          for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + u * row_stride + d), acc[u]);
         }
-        scores[(g0 + g) * Lp + j] = s;
+        __m256 x = _mm256_mul_ps(eight_sums(acc), _mm256_set1_ps(r.scale));
+        if (r.bias)
+          x = _mm256_add_ps(x, _mm256_loadu_ps(r.bias + b * r.bias_b + (r.bias_h ? kv * G + g : 0) * r.bias_h +
+                                                 (lo + j0 + t - start)));
+        _mm256_storeu_ps(scores.data() + g * Lp + j0 + t, x);
       }
     }
-  }
+    float dot[4];
+    for (int64_t t = eights; t < count; ++t) {
+      const int64_t j = j0 + t;
+      const float* k = k0 + t * row_stride;
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t tile = std::min<int64_t>(4, G - g0);
+        dots(q + g0 * r.q_h, r.q_h, tile, k, D, dot);
+        for (int64_t g = 0; g < tile; ++g) {
+          float s = dot[g] * r.scale;
+          if (r.bias) s += r.bias[b * r.bias_b + (r.bias_h ? kv * G + g0 + g : 0) * r.bias_h + (lo + j - start)];
+          scores[(g0 + g) * Lp + j] = s;
+        }
+      }
+    }
+  });
   // Softmax numerators in place (padding past L: exp(-inf) = 0) and each head's 1 / sum.
   std::vector<float> inverse(G);
   for (int64_t g = 0; g < G; ++g) {
@@ -128,38 +165,43 @@ void attend_one(const Rows& r, int64_t b, int64_t kv, std::vector<float>& scores
     }
     inverse[g] = 1.0f / hsum(sum);
   }
-  // Values: out[h] = sum_j p[h, j] v_j, each value read once per tile of 4 heads and 16 dims.
-  float* out = r.out + (b * r.H + kv * G) * D;
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const int64_t tile = std::min<int64_t>(4, G - g0);
-    const float* p = scores.data() + g0 * Lp;
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-      __m256 a0[4], a1[4];
-      for (int64_t g = 0; g < 4; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < L; ++j) {
-        const float* v = r.values + slot_of(j) * row_stride + kv * D + d;
-        const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+  // Values: sums[h] += p[h, j] v_j, run by run (a run's values stay in cache while its 16-dim
+  // slices are summed in registers, 4 heads at a time); each sum adds its keys in order j = 0..L-1.
+  for_each_run(table, r.block, start, lo, L, [&](int64_t j0, int64_t slot, int64_t count) {
+    const float* v0 = r.values + slot * row_stride + kv * D;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const int64_t tile = std::min<int64_t>(4, G - g0);
+      const float* p = scores.data() + g0 * Lp + j0;
+      float* acc = sums.data() + g0 * D;
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) {
+        __m256 a0[4], a1[4];
         for (int64_t g = 0; g < tile; ++g) {
-          const __m256 w = _mm256_broadcast_ss(p + g * Lp + j);
-          a0[g] = _mm256_fmadd_ps(w, v0, a0[g]);
-          a1[g] = _mm256_fmadd_ps(w, v1, a1[g]);
+          a0[g] = _mm256_loadu_ps(acc + g * D + d);
+          a1[g] = _mm256_loadu_ps(acc + g * D + d + 8);
+        }
+        for (int64_t t = 0; t < count; ++t) {
+          const float* v = v0 + t * row_stride + d;
+          const __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8);
+          for (int64_t g = 0; g < tile; ++g) {
+            const __m256 w = _mm256_broadcast_ss(p + g * Lp + t);
+            a0[g] = _mm256_fmadd_ps(w, x0, a0[g]);
+            a1[g] = _mm256_fmadd_ps(w, x1, a1[g]);
+          }
+        }
+        for (int64_t g = 0; g < tile; ++g) {
+          _mm256_storeu_ps(acc + g * D + d, a0[g]);
+          _mm256_storeu_ps(acc + g * D + d + 8, a1[g]);
         }
       }
-      for (int64_t g = 0; g < tile; ++g) {
-        const __m256 inv = _mm256_set1_ps(inverse[g0 + g]);
-        _mm256_storeu_ps(out + (g0 + g) * D + d, _mm256_mul_ps(a0[g], inv));
-        _mm256_storeu_ps(out + (g0 + g) * D + d + 8, _mm256_mul_ps(a1[g], inv));
-      }
+      for (; d < D; ++d)  // head dims not a multiple of 16 (tiny test models)
+        for (int64_t g = 0; g < tile; ++g)
+          for (int64_t t = 0; t < count; ++t) acc[g * D + d] += p[g * Lp + t] * v0[t * row_stride + d];
     }
-    for (; d < D; ++d) {  // head dims not a multiple of 16 (tiny test models)
-      for (int64_t g = 0; g < tile; ++g) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < L; ++j) acc += p[g * Lp + j] * r.values[slot_of(j) * row_stride + kv * D + d];
-        out[(g0 + g) * D + d] = acc * inverse[g0 + g];
-      }
-    }
-  }
+  });
+  float* out = r.out + (b * r.H + kv * G) * D;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = sums[g * D + d] * inverse[g];
 }
 
 // q [B, H, D]; keys, values [slots, Hkv, D] (written at write_slots [B] with k_new, v_new [B, Hkv, D]
@@ -235,8 +277,8 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor keys, at::Tensor valu
   // Threads only for chunks of >= 2^24 multiply-adds (layers/threads.py): below, a barrier costs more.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 24) / std::max<int64_t>(1, 2 * (H / Hkv) * longest * D));
   at::parallel_for(0, B * Hkv, grain, [&](int64_t first, int64_t last) {
-    std::vector<float> scores;
-    for (int64_t item = first; item < last; ++item) attend_one(r, item / Hkv, item % Hkv, scores);
+    std::vector<float> scores, sums;
+    for (int64_t item = first; item < last; ++item) attend_one(r, item / Hkv, item % Hkv, scores, sums);
   });
   return out;
 }
