@@ -107,7 +107,9 @@ def _load_ops():
             torch.ops.load_library(str(library))
         else:
             log.warning("fastdecode: building the quantized kernels (once, about a minute)")
-            build()  # cpp_extension.load registers the ops itself
+            # cpp_extension.load registers the ops itself; loading again is a no-op then, and needed when
+            # another process finished the build while this one waited for the lock (build() returns early).
+            torch.ops.load_library(str(build()))
         _register_fake()
         return torch.ops.fastdecode_kernels
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
