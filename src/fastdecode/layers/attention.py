@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .threads import threads_for
+from .threads import PARALLEL_MIN_WORK, threads_for
 
 
 def attention(
@@ -54,9 +54,12 @@ def paged_attention(op, q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     ``write`` (k_new, v_new [B, Hkv, D], slots [B]): stored first, in the same op -> [B, H, D]."""
     k_new, v_new, slots = write if write is not None else (None, None, None)
     q, k_new, v_new = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k_new, v_new))
-    with threads_for(2 * q.numel() * table.shape[1] * block_size):  # B*H*D * S multiply-adds, twice
-        return op(q, keys, values, k_new, v_new, slots, table, key_start, positions, block_size, window or 0,
-                  scale, bias)
+    args = (q, keys, values, k_new, v_new, slots, table, key_start, positions, block_size, window or 0, scale, bias)
+    work = 2 * q.numel() * table.shape[1] * block_size  # B*H*D * S multiply-adds, twice
+    if work < PARALLEL_MIN_WORK:  # one thread: the op splits no smaller work itself (attention.cpp's grain)
+        return op(*args)
+    with threads_for(work):
+        return op(*args)
 
 
 def two_segment_attention(
