@@ -95,6 +95,12 @@ def paged_attention_op():
     return None if ops is None else ops.paged_attention
 
 
+def elementwise_ops():
+    """torch.ops.fastdecode_kernels (its rms_norm, add_rms_norm, qkv_heads, gated: layers/elementwise.cpp),
+    or None like ``qmatmul_op``."""
+    return _ops()
+
+
 def _load_ops():
     import torch
 
@@ -123,17 +129,37 @@ def _register_fake() -> None:
     import torch
 
     @torch.library.register_fake("fastdecode_kernels::qmatmul")
-    def _qmatmul_fake(x, codes, scale, mins, bits, group, grain, activation_bits=8):  # x [M, K] -> [M, N]
+    def _qmatmul_fake(x, codes, scale, mins, bits, group, threads, activation_bits=8):  # x [M, K] -> [M, N]
         return x.new_empty((x.shape[0], scale.shape[0]))
 
     @torch.library.register_fake("fastdecode_kernels::dequantize")
-    def _dequantize_fake(codes, scale, mins, bits, group, grain):  # -> float32 [N, K]
+    def _dequantize_fake(codes, scale, mins, bits, group, threads):  # -> float32 [N, K]
         return scale.new_empty((scale.shape[0], scale.shape[1] * group), dtype=torch.float32)
 
     @torch.library.register_fake("fastdecode_kernels::paged_attention")
     def _paged_attention_fake(q, keys, values, k_new, v_new, write_slots, table, key_start, positions, block, window,
                               scale, bias):  # q [B, H, D] -> [B, H, D] (keys, values written in place)
         return q.new_empty(q.shape)
+
+    @torch.library.register_fake("fastdecode_kernels::rms_norm")
+    def _rms_norm_fake(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("fastdecode_kernels::add_rms_norm")
+    def _add_rms_norm_fake(x, delta, delta_weight, weight, eps):
+        return (torch.empty_like(x, memory_format=torch.contiguous_format),
+                torch.empty_like(x, memory_format=torch.contiguous_format))
+
+    @torch.library.register_fake("fastdecode_kernels::qkv_heads")
+    def _qkv_heads_fake(qkv, num_heads, num_kv_heads, norm_weight, eps, cos, sin):  # [B, T, (H + 2 Hkv) D]
+        B, T, width = qkv.shape
+        D = width // (num_heads + 2 * num_kv_heads)
+        return (qkv.new_empty((B, num_heads, T, D)), qkv.new_empty((B, num_kv_heads, T, D)),
+                qkv.new_empty((B, num_kv_heads, T, D)))  # q [B, H, T, D], k and v [B, Hkv, T, D]
+
+    @torch.library.register_fake("fastdecode_kernels::gated")
+    def _gated_fake(gate_up, activation):  # [..., 2I] -> [..., I]
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
 if __name__ == "__main__":

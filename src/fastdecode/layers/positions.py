@@ -112,11 +112,15 @@ class RotaryEmbedding:
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> (cos, signed sin) [B, T, 1, rotary_dim] for ``rotate_heads`` on heads laid
         out [B, T, H, D] (a projection's output before its transpose). The sine's first half is
-        negated once here instead of negating half of every rotated vector."""
-        cos, sin = self.cos_sin(positions, dtype)  # [B, 1, T, rot]
-        half = self.rotary_dim // 2
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        return cos.transpose(1, 2), signed_sin.transpose(1, 2)  # [B, 1, T, rot] -> [B, T, 1, rot]
+        negated once here instead of negating half of every rotated vector. The values of
+        ``cos_sin`` (the same float64 products, one rounding to ``dtype``) in fewer ops."""
+        angles = positions.to(torch.float64)[..., None] * self.inv_freq.to(positions.device)  # [B, T, rot/2]
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        cos = torch.cat((cos, cos), dim=-1).to(dtype)  # [B, T, rot]
+        signed_sin = torch.cat((-sin, sin), dim=-1).to(dtype)  # [B, T, rot]
+        return cos[:, :, None], signed_sin[:, :, None]  # [B, T, 1, rot]
 
     def rotate_by(self, x: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
         """Rotate already-rotated vectors x [B, H, T, D] by ``delta`` more positions (an int, or

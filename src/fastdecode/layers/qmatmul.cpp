@@ -36,6 +36,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "parallel.h"
+
 namespace {
 
 inline float load_scale(const at::Half* p) { return _cvtsh_ss(reinterpret_cast<const uint16_t&>(*p)); }
@@ -278,7 +280,7 @@ void outputs_range(const QuantizedRows& q, const float* x, const float* xsum, in
 
 template <int BITS, int G, typename S>
 at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& mins, int64_t grain, int64_t activation_bits) {
+                       const c10::optional<at::Tensor>& mins, int64_t threads, int64_t activation_bits) {
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   const bool exact = activation_bits == 32;
@@ -289,7 +291,7 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   const S* sp = scale.data_ptr<S>();
   const S* mp = mins.has_value() && mins->defined() ? mins->data_ptr<S>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  fastdecode::parallel_chunks(N, fastdecode::chunk_outputs(M * K, 32), threads, [&](int64_t n0, int64_t n1) {
     outputs_range<BITS, G, S>(q, xp, xsum.data(), M, K, cp, sp, mp, yp, N, n0, n1);
   });
   return y;
@@ -298,7 +300,7 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
 // ---- dequantize: the exact float32 weights -----------------------------------------------------------
 template <int BITS, int G, typename S>
 at::Tensor dequantize_impl(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
-                           int64_t grain) {
+                           int64_t threads) {
   const int64_t N = scale.size(0), groups = scale.size(1), K = groups * G;
   at::Tensor w = at::empty({N, K}, scale.options().dtype(at::kFloat));
   const bool has_min = mins.has_value() && mins->defined();
@@ -306,7 +308,7 @@ at::Tensor dequantize_impl(const at::Tensor& codes, const at::Tensor& scale, con
   const S* sp = scale.data_ptr<S>();
   const S* mp = has_min ? mins->data_ptr<S>() : nullptr;
   float* wp = w.data_ptr<float>();
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  fastdecode::parallel_chunks(N, fastdecode::chunk_outputs(K, 8), threads, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t g = 0; g < groups; ++g) {
         __m256 v[G / 8];
@@ -326,13 +328,13 @@ at::Tensor dequantize_impl(const at::Tensor& codes, const at::Tensor& scale, con
 
 // codes, scale, mins of [N, K] -> float32 [N, K] (for products with many rows: then a float GEMM).
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
-                      int64_t bits, int64_t group, int64_t grain) {
+                      int64_t bits, int64_t group, int64_t threads) {
   TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "codes and scales must be contiguous");
   const bool half = scale.scalar_type() == at::kHalf;
 #define FD_CASE(B, GS)                                                                               \
   if (bits == B && group == GS)                                                                      \
-    return half ? dequantize_impl<B, GS, at::Half>(codes, scale, mins, grain)                       \
-                : dequantize_impl<B, GS, float>(codes, scale, mins, grain);
+    return half ? dequantize_impl<B, GS, at::Half>(codes, scale, mins, threads)                       \
+                : dequantize_impl<B, GS, float>(codes, scale, mins, threads);
   FD_CASE(8, 32)
   FD_CASE(8, 16)
   FD_CASE(4, 32)
@@ -342,7 +344,7 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c1
 
 // x [M, K] float32 -> y [M, N] float32, activations quantized to int8 per 32 (see the top of the file).
 at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                   const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t grain, int64_t activation_bits) {
+                   const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t threads, int64_t activation_bits) {
   TORCH_CHECK(activation_bits == 8 || activation_bits == 32, "activation_bits is 8 or 32, not ", activation_bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "codes and scales must be contiguous");
@@ -351,8 +353,8 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   const bool half = scale.scalar_type() == at::kHalf;
 #define FD_CASE(B, GS)                                                                               \
   if (bits == B && group == GS)                                                                      \
-    return half ? matmul_impl<B, GS, at::Half>(x, codes, scale, mins, grain, activation_bits)                 \
-                : matmul_impl<B, GS, float>(x, codes, scale, mins, grain, activation_bits);
+    return half ? matmul_impl<B, GS, at::Half>(x, codes, scale, mins, threads, activation_bits)                 \
+                : matmul_impl<B, GS, float>(x, codes, scale, mins, threads, activation_bits);
   FD_CASE(8, 32)
   FD_CASE(8, 16)
   FD_CASE(4, 32)
@@ -364,8 +366,8 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 
 // A CPU kernel (not a composite one), so kernels.py can give the op a fake kernel for torch.compile.
 TORCH_LIBRARY(fastdecode_kernels, m) {
-  m.def("qmatmul(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int grain, int activation_bits=8) -> Tensor");
-  m.def("dequantize(Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int grain) -> Tensor");
+  m.def("qmatmul(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int threads, int activation_bits=8) -> Tensor");
+  m.def("dequantize(Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int threads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) {

@@ -26,13 +26,12 @@ dequantizing path, in PyTorch.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
 
 from .kernels import dequantize_op, qmatmul_op
-from .threads import PARALLEL_MIN_WORK, threads_for
+from .threads import kernel_threads
 
 KERNEL_MAX_ROWS = 32
 
@@ -48,6 +47,11 @@ class QuantizedWeight:
     transposed: bool = False  # True: seen as [K, N] (the canonical [in, out] view)
     dtype: torch.dtype = torch.float32  # the model's activations: embedding rows come out in it
     activation_bits: int = 8  # the decode kernel's activations: 8 (int8 per 32 inputs) or 32 (exact; for_logits)
+
+    def __post_init__(self) -> None:  # read by every product: computed once
+        rows, groups = self.scale.shape
+        object.__setattr__(self, "outputs", rows)  # N of the stored [out, in] matrix
+        object.__setattr__(self, "inputs", groups * self.group)  # K
 
     @property
     def shape(self) -> torch.Size:
@@ -108,32 +112,34 @@ def dense_weight(weight: QuantizedWeight, work: int) -> torch.Tensor:
     op = dequantize_op() if weight.device.type == "cpu" else None
     if op is None:
         return dequantize(weight)
-    N, K = weight.shape
-    grain = max(1, math.ceil(PARALLEL_MIN_WORK * N / work))  # rows per thread: the product's share of them
-    with threads_for(work):
-        return op(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, grain)
+    threads = kernel_threads(min(work, weight.outputs * weight.inputs))  # the decoder's own size caps it
+    return op(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads)
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T + bias -> [..., N] in x's dtype."""
+    """x [..., K] @ weight[N, K]^T + bias -> [..., N] in x's dtype.
+
+    Called for every product of a decode step: casts, copies and reshapes happen only where needed."""
     if weight.transposed:
         raise ValueError("linear() takes the [out, in] view of a quantized weight: call .t() on the canonical one")
-    N, K = weight.shape
-    rows = x.reshape(-1, K)  # [M, K]
-    op = qmatmul_op() if x.device.type == "cpu" else None
-    if op is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
-        M = rows.shape[0]
-        grain = max(1, math.ceil(PARALLEL_MIN_WORK / (M * K)))  # output rows per thread, at least
-        with threads_for(M * K * N):
-            out = op(rows.float().contiguous(), weight.codes, weight.scale, weight.mins, weight.bits, weight.group,
-                     grain, weight.activation_bits)
+    N, K = weight.outputs, weight.inputs
+    rows = x if x.dim() == 2 else x.reshape(-1, K)  # [M, K]
+    if rows.dtype != torch.float32:
+        rows = rows.float()
+    M = rows.shape[0]
+    op = qmatmul_op() if M <= KERNEL_MAX_ROWS and rows.is_cpu else None
+    if op is not None:
+        out = op(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
+                 weight.bits, weight.group, kernel_threads(M * K * N), weight.activation_bits)
     else:
         from .linear import linear  # the float GEMM (oneDNN on CPU)
 
-        out = linear(rows.float(), dense_weight(weight, work=rows.shape[0] * K * N))
+        out = linear(rows, dense_weight(weight, work=M * K * N))
     if bias is not None:
         out = out + bias
-    return out.view(*x.shape[:-1], N).to(x.dtype)  # [..., N]
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], N)  # [..., N]
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def for_logits(weight: QuantizedWeight) -> QuantizedWeight:

@@ -1,64 +1,98 @@
-"""How many threads one op gets: a forward runs on one thread, and only big products get more.
+"""How many threads one op gets: a forward runs on one thread; the quantized kernels and big products get more.
 
-On a shared 2-core machine a second thread is often busy elsewhere, and every parallel op then
+On a shared 2-core machine a second thread is often busy elsewhere, and every OpenMP-parallel op then
 waits for it at a barrier: measured, a 1 x 576 x 1536 float32 matvec takes 0.16 ms on one thread and
 30-40 ms on two; a decode step's attention (9 heads x 100 keys) 45 ms on two threads. It is not only
 the products: PyTorch splits any element-wise op, copy or gather of more than 32K elements over its
 threads, and in a batch-8 decode step of SmolLM2 on two threads (machine load ~10) the K/V block
 gathers alone took 18 ms per call (a few microseconds of work), the whole step 1.9 s against 0.28 s
-on one thread. So ``one_thread_except_big_ops`` runs a model's forward on one thread, and inside it
-``threads_for`` hands the caller's threads back to products of at least ``PARALLEL_MIN_WORK``
-multiply-adds (an LM head over several rows, prompt chunks), where the split pays for the wait.
-Outside a forward, ``threads_for`` runs ops below that size on one thread (as before).
+on one thread. So ``one_thread_except_big_ops`` runs a model's forward on one thread, and inside it:
+
+- the quantized kernels (``kernel_threads``) get the caller's threads for products of
+  ``KERNEL_PARALLEL_MIN_WORK`` to ``KERNEL_PARALLEL_MAX_WORK`` multiply-adds (every layer product of a
+  decode step; not the logits layer): they split their outputs in small chunks that the threads claim
+  one at a time (``parallel.h``), so a second thread that is late never makes the step wait;
+- OpenMP ops (``threads_for``: the float GEMM, attention) get them only from ``PARALLEL_MIN_WORK``
+  multiply-adds (an LM head over several rows, prompt chunks), where the split pays for the wait.
+
+Outside a forward, ops below those sizes run on one thread (as before). These run once per product
+in a decode step, so they are kept to a few attribute reads.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import nullcontext
 from contextvars import ContextVar
 from typing import TypeVar
 
 import torch
 
 PARALLEL_MIN_WORK = 1 << 24  # multiply-adds: ~0.5-1 ms on one AVX2 core
+# The chunk-claiming kernels get the caller's threads between these sizes (benchmarks/kernel_threads.py).
+# Below: a few microseconds of work, where waking a helper costs as much as it saves. Above (the
+# logits layer: 28M at batch 1): a helper preempted by another process while it holds a chunk makes
+# the caller wait for that helper's next time slice, and the longer the op the likelier that is;
+# measured on the loaded 2-core machine, the 49152 x 576 logits product took 2-4x longer on two threads
+# (never less), while the layer products (0.1-7M) took 0.6-0.9x on a free second core and 1.0x on a
+# busy one.
+KERNEL_PARALLEL_MIN_WORK = 1 << 16
+KERNEL_PARALLEL_MAX_WORK = 1 << 24
 
 # The thread count of the caller of the forward we are in (None: not inside one). A context
 # variable, so threads (an engine's, a server's) never see each other's value.
 _CALLER_THREADS: ContextVar[int | None] = ContextVar("fastdecode_caller_threads", default=None)
+_UNCHANGED = nullcontext()  # reusable: entering it does nothing
 F = TypeVar("F", bound=Callable)
 
 
-@contextmanager
-def _threads(count: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    if previous == count:
-        yield
-        return
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+class _Threads:
+    """Sets torch's thread count for a block and restores it after."""
+
+    __slots__ = ("count", "previous")
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __enter__(self) -> None:
+        self.previous = torch.get_num_threads()
+        torch.set_num_threads(self.count)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.previous)
 
 
-@contextmanager
-def threads_for(work: int) -> Iterator[None]:
-    """Threads for an op of ``work`` multiply-adds: the caller's when the op is big, else one.
-    Inside torch.compile the thread count cannot be traced: the compiled graph keeps the caller's."""
-    if torch.compiler.is_compiling():
-        yield
-        return
+def caller_threads() -> int:
+    """The thread count of the forward's caller; torch's current count outside a forward."""
     caller = _CALLER_THREADS.get()
-    big = work >= PARALLEL_MIN_WORK
-    with _threads((caller or torch.get_num_threads()) if big else 1):
-        yield
+    return torch.get_num_threads() if caller is None else caller
+
+
+def kernel_threads(work: int) -> int:
+    """Threads for a chunk-claiming quantized kernel of ``work`` multiply-adds (an argument of the op:
+    torch's own thread count stays as it is). Inside torch.compile (which cannot trace thread counts):
+    0, which the op reads as torch's thread count when it runs."""
+    if not KERNEL_PARALLEL_MIN_WORK <= work < KERNEL_PARALLEL_MAX_WORK:
+        return 1
+    if torch.compiler.is_compiling():
+        return 0
+    return caller_threads()
+
+
+def threads_for(work: int):
+    """Context manager: torch's threads for an OpenMP op of ``work`` multiply-adds: the caller's when
+    the op is big, else one. Inside torch.compile the thread count cannot be traced: the compiled graph
+    keeps the caller's."""
+    if torch.compiler.is_compiling():
+        return _UNCHANGED
+    count = caller_threads() if work >= PARALLEL_MIN_WORK else 1
+    return _UNCHANGED if count == torch.get_num_threads() else _Threads(count)
 
 
 def one_thread_except_big_ops(forward: F) -> F:
     """Decorates a model's forward (encode, decode): its body runs on one thread, and ``threads_for``
-    gives big products the caller's thread count back."""
+    and ``kernel_threads`` give products the caller's thread count back."""
 
     @functools.wraps(forward)
     def wrapped(*args, **kwargs):
@@ -66,7 +100,7 @@ def one_thread_except_big_ops(forward: F) -> F:
             return forward(*args, **kwargs)
         token = _CALLER_THREADS.set(torch.get_num_threads())
         try:
-            with _threads(1):
+            with _UNCHANGED if torch.get_num_threads() == 1 else _Threads(1):
                 return forward(*args, **kwargs)
         finally:
             _CALLER_THREADS.reset(token)

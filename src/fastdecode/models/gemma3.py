@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
 from ..config import FULL, SLIDING, ModelConfig
@@ -30,7 +29,8 @@ from ..layers.attention import LayerMasks, merge_heads
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.threads import one_thread_except_big_ops
-from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_heads
+from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies
+from ..layers.elementwise import add_rms_norm, gated, qkv_heads, rms_norm
 from .base import ModelBase, Weight, token_id_list
 
 _PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -244,6 +244,8 @@ class Gemma3Model(ModelBase):
             )
             for i in range(config.num_layers)
         ]
+        # the norm after each block: the next block's input norm, the final norm after the last
+        self.next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
         self.layer_windows = config.layer_windows
         inv_freq, factor = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
                                                     config.max_position_embeddings)
@@ -270,28 +272,23 @@ class Gemma3Model(ModelBase):
         indices ``logits_at`` [K], else [B, 1, V]. ``cache`` may be an engine's ``StepPlan`` (which
         builds each layer's mask from ``ModelConfig.layer_windows`` itself)."""
         cfg = self.config
-        C, D, eps = cfg.hidden_size, cfg.head_dim, cfg.norm_eps
+        eps = cfg.norm_eps
         B, T = tokens.shape
         H, Hkv = cfg.num_heads, cfg.num_kv_heads
-        act = ACTIVATIONS[cfg.hidden_act]
         x = embed(tokens, self.embed) * self.embed_scale  # [B, T, C]
         # cos, signed sin [B, T, 1, D] per attention kind: once per forward, not per layer
         rotations = {kind: self.ropes[kind].tables(positions, x.dtype) for kind in set(self.layer_types)}
         masks = LayerMasks(mask, cache, positions, x.dtype)
-        for index, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (C,), layer.attn_norm, eps)
-            heads = layer.qkv(h).view(B, T, H + 2 * Hkv, D)  # [B, T, H + 2*Hkv, D]: q, k, v heads
-            qk = F.rms_norm(heads[:, :, : H + Hkv], (D,), None, eps) * layer.qk_norm  # [B, T, H + Hkv, D]
-            qk = rotate_heads(qk, *rotations[self.layer_types[index]])  # q and k at once
-            q = qk[:, :, :H].transpose(1, 2)  # [B, H, T, D]
-            k = qk[:, :, H:].transpose(1, 2)  # [B, Hkv, T, D]
-            v = heads[:, :, H + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
+        # h: the normed input of the next sub-block; each residual add is fused with the norm after it
+        h = rms_norm(x, self.layers[0].attn_norm, eps)
+        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
+            # q [B, H, T, D], k, v [B, Hkv, T, D]; q and k RMS-normed per head, scaled and rotated
+            q, k, v = qkv_heads(layer.qkv(h), H, Hkv, *rotations[self.layer_types[index]], layer.qk_norm, eps)
             o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
-            x = x + F.rms_norm(linear(merge_heads(o), layer.o), (C,), layer.post_attn_norm, eps)
-            h = F.rms_norm(x, (C,), layer.mlp_norm, eps)
-            gate, up = layer.gate_up.split(h)  # [B, T, I] each
-            x = x + F.rms_norm(linear(act(gate) * up, layer.down), (C,), layer.post_mlp_norm, eps)
-        x = self.output_rows(x, all_logits, logits_at)
-        logits = linear(F.rms_norm(x, (C,), self.norm, eps), self.lm_head)  # [B, T or 1, V]
+            x, h = add_rms_norm(x, linear(merge_heads(o), layer.o), layer.mlp_norm, eps, layer.post_attn_norm)
+            mlp = linear(gated(layer.gate_up(h), cfg.hidden_act), layer.down)  # [B, T, C]
+            # the last block's output goes through the final norm (row-wise, so before output_rows)
+            x, h = add_rms_norm(x, mlp, next_norm, eps, layer.post_mlp_norm)
+        logits = linear(self.output_rows(h, all_logits, logits_at), self.lm_head)  # [B, T or 1, V]
         cap = cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

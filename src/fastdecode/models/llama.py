@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..cache.static import KVCache, NoCache
 from .base import ModelBase, Weight, token_id_list
@@ -22,7 +21,8 @@ from ..layers.threads import one_thread_except_big_ops
 from ..errors import UnsupportedModelError
 from ..layers.attention import LayerMasks
 from ..layers.fused import FusedProjection, fuse_projections
-from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_heads
+from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies
+from ..layers.elementwise import add_rms_norm, gated, qkv_heads, rms_norm
 from ..config import derived_head_dim
 
 # Canonical weight name -> name in each format. "{layer}" is the block index.
@@ -227,7 +227,6 @@ class LlamaModel(ModelBase):
         if config.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {config.hidden_act!r} is not supported")
         self.config = config
-        self.act = ACTIVATIONS[config.hidden_act]
         self.embed = weights["embed.weight"]
         self.norm = weights["norm.weight"]
         self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for linear()
@@ -243,6 +242,8 @@ class LlamaModel(ModelBase):
             )
             for i in range(config.num_layers)
         ]
+        # the norm after each block: the next block's input norm, the final norm after the last
+        self.next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
         self.layer_windows = config.layer_windows  # None: full attention; else the layer's window
         rotary_dim = int(config.head_dim * config.partial_rotary_factor)
         inv_freq, attention_factor = rope_inverse_frequencies(
@@ -272,19 +273,14 @@ class LlamaModel(ModelBase):
         x = embed(tokens, self.embed)  # [B, T, C]
         rotary = self.rope.tables(positions, x.dtype)  # cos, signed sin [B, T, 1, rot]: once per forward
         masks = LayerMasks(mask, cache, positions, x.dtype)
-        for index, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (cfg.hidden_size,), layer.attn_norm, cfg.norm_eps)
-            heads = layer.qkv(h).view(B, T, H + 2 * Hkv, D)  # [B, T, H + 2*Hkv, D]: q, k, v heads
-            qk = rotate_heads(heads[:, :, : H + Hkv], *rotary)  # [B, T, H + Hkv, D]: q and k at once
-            q = qk[:, :, :H].transpose(1, 2)  # [B, H, T, D]
-            k = qk[:, :, H:].transpose(1, 2)  # [B, Hkv, T, D]
-            v = heads[:, :, H + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
+        # h: the normed input of the next sub-block; each residual add is fused with the norm after it
+        h = rms_norm(x, self.layers[0].attn_norm, cfg.norm_eps)
+        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
+            q, k, v = qkv_heads(layer.qkv(h), H, Hkv, *rotary)  # [B, H or Hkv, T, D]: q and k rotated
             o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
-            x = x + linear(o, layer.o, layer.o_bias)
-            h = F.rms_norm(x, (cfg.hidden_size,), layer.mlp_norm, cfg.norm_eps)
-            gate, up = layer.gate_up.split(h)  # [B, T, I] each
-            x = x + linear(self.act(gate) * up, layer.down, layer.down_bias)
-        x = self.output_rows(x, all_logits, logits_at)
-        x = F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.norm_eps)
-        return linear(x, self.lm_head)  # [B, T or 1, V]
+            x, h = add_rms_norm(x, linear(o, layer.o, layer.o_bias), layer.mlp_norm, cfg.norm_eps)
+            mlp = linear(gated(layer.gate_up(h), cfg.hidden_act), layer.down, layer.down_bias)  # [B, T, C]
+            # the last block's output goes through the final norm (row-wise, so before output_rows)
+            x, h = add_rms_norm(x, mlp, next_norm, cfg.norm_eps)
+        return linear(self.output_rows(h, all_logits, logits_at), self.lm_head)  # [B, T or 1, V]

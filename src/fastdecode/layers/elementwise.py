@@ -1,0 +1,78 @@
+"""A decoder block's element-wise steps as single ops: RMSNorm, residual add + next norm, a fused
+Q/K/V output split into heads with RoPE on queries and keys (and Gemma's per-head norms), the
+gated MLP activation.
+
+At decode each of these touches a few thousand floats, and the time goes to dispatching PyTorch
+ops (F.rms_norm alone runs seven on CPU). float32 CPU tensors go to the fused AVX2 kernels of
+``elementwise.cpp`` (one op each); anything else, or a machine without the extension, takes the
+PyTorch path below, the reference the kernels match up to the sum of squares' summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels import elementwise_ops
+from .linear import ACTIVATIONS
+from .positions import rotate_heads
+
+# activation name -> the kernel's activation code (others run in PyTorch)
+_GATED_KINDS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
+
+
+def _kernels(x: torch.Tensor):
+    """The extension's op namespace when x can use it, else None."""
+    if x.dtype is not torch.float32 or not x.is_cpu:
+        return None
+    return elementwise_ops()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [..., C] normalized over C, times weight [C] (None: no scale) -> [..., C]."""
+    ops = _kernels(x)
+    if ops is None:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return ops.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 delta_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: x, delta [..., C] -> (s, rms_norm(s, weight)) with
+    s = x + delta, or x + rms_norm(delta, delta_weight) where ``delta_weight`` is given (Gemma's
+    post-attention and post-MLP norms)."""
+    ops = _kernels(x)
+    if ops is None or delta.dtype != x.dtype:
+        C = x.shape[-1]
+        s = x + (delta if delta_weight is None else F.rms_norm(delta, (C,), delta_weight, eps))
+        return s, F.rms_norm(s, (C,), weight, eps)
+    return ops.add_rms_norm(x, delta, delta_weight, weight, eps)
+
+
+def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
+              norm_weight: torch.Tensor | None = None, eps: float = 0.0
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused Q/K/V product's output qkv [B, T, (H + 2 Hkv) D] -> q [B, H, T, D], k, v [B, Hkv, T, D].
+    Query and key heads are RMS-normed over D and scaled by norm_weight [H + Hkv, D] if given (Gemma),
+    then rotated with ``RotaryEmbedding.tables`` (cos, signed sin [B, T, 1, rot])."""
+    ops = _kernels(qkv)
+    if ops is not None and qkv.stride(-1) == 1:
+        return ops.qkv_heads(qkv, num_heads, num_kv_heads, norm_weight, eps, cos, signed_sin)
+    B, T, width = qkv.shape
+    H, Hkv = num_heads, num_kv_heads
+    heads = qkv.view(B, T, H + 2 * Hkv, width // (H + 2 * Hkv))  # [B, T, H + 2*Hkv, D]: q, k, v heads
+    qk = heads[:, :, : H + Hkv]  # [B, T, H + Hkv, D]
+    if norm_weight is not None:
+        qk = F.rms_norm(qk, (qk.shape[-1],), None, eps) * norm_weight
+    qk = rotate_heads(qk, cos, signed_sin)  # q and k at once
+    return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), heads[:, :, H + Hkv :].transpose(1, 2)
+
+
+def gated(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """gate_up [..., 2I] = [gate | up] -> act(gate) * up [..., I] (act an ``ACTIVATIONS`` name)."""
+    ops = _kernels(gate_up)
+    kind = _GATED_KINDS.get(activation)
+    if ops is None or kind is None:
+        gate, up = gate_up.chunk(2, dim=-1)  # [..., I] each
+        return ACTIVATIONS[activation](gate) * up
+    return ops.gated(gate_up, kind)

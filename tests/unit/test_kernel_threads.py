@@ -1,0 +1,122 @@
+"""The quantized kernels on several threads (layers/parallel.h) and the thread policy (layers/threads.py).
+
+Outputs are split in fixed chunks that whichever thread is free claims, so every result must be bitwise
+the same for any thread count, any interleaving and any caller thread. Speed is never asserted here
+(benchmarks/kernel_threads.py measures it)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import pytest
+import torch
+
+from fastdecode.layers import threads as thread_policy
+from fastdecode.layers.kernels import dequantize_op, qmatmul_op
+from fastdecode.layers.linear import linear
+from fastdecode.layers.quantized import for_logits, quantize_matrix
+
+pytestmark = pytest.mark.skipif("qmatmul_op() is None", reason="no AVX2 kernel on this machine")
+
+
+def product(weight, x, threads):
+    return qmatmul_op()(x, weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads,
+                        weight.activation_bits)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("logits_layer", [False, True])
+def test_products_are_bitwise_the_same_on_any_number_of_threads(kind, logits_layer):
+    torch.manual_seed(0)
+    for outputs, inputs, rows in [(1000, 128, 1), (333, 64, 5), (40, 96, 2)]:  # chunks of unequal sizes
+        weight = quantize_matrix(torch.randn(outputs, inputs), kind)
+        weight = for_logits(weight) if logits_layer else weight
+        x = torch.randn(rows, inputs)
+        alone = product(weight, x, 1)
+        for threads in (2, 3, 2, 8):
+            assert torch.equal(product(weight, x, threads), alone), (outputs, inputs, rows, threads)
+        assert torch.equal(dequantize_op()(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, 2),
+                           dequantize_op()(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, 1))
+
+
+def test_two_caller_threads_at_once_get_the_same_results():
+    """One caller owns the helper threads at a time; the other runs its product alone, not waiting."""
+    torch.manual_seed(1)
+    weight = quantize_matrix(torch.randn(2048, 256), "int4")
+    x = torch.randn(3, 256)
+    expected = product(weight, x, 1)
+    mismatches = []
+
+    def call_many():
+        for _ in range(200):
+            if not torch.equal(product(weight, x, 2), expected):
+                mismatches.append(1)
+
+    callers = [threading.Thread(target=call_many) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert not mismatches
+
+
+def _child_product(queue):
+    torch.manual_seed(2)
+    weight = quantize_matrix(torch.randn(1024, 128), "int8")
+    x = torch.randn(1, 128)
+    queue.put(torch.equal(product(weight, x, 2), product(weight, x, 1)))
+
+
+def test_a_forked_child_makes_its_own_helper_threads():
+    torch.manual_seed(2)
+    weight = quantize_matrix(torch.randn(1024, 128), "int8")
+    product(weight, torch.randn(1, 128), 2)  # the parent's helpers exist (they are not in the child)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child_product, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0 and queue.get(timeout=1) is True
+
+
+def test_kernels_get_the_callers_threads_inside_a_one_thread_forward():
+    previous = torch.get_num_threads()
+    seen = {}
+
+    @thread_policy.one_thread_except_big_ops
+    def forward():
+        seen["torch"] = torch.get_num_threads()
+        seen["small"] = thread_policy.kernel_threads(thread_policy.KERNEL_PARALLEL_MIN_WORK - 1)
+        seen["kernel"] = thread_policy.kernel_threads(thread_policy.KERNEL_PARALLEL_MIN_WORK)
+        seen["logits"] = thread_policy.kernel_threads(thread_policy.KERNEL_PARALLEL_MAX_WORK)
+        with thread_policy.threads_for(thread_policy.PARALLEL_MIN_WORK):
+            seen["big OpenMP op"] = torch.get_num_threads()
+        seen["after"] = torch.get_num_threads()
+
+    try:
+        torch.set_num_threads(2)
+        forward()
+        assert seen == {"torch": 1, "small": 1, "kernel": 2, "logits": 1, "big OpenMP op": 2, "after": 1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_linear_on_two_threads_equals_one_thread_for_every_row_count(kind):
+    """Through the policy: decode rows (the kernel) and prompt rows (decoded matrix + float GEMM)."""
+    torch.manual_seed(3)
+    weight = quantize_matrix(torch.randn(768, 512), kind)
+    previous = torch.get_num_threads()
+    try:
+        for rows in (1, 8, 40):
+            x = torch.randn(1, rows, 512)
+            results = []
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                results.append(thread_policy.one_thread_except_big_ops(lambda: linear(x, weight))())
+            assert results[0].shape == (1, rows, 768)
+            assert torch.equal(results[0], results[1]), rows
+    finally:
+        torch.set_num_threads(previous)
