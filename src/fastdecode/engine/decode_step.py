@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.attention import attention
+from ..layers.attention import attention, paged_attention, paged_attention_op
 from .plan import no_distances, position_mask
 from .slots import SlotCache
 
@@ -41,6 +41,8 @@ class DecodePlan:
             self.distance[kind] = (key_positions - positions[:, None])[:, None]  # [B, 1, S]
         self.windows, self.score_bias, self.dtype = windows, score_bias, dtype
         self._masks: dict[tuple[int | None, int | None], torch.Tensor] = {}
+        self._bias: dict[int | None, torch.Tensor] = {}  # kind -> position bias [B, 1|H, S] (paged op)
+        self.positions = positions
 
     def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
         return no_distances(query_positions)
@@ -48,12 +50,21 @@ class DecodePlan:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float) -> torch.Tensor:
         """q [B, H, 1, D]; k, v [B, Hkv, 1, D] -> [B, H, 1, D] over each row's slots of the layer's
-        kind (``mask`` unused: the plan builds its own)."""
+        kind (``mask`` unused: the plan builds its own). The C++ paged attention where it is built
+        (float32 on the CPU), else gather + mask + SDPA."""
         kind, window = self.cache.layer_windows[layer], self.windows[layer]  # storage kind, mask window
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
+        table, key_starts = self.tables[kind]
+        op = paged_attention_op(q, keys)
+        if op is not None:  # the C++ op: write and attend in place, reading only each row's visible keys
+            if kind not in self._bias and self.score_bias is not None:
+                self._bias[kind] = self.score_bias(self.distance[kind])[:, :, 0].float().contiguous()  # [B, 1|H, S]
+            write = (k[:, :, 0], v[:, :, 0], self.write_slots[kind])  # [B, Hkv, D] x 2, [B]
+            out = paged_attention(op, q[:, :, 0], keys, values, table, key_starts[:, 0], self.positions,
+                                  self.cache.block_size, window, scale, self._bias.get(kind), write)  # [B, H, D]
+            return out[:, :, None]  # [B, H, 1, D]
         keys.index_copy_(0, self.write_slots[kind], k[:, :, 0])  # [B, Hkv, D]
         values.index_copy_(0, self.write_slots[kind], v[:, :, 0])
-        table = self.tables[kind][0]
         kg = self.cache.gather(keys, table)  # [B, Hkv, S, D]
         vg = self.cache.gather(values, table)  # [B, Hkv, S, D]
         if (kind, window) not in self._masks:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..layers.attention import attention
+from ..layers.attention import attention, paged_attention, paged_attention_op
 from .fastseq import shared_prefix_attention
 from .slots import SlotCache, first_visible_block
 
@@ -71,7 +71,7 @@ class StepPlan:
         self.windows = windows
         self.score_bias = score_bias  # ALiBi: distances [B, T, S] -> bias [B, H, T, S]
         self.dtype = dtype
-        self._masks: dict[tuple[int, int | None, int | None], torch.Tensor] = {}
+        self._masks: dict[tuple, object] = {}  # per-step masks, paged rows and biases, built once
 
     @classmethod
     def for_rows(cls, cache: SlotCache, rows: list[tuple[list[int], int, int]], windows: list[int | None],
@@ -105,16 +105,33 @@ class StepPlan:
                scale: float) -> torch.Tensor:
         """q [1, H, N, D]; k, v [1, Hkv, N, D]: write k, v into the sequences' slots of the layer's
         kind, then attend each group over its own slots -> [1, H, N, D]. ``mask`` is unused (the
-        plan builds its own)."""
+        plan builds its own). One-query groups (decodes) run the C++ paged attention where it is
+        built (``layers/attention.py``): the whole step in one op when every group is one."""
         # The layer's kind in the cache (None: stored in full) and the window its attention masks with
         # (a cache built without kinds stores a sliding layer in full and masks it all the same).
         kind, window = self.cache.layer_windows[layer], self.windows[layer]
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
+        op = paged_attention_op(q, keys)
+        paged = [op is not None and self._pageable(group, kind) for group in self.groups]
+        if len(paged) == 1 and paged[0]:  # a pure decode step: write and attend in one op
+            group = self.groups[0]
+            table, key_start, positions = self._paged_rows(0, kind)
+            write = (k[0].transpose(0, 1), v[0].transpose(0, 1), self.write_slots[kind])  # [B, Hkv, D] x 2, [B]
+            out = paged_attention(op, q[0].transpose(0, 1), keys, values, table, key_start, positions,
+                                  self.cache.block_size, window, scale, self._bias(0, kind), write)  # [B, H, D]
+            return out.transpose(0, 1)[None]  # [1, H, B, D]
         keys.index_copy_(0, self.write_slots[kind], k[0].transpose(0, 1))  # [N, Hkv, D]
         values.index_copy_(0, self.write_slots[kind], v[0].transpose(0, 1))
         outputs = []
         for index, group in enumerate(self.groups):
             B, T = group.rows, group.queries
+            if paged[index]:
+                table, key_start, positions = self._paged_rows(index, kind)
+                qg = q[0, :, group.first : group.first + B].transpose(0, 1)  # [B, H, D]
+                out = paged_attention(op, qg, keys, values, table, key_start, positions, self.cache.block_size,
+                                      window, scale, self._bias(index, kind))  # [B, H, D]
+                outputs.append(out.transpose(0, 1))  # [H, B, D]
+                continue
             qg = q[0, :, group.first : group.first + B * T].unflatten(1, (B, T)).transpose(0, 1)  # [B, H, T, D]
             mask = self._mask(index, kind, window)
             shared_blocks = group.shared_blocks if kind is None else group.window_shared.get(kind, 0)
@@ -127,6 +144,38 @@ class StepPlan:
                 out = attention(qg, kg, vg, mask, scale)  # [B, H, T, D]
             outputs.append(out.transpose(0, 1).flatten(1, 2))  # [H, B*T, D]
         return torch.cat(outputs, dim=1)[None] if len(outputs) > 1 else outputs[0][None]  # [1, H, N, D]
+
+    @staticmethod
+    def _pageable(group: AttentionGroup, kind: int | None) -> bool:
+        """A group the paged op serves: one query per row, no FastSeq shared prefix in this kind."""
+        shared = group.shared_blocks if kind is None else group.window_shared.get(kind, 0)
+        return group.queries == 1 and not shared
+
+    def _paged_rows(self, index: int, kind: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A one-query group's (table [B, n], first key position [B], query positions [B]) in a kind."""
+        key = ("rows", index, kind)
+        if key not in self._masks:
+            group = self.groups[index]
+            positions = group.query_positions[:, 0].contiguous()  # [B]
+            if kind is None:
+                self._masks[key] = (group.block_table, torch.zeros_like(positions), positions)
+            else:
+                table, key_starts = group.window_tables[kind]  # [B, m], [B, 1]
+                self._masks[key] = (table, key_starts[:, 0].contiguous(), positions)
+        return self._masks[key]
+
+    def _bias(self, index: int, kind: int | None) -> torch.Tensor | None:
+        """A one-query group's position bias [B, 1 or H, S] over its keys of a kind, or None."""
+        if self.score_bias is None:
+            return None
+        key = ("bias", index, kind)
+        if key not in self._masks:
+            table, key_start, positions = self._paged_rows(index, kind)
+            key_positions = key_start[:, None] + torch.arange(table.shape[1] * self.cache.block_size,
+                                                              device=table.device)  # [B, S]
+            distance = (key_positions - positions[:, None])[:, None]  # [B, 1, S]
+            self._masks[key] = self.score_bias(distance)[:, :, 0].float().contiguous()  # [B, 1|H, 1, S] -> [B, 1|H, S]
+        return self._masks[key]
 
     def _attend_shared(self, group: AttentionGroup, table: torch.Tensor, m: int, keys: torch.Tensor,
                        values: torch.Tensor, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .threads import threads_for
+from .threads import PARALLEL_MIN_WORK, threads_for
 
 
 def attention(
@@ -31,6 +31,37 @@ def attention(
         # SDPA's native GQA: each KV head serves its group of query heads as it is (PyTorch's CPU
         # flash kernel indexes head h // G; no K/V copy), one op with no per-layer mask folding.
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
+
+
+def paged_attention_op(q: torch.Tensor, keys: torch.Tensor):
+    """The C++ decode attention over a block pool (layers/attention.cpp) when it serves these tensors
+    (float32 on the CPU, the extension built), else None: the caller then gathers and runs SDPA."""
+    if q.dtype != torch.float32 or keys.dtype != torch.float32 or q.device.type != "cpu":
+        return None
+    from .kernels import paged_attention_op as op
+
+    return op()
+
+
+def paged_attention(op, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
+                    key_start: torch.Tensor, positions: torch.Tensor, block_size: int, window: int | None,
+                    scale: float, bias: torch.Tensor | None = None,
+                    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One query per row over the row's blocks, read in place: q [B, H, D] (D contiguous); a layer's
+    keys, values [slots, Hkv, D]; table [B, n] block ids whose key i sits at position key_start + i
+    (key_start [B]); positions [B] of the queries (a row sees its keys up to its own position, and
+    fewer than ``window`` back); bias [B, 1 or H, n * block] added to the scores (ALiBi, T5) or None.
+    ``write`` (k_new, v_new [B, Hkv, D], slots [B]): stored first, in the same op -> [B, H, D]."""
+    k_new, v_new, slots = write if write is not None else (None, None, None)
+    q, k_new, v_new = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k_new, v_new))
+    args = (q, keys, values, k_new, v_new, slots, table, key_start, positions, block_size, window or 0, scale, bias)
+    if torch.compiler.is_compiling():  # no guard on the (dynamic) number of blocks; threads are the caller's
+        return op(*args)
+    work = 2 * q.numel() * table.shape[1] * block_size  # B*H*D * S multiply-adds, twice
+    if work < PARALLEL_MIN_WORK:  # one thread: the op splits no smaller work itself (attention.cpp's grain)
+        return op(*args)
+    with threads_for(work):
+        return op(*args)
 
 
 def two_segment_attention(

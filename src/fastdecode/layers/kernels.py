@@ -88,6 +88,13 @@ def dequantize_op():
     return None if ops is None else ops.dequantize
 
 
+def paged_attention_op():
+    """torch.ops.fastdecode_kernels.paged_attention (one-query decode attention over a block pool,
+    layers/attention.cpp), or None like ``qmatmul_op``."""
+    ops = _ops()
+    return None if ops is None else ops.paged_attention
+
+
 def elementwise_ops():
     """torch.ops.fastdecode_kernels (its rms_norm, add_rms_norm, qkv_heads, gated: layers/elementwise.cpp),
     or None like ``qmatmul_op``."""
@@ -106,7 +113,9 @@ def _load_ops():
             torch.ops.load_library(str(library))
         else:
             log.warning("fastdecode: building the quantized kernels (once, about a minute)")
-            build()  # cpp_extension.load registers the ops itself
+            # cpp_extension.load registers the ops itself; loading again is a no-op then, and needed when
+            # another process finished the build while this one waited for the lock (build() returns early).
+            torch.ops.load_library(str(build()))
         _register_fake()
         return torch.ops.fastdecode_kernels
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
@@ -126,6 +135,11 @@ def _register_fake() -> None:
     @torch.library.register_fake("fastdecode_kernels::dequantize")
     def _dequantize_fake(codes, scale, mins, bits, group, threads):  # -> float32 [N, K]
         return scale.new_empty((scale.shape[0], scale.shape[1] * group), dtype=torch.float32)
+
+    @torch.library.register_fake("fastdecode_kernels::paged_attention")
+    def _paged_attention_fake(q, keys, values, k_new, v_new, write_slots, table, key_start, positions, block, window,
+                              scale, bias):  # q [B, H, D] -> [B, H, D] (keys, values written in place)
+        return q.new_empty(q.shape)
 
     @torch.library.register_fake("fastdecode_kernels::rms_norm")
     def _rms_norm_fake(x, weight, eps):

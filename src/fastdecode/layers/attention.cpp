@@ -1,0 +1,294 @@
+// Decode attention over the slot cache's block pool (AVX2 + FMA; elsewhere the PyTorch path).
+//
+// One op per layer for rows with one query each (engine/plan.py, engine/decode_step.py):
+//   1. write this step's k, v [B, Hkv, D] into their slots of the layer's buffers [slots, Hkv, D]
+//      (optional: a caller that wrote them already passes no slots);
+//   2. for each row b and query head h (KV head h / (H / Hkv): GQA / MQA share a KV head), attend
+//      over the keys at positions lo .. p of the row (p its query position, lo = key_start[b], or
+//      p - window + 1 on a sliding layer when that is later): key at position t is slot
+//      table[b, i / block] * block + i % block with i = t - key_start[b], read in place (no gather).
+//      score = (q . k) * scale (+ bias[b, h or 0, i]: ALiBi, T5's relative buckets), softmax in
+//      float32 over the visible keys (two passes over the scores: max, then exp and sum), then
+//      out = sum softmax * v.
+// Keys outside lo .. p are never read, so a table covering more blocks than a row has written (the
+// compiled step's fixed-width tables) costs nothing. Each (row, KV head) is computed by the same
+// operations in the same order whatever the number of rows: batched == alone, bitwise.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+
+// The lane sums of 8 vectors -> one vector: lane u = sum of a[u]'s lanes.
+inline __m256 eight_sums(const __m256* a) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// exp(x) for 8 floats (Cephes' range reduction and polynomial, relative error ~2e-7); x below
+// -87.3 (including -inf) gives 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(two_n)));
+}
+
+// out[g] = q[g] . k for g < G (G <= 4), q[g] at q + g * q_stride, D floats each.
+inline void dots(const float* q, int64_t q_stride, int64_t G, const float* k, int64_t D, float* out) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const __m256 kv = _mm256_loadu_ps(k + d);
+    for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * q_stride + d), kv, acc[g]);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float s = hsum(acc[g]);
+    for (int64_t e = d; e < D; ++e) s += q[g * q_stride + e] * k[e];
+    out[g] = s;
+  }
+}
+
+struct Rows {
+  const float* q;  // [B, H, D] with strides q_b, q_h (D contiguous)
+  int64_t q_b, q_h;
+  const float* keys;  // [slots, Hkv, D] contiguous
+  const float* values;
+  const int64_t* table;  // [B, n]
+  int64_t n;
+  const int64_t* key_start;  // [B]
+  const int64_t* positions;  // [B]
+  const float* bias;  // [B, Hb, S] with strides bias_b, bias_h (S contiguous), or null
+  int64_t bias_b, bias_h;
+  int64_t H, Hkv, D, block, window;
+  float scale;
+  float* out;  // [B, H, D] contiguous
+};
+
+// Calls run(j, slot, count) for the visible keys lo .. lo + L - 1 of a row in runs of consecutive
+// slots (a run never crosses a block): key j of the run is slot + (j - its first j).
+template <typename Run>
+inline void for_each_run(const int64_t* table, int64_t block, int64_t start, int64_t lo, int64_t L, Run run) {
+  for (int64_t j = 0; j < L;) {
+    const int64_t i = lo + j - start, offset = i % block;
+    const int64_t count = std::min(block - offset, L - j);
+    run(j, table[i / block] * block + offset, count);
+    j += count;
+  }
+}
+
+// One row's query heads of one KV head: G = H / Hkv heads, scores in `scores` [G, Lp], value
+// sums in `sums` [G, D].
+void attend_one(const Rows& r, int64_t b, int64_t kv, std::vector<float>& scores, std::vector<float>& sums) {
+  const int64_t G = r.H / r.Hkv, D = r.D, pos = r.positions[b], start = r.key_start[b];
+  const int64_t lo = r.window > 0 ? std::max(start, pos - r.window + 1) : start;
+  const int64_t L = pos - lo + 1, Lp = (L + 7) / 8 * 8;
+  scores.assign(G * Lp, -INFINITY);
+  sums.assign(G * D, 0.0f);
+  const int64_t* table = r.table + b * r.n;
+  const int64_t row_stride = r.Hkv * D;  // floats from one slot to the next
+  const float* q = r.q + b * r.q_b + kv * G * r.q_h;
+  // Scores, 8 consecutive keys of a run at a time (head dims a multiple of 8) for one head: 8 sums
+  // in registers, added across lanes together (eight_sums); other keys one at a time for the G heads.
+  for_each_run(table, r.block, start, lo, L, [&](int64_t j0, int64_t slot, int64_t count) {
+    const float* k0 = r.keys + slot * row_stride + kv * D;
+    const int64_t eights = D % 8 == 0 ? count / 8 * 8 : 0;
+    for (int64_t t = 0; t < eights; t += 8) {
+      const float* k = k0 + t * row_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * r.q_h;
+        __m256 acc[8];
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qg + d);
+          for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + u * row_stride + d), acc[u]);
+        }
+        __m256 x = _mm256_mul_ps(eight_sums(acc), _mm256_set1_ps(r.scale));
+        if (r.bias)
+          x = _mm256_add_ps(x, _mm256_loadu_ps(r.bias + b * r.bias_b + (r.bias_h ? kv * G + g : 0) * r.bias_h +
+                                                 (lo + j0 + t - start)));
+        _mm256_storeu_ps(scores.data() + g * Lp + j0 + t, x);
+      }
+    }
+    float dot[4];
+    for (int64_t t = eights; t < count; ++t) {
+      const int64_t j = j0 + t;
+      const float* k = k0 + t * row_stride;
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t tile = std::min<int64_t>(4, G - g0);
+        dots(q + g0 * r.q_h, r.q_h, tile, k, D, dot);
+        for (int64_t g = 0; g < tile; ++g) {
+          float s = dot[g] * r.scale;
+          if (r.bias) s += r.bias[b * r.bias_b + (r.bias_h ? kv * G + g0 + g : 0) * r.bias_h + (lo + j - start)];
+          scores[(g0 + g) * Lp + j] = s;
+        }
+      }
+    }
+  });
+  // Softmax numerators in place (padding past L: exp(-inf) = 0) and each head's 1 / sum.
+  std::vector<float> inverse(G);
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * Lp;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < L; ++j) m = std::max(m, s[j]);
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < Lp; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+      _mm256_storeu_ps(s + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    inverse[g] = 1.0f / hsum(sum);
+  }
+  // Values: sums[h] += p[h, j] v_j, run by run (a run's values stay in cache while its 16-dim
+  // slices are summed in registers, 4 heads at a time); each sum adds its keys in order j = 0..L-1.
+  for_each_run(table, r.block, start, lo, L, [&](int64_t j0, int64_t slot, int64_t count) {
+    const float* v0 = r.values + slot * row_stride + kv * D;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const int64_t tile = std::min<int64_t>(4, G - g0);
+      const float* p = scores.data() + g0 * Lp + j0;
+      float* acc = sums.data() + g0 * D;
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) {
+        __m256 a0[4], a1[4];
+        for (int64_t g = 0; g < tile; ++g) {
+          a0[g] = _mm256_loadu_ps(acc + g * D + d);
+          a1[g] = _mm256_loadu_ps(acc + g * D + d + 8);
+        }
+        for (int64_t t = 0; t < count; ++t) {
+          const float* v = v0 + t * row_stride + d;
+          const __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8);
+          for (int64_t g = 0; g < tile; ++g) {
+            const __m256 w = _mm256_broadcast_ss(p + g * Lp + t);
+            a0[g] = _mm256_fmadd_ps(w, x0, a0[g]);
+            a1[g] = _mm256_fmadd_ps(w, x1, a1[g]);
+          }
+        }
+        for (int64_t g = 0; g < tile; ++g) {
+          _mm256_storeu_ps(acc + g * D + d, a0[g]);
+          _mm256_storeu_ps(acc + g * D + d + 8, a1[g]);
+        }
+      }
+      for (; d < D; ++d)  // head dims not a multiple of 16 (tiny test models)
+        for (int64_t g = 0; g < tile; ++g)
+          for (int64_t t = 0; t < count; ++t) acc[g * D + d] += p[g * Lp + t] * v0[t * row_stride + d];
+    }
+  });
+  float* out = r.out + (b * r.H + kv * G) * D;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = sums[g * D + d] * inverse[g];
+}
+
+// q [B, H, D]; keys, values [slots, Hkv, D] (written at write_slots [B] with k_new, v_new [B, Hkv, D]
+// when given); table [B, n] block ids; key_start, positions [B]; bias [B, 1 or H, S] or None
+// -> out [B, H, D] float32.
+at::Tensor paged_attention(const at::Tensor& q, at::Tensor keys, at::Tensor values,
+                           const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
+                           const c10::optional<at::Tensor>& write_slots, const at::Tensor& table,
+                           const at::Tensor& key_start, const at::Tensor& positions, int64_t block, int64_t window,
+                           double scale, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1, "q must be float32 [B, H, D]");
+  TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
+                  keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
+              "keys and values must be contiguous float32 [slots, Hkv, D]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), slots = keys.size(0), Hkv = keys.size(1);
+  TORCH_CHECK(keys.size(2) == D && H % Hkv == 0, "q heads/dims do not fit the cache's [", Hkv, ", ", keys.size(2), "]");
+  TORCH_CHECK(block > 0 && slots % block == 0, "bad block size ", block);
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && table.scalar_type() == at::kLong && table.is_contiguous(),
+              "table must be contiguous int64 [B, n]");
+  TORCH_CHECK(key_start.numel() == B && positions.numel() == B && key_start.scalar_type() == at::kLong &&
+                  positions.scalar_type() == at::kLong && key_start.is_contiguous() && positions.is_contiguous(),
+              "key_start and positions must be contiguous int64 [B]");
+  const int64_t n = table.size(1), num_blocks = slots / block;
+  const int64_t* tab = table.data_ptr<int64_t>();
+  const int64_t* starts = key_start.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  // Every block a row will read must exist: checked here, once, so the kernel indexes freely.
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t lo = window > 0 ? std::max(starts[b], pos[b] - window + 1) : starts[b];
+    TORCH_CHECK(starts[b] >= 0 && lo <= pos[b] && pos[b] - starts[b] < n * block,
+                "row ", b, ": position ", pos[b], " outside its table (first key ", starts[b], ", ", n, " blocks)");
+    for (int64_t i = (lo - starts[b]) / block; i <= (pos[b] - starts[b]) / block; ++i)
+      TORCH_CHECK(tab[b * n + i] >= 0 && tab[b * n + i] < num_blocks, "row ", b, ": block id ", tab[b * n + i],
+                  " outside the pool of ", num_blocks);
+  }
+  if (write_slots.has_value()) {
+    TORCH_CHECK(k_new.has_value() && v_new.has_value(), "writing needs k_new and v_new");
+    const at::Tensor& ks = *k_new;
+    const at::Tensor& vs = *v_new;
+    const at::Tensor& ws = *write_slots;
+    TORCH_CHECK(ks.dim() == 3 && ks.size(0) == B && ks.size(1) == Hkv && ks.size(2) == D && vs.sizes() == ks.sizes() &&
+                    ks.scalar_type() == at::kFloat && vs.scalar_type() == at::kFloat && ks.stride(2) == 1 && vs.stride(2) == 1,
+                "k_new, v_new must be float32 [B, Hkv, D]");
+    TORCH_CHECK(ws.numel() == B && ws.scalar_type() == at::kLong && ws.is_contiguous(), "write_slots must be int64 [B]");
+    const int64_t* w = ws.data_ptr<int64_t>();
+    float* kd = keys.data_ptr<float>();
+    float* vd = values.data_ptr<float>();
+    const float* kn = ks.data_ptr<float>();
+    const float* vn = vs.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(w[b] >= 0 && w[b] < slots, "write slot ", w[b], " outside the pool of ", slots);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        std::copy_n(kn + b * ks.stride(0) + h * ks.stride(1), D, kd + (w[b] * Hkv + h) * D);
+        std::copy_n(vn + b * vs.stride(0) + h * vs.stride(1), D, vd + (w[b] * Hkv + h) * D);
+      }
+    }
+  }
+  Rows r{q.data_ptr<float>(), q.stride(0), q.stride(1), keys.data_ptr<float>(), values.data_ptr<float>(), tab, n,
+         starts, pos, nullptr, 0, 0, H, Hkv, D, block, window, static_cast<float>(scale), nullptr};
+  if (bias.has_value()) {
+    const at::Tensor& bt = *bias;
+    TORCH_CHECK(bt.dim() == 3 && bt.size(0) == B && (bt.size(1) == 1 || bt.size(1) == H) && bt.size(2) >= n * block &&
+                    bt.scalar_type() == at::kFloat && bt.stride(2) == 1,
+                "bias must be float32 [B, 1 or H, S >= n * block]");
+    r.bias = bt.data_ptr<float>();
+    r.bias_b = bt.stride(0);
+    r.bias_h = bt.size(1) == 1 ? 0 : bt.stride(1);
+  }
+  at::Tensor out = at::empty({B, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  r.out = out.data_ptr<float>();
+  int64_t longest = 1;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, pos[b] - starts[b] + 1);
+  // Threads only for chunks of >= 2^24 multiply-adds (layers/threads.py): below, a barrier costs more.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 24) / std::max<int64_t>(1, 2 * (H / Hkv) * longest * D));
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t first, int64_t last) {
+    std::vector<float> scores, sums;
+    for (int64_t item = first; item < last; ++item) attend_one(r, item / Hkv, item % Hkv, scores, sums);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastdecode_kernels, m) {
+  m.def("paged_attention(Tensor q, Tensor(a!) keys, Tensor(b!) values, Tensor? k_new, Tensor? v_new, "
+        "Tensor? write_slots, Tensor table, Tensor key_start, Tensor positions, int block, int window, float scale, "
+        "Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) { m.impl("paged_attention", &paged_attention); }
