@@ -75,12 +75,40 @@ def test_logits_match_transformers_past_the_window(gemma, hf_gemma):
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
-def test_greedy_tokens_identical_to_transformers(gemma, hf_gemma):
-    ids = gemma.tokenizer.encode("The history of the printing press")
+# Native decoding rounds each activation row to int8 per 32 inputs (layers/qmatmul.cpp), as llama.cpp
+# does: logits move by a few hundredths (measured on this prompt: up to ~0.15 between two builds that
+# differ only in float summation order), so a step where transformers' own best two logits are closer
+# than that may go either way. The exact path (blocks decoded to float32 at load) must match exactly.
+NEAR_TIE = 0.25
+
+
+def hf_greedy(hf_gemma, ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and the logits [new_tokens, V] it chose them from."""
     with torch.no_grad():
         out = hf_gemma.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                max_new_tokens=20, min_new_tokens=20, do_sample=False)
-    assert gemma.generate_ids([ids], max_new_tokens=20) == [out[0, len(ids):].tolist()]
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits)  # [new_tokens, V]
+
+
+def test_greedy_tokens_identical_to_transformers_on_the_exact_path(gemma_path, hf_gemma):
+    exact = fastdecode.load(str(gemma_path), quantize="dequantize")
+    ids = exact.tokenizer.encode("The history of the printing press")
+    theirs, _ = hf_greedy(hf_gemma, ids, 20)
+    assert exact.generate_ids([ids], max_new_tokens=20) == [theirs]
+
+
+def test_native_greedy_tokens_follow_transformers_up_to_near_ties(gemma, hf_gemma):
+    """Identical until the first step where transformers itself nearly ties; there the native choice
+    is within NEAR_TIE of transformers' best logit (and what follows depends on that choice)."""
+    ids = gemma.tokenizer.encode("The history of the printing press")
+    theirs, logits = hf_greedy(hf_gemma, ids, 20)
+    ours = gemma.generate_ids([ids], max_new_tokens=20)[0]
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if first is not None:
+        margin = float(logits[first, theirs[first]] - logits[first, ours[first]])
+        assert margin < NEAR_TIE, (first, ours, theirs, margin)
+        assert first >= 8, (first, ours, theirs)  # the opening tokens of this prompt are no near-ties
 
 
 def test_answers_a_question_sensibly(gemma):
