@@ -63,8 +63,12 @@ def test_generate_streaming_flags(tiny_folder):
 def test_endless_generation_stops_cleanly_on_ctrl_c(tiny_folder):
     command = [sys.executable, "-m", "fastdecode.cli", "generate", "-m", tiny_folder, "-p", "w1 w2", "--endless",
                "--n-ctx", "32", "--no-chat"]
+    # Ctrl-C in a terminal: SIGINT with its default action, which Python turns into KeyboardInterrupt.
+    # A test run started in the background (`cmd &` in a script) inherits SIGINT *ignored*, and Python
+    # keeps an inherited ignore, so the child would never stop: give it the terminal's disposition.
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = process.stdout.read(200)  # blocks until 200 bytes of endless output exist
     time.sleep(0.5)
     process.send_signal(signal.SIGINT)
