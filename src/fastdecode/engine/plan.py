@@ -114,7 +114,6 @@ class StepPlan:
         op = paged_attention_op(q, keys)
         paged = [op is not None and self._pageable(group, kind) for group in self.groups]
         if len(paged) == 1 and paged[0]:  # a pure decode step: write and attend in one op
-            group = self.groups[0]
             table, key_start, positions = self._paged_rows(0, kind)
             write = (k[0].transpose(0, 1), v[0].transpose(0, 1), self.write_slots[kind])  # [B, Hkv, D] x 2, [B]
             out = paged_attention(op, q[0].transpose(0, 1), keys, values, table, key_start, positions,
@@ -170,11 +169,8 @@ class StepPlan:
             return None
         key = ("bias", index, kind)
         if key not in self._masks:
-            table, key_start, positions = self._paged_rows(index, kind)
-            key_positions = key_start[:, None] + torch.arange(table.shape[1] * self.cache.block_size,
-                                                              device=table.device)  # [B, S]
-            distance = (key_positions - positions[:, None])[:, None]  # [B, 1, S]
-            self._masks[key] = self.score_bias(distance)[:, :, 0].float().contiguous()  # [B, 1|H, 1, S] -> [B, 1|H, S]
+            bias = self.score_bias(self._distance(index, kind))  # [B, 1|H, 1, S]
+            self._masks[key] = bias[:, :, 0].float().contiguous()  # [B, 1|H, S]
         return self._masks[key]
 
     def _attend_shared(self, group: AttentionGroup, table: torch.Tensor, m: int, keys: torch.Tensor,
@@ -192,13 +188,16 @@ class StepPlan:
         kind, built once per (kind, window)."""
         key = (index, kind, window)
         if key not in self._masks:
-            group = self.groups[index]
-            table, key_starts = (group.block_table, 0) if kind is None else group.window_tables[kind]
-            key_positions = key_starts + torch.arange(table.shape[1] * self.cache.block_size,
-                                                      device=group.query_positions.device)  # [S] or [B, S]
-            distance = key_positions.view(-1, 1, key_positions.shape[-1]) - group.query_positions[:, :, None]  # [B, T, S]
-            self._masks[key] = position_mask(distance, window, self.score_bias, self.dtype)
+            self._masks[key] = position_mask(self._distance(index, kind), window, self.score_bias, self.dtype)
         return self._masks[key]
+
+    def _distance(self, index: int, kind: int | None) -> torch.Tensor:
+        """Key minus query position [B, T, S] of a group over its table's keys in a cache kind."""
+        group = self.groups[index]
+        table, key_starts = (group.block_table, 0) if kind is None else group.window_tables[kind]
+        key_positions = key_starts + torch.arange(table.shape[1] * self.cache.block_size,
+                                                  device=group.query_positions.device)  # [S] or [B, S]
+        return key_positions.view(-1, 1, key_positions.shape[-1]) - group.query_positions[:, :, None]  # [B, T, S]
 
 
 def attention_group(cache: SlotCache, first: int, rows: list[tuple[list[int], int, int]], fold: int = 1,

@@ -103,24 +103,28 @@ class RotaryEmbedding:
         ``scaled=False`` leaves out YaRN's attention factor: a pure rotation, for re-rotating
         vectors that were already scaled once.
         """
-        inv_freq = self.inv_freq.to(positions.device)
-        angles = positions.to(torch.float64)[..., None] * inv_freq  # [B, T, rotary_dim/2]
-        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, rotary_dim]
-        factor = self.attention_factor if scaled else 1.0
-        return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
+        cos, sin = self._half_cos_sin(positions, scaled)  # [B, T, rotary_dim/2]
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # [B, T, rotary_dim]
+        return cos[:, None].to(dtype), sin[:, None].to(dtype)  # [B, 1, T, rotary_dim]
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> (cos, signed sin) [B, T, 1, rotary_dim] for ``rotate_heads`` on heads laid
         out [B, T, H, D] (a projection's output before its transpose). The sine's first half is
-        negated once here instead of negating half of every rotated vector. The values of
-        ``cos_sin`` (the same float64 products, one rounding to ``dtype``) in fewer ops."""
-        angles = positions.to(torch.float64)[..., None] * self.inv_freq.to(positions.device)  # [B, T, rot/2]
-        cos, sin = angles.cos(), angles.sin()
-        if self.attention_factor != 1.0:
-            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        negated once here instead of negating half of every rotated vector; otherwise the values of
+        ``cos_sin``."""
+        cos, sin = self._half_cos_sin(positions)  # [B, T, rot/2]
         cos = torch.cat((cos, cos), dim=-1).to(dtype)  # [B, T, rot]
         signed_sin = torch.cat((-sin, sin), dim=-1).to(dtype)  # [B, T, rot]
         return cos[:, :, None], signed_sin[:, :, None]  # [B, T, 1, rot]
+
+    def _half_cos_sin(self, positions: torch.Tensor, scaled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> float64 cos, sin [B, T, rotary_dim/2] of each frequency's angle, times
+        YaRN's attention factor when ``scaled`` (one rounding to the dtype comes after)."""
+        angles = positions.to(torch.float64)[..., None] * self.inv_freq.to(positions.device)  # [B, T, rot/2]
+        cos, sin = angles.cos(), angles.sin()
+        if scaled and self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos, sin
 
     def rotate_by(self, x: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
         """Rotate already-rotated vectors x [B, H, T, D] by ``delta`` more positions (an int, or

@@ -55,8 +55,7 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> torch.Size:
-        rows, groups = self.scale.shape
-        return torch.Size((groups * self.group, rows) if self.transposed else (rows, groups * self.group))
+        return torch.Size((self.inputs, self.outputs) if self.transposed else (self.outputs, self.inputs))
 
     @property
     def device(self) -> torch.device:
