@@ -191,6 +191,19 @@ def test_a_row_gets_the_same_bits_whatever_it_is_batched_with(label, logits_laye
         assert torch.equal(quantized.quantized_linear(x[rows], weight, None), together[rows])
 
 
+@pytest.mark.parametrize("label", ["Q4_1", "Q8_0"])
+def test_a_prompt_row_gets_the_same_bits_at_any_row_count(label):
+    """Prompt rows (exact float GEMM): a chunk of 1 to 40 rows gives each row the bits it gets in a
+    300-row product, so a prompt's K/V do not depend on how it was chunked or batched (the int8
+    rounding of later generated rows would turn 1e-5 differences into different tokens)."""
+    weight = WEIGHTS[label]
+    x = torch.randn(300, weight.shape[1], generator=torch.Generator().manual_seed(2))
+    with quantized.prompt_rows(True):
+        together = quantized.quantized_linear(x, weight, None)
+        for rows in [*range(1, 10), 17, 33, 40]:
+            assert torch.equal(quantized.quantized_linear(x[100 : 100 + rows], weight, None), together[100 : 100 + rows]), rows
+
+
 @pytest.mark.parametrize("label", ["Q4_1", "Q6_K", "int8"])
 def test_a_step_mixing_prompt_and_generated_rows_gives_each_row_its_alone_result(label):
     """A continuous-batching step: prompt rows (exact float product) and generated rows (int8 kernel)

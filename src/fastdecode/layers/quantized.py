@@ -43,8 +43,9 @@ from .kernels import dequantize_op, qmatmul_op
 from .threads import kernel_threads
 
 USE_KERNEL = True  # False: every product takes the exact path (tests of conversions, at 1e-4)
-# oneDNN's GEMM gives a row the same bits whatever the row count from 2 rows on (tested), but a single
-# row takes another kernel (differences ~1e-5, which int8 rounding downstream turns into visible ones).
+# oneDNN's GEMM gives a row the same bits whatever the row count from 4 rows on (tested), but 1 to 3
+# rows may take another kernel (differences ~1e-5, which the int8 rounding of later generated rows can
+# turn into different tokens): fewer prompt rows are padded to 4.
 GEMM_MIN_ROWS = 4
 PROMPT_ROWS_EXACT = True  # False: prompt rows take the int8 kernel too (llama.cpp's choice; measured by a test)
 
