@@ -19,8 +19,11 @@
 //
 // Helpers are persistent threads (made on first use, never joined). A helper spins between jobs (a
 // decode step calls the kernels every ~20-100 us, and step to step within SPIN_MICROSECONDS) and is
-// then counted in `spinning_`; callers hand out work only while one spins. It sleeps when no job came
-// for SPIN_MICROSECONDS, or as soon as it finds it was kept off its core for PREEMPTED_MICROSECONDS:
+// then counted in `spinning_` and writes a heartbeat every few microseconds; callers hand out work only
+// while one spins and its heartbeat is fresh (a helper that lost its core to the caller or another
+// process would take pieces only when it gets a core back, maybe in the middle of a job). It sleeps
+// when no job came for SPIN_MICROSECONDS, or as soon as it finds it was kept off its core for
+// PREEMPTED_MICROSECONDS:
 // another process wants that core, and a spinning helper would only take turns with it (or with the
 // caller, when both share one core). A caller that finds no helper spinning runs alone and wakes the
 // helpers, at most once per WAKE_INTERVAL_MICROSECONDS; they join later jobs once they have a core.
@@ -55,6 +58,7 @@ class ChunkPool {
   static constexpr int MAX_HELPERS = 63;
   static constexpr int64_t SPIN_MICROSECONDS = 5000;        // helpers, after their last job
   static constexpr int64_t PREEMPTED_MICROSECONDS = 200;     // a helper off its core this long sleeps
+  static constexpr int64_t HEARTBEAT_MICROSECONDS = 50;      // a spinning helper not seen this long is off its core
   static constexpr int64_t WAKE_INTERVAL_MICROSECONDS = 2000;  // callers wake sleeping helpers at most this often
   static constexpr int64_t FINAL_SPIN_MICROSECONDS = 20;     // the caller, for pieces helpers hold
   static constexpr int64_t MAX_PIECE_CHUNKS = 16;  // what a helper preempted mid-piece can make the caller wait for
@@ -89,7 +93,8 @@ class ChunkPool {
       run_alone(n, body);
       return;  // (the pool stays owned: nobody waits on it)
     }
-    if (spinning_.load(std::memory_order_seq_cst) == 0) {  // no helper has a core now
+    if (spinning_.load(std::memory_order_seq_cst) == 0 ||
+        now_microseconds() - heartbeat_.load(std::memory_order_relaxed) > HEARTBEAT_MICROSECONDS) {  // no helper has a core now
       wake_helpers();
       run_alone(n, body);
       owner_.clear(std::memory_order_release);
@@ -212,6 +217,7 @@ class ChunkPool {
     for (;;) {
       uint64_t generation = ticket_.load(std::memory_order_acquire) >> 32;
       int64_t idle_since = now_microseconds(), checked = idle_since;
+      heartbeat_.store(idle_since, std::memory_order_relaxed);
       for (int spins = 0; generation == seen; ++spins) {
         _mm_pause();
         if ((spins & 63) == 63) {
@@ -226,6 +232,7 @@ class ChunkPool {
             idle_since = now_microseconds();
           }
           checked = now_microseconds();
+          heartbeat_.store(checked, std::memory_order_relaxed);
         }
         generation = ticket_.load(std::memory_order_acquire) >> 32;
       }
@@ -252,6 +259,7 @@ class ChunkPool {
   std::atomic<int64_t> n_{0}, chunk_{1}, chunks_{0}, divisor_{2};
   std::atomic<int> active_{0};
   alignas(64) std::atomic<int> spinning_{0};
+  std::atomic<int64_t> heartbeat_{0};  // when a spinning helper last showed it had a core (microseconds)
   std::atomic<uint64_t> wake_requests_{0};
   int64_t last_wake_ = 0;  // the owner's
   std::mutex mutex_;
