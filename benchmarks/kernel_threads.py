@@ -2,12 +2,13 @@
 
 Times the raw ``qmatmul`` op on the embedded model's own matrices (M = 1 and 8 rows), calls on 1 and 2
 threads interleaved in one process (medians of ~0.3 s each), in ``--reps`` worker processes that alternate
-between the source trees given (``--src``, and ``--baseline-src`` for e.g. main, whose op splits with
-``at::parallel_for``: OpenMP, a static split ending on a barrier). ``--busy`` runs a spinning Python
-process beside each worker (``while True: pass``, nice 0): the second core is then taken half the time,
-as on a shared machine.
+between the source trees given (``--src``, and ``--baseline-src`` for e.g. main). ``--decode`` times
+whole greedy decode steps of the embedded model instead (batch 1 and 8, generate calls on 1 and 2
+threads interleaved). ``--busy`` runs a spinning Python process beside each worker (``while True: pass``,
+nice 0): the second core is then taken half the time, as on a shared machine. ``--one-core`` pins each
+worker to one core (``taskset -c 0``): a second thread then never has a core of its own.
 
-    python benchmarks/kernel_threads.py [--baseline-src /work/main/src] [--busy] [--reps 3]
+    python benchmarks/kernel_threads.py [--baseline-src /work/main/src] [--busy | --one-core] [--decode] [--reps 3]
 """
 
 from __future__ import annotations
@@ -57,12 +58,37 @@ def worker() -> dict[str, float]:
     return results
 
 
-def run_worker(src: str, busy: bool) -> dict[str, float]:
+def decode_worker(rounds: int = 5, new_tokens: int = 32) -> dict[str, float]:
+    """Milliseconds per greedy decode step, batch 1 and 8, on 1 and 2 threads (medians of ``rounds``)."""
+    import torch
+
+    import fastdecode
+
+    gen = fastdecode.load()
+    prompt = [504, 1463, 282, 260, 7510, 1757, 5634, 281, 260, 35561, 2070, 28, 645, 28322, 45382]
+    results = {}
+    for batch in (1, 8):
+        prompts = [prompt[i:] + prompt[:i] for i in range(batch)]
+        gen.generate_ids(prompts, max_new_tokens=4, eos_token_id=[])  # warm-up
+        samples: dict[int, list[float]] = {1: [], 2: []}
+        for _ in range(rounds):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                t0 = time.perf_counter()
+                gen.generate_ids(prompts, max_new_tokens=new_tokens, eos_token_id=[])
+                samples[threads].append((time.perf_counter() - t0) / new_tokens)
+        for threads, times in samples.items():
+            results[f"decode step B={batch} t={threads}"] = statistics.median(times) * 1e6
+    return results
+
+
+def run_worker(src: str, busy: bool, one_core: bool, decode: bool) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=src, PYTHONWARNINGS="ignore")
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    pin = ["taskset", "-c", str(min(os.sched_getaffinity(0)))] if one_core else []
     try:
-        out = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run([*pin, sys.executable, __file__, "--decode-worker" if decode else "--worker"], env=env,
+                             capture_output=True, text=True, check=True).stdout
     finally:
         if spinner is not None:
             spinner.kill()
@@ -75,21 +101,25 @@ def main() -> None:
     parser.add_argument("--baseline-src", default=None, help="src/ folder of a baseline tree")
     parser.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "src"))
     parser.add_argument("--busy", action="store_true", help="a spinning process beside each worker")
+    parser.add_argument("--one-core", action="store_true", help="each worker pinned to one core")
+    parser.add_argument("--decode", action="store_true", help="whole decode steps instead of single products")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--decode-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker()))
+    if args.worker or args.decode_worker:
+        print(json.dumps(decode_worker() if args.decode_worker else worker()))
         return
     sides = {"new": args.src} if args.baseline_src is None else {"base": args.baseline_src, "new": args.src}
     samples: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
     load_before = os.getloadavg()[0]
     for rep in range(args.reps):
         for side, src in sides.items():
-            for key, value in run_worker(src, args.busy).items():
+            for key, value in run_worker(src, args.busy, args.one_core, args.decode).items():
                 samples[side].setdefault(key, []).append(value)
+    setting = "a busy process beside" if args.busy else "pinned to one core" if args.one_core else "no added load"
     print(f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; {os.cpu_count()} cores; "
-          f"{'a busy process beside' if args.busy else 'no added load'}; medians of {args.reps} runs, us per call")
+          f"{setting}; medians of {args.reps} runs, us per call")
     print("| op | " + " | ".join(f"{side} t=1 | {side} t=2 | {side} t=2/t=1" for side in sides) + " |")
     print("|---|" + "---|---|---|" * len(sides))
     for key in samples["new"]:

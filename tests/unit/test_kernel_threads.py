@@ -7,7 +7,9 @@ the same for any thread count, any interleaving and any caller thread. Speed is 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
+import time
 
 import pytest
 import torch
@@ -61,6 +63,19 @@ def test_two_caller_threads_at_once_get_the_same_results():
     assert not mismatches
 
 
+def in_forked_child(target, timeout=120):
+    """What target(queue) put in its queue, run in a forked child (which must exit within timeout: no hang)."""
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=target, args=(queue,))
+    child.start()
+    child.join(timeout=timeout)
+    if child.is_alive():  # hung
+        child.kill()
+    assert child.exitcode == 0
+    return queue.get(timeout=1)
+
+
 def _child_product(queue):
     torch.manual_seed(2)
     weight = quantize_matrix(torch.randn(1024, 128), "int8")
@@ -72,12 +87,35 @@ def test_a_forked_child_makes_its_own_helper_threads():
     torch.manual_seed(2)
     weight = quantize_matrix(torch.randn(1024, 128), "int8")
     product(weight, torch.randn(1, 128), 2)  # the parent's helpers exist (they are not in the child)
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_child_product, args=(queue,))
-    child.start()
-    child.join(timeout=60)
-    assert child.exitcode == 0 and queue.get(timeout=1) is True
+    assert in_forked_child(_child_product) is True
+
+
+def test_products_are_the_same_after_the_helpers_went_to_sleep():
+    """Helpers spin a few ms after a job, then sleep until a caller wakes them: calls spaced wider than
+    that (the helper asleep, waking up, or joining half-way) give the same results."""
+    torch.manual_seed(4)
+    weight = quantize_matrix(torch.randn(1500, 192), "int4")
+    x = torch.randn(1, 192)
+    expected = product(weight, x, 1)
+    for pause in (0.0, 0.02, 0.0, 0.0, 0.01, 0.0):
+        time.sleep(pause)
+        for _ in range(20):
+            assert torch.equal(product(weight, x, 2), expected)
+
+
+def _products_on_one_core(queue):
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the helper, made here, shares the caller's core
+    torch.manual_seed(5)
+    weight = quantize_matrix(torch.randn(2048, 256), "int4")
+    x = torch.randn(1, 256)
+    expected = product(weight, x, 1)
+    queue.put(all(torch.equal(product(weight, x, 2), expected) for _ in range(500)))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_two_threads_on_one_core_finish():
+    """A helper that never gets a core of its own (taskset -c 0) must not make the caller wait for it."""
+    assert in_forked_child(_products_on_one_core) is True
 
 
 def test_kernels_get_the_callers_threads_inside_a_one_thread_forward():
@@ -89,7 +127,7 @@ def test_kernels_get_the_callers_threads_inside_a_one_thread_forward():
         seen["torch"] = torch.get_num_threads()
         seen["small"] = thread_policy.kernel_threads(thread_policy.KERNEL_PARALLEL_MIN_WORK - 1)
         seen["kernel"] = thread_policy.kernel_threads(thread_policy.KERNEL_PARALLEL_MIN_WORK)
-        seen["logits"] = thread_policy.kernel_threads(thread_policy.KERNEL_PARALLEL_MAX_WORK)
+        seen["logits"] = thread_policy.kernel_threads(49152 * 576)
         with thread_policy.threads_for(thread_policy.PARALLEL_MIN_WORK):
             seen["big OpenMP op"] = torch.get_num_threads()
         seen["after"] = torch.get_num_threads()
@@ -97,7 +135,7 @@ def test_kernels_get_the_callers_threads_inside_a_one_thread_forward():
     try:
         torch.set_num_threads(2)
         forward()
-        assert seen == {"torch": 1, "small": 1, "kernel": 2, "logits": 1, "big OpenMP op": 2, "after": 1}
+        assert seen == {"torch": 1, "small": 1, "kernel": 2, "logits": 2, "big OpenMP op": 2, "after": 1}
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(previous)

@@ -8,10 +8,11 @@ threads, and in a batch-8 decode step of SmolLM2 on two threads (machine load ~1
 gathers alone took 18 ms per call (a few microseconds of work), the whole step 1.9 s against 0.28 s
 on one thread. So ``one_thread_except_big_ops`` runs a model's forward on one thread, and inside it:
 
-- the quantized kernels (``kernel_threads``) get the caller's threads for products of
-  ``KERNEL_PARALLEL_MIN_WORK`` to ``KERNEL_PARALLEL_MAX_WORK`` multiply-adds (every layer product of a
-  decode step; not the logits layer): they split their outputs in small chunks that the threads claim
-  one at a time (``parallel.h``), so a second thread that is late never makes the step wait;
+- the quantized kernels (``kernel_threads``) get the caller's threads for every product of at least
+  ``KERNEL_PARALLEL_MIN_WORK`` multiply-adds (every product of a decode step, the logits layer
+  included): they split their outputs in pieces that the threads claim as they come (``parallel.h``),
+  and helper threads take part only while they have a core of their own, so a second thread that is
+  late or busy never makes the step wait;
 - OpenMP ops (``threads_for``: the float GEMM, attention) get them only from ``PARALLEL_MIN_WORK``
   multiply-adds (an LM head over several rows, prompt chunks), where the split pays for the wait.
 
@@ -30,15 +31,12 @@ from typing import TypeVar
 import torch
 
 PARALLEL_MIN_WORK = 1 << 24  # multiply-adds: ~0.5-1 ms on one AVX2 core
-# The chunk-claiming kernels get the caller's threads between these sizes (benchmarks/kernel_threads.py).
-# Below: a few microseconds of work, where waking a helper costs as much as it saves. Above (the
-# logits layer: 28M at batch 1): a helper preempted by another process while it holds a chunk makes
-# the caller wait for that helper's next time slice, and the longer the op the likelier that is;
-# measured on the loaded 2-core machine, the 49152 x 576 logits product took 2-4x longer on two threads
-# (never less), while the layer products (0.1-7M) took 0.6-0.9x on a free second core and 1.0x on a
-# busy one.
+# The chunk-claiming kernels get the caller's threads from this size (benchmarks/kernel_threads.py).
+# Below: a few microseconds of work, where handing out pieces costs as much as it saves. There is no upper
+# bound: helpers that lose their core to another process stop taking pieces (parallel.h), and a piece is
+# small (<= 16 chunks), so a long product (the logits layer: 28M at batch 1, 1.6 ms on one thread; a
+# prompt) gains as much as the others.
 KERNEL_PARALLEL_MIN_WORK = 1 << 16
-KERNEL_PARALLEL_MAX_WORK = 1 << 24
 
 # The thread count of the caller of the forward we are in (None: not inside one). A context
 # variable, so threads (an engine's, a server's) never see each other's value.
@@ -73,7 +71,7 @@ def kernel_threads(work: int) -> int:
     """Threads for a chunk-claiming quantized kernel of ``work`` multiply-adds (an argument of the op:
     torch's own thread count stays as it is). Inside torch.compile (which cannot trace thread counts):
     0, which the op reads as torch's thread count when it runs."""
-    if not KERNEL_PARALLEL_MIN_WORK <= work < KERNEL_PARALLEL_MAX_WORK:
+    if work < KERNEL_PARALLEL_MIN_WORK:
         return 1
     if torch.compiler.is_compiling():
         return 0
