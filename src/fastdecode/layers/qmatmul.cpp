@@ -28,6 +28,10 @@
 //
 // dequantize (prefill, many rows): codes -> float32 weights bit-identical to quantized.dequantize(),
 // for an exact float GEMM.
+//
+// Both ops dispatch on the codes' layout: 3-D codes are the tiled layout (every 4- and 8-bit format with
+// groups of 32 as loaded: qtiles.cpp, 8 outputs per register, ~1.5-2x faster); this file's kernels serve
+// the rows layout (Q6_K's groups of 16, and weights built in rows layout by hand).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -170,9 +170,9 @@ inline void decode_tile_block(const uint8_t* codes, __m256 w_scale, float (*w)[T
 inline __m256 codes_to_float(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
 
 // Rows [m0, m0 + RB) of x [M, K] x one tile, in the interleaved order itself: each tile-block is decoded
-// once to w[i][p] (inputs 4i..4i+3 of outputs 2p and 2p + 1: 8 code bytes, times their scales), which
-// meets x's 4 inputs broadcast to both halves, so acc[r][p] holds outputs 2p and 2p + 1 as 4 partial sums
-// each (inputs k = 0..3 mod 4), reduced once per tile at the end. The same operations per row for every RB.
+// once to float codes w[i][p] (inputs 4i..4i+3 of outputs 2p and 2p + 1: 8 code bytes), which meet x's
+// 4 inputs broadcast to both halves; per row the block's sums (4 partials per output: inputs k mod 4)
+// are scaled into acc[r][p], reduced once per tile at the end. The same operations per row for every RB.
 template <int BITS, typename S, int RB>
 void float_tile(const float* x, const float* xsum, int64_t m0, int64_t K, const uint8_t* codes, const S* scale,
                 const S* mins, int64_t blocks, int64_t t, float* y, int64_t N) {
@@ -186,30 +186,34 @@ void float_tile(const float* x, const float* xsum, int64_t m0, int64_t K, const 
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = codes + (t * blocks + b) * BB;
     if (RB == 1) _mm_prefetch(reinterpret_cast<const char*>(block + 4 * PREFETCH_BYTES), _MM_HINT_T0);
-    const __m256 w_scale = load8_scales(scale + (t * blocks + b) * TILE);
-    __m256 pair_scale[4];
-    for (int p = 0; p < 4; ++p) pair_scale[p] = _mm256_permutevar8x32_ps(w_scale, pair_index[p]);
-    auto decode = [&](__m256i v, int i) __attribute__((always_inline)) {  // v: 8 outputs x inputs 4i..4i+3
-      const __m128i first = _mm256_castsi256_si128(v), second = _mm256_extracti128_si256(v, 1);
-      const __m128i parts[4] = {first, _mm_unpackhi_epi64(first, first), second, _mm_unpackhi_epi64(second, second)};
-      for (int p = 0; p < 4; ++p) w[i][p] = _mm256_mul_ps(codes_to_float(parts[p]), pair_scale[p]);
-    };
     if constexpr (BITS == 4) {
       const __m256i nibble = _mm256_set1_epi8(0x0F);
+      auto decode = [&](__m256i v, int i) __attribute__((always_inline)) {  // v: 8 outputs x inputs 4i..4i+3
+        const __m128i first = _mm256_castsi256_si128(v), second = _mm256_extracti128_si256(v, 1);
+        const __m128i parts[4] = {first, _mm_unpackhi_epi64(first, first), second, _mm_unpackhi_epi64(second, second)};
+        for (int p = 0; p < 4; ++p) w[i][p] = codes_to_float(parts[p]);
+      };
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * c));
         decode(_mm256_and_si256(v, nibble), c);
         decode(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), 4 + c);
       }
-    } else {
-      for (int c = 0; c < 8; ++c) decode(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * c)), c);
+    } else {  // 8 bytes straight from memory per pair of outputs
+      for (int i = 0; i < 8; ++i)
+        for (int p = 0; p < 4; ++p)
+          w[i][p] = codes_to_float(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 32 * i + 8 * p)));
     }
+    const __m256 w_scale = load8_scales(scale + (t * blocks + b) * TILE);
+    __m256 pair_scale[4];
+    for (int p = 0; p < 4; ++p) pair_scale[p] = _mm256_permutevar8x32_ps(w_scale, pair_index[p]);
     for (int r = 0; r < RB; ++r) {
       const float* xb = x + (m0 + r) * K + 32 * b;
+      __m256 sums[4];
       for (int i = 0; i < 8; ++i) {
         const __m256 xs = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xb + 4 * i));
-        for (int p = 0; p < 4; ++p) acc[r][p] = _mm256_fmadd_ps(w[i][p], xs, acc[r][p]);
+        for (int p = 0; p < 4; ++p) sums[p] = i == 0 ? _mm256_mul_ps(w[i][p], xs) : _mm256_fmadd_ps(w[i][p], xs, sums[p]);
       }
+      for (int p = 0; p < 4; ++p) acc[r][p] = _mm256_fmadd_ps(sums[p], pair_scale[p], acc[r][p]);
     }
   }
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
