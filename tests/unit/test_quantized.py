@@ -242,31 +242,65 @@ def test_the_tiled_layout_is_a_byte_shuffle_of_the_rows_layout():
 @pytest.mark.parametrize("logits_layer", [False, True], ids=["int8-activations", "for_logits"])
 @pytest.mark.parametrize("label", WEIGHTS)
 def test_a_row_gets_the_same_bits_whatever_it_is_batched_with(label, logits_layer):
-    """What linear() picks for 1..32 rows: each row's result equals the row alone, bit for bit, so a
-    request's tokens never depend on the other requests of its batch (and its row's position)."""
+    """Generated rows, at any row count (1 to a prefill's 300): each row's result equals the row alone,
+    bit for bit, so a request's tokens never depend on the other requests of its batch (and its row's
+    position)."""
     weight = quantized.for_logits(WEIGHTS[label]) if logits_layer else WEIGHTS[label]
-    x = torch.randn(13, weight.shape[1], generator=torch.Generator().manual_seed(9))
+    x = torch.randn(300, weight.shape[1], generator=torch.Generator().manual_seed(9))
     together = quantized.quantized_linear(x, weight, None)
-    for rows in ([0], [3, 7], [12, 0, 5], list(range(8))):
+    for rows in ([0], [3, 7], [12, 0, 5], list(range(8)), list(range(33)), list(range(299, -1, -2))):
         assert torch.equal(quantized.quantized_linear(x[rows], weight, None), together[rows])
 
 
+@pytest.mark.parametrize("label", ["Q4_1", "Q8_0"])
+def test_a_prompt_row_gets_the_same_bits_at_any_row_count(label):
+    """Prompt rows (exact float GEMM): a chunk of 1 to 40 rows gives each row the bits it gets in a
+    300-row product, so a prompt's K/V do not depend on how it was chunked or batched (the int8
+    rounding of later generated rows would turn 1e-5 differences into different tokens)."""
+    weight = WEIGHTS[label]
+    x = torch.randn(300, weight.shape[1], generator=torch.Generator().manual_seed(2))
+    with quantized.prompt_rows(True):
+        together = quantized.quantized_linear(x, weight, None)
+        for rows in [*range(1, 10), 17, 33, 40]:
+            assert torch.equal(quantized.quantized_linear(x[100 : 100 + rows], weight, None), together[100 : 100 + rows]), rows
+
+
+@pytest.mark.parametrize("label", ["Q4_1", "Q6_K", "int8"])
+def test_a_step_mixing_prompt_and_generated_rows_gives_each_row_its_alone_result(label):
+    """A continuous-batching step: prompt rows (exact float product) and generated rows (int8 kernel)
+    in one product: every row equals the same row computed in a product of its own role alone."""
+    weight = WEIGHTS[label]
+    x = torch.randn(40, weight.shape[1], generator=torch.Generator().manual_seed(5))
+    is_prompt = [i % 3 == 1 or i > 30 for i in range(40)]
+    with quantized.prompt_rows(is_prompt):
+        mixed = quantized.quantized_linear(x, weight, None)
+    for i in (0, 1, 2, 31, 39):
+        with quantized.prompt_rows(is_prompt[i]):
+            assert torch.equal(quantized.quantized_linear(x[i : i + 1], weight, None)[0], mixed[i]), i
+    dense = dequantize(weight)
+    prompt = [i for i, p in enumerate(is_prompt) if p]
+    torch.testing.assert_close(mixed[prompt], x[prompt] @ dense.T, atol=1e-4, rtol=1e-4)
+    with quantized.prompt_rows(is_prompt[:39]), pytest.raises(RuntimeError, match="40"):
+        quantized.quantized_linear(x, weight, None)
+
+
 @pytest.mark.parametrize("label", WEIGHTS)
-@pytest.mark.parametrize("path", ["prefill", "no-kernel", "for_logits"])
-def test_many_rows_the_fallback_and_the_logits_layer_are_the_exact_float_product(label, path, monkeypatch):
-    """Prompt processing (more than KERNEL_MAX_ROWS rows) decodes the weights exactly and runs the float
-    GEMM; without the AVX2 extension (forced here) every row count does; the logits layer's kernel
+@pytest.mark.parametrize("path", ["prompt", "no-kernel", "for_logits"])
+def test_prompt_rows_the_fallback_and_the_logits_layer_are_the_exact_float_product(label, path, monkeypatch):
+    """Prompt rows (``prompt_rows``), at any row count, decode the weights exactly and run the float
+    GEMM; without the AVX2 extension (forced here) every row does; the logits layer's kernel
     (for_logits: float32 activations, 8-, 4- and 1-row blocks) too: only summation order differs."""
     if path == "no-kernel":
         monkeypatch.setitem(kernels._LOADED, "ops", None)
     weight = quantized.for_logits(WEIGHTS[label]) if path == "for_logits" else WEIGHTS[label]
-    for rows in {"prefill": [33, 512], "no-kernel": [1, 8, 33], "for_logits": [1, 3, 5, 13]}[path]:
+    for rows in {"prompt": [1, 33, 512], "no-kernel": [1, 8, 33], "for_logits": [1, 3, 5, 13]}[path]:
         x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(3))
         bias = torch.randn(weight.shape[0])
         dense = dequantize(weight)
         bound = 1e-5 * (x.abs() @ dense.abs().T).max()
-        torch.testing.assert_close(quantized.quantized_linear(x, weight, bias), x @ dense.T + bias,
-                                   atol=float(bound), rtol=0)
+        with quantized.prompt_rows(path == "prompt"):
+            torch.testing.assert_close(quantized.quantized_linear(x, weight, bias), x @ dense.T + bias,
+                                       atol=float(bound), rtol=0)
 
 
 def test_the_avx2_kernel_is_built_on_this_machine():
@@ -322,7 +356,7 @@ def write_tiny_llama(path, qtype: QT, tied: bool) -> str:
     return str(path)
 
 
-# Whole random models through the kernel (<= KERNEL_MAX_ROWS rows): each product carries the activation
+# Whole random models through the kernel (generated rows): each product carries the activation
 # rounding above (~0.3% of its RMS), and 15 products in a row (7 per layer + the LM head) compound
 # it, amplified by these random weights' gains. Measured RMS logit error, relative to the logits' RMS:
 # 2.9-3.1% (Q8_0, Q4_0, Q4_1, Q5_0), 4.5% (Q6_K, the largest random weights), 0.02-0.03% (Q4_K, Q5_K: tiny
@@ -332,22 +366,25 @@ NATIVE_LOGIT_RMS_BOUND = 0.1
 
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda q: q.name)
 def test_tiny_gguf_runs_natively_and_matches_its_dequantized_path(qtype, tmp_path):
-    """Prompts longer than KERNEL_MAX_ROWS decode weights exactly (float32 summation order only: 1e-4
-    of the logit scale); short prompts and decode steps take the kernel (bound above), and every greedy
-    token of the native run is the dense model's best up to that error (teacher-forced)."""
+    """Prompt rows decode weights exactly (float32 summation order only: 1e-4 of the logit scale);
+    generated rows take the kernel (bound above; forced here on a prompt's rows with
+    PROMPT_ROWS_EXACT off), and every greedy token of the native run is the dense model's best up to
+    that error (teacher-forced)."""
     path = write_tiny_llama(tmp_path / f"{qtype.name}.gguf", qtype, tied=qtype == QT.Q8_0)
     native, dense = fastdecode.load(path), fastdecode.load(path, quantize="dequantize")
     matrices = [w for name, w in native.checkpoint.weights.items() if name.endswith(("q.weight", "embed.weight"))]
     assert matrices and all(isinstance(w, QuantizedWeight) and w.kind == qtype.name for w in matrices)
     assert not any(isinstance(w, QuantizedWeight) for w in dense.checkpoint.weights.values())
     long_ids = torch.randint(0, len(TOKENS), (40,), generator=torch.Generator().manual_seed(4)).tolist()
-    assert len(long_ids) > quantized.KERNEL_MAX_ROWS
     reference = prefill_logits(dense, long_ids)
     torch.testing.assert_close(prefill_logits(native, long_ids), reference,
                                atol=1e-4 * float(reference.abs().max()), rtol=0)
     ids = long_ids[:12]
     reference = prefill_logits(dense, ids)
-    error = (prefill_logits(native, ids) - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quantized, "PROMPT_ROWS_EXACT", False)
+        through_kernel = prefill_logits(native, ids)
+    error = (through_kernel - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt()
     print(f"{qtype.name}: kernel logits RMS error {float(error):.4f} of the logits' RMS")
     assert error < NATIVE_LOGIT_RMS_BOUND
     generated = native.generate_ids([ids], max_new_tokens=6, eos_token_id=[])[0]
@@ -380,11 +417,10 @@ def test_embedded_model_runs_on_its_own_blocks_with_no_float_copy(smollm, smollm
     assert sum(held.values()) <= file_bytes  # resident weight bytes: the file's, no float32 copy
     floats = [name for name, w in weights.items() if isinstance(w, torch.Tensor) and w.dim() == 2]
     assert floats == []
-    # decode steps take the kernel: whole matrices are decoded (transiently) only for the long prefill
+    # decode steps take the kernel: whole matrices are decoded (transiently) only for the prompt
     real, decoded = quantized.dense_weight, []
     monkeypatch.setattr(quantized, "dense_weight", lambda weight, work: decoded.append(True) or real(weight, work))
     ids = smollm.encode_prompt("What is the capital of France?", chat=True)
-    assert len(ids) > quantized.KERNEL_MAX_ROWS
     answer = smollm.tokenizer.decode(smollm.generate_ids([ids], max_new_tokens=12)[0])
     assert "Paris" in answer
     # one product per fused Q/K/V and gate/up group (layers/fused.py), o and down
@@ -406,7 +442,7 @@ def test_perplexity_of_the_seeds_native_q4_1_within_1_percent_of_float(smollm, s
     assert len(ids) == 4096
     dense = fastdecode.load(str(smollm_path), quantize="dequantize")
     dense_nll = np.mean(dense.score(ids))
-    monkeypatch.setattr(quantized, "KERNEL_MAX_ROWS", 1 << 20)
+    monkeypatch.setattr(quantized, "PROMPT_ROWS_EXACT", False)
     native_nll = np.mean(smollm.score(ids))
     print(f"perplexity: native {np.exp(native_nll):.4f}, dequantized float32 {np.exp(dense_nll):.4f}")
     assert abs(np.exp(native_nll) / np.exp(dense_nll) - 1) < 0.01

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import PromptTooLongError
 from ..layers.attention import attention
+from ..layers.quantized import prompt_rows
 from ..models.seq2seq import padding_bias
 from .sequence import Sequence
 from .slots import SlotCache
@@ -160,12 +161,13 @@ class EncodedSources:
     def from_padded(cls, model, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> "EncodedSources":
         """Right-padded sources: tokens, valid [B, S], positions [1, S] (``right_pad``). K/V are made
         contiguous here, once: a strided view would be copied by every step's attention."""
-        memory = model.encode(tokens, positions, valid)  # [B, S, C]
         keys, values = [], []
-        for layer in range(model.config.num_layers):
-            k, v = model.cross_kv(layer, memory)  # [B, H, S, D]
-            keys.append(k.contiguous())
-            values.append(v.contiguous())
+        with prompt_rows(True):  # source rows (layers/quantized.py)
+            memory = model.encode(tokens, positions, valid)  # [B, S, C]
+            for layer in range(model.config.num_layers):
+                k, v = model.cross_kv(layer, memory)  # [B, H, S, D]
+                keys.append(k.contiguous())
+                values.append(v.contiguous())
         return cls(keys, values, valid)
 
     @property

@@ -41,6 +41,7 @@ from ..generation.sampling import TokenSelector, sequence_seeds
 from ..validation import positive_int
 from .compiled import CompiledDecode
 from .cross import CrossStore, RowGroup, decoder_score_bias
+from ..layers.quantized import prompt_rows
 from .plan import StepPlan, layer_windows
 from .sequence import Sequence, TokenEvent, token_logprobs
 from .slots import SlotCache, check_fits
@@ -272,7 +273,7 @@ class Engine:
         work = [w for w in work if w[1] == 1] + [w for w in work if w[1] > 1]  # one-query rows first
         for sequence, count in work:  # sliding kinds: drop what slid out, take the blocks written now
             self.cache.prepare(sequence.block_table, sequence.num_computed, sequence.num_computed + count)
-        if self.compiled is not None and all(count == 1 for _, count in work):
+        if self.compiled is not None and all(count == 1 and s.num_computed >= len(s.context) for s, count in work):
             sampled = [sequence for sequence, _ in work]  # every row decodes its last token
             logits = self.compiled.logits(sampled)  # [B, V]
         else:
@@ -286,11 +287,12 @@ class Engine:
         """One flat varlen forward over ``work`` -> (logits [K, V], the K sequences that reached
         their last token, in logits order)."""
         device = self.model.device
-        tokens, positions, logit_rows, sampled = [], [], [], []
+        tokens, positions, logit_rows, sampled, is_prompt = [], [], [], [], []
         for sequence, count in work:
             start = sequence.num_computed
             tokens += sequence.tokens(start, start + count)
             positions += range(start, start + count)
+            is_prompt += (index < len(sequence.context) for index in range(start, start + count))
             if start + count == sequence.num_tokens:
                 logit_rows.append(len(tokens) - 1)
                 sampled.append(sequence)
@@ -300,11 +302,12 @@ class Engine:
         token_tensor = torch.tensor([tokens], device=device)  # [1, N]
         position_tensor = torch.tensor([positions], device=device)  # [1, N]
         logits_at = torch.tensor(logit_rows, dtype=torch.long, device=device)
-        if self.cross is None:
-            logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
-        else:
-            logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(rows),
-                                       logits_at=logits_at)[0]  # [K, V]
+        with prompt_rows(is_prompt, device):  # a row's arithmetic follows its role (layers/quantized.py)
+            if self.cross is None:
+                logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
+            else:
+                logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(rows),
+                                           logits_at=logits_at)[0]  # [K, V]
         return logits, sampled
 
     @staticmethod

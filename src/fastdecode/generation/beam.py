@@ -22,6 +22,7 @@ import torch
 from ..config import GenerationConfig
 from ..engine.plan import StepPlan, attention_terms
 from ..engine.slots import BLOCK_SIZE, SlotCache
+from ..layers.quantized import prompt_rows
 from .decode import SequenceResult
 from .sampling import TokenSelector
 from .step import Started
@@ -74,7 +75,8 @@ class DecoderBeamEngine:
         flat = [token for p in prompts for token in p]
         positions = [position for p in prompts for position in range(len(p))]
         ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1  # [B] last token of each prompt
-        logits = self._forward(flat, positions, [(t, 0, len(p)) for t, p in zip(tables, prompts)], ends)
+        with prompt_rows(True):
+            logits = self._forward(flat, positions, [(t, 0, len(p)) for t, p in zip(tables, prompts)], ends)
         self.tables = [self.cache.seq_cp(table) for table in tables for _ in range(K)]
         for table in tables:
             self.cache.release(table)

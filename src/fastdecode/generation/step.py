@@ -15,6 +15,7 @@ import torch
 
 from ..cache.static import KVCache, NoCache
 from ..layers.attention import build_attention_mask
+from ..layers.quantized import prompt_rows
 
 
 class Started(NamedTuple):
@@ -40,7 +41,8 @@ class CachedEngine:
         cache = self.cache
         start = cache.append_slots(valid, positions)
         cache.has_padding = cache.has_padding or not bool(valid.all())
-        logits = self.model.forward(tokens, positions, cache, self._mask(start, tokens.shape[1]), all_logits)
+        with prompt_rows(True):
+            logits = self.model.forward(tokens, positions, cache, self._mask(start, tokens.shape[1]), all_logits)
         return logits if all_logits else logits[:, -1]
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -71,6 +73,7 @@ class RecomputeEngine:
 
     def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.tokens, self.valid, self.positions = tokens, valid, positions
+        self.prompt_columns = tokens.shape[1]
         return self._run()
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -80,9 +83,11 @@ class RecomputeEngine:
         return self._run()
 
     def _run(self) -> torch.Tensor:
-        T = self.tokens.shape[1]
+        B, T = self.tokens.shape
         mask = build_attention_mask(self.valid, 0, T, self.model.dtype)
-        return self.model.forward(self.tokens, self.positions, NoCache(), mask)[:, -1]
+        roles = [column < self.prompt_columns for _ in range(B) for column in range(T)]  # [B * T], row-major
+        with prompt_rows(roles, self.tokens.device):  # each row computed as the cached path computes it
+            return self.model.forward(self.tokens, self.positions, NoCache(), mask)[:, -1]
 
     def drop_rows(self, rows: torch.Tensor) -> None:
         self.tokens = self.tokens.index_select(0, rows)

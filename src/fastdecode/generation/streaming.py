@@ -48,6 +48,7 @@ from ..engine.plan import layer_windows, no_distances, position_mask
 from ..engine.slots import BLOCK_SIZE, SlotCache
 from ..errors import InvalidOptionError
 from ..layers.attention import attention, two_segment_attention
+from ..layers.quantized import prompt_rows
 
 MAX_CHUNK = 512  # tokens per forward when feeding long inputs (the shift policy's headroom)
 
@@ -127,7 +128,8 @@ class StreamEngine:
     def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if tokens.shape[0] != 1:
             raise InvalidOptionError("streaming generation runs one sequence at a time")
-        return self.feed(tokens[0][valid[0]])[None]  # [1, V]
+        with prompt_rows(True):
+            return self.feed(tokens[0][valid[0]])[None]  # [1, V]
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.feed(tokens)[None]  # [1, V]

@@ -140,32 +140,6 @@ void int8_tiles(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const 
 }
 
 // ---- float32 activations ------------------------------------------------------------------------------
-// One tile-block -> w[k][8 outputs] = code * scale (k < 32), in input order.
-template <int BITS>
-inline void decode_tile_block(const uint8_t* codes, __m256 w_scale, float (*w)[TILE]) {
-  // per 128-bit lane (4 outputs x 4 bytes): bytes by input, then dwords [in0 r0-3, in0 r4-7, in1 r0-3, ...]
-  const __m256i by_input = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
-                                            0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  const __m256i lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  auto emit = [&](__m256i v, int k) __attribute__((always_inline)) {  // v: 8 outputs x inputs k..k+3
-    const __m256i t = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, by_input), lanes);
-    const __m128i first = _mm256_castsi256_si128(t), second = _mm256_extracti128_si256(t, 1);
-    const __m128i parts[4] = {first, _mm_srli_si128(first, 8), second, _mm_srli_si128(second, 8)};
-    for (int i = 0; i < 4; ++i)
-      _mm256_store_ps(w[k + i], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])), w_scale));
-  };
-  if constexpr (BITS == 4) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c));
-      emit(_mm256_and_si256(v, nibble), 4 * c);
-      emit(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), 16 + 4 * c);
-    }
-  } else {
-    for (int c = 0; c < 8; ++c) emit(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c)), 4 * c);
-  }
-}
-
 // 8 code bytes (2 outputs x 4 inputs) -> float32 codes.
 inline __m256 codes_to_float(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
 
@@ -285,6 +259,25 @@ at::Tensor tiled_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const
   return y;
 }
 
+// An 8 x 8 float block transposed in registers (v[i][j] -> v[j][i]).
+inline void transpose8(__m256 v[8]) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3, then 4-7
+    s[4 * h + 0] = _mm256_shuffle_ps(t[4 * h + 0], t[4 * h + 2], 0x44);
+    s[4 * h + 1] = _mm256_shuffle_ps(t[4 * h + 0], t[4 * h + 2], 0xEE);
+    s[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+    s[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_permute2f128_ps(s[j], s[4 + j], 0x20);
+    v[4 + j] = _mm256_permute2f128_ps(s[j], s[4 + j], 0x31);
+  }
+}
+
 template <int BITS, typename S>
 at::Tensor tiled_dequantize_impl(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
                                  int64_t N, int64_t threads) {
@@ -297,18 +290,37 @@ at::Tensor tiled_dequantize_impl(const at::Tensor& codes, const at::Tensor& scal
   const S* mp = has_min ? mins->data_ptr<S>() : nullptr;
   float* op = out.data_ptr<float>();
   parallel_chunks(tiles, chunk_outputs(K * TILE, 1), threads, [&](int64_t t0, int64_t t1) {
-    alignas(32) float w[32][TILE];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t valid = std::min<int64_t>(TILE, N - t * TILE);
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t tile_block = t * blocks + b;
-        decode_tile_block<BITS>(cp + tile_block * BB, load8_scales(sp + tile_block * TILE), w);
-        if (mp != nullptr) {  // scale * code + min: the same two roundings as quantized.dequantize()
-          const __m256 m = load8_scales(mp + tile_block * TILE);
-          for (int k = 0; k < 32; ++k) _mm256_store_ps(w[k], _mm256_add_ps(_mm256_load_ps(w[k]), m));
+        // the tile-block's dwords [chunk c][output r] transposed: v[r] = output r's code bytes in order
+        __m256 v[8];
+        for (int c = 0; c < 8; ++c)
+          v[c] = c < BB / 32 ? _mm256_loadu_ps(reinterpret_cast<const float*>(cp + tile_block * BB + 32 * c)) : _mm256_setzero_ps();
+        transpose8(v);
+        for (int64_t r = 0; r < valid; ++r) {
+          __m256 w[4];
+          const __m256i bytes = _mm256_castps_si256(v[r]);
+          if constexpr (BITS == 8) {
+            const __m128i first = _mm256_castsi256_si128(bytes), second = _mm256_extracti128_si256(bytes, 1);
+            const __m128i parts[4] = {first, _mm_unpackhi_epi64(first, first), second, _mm_unpackhi_epi64(second, second)};
+            for (int i = 0; i < 4; ++i) w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i]));
+          } else {  // 16 bytes: elements 0..15 in the low nibbles, 16..31 in the high ones
+            const __m128i packed = _mm256_castsi256_si128(bytes), nibble = _mm_set1_epi8(0x0F);
+            const __m128i low = _mm_and_si128(packed, nibble), high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+            const __m128i parts[4] = {low, _mm_unpackhi_epi64(low, low), high, _mm_unpackhi_epi64(high, high)};
+            for (int i = 0; i < 4; ++i) w[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+          }
+          const __m256 s = _mm256_set1_ps(load_scale(sp + tile_block * TILE + r));
+          float* row = op + (t * TILE + r) * K + 32 * b;
+          if (mp != nullptr) {  // scale * code + min: the same two roundings as quantized.dequantize()
+            const __m256 m = _mm256_set1_ps(load_scale(mp + tile_block * TILE + r));
+            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(row + 8 * i, _mm256_add_ps(_mm256_mul_ps(w[i], s), m));
+          } else {
+            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(row + 8 * i, _mm256_mul_ps(w[i], s));
+          }
         }
-        for (int64_t r = 0; r < valid; ++r)
-          for (int k = 0; k < 32; ++k) op[(t * TILE + r) * K + 32 * b + k] = w[k][r];
       }
     }
   });

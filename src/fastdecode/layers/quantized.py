@@ -20,19 +20,28 @@ Layouts of the stored codes/scale/mins:
 The matrix is stored [out, in] (rows are outputs) and ``transposed`` marks the canonical [in, out] view
 that models hold and ``.t()`` (as for float buffers, so model code is the same for both).
 
-Kernels: the AVX2 extension (``kernels.py``) for CPU rows up to ``KERNEL_MAX_ROWS`` (batch-1 and batched
-decode steps): each activation row is quantized once per call to int8 per 32 inputs and multiplied by
-the codes in integer arithmetic (llama.cpp's scheme; error bound in tests/unit/test_quantized.py), with
-one exception, the logits layer (``for_logits``: float32 activations, exact up to summation order).
-A row's result is bitwise the same whatever else is in the batch. More rows (prompt processing) decode
-the matrix once per call into a transient float32 buffer (the AVX2 decoder, one pass) and use the
-float GEMM, exact. Without the extension (no AVX2, no compiler, CUDA) every product goes through that
-dequantizing path, in PyTorch.
+Which arithmetic a row gets depends on its role, never on what else is in the step:
+
+- generated rows (decode steps, beams: a token the model produced): on CPU the AVX2 extension
+  (``kernels.py``) quantizes each activation row to int8 per 32 inputs and multiplies it by the codes
+  in integer arithmetic (llama.cpp's scheme; error bound in tests/unit/test_quantized.py);
+- prompt rows (prompt chunks, encoder sources, scoring; the engine running the forward marks them
+  with ``prompt_rows``): the matrix is decoded into a transient float32 buffer (the AVX2 decoder, one
+  pass) and multiplied by the float GEMM, exact up to summation order. Rounding prompt activations to
+  int8 flips near ties that decide the answer (see ``for_logits``), and prefill is compute-bound,
+  where the float GEMM is as fast;
+- the logits layer (``for_logits``): float32 activations in the kernel for every row, exact up to
+  summation order.
+
+Each kernel's row result is bitwise the same whatever else is in its product, so batched == alone and
+a prompt chunked differently gives the same K/V. Without the extension (no AVX2, no compiler, CUDA),
+or with ``USE_KERNEL`` off (tests that check a conversion at 1e-4), every product takes the exact path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +49,49 @@ import torch
 from .kernels import dequantize_op, qmatmul_op
 from .threads import kernel_threads
 
-KERNEL_MAX_ROWS = 32
 TILE = 8  # outputs per tile of the tiled layout
+USE_KERNEL = True  # False: every product takes the exact path (tests of conversions, at 1e-4)
+# oneDNN's GEMM gives a row the same bits whatever the row count from 4 rows on (tested), but 1 to 3
+# rows may take another kernel (differences ~1e-5, which the int8 rounding of later generated rows can
+# turn into different tokens): fewer prompt rows are padded to 4.
+GEMM_MIN_ROWS = 4
+PROMPT_ROWS_EXACT = True  # False: prompt rows take the int8 kernel too (llama.cpp's choice; measured by a test)
+
+
+class RowRoles:
+    """Which rows of one forward's products (its flattened [R, C] rows) are prompt rows."""
+
+    __slots__ = ("rows", "prompt", "generated")
+
+    def __init__(self, is_prompt: list[bool], device: torch.device | str = "cpu"):
+        self.rows = len(is_prompt)
+        self.prompt = torch.tensor([i for i, p in enumerate(is_prompt) if p], dtype=torch.long, device=device)
+        self.generated = torch.tensor([i for i, p in enumerate(is_prompt) if not p], dtype=torch.long, device=device)
+
+
+ALL_PROMPT = "all prompt rows"
+# The roles of the rows of the forward this thread is running: None (every row generated), ALL_PROMPT,
+# or a RowRoles. A context variable, so an engine's or a server's threads never see each other's.
+_ROLES: ContextVar[RowRoles | str | None] = ContextVar("fastdecode_row_roles", default=None)
+
+
+class prompt_rows:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """Marks the prompt rows of the forwards run inside the block: ``True`` (every row: a prompt, a
+    source), ``False`` (none: decode steps), or one bool per flattened row (a step mixing both)."""
+
+    __slots__ = ("roles", "token")
+
+    def __init__(self, rows: bool | list[bool], device: torch.device | str = "cpu"):
+        if not isinstance(rows, bool) and (all(rows) or not any(rows)):
+            rows = bool(rows) and all(rows)
+        self.roles = (ALL_PROMPT if rows else None) if isinstance(rows, bool) else RowRoles(rows, device)
+
+    def __enter__(self) -> None:
+        self.token = _ROLES.set(self.roles)
+
+    def __exit__(self, *exc) -> None:
+        _ROLES.reset(self.token)
+
 
 
 @dataclass(frozen=True, eq=False)
@@ -183,15 +233,20 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     rows = x if x.dim() == 2 else x.reshape(-1, K)  # [M, K]
     if rows.dtype != torch.float32:
         rows = rows.float()
-    M = rows.shape[0]
-    op = qmatmul_op() if M <= KERNEL_MAX_ROWS and rows.is_cpu else None
-    if op is not None:
-        out = op(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
-                 weight.bits, weight.group, kernel_threads(M * K * N), weight.activation_bits, weight.outputs)
-    else:
-        from .linear import linear  # the float GEMM (oneDNN on CPU)
-
-        out = linear(rows, dense_weight(weight, work=M * K * N))
+    op = qmatmul_op() if USE_KERNEL and rows.is_cpu else None
+    roles = None  # compiled graphs are decode steps (engine/decode_step.py): every row generated
+    if PROMPT_ROWS_EXACT and weight.activation_bits == 8 and not torch.compiler.is_compiling():
+        roles = _ROLES.get()
+    if op is None or roles is ALL_PROMPT:
+        out = _exact_product(rows, weight)
+    elif roles is None:
+        out = _kernel_product(op, rows, weight)
+    else:  # a step mixing prompt and generated rows: each part its own way
+        if rows.shape[0] != roles.rows:
+            raise RuntimeError(f"row roles were given for {roles.rows} rows, the product has {rows.shape[0]}")
+        out = rows.new_empty(rows.shape[0], N)
+        out[roles.generated] = _kernel_product(op, rows[roles.generated], weight)
+        out[roles.prompt] = _exact_product(rows[roles.prompt], weight)
     if bias is not None:
         out = out + bias
     if x.dim() != 2:
@@ -199,8 +254,27 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
+def _kernel_product(op, rows: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """rows [M, K] float32 -> [M, N] through the AVX2 kernel."""
+    M, K, N = rows.shape[0], weight.inputs, weight.outputs
+    return op(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
+              weight.bits, weight.group, kernel_threads(M * K * N), weight.activation_bits, weight.outputs)
+
+
+def _exact_product(rows: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """rows [M, K] float32 -> [M, N]: the decoded matrix through the float GEMM."""
+    from .linear import linear  # the float GEMM (oneDNN on CPU)
+
+    M = rows.shape[0]
+    dense = dense_weight(weight, work=max(M, GEMM_MIN_ROWS) * weight.inputs * weight.outputs)
+    if M >= GEMM_MIN_ROWS or not rows.is_cpu:
+        return linear(rows, dense)
+    padded = torch.cat([rows, rows.new_zeros(GEMM_MIN_ROWS - M, rows.shape[1])])  # [GEMM_MIN_ROWS, K]
+    return linear(padded, dense)[:M]
+
+
 def for_logits(weight: QuantizedWeight) -> QuantizedWeight:
-    """The same weight, its decode products with float32 activations (exact, like prefill's).
+    """The same weight, its products with float32 activations (exact up to summation order).
 
     For the output (logits) layer: its products decide the tokens directly, and rounding its input
     to int8 moves logits by ~0.5% of their RMS, enough to flip near ties (the embedded model's first
