@@ -106,7 +106,7 @@ def layouts_job() -> None:
 
     import fastdecode
     from fastdecode.layers.kernels import qmatmul_op
-    from fastdecode.layers.quantized import rows_layout
+    from fastdecode.layers.quantized import rows_layout, tiled
 
     torch.set_num_threads(1)
     op, gen = qmatmul_op(), fastdecode.load()
@@ -114,7 +114,7 @@ def layouts_job() -> None:
     print("| matrix | activations | M | rows layout us | tiled us | rows / tiled |")
     print("|---|---|---|---|---|---|")
     for label, name in LAYOUT_MATRICES.items():
-        weight = gen.checkpoint.weights[name].t()  # [out, in], tiled at load
+        weight = tiled(gen.checkpoint.weights[name].t())  # [out, in] (the LM head is kept in rows layout at load)
         codes, scale, mins = (None if t is None else t.contiguous() for t in rows_layout(weight))
         for bits in (8, 32) if "output" in label else (8,):
             for M in (1, 8) if "output" in label else (1, 8, 512):

@@ -181,6 +181,13 @@ def tiled(weight: QuantizedWeight) -> QuantizedWeight:
                                mins=None if weight.mins is None else tile(weight.mins, 1), outputs=N)
 
 
+def keeps_rows_layout(name: str) -> bool:
+    """Canonical weights kept in the rows layout at load: embedding tables (row lookups) and the LM head
+    (a tied one is the embedding table; its float32-activation kernel, for_logits, measured 0.85-0.9x as
+    fast on the tiled layout at M = 1 and 8: benchmarks/qmatmul_kernels.py --jobs layouts)."""
+    return name.endswith("embed.weight") or name == "lm_head.weight"
+
+
 def rows_layout(weight: QuantizedWeight, rows: torch.Tensor | None = None):
     """(codes [R, K*bits/8], scale [R, K/group], mins or None) of the given output rows (all when None) in
     the rows layout: views or gathers, whichever layout the weight has."""
@@ -293,8 +300,8 @@ def embed(tokens: torch.Tensor, table: torch.Tensor | QuantizedWeight) -> torch.
     return rows.view(*tokens.shape, rows.shape[-1])  # [..., C]
 
 
-def quantize_matrix(weight: torch.Tensor, kind: str) -> QuantizedWeight:
-    """float [N, K] -> QuantizedWeight. "int8": symmetric, absmax / 127 per 32 inputs (as Q8_0, scales float32);
+def quantize_matrix(weight: torch.Tensor, kind: str, tile: bool = True) -> QuantizedWeight:
+    """float [N, K] -> QuantizedWeight (tiled layout unless ``tile`` is False: see ``keeps_rows_layout``). "int8": symmetric, absmax / 127 per 32 inputs (as Q8_0, scales float32);
     "int4": asymmetric, (max - min) / 15 per 32 inputs with the minimum as offset (as Q4_1).
 
     Error model: each weight moves by at most half a step of its group: |w - w_q| <= scale / 2."""
@@ -305,11 +312,13 @@ def quantize_matrix(weight: torch.Tensor, kind: str) -> QuantizedWeight:
     if kind == "int8":
         scale = groups.abs().amax(-1) / 127  # [N, K/32]
         codes = torch.round(groups / scale.clamp_min(1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
-        return tiled(QuantizedWeight("int8", 8, 32, codes.reshape(N, K), scale.contiguous(), None))
+        weight = QuantizedWeight("int8", 8, 32, codes.reshape(N, K), scale.contiguous(), None)
+        return tiled(weight) if tile else weight
     if kind == "int4":
         low, high = groups.amin(-1), groups.amax(-1)  # [N, K/32]
         scale = (high - low) / 15
         q = torch.round((groups - low[..., None]) / scale.clamp_min(1e-30)[..., None]).clamp(0, 15).to(torch.uint8)
         packed = q[..., :16] | (q[..., 16:] << 4)  # [N, K/32, 16]: element j low, j + 16 high
-        return tiled(QuantizedWeight("int4", 4, 32, packed.reshape(N, K // 2), scale.contiguous(), low.contiguous()))
+        weight = QuantizedWeight("int4", 4, 32, packed.reshape(N, K // 2), scale.contiguous(), low.contiguous())
+        return tiled(weight) if tile else weight
     raise ValueError(f"unknown quantization {kind!r}")
