@@ -38,10 +38,10 @@ import torch
 from ..config import GenerationConfig
 from ..errors import InvalidOptionError, QueueFullError
 from ..generation.sampling import TokenSelector, sequence_seeds
+from ..layers.quantized import prompt_rows
 from ..validation import positive_int
 from .compiled import CompiledDecode
 from .cross import CrossStore, RowGroup, decoder_score_bias
-from ..layers.quantized import prompt_rows
 from .plan import StepPlan, layer_windows
 from .sequence import Sequence, TokenEvent, token_logprobs
 from .slots import SlotCache, check_fits

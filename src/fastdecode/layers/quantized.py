@@ -82,8 +82,8 @@ class prompt_rows:  # noqa: N801 - used as a context manager, like torch.no_grad
     __slots__ = ("roles", "token")
 
     def __init__(self, rows: bool | list[bool], device: torch.device | str = "cpu"):
-        if not isinstance(rows, bool) and (all(rows) or not any(rows)):
-            rows = bool(rows) and all(rows)
+        if not isinstance(rows, bool) and (all(rows) or not any(rows)):  # one role for the whole forward
+            rows = all(rows)
         self.roles = (ALL_PROMPT if rows else None) if isinstance(rows, bool) else RowRoles(rows, device)
 
     def __enter__(self) -> None:
