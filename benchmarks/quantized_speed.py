@@ -12,6 +12,7 @@ Then a bart-base-size random model, 8 sources x 256 tokens, beam 4: fastdecode i
 CTranslate2 int8 / float32.
 
     python benchmarks/quantized_speed.py [--reps 3] [--threads 2] [--quick] [--skip-bart] [--engines a,b]
+    python benchmarks/quantized_speed.py --skip-embedded --threads 1 [--bart-engines fastdecode-int8,ct2-int8]
     python benchmarks/quantized_speed.py --llama-cpp-bin ~/llama.cpp/build/bin
 
 An engine that cannot run here is listed as NOT RUN with the reason.
@@ -261,6 +262,10 @@ def bart_section(args) -> str:
         for compute in ("int8", "float32"):
             per_engine[f"ct2-{compute}"] = {"ct2_dir": str(ct2_dir), "compute_type": compute, "seq2seq": True,
                                             "vocab": str(vocab)}
+    if args.bart_engines:
+        chosen = args.bart_engines.split(",")
+        per_engine = {name: extra for name, extra in per_engine.items() if name in chosen}
+        skipped = {name: why for name, why in skipped.items() if name in chosen}
     wanted = {name: {**options, **extra} for name, extra in per_engine.items()}
     workers, failed = harness.start_workers(Path(__file__).resolve(), wanted, Path(tempfile.mkdtemp(prefix="qbart-")))
     sources = [[(7 * i + 13 * j) % 50000 + 4 for j in range(256)] for i in range(8)]
@@ -286,6 +291,8 @@ def main() -> None:
     parser.add_argument("--skip-bart", action="store_true")
     parser.add_argument("--skip-embedded", action="store_true")
     parser.add_argument("--engines", help=f"comma-separated subset of {', '.join(ENGINES)}")
+    parser.add_argument("--bart-engines", help="comma-separated subset of the BART row's fastdecode-int8, "
+                        "fastdecode-float32, ct2-int8, ct2-float32 (with --skip-embedded: only the BART row)")
     parser.add_argument("--llama-cpp-bin", default=None,
                         help=f"folder of the llama.cpp binaries (default: $LLAMA_CPP_BIN or {llama_cpp.DEFAULT_BIN})")
     harness.add_worker_arguments(parser)

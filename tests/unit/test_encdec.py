@@ -60,15 +60,20 @@ def test_encoder_and_cross_kv_run_once_per_call(monkeypatch, kind, new_tokens, n
     gen = fastdecode.from_hf(build(kind))
     model = gen.model
     steps = _count_calls(monkeypatch, model, "decode")
-    cross = {f"{layer}.cross_{p}": getattr(model.decoder.layers[layer], f"cross_{p}")
-             for layer in range(model.config.num_layers) for p in ("k", "v", "q")}
+    layers = model.decoder.layers
+    cross = {f"{layer}.cross_{p}": getattr(layers[layer], f"cross_{p}")
+             for layer in range(model.config.num_layers) for p in ("k", "v", "q") if hasattr(layers[layer], f"cross_{p}")}
+    # BART runs its cross K and V as one fused product (layers/fused.py): count that module's calls too
+    fused = {f"{layer}.cross_kv.{i}": weight for layer in range(model.config.num_layers)
+             if hasattr(layers[layer], "cross_kv") for i, (weight, _) in enumerate(layers[layer].cross_kv.parts)}
     counts = _count_linear(monkeypatch, importlib.import_module(f"fastdecode.models.{kind}"), cross)
+    fused_counts = _count_linear(monkeypatch, importlib.import_module("fastdecode.layers.fused"), fused)
     encoded_rows = _count_rows(monkeypatch, model, "encode")
     out = gen.generate_ids([[5, 6, 7, 8], [9, 10]], max_new_tokens=new_tokens, eos_token_id=[], num_beams=num_beams)
     assert [len(o) for o in out] == [new_tokens, new_tokens]
     assert encoded_rows == [2]  # one encoder call, each source once, whatever the beam count
     assert steps[0] == new_tokens  # one decoder pass per new token
-    for name, count in counts.items():
+    for name, count in {**counts, **fused_counts}.items():
         expected = new_tokens if name.endswith("q") else 1  # the query is per step, K and V once
         assert count == expected, (name, count)
 

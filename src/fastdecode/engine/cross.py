@@ -17,7 +17,9 @@ Beam search runs outside the scheduler (generation/beam.py) over a fixed set of 
 ``EncodedSources`` encodes them once, in one right-padded batch, and keeps each source's cross
 K/V once, contiguous per layer (no block table to gather through at every step: the sources
 never change during the search). Its K beams fold into the query axis (FastSeq), so a beam
-reorder moves no cross K/V and each source's K/V is read once per step for all its beams.
+reorder moves no cross K/V and each source's K/V is read once per step for all its beams. On the
+CPU that attention is one C++ op (layers/cross_attention.cpp: 8 keys at a time for all the beams,
+the padding never read), about 1.3-2x faster than SDPA's kernel on 4 queries per source.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from ..errors import PromptTooLongError
 from ..layers.attention import attention
 from ..layers.quantized import prompt_rows
+from ..layers.threads import threads_for
 from ..models.seq2seq import padding_bias
 from .sequence import Sequence
 from .slots import SlotCache
@@ -149,6 +152,7 @@ class EncodedSources:
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor):
         self.keys, self.values, self.valid = keys, values, valid
         self.bias = padding_bias(valid, keys[0].dtype)
+        self.lengths = source_lengths(valid)
 
     @classmethod
     def encode(cls, model, sources: list[list[int]]) -> "EncodedSources":
@@ -179,8 +183,15 @@ class EncodedSources:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
     def attend(self, index: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """Cross-attention of decoder layer ``index``, one row per source: q [B, H, T, D] -> [B, H, T, D]."""
-        return attention(q, self.keys[index], self.values[index], self.bias, scale)
+        """Cross-attention of decoder layer ``index``, one row per source: q [B, H, T, D] -> [B, H, T, D].
+        The C++ op (layers/cross_attention.cpp) where it serves these tensors: it reads each source's
+        keys once for its T queries and never reads its padding; else SDPA under the padding mask."""
+        keys, values = self.keys[index], self.values[index]
+        op = cross_attention_op(q, keys) if self.lengths is not None else None
+        if op is None:
+            return attention(q, keys, values, self.bias, scale)
+        with threads_for(2 * q.numel() * keys.shape[2]):  # B*H*T*D * S multiply-adds, twice
+            return op(q if q.stride(-1) == 1 else q.contiguous(), keys, values, self.lengths, scale)
 
     def folded(self, rows_per_source: int) -> "FoldedCross":
         return FoldedCross(self, rows_per_source)
@@ -192,6 +203,27 @@ class EncodedSources:
         self.valid = self.valid.index_select(0, sources)
         if self.bias is not None:
             self.bias = self.bias.index_select(0, sources)
+        if self.lengths is not None:
+            self.lengths = self.lengths.index_select(0, sources)
+
+
+def source_lengths(valid: torch.Tensor) -> torch.Tensor | None:
+    """valid [B, S] -> each row's count of real tokens [B] (int64) when they lead the row (right
+    padding, as ``right_pad`` makes) and none is empty, else None."""
+    lengths = valid.sum(dim=-1)  # [B]
+    leading = torch.arange(valid.shape[1], device=valid.device)[None, :] < lengths[:, None]  # [B, S]
+    return lengths.contiguous() if torch.equal(leading, valid) and bool((lengths > 0).all()) else None
+
+
+def cross_attention_op(q: torch.Tensor, keys: torch.Tensor):
+    """The C++ cross-attention (float32 on the CPU, head dims a multiple of 8, contiguous [B, H, S, D]
+    keys, the extension built), else None: the caller runs SDPA."""
+    if (q.dtype != torch.float32 or keys.dtype != torch.float32 or q.device.type != "cpu" or q.shape[-1] % 8
+            or not keys.is_contiguous()):
+        return None
+    from ..layers.kernels import cross_attention_op as op
+
+    return op()
 
 
 class FoldedCross:

@@ -22,6 +22,7 @@ import torch
 from ..config import GenerationConfig
 from ..engine.plan import StepPlan, attention_terms
 from ..engine.slots import BLOCK_SIZE, SlotCache
+from ..layers.kernels import beam_candidates_op
 from ..layers.quantized import prompt_rows
 from .decode import SequenceResult
 from .sampling import TokenSelector
@@ -217,9 +218,7 @@ class BeamSearch:
         improvable = torch.ones(B, 1, dtype=torch.bool, device=device)  # early-stop heuristic unsatisfied
         for step in range(max_new):
             self.steps = step + 1
-            logp = self.selector.process(torch.log_softmax(logits.float(), dim=-1), step)  # [B*K, V]
-            total = (logp.view(B, K, V) + running[:, :, None]).view(B, K * V)
-            top_lp, top_index = torch.topk(total, n_keep)  # [B, 2K]
+            top_lp, top_index = self._candidates(logits, running, step, n_keep)  # [B, 2K]
             top_beam, top_token = top_index // V, top_index % V
             cand_tokens = _gather(running_tokens, top_beam)  # [B, 2K, max_new]
             cand_tokens[:, :, step] = top_token
@@ -282,6 +281,22 @@ class BeamSearch:
         for sample, original in enumerate(alive):
             final[original] = (fin_tokens[sample], fin_length[sample], fin_scores[sample])
         self.results = self._collect(*(torch.stack(parts) for parts in zip(*final)))
+
+    def _candidates(self, logits: torch.Tensor, running: torch.Tensor, step: int,
+                    n_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sample's ``n_keep`` best continuations: scores and indices (beam * V + token) [B, n_keep]
+        of log_softmax(logits [B*K, V]), processed, plus the beams' running scores [B, K]. When the step's
+        processors only suppress tokens, one pass of the C++ op (layers/beam_search.cpp) instead of
+        five [B*K, V] tensors and a sort of K*V scores per sample."""
+        B, K = running.shape
+        banned = self.selector.suppressed_only(step)
+        op = beam_candidates_op() if banned is not None and logits.dtype == torch.float32 and logits.is_cpu else None
+        if op is not None:
+            return op(logits.contiguous(), running.reshape(-1).contiguous(), banned.cpu(), K, n_keep)
+        V = logits.shape[-1]
+        logp = self.selector.process(torch.log_softmax(logits.float(), dim=-1), step)  # [B*K, V]
+        total = (logp.view(B, K, V) + running[:, :, None]).view(B, K * V)
+        return torch.topk(total, n_keep)
 
     def _collect(self, tokens: torch.Tensor, length: torch.Tensor, scores: torch.Tensor) -> list[SequenceResult]:
         """The first num_return_sequences finished hypotheses per sample (already best first)."""

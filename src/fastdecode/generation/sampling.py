@@ -104,11 +104,28 @@ class TokenSelector:
             logits = logits.masked_fill(banned, float("-inf"))
         if num_generated < cfg.min_new_tokens and self.eos_ids.numel():
             logits = suppress_tokens(logits, self.eos_ids)
-        if num_generated == 0 and self.forced_bos is not None:
-            logits = force_tokens(logits, self.forced_bos)
-        if self.forced_eos is not None and cfg.max_new_tokens is not None and num_generated == cfg.max_new_tokens - 1:
-            logits = force_tokens(logits, self.forced_eos)
+        forced = self._forced(num_generated)
+        if forced is not None:
+            logits = force_tokens(logits, forced)
         return logits
+
+    def suppressed_only(self, num_generated: int) -> torch.Tensor | None:
+        """The token ids [E] (E may be 0) that ``process`` sets to -inf at this step when that is all
+        it does, else None: a processor that changes scores in another way is active (beam search's
+        one-pass step, layers/beam_search.cpp, serves only the first case)."""
+        cfg = self.config
+        if (self.seen is not None or cfg.no_repeat_ngram_size > 0 or self._forced(num_generated) is not None
+                or (cfg.encoder_no_repeat_ngram_size > 0 and self.sources is not None)):
+            return None
+        return self.eos_ids if num_generated < cfg.min_new_tokens else self.eos_ids[:0]
+
+    def _forced(self, num_generated: int) -> torch.Tensor | None:
+        """The only token ids allowed at this step (a config's forced BOS / EOS), or None. At a step that
+        is both the first and the last, forcing BOS then EOS leaves EOS."""
+        cfg = self.config
+        if self.forced_eos is not None and cfg.max_new_tokens is not None and num_generated == cfg.max_new_tokens - 1:
+            return self.forced_eos
+        return self.forced_bos if num_generated == 0 else None
 
     def select(self, logits: torch.Tensor, num_generated: int) -> torch.Tensor:
         """logits [B, V] -> next tokens [B] (long)."""

@@ -23,41 +23,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
-
-// The lane sums of 8 vectors -> one vector: lane u = sum of a[u]'s lanes.
-inline __m256 eight_sums(const __m256* a) {
-  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-// exp(x) for 8 floats (Cephes' range reduction and polynomial, relative error ~2e-7); x below
-// -87.3 (including -inf) gives 0.
-inline __m256 exp8(__m256 x) {
-  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(two_n)));
-}
 
 // out[g] = q[g] . k for g < G (G <= 4), q[g] at q + g * q_stride, D floats each.
 inline void dots(const float* q, int64_t q_stride, int64_t G, const float* k, int64_t D, float* out) {
@@ -152,19 +120,7 @@ void attend_one(const Rows& r, int64_t b, int64_t kv, std::vector<float>& scores
   });
   // Softmax numerators in place (padding past L: exp(-inf) = 0) and each head's 1 / sum.
   std::vector<float> inverse(G);
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * Lp;
-    float m = -INFINITY;
-    for (int64_t j = 0; j < L; ++j) m = std::max(m, s[j]);
-    const __m256 mv = _mm256_set1_ps(m);
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < Lp; j += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-      _mm256_storeu_ps(s + j, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    inverse[g] = 1.0f / hsum(sum);
-  }
+  for (int64_t g = 0; g < G; ++g) inverse[g] = softmax_numerators(scores.data() + g * Lp, L, Lp);
   // Values: sums[h] += p[h, j] v_j, run by run (a run's values stay in cache while its 16-dim
   // slices are summed in registers, 4 heads at a time); each sum adds its keys in order j = 0..L-1.
   for_each_run(table, r.block, start, lo, L, [&](int64_t j0, int64_t slot, int64_t count) {

@@ -95,6 +95,20 @@ def paged_attention_op():
     return None if ops is None else ops.paged_attention
 
 
+def beam_candidates_op():
+    """torch.ops.fastdecode_kernels.beam_candidates (a beam search step's log-softmax, running scores and
+    top candidates in one pass, layers/beam_search.cpp), or None like ``qmatmul_op``."""
+    ops = _ops()
+    return None if ops is None else ops.beam_candidates
+
+
+def cross_attention_op():
+    """torch.ops.fastdecode_kernels.cross_attention (queries over each source's own keys, contiguous per
+    head, layers/cross_attention.cpp), or None like ``qmatmul_op``."""
+    ops = _ops()
+    return None if ops is None else ops.cross_attention
+
+
 def elementwise_ops():
     """torch.ops.fastdecode_kernels (its rms_norm, add_rms_norm, qkv_heads, gated: layers/elementwise.cpp),
     or None like ``qmatmul_op``."""
@@ -148,6 +162,15 @@ def _register_fake() -> None:
     def _paged_attention_fake(q, keys, values, k_new, v_new, write_slots, table, key_start, positions, block, window,
                               scale, bias):  # q [B, H, D] -> [B, H, D] (keys, values written in place)
         return q.new_empty(q.shape)
+
+    @torch.library.register_fake("fastdecode_kernels::beam_candidates")
+    def _beam_candidates_fake(logits, running, banned, K, keep):  # [B*K, V] -> scores, indices [B, keep]
+        B = logits.shape[0] // K
+        return logits.new_empty((B, keep)), logits.new_empty((B, keep), dtype=torch.long)
+
+    @torch.library.register_fake("fastdecode_kernels::cross_attention")
+    def _cross_attention_fake(q, keys, values, lengths, scale):  # q [B, H, T, D] -> [B, H, T, D]
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("fastdecode_kernels::rms_norm")
     def _rms_norm_fake(x, weight, eps):

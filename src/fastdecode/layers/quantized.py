@@ -258,7 +258,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         out[roles.generated] = _kernel_product(op, rows[roles.generated], weight)
         out[roles.prompt] = _exact_product(rows[roles.prompt], weight)
     if bias is not None:
-        out = out + bias
+        out += bias  # (a fresh tensor: in place saves a pass over it)
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], N)  # [..., N]
     return out if out.dtype == x.dtype else out.to(x.dtype)

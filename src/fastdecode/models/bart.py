@@ -28,6 +28,7 @@ from .base import ModelBase, Weight, token_id_list
 from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
+from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.threads import one_thread_except_big_ops
 from ..layers.positions import sinusoidal_table
@@ -48,6 +49,8 @@ _DECODER_LAYER = {
     "cross_v": "encoder_attn.v_proj", "cross_o": "encoder_attn.out_proj",
 }
 _KINDS = ("weight", "bias")
+# Block fields that are one fused product of several canonical projections (layers/fused.py).
+_FUSED = {"qkv": ("q", "k", "v"), "cross_kv": ("cross_k", "cross_v")}
 
 HF_NAMES = {
     "embed.weight": "model.shared.weight",
@@ -167,16 +170,11 @@ def config_from_hf(hf: dict[str, Any]) -> EncoderDecoderConfig:
 @dataclass(frozen=True, slots=True, eq=False)
 class BartEncoderBlock:
     """An encoder layer's weights: LayerNorm scales [C] and projections as [out, in] views of
-    [in, out] buffers, each with its bias (norm shifts [C])."""
+    [in, out] buffers, each with its bias (norm shifts [C]); Q, K and V as one fused product."""
 
     attn_norm: torch.Tensor
     attn_norm_bias: torch.Tensor
-    q: Weight
-    q_bias: torch.Tensor
-    k: Weight
-    k_bias: torch.Tensor
-    v: Weight
-    v_bias: torch.Tensor
+    qkv: FusedProjection
     o: Weight
     o_bias: torch.Tensor
     mlp_norm: torch.Tensor
@@ -195,10 +193,7 @@ class BartDecoderBlock(BartEncoderBlock):
     cross_norm_bias: torch.Tensor
     cross_q: Weight
     cross_q_bias: torch.Tensor
-    cross_k: Weight
-    cross_k_bias: torch.Tensor
-    cross_v: Weight
-    cross_v_bias: torch.Tensor
+    cross_kv: FusedProjection  # of the encoder output, once per source
     cross_o: Weight
     cross_o_bias: torch.Tensor
 
@@ -250,6 +245,9 @@ class BartModel(ModelBase):
             prefix = f"{stack}.layers.{i}"
             layer = {}
             for name in (field.name for field in fields(block) if not field.name.endswith("_bias")):
+                if name in _FUSED:  # products of one input: one matrix (layers/fused.py)
+                    layer[name] = fuse_projections(weights, [f"{prefix}.{part}" for part in _FUSED[name]])
+                    continue
                 weight = weights[f"{prefix}.{name}.weight"]
                 # [in, out] buffers seen as [out, in]: linear then runs x @ buffer (the fast layout)
                 layer[name] = weight if name.endswith("norm") else weight.t()
@@ -276,8 +274,8 @@ class BartModel(ModelBase):
         """Decoder layer ``index``'s cross-attention K, V [B, H, S, D] of the encoder output [B, S, C]."""
         layer = self.decoder.layers[index]
         H, D = self.config.num_heads, self.config.head_dim
-        return (split_heads(linear(memory, layer.cross_k, layer.cross_k_bias), H, D),
-                split_heads(linear(memory, layer.cross_v, layer.cross_v_bias), H, D))
+        k, v = layer.cross_kv.split(memory)  # [B, S, C] each
+        return split_heads(k, H, D), split_heads(v, H, D)
 
     @one_thread_except_big_ops
     def decode(
@@ -337,16 +335,12 @@ class BartModel(ModelBase):
         return F.layer_norm(x, (self.config.hidden_size,), *stack.norm, self.config.norm_eps)
 
     def _self_attention(self, h, layer, H: int, D: int, mask) -> torch.Tensor:
-        q = split_heads(linear(h, layer.q, layer.q_bias), H, D)  # [B, H, T, D]
-        k = split_heads(linear(h, layer.k, layer.k_bias), H, D)
-        v = split_heads(linear(h, layer.v, layer.v_bias), H, D)
+        q, k, v = (split_heads(x, H, D) for x in layer.qkv.split(h))  # [B, H, T, D] each
         return linear(merge_heads(attention(q, k, v, mask, D**-0.5)), layer.o, layer.o_bias)
 
     def _target_self_attention(self, h, layer, index: int, plan, bias) -> torch.Tensor:
         H, D = self.config.num_heads, self.config.head_dim
-        q = split_heads(linear(h, layer.q, layer.q_bias), H, D)  # [B, H, T, D]
-        k = split_heads(linear(h, layer.k, layer.k_bias), H, D)
-        v = split_heads(linear(h, layer.v, layer.v_bias), H, D)
+        q, k, v = (split_heads(x, H, D) for x in layer.qkv.split(h))  # [B, H, T, D] each
         if plan is not None:  # each sequence's own slots, the plan's masks
             return linear(merge_heads(plan.attend(index, q, k, v, None, self.scale)), layer.o, layer.o_bias)
         return linear(merge_heads(attention(q, k, v, bias, self.scale)), layer.o, layer.o_bias)

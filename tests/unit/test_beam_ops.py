@@ -1,0 +1,123 @@
+"""The C++ ops of encoder-decoder beam search against the PyTorch paths they replace:
+
+- ``beam_candidates`` (layers/beam_search.cpp): log-softmax + suppressed tokens + running scores +
+  per-sample top-k in one pass == generation/beam.py's PyTorch step (scores within float32
+  roundings, the same candidates in the same order), a sample's result bitwise the same alone;
+- ``cross_attention`` (layers/cross_attention.cpp): each row's queries over its own source's first
+  ``length`` keys == SDPA under the padding mask, head dims with and without a 16-wide tail, folded
+  (strided) queries, a row bitwise the same alone;
+- a whole beam search (tiny BART and T5, padded sources, min_new_tokens suppressing EOS) gives the
+  same tokens and scores with the ops as without them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastdecode
+from fastdecode.engine.cross import EncodedSources, source_lengths
+from fastdecode.generation import beam as beam_module
+from fastdecode.layers.attention import attention
+from fastdecode.layers.kernels import beam_candidates_op, cross_attention_op
+from fastdecode.models.seq2seq import padding_bias
+from tiny_encdec import VOCAB, build, single_thread  # noqa: F401 (autouse fixture)
+
+NEG = beam_module.NEG
+needs_kernels = pytest.mark.skipif(beam_candidates_op() is None, reason="no AVX2 extension: PyTorch paths run")
+
+
+def torch_candidates(logits, running, banned, keep):
+    """generation/beam.py's PyTorch step: log_softmax, suppression, + running, top-k per sample."""
+    B, K = running.shape
+    V = logits.shape[-1]
+    logp = torch.log_softmax(logits, dim=-1)
+    logp[:, banned] = float("-inf")
+    return torch.topk((logp.view(B, K, V) + running[:, :, None]).view(B, K * V), keep)
+
+
+@needs_kernels
+@pytest.mark.parametrize("V, banned", [(1003, [2]), (160, []), (4099, [0, 7, 4098])])
+@pytest.mark.parametrize("first_step", [True, False])
+def test_beam_candidates_match_torch(V, banned, first_step):
+    g = torch.Generator().manual_seed(V)
+    B, K = 3, 4
+    logits = torch.randn(B * K, V, generator=g) * 4
+    running = torch.randn(B, K, generator=g) * 3
+    if first_step:  # one real beam per sample, the others NEG (beam.py's start)
+        running[:, 1:] = NEG
+    banned = torch.tensor(banned, dtype=torch.long)
+    keep = 2 * K
+    scores, indices = beam_candidates_op()(logits, running.reshape(-1).contiguous(), banned, K, keep)
+    expected = torch_candidates(logits, running, banned, keep)
+    assert torch.equal(indices, expected.indices)
+    torch.testing.assert_close(scores, expected.values, atol=1e-5, rtol=0)
+    for b in range(B):  # a sample alone: bitwise the same
+        alone = beam_candidates_op()(logits[b * K : (b + 1) * K].contiguous(), running[b].contiguous(), banned, K, keep)
+        assert torch.equal(alone[0], scores[b : b + 1]) and torch.equal(alone[1], indices[b : b + 1])
+
+
+@needs_kernels
+def test_beam_candidates_keep_more_than_finite():
+    """Fewer finite scores than ``keep`` (a tiny vocabulary mostly banned): the finite ones first,
+    best first, then -inf entries."""
+    logits = torch.randn(1, 5, generator=torch.Generator().manual_seed(1)).repeat(2, 1)  # beam 1 scores 1 lower
+    banned = torch.tensor([0, 1, 2, 3], dtype=torch.long)
+    scores, indices = beam_candidates_op()(logits, torch.tensor([0.0, -1.0]), banned, 2, 4)
+    assert indices[0, :2].tolist() == [4, 9] and torch.isinf(scores[0, 2:]).all()
+
+
+@needs_kernels
+def test_beam_candidates_rejects_bad_input():
+    op = beam_candidates_op()
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        op(torch.zeros(4, 10), torch.zeros(4), torch.tensor([10]), 2, 2)
+    with pytest.raises(RuntimeError, match="multiple of the beams"):
+        op(torch.zeros(3, 10), torch.zeros(3), torch.tensor([], dtype=torch.long), 2, 2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("D", [64, 24, 8])
+def test_cross_attention_matches_sdpa(D):
+    g = torch.Generator().manual_seed(D)
+    B, H, fold, S = 3, 4, 4, 37
+    lengths = torch.tensor([37, 1, 20])
+    valid = torch.arange(S)[None, :] < lengths[:, None]  # [B, S] right-padded
+    keys = torch.randn(B, H, S, D, generator=g)
+    values = torch.randn(B, H, S, D, generator=g)
+    flat = torch.randn(1, H, B * fold, D, generator=g)  # a flat step's queries, beams side by side
+    q = flat[0].unflatten(1, (B, fold)).transpose(0, 1)  # [B, H, fold, D], strided as FoldedCross passes it
+    out = cross_attention_op()(q, keys, values, source_lengths(valid), 0.3)
+    expected = attention(q, keys, values, padding_bias(valid, torch.float32), 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for b in range(B):  # a row alone: bitwise the same
+        alone = cross_attention_op()(q[b : b + 1], keys[b : b + 1], values[b : b + 1], lengths[b : b + 1], 0.3)
+        assert torch.equal(alone, out[b : b + 1])
+
+
+def test_source_lengths_only_for_right_padding():
+    assert source_lengths(torch.tensor([[True, True, False], [True, False, False]])).tolist() == [2, 1]
+    assert source_lengths(torch.tensor([[False, True, True]])) is None  # left padding: the mask path
+    assert source_lengths(torch.tensor([[False, False]])) is None  # an empty row
+
+
+@pytest.fixture(scope="module", params=["bart", "t5"])
+def tiny(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    build(request.param).save_pretrained(folder)
+    return fastdecode.load(str(folder))
+
+
+@needs_kernels
+def test_beam_search_same_with_and_without_ops(tiny, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    sources = [torch.randint(3, VOCAB - 1, (n,), generator=g).tolist() for n in (9, 4, 13)]
+    options = dict(num_beams=3, max_new_tokens=6, min_new_tokens=3, num_return_sequences=2)
+    with_ops = tiny.generate_ids_with_details(sources, **options)
+    monkeypatch.setattr(beam_module, "beam_candidates_op", lambda: None)
+    monkeypatch.setattr(EncodedSources, "attend", lambda self, index, q, scale: attention(
+        q, self.keys[index], self.values[index], self.bias, scale))
+    without = tiny.generate_ids_with_details(sources, **options)
+    assert [r.tokens for r in with_ops] == [r.tokens for r in without]
+    torch.testing.assert_close(torch.tensor([r.score for r in with_ops]), torch.tensor([r.score for r in without]),
+                               atol=1e-5, rtol=0)
