@@ -10,10 +10,14 @@ in their own worker processes, alternating (base, new, base, new...), medians ov
   matrix once in file order so the weights stream from memory as in a step, the raw op at 1 thread:
   milliseconds per sweep (thread CPU time, so time spent descheduled on a busy machine is left out)
   for the int8-activation layers and the float-activation logits layer, M = 1 and 8, min of 5 sweeps;
-* decode: the embedded model's tokens/s at batch 1 and 8 (``--new-tokens`` each), ``--threads``.
+* decode: the embedded model's tokens/s at batch 1 and 8 (``--new-tokens`` each), ``--threads``;
+* layouts (one tree, no baseline needed): the raw op on the rows layout (the per-row kernels) vs the
+  tiled layout (layers/qtiles.cpp) of the same weights, same library, M = 1, 8 and 512, 1 thread,
+  alternating calls, medians: microseconds and the tiled / rows time ratio.
 
     python benchmarks/qmatmul_kernels.py --baseline-src /path/to/main/src [--reps 3] [--threads 1]
         [--jobs kernel,sweep,decode] [--model path/to/model.gguf]
+    python benchmarks/qmatmul_kernels.py --jobs layouts
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ def sweep_job(model: str | None) -> dict[str, float]:
             spent = {8: 0.0, 32: 0.0}  # by activation bits
             for w in weights:
                 started = time.thread_time()
-                op(inputs[w.shape[1]], w.codes, w.scale, w.mins, w.bits, w.group, 1 << 40, w.activation_bits)
+                op(inputs[w.shape[1]], w.codes, w.scale, w.mins, w.bits, w.group, 1 << 40, w.activation_bits,
+                   *((w.outputs,) if getattr(w, "is_tiled", False) else ()))
                 spent[w.activation_bits] += time.thread_time() - started
             sweeps.append(spent)
         for bits, label in ((8, "layers"), (32, "logits")):
@@ -89,6 +94,43 @@ def sweep_job(model: str | None) -> dict[str, float]:
             best = min(s[bits] for s in sweeps)
             results[f"sweep {label} {gigabytes * 1e3:.0f} MB M={rows} ms"] = best * 1e3
     return results
+
+
+LAYOUT_MATRICES = {"576x576 q Q4_1": "layers.0.q.weight", "1536x576 gate Q4_1": "layers.0.gate.weight",
+                   "576x1536 down Q4_1": "layers.0.down.weight", "49152x576 output Q8_0": "lm_head.weight"}
+
+
+def layouts_job() -> None:
+    """Prints one line per (matrix, activations, M): rows-layout and tiled-layout microseconds, ratio."""
+    import torch
+
+    import fastdecode
+    from fastdecode.layers.kernels import qmatmul_op
+    from fastdecode.layers.quantized import rows_layout, tiled
+
+    torch.set_num_threads(1)
+    op, gen = qmatmul_op(), fastdecode.load()
+    print(f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} cores; 1 thread; medians of alternating calls")
+    print("| matrix | activations | M | rows layout us | tiled us | rows / tiled |")
+    print("|---|---|---|---|---|---|")
+    for label, name in LAYOUT_MATRICES.items():
+        weight = tiled(gen.checkpoint.weights[name].t())  # [out, in] (the LM head is kept in rows layout at load)
+        codes, scale, mins = (None if t is None else t.contiguous() for t in rows_layout(weight))
+        for bits in (8, 32) if "output" in label else (8,):
+            for M in (1, 8) if "output" in label else (1, 8, 512):
+                x = torch.randn(M, weight.inputs)
+                calls = {"rows": lambda: op(x, codes, scale, mins, weight.bits, 32, 1, bits),
+                         "tiled": lambda: op(x, weight.codes, weight.scale, weight.mins, weight.bits, 32, 1, bits,
+                                             weight.outputs)}
+                times: dict[str, list[float]] = {"rows": [], "tiled": []}
+                for _ in range(max(5, min(60, int(3e8 / (M * weight.inputs * weight.outputs))))):
+                    for side, call in calls.items():
+                        started = time.perf_counter()
+                        call()
+                        times[side].append(time.perf_counter() - started)
+                rows, tiles = (statistics.median(times[side]) * 1e6 for side in ("rows", "tiled"))
+                print(f"| {label} | {'int8' if bits == 8 else 'float32'} | {M} | {rows:.0f} | {tiles:.0f} | {rows / tiles:.2f} |",
+                      flush=True)
 
 
 def decode_job(threads: int, new_tokens: int) -> dict[str, float]:
@@ -132,8 +174,11 @@ def main() -> None:
                 "decode": lambda: decode_job(args.threads, args.new_tokens)}
         print(json.dumps(jobs[args.worker]()))
         return
+    if args.jobs == "layouts":
+        layouts_job()
+        return
     if not args.baseline_src:
-        parser.error("--baseline-src is required")
+        parser.error("--baseline-src is required (except for --jobs layouts)")
     sides = {"base": args.baseline_src, "new": args.src}
     samples: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
     load_before = os.getloadavg()[0]

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 import fastdecode  # noqa: E402
 from fastdecode.errors import InvalidOptionError  # noqa: E402
-from fastdecode.layers.quantized import QuantizedWeight, dequantize, quantize_matrix  # noqa: E402
+from fastdecode.layers.quantized import QuantizedWeight, dequantize, quantize_matrix, rows_layout  # noqa: E402
 from tiny_models import prefill_logits  # noqa: E402
 
 # --- 4: quantize="int8" / "int4" on float checkpoints of every family --------------------------------
@@ -21,7 +21,7 @@ def test_quantize_matrix_error_is_at_most_half_a_step():
     weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(5))
     for kind in ("int8", "int4"):
         q = quantize_matrix(weight, kind)
-        steps = q.scale.repeat_interleave(32, dim=1)  # [N, K]
+        steps = rows_layout(q)[1].repeat_interleave(32, dim=1)  # scale [N, K/32] -> [N, K]
         assert ((dequantize(q) - weight).abs() <= steps / 2 + 1e-6).all()
 
 

@@ -25,7 +25,7 @@ from gguf.quants import quantize as gguf_quantize  # noqa: E402
 import fastdecode  # noqa: E402
 from fastdecode.layers import kernels, quantized  # noqa: E402
 from fastdecode.layers.kernels import qmatmul_op  # noqa: E402
-from fastdecode.layers.quantized import QuantizedWeight, dequantize, quantize_matrix  # noqa: E402
+from fastdecode.layers.quantized import QuantizedWeight, dequantize, quantize_matrix, rows_layout, tiled  # noqa: E402
 from fastdecode.loading.gguf_blocks import repack  # noqa: E402
 from tiny_gguf import EOT, MERGES, TOKEN_TYPES, TOKENS  # noqa: E402
 from tiny_models import prefill_logits  # noqa: E402
@@ -66,12 +66,19 @@ def test_repacked_blocks_decode_exactly_as_the_gguf_package(qtype):
 
 
 def _weights_of_every_type():
-    """(label, QuantizedWeight [72, 512]) for every GGUF type and quantize="int8" / "int4"."""
+    """(label, QuantizedWeight [72, 512]) for every GGUF type, in the rows layout (as repacked) and the
+    tiled one (as loaded: every type with groups of 32), and quantize="int8" / "int4" (tiled); plus
+    tiled ones whose last tile is partial (N = 13, 5)."""
     shape = (72, 512)
     for qtype in GGUF_TYPES:
-        yield qtype.name, repack(qtype.name, random_blocks(qtype, shape, seed=2), shape)
+        weight = repack(qtype.name, random_blocks(qtype, shape, seed=2), shape)
+        yield qtype.name, weight
+        if tiled(weight) is not weight:
+            yield f"{qtype.name} tiled", tiled(weight)
     for kind in ("int8", "int4"):
         yield kind, quantize_matrix(torch.randn(shape, generator=torch.Generator().manual_seed(8)), kind)
+    for qtype, rows in ((QT.Q4_1, 13), (QT.Q8_0, 5)):
+        yield f"{qtype.name} tiled N={rows}", tiled(repack(qtype.name, random_blocks(qtype, (rows, 256), seed=5), (rows, 256)))
 
 
 WEIGHTS = dict(_weights_of_every_type())
@@ -90,7 +97,7 @@ def _activation_rounding(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _kernel(x: torch.Tensor, weight: QuantizedWeight, activation_bits: int = 8) -> torch.Tensor:
     return qmatmul_op()(x, weight.codes, weight.scale, weight.mins, weight.bits, weight.group, 1 << 40,
-                        activation_bits)
+                        activation_bits, weight.outputs)
 
 
 needs_kernel = pytest.mark.skipif("qmatmul_op() is None", reason="no AVX2 kernel on this machine")
@@ -146,6 +153,7 @@ def _odd_width_weights(K: int):
     yield "Q8_0", repack("Q8_0", gguf_quantize((0.1 * rng.standard_normal((24, K))).astype(np.float32), QT.Q8_0), (24, K))
     yield "Q4_1", repack("Q4_1", gguf_quantize((0.1 * rng.standard_normal((24, K))).astype(np.float32), QT.Q4_1), (24, K))
     yield "int4", quantize_matrix(torch.from_numpy(rng.standard_normal((24, K)).astype(np.float32)), "int4")
+    yield "Q8_0 tiled", tiled(repack("Q8_0", gguf_quantize((0.1 * rng.standard_normal((21, K))).astype(np.float32), QT.Q8_0), (21, K)))
     codes = torch.from_numpy(rng.integers(-128, 128, (24, K), dtype=np.int8))
     scale = torch.from_numpy(rng.uniform(1e-3, 4e-3, (24, K // 16)).astype(np.float32))
     yield "G16", QuantizedWeight("Q6_K", 8, 16, codes, scale, None)
@@ -176,6 +184,59 @@ def test_8_bit_codes_at_the_extremes_do_not_saturate():
     weight = QuantizedWeight("Q8_0", 8, 32, codes, torch.full((N, K // 32), 0.5, dtype=torch.float16), None)
     x = torch.tensor([[-3.0, 3.0, -3.0, -3.0] * (K // 4), [3.0, -3.0, 3.0, 3.0] * (K // 4)])  # [2, K]
     torch.testing.assert_close(_kernel(x, weight), x @ dequantize(weight).T, atol=1e-3, rtol=0)
+    torch.testing.assert_close(_kernel(x, tiled(weight)), x @ dequantize(weight).T, atol=1e-3, rtol=0)
+
+
+@needs_kernel
+def test_4_bit_codes_at_the_extremes_do_not_overflow_the_int16_block_sums():
+    """The tiled 4-bit kernel adds a block's 16 products per int16 lane before widening: codes 15 against
+    activations of +-127 everywhere reach 16 * 15 * 127 = 30480 < 32767, exactly."""
+    N, K = 8, 64
+    codes = torch.full((N, K // 2), 0xFF, dtype=torch.uint8)  # every nibble 15
+    scale = torch.full((N, K // 32), 0.5, dtype=torch.float16)
+    weight = tiled(QuantizedWeight("Q4_1", 4, 32, codes, scale, torch.zeros_like(scale)))
+    x = torch.tensor([[3.0] * K, [-3.0] * K])  # [2, K]: every activation code +-127
+    torch.testing.assert_close(_kernel(x, weight), x @ dequantize(weight).T, atol=1e-3, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("label", [label for label, weight in WEIGHTS.items() if weight.is_tiled])
+@pytest.mark.parametrize("activation_bits", [8, 32])
+def test_tiled_rows_are_the_same_bits_at_every_row_count_and_thread_count(label, activation_bits):
+    """The tiled kernels block rows by 8, 4, 2 and 1 and outputs by tiles (chunks of tiles per thread):
+    a row's bits must not depend on M, on its position or on the thread count, and a partial last tile
+    must give its real outputs only."""
+    weight = WEIGHTS[label]
+    x = torch.randn(300, weight.shape[1], generator=torch.Generator().manual_seed(10))
+    op = qmatmul_op()
+    alone = torch.cat([op(x[m : m + 1], weight.codes, weight.scale, weight.mins, weight.bits, 32, 1, activation_bits,
+                          weight.outputs) for m in range(0, 300, 23)])  # rows 0, 23, ... one at a time
+    for M in (1, 3, 8, 33, 300):
+        for threads in (1, 2):
+            y = op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, 32, threads, activation_bits,
+                   weight.outputs)
+            assert y.shape == (M, weight.outputs)
+            assert torch.equal(y[::23], alone[: len(y[::23])]), (M, threads)
+
+
+def test_the_tiled_layout_is_a_byte_shuffle_of_the_rows_layout():
+    """tiled() then rows_layout() gives back the rows layout exactly (N = 13: a padded last tile); row
+    lookups, take_rows and the C++ decoder read the tiled codes as the rows they came from."""
+    shape = (13, 96)
+    for qtype in (QT.Q4_1, QT.Q8_0, QT.Q4_0):
+        rows = repack(qtype.name, random_blocks(qtype, shape, seed=6), shape)
+        weight = tiled(rows)
+        assert weight.is_tiled and weight.outputs == 13 and weight.shape == rows.shape
+        assert weight.codes.shape[0] == 2 and weight.nbytes < rows.nbytes * 1.25  # one copy (+ 3 padding rows)
+        for mine, theirs in zip(rows_layout(weight), rows_layout(rows)):
+            assert (mine is None and theirs is None) or torch.equal(mine, theirs)
+        picked = torch.tensor([12, 0, 7, 8, 12])
+        assert torch.equal(dequantize(weight, picked), dequantize(rows, picked))
+        order = torch.randperm(13, generator=torch.Generator().manual_seed(1))
+        taken = weight.take_rows(order)
+        assert taken.is_tiled and torch.equal(dequantize(taken), dequantize(rows)[order])
+        if kernels.dequantize_op() is not None:
+            assert torch.equal(quantized.dense_weight(weight, work=1 << 30), dequantize(rows))
 
 
 @pytest.mark.parametrize("logits_layer", [False, True], ids=["int8-activations", "for_logits"])

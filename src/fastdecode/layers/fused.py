@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .linear import linear
-from .quantized import QuantizedWeight
+from .quantized import TILE, QuantizedWeight
 
 Weight = torch.Tensor | QuantizedWeight
 
@@ -48,8 +48,10 @@ class FusedProjection:
 def _format(weight: Weight) -> tuple | None:
     """What must agree for two matrices to share one product (None: never fused)."""
     if isinstance(weight, QuantizedWeight):
+        if weight.is_tiled and weight.outputs % TILE:  # a padded tail tile cannot sit inside a fused matrix
+            return None
         return ("q", weight.kind, weight.bits, weight.group, weight.scale.dtype, weight.mins is None,
-                weight.device, weight.dtype, weight.transposed)
+                weight.device, weight.dtype, weight.transposed, weight.is_tiled)
     if weight.dim() == 2 and weight.is_contiguous():  # a loader-owned [in, out] buffer
         return ("dense", weight.dtype, weight.device, weight.shape[0])
     return None
@@ -59,17 +61,17 @@ def concat_outputs(weights: list[Weight]) -> tuple[Weight, list[Weight]]:
     """Canonical [in, out_i] weights of one format -> (the fused [in, sum(out_i)] weight, a view of it
     per input weight). Quantized ones concatenate their stored rows (codes, scales, mins)."""
     if isinstance(weights[0], QuantizedWeight):
-        def cat(field: str) -> torch.Tensor:
-            return torch.cat([getattr(w, field) for w in weights], dim=0)  # stored [out, ...]: rows are outputs
+        def cat(field: str) -> torch.Tensor:  # stored [out, ...] or [out tiles, ...]: outputs first
+            return torch.cat([getattr(w, field) for w in weights], dim=0)
 
         fused = dataclasses.replace(weights[0], codes=cat("codes"), scale=cat("scale"),
-                                    mins=None if weights[0].mins is None else cat("mins"))
+                                    mins=None if weights[0].mins is None else cat("mins"),
+                                    outputs=sum(w.outputs for w in weights))
         views, row = [], 0
         for w in weights:
-            rows = w.scale.shape[0]
-            views.append(dataclasses.replace(w, codes=fused.codes[row : row + rows], scale=fused.scale[row : row + rows],
-                                             mins=None if w.mins is None else fused.mins[row : row + rows]))
-            row += rows
+            part = fused.row_range(row, row + w.outputs)
+            views.append(dataclasses.replace(w, codes=part.codes, scale=part.scale, mins=part.mins))
+            row += w.outputs
         return fused, views
     fused = torch.cat(weights, dim=1)  # [in, sum(out)]
     return fused, list(fused.split([w.shape[1] for w in weights], dim=1))

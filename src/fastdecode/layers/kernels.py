@@ -137,18 +137,26 @@ def _load_ops():
         return None
 
 
+def _outputs(codes, scale, outputs: int) -> int:
+    """N of a quantized weight's op arguments: rows of scale [N, K/G], or ``outputs`` of a tiled weight
+    (codes [N/8 rounded up, K/32, bytes], the last tile padded; -1: every tile's 8 rows)."""
+    if codes.dim() == 2:
+        return scale.shape[0]
+    return outputs if outputs >= 0 else scale.shape[0] * scale.shape[2]
+
+
 def _register_fake() -> None:
     """The op's shape function (a "fake" kernel): torch.compile / FakeTensor tracing run it instead of
     the C++ code, so a compiled decode step (fullgraph) traces through quantized products."""
     import torch
 
     @torch.library.register_fake("fastdecode_kernels::qmatmul")
-    def _qmatmul_fake(x, codes, scale, mins, bits, group, threads, activation_bits=8):  # x [M, K] -> [M, N]
-        return x.new_empty((x.shape[0], scale.shape[0]))
+    def _qmatmul_fake(x, codes, scale, mins, bits, group, threads, activation_bits=8, outputs=-1):  # x [M, K] -> [M, N]
+        return x.new_empty((x.shape[0], _outputs(codes, scale, outputs)))
 
     @torch.library.register_fake("fastdecode_kernels::dequantize")
-    def _dequantize_fake(codes, scale, mins, bits, group, threads):  # -> float32 [N, K]
-        return scale.new_empty((scale.shape[0], scale.shape[1] * group), dtype=torch.float32)
+    def _dequantize_fake(codes, scale, mins, bits, group, threads, outputs=-1):  # -> float32 [N, K]
+        return scale.new_empty((_outputs(codes, scale, outputs), scale.shape[1] * group), dtype=torch.float32)
 
     @torch.library.register_fake("fastdecode_kernels::paged_attention")
     def _paged_attention_fake(q, keys, values, k_new, v_new, write_slots, table, key_start, positions, block, window,

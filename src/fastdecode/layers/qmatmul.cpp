@@ -28,6 +28,10 @@
 //
 // dequantize (prefill, many rows): codes -> float32 weights bit-identical to quantized.dequantize(),
 // for an exact float GEMM.
+//
+// Both ops dispatch on the codes' layout: 3-D codes are the tiled layout (every 4- and 8-bit format with
+// groups of 32 as loaded: qtiles.cpp, 8 outputs per register, ~1.5-2x faster); this file's kernels serve
+// the rows layout (Q6_K's groups of 16, and weights built in rows layout by hand).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -37,72 +41,12 @@
 #include <vector>
 
 #include "parallel.h"
+#include "qrows.h"
+#include "qtiles.h"
 
 namespace {
 
-inline float load_scale(const at::Half* p) { return _cvtsh_ss(reinterpret_cast<const uint16_t&>(*p)); }
-inline float load_scale(const float* p) { return *p; }
-inline __m256 load8_scales(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 load8_scales(const float* p) { return _mm256_loadu_ps(p); }
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// ---- activations: rows quantized once per call ------------------------------------------------------
-struct QuantizedRows {
-  int64_t K;
-  std::vector<int8_t> codes;  // [M, K]
-  std::vector<float> scale;   // [M, K/32]: d, x ~ d * code
-  std::vector<float> sums;    // [M, K/G]: d * (sum of the codes) per weight group, for the mins term
-};
-
-template <int G>
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t blocks = K / 32;
-  QuantizedRows q{K, std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * K / G)};
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
-  for (int64_t i = 0; i < M * blocks; ++i) {
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(x + 32 * i + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], abs_mask));
-    }
-    const float top = hmax(amax), d = top / 127.0f;
-    const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-    __m256i c[4];  // |x * 127 / max| <= 127 (+ one rounding): never -128
-    for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));  // nearest even
-    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-    const __m256i ordered = _mm256_permutevar8x32_epi32(packed, order);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.codes.data() + 32 * i), ordered);
-    q.scale[i] = d;
-    // code sums per group: lanes 0-3 of `fours` sum inputs 0..15, lanes 4-7 inputs 16..31 (exact in float)
-    const __m256 fours = _mm256_cvtepi32_ps(
-        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), ordered), _mm256_set1_epi16(1)));
-    const float low = hsum(_mm256_blend_ps(fours, _mm256_setzero_ps(), 0xF0)), high = hsum(fours) - low;
-    if constexpr (G == 32) {
-      q.sums[i] = d * (low + high);
-    } else {  // G == 16
-      q.sums[2 * i] = d * low;
-      q.sums[2 * i + 1] = d * high;
-    }
-  }
-  return q;
-}
+using namespace fastdecode::quant;
 
 // ---- weights: one 32-input block of one output row ---------------------------------------------------
 // The block's codes as maddubs' unsigned operand (4 bits: the codes; 8 bits: |code|).
@@ -268,16 +212,6 @@ inline void decode_group(const uint8_t* codes, __m256* w) {
 // Per group, the float dot product of the codes (decoded once for RB rows) with x, times the scale; the
 // mins term is sum_g min[n, g] * xsum[r, g] (x summed per group once per call). Exact up to summation
 // order (codes and scales are exact floats), and the same per-row operations for every RB.
-template <int G>
-std::vector<float> group_sums(const float* x, int64_t M, int64_t K) {
-  std::vector<float> sums(M * K / G);
-  for (int64_t i = 0; i < M * K / G; ++i) {
-    __m256 v = _mm256_loadu_ps(x + G * i);
-    for (int j = 1; j < G / 8; ++j) v = _mm256_add_ps(v, _mm256_loadu_ps(x + G * i + 8 * j));
-    sums[i] = hsum(v);
-  }
-  return sums;
-}
 
 // The codes are read row after row: prefetched this far ahead (measured on the 262144x640 and 49152x576
 // Q8_0 logits layers at M = 1, loaded machine: ~15-25% faster than the hardware prefetcher alone; 4-8 KB
@@ -384,7 +318,11 @@ at::Tensor dequantize_impl(const at::Tensor& codes, const at::Tensor& scale, con
 
 // codes, scale, mins of [N, K] -> float32 [N, K] (for products with many rows: then a float GEMM).
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
-                      int64_t bits, int64_t group, int64_t threads) {
+                      int64_t bits, int64_t group, int64_t threads, int64_t outputs) {
+  if (codes.dim() == 3) {  // the tiled layout (qtiles.cpp)
+    TORCH_CHECK(group == 32, "tiled codes have groups of 32, not ", group);
+    return fastdecode::tiled_dequantize(codes, scale, mins, bits, outputs, threads);
+  }
   TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "codes and scales must be contiguous");
   const bool half = scale.scalar_type() == at::kHalf;
 #define FD_CASE(B, GS)                                                                               \
@@ -400,9 +338,14 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c1
 
 // x [M, K] float32 -> y [M, N] float32, activations quantized to int8 per 32 (see the top of the file).
 at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                   const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t threads, int64_t activation_bits) {
+                   const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t threads, int64_t activation_bits,
+                   int64_t outputs) {
   TORCH_CHECK(activation_bits == 8 || activation_bits == 32, "activation_bits is 8 or 32, not ", activation_bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  if (codes.dim() == 3) {  // the tiled layout (qtiles.cpp)
+    TORCH_CHECK(group == 32, "tiled codes have groups of 32, not ", group);
+    return fastdecode::tiled_qmatmul(x, codes, scale, mins, bits, outputs, threads, activation_bits);
+  }
   TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "codes and scales must be contiguous");
   TORCH_CHECK(x.size(1) == scale.size(1) * group, "x has ", x.size(1), " inputs, the weight ", scale.size(1) * group);
   TORCH_CHECK(x.size(1) % 32 == 0, "activations are quantized in blocks of 32: ", x.size(1), " inputs");
@@ -422,8 +365,8 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 
 // A CPU kernel (not a composite one), so kernels.py can give the op a fake kernel for torch.compile.
 TORCH_LIBRARY(fastdecode_kernels, m) {
-  m.def("qmatmul(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int threads, int activation_bits=8) -> Tensor");
-  m.def("dequantize(Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int threads) -> Tensor");
+  m.def("qmatmul(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int threads, int activation_bits=8, int outputs=-1) -> Tensor");
+  m.def("dequantize(Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int threads, int outputs=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) {

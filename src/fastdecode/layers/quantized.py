@@ -10,6 +10,13 @@ One format serves every quantized type, so one kernel family serves them all:
 - scale/min are float16 where they are exact copies of GGUF's fp16 block scales (Q4_0, Q4_1, Q8_0), else
   float32 (K-quant products d * sub-scale, exact in float32; our own int8/int4 quantization).
 
+Layouts of the stored codes/scale/mins:
+- rows: codes [N, K*bits/8] as above, scale/mins [N, K/group];
+- tiled (``tiled()``: every 4- and 8-bit format with groups of 32, made once at load): 8 outputs
+  interleaved 4 code bytes at a time per block of 32 inputs, codes [ceil(N/8), K/32, 8*32*bits/8],
+  scale/mins [ceil(N/8), K/32, 8], the last tile padded with zero rows (layout: layers/qtiles.cpp).
+  ``outputs`` holds N. It is a pure byte shuffle: ``dequantize`` (and embedding lookups) read it.
+
 The matrix is stored [out, in] (rows are outputs) and ``transposed`` marks the canonical [in, out] view
 that models hold and ``.t()`` (as for float buffers, so model code is the same for both).
 
@@ -42,6 +49,7 @@ import torch
 from .kernels import dequantize_op, qmatmul_op
 from .threads import kernel_threads
 
+TILE = 8  # outputs per tile of the tiled layout
 USE_KERNEL = True  # False: every product takes the exact path (tests of conversions, at 1e-4)
 # oneDNN's GEMM gives a row the same bits whatever the row count from 4 rows on (tested), but 1 to 3
 # rows may take another kernel (differences ~1e-5, which the int8 rounding of later generated rows can
@@ -97,11 +105,16 @@ class QuantizedWeight:
     transposed: bool = False  # True: seen as [K, N] (the canonical [in, out] view)
     dtype: torch.dtype = torch.float32  # the model's activations: embedding rows come out in it
     activation_bits: int = 8  # the decode kernel's activations: 8 (int8 per 32 inputs) or 32 (exact; for_logits)
+    outputs: int = -1  # N of the stored [out, in] matrix (given for the tiled layout; rows: from scale)
 
     def __post_init__(self) -> None:  # read by every product: computed once
-        rows, groups = self.scale.shape
-        object.__setattr__(self, "outputs", rows)  # N of the stored [out, in] matrix
-        object.__setattr__(self, "inputs", groups * self.group)  # K
+        if not self.is_tiled:
+            object.__setattr__(self, "outputs", self.scale.shape[0])
+        object.__setattr__(self, "inputs", self.scale.shape[1] * self.group)  # K
+
+    @property
+    def is_tiled(self) -> bool:
+        return self.codes.dim() == 3
 
     @property
     def shape(self) -> torch.Size:
@@ -128,8 +141,20 @@ class QuantizedWeight:
     def take_rows(self, rows: torch.Tensor) -> QuantizedWeight:
         """The same weight with its output rows reordered (e.g. undoing a Q/K row permutation)."""
         assert not self.transposed
-        return dataclasses.replace(self, codes=self.codes[rows].contiguous(), scale=self.scale[rows].contiguous(),
-                                   mins=None if self.mins is None else self.mins[rows].contiguous())
+        codes, scale, mins = rows_layout(self, rows)
+        taken = dataclasses.replace(self, codes=codes.contiguous(), scale=scale.contiguous(),
+                                    mins=None if mins is None else mins.contiguous(), outputs=-1)
+        return tiled(taken) if self.is_tiled else taken
+
+    def row_range(self, start: int, stop: int) -> QuantizedWeight:
+        """Output rows [start, stop) as views (tiled: whole tiles, start and stop multiples of TILE or stop = N)."""
+        if not self.is_tiled:
+            return dataclasses.replace(self, codes=self.codes[start:stop], scale=self.scale[start:stop],
+                                       mins=None if self.mins is None else self.mins[start:stop])
+        assert start % TILE == 0 and (stop % TILE == 0 or stop == self.outputs), (start, stop)
+        tiles = slice(start // TILE, -(-stop // TILE))
+        return dataclasses.replace(self, codes=self.codes[tiles], scale=self.scale[tiles],
+                                   mins=None if self.mins is None else self.mins[tiles], outputs=stop - start)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> QuantizedWeight:
         """Moved to ``device``; ``dtype`` sets the activations' dtype (products are float32, cast to it)."""
@@ -137,12 +162,55 @@ class QuantizedWeight:
                                    mins=None if self.mins is None else self.mins.to(device), dtype=dtype or self.dtype)
 
 
+def tiled(weight: QuantizedWeight) -> QuantizedWeight:
+    """The weight in the tiled layout where its format has tiled kernels (4- or 8-bit codes, groups of
+    32), else as it is. One copy of the codes, scales and mins (a byte shuffle; N padded to tiles)."""
+    if weight.is_tiled or weight.group != 32 or weight.bits not in (4, 8):
+        return weight
+    N, groups = weight.scale.shape
+    tiles = -(-N // TILE)
+
+    def tile(t: torch.Tensor) -> torch.Tensor:  # [N, groups * width] -> [tiles, groups, TILE * width]
+        t = t.contiguous()
+        if tiles * TILE != N:
+            t = torch.cat([t, t.new_zeros(tiles * TILE - N, t.shape[1])])  # [tiles * TILE, ...]
+        width = t.shape[1] // groups
+        t = t.view(tiles, TILE, groups, width)  # [tiles, TILE, groups, width]
+        return t.permute(0, 2, 3, 1).contiguous().view(tiles, groups, TILE * width)  # [tiles, groups, width, TILE]
+
+    # codes move 4 bytes at a time (one int32 element: a 5x faster copy than byte by byte)
+    codes = tile(weight.codes.contiguous().view(torch.int32)).view(weight.codes.dtype)
+    return dataclasses.replace(weight, codes=codes, scale=tile(weight.scale),
+                               mins=None if weight.mins is None else tile(weight.mins), outputs=N)
+
+
+def keeps_rows_layout(name: str) -> bool:
+    """Canonical weights kept in the rows layout at load: embedding tables (row lookups) and the LM head
+    (a tied one is the embedding table; its float32-activation kernel, for_logits, measured 0.85-0.9x as
+    fast on the tiled layout at M = 1 and 8: benchmarks/qmatmul_kernels.py --jobs layouts)."""
+    return name.endswith("embed.weight") or name == "lm_head.weight"
+
+
+def rows_layout(weight: QuantizedWeight, rows: torch.Tensor | None = None):
+    """(codes [R, K*bits/8], scale [R, K/group], mins or None) of the given output rows (all when None) in
+    the rows layout: views or gathers, whichever layout the weight has."""
+    codes, scale, mins = weight.codes, weight.scale, weight.mins
+    if not weight.is_tiled:
+        if rows is None:
+            return codes, scale, mins
+        return codes[rows], scale[rows], None if mins is None else mins[rows]
+    tiles, groups, _ = codes.shape
+    if rows is None:
+        rows = torch.arange(weight.outputs, device=codes.device)
+    tile, lane = rows // TILE, rows % TILE
+    by_lane = codes.view(tiles, groups, -1, TILE, 4)  # [tiles, groups, width, TILE, 4 bytes]
+    picked = by_lane[tile, :, :, lane, :].reshape(len(rows), -1)  # [R, groups, width, 4] -> [R, K*bits/8]
+    return picked, scale[tile, :, lane], None if mins is None else mins[tile, :, lane]  # [R, groups] each
+
+
 def dequantize(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [R, K] of the given output rows (all rows when None), in the stored [out, in] orientation."""
-    codes, scale, mins = weight.codes, weight.scale, weight.mins
-    if rows is not None:
-        codes, scale = codes[rows], scale[rows]
-        mins = None if mins is None else mins[rows]
+    codes, scale, mins = rows_layout(weight, rows)
     R, groups = scale.shape
     if weight.bits == 4:
         nibbles = codes.view(R, groups, 16)  # [R, K/32, 16] bytes
@@ -162,7 +230,7 @@ def dense_weight(weight: QuantizedWeight, work: int) -> torch.Tensor:
     if op is None:
         return dequantize(weight)
     threads = kernel_threads(min(work, weight.outputs * weight.inputs))  # the decoder's own size caps it
-    return op(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads)
+    return op(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads, weight.outputs)
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -200,7 +268,7 @@ def _kernel_product(op, rows: torch.Tensor, weight: QuantizedWeight) -> torch.Te
     """rows [M, K] float32 -> [M, N] through the AVX2 kernel."""
     M, K, N = rows.shape[0], weight.inputs, weight.outputs
     return op(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
-              weight.bits, weight.group, kernel_threads(M * K * N), weight.activation_bits)
+              weight.bits, weight.group, kernel_threads(M * K * N), weight.activation_bits, weight.outputs)
 
 
 def _exact_product(rows: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
@@ -235,8 +303,8 @@ def embed(tokens: torch.Tensor, table: torch.Tensor | QuantizedWeight) -> torch.
     return rows.view(*tokens.shape, rows.shape[-1])  # [..., C]
 
 
-def quantize_matrix(weight: torch.Tensor, kind: str) -> QuantizedWeight:
-    """float [N, K] -> QuantizedWeight. "int8": symmetric, absmax / 127 per 32 inputs (as Q8_0, scales float32);
+def quantize_matrix(weight: torch.Tensor, kind: str, tile: bool = True) -> QuantizedWeight:
+    """float [N, K] -> QuantizedWeight (tiled layout unless ``tile`` is False: see ``keeps_rows_layout``). "int8": symmetric, absmax / 127 per 32 inputs (as Q8_0, scales float32);
     "int4": asymmetric, (max - min) / 15 per 32 inputs with the minimum as offset (as Q4_1).
 
     Error model: each weight moves by at most half a step of its group: |w - w_q| <= scale / 2."""
@@ -247,11 +315,13 @@ def quantize_matrix(weight: torch.Tensor, kind: str) -> QuantizedWeight:
     if kind == "int8":
         scale = groups.abs().amax(-1) / 127  # [N, K/32]
         codes = torch.round(groups / scale.clamp_min(1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
-        return QuantizedWeight("int8", 8, 32, codes.reshape(N, K), scale.contiguous(), None)
+        weight = QuantizedWeight("int8", 8, 32, codes.reshape(N, K), scale.contiguous(), None)
+        return tiled(weight) if tile else weight
     if kind == "int4":
         low, high = groups.amin(-1), groups.amax(-1)  # [N, K/32]
         scale = (high - low) / 15
         q = torch.round((groups - low[..., None]) / scale.clamp_min(1e-30)[..., None]).clamp(0, 15).to(torch.uint8)
         packed = q[..., :16] | (q[..., 16:] << 4)  # [N, K/32, 16]: element j low, j + 16 high
-        return QuantizedWeight("int4", 4, 32, packed.reshape(N, K // 2), scale.contiguous(), low.contiguous())
+        weight = QuantizedWeight("int4", 4, 32, packed.reshape(N, K // 2), scale.contiguous(), low.contiguous())
+        return tiled(weight) if tile else weight
     raise ValueError(f"unknown quantization {kind!r}")

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, FastDecodeError
-from ..layers.quantized import QuantizedWeight
+from ..layers.quantized import QuantizedWeight, keeps_rows_layout, tiled
 from ..models.registry import family_for_gguf
 from .checkpoint import Checkpoint, canonical_weights, check_tokenizer_matches
 from .gguf_blocks import REPACKERS, repack
@@ -65,7 +65,8 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool
         canonical, info = canonical_of[name], gguf.tensors[name]
         type_name = info.type_name
         if native and type_name in REPACKERS and len(info.shape) == 2 and "pos_embed" not in canonical:
-            return _hf_layout(module, canonical, repack(type_name, gguf.raw(name), info.shape), config).to(device)
+            weight = _hf_layout(module, canonical, repack(type_name, gguf.raw(name), info.shape), config)
+            return (weight if keeps_rows_layout(canonical) else tiled(weight)).to(device)  # made once
         if type_name not in ("F32", "F16", "BF16"):
             dequantized_types.add(type_name)
         array = module.gguf_to_hf_layout(canonical_of[name], gguf.dequantized(name), config)

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from ..errors import InvalidOptionError
-from ..layers.quantized import QuantizedWeight, for_logits, quantize_matrix
+from ..layers.quantized import QuantizedWeight, for_logits, keeps_rows_layout, quantize_matrix
 
 log = logging.getLogger("fastdecode")
 QUANTIZE_CHOICES = ("int8", "int4", "dequantize")
@@ -43,14 +43,14 @@ def quantize_weights(weights: dict[str, torch.Tensor], kind: str) -> dict[str, t
     done: list[tuple[torch.Tensor, QuantizedWeight]] = []  # [out, in] float matrix -> its quantized form
     skipped = []
 
-    def quantized(matrix: torch.Tensor) -> QuantizedWeight:
+    def quantized(matrix: torch.Tensor, name: str) -> QuantizedWeight:
         for source, result in done:  # tied views (same memory) and equal copies (aliases) share one table
             if source.shape == matrix.shape and (
                 (source.data_ptr() == matrix.data_ptr() and source.stride() == matrix.stride())
                 or torch.equal(source, matrix)
             ):
                 return result
-        result = quantize_matrix(matrix, kind).to(dtype=matrix.dtype)
+        result = quantize_matrix(matrix, kind, tile=not keeps_rows_layout(name)).to(dtype=matrix.dtype)
         done.append((matrix, result))
         return result
 
@@ -62,12 +62,12 @@ def quantize_weights(weights: dict[str, torch.Tensor], kind: str) -> dict[str, t
                 or any(part in name for part in _KEEP_FLOAT)):
             out[name] = tensor
         elif _is_embedding(name):  # [V, C]: rows are tokens
-            out[name] = tensor if tensor.shape[1] % 32 else quantized(tensor)
+            out[name] = tensor if tensor.shape[1] % 32 else quantized(tensor, name)
         elif tensor.shape[0] % 32:  # [in, out] with `in` not a multiple of the group
             skipped.append(name)
             out[name] = tensor
         else:
-            out[name] = quantized(tensor.t()).t()  # rows of [out, in], seen as [in, out]
+            out[name] = quantized(tensor.t(), name).t()  # rows of [out, in], seen as [in, out]
     if skipped:
         log.info("fastdecode: kept float (input size not a multiple of 32): %s", ", ".join(skipped))
     return {name: out[name] for name in weights}
