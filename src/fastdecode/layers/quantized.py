@@ -33,8 +33,9 @@ Which arithmetic a row gets depends on its role, never on what else is in the st
 - the logits layer (``for_logits``): float32 activations in the kernel for every row, exact up to
   summation order.
 
-Each kernel's row result is bitwise the same whatever else is in its product, so batched == alone and
-a prompt chunked differently gives the same K/V. Without the extension (no AVX2, no compiler, CUDA),
+Each kernel's row result is bitwise the same whatever else is in its product: a row's products never
+depend on its batch or on how its prompt was chunked (attention over prompt chunks is SDPA, whose
+sums may still differ in the last bit between chunkings). Without the extension (no AVX2, no compiler, CUDA),
 or with ``USE_KERNEL`` off (tests that check a conversion at 1e-4), every product takes the exact path.
 """
 
