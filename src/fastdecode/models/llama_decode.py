@@ -101,19 +101,22 @@ class _Step:
     """One forward's calls: ``(index, x, h, cos, sin) -> (x, h)`` for a block, or None when the block's
     attention cannot take the paged op (the caller then runs it in Python)."""
 
-    __slots__ = ("fused", "plan", "tail")
+    __slots__ = ("fused", "plan", "tail", "ints_by_window")
 
     def __init__(self, fused: FusedDecode, plan: StepPlan, tail: list[int]):
         self.fused = fused
         self.plan = plan
         self.tail = tail  # the ints after the window: threads, threshold, per-product ints
+        self.ints_by_window: dict[int, list[int]] = {}
 
     def __call__(self, index: int, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         operands = self.plan.decode_operands(index)
         if operands is None:
             return None
         keys, values, slots, table, key_start, positions, window = operands
-        fused = self.fused
-        ints = [*fused.head_ints, self.plan.cache.block_size, window or 0, *self.tail]
+        fused, window = self.fused, window or 0
+        ints = self.ints_by_window.get(window)
+        if ints is None:
+            ints = self.ints_by_window[window] = [*fused.head_ints, self.plan.cache.block_size, window, *self.tail]
         return fused.op(x, h, fused.weights[index], ints, fused.floats, cos, sin, keys, values, slots, table,
                         key_start, positions)
