@@ -54,7 +54,8 @@ def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "fl
          quantize: str | None = None) -> "Generator":
     """quantize: None (GGUF blocks run as they are, float checkpoints stay float), "int8" / "int4"
     (float matrices quantized at load), "dequantize" (GGUF blocks decoded to ``dtype`` at load)."""
-    from .loading.quantize import check_quantize, logits_layer_precise, quantize_weights
+    from .loading.quantize import (INT8_SEQ2SEQ_ACTIVATIONS, check_quantize, int8_everywhere, logits_layer_precise,
+                                   quantize_weights)
 
     check_quantize(quantize)
     torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
@@ -73,7 +74,10 @@ def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "fl
         raise ModelNotFoundError(f"{path} is neither a Hugging Face model folder nor a .gguf file")
     if quantize in ("int8", "int4"):
         checkpoint.weights = quantize_weights(checkpoint.weights, quantize)
-    checkpoint.weights = logits_layer_precise(checkpoint.weights)
+    if quantize in ("int8", "int4") and checkpoint.family.is_encoder_decoder and INT8_SEQ2SEQ_ACTIVATIONS:
+        checkpoint.weights = int8_everywhere(checkpoint.weights)  # as CTranslate2 (loading/quantize.py)
+    else:
+        checkpoint.weights = logits_layer_precise(checkpoint.weights)
     return Generator(checkpoint)
 
 

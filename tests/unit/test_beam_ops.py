@@ -93,6 +93,8 @@ def test_cross_attention_matches_sdpa(D):
     for b in range(B):  # a row alone: bitwise the same
         alone = cross_attention_op()(q[b : b + 1], keys[b : b + 1], values[b : b + 1], lengths[b : b + 1], 0.3)
         assert torch.equal(alone, out[b : b + 1])
+    for threads in (2, 3):  # the (row, head) items split between threads (parallel.h): bitwise the same
+        assert torch.equal(cross_attention_op()(q, keys, values, lengths, 0.3, threads), out)
 
 
 def test_source_lengths_only_for_right_padding():

@@ -29,7 +29,7 @@ import torch
 from ..errors import PromptTooLongError
 from ..layers.attention import attention
 from ..layers.quantized import prompt_rows
-from ..layers.threads import threads_for
+from ..layers.threads import kernel_threads
 from ..models.seq2seq import padding_bias
 from .sequence import Sequence
 from .slots import SlotCache
@@ -190,8 +190,8 @@ class EncodedSources:
         op = cross_attention_op(q, keys) if self.lengths is not None else None
         if op is None:
             return attention(q, keys, values, self.bias, scale)
-        with threads_for(2 * q.numel() * keys.shape[2]):  # B*H*T*D * S multiply-adds, twice
-            return op(q if q.stride(-1) == 1 else q.contiguous(), keys, values, self.lengths, scale)
+        threads = kernel_threads(2 * q.numel() * keys.shape[2])  # B*H*T*D * S multiply-adds, twice
+        return op(q if q.stride(-1) == 1 else q.contiguous(), keys, values, self.lengths, scale, threads)
 
     def folded(self, rows_per_source: int) -> "FoldedCross":
         return FoldedCross(self, rows_per_source)

@@ -24,6 +24,7 @@ from ..engine.plan import StepPlan, attention_terms
 from ..engine.slots import BLOCK_SIZE, SlotCache
 from ..layers.kernels import beam_candidates_op
 from ..layers.quantized import prompt_rows
+from ..layers.threads import threads_for
 from .decode import SequenceResult
 from .sampling import TokenSelector
 from .step import Started
@@ -87,8 +88,12 @@ class DecoderBeamEngine:
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens, positions [B*K] -> logits [B*K, V] (positions are the rows' lengths)."""
-        for table, length in zip(self.tables, self.lengths):
-            self.cache.prepare(table, length, length + 1)  # sliding kinds hand back what left the window
+        # On one thread: a copy-on-write block copy (~74K floats) is above PyTorch's parallel threshold, and
+        # its OpenMP barrier waits for a core that the kernels' helper threads hold (layers/parallel.h):
+        # measured ~8 ms per copy at 2 threads on a busy machine, 40 us on one.
+        with threads_for(0):
+            for table, length in zip(self.tables, self.lengths):
+                self.cache.prepare(table, length, length + 1)  # sliding kinds hand back what left the window
         rows = [(table, length, 1) for table, length in zip(self.tables, self.lengths)]
         logits = self._forward(tokens, positions, rows, torch.arange(len(rows)), (self.num_beams, self._shared_blocks()))
         self.lengths = [length + 1 for length in self.lengths]
@@ -218,42 +223,43 @@ class BeamSearch:
         improvable = torch.ones(B, 1, dtype=torch.bool, device=device)  # early-stop heuristic unsatisfied
         for step in range(max_new):
             self.steps = step + 1
-            top_lp, top_index = self._candidates(logits, running, step, n_keep)  # [B, 2K]
-            top_beam, top_token = top_index // V, top_index % V
-            cand_tokens = _gather(running_tokens, top_beam)  # [B, 2K, max_new]
-            cand_tokens[:, :, step] = top_token
-            hits = torch.isin(top_token, eos) | (step + 1 >= max_new)  # [B, 2K]
+            with threads_for(0):  # small ops, on one thread (see ``decode``)
+                top_lp, top_index = self._candidates(logits, running, step, n_keep)  # [B, 2K]
+                top_beam, top_token = top_index // V, top_index % V
+                cand_tokens = _gather(running_tokens, top_beam)  # [B, 2K, max_new]
+                cand_tokens[:, :, step] = top_token
+                hits = torch.isin(top_token, eos) | (step + 1 >= max_new)  # [B, 2K]
 
-            # The best K candidates that did not end continue.
-            run_lp = top_lp + hits.float() * NEG
-            keep = torch.topk(run_lp, K).indices  # [B, K]
-            running = run_lp.gather(1, keep)
-            running_tokens = _gather(cand_tokens, keep)
-            origin = top_beam.gather(1, keep)  # [B, K] beam each continues
+                # The best K candidates that did not end continue.
+                run_lp = top_lp + hits.float() * NEG
+                keep = torch.topk(run_lp, K).indices  # [B, K]
+                running = run_lp.gather(1, keep)
+                running_tokens = _gather(cand_tokens, keep)
+                origin = top_beam.gather(1, keep)  # [B, K] beam each continues
 
-            # The best K candidates that ended are offered to the finished set (transformers' arithmetic).
-            just = hits & top_k_mask
-            offered = top_lp / ((step + 1) ** lp)
-            offered = offered + (fin_done.all(dim=-1, keepdim=True) & (cfg.early_stopping is True)).float() * NEG
-            offered = offered + (~improvable).float() * NEG
-            offered = offered + (~just).float() * NEG
-            merged = torch.cat((fin_scores, offered), dim=1)  # [B, 3K]
-            best = torch.topk(merged, K).indices  # [B, K]
-            fin_scores = merged.gather(1, best)
-            fin_tokens = _gather(torch.cat((fin_tokens, cand_tokens), dim=1), best)
-            fin_length = torch.cat((fin_length, torch.full_like(top_token, step + 1)), dim=1).gather(1, best)
-            fin_done = torch.cat((fin_done, just), dim=1).gather(1, best)
+                # The best K candidates that ended are offered to the finished set (transformers' arithmetic).
+                just = hits & top_k_mask
+                offered = top_lp / ((step + 1) ** lp)
+                offered = offered + (fin_done.all(dim=-1, keepdim=True) & (cfg.early_stopping is True)).float() * NEG
+                offered = offered + (~improvable).float() * NEG
+                offered = offered + (~just).float() * NEG
+                merged = torch.cat((fin_scores, offered), dim=1)  # [B, 3K]
+                best = torch.topk(merged, K).indices  # [B, K]
+                fin_scores = merged.gather(1, best)
+                fin_tokens = _gather(torch.cat((fin_tokens, cand_tokens), dim=1), best)
+                fin_length = torch.cat((fin_length, torch.full_like(top_token, step + 1)), dim=1).gather(1, best)
+                fin_done = torch.cat((fin_done, just), dim=1).gather(1, best)
 
-            generated = step + 1
-            best_length = max_new if cfg.early_stopping == "never" and lp > 0.0 else generated
-            best_running = running[:, :1] / (best_length ** lp)
-            worst = torch.where(fin_done, fin_scores.min(dim=1, keepdim=True).values, NEG)
-            improvable = improvable & (best_running > worst).any(dim=-1, keepdim=True)
-            # A sample is settled when nothing can enter its finished set any more (transformers keeps
-            # computing it until the whole batch stops, to no effect): drop it, so it stops costing work.
-            settled = ~improvable[:, 0] | (fin_done.all(dim=1) & (cfg.early_stopping is True))  # [B]
-            go_on = improvable.any() & ~(fin_done.all() & (cfg.early_stopping is True)) & ~hits.all()
-            go_on, any_settled = torch.stack((go_on, settled.any())).tolist()  # the step's one host sync
+                generated = step + 1
+                best_length = max_new if cfg.early_stopping == "never" and lp > 0.0 else generated
+                best_running = running[:, :1] / (best_length ** lp)
+                worst = torch.where(fin_done, fin_scores.min(dim=1, keepdim=True).values, NEG)
+                improvable = improvable & (best_running > worst).any(dim=-1, keepdim=True)
+                # A sample is settled when nothing can enter its finished set any more (transformers keeps
+                # computing it until the whole batch stops, to no effect): drop it, so it stops costing work.
+                settled = ~improvable[:, 0] | (fin_done.all(dim=1) & (cfg.early_stopping is True))  # [B]
+                go_on = improvable.any() & ~(fin_done.all() & (cfg.early_stopping is True)) & ~hits.all()
+                go_on, any_settled = torch.stack((go_on, settled.any())).tolist()  # the step's one host sync
             yield []
             if not go_on:
                 break

@@ -196,7 +196,7 @@ def _register_fake() -> None:
         return logits.new_empty((B, keep)), logits.new_empty((B, keep), dtype=torch.long)
 
     @torch.library.register_fake("fastdecode_kernels::cross_attention")
-    def _cross_attention_fake(q, keys, values, lengths, scale):  # q [B, H, T, D] -> [B, H, T, D]
+    def _cross_attention_fake(q, keys, values, lengths, scale, threads=1):  # q [B, H, T, D] -> [B, H, T, D]
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("fastdecode_kernels::rms_norm")

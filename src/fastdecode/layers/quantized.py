@@ -31,7 +31,9 @@ Which arithmetic a row gets depends on its role, never on what else is in the st
   int8 flips near ties that decide the answer (see ``for_logits``), and prefill is compute-bound,
   where the float GEMM is as fast;
 - the logits layer (``for_logits``): float32 activations in the kernel for every row, exact up to
-  summation order.
+  summation order;
+- weights marked by ``int8_prompt_rows`` (encoder-decoder models quantized at load, as CTranslate2 runs
+  them): every row the int8 kernel, whatever its role.
 
 Each kernel's row result is bitwise the same whatever else is in its product: a row's products never
 depend on its batch or on how its prompt was chunked (attention over prompt chunks is SDPA, whose
@@ -113,6 +115,7 @@ class QuantizedWeight:
     dtype: torch.dtype = torch.float32  # the model's activations: embedding rows come out in it
     activation_bits: int = 8  # the decode kernel's activations: 8 (int8 per 32 inputs) or 32 (exact; for_logits)
     outputs: int = -1  # N of the stored [out, in] matrix (given for the tiled layout; rows: from scale)
+    exact_prompt_rows: bool = True  # False: prompt rows take the int8 kernel too (``int8_prompt_rows``)
 
     def __post_init__(self) -> None:  # read by every product: computed once
         if not self.is_tiled:
@@ -252,7 +255,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         rows = rows.float()
     op = qmatmul_op() if USE_KERNEL and rows.is_cpu else None
     roles = None  # compiled graphs are decode steps (engine/decode_step.py): every row generated
-    if PROMPT_ROWS_EXACT and weight.activation_bits == 8 and not torch.compiler.is_compiling():
+    if (PROMPT_ROWS_EXACT and weight.activation_bits == 8 and weight.exact_prompt_rows
+            and not torch.compiler.is_compiling()):
         roles = _ROLES.get()
     if op is None or roles is ALL_PROMPT:
         out = _exact_product(rows, weight)
@@ -309,6 +313,15 @@ def for_logits(weight: QuantizedWeight) -> QuantizedWeight:
     memory-bound at M = 1 and its float kernel (weights decoded once for 8 rows) is as fast as the
     integer one at M = 8 (measured: benchmarks/qmatmul_kernels.py), so exactness costs nothing there."""
     return dataclasses.replace(weight, activation_bits=32)
+
+
+def int8_prompt_rows(weight: QuantizedWeight) -> QuantizedWeight:
+    """The same weight, its prompt rows too on the int8 kernel: every row of every product the same
+    arithmetic whatever its role (so batched == alone holds as for generated rows). For encoder-decoder
+    models quantized at load, as CTranslate2 runs them: their prompt rows are encoder sources, whose
+    products the int8 kernel runs with its own threads (parallel.h) where the float GEMM waits at
+    OpenMP barriers on a busy machine. Effect measured in tests/unit/test_quantize_at_load.py."""
+    return dataclasses.replace(weight, exact_prompt_rows=False)
 
 
 def embed(tokens: torch.Tensor, table: torch.Tensor | QuantizedWeight) -> torch.Tensor:
