@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Quantized execution benchmark: the embedded Q4_1 GGUF run natively, against the field.
 
-Engines (each in its own worker process; engines alternate within every repetition, medians):
+Engines (each in its own worker process, started one at a time; after one untimed warm-up repetition
+(not with --quick), engines alternate within every repetition; medians):
 fastdecode native (the GGUF's own blocks), fastdecode float32 (blocks dequantized at load),
 llama.cpp on the same file (its own llama-server with 8 parallel slots; see peers/llama_cpp.py),
 CTranslate2 float32 and int8 (a conversion of the same weights), transformers (the GGUF dequantized).
@@ -147,7 +148,9 @@ def embedded_section(args) -> str:
     missing = {n: missing_module(n) or ("conversion failed" if n.startswith("ct2") and not ct2 else None)
                for n in wanted if n != "llama.cpp"}
     start = {n: {**options, **per_engine[n]} for n, why in missing.items() if why is None}
-    workers, failed = harness.start_workers(Path(__file__).resolve(), start, Path(tempfile.mkdtemp(prefix="qbench-")))
+    # one at a time: the load and first-token columns are each engine's own, not six loads sharing two cores
+    workers, failed = harness.start_workers(Path(__file__).resolve(), start, Path(tempfile.mkdtemp(prefix="qbench-")),
+                                            one_at_a_time=True)
     missing = {**{n: why for n, why in missing.items() if why}, **failed}
     peers: dict[str, Any] = dict(workers)
     if "llama.cpp" in wanted:
@@ -162,7 +165,7 @@ def embedded_section(args) -> str:
     jobs = {"batch 1": {"prompts": batch_prompts(1), "new_tokens": new1},
             "batch 8": {"prompts": batch_prompts(8), "new_tokens": new8},
             "prompt": {"prompts": [long_prompt(prompt_length)], "new_tokens": 1}}
-    runs = harness.alternate_workers(peers, jobs, args.reps)
+    runs = harness.alternate_workers(peers, jobs, args.reps, warmup=not args.quick)
     bandwidth = max(harness.measure_bandwidth(args.threads, 3).values())  # the best of a sum and two GEMV layouts
     rows, rates = [], {}
     for name, peer in peers.items():
@@ -271,7 +274,7 @@ def bart_section(args) -> str:
     sources = [[(7 * i + 13 * j) % 50000 + 4 for j in range(256)] for i in range(8)]
     new_tokens = 16 if args.quick else 64
     runs = harness.alternate_workers(workers, {"beam 4": {"prompts": sources, "new_tokens": new_tokens,
-                                                         "num_beams": 4}}, args.reps)
+                                                         "num_beams": 4}}, args.reps, warmup=not args.quick)
     harness.close_all(workers)
     seconds = {name: [r["seconds"] for r in by_job["beam 4"]] for name, by_job in runs.items()}
     base = median(seconds["ct2-int8"]) if "ct2-int8" in seconds else None

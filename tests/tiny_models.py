@@ -10,7 +10,7 @@ import torch
 VOCAB = 160
 
 
-def _common(**overrides):
+def _shared_sizes(**overrides):
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
                 bos_token_id=1, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
@@ -31,9 +31,13 @@ def _rope(theta=10000.0, scaling=None):
     return {"rope_theta": theta, "rope_scaling": scaling}
 
 
-def build(kind: str, seed: int = 0):
-    """Return an eval-mode HF model of the given kind with seeded random weights."""
+def build(kind: str, seed: int = 0, **overrides):
+    """Return an eval-mode HF model of the given kind with seeded random weights; ``overrides`` change
+    the sizes shared by the Llama-family kinds (e.g. ``intermediate_size``)."""
     import transformers as tf
+
+    def _common(**settings):
+        return _shared_sizes(**{**settings, **overrides})
 
     torch.manual_seed(seed)
     if kind == "llama-mha":
@@ -142,9 +146,9 @@ def save_word_tokenizer(folder, vocab_size: int = VOCAB, chat_template: str | No
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def save_tiny_folder(folder, kind: str = "llama-gqa", with_tokenizer: bool = True) -> None:
+def save_tiny_folder(folder, kind: str = "llama-gqa", with_tokenizer: bool = True, **overrides) -> None:
     """Save a tiny model (safetensors + config.json) and a word tokenizer into ``folder``."""
-    model = build(kind)
+    model = build(kind, **overrides)
     model.save_pretrained(folder)
     if with_tokenizer:
         save_word_tokenizer(folder, chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")

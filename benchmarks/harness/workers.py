@@ -81,19 +81,24 @@ class Worker:
 
 
 def start_workers(script: str | Path, wanted: dict[str, dict[str, Any]], log_dir: Path,
-                  required: Iterable[str] = ()) -> tuple[dict[str, Worker], dict[str, str]]:
-    """Start every worker at once (loads overlap), wait for each; those that fail are returned with
-    why (a ``required`` one that fails raises)."""
-    workers = {name: Worker(script, name, options, log_dir) for name, options in wanted.items()}
+                  required: Iterable[str] = (), one_at_a_time: bool = False) -> tuple[dict[str, Worker], dict[str, str]]:
+    """Start every worker at once (loads overlap), or ``one_at_a_time`` (each ready before the next
+    starts: load and first-token times are then each engine's own), wait for each; those that fail
+    are returned with why (a ``required`` one that fails raises)."""
+    workers = {} if one_at_a_time else {name: Worker(script, name, options, log_dir) for name, options in wanted.items()}
     failed: dict[str, str] = {}
-    for name in list(workers):
+    for name in list(wanted):
         try:
+            if one_at_a_time:
+                workers[name] = Worker(script, name, wanted[name], log_dir)
             workers[name].wait_ready()
         except WorkerError as exc:
             if name in required:
                 raise
             print(f"skipping {name}: {exc}", file=sys.stderr)
-            workers.pop(name).close()
+            worker = workers.pop(name, None)
+            if worker is not None:
+                worker.close()
             failed[name] = str(exc).splitlines()[-1][:200]
     return workers, failed
 
@@ -114,22 +119,25 @@ def close_all(workers: dict[str, Worker]) -> None:
 
 
 def alternate_workers(workers: dict[str, Worker], jobs: dict[str, dict[str, Any]], reps: int,
-                      quiet_wait: float = 0.0) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Every engine runs every job (label -> ``generate`` request) once per repetition, engines in turn.
+                      quiet_wait: float = 0.0, warmup: bool = False) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Every engine runs every job (label -> ``generate`` request) once per repetition, engines in turn;
+    ``warmup``: one untimed repetition first (first calls pay for page faults, allocator growth, lazy
+    set-up: the first-token time already shows that cost).
 
     Returns name -> label -> the replies (seconds, cpu_s, rows), each with ``other_cores``: the cores
     other processes kept busy during that call.
     """
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {n: {j: [] for j in jobs} for n in workers}
-    for rep in range(reps):
+    for rep in range(-1 if warmup else 0, reps):
         for label, request in jobs.items():
             for name, worker in workers.items():
                 wait_for_quiet(quiet_wait)
                 meter = Contention()
                 reply = worker.call("generate", **request)
                 reply["other_cores"] = meter.other_cores(reply["cpu_s"])
-                runs[name][label].append(reply)
-                print(f"  rep {rep + 1}/{reps} {label:<12} {name:<20} {reply['seconds']:8.3f} s "
+                if rep >= 0:
+                    runs[name][label].append(reply)
+                print(f"  rep {rep + 1 if rep >= 0 else 'warm-up'}/{reps} {label:<12} {name:<20} {reply['seconds']:8.3f} s "
                       f"(other processes: {reply['other_cores']:.1f} cores busy)", file=sys.stderr, flush=True)
     return runs
 

@@ -144,6 +144,17 @@ class StepPlan:
             outputs.append(out.transpose(0, 1).flatten(1, 2))  # [H, B*T, D]
         return torch.cat(outputs, dim=1)[None] if len(outputs) > 1 else outputs[0][None]  # [1, H, N, D]
 
+    def decode_operands(self, layer: int) -> tuple | None:
+        """When every row of the step decodes one token and the layer's attention is one paged op:
+        (keys, values [slots, Hkv, D], write slots [N], table [N, n], first key position [N], query
+        positions [N], window or None) of the layer, as ``attend`` would use them; else None."""
+        kind = self.cache.layer_windows[layer]
+        keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
+        if len(self.groups) != 1 or not self._pageable(self.groups[0], kind) or keys.dtype != torch.float32:
+            return None
+        table, key_start, positions = self._paged_rows(0, kind)
+        return keys, values, self.write_slots[kind], table, key_start, positions, self.windows[layer]
+
     @staticmethod
     def _pageable(group: AttentionGroup, kind: int | None) -> bool:
         """A group the paged op serves: one query per row, no FastSeq shared prefix in this kind."""

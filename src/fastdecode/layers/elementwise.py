@@ -18,7 +18,7 @@ from .linear import ACTIVATIONS
 from .positions import rotate_heads
 
 # activation name -> the kernel's activation code (others run in PyTorch)
-_GATED_KINDS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
+GATED_KINDS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
 
 
 def _kernels(x: torch.Tensor):
@@ -71,7 +71,7 @@ def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.T
 def gated(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """gate_up [..., 2I] = [gate | up] -> act(gate) * up [..., I] (act an ``ACTIVATIONS`` name)."""
     ops = _kernels(gate_up)
-    kind = _GATED_KINDS.get(activation)
+    kind = GATED_KINDS.get(activation)
     if ops is None or kind is None:
         gate, up = gate_up.chunk(2, dim=-1)  # [..., I] each
         return ACTIVATIONS[activation](gate) * up

@@ -123,6 +123,22 @@ def elementwise_ops():
     return _ops()
 
 
+class KernelOps:
+    """The extension's ops by name, each its ``default`` overload: calling an OpOverload directly costs
+    about 5.5 us against 9.4 us through the overload packet (``torch.ops.ns.op``), and a decode step
+    calls about ten per layer. Resolved on first use, then a plain attribute."""
+
+    def __init__(self, namespace) -> None:
+        self._namespace = namespace
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        overload = getattr(self._namespace, name).default
+        setattr(self, name, overload)
+        return overload
+
+
 def _load_ops():
     import torch
 
@@ -139,7 +155,7 @@ def _load_ops():
             # another process finished the build while this one waited for the lock (build() returns early).
             torch.ops.load_library(str(build()))
         _register_fake()
-        return torch.ops.fastdecode_kernels
+        return KernelOps(torch.ops.fastdecode_kernels)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
         log.warning("fastdecode: quantized kernels unavailable (%s); using the PyTorch fallback", exc)
         return None

@@ -76,6 +76,11 @@ ALL_PROMPT = "all prompt rows"
 _ROLES: ContextVar[RowRoles | str | None] = ContextVar("fastdecode_row_roles", default=None)
 
 
+def current_roles() -> RowRoles | str | None:
+    """The roles of the rows of the forward this thread is running (see ``_ROLES``)."""
+    return _ROLES.get()
+
+
 class prompt_rows:  # noqa: N801 - used as a context manager, like torch.no_grad
     """Marks the prompt rows of the forwards run inside the block: ``True`` (every row: a prompt, a
     source), ``False`` (none: decode steps), or one bool per flattened row (a step mixing both)."""

@@ -23,6 +23,7 @@ from ..layers.attention import LayerMasks
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies
 from ..layers.elementwise import add_rms_norm, gated, qkv_heads, rms_norm
+from .llama_decode import FusedDecode
 from ..config import derived_head_dim
 
 # Canonical weight name -> name in each format. "{layer}" is the block index.
@@ -252,6 +253,7 @@ class LlamaModel(ModelBase):
         self.rope = RotaryEmbedding(rotary_dim, inv_freq, attention_factor)
         self.layer_ropes = [self.rope] * config.num_layers  # every layer shares one rotary table
         self.scale = config.head_dim**-0.5
+        self.fused_decode = FusedDecode.for_model(self)  # pure decode steps: one op per block, or None
 
     @one_thread_except_big_ops
     def forward(
@@ -275,7 +277,11 @@ class LlamaModel(ModelBase):
         masks = LayerMasks(mask, cache, positions, x.dtype)
         # h: the normed input of the next sub-block; each residual add is fused with the norm after it
         h = rms_norm(x, self.layers[0].attn_norm, cfg.norm_eps)
+        fused = self.fused_decode.step(cache, x) if self.fused_decode is not None else None
         for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
+            if fused is not None and (block := fused(index, x, h, *rotary)) is not None:
+                x, h = block  # the same ops from C++ (models/llama_decode.py)
+                continue
             q, k, v = qkv_heads(layer.qkv(h), H, Hkv, *rotary)  # [B, H or Hkv, T, D]: q and k rotated
             o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]

@@ -1,0 +1,150 @@
+// A Llama-family decoder block for a step in which every row decodes one token, as ONE op.
+//
+// At batch 1 the block's products read a few MB and take microseconds each; a Python forward then
+// spends more time dispatching its ten ops (about 150 us per block on this CPU) than computing. This
+// op runs the same ops, through the dispatcher, with the same arguments in the same order as
+// models/llama.py's loop body with engine/plan.py's pure-decode attention, so its results are the
+// Python path's bit for bit (tests/unit/test_decode_block.py):
+//   qkv = h @ Wqkv (+ bias)            qmatmul
+//   q, k, v = heads, RoPE              qkv_heads
+//   a = attention over the row's slots paged_attention (k, v written into their slots first)
+//   x, h = x + a @ Wo (+ bias), norm   qmatmul, add_rms_norm
+//   g = act(h @ Wgate) * (h @ Wup)     qmatmul, gated
+//   x, h = x + g @ Wdown (+ bias), norm qmatmul, add_rms_norm (the next block's input norm)
+//
+// Arguments (packed once per model by models/llama_decode.py; lists keep the schema short):
+//   x, h [1, N, C]: the residual stream and its normed copy;
+//   weights: for qkv, o, gate_up, down in turn (codes, scale, mins?, bias?), then the MLP norm and the
+//     next norm [C]: 18 entries;
+//   ints: H, Hkv, activation (0 SiLU, 1 GELU tanh), block, window (0: none), caller threads, the
+//     attention's parallel threshold (multiply-adds), then per product (bits, group, activation bits,
+//     outputs, threads): 7 + 20 entries;
+//   floats: norm eps, attention scale;
+//   cos, sin [1, N, 1, rot]; keys, values [slots, Hkv, D] of the layer (written in place); slots [N];
+//   table [N, n]; key_start, positions [N].
+// Returns (x, h) [1, N, C] for the next block.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <tuple>
+
+namespace {
+
+using OptionalTensor = c10::optional<at::Tensor>;
+constexpr int64_t kProducts = 4;
+constexpr int64_t kHeadInts = 7;
+constexpr int64_t kProductInts = 5;
+constexpr int64_t kProductTensors = 4;
+
+at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const OptionalTensor& mins,
+                   int64_t bits, int64_t group, int64_t threads, int64_t activation_bits, int64_t outputs) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastdecode_kernels::qmatmul", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const OptionalTensor&, int64_t, int64_t, int64_t, int64_t, int64_t)>();
+  return op.call(x, codes, scale, mins, bits, group, threads, activation_bits, outputs);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_heads(const at::Tensor& qkv, int64_t H, int64_t Hkv,
+                                                         const at::Tensor& cos, const at::Tensor& sin) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastdecode_kernels::qkv_heads", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                                 const at::Tensor&, int64_t, int64_t, const OptionalTensor&, double, const at::Tensor&,
+                                 const at::Tensor&)>();
+  return op.call(qkv, H, Hkv, c10::nullopt, 0.0, cos, sin);
+}
+
+at::Tensor paged_attention(const at::Tensor& q, at::Tensor keys, at::Tensor values,
+                           const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& slots,
+                           const at::Tensor& table, const at::Tensor& key_start, const at::Tensor& positions,
+                           int64_t block, int64_t window, double scale) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastdecode_kernels::paged_attention", "")
+          .typed<at::Tensor(const at::Tensor&, at::Tensor, at::Tensor, const OptionalTensor&,
+                            const OptionalTensor&, const OptionalTensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, int64_t, int64_t, double, const OptionalTensor&)>();
+  return op.call(q, keys, values, k_new, v_new, slots, table, key_start, positions, block, window, scale, c10::nullopt);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastdecode_kernels::add_rms_norm", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                       const OptionalTensor&, const at::Tensor&, double)>();
+  return op.call(x, delta, c10::nullopt, weight, eps);
+}
+
+at::Tensor gated(const at::Tensor& gate_up, int64_t kind) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastdecode_kernels::gated", "")
+                             .typed<at::Tensor(const at::Tensor&, int64_t)>();
+  return op.call(gate_up, kind);
+}
+
+// rows [M, K] @ product p's weight (+ its bias) -> [M, N], as layers/quantized.py's quantized_linear.
+at::Tensor product(const at::Tensor& rows, const c10::List<OptionalTensor>& weights, at::IntArrayRef ints, int64_t p) {
+  const int64_t t = p * kProductTensors, i = kHeadInts + p * kProductInts;
+  const OptionalTensor codes = weights.get(t), scale = weights.get(t + 1), bias = weights.get(t + 3);
+  TORCH_CHECK(codes.has_value() && scale.has_value(), "decode_block: product ", p, " has no codes or scales");
+  at::Tensor out = qmatmul(rows, *codes, *scale, weights.get(t + 2), ints[i], ints[i + 1], ints[i + 4], ints[i + 2],
+                           ints[i + 3]);
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_block(const at::Tensor& x, const at::Tensor& h,
+                                                const c10::List<OptionalTensor>& weights, at::IntArrayRef ints,
+                                                at::ArrayRef<double> floats, const at::Tensor& cos, const at::Tensor& sin,
+                                                const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                                                const at::Tensor& table, const at::Tensor& key_start,
+                                                const at::Tensor& positions) {
+  TORCH_CHECK(weights.size() == kProducts * kProductTensors + 2, "decode_block: 18 weight entries, got ", weights.size());
+  TORCH_CHECK(ints.size() == static_cast<size_t>(kHeadInts + kProducts * kProductInts), "decode_block: 27 ints, got ",
+              ints.size());
+  TORCH_CHECK(floats.size() == 2, "decode_block: 2 floats (eps, scale), got ", floats.size());
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.sizes() == h.sizes() && h.is_contiguous(),
+              "decode_block: x and h must be [1, N, C] (h contiguous)");
+  const int64_t H = ints[0], Hkv = ints[1], activation = ints[2], block = ints[3], window = ints[4];
+  const int64_t caller_threads = ints[5], parallel_min_work = ints[6];
+  const double eps = floats[0], scale = floats[1];
+  const int64_t N = h.size(1), C = h.size(2);
+  const OptionalTensor mlp_norm = weights.get(16), next_norm = weights.get(17);
+  TORCH_CHECK(mlp_norm.has_value() && next_norm.has_value(), "decode_block: the norms are required");
+
+  at::Tensor qkv = product(h.view({N, C}), weights, ints, 0);  // [N, (H + 2 Hkv) D]
+  auto [q, k, v] = qkv_heads(qkv.view({1, N, qkv.size(1)}), H, Hkv, cos, sin);  // [1, H or Hkv, N, D]
+  const int64_t D = q.size(3);
+  at::Tensor attended;
+  {
+    // layers/attention.py's paged_attention: the caller's threads only for big work (threads_for)
+    const int64_t work = 2 * N * H * D * table.size(1) * block;
+    const int64_t wanted = work >= parallel_min_work ? caller_threads : 1;
+    const int previous = at::get_num_threads();
+    if (wanted != previous) at::set_num_threads(static_cast<int>(wanted));
+    attended = paged_attention(q[0].transpose(0, 1), keys, values, k[0].transpose(0, 1), v[0].transpose(0, 1), slots,
+                               table, key_start, positions, block, window, scale);  // [N, H, D]
+    if (wanted != previous) at::set_num_threads(previous);
+  }
+  at::Tensor o = product(attended.view({N, H * D}), weights, ints, 1);  // [N, C]
+  auto [x1, h1] = add_rms_norm(x, o.view({1, N, C}), *mlp_norm, eps);
+  at::Tensor gate_up = product(h1.view({N, C}), weights, ints, 2);  // [N, 2I]
+  at::Tensor mlp = product(gated(gate_up.view({1, N, gate_up.size(1)}), activation).view({N, -1}), weights, ints, 3);
+  return add_rms_norm(x1, mlp.view({1, N, C}), *next_norm, eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastdecode_kernels, m) {
+  m.def("decode_block(Tensor x, Tensor h, Tensor?[] weights, int[] ints, float[] floats, Tensor cos, Tensor sin, "
+        "Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor table, Tensor key_start, Tensor positions) "
+        "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) { m.impl("decode_block", &decode_block); }
