@@ -111,10 +111,9 @@ def cross_attention_op():
 
 def float_matmul_op():
     """torch.ops.fastdecode_kernels.float_matmul (float32 x [M, K] @ w [K, N] + bias for generated rows,
-    each output one fused multiply-add chain: layers/fmatmul.cpp), or None like ``qmatmul_op``. The
-    overload itself (``.default``): a call skips the overload resolution (~4 us of a decode step's ~150)."""
+    each output one fused multiply-add chain: layers/fmatmul.cpp), or None like ``qmatmul_op``."""
     ops = _ops()
-    return None if ops is None else ops.float_matmul.default
+    return None if ops is None else ops.float_matmul
 
 
 def elementwise_ops():
