@@ -16,7 +16,8 @@ held as a contiguous [in, out] buffer take the extension's ``float_matmul`` (lay
 instead: each output one fused multiply-add chain in input order, so a row's result is the same
 whatever else is in the product, and its columns split over the kernel thread pool, which at batch 1
 uses the second core's memory bandwidth that the one-thread GEMM leaves idle. Prompt rows keep the
-GEMM (compute-bound there); a step mixing both runs each part its own way, like the quantized kernels.
+GEMM (compute-bound there); a step mixing both runs each part its own way, like the quantized kernels
+(its logits layer, over the rows picked for logits, takes the kernel for every row).
 """
 
 from __future__ import annotations
@@ -86,16 +87,16 @@ def _float_kernel(x: torch.Tensor, weight: torch.Tensor):
 
 def _generated_rows_product(op, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, roles) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T + bias -> [..., N]: generated rows through the kernel, prompt rows
-    (``roles``: a ``RowRoles``; None: every row generated) through the GEMM."""
+    (``roles``: a ``RowRoles``; None: every row generated) through the GEMM. A product of other rows than
+    the roles' (the logits layer of a mixed step: the rows ``output_rows`` picked) runs every row through
+    the kernel, as the quantized logits layer (``for_logits``) does whatever the roles."""
     N, K = weight.shape
     rows = x.reshape(-1, K)  # [M, K]
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
-    if roles is None:
+    if roles is None or rows.shape[0] != roles.rows:  # (other rows than the forward's: the logits layer's)
         out = _kernel_rows(op, rows, weight, bias)
     else:
-        if rows.shape[0] != roles.rows:
-            raise RuntimeError(f"row roles were given for {roles.rows} rows, the product has {rows.shape[0]}")
         out = rows.new_empty(rows.shape[0], N)
         out[roles.generated] = _kernel_rows(op, rows[roles.generated], weight, bias)
         out[roles.prompt] = _gemm(rows[roles.prompt], weight, bias, None)
