@@ -116,6 +116,13 @@ def cross_attention_op():
     return None if ops is None else ops.cross_attention
 
 
+def float_matmul_op():
+    """torch.ops.fastdecode_kernels.float_matmul (float32 x [M, K] @ w [K, N] + bias for generated rows,
+    each output one fused multiply-add chain: layers/fmatmul.cpp), or None like ``qmatmul_op``."""
+    ops = _ops()
+    return None if ops is None else ops.float_matmul
+
+
 def elementwise_ops():
     """torch.ops.fastdecode_kernels (its rms_norm, add_rms_norm, qkv_heads, gated: layers/elementwise.cpp),
     or None like ``qmatmul_op``."""
@@ -198,6 +205,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("fastdecode_kernels::cross_attention")
     def _cross_attention_fake(q, keys, values, lengths, scale, threads=1):  # q [B, H, T, D] -> [B, H, T, D]
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("fastdecode_kernels::float_matmul")
+    def _float_matmul_fake(x, weight, bias, threads):  # x [M, K] @ weight [K, N] -> [M, N]
+        return x.new_empty((x.shape[0], weight.shape[1]))
 
     @torch.library.register_fake("fastdecode_kernels::rms_norm")
     def _rms_norm_fake(x, weight, eps):

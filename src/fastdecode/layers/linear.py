@@ -10,6 +10,14 @@ GEMM's epilogue, saving a pass over the FFN activations (bit-identical for ReLU 
 Anything else (CUDA, half precision, a build without oneDNN) keeps ``F.linear`` + the activation.
 A ``QuantizedWeight`` goes to its own kernels (``quantized.py``).
 Small products run on one thread (``threads.py``).
+
+Generated rows (decode steps, beams; ``quantized.prompt_rows`` marks the others) of a float32 matrix
+held as a contiguous [in, out] buffer take the extension's ``float_matmul`` (layers/fmatmul.cpp)
+instead: each output one fused multiply-add chain in input order, so a row's result is the same
+whatever else is in the product, and its columns split over the kernel thread pool, which at batch 1
+uses the second core's memory bandwidth that the one-thread GEMM leaves idle. Prompt rows keep the
+GEMM (compute-bound there); a step mixing both runs each part its own way, like the quantized kernels
+(its logits layer, over the rows picked for logits, takes the kernel for every row).
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .quantized import QuantizedWeight, embed, quantized_linear  # noqa: F401 - embed: one import for models
-from .threads import threads_for
+from .kernels import float_matmul_op
+from .quantized import _ROLES, ALL_PROMPT, QuantizedWeight, embed, quantized_linear  # noqa: F401 - embed: one import for models
+from .threads import kernel_threads, threads_for
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -32,6 +41,7 @@ ACTIVATIONS = {
 _FUSED = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_new": ("gelu", "tanh"),
           "gelu_pytorch_tanh": ("gelu", "tanh")}
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+USE_FLOAT_KERNEL = True  # False: generated rows take the GEMM too (tests, benchmarks of the old path)
 
 
 def linear(
@@ -42,11 +52,58 @@ def linear(
     if isinstance(weight, QuantizedWeight):
         out = quantized_linear(x, weight, bias)
         return out if activation is None else ACTIVATIONS[activation](out)
+    op = _float_kernel(x, weight)
+    if op is not None:
+        roles = None if torch.compiler.is_compiling() else _ROLES.get()  # compiled graphs are decode steps
+        if roles is not ALL_PROMPT:
+            out = _generated_rows_product(op, x, weight, bias, roles)
+            return out if activation is None else ACTIVATIONS[activation](out)
     if (_ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()):  # inductor picks its own GEMM for F.linear
-        attr, algorithm = _FUSED.get(activation, ("none", ""))
-        with threads_for(x.numel() * weight.shape[0]):  # rows * in * out
-            out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
-        return out if activation is None or activation in _FUSED else ACTIVATIONS[activation](out)
+        return _gemm(x, weight, bias, activation)
     out = F.linear(x, weight, bias)
     return out if activation is None else ACTIVATIONS[activation](out)
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor:
+    """oneDNN's float32 GEMM, the activation fused where it can be (F.linear where oneDNN is missing)."""
+    if not _ONEDNN:
+        out = F.linear(x, weight, bias)
+        return out if activation is None else ACTIVATIONS[activation](out)
+    attr, algorithm = _FUSED.get(activation, ("none", ""))
+    with threads_for(x.numel() * weight.shape[0]):  # rows * in * out
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+    return out if activation is None or activation in _FUSED else ACTIVATIONS[activation](out)
+
+
+def _float_kernel(x: torch.Tensor, weight: torch.Tensor):
+    """The extension's float_matmul op where it can run this product (float32 CPU, no autograd, the
+    weight a view of a contiguous [in, out] buffer), else None."""
+    if (not USE_FLOAT_KERNEL or x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu
+            or not weight.is_cpu or torch.is_grad_enabled() or not weight.t().is_contiguous()):
+        return None
+    return float_matmul_op()
+
+
+def _generated_rows_product(op, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, roles) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T + bias -> [..., N]: generated rows through the kernel, prompt rows
+    (``roles``: a ``RowRoles``; None: every row generated) through the GEMM. A product of other rows than
+    the roles' (the logits layer of a mixed step: the rows ``output_rows`` picked) runs every row through
+    the kernel, as the quantized logits layer (``for_logits``) does whatever the roles."""
+    N, K = weight.shape
+    rows = x.reshape(-1, K)  # [M, K]
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    if roles is None or rows.shape[0] != roles.rows:  # (other rows than the forward's: the logits layer's)
+        out = _kernel_rows(op, rows, weight, bias)
+    else:
+        out = rows.new_empty(rows.shape[0], N)
+        out[roles.generated] = _kernel_rows(op, rows[roles.generated], weight, bias)
+        out[roles.prompt] = _gemm(rows[roles.prompt], weight, bias, None)
+    return out.view(*x.shape[:-1], N)  # [..., N]
+
+
+def _kernel_rows(op, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [M, K] -> [M, N] through float_matmul (weight.t(): the [in, out] buffer)."""
+    M, K = rows.shape
+    return op(rows if rows.is_contiguous() else rows.contiguous(), weight.t(), bias, kernel_threads(M * K * weight.shape[0]))

@@ -1,0 +1,112 @@
+"""The float32 kernel for generated rows (layers/fmatmul.cpp, ``float_matmul``) and how ``linear`` uses it.
+
+Every output is one fused multiply-add chain over the inputs in order: the tests pin it against a
+float64 product (summation-order error only) and check that a row's bits never depend on the other
+rows of its product, the thread count or how its columns are split, and that ``linear`` gives prompt
+rows the GEMM and generated rows the kernel, each row as it would be alone in its role."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastdecode.layers import kernels, linear as linear_module, quantized
+from fastdecode.layers.kernels import float_matmul_op
+from fastdecode.layers.linear import linear
+
+needs_kernel = pytest.mark.skipif("float_matmul_op() is None", reason="no AVX2 extension on this machine")
+
+# (K, N): the decode shapes of a small Llama (Q/K/V, O, MLP), odd sizes (a masked last vector, K not a
+# multiple of 4, N below 8), and a wide matrix split into many column chunks
+SHAPES = [(64, 96), (96, 40), (37, 13), (5, 3), (48, 1100)]
+
+
+def weights(K: int, N: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(K, N, generator=g), torch.randn(N, generator=g), torch.randn(40, K, generator=g)
+
+
+def bound(x: torch.Tensor, w: torch.Tensor) -> float:
+    """Summation-order error bound: K ulps of the largest |x| @ |w| term sum (float32)."""
+    return float(x.shape[1] * 2**-23 * (x.abs() @ w.abs()).max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("K, N", SHAPES)
+def test_kernel_is_the_float_product_up_to_summation_order(K, N):
+    w, bias, x = weights(K, N, seed=K + N)
+    op = float_matmul_op()
+    for M in (1, 2, 3, 5, 8, 9, 17, 40):
+        exact = x[:M].double() @ w.double()
+        torch.testing.assert_close(op(x[:M], w, None, 1).double(), exact, atol=bound(x[:M], w), rtol=0)
+        torch.testing.assert_close(op(x[:M], w, bias, 2).double(), exact + bias.double(),
+                                   atol=bound(x[:M], w) + 1e-6 * float(bias.abs().max()), rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("K, N", SHAPES)
+def test_a_row_gets_the_same_bits_at_every_row_count_thread_count_and_position(K, N):
+    """Rows are grouped by 8, 4, 2 and 1 and columns cut into chunks the threads claim: a row alone and the
+    same row among others (any count, any position) must be the same bits, and the bias one more add."""
+    w, bias, x = weights(K, N, seed=7)
+    op = float_matmul_op()
+    alone = torch.cat([op(x[m : m + 1], w, bias, 1) for m in range(40)])
+    for M in (2, 3, 7, 8, 13, 40):
+        for threads in (1, 2):
+            assert torch.equal(op(x[:M], w, bias, threads), alone[:M]), (M, threads)
+    shuffled = torch.randperm(40, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(op(x[shuffled], w, bias, 2), alone[shuffled])
+    assert torch.equal(op(x[:5], w, bias, 1), op(x[:5], w, None, 1) + bias)
+
+
+@needs_kernel
+def test_kernel_rejects_what_it_cannot_read():
+    op = float_matmul_op()
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="inputs"):
+        op(torch.randn(2, 9), w, None, 1)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(torch.randn(2, 16), w.t(), None, 1)
+    with pytest.raises(RuntimeError, match="bias"):
+        op(torch.randn(2, 8), w, torch.randn(15), 1)
+    assert op(torch.randn(0, 8), w, None, 1).shape == (0, 16)
+
+
+@needs_kernel
+def test_linear_gives_generated_rows_the_kernel_and_prompt_rows_the_gemm():
+    """A canonical [in, out] buffer seen as [out, in] (what models hold): decode rows through the kernel,
+    rows under ``prompt_rows(True)`` through oneDNN's GEMM, and a mixed step each part as in its role alone."""
+    w, bias, x = weights(64, 96, seed=3)
+    weight = w.t()  # [out, in] view of the [in, out] buffer
+    with torch.no_grad():
+        generated = linear(x.view(5, 8, 64), weight, bias)  # [5, 8, 96]
+        assert generated.shape == (5, 8, 96)
+        assert torch.equal(generated.reshape(40, 96), float_matmul_op()(x, w, bias, 1))
+        with quantized.prompt_rows(True):
+            prompt = linear(x, weight, bias)
+        assert torch.equal(prompt, linear_module._gemm(x, weight, bias, None))
+        torch.testing.assert_close(prompt, generated.reshape(40, 96), atol=1e-4, rtol=0)
+        is_prompt = [i % 3 == 0 for i in range(40)]
+        prompt_rows = [i for i, p in enumerate(is_prompt) if p]
+        with quantized.prompt_rows(is_prompt):
+            mixed = linear(x, weight, bias, activation="relu")
+        for i in (1, 2, 38):  # generated rows: as alone
+            assert torch.equal(linear(x[i : i + 1], weight, bias, activation="relu")[0], mixed[i]), i
+        with quantized.prompt_rows(True):  # prompt rows: as the same rows' GEMM
+            assert torch.equal(linear(x[prompt_rows], weight, bias, activation="relu"), mixed[prompt_rows])
+        with quantized.prompt_rows(is_prompt[:39] + [False]):  # the logits layer: other rows than the roles'
+            assert torch.equal(linear(x[:3], weight, bias), generated.reshape(40, 96)[:3])
+
+
+def test_without_the_extension_or_for_other_layouts_linear_is_f_linear(monkeypatch):
+    """No extension (forced), an [out, in] buffer, or autograd on: the PyTorch path, as before."""
+    w, bias, x = weights(64, 96, seed=4)
+    expected = F.linear(x, w.t(), bias)
+    monkeypatch.setitem(kernels._LOADED, "ops", None)
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x, w.t(), bias), expected, atol=1e-4, rtol=0)
+    monkeypatch.undo()
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x, w.t().contiguous(), bias), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(linear(x, w.t(), bias), expected, atol=1e-4, rtol=0)
