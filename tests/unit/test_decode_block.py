@@ -1,4 +1,5 @@
-"""The one-op decoder block (layers/decode_block.cpp, models/llama_decode.py) against the Python loop.
+"""The one-op decoder block (layers/decode_block.cpp, models/llama_decode.py) against the Python loop,
+for int8, float32 and mixed models.
 
 The op runs the same kernels with the same arguments in the same order as ``LlamaModel.forward``'s
 loop body, so every result must be the Python loop's bit for bit: the tokens and the log-probabilities
@@ -14,6 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 import fastdecode  # noqa: E402
+from fastdecode.layers import linear  # noqa: E402
 from fastdecode.layers.kernels import elementwise_ops  # noqa: E402
 from fastdecode.models.llama_decode import FusedDecode  # noqa: E402
 from tiny_models import save_tiny_folder  # noqa: E402
@@ -49,36 +51,45 @@ def _engine_run(gen, options: dict) -> list[list[tuple]]:
     return [events[s.id] for s in sequences]
 
 
-@pytest.fixture(scope="module", params=["llama-gqa", "llama-mqa", "mistral", "qwen2-swa", "llama-rope-llama3"])
-def int8_gen(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    save_tiny_folder(folder, request.param, with_tokenizer=False, intermediate_size=96)  # every K a multiple of 32
-    return fastdecode.load(str(folder), quantize="int8")
+@pytest.fixture(scope="module", params=[(kind, "int8", 96) for kind in
+                                        ("llama-gqa", "llama-mqa", "mistral", "qwen2-swa", "llama-rope-llama3")]
+                + [("llama-mqa", None, 96), ("qwen2-swa", None, 96), ("llama-gqa", "int8", 112)],
+                ids=lambda p: f"{p[0]}-{p[1] or 'float32'}-{p[2]}")
+def kernel_gen(request, tmp_path_factory):
+    """int8-quantized models of every kind, float32 ones (their products through float_matmul), and one
+    whose down matrix (112 inputs, not a multiple of 32) stays float32 beside int8 products."""
+    kind, quantize, intermediate = request.param
+    folder = tmp_path_factory.mktemp(kind)
+    save_tiny_folder(folder, kind, with_tokenizer=False, intermediate_size=intermediate)
+    return fastdecode.load(str(folder), quantize=quantize)
 
 
 @pytest.mark.parametrize("options", [{}, {"do_sample": True, "temperature": 0.9, "seed": 3}], ids=["greedy", "sampled"])
-def test_engine_steps_equal_the_python_loop(int8_gen, options, monkeypatch):
-    model = int8_gen.model
+def test_engine_steps_equal_the_python_loop(kernel_gen, options, monkeypatch):
+    model = kernel_gen.model
     assert model.fused_decode is not None
     calls = _counting(model.fused_decode, monkeypatch)
-    with_op = _engine_run(int8_gen, options)
+    with_op = _engine_run(kernel_gen, options)
     assert calls[0] >= 9 * model.config.num_layers  # every pure decode step, every block
     monkeypatch.setattr(model, "fused_decode", None)
-    assert with_op == _engine_run(int8_gen, options)
+    assert with_op == _engine_run(kernel_gen, options)
 
 
-def test_beam_search_equals_the_python_loop(int8_gen, monkeypatch):
-    model = int8_gen.model
+def test_beam_search_equals_the_python_loop(kernel_gen, monkeypatch):
+    model = kernel_gen.model
     calls = _counting(model.fused_decode, monkeypatch)
     options = {"num_beams": 3, "max_new_tokens": 8, "eos_token_id": [], "num_return_sequences": 3}
-    with_op = int8_gen.generate_ids_with_details(PROMPTS, **options)
+    with_op = kernel_gen.generate_ids_with_details(PROMPTS, **options)
     assert calls[0] > 0
     monkeypatch.setattr(model, "fused_decode", None)
-    python = int8_gen.generate_ids_with_details(PROMPTS, **options)
+    python = kernel_gen.generate_ids_with_details(PROMPTS, **options)
     assert [(r.tokens, r.score) for r in with_op] == [(r.tokens, r.score) for r in python]
 
 
-def test_only_quantized_kernel_models_take_the_op(tmp_path):
+def test_only_models_whose_products_all_have_kernels_take_the_op(tmp_path, monkeypatch):
     save_tiny_folder(tmp_path, "llama-gqa", with_tokenizer=False, intermediate_size=96)
-    assert fastdecode.load(str(tmp_path)).model.fused_decode is None  # float weights: the Python loop
+    assert fastdecode.load(str(tmp_path), quantize="int8").model.fused_decode is not None
+    assert fastdecode.load(str(tmp_path)).model.fused_decode is not None  # float32: float_matmul
+    monkeypatch.setattr(linear, "USE_FLOAT_KERNEL", False)  # float products back on oneDNN's GEMM
+    assert fastdecode.load(str(tmp_path)).model.fused_decode is None
     assert fastdecode.load(str(tmp_path), quantize="int8").model.fused_decode is not None

@@ -14,11 +14,12 @@
 //
 // Arguments (packed once per model by models/llama_decode.py; lists keep the schema short):
 //   x, h [1, N, C]: the residual stream and its normed copy;
-//   weights: for qkv, o, gate_up, down in turn (codes, scale, mins?, bias?), then the MLP norm and the
-//     next norm [C]: 18 entries;
+//   weights: for qkv, o, gate_up, down in turn (codes, scale, mins?, bias?) of a quantized weight or
+//     ([in, out] float32 buffer, None, None, bias?) of a float one, then the MLP norm and the next
+//     norm [C]: 18 entries;
 //   ints: H, Hkv, activation (0 SiLU, 1 GELU tanh), block, window (0: none), caller threads, the
 //     attention's parallel threshold (multiply-adds), then per product (bits, group, activation bits,
-//     outputs, threads): 7 + 20 entries;
+//     outputs, threads; bits 0: a float32 weight): 7 + 20 entries;
 //   floats: norm eps, attention scale;
 //   cos, sin [1, N, 1, rot]; keys, values [slots, Hkv, D] of the layer (written in place); slots [N];
 //   table [N, n]; key_start, positions [N].
@@ -88,11 +89,22 @@ at::Tensor gated(const at::Tensor& gate_up, int64_t kind) {
   return op.call(gate_up, kind);
 }
 
-// rows [M, K] @ product p's weight (+ its bias) -> [M, N], as layers/quantized.py's quantized_linear.
+at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, int64_t threads) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastdecode_kernels::float_matmul", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t)>();
+  return op.call(x, weight, bias, threads);
+}
+
+// rows [M, K] @ product p's weight (+ its bias) -> [M, N]: a quantized weight as layers/quantized.py's
+// quantized_linear runs it, a float32 one (bits 0: its [in, out] buffer, no scale) as layers/linear.py
+// runs generated rows (float_matmul, the bias added inside).
 at::Tensor product(const at::Tensor& rows, const c10::List<OptionalTensor>& weights, at::IntArrayRef ints, int64_t p) {
   const int64_t t = p * kProductTensors, i = kHeadInts + p * kProductInts;
   const OptionalTensor codes = weights.get(t), scale = weights.get(t + 1), bias = weights.get(t + 3);
-  TORCH_CHECK(codes.has_value() && scale.has_value(), "decode_block: product ", p, " has no codes or scales");
+  TORCH_CHECK(codes.has_value(), "decode_block: product ", p, " has no weight");
+  if (ints[i] == 0) return float_matmul(rows, *codes, bias, ints[i + 4]);
+  TORCH_CHECK(scale.has_value(), "decode_block: quantized product ", p, " has no scales");
   at::Tensor out = qmatmul(rows, *codes, *scale, weights.get(t + 2), ints[i], ints[i + 1], ints[i + 4], ints[i + 2],
                            ints[i + 3]);
   if (bias.has_value()) out.add_(*bias);

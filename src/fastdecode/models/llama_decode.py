@@ -1,4 +1,4 @@
-"""Pure decode steps of a quantized Llama-family model: one op per block (layers/decode_block.cpp).
+"""Pure decode steps of a Llama-family model: one op per block (layers/decode_block.cpp).
 
 A batch-1 decode step of SmolLM2-135M is 30 blocks of ten small ops; dispatching them from Python
 costs about 150 us per block, as much as the products themselves on two cores. When a step allows
@@ -7,11 +7,13 @@ with the same arguments in the same order from C++, so the result is the Python 
 (tests/unit/test_decode_block.py compares both).
 
 It allows it when (checked once per model, then once per forward):
-- every product of every block is one quantized matrix the AVX2 kernel runs (no float weights, no
-  unfused Q/K/V), the activation is SiLU or GELU (tanh), float32 on the CPU, the extension is built;
+- every product of every block is one matrix that a kernel of the extension runs for generated rows:
+  quantized (``quantized_linear``'s int8-activation kernel) or float32 on a contiguous [in, out]
+  buffer (``linear``'s float_matmul); no unfused Q/K/V; the activation is SiLU or GELU (tanh);
+  float32 on the CPU, the extension built;
 - the forward is an engine step (``StepPlan``) in which every row decodes one token with the paged
   attention op and no position bias, and every row is a generated row (``layers.quantized``'s
-  roles: prompt rows take the exact float product, which this op does not do);
+  roles: prompt rows take the exact products, which this op does not do);
 - torch.compile is not tracing (the compiled decode step traces the Python loop).
 Anything else runs the Python loop, which stays the reference.
 """
@@ -23,28 +25,44 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.plan import StepPlan
-from ..layers import quantized
+from ..layers import linear, quantized
 from ..layers.elementwise import GATED_KINDS
-from ..layers.kernels import elementwise_ops
+from ..layers.kernels import elementwise_ops, float_matmul_op
 from ..layers.quantized import QuantizedWeight
 from ..layers.threads import PARALLEL_MIN_WORK, caller_threads, kernel_threads
 
 
 @dataclass(frozen=True, slots=True)
 class _Product:
-    weight: QuantizedWeight
-    bias: torch.Tensor | None
+    """One product's op arguments: its 4 weight entries, its ints (bits, group, activation bits, outputs;
+    bits 0: float32) and its (inputs, outputs)."""
+
+    entries: tuple
+    ints: tuple[int, int, int, int]
+    shape: tuple[int, int]
 
 
 def _matrix(weight, bias: torch.Tensor | None) -> _Product | None:
-    """A product the AVX2 kernel runs as one op, or None."""
-    if not isinstance(weight, QuantizedWeight) or weight.transposed or weight.device.type != "cpu":
+    """A product one kernel runs, as the Python loop would run it for generated rows, or None: a
+    quantized weight (``quantized_linear``'s kernel), or a float32 [out, in] view of a contiguous
+    [in, out] buffer (``linear``'s float_matmul, where the extension has it)."""
+    if isinstance(weight, QuantizedWeight):
+        if weight.transposed or weight.device.type != "cpu":
+            return None
+        return _Product((weight.codes, weight.scale, weight.mins, bias),
+                        (weight.bits, weight.group, weight.activation_bits, weight.outputs),
+                        (weight.inputs, weight.outputs))
+    if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or not weight.is_cpu
+            or not weight.t().is_contiguous() or not linear.USE_FLOAT_KERNEL or float_matmul_op() is None):
         return None
-    return _Product(weight, bias)
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()  # as linear() passes it
+    N, K = weight.shape
+    return _Product((weight.t(), None, None, bias), (0, 0, 0, N), (K, N))
 
 
 def _block_products(layer) -> list[_Product] | None:
-    """A block's products qkv, o, gate_up, down, or None when one is not a single quantized matrix."""
+    """A block's products qkv, o, gate_up, down, or None when one is not a single kernel-run matrix."""
     fused = [layer.qkv.parts[0] if len(layer.qkv.parts) == 1 else (None, None),
              layer.gate_up.parts[0] if len(layer.gate_up.parts) == 1 else (None, None)]
     products = [_matrix(*fused[0]), _matrix(layer.o, layer.o_bias), _matrix(*fused[1]),
@@ -58,14 +76,12 @@ class FusedDecode:
     def __init__(self, model, op, blocks: list[list[_Product]], activation: int):
         cfg = model.config
         self.op = op
-        self.shapes = [(p.weight.inputs, p.weight.outputs) for p in blocks[0]]  # the same in every block
+        self.shapes = [p.shape for p in blocks[0]]  # the same in every block
         self.weights = [
-            [entry for p in products for entry in (p.weight.codes, p.weight.scale, p.weight.mins, p.bias)]
-            + [layer.mlp_norm, next_norm]
+            [entry for p in products for entry in p.entries] + [layer.mlp_norm, next_norm]
             for layer, next_norm, products in zip(model.layers, model.next_norms, blocks)
-        ]  # 18 per block: (codes, scale, mins, bias) x 4, the MLP norm, the next block's input norm
-        self.product_ints = [(p.weight.bits, p.weight.group, p.weight.activation_bits, p.weight.outputs)
-                             for p in blocks[0]]
+        ]  # 18 per block: 4 entries per product, the MLP norm, the next block's input norm
+        self.product_ints = [p.ints for p in blocks[0]]
         self.head_ints = [cfg.num_heads, cfg.num_kv_heads, activation]
         self.floats = [float(cfg.norm_eps), float(model.scale)]
 
@@ -78,8 +94,7 @@ class FusedDecode:
         blocks = [_block_products(layer) for layer in model.layers]
         if not blocks or any(b is None for b in blocks):
             return None
-        if len({tuple((p.weight.inputs, p.weight.outputs, p.weight.bits, p.weight.group, p.weight.activation_bits)
-                      for p in products) for products in blocks}) != 1:
+        if len({tuple((p.ints, p.shape) for p in products) for products in blocks}) != 1:
             return None  # blocks of different shapes or formats (thread counts and ints are shared)
         ops = elementwise_ops()
         return None if ops is None else cls(model, ops.decode_block, blocks, activation)
@@ -87,8 +102,8 @@ class FusedDecode:
     def step(self, cache, x: torch.Tensor) -> "_Step | None":
         """This forward's per-block runner, or None when the step must take the Python loop."""
         if (not isinstance(cache, StepPlan) or cache.score_bias is not None or x.shape[0] != 1 or not x.is_cpu
-                or x.dtype != torch.float32 or torch.compiler.is_compiling()
-                or (quantized.PROMPT_ROWS_EXACT and quantized.current_roles() is not None)):
+                or x.dtype != torch.float32 or torch.compiler.is_compiling() or torch.is_grad_enabled()
+                or quantized.current_roles() is not None):
             return None
         rows = x.shape[1]
         per_product = []
