@@ -252,17 +252,23 @@ def test_a_row_gets_the_same_bits_whatever_it_is_batched_with(label, logits_laye
         assert torch.equal(quantized.quantized_linear(x[rows], weight, None), together[rows])
 
 
-@pytest.mark.parametrize("label", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("label", WEIGHTS)
 def test_a_prompt_row_gets_the_same_bits_at_any_row_count(label):
-    """Prompt rows (exact float GEMM): a chunk of 1 to 40 rows gives each row the bits it gets in a
-    300-row product, so a prompt's K/V do not depend on how it was chunked or batched (the int8
-    rounding of later generated rows would turn 1e-5 differences into different tokens)."""
+    """Prompt rows (the exact kernel, layers/exact_matmul.cpp): a chunk of 1 to 40 rows gives each row
+    the bits it gets in a 300-row product, on 1 or 2 threads, so a prompt's K/V do not depend on how it
+    was chunked or batched (the int8 rounding of later generated rows would turn 1e-5 differences into
+    different tokens)."""
     weight = WEIGHTS[label]
     x = torch.randn(300, weight.shape[1], generator=torch.Generator().manual_seed(2))
     with quantized.prompt_rows(True):
         together = quantized.quantized_linear(x, weight, None)
         for rows in [*range(1, 10), 17, 33, 40]:
             assert torch.equal(quantized.quantized_linear(x[100 : 100 + rows], weight, None), together[100 : 100 + rows]), rows
+    op = kernels.exact_qmatmul_op()
+    for threads in (1, 2):
+        alone = op(x[7:12].contiguous(), weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads,
+                   weight.outputs)
+        assert torch.equal(alone, together[7:12]), threads
 
 
 @pytest.mark.parametrize("label", ["Q4_1", "Q6_K", "int8"])
@@ -287,8 +293,9 @@ def test_a_step_mixing_prompt_and_generated_rows_gives_each_row_its_alone_result
 @pytest.mark.parametrize("label", WEIGHTS)
 @pytest.mark.parametrize("path", ["prompt", "no-kernel", "for_logits"])
 def test_prompt_rows_the_fallback_and_the_logits_layer_are_the_exact_float_product(label, path, monkeypatch):
-    """Prompt rows (``prompt_rows``), at any row count, decode the weights exactly and run the float
-    GEMM; without the AVX2 extension (forced here) every row does; the logits layer's kernel
+    """Prompt rows (``prompt_rows``), at any row count, are the product with the exactly decoded weights
+    (the exact kernel); without the AVX2 extension (forced here) every row runs the float GEMM on them;
+    the logits layer's kernel
     (for_logits: float32 activations, 8-, 4- and 1-row blocks) too: only summation order differs."""
     if path == "no-kernel":
         monkeypatch.setitem(kernels._LOADED, "ops", None)
@@ -417,15 +424,19 @@ def test_embedded_model_runs_on_its_own_blocks_with_no_float_copy(smollm, smollm
     assert sum(held.values()) <= file_bytes  # resident weight bytes: the file's, no float32 copy
     floats = [name for name, w in weights.items() if isinstance(w, torch.Tensor) and w.dim() == 2]
     assert floats == []
-    # decode steps take the kernel: whole matrices are decoded (transiently) only for the prompt
-    real, decoded = quantized.dense_weight, []
-    monkeypatch.setattr(quantized, "dense_weight", lambda weight, work: decoded.append(True) or real(weight, work))
+    # decode steps take the int8 kernel, the prompt the exact kernel (64 outputs decoded at a time, in
+    # cache): no whole matrix is ever decoded
+    real_dense, decoded = quantized.dense_weight, []
+    monkeypatch.setattr(quantized, "dense_weight", lambda weight, work: decoded.append(True) or real_dense(weight, work))
+    real_exact, exact = quantized.exact_qmatmul_op(), []
+    monkeypatch.setattr(quantized, "exact_qmatmul_op", lambda: lambda *args: exact.append(True) or real_exact(*args))
     ids = smollm.encode_prompt("What is the capital of France?", chat=True)
     answer = smollm.tokenizer.decode(smollm.generate_ids([ids], max_new_tokens=12)[0])
     assert "Paris" in answer
+    assert decoded == []
     # one product per fused Q/K/V and gate/up group (layers/fused.py), o and down
     layer_matrices = sum(len(layer.qkv.parts) + len(layer.gate_up.parts) + 2 for layer in smollm.model.layers)
-    assert sum(decoded) == layer_matrices  # once each, in the prefill; never in the 11 decode steps
+    assert sum(exact) == layer_matrices  # once each, in the prefill; never in the 11 decode steps
 
 
 @pytest.mark.slow

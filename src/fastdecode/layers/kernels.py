@@ -88,6 +88,13 @@ def dequantize_op():
     return None if ops is None else ops.dequantize
 
 
+def exact_qmatmul_op():
+    """torch.ops.fastdecode_kernels.exact_qmatmul (prompt rows times a quantized weight's exact float32
+    values, layers/exact_matmul.cpp), or None like ``qmatmul_op``."""
+    ops = _ops()
+    return None if ops is None else ops.exact_qmatmul
+
+
 def paged_attention_op():
     """torch.ops.fastdecode_kernels.paged_attention (one-query decode attention over a block pool,
     layers/attention.cpp), or None like ``qmatmul_op``."""
@@ -175,6 +182,10 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("fastdecode_kernels::qmatmul")
     def _qmatmul_fake(x, codes, scale, mins, bits, group, threads, activation_bits=8, outputs=-1):  # x [M, K] -> [M, N]
+        return x.new_empty((x.shape[0], _outputs(codes, scale, outputs)))
+
+    @torch.library.register_fake("fastdecode_kernels::exact_qmatmul")
+    def _exact_qmatmul_fake(x, codes, scale, mins, bits, group, threads, outputs=-1):  # x [M, K] -> [M, N]
         return x.new_empty((x.shape[0], _outputs(codes, scale, outputs)))
 
     @torch.library.register_fake("fastdecode_kernels::dequantize")

@@ -49,12 +49,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import dequantize_op, qmatmul_op
+from .kernels import dequantize_op, exact_qmatmul_op, qmatmul_op
 from .threads import kernel_threads
 
 TILE = 8  # outputs per tile of the tiled layout
 USE_KERNEL = True  # False: every product takes the exact path (tests of conversions, at 1e-4)
-# oneDNN's GEMM gives a row the same bits whatever the row count from 4 rows on (tested), but 1 to 3
+# Without the extension's exact kernel (another device, no compiler) prompt rows go through the float
+# GEMM: oneDNN's gives a row the same bits whatever the row count from 4 rows on (tested), but 1 to 3
 # rows may take another kernel (differences ~1e-5, which the int8 rounding of later generated rows can
 # turn into different tokens): fewer prompt rows are padded to 4.
 GEMM_MIN_ROWS = 4
@@ -282,10 +283,19 @@ def _kernel_product(op, rows: torch.Tensor, weight: QuantizedWeight) -> torch.Te
 
 
 def _exact_product(rows: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """rows [M, K] float32 -> [M, N]: the decoded matrix through the float GEMM."""
+    """rows [M, K] float32 -> [M, N]: the product with the weight's exact float32 values.
+
+    On the CPU, the extension's ``exact_qmatmul`` (layers/exact_matmul.cpp) decodes 64 outputs at a time
+    into L2 and multiplies them there: each (row, output) summed in the same order whatever the row
+    count (no dense copy of the matrix, no padding). Elsewhere the decoded matrix goes through the
+    float GEMM."""
     from .linear import linear  # the float GEMM (oneDNN on CPU)
 
     M = rows.shape[0]
+    op = exact_qmatmul_op() if rows.is_cpu and weight.device.type == "cpu" else None
+    if op is not None:
+        return op(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
+                  weight.bits, weight.group, kernel_threads(M * weight.inputs * weight.outputs), weight.outputs)
     dense = dense_weight(weight, work=max(M, GEMM_MIN_ROWS) * weight.inputs * weight.outputs)
     if M >= GEMM_MIN_ROWS or not rows.is_cpu:
         return linear(rows, dense)

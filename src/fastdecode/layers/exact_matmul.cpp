@@ -1,0 +1,106 @@
+// Prompt rows' exact products (layers/quantized.py's prompt-row role): x [M, K] float32 times the
+// quantized weight's exact float32 values -> [M, N], without the whole dense matrix.
+//
+// The weights go through the `dequantize` op a slice of OUTPUT_CHUNK outputs at a time (the same
+// float32 values as quantized.dequantize(), bit for bit) into a buffer that stays in L2, and a
+// register-blocked loop multiplies them with blocks of rows: 4 rows x 3 outputs, 12 accumulators of 8 lanes,
+// lane l summing the products at inputs k = l (mod 8) in increasing k with FMA, then the 8 lanes
+// added by one fixed tree. So every (row, output) result is computed by the same operations in the
+// same order whatever M, N, the blocking and the threads: a prompt row gets the same bits alone, in a
+// batch, or in a chunk of any size. (oneDNN's GEMM on a dequantized copy did the same multiplications,
+// but wrote and read that copy, 4 bytes per weight, at every prompt: 540 MB for SmolLM2-135M, most of a
+// short prompt's time, and it changes kernels below 4 rows.)
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "parallel.h"
+#include "qrows.h"
+
+namespace {
+
+constexpr int64_t OUTPUT_CHUNK = 64;  // decoded outputs per piece: 64 x K floats (147 KB at K = 576)
+constexpr int64_t ROW_CHUNK = 48;     // rows per pass over a piece (x: 48 x K floats beside it in L2)
+
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
+                      int64_t bits, int64_t group, int64_t outputs) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastdecode_kernels::dequantize", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                               int64_t, int64_t, int64_t, int64_t)>();
+  return op.call(codes, scale, mins, bits, group, 1, outputs);
+}
+
+// y[r, j] = x[r] . w[j] for RB rows and NB outputs (w rows K floats apart): RB x NB accumulators, NB weight
+// vectors and one row vector in the 16 registers.
+template <int RB, int NB>
+inline void dot_block(const float* x, int64_t x_stride, const float* w, int64_t K, float* y, int64_t y_stride) {
+  __m256 acc[RB][NB];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+    for (int r = 0; r < RB; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * x_stride + k);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NB; ++j) y[r * y_stride + j] = fastdecode::quant::hsum(acc[r][j]);
+}
+
+// rows [0, M) x the decoded outputs w [n, K] -> y[:, 0:n] (y rows N apart)
+template <int RB>
+inline void rows_times_outputs(const float* x, int64_t K, const float* w, int64_t n, float* y, int64_t N) {
+  int64_t j = 0;
+  for (; j + 3 <= n; j += 3) dot_block<RB, 3>(x, K, w + j * K, K, y + j, N);
+  for (; j < n; ++j) dot_block<RB, 1>(x, K, w + j * K, K, y + j, N);
+}
+
+at::Tensor exact_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                         const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t threads,
+                         int64_t outputs) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  const bool tiled = codes.dim() == 3;
+  const int64_t tile = tiled ? 8 : 1;  // outputs per leading index of codes / scale
+  const int64_t N = tiled ? (outputs >= 0 ? outputs : scale.size(0) * 8) : scale.size(0);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 8 == 0 && K == (tiled ? scale.size(1) * 32 : scale.size(1) * group), "x has ", K,
+              " inputs, the weight another count");
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t pieces = (N + OUTPUT_CHUNK - 1) / OUTPUT_CHUNK;
+  fastdecode::parallel_chunks(pieces, 1, threads, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * OUTPUT_CHUNK, n = std::min(OUTPUT_CHUNK, N - n0);
+      const int64_t lead0 = n0 / tile, lead1 = (n0 + n + tile - 1) / tile;  // OUTPUT_CHUNK is a multiple of 8
+      const c10::optional<at::Tensor> piece_mins =
+          mins.has_value() && mins->defined() ? c10::optional<at::Tensor>(mins->slice(0, lead0, lead1)) : c10::nullopt;
+      const at::Tensor w = dequantize(codes.slice(0, lead0, lead1), scale.slice(0, lead0, lead1), piece_mins, bits,
+                                      group, tiled ? n : -1);  // [n, K]
+      const float* wp = w.data_ptr<float>();
+      for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+        const int64_t m1 = std::min(M, m0 + ROW_CHUNK);
+        int64_t m = m0;
+        for (; m + 4 <= m1; m += 4) rows_times_outputs<4>(xp + m * K, K, wp, n, yp + m * N + n0, N);
+        for (; m < m1; ++m) rows_times_outputs<1>(xp + m * K, K, wp, n, yp + m * N + n0, N);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastdecode_kernels, m) {
+  m.def("exact_qmatmul(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int threads, "
+        "int outputs=-1) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) { m.impl("exact_qmatmul", &exact_qmatmul); }
