@@ -26,10 +26,10 @@ Which arithmetic a row gets depends on its role, never on what else is in the st
   (``kernels.py``) quantizes each activation row to int8 per 32 inputs and multiplies it by the codes
   in integer arithmetic (llama.cpp's scheme; error bound in tests/unit/test_quantized.py);
 - prompt rows (prompt chunks, encoder sources, scoring; the engine running the forward marks them
-  with ``prompt_rows``): the matrix is decoded into a transient float32 buffer (the AVX2 decoder, one
-  pass) and multiplied by the float GEMM, exact up to summation order. Rounding prompt activations to
-  int8 flips near ties that decide the answer (see ``for_logits``), and prefill is compute-bound,
-  where the float GEMM is as fast;
+  with ``prompt_rows``): multiplied by the weights' exact float32 values, exact up to summation
+  order: on CPU the extension's exact kernel (layers/exact_matmul.cpp: 64 outputs decoded at a time into
+  cache, one fixed summation order per row and output), elsewhere the decoded matrix and the float
+  GEMM. Rounding prompt activations to int8 flips near ties that decide the answer (see ``for_logits``);
 - the logits layer (``for_logits``): float32 activations in the kernel for every row, exact up to
   summation order;
 - weights marked by ``int8_prompt_rows`` (encoder-decoder models quantized at load, as CTranslate2 runs
