@@ -45,7 +45,8 @@ def prepare_ctranslate2(gguf: Path, cache_root: Path) -> dict[str, str] | None:
     hf_dir, ct2_dir = root / "hf", root / "ct2"
     if not (ct2_dir / "model.bin").is_file() or not (ct2_dir / "id_to_token.json").is_file():
         print(f"converting the model for CTranslate2 into {root} (once; ~40 s) ...", file=sys.stderr)
-        command = [sys.executable, str(Path(__file__).resolve()), str(gguf), str(hf_dir), str(ct2_dir)]
+        # -P: not this file's folder first on sys.path, where this file would shadow the ctranslate2 package
+        command = [sys.executable, "-P", str(Path(__file__).resolve()), str(gguf), str(hf_dir), str(ct2_dir)]
         done = subprocess.run(command, env=quiet_env(), capture_output=True, text=True)
         if done.returncode != 0:
             print(f"CTranslate2 conversion failed; skipping it:\n{done.stderr[-2000:]}", file=sys.stderr)
