@@ -219,6 +219,31 @@ def test_tiled_rows_are_the_same_bits_at_every_row_count_and_thread_count(label,
             assert torch.equal(y[::23], alone[: len(y[::23])]), (M, threads)
 
 
+@needs_kernel
+@pytest.mark.skipif("not kernels.set_avx512()", reason="this CPU has no AVX-512 VNNI (the AVX2 kernels serve it)")
+@pytest.mark.parametrize("label", [label for label, weight in WEIGHTS.items() if weight.is_tiled])
+def test_the_avx512_kernels_give_the_avx2_bits(label):
+    """Where the CPU has AVX-512 VNNI the int8 products run two tiles per instruction (qtiles_avx512.cpp);
+    the integer dot products are exact either way and the float steps the same per output, so every
+    result must be bit for bit the AVX2 kernel's: at each row blocking (8, 4, 2, 1 rows and the
+    leftovers), odd tile counts (an AVX2 tile beside the pairs) and padded last tiles, both thread counts."""
+    weight = WEIGHTS[label]
+    x = torch.randn(45, weight.shape[1], generator=torch.Generator().manual_seed(11))
+    op = qmatmul_op()
+    try:
+        for M in (1, 2, 3, 4, 5, 8, 13, 45):
+            for threads in (1, 2):
+                def product():
+                    return op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, 32, threads, 8, weight.outputs)
+
+                assert kernels.set_avx512(True)
+                fast = product()
+                assert not kernels.set_avx512(False)
+                assert torch.equal(fast, product()), (M, threads)
+    finally:
+        kernels.set_avx512(True)
+
+
 def test_the_tiled_layout_is_a_byte_shuffle_of_the_rows_layout():
     """tiled() then rows_layout() gives back the rows layout exactly (N = 13: a padded last tile); row
     lookups, take_rows and the C++ decoder read the tiled codes as the rows they came from."""

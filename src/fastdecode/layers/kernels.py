@@ -123,6 +123,15 @@ def float_matmul_op():
     return None if ops is None else ops.float_matmul
 
 
+def set_avx512(enabled: bool | None = None) -> bool:
+    """Whether the kernels use AVX-512 + VNNI (layers/isa.h; the same results as AVX2, faster); ``enabled``
+    switches them on (where the CPU has them) or off first. False without the extension."""
+    ops = _ops()
+    if ops is None:
+        return False
+    return bool(ops.set_avx512(-1 if enabled is None else int(enabled)))
+
+
 def elementwise_ops():
     """torch.ops.fastdecode_kernels (its rms_norm, add_rms_norm, qkv_heads, gated: layers/elementwise.cpp),
     or None like ``qmatmul_op``."""

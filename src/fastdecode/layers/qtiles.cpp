@@ -25,15 +25,18 @@
 //
 // float32 activations (the logits layer, exact up to summation order): see float_tile.
 #include <ATen/ATen.h>
+#include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "isa.h"
 #include "parallel.h"
 #include "qrows.h"
 #include "qtiles.h"
+#include "qtiles_avx512.h"
 
 namespace fastdecode {
 namespace {
@@ -227,6 +230,26 @@ void tiles_range(const QuantizedRows& q, const float* x, const float* xsum, int6
         for (int64_t t = p; t < p1; ++t) float_tile<BITS, S, 1>(x, xsum, m, K, cp, sp, mp, blocks, t, yp, N);
       continue;
     }
+    if (use_avx512()) {  // the same results, two tiles per instruction (qtiles_avx512.cpp); a last odd tile below
+      const int64_t pairs_end = p + (p1 - p) / 2 * 2;
+      for (; m + 8 <= M; m += 8)
+        for (int64_t t = p; t < p1; t += 2)
+          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 8, false>(q, m, cp, sp, mp, blocks, t, yp, N);
+          else for (int64_t r = 0; r < 8; r += 4) int8_tiles<BITS, S, 4, 1, false>(q, m + r, cp, sp, mp, blocks, t, yp, N);
+      for (; m + 4 <= M; m += 4)
+        for (int64_t t = p; t < p1; t += 2)
+          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 4, false>(q, m, cp, sp, mp, blocks, t, yp, N);
+          else int8_tiles<BITS, S, 4, 1, false>(q, m, cp, sp, mp, blocks, t, yp, N);
+      for (; m + 2 <= M; m += 2)
+        for (int64_t t = p; t < p1; t += 2)
+          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 2, false>(q, m, cp, sp, mp, blocks, t, yp, N);
+          else int8_tiles<BITS, S, 2, 1, false>(q, m, cp, sp, mp, blocks, t, yp, N);
+      for (; m < M; ++m)
+        for (int64_t t = p; t < p1; t += 2)
+          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 1, true>(q, m, cp, sp, mp, blocks, t, yp, N);
+          else int8_tiles<BITS, S, 1, 1, true>(q, m, cp, sp, mp, blocks, t, yp, N);
+      continue;
+    }
     for (; m + 4 <= M; m += 4)
       for (int64_t t = p; t < p1; ++t) int8_tiles<BITS, S, 4, 1, false>(q, m, cp, sp, mp, blocks, t, yp, N);
     for (; m + 2 <= M; m += 2)
@@ -369,5 +392,13 @@ at::Tensor tiled_dequantize(const at::Tensor& codes, const at::Tensor& scale, co
   return half ? tiled_dequantize_impl<8, at::Half>(codes, scale, mins, outputs, threads)
               : tiled_dequantize_impl<8, float>(codes, scale, mins, outputs, threads);
 }
+
+// enabled < 0: asks; else switches the AVX-512 kernels on (where the CPU has them) or off. Returns whether they are used.
+bool set_avx512(int64_t enabled) {
+  if (enabled >= 0) avx512_switch().store(enabled > 0 && cpu_has_avx512(), std::memory_order_relaxed);
+  return use_avx512();
+}
+
+TORCH_LIBRARY_FRAGMENT(fastdecode_kernels, m) { m.def("set_avx512(int enabled) -> bool", &set_avx512); }
 
 }  // namespace fastdecode

@@ -1,0 +1,151 @@
+// The tiled layout's int8-activation products with AVX-512 + VNNI: qtiles.cpp's int8_tiles for two tiles
+// at once, tile t0 in the low 256 bits of each register and tile t0 + 1 in the high ones (16 outputs).
+//
+// Bit for bit the AVX2 kernel (isa.h): VNNI's dpbusd adds 4 products (unsigned byte x signed byte) to an
+// int32 lane exactly, so a block's int32 dot products equal the AVX2 kernel's maddubs/madd sums (which
+// never saturate: see qtiles.cpp), and every float operation after them (convert, scale product, FMA into
+// the accumulator, the mins term, in block order) is the AVX2 kernel's, lane for lane.
+//   4-bit codes: dpbusd(codes 0..15, activation) straight;
+//   8-bit codes: the sign trick as in AVX2 (|code| as the unsigned operand, the activation negated where
+//                the code is negative: a masked subtract, AVX-512 has no vpsignb).
+#include <ATen/ATen.h>
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+
+#include "qrows.h"
+#include "qtiles_avx512.h"
+
+// Everything below (and only it: the headers above keep their AVX2 code) may use AVX-512; it runs only
+// where isa.h's use_avx512() holds.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+namespace fastdecode {
+namespace avx512 {
+namespace {
+
+using quant::QuantizedRows;
+
+constexpr int TILE = 8;
+constexpr int64_t PREFETCH_BYTES = 1024;  // as qtiles.cpp
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// The 32 code bytes of tile t0 (low half) and t0 + 1 (high half) at the same block offset.
+inline __m512i load_pair(const uint8_t* low, const uint8_t* high) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)), 1);
+}
+
+// 8 scales of each tile as 16 float32 lanes (float16: the same exact conversion as F16C's).
+inline __m512 load_scales(const at::Half* low, const at::Half* high) {
+  const __m256i halves = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(high)), 1);
+  return _mm512_cvtph_ps(halves);
+}
+inline __m512 load_scales(const float* low, const float* high) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(low)), _mm256_loadu_ps(high), 1);
+}
+
+}  // namespace
+
+template <int BITS, typename S, int RB, bool PREFETCH>
+void int8_tile_pair(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S* scale, const S* mins,
+                    int64_t blocks, int64_t t0, float* y, int64_t N) {
+  constexpr int64_t BB = TILE * 32 * BITS / 8;  // bytes of one tile-block
+  const int64_t K = q.K;
+  const uint8_t* low_codes = codes + t0 * blocks * BB;
+  const uint8_t* high_codes = low_codes + blocks * BB;
+  const S* low_scale = scale + t0 * blocks * TILE;
+  const S* high_scale = low_scale + blocks * TILE;
+  const int8_t* act[RB];
+  const float* act_scale[RB];
+  for (int r = 0; r < RB; ++r) {
+    act[r] = q.codes.data() + (m0 + r) * K;
+    act_scale[r] = q.scale.data() + (m0 + r) * blocks;
+  }
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* w0 = low_codes + b * BB;
+    const uint8_t* w1 = high_codes + b * BB;
+    if constexpr (PREFETCH) {
+      for (int64_t line = 0; line < BB; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(w0 + PREFETCH_BYTES + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w1 + PREFETCH_BYTES + line), _MM_HINT_T0);
+      }
+    }
+    __m512i dot[RB];
+    for (int r = 0; r < RB; ++r) dot[r] = _mm512_setzero_si512();
+    if constexpr (BITS == 4) {
+      const __m512i nibble = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = load_pair(w0 + 32 * c, w1 + 32 * c);
+        const __m512i low = _mm512_and_si512(v, nibble), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < RB; ++r) {
+          const int8_t* a = act[r] + 32 * b + 4 * c;
+          dot[r] = _mm512_dpbusd_epi32(dot[r], low, broadcast4(a));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], high, broadcast4(a + 16));
+        }
+      }
+    } else {
+      const __m512i zero = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        const __m512i v = load_pair(w0 + 32 * c, w1 + 32 * c);
+        const __m512i magnitude = _mm512_abs_epi8(v);  // -128 stays 0x80 = 128 unsigned
+        const __mmask64 negative = _mm512_movepi8_mask(v);
+        for (int r = 0; r < RB; ++r) {
+          const __m512i a = broadcast4(act[r] + 32 * b + 4 * c);
+          dot[r] = _mm512_dpbusd_epi32(dot[r], magnitude, _mm512_mask_sub_epi8(a, negative, zero, a));
+        }
+      }
+    }
+    const __m512 w_scale = load_scales(low_scale + b * TILE, high_scale + b * TILE);
+    for (int r = 0; r < RB; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(w_scale, _mm512_set1_ps(act_scale[r][b])),
+                               acc[r]);
+  }
+  const int64_t n = t0 * TILE;
+  const __mmask16 valid = N - n >= 2 * TILE ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
+  for (int r = 0; r < RB; ++r) {
+    __m512 total = acc[r];
+    if (mins != nullptr) {
+      const S* low_mins = mins + t0 * blocks * TILE;
+      const S* high_mins = low_mins + blocks * TILE;
+      const float* sums = q.sums.data() + (m0 + r) * blocks;
+      __m512 offset = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b)
+        offset = _mm512_fmadd_ps(load_scales(low_mins + b * TILE, high_mins + b * TILE), _mm512_set1_ps(sums[b]), offset);
+      total = _mm512_add_ps(total, offset);
+    }
+    _mm512_mask_storeu_ps(y + (m0 + r) * N + n, valid, total);
+  }
+}
+
+#define FD_INSTANCES(BITS, S)                                                                                    \
+  template void int8_tile_pair<BITS, S, 8, false>(const QuantizedRows&, int64_t, const uint8_t*, const S*, const S*, \
+                                                  int64_t, int64_t, float*, int64_t);                            \
+  template void int8_tile_pair<BITS, S, 4, false>(const QuantizedRows&, int64_t, const uint8_t*, const S*, const S*, \
+                                                  int64_t, int64_t, float*, int64_t);                            \
+  template void int8_tile_pair<BITS, S, 2, false>(const QuantizedRows&, int64_t, const uint8_t*, const S*, const S*, \
+                                                  int64_t, int64_t, float*, int64_t);                            \
+  template void int8_tile_pair<BITS, S, 1, true>(const QuantizedRows&, int64_t, const uint8_t*, const S*, const S*, \
+                                                 int64_t, int64_t, float*, int64_t);
+FD_INSTANCES(4, at::Half)
+FD_INSTANCES(4, float)
+FD_INSTANCES(8, at::Half)
+FD_INSTANCES(8, float)
+#undef FD_INSTANCES
+
+}  // namespace avx512
+}  // namespace fastdecode
+
+#pragma GCC pop_options
