@@ -244,6 +244,30 @@ def test_the_avx512_kernels_give_the_avx2_bits(label):
         kernels.set_avx512(True)
 
 
+@needs_kernel
+@pytest.mark.skipif("not kernels.set_avx512()", reason="this CPU has no AVX-512 (the AVX2 kernels serve it)")
+@pytest.mark.parametrize("label", ["Q4_1 tiled", "Q6_K", "int8", "Q4_1 tiled N=13", "Q8_0 tiled N=5"])
+def test_the_avx512_exact_prompt_kernel_gives_the_avx2_bits(label):
+    """Prompt rows' exact products (exact_matmul.cpp) with AVX-512 hold two outputs' 8-lane sums per register:
+    bit for bit the AVX2 kernel's, at every row blocking (6 rows, leftovers) and odd output counts."""
+    weight = WEIGHTS[label]
+    x = torch.randn(61, weight.shape[1], generator=torch.Generator().manual_seed(12))
+    op = kernels.exact_qmatmul_op()
+    try:
+        for M in (1, 5, 6, 13, 61):
+            for threads in (1, 2):
+                def product():
+                    return op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads,
+                              weight.outputs)
+
+                assert kernels.set_avx512(True)
+                fast = product()
+                assert not kernels.set_avx512(False)
+                assert torch.equal(fast, product()), (M, threads)
+    finally:
+        kernels.set_avx512(True)
+
+
 def test_the_tiled_layout_is_a_byte_shuffle_of_the_rows_layout():
     """tiled() then rows_layout() gives back the rows layout exactly (N = 13: a padded last tile); row
     lookups, take_rows and the C++ decoder read the tiled codes as the rows they came from."""

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "parallel.h"
 #include "vec_math.h"
 
 namespace {
@@ -230,9 +231,10 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor keys, at::Tensor valu
   r.out = out.data_ptr<float>();
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, pos[b] - starts[b] + 1);
-  // Threads only for chunks of >= 2^24 multiply-adds (layers/threads.py): below, a barrier costs more.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 24) / std::max<int64_t>(1, 2 * (H / Hkv) * longest * D));
-  at::parallel_for(0, B * Hkv, grain, [&](int64_t first, int64_t last) {
+  // (row, KV head) items over the kernel thread pool (parallel.h: no barrier waiting for a busy core),
+  // on torch's thread count (attention.py's threads_for: one thread for small steps).
+  fastdecode::parallel_chunks(B * Hkv, fastdecode::chunk_outputs(2 * (H / Hkv) * longest * D, 1), 0,
+                              [&](int64_t first, int64_t last) {
     std::vector<float> scores, sums;
     for (int64_t item = first; item < last; ++item) attend_one(r, item / Hkv, item % Hkv, scores, sums);
   });

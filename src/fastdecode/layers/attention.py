@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .threads import threads_for
+from .threads import pool_threads_for, threads_for
 
 
 def attention(
@@ -55,9 +55,9 @@ def paged_attention(op, q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     k_new, v_new, slots = write if write is not None else (None, None, None)
     q, k_new, v_new = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k_new, v_new))
     args = (q, keys, values, k_new, v_new, slots, table, key_start, positions, block_size, window or 0, scale, bias)
-    # one thread below PARALLEL_MIN_WORK (the op splits no smaller work itself: attention.cpp's grain);
-    # inside torch.compile threads_for compares nothing, so the dynamic block count gets no guard
-    with threads_for(2 * q.numel() * table.shape[1] * block_size):  # B*H*D * S multiply-adds, twice
+    # the op splits its (row, KV head) items over the kernel pool on torch's thread count: one thread for
+    # small steps; inside torch.compile pool_threads_for compares nothing, so the dynamic block count gets no guard
+    with pool_threads_for(2 * q.numel() * table.shape[1] * block_size):  # B*H*D * S multiply-adds, twice
         return op(*args)
 
 

@@ -135,7 +135,7 @@ std::tuple<at::Tensor, at::Tensor> decode_block(const at::Tensor& x, const at::T
   const int64_t D = q.size(3);
   at::Tensor attended;
   {
-    // layers/attention.py's paged_attention: the caller's threads only for big work (threads_for)
+    // layers/attention.py's paged_attention: the caller's threads from the pool's minimum work (pool_threads_for)
     const int64_t work = 2 * N * H * D * table.size(1) * block;
     const int64_t wanted = work >= parallel_min_work ? caller_threads : 1;
     const int previous = at::get_num_threads();

@@ -18,8 +18,17 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "isa.h"
 #include "parallel.h"
 #include "qrows.h"
+
+namespace fastdecode {
+namespace avx512 {
+// Rows [0, M) x the first n - n % 2 decoded outputs (exact_matmul_avx512.cpp: these kernels' bits, two
+// outputs per register); returns that count.
+int64_t exact_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t n, float* y, int64_t N);
+}  // namespace avx512
+}  // namespace fastdecode
 
 namespace {
 
@@ -87,6 +96,12 @@ at::Tensor exact_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at:
       const float* wp = w.data_ptr<float>();
       for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
         const int64_t m1 = std::min(M, m0 + ROW_CHUNK);
+        if (fastdecode::use_avx512()) {  // the same bits, two outputs per register; an odd last output here
+          const int64_t done = fastdecode::avx512::exact_rows(xp + m0 * K, m1 - m0, K, wp, n, yp + m0 * N + n0, N);
+          if (done < n)
+            for (int64_t m = m0; m < m1; ++m) dot_block<1, 1>(xp + m * K, K, wp + done * K, K, yp + m * N + n0 + done, N);
+          continue;
+        }
         int64_t m = m0;
         for (; m + 4 <= m1; m += 4) rows_times_outputs<4>(xp + m * K, K, wp, n, yp + m * N + n0, N);
         for (; m < m1; ++m) rows_times_outputs<1>(xp + m * K, K, wp, n, yp + m * N + n0, N);

@@ -25,8 +25,11 @@
 // when no job came for SPIN_MICROSECONDS, or as soon as it finds it was kept off its core for
 // PREEMPTED_MICROSECONDS:
 // another process wants that core, and a spinning helper would only take turns with it (or with the
-// caller, when both share one core). A caller that finds no helper spinning runs alone and wakes the
-// helpers, at most once per WAKE_INTERVAL_MICROSECONDS; they join later jobs once they have a core.
+// caller, when both share one core). A caller that finds no helper spinning wakes the helpers, at most
+// once per WAKE_INTERVAL_MICROSECONDS, and runs a short job (< LONG_JOB_CHUNKS) alone: they join later
+// jobs once they have a core. A long job is published all the same, so helpers woken now (or by an
+// earlier call) join it midway: a job longer than SPIN_MICROSECONDS (a prompt's products) would
+// otherwise always run alone, its helpers woken by each call and asleep again before the next.
 // One caller at a time owns the helpers: a second caller thread (another engine) runs its loop alone
 // rather than wait. A forked child starts without helpers and makes its own.
 #pragma once
@@ -62,6 +65,9 @@ class ChunkPool {
   static constexpr int64_t WAKE_INTERVAL_MICROSECONDS = 2000;  // callers wake sleeping helpers at most this often
   static constexpr int64_t FINAL_SPIN_MICROSECONDS = 20;     // the caller, for pieces helpers hold
   static constexpr int64_t MAX_PIECE_CHUNKS = 16;  // what a helper preempted mid-piece can make the caller wait for
+  // Jobs of at least this many chunks (of >= CHUNK_WORK multiply-adds: tens of microseconds and more) are
+  // handed out even when no helper spins: a helper's wake-up is short beside them.
+  static constexpr int64_t LONG_JOB_CHUNKS = 64;
 
   // The process's pool (a new one after fork: the parent's threads do not exist in the child).
   static ChunkPool& instance() {
@@ -96,9 +102,11 @@ class ChunkPool {
     if (spinning_.load(std::memory_order_seq_cst) == 0 ||
         now_microseconds() - heartbeat_.load(std::memory_order_relaxed) > HEARTBEAT_MICROSECONDS) {  // no helper has a core now
       wake_helpers();
-      run_alone(n, body);
-      owner_.clear(std::memory_order_release);
-      return;
+      if (chunks < LONG_JOB_CHUNKS) {
+        run_alone(n, body);
+        owner_.clear(std::memory_order_release);
+        return;
+      }
     }
     // Publish the job: fields first, then the ticket (generation, chunk 0) that makes them visible.
     // (release/acquire on the fields too: a helper that reads a later job's field also sees this

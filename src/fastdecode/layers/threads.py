@@ -13,7 +13,9 @@ on one thread. So ``one_thread_except_big_ops`` runs a model's forward on one th
   included): they split their outputs in pieces that the threads claim as they come (``parallel.h``),
   and helper threads take part only while they have a core of their own, so a second thread that is
   late or busy never makes the step wait;
-- OpenMP ops (``threads_for``: the float GEMM, attention) get them only from ``PARALLEL_MIN_WORK``
+- the decode attention op (``pool_threads_for``) splits its (row, KV head) items over the same pool,
+  from the same size;
+- OpenMP ops (``threads_for``: the float GEMM) get them only from ``PARALLEL_MIN_WORK``
   multiply-adds (an LM head over several rows, prompt chunks), where the split pays for the wait.
 
 Outside a forward, ops below those sizes run on one thread (as before). These run once per product
@@ -85,6 +87,16 @@ def threads_for(work: int):
     if torch.compiler.is_compiling():
         return _UNCHANGED
     count = caller_threads() if work >= PARALLEL_MIN_WORK else 1
+    return _UNCHANGED if count == torch.get_num_threads() else _Threads(count)
+
+
+def pool_threads_for(work: int):
+    """Context manager: torch's threads for an op that splits its work over the kernel thread pool
+    (parallel.h) and reads its thread count from torch (the decode attention op): the caller's from
+    ``KERNEL_PARALLEL_MIN_WORK`` multiply-adds, else one."""
+    if torch.compiler.is_compiling():
+        return _UNCHANGED
+    count = caller_threads() if work >= KERNEL_PARALLEL_MIN_WORK else 1
     return _UNCHANGED if count == torch.get_num_threads() else _Threads(count)
 
 

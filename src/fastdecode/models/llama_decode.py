@@ -29,7 +29,7 @@ from ..layers import linear, quantized
 from ..layers.elementwise import GATED_KINDS
 from ..layers.kernels import elementwise_ops, float_matmul_op
 from ..layers.quantized import QuantizedWeight
-from ..layers.threads import PARALLEL_MIN_WORK, caller_threads, kernel_threads
+from ..layers.threads import KERNEL_PARALLEL_MIN_WORK, caller_threads, kernel_threads
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +109,7 @@ class FusedDecode:
         per_product = []
         for (inputs, outputs), ints in zip(self.shapes, self.product_ints):
             per_product += [*ints, kernel_threads(rows * inputs * outputs)]
-        return _Step(self, cache, [caller_threads(), PARALLEL_MIN_WORK, *per_product])
+        return _Step(self, cache, [caller_threads(), KERNEL_PARALLEL_MIN_WORK, *per_product])
 
 
 class _Step:

@@ -1,0 +1,64 @@
+// The exact prompt-row kernel's inner products (exact_matmul.cpp) with AVX-512: two outputs per register.
+//
+// Bit for bit the AVX2 kernel (isa.h): there each (row, output) sums in 8 lanes, lane l taking the inputs
+// k = l (mod 8) in increasing k with one FMA each, then one fixed tree adds the lanes. Here a register
+// holds that 8-lane accumulator for output j in its low half and for output j + 1 in its high half (the
+// row's 8 inputs broadcast to both halves), so every lane sees the same FMAs in the same order, and each
+// half is reduced by the same tree (quant::hsum).
+#include <ATen/ATen.h>
+#include <immintrin.h>
+#include <cstdint>
+
+#include "qrows.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+
+namespace fastdecode {
+namespace avx512 {
+namespace {
+
+// y[r, 2p], y[r, 2p + 1] = x[r] . w[2p], x[r] . w[2p + 1] for RB rows and NP output pairs (w rows K floats apart).
+template <int RB, int NP>
+inline void pair_block(const float* x, int64_t x_stride, const float* w, int64_t K, float* y, int64_t y_stride) {
+  __m512 acc[RB][NP];
+  for (int r = 0; r < RB; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m512 wv[NP];
+    for (int p = 0; p < NP; ++p)
+      wv[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w + 2 * p * K + k)),
+                                 _mm256_loadu_ps(w + (2 * p + 1) * K + k), 1);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * x_stride + k));
+      for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int p = 0; p < NP; ++p) {
+      y[r * y_stride + 2 * p] = quant::hsum(_mm512_castps512_ps256(acc[r][p]));
+      y[r * y_stride + 2 * p + 1] = quant::hsum(_mm512_extractf32x8_ps(acc[r][p], 1));
+    }
+}
+
+template <int RB>
+inline void rows_times_pairs(const float* x, int64_t K, const float* w, int64_t pairs, float* y, int64_t N) {
+  int64_t p = 0;
+  for (; p + 4 <= pairs; p += 4) pair_block<RB, 4>(x, K, w + 2 * p * K, K, y + 2 * p, N);
+  for (; p < pairs; ++p) pair_block<RB, 1>(x, K, w + 2 * p * K, K, y + 2 * p, N);
+}
+
+}  // namespace
+
+int64_t exact_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t n, float* y, int64_t N) {
+  const int64_t pairs = n / 2;
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) rows_times_pairs<6>(x + m * K, K, w, pairs, y + m * N, N);
+  for (; m < M; ++m) rows_times_pairs<1>(x + m * K, K, w, pairs, y + m * N, N);
+  return 2 * pairs;
+}
+
+}  // namespace avx512
+}  // namespace fastdecode
+
+#pragma GCC pop_options
