@@ -1,4 +1,6 @@
 """The AVX2 extension (every ``layers/*.cpp``, with their ``*.h``): built once, then loaded from a cache.
+Its AVX-512 + VNNI kernels (``*_avx512.cpp``) are in the same build and used at run time where the
+CPU has them (``isa.h``; the same results bit for bit, ``set_avx512`` switches them).
 
 ``make install`` builds it (``python -m fastdecode.layers.kernels``) with the C++ compiler and
 PyTorch's extension builder, into ``$FASTDECODE_CACHE`` (default ``~/.cache/fastdecode``) under a
