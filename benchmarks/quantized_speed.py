@@ -59,6 +59,10 @@ class Fastdecode(Engine):
         import fastdecode
 
         super().__init__(options)
+        if options.get("avx2_only"):  # the AVX2 kernels where the CPU has AVX-512 too (the same results)
+            from fastdecode.layers import kernels
+
+            kernels.set_avx512(False)
         self.gen = fastdecode.load(options.get("source"), quantize=options.get("quantize"))
         self.bytes_per_token = self.gen.inspect()["weight_bytes_read_per_token"]
 
@@ -238,6 +242,12 @@ def ct2_bart_converter(ctranslate2, folder: Path):
     return PostNormBart(str(folder))
 
 
+def cpu_has_avx512() -> bool:
+    """Whether fastdecode's AVX-512 VNNI kernels can run here (layers/isa.h's flags), read without torch."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"))
+
+
 def bart_section(args) -> str:
     """bart-base size (random weights), 8 sources x 256 tokens, beam 4."""
     from random_models import build_bart
@@ -246,9 +256,12 @@ def bart_section(args) -> str:
     if not (folder / "config.json").exists():
         build_bart().save_pretrained(folder)
     options = {"threads": args.threads, "first_prompt": list(range(3, 11)), "source": str(folder)}
-    per_engine = {"fastdecode-int8": {"quantize": "int8"}, "fastdecode-float32": {}}
+    per_engine = {"fastdecode-int8": {"quantize": "int8"}, "fastdecode-int8-avx2": {"quantize": "int8", "avx2_only": True},
+                  "fastdecode-float32": {}}
     ct2_dir = folder.parent / "bart-base-random-ct2"
     skipped = {}
+    if not cpu_has_avx512():
+        del per_engine["fastdecode-int8-avx2"]  # (the same row as fastdecode-int8 there)
     if missing_module("ct2-int8"):
         skipped["ct2-int8"] = skipped["ct2-float32"] = missing_module("ct2-int8")
     elif not (ct2_dir / "model.bin").exists():
@@ -295,7 +308,8 @@ def main() -> None:
     parser.add_argument("--skip-embedded", action="store_true")
     parser.add_argument("--engines", help=f"comma-separated subset of {', '.join(ENGINES)}")
     parser.add_argument("--bart-engines", help="comma-separated subset of the BART row's fastdecode-int8, "
-                        "fastdecode-float32, ct2-int8, ct2-float32 (with --skip-embedded: only the BART row)")
+                        "fastdecode-int8-avx2 (its AVX2 kernels, on a CPU with AVX-512), fastdecode-float32, "
+                        "ct2-int8, ct2-float32 (with --skip-embedded: only the BART row)")
     parser.add_argument("--llama-cpp-bin", default=None,
                         help=f"folder of the llama.cpp binaries (default: $LLAMA_CPP_BIN or {llama_cpp.DEFAULT_BIN})")
     harness.add_worker_arguments(parser)
