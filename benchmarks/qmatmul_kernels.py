@@ -14,10 +14,16 @@ in their own worker processes, alternating (base, new, base, new...), medians ov
 * layouts (one tree, no baseline needed): the raw op on the rows layout (the per-row kernels) vs the
   tiled layout (layers/qtiles.cpp) of the same weights, same library, M = 1, 8 and 512, 1 thread,
   alternating calls, medians: microseconds and the tiled / rows time ratio.
+* isa (one tree; a CPU with AVX-512 VNNI): the same ops on their AVX2 and AVX-512 kernels
+  (``kernels.set_avx512``, the same results), alternating calls, medians: the int8-activation product
+  on bart-base-size int8 matrices (3072x768, 768x3072, the 50265x768 head) at M = 1, 8, 32, 256, and
+  the exact prompt-row product on the embedded model's Q4_1 gate at M = 64 and 512; 1 and 2 threads,
+  multiply-adds per second.
 
     python benchmarks/qmatmul_kernels.py --baseline-src /path/to/main/src [--reps 3] [--threads 1]
         [--jobs kernel,sweep,decode] [--model path/to/model.gguf]
     python benchmarks/qmatmul_kernels.py --jobs layouts
+    python benchmarks/qmatmul_kernels.py --jobs isa
 """
 
 from __future__ import annotations
@@ -133,6 +139,45 @@ def layouts_job() -> None:
                       flush=True)
 
 
+def isa_job() -> None:
+    """Prints one line per (product, M, threads): AVX2 and AVX-512 GMAC/s (alternating calls) and the ratio."""
+    import torch
+
+    import fastdecode
+    from fastdecode.layers import kernels
+    from fastdecode.layers.quantized import quantize_matrix
+
+    if not kernels.set_avx512(True):
+        print("this CPU has no AVX-512 VNNI (or the extension is not built): nothing to compare")
+        return
+    generator = torch.Generator().manual_seed(0)
+    int8 = {f"{n}x{k} int8": quantize_matrix(0.05 * torch.randn(n, k, generator=generator), "int8")
+            for n, k in ((3072, 768), (768, 3072), (50265, 768))}  # [out, in], tiled
+    gate = fastdecode.load().checkpoint.weights["layers.0.gate.weight"].t()  # [out, in] Q4_1
+    qmatmul, exact = kernels.qmatmul_op(), kernels.exact_qmatmul_op()
+    cases = [(label, w, M, lambda x, w, t: qmatmul(x, w.codes, w.scale, w.mins, w.bits, 32, t, 8, w.outputs))
+             for label, w in int8.items() for M in (1, 8, 32, 256)]
+    cases += [("1536x576 Q4_1 gate, exact prompt rows", gate, M,
+               lambda x, w, t: exact(x, w.codes, w.scale, w.mins, w.bits, w.group, t, w.outputs)) for M in (64, 512)]
+    print(f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} cores; medians of alternating calls")
+    print("| product | M | threads | AVX2 GMAC/s | AVX-512 GMAC/s | AVX-512 / AVX2 |")
+    print("|---|---|---|---|---|---|")
+    for label, weight, M, call in cases:
+        x = torch.randn(M, weight.inputs, generator=generator)
+        work = M * weight.inputs * weight.outputs
+        for threads in (1, 2):
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(max(5, min(40, int(4e9 / work)))):
+                for wide in (False, True):
+                    kernels.set_avx512(wide)
+                    started = time.perf_counter()
+                    call(x, weight, threads)
+                    times[wide].append(time.perf_counter() - started)
+            narrow, wide = (work / statistics.median(times[side]) / 1e9 for side in (False, True))
+            print(f"| {label} | {M} | {threads} | {narrow:.0f} | {wide:.0f} | {wide / narrow:.2f} |", flush=True)
+    kernels.set_avx512(True)
+
+
 def decode_job(threads: int, new_tokens: int) -> dict[str, float]:
     import torch
 
@@ -174,11 +219,11 @@ def main() -> None:
                 "decode": lambda: decode_job(args.threads, args.new_tokens)}
         print(json.dumps(jobs[args.worker]()))
         return
-    if args.jobs == "layouts":
-        layouts_job()
+    if args.jobs in ("layouts", "isa"):
+        layouts_job() if args.jobs == "layouts" else isa_job()
         return
     if not args.baseline_src:
-        parser.error("--baseline-src is required (except for --jobs layouts)")
+        parser.error("--baseline-src is required (except for --jobs layouts and isa)")
     sides = {"base": args.baseline_src, "new": args.src}
     samples: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
     load_before = os.getloadavg()[0]
