@@ -215,8 +215,8 @@ void float_tile(const float* x, const float* xsum, int64_t m0, int64_t K, const 
 constexpr int64_t TILES_PER_PASS = 4;
 
 template <int BITS, typename S>
-void tiles_range(const QuantizedRows& q, const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* cp,
-                 const S* sp, const S* mp, float* yp, int64_t N, int64_t t0, int64_t t1) {
+void tiles_range(const QuantizedRows& q, bool wide, const uint8_t* offset, const float* x, const float* xsum, int64_t M, int64_t K,
+                 const uint8_t* cp, const S* sp, const S* mp, float* yp, int64_t N, int64_t t0, int64_t t1) {
   const int64_t blocks = K / 32;
   for (int64_t p = t0; p < t1; p += TILES_PER_PASS) {
     const int64_t p1 = std::min(p + TILES_PER_PASS, t1);
@@ -230,23 +230,23 @@ void tiles_range(const QuantizedRows& q, const float* x, const float* xsum, int6
         for (int64_t t = p; t < p1; ++t) float_tile<BITS, S, 1>(x, xsum, m, K, cp, sp, mp, blocks, t, yp, N);
       continue;
     }
-    if (use_avx512()) {  // the same results, two tiles per instruction (qtiles_avx512.cpp); a last odd tile below
+    if (wide) {  // AVX-512: the same results, two tiles per instruction (qtiles_avx512.cpp); a last odd tile below
       const int64_t pairs_end = p + (p1 - p) / 2 * 2;
       for (; m + 8 <= M; m += 8)
         for (int64_t t = p; t < p1; t += 2)
-          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 8, false>(q, m, cp, sp, mp, blocks, t, yp, N);
+          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 8, true>(q, offset, m, cp, sp, mp, blocks, t, yp, N);
           else for (int64_t r = 0; r < 8; r += 4) int8_tiles<BITS, S, 4, 1, false>(q, m + r, cp, sp, mp, blocks, t, yp, N);
       for (; m + 4 <= M; m += 4)
         for (int64_t t = p; t < p1; t += 2)
-          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 4, false>(q, m, cp, sp, mp, blocks, t, yp, N);
+          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 4, true>(q, offset, m, cp, sp, mp, blocks, t, yp, N);
           else int8_tiles<BITS, S, 4, 1, false>(q, m, cp, sp, mp, blocks, t, yp, N);
       for (; m + 2 <= M; m += 2)
         for (int64_t t = p; t < p1; t += 2)
-          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 2, false>(q, m, cp, sp, mp, blocks, t, yp, N);
+          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 2, true>(q, offset, m, cp, sp, mp, blocks, t, yp, N);
           else int8_tiles<BITS, S, 2, 1, false>(q, m, cp, sp, mp, blocks, t, yp, N);
       for (; m < M; ++m)
         for (int64_t t = p; t < p1; t += 2)
-          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 1, true>(q, m, cp, sp, mp, blocks, t, yp, N);
+          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 1, true>(q, offset, m, cp, sp, mp, blocks, t, yp, N);
           else int8_tiles<BITS, S, 1, 1, true>(q, m, cp, sp, mp, blocks, t, yp, N);
       continue;
     }
@@ -275,9 +275,13 @@ at::Tensor tiled_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const
   const S* sp = scale.data_ptr<S>();
   const S* mp = has_min ? mins->data_ptr<S>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t chunk = chunk_outputs(M * K, TILE) / TILE;  // tiles per claimed chunk
+  // the AVX-512 kernel's unsigned activations for 8-bit codes (qtiles_avx512.cpp)
+  const bool wide = use_avx512();  // read once: the whole product on one kernel
+  const std::vector<uint8_t> offset = !exact && BITS == 8 && wide ? avx512::offset_rows(q) : std::vector<uint8_t>();
+  // tiles per claimed chunk; even for the AVX-512 kernel, so that no piece ends on a lone (AVX2) tile
+  const int64_t chunk = chunk_outputs(M * K, wide ? 2 * TILE : TILE) / TILE;
   parallel_chunks(tiles, chunk, threads, [&](int64_t t0, int64_t t1) {
-    tiles_range<BITS, S>(q, xp, xsum.data(), M, K, cp, sp, mp, yp, N, t0, t1);
+    tiles_range<BITS, S>(q, wide, offset.data(), xp, xsum.data(), M, K, cp, sp, mp, yp, N, t0, t1);
   });
   return y;
 }
