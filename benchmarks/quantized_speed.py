@@ -256,8 +256,8 @@ def bart_section(args) -> str:
     if not (folder / "config.json").exists():
         build_bart().save_pretrained(folder)
     options = {"threads": args.threads, "first_prompt": list(range(3, 11)), "source": str(folder)}
-    per_engine = {"fastdecode-int8": {"quantize": "int8"}, "fastdecode-int8-avx2": {"quantize": "int8", "avx2_only": True},
-                  "fastdecode-float32": {}}
+    per_engine = {"fastdecode-int8": {"quantize": "int8"},
+                  "fastdecode-int8-avx2": {"quantize": "int8", "avx2_only": True}, "fastdecode-float32": {}}
     ct2_dir = folder.parent / "bart-base-random-ct2"
     skipped = {}
     if not cpu_has_avx512():

@@ -219,8 +219,26 @@ def test_tiled_rows_are_the_same_bits_at_every_row_count_and_thread_count(label,
             assert torch.equal(y[::23], alone[: len(y[::23])]), (M, threads)
 
 
+def _avx512_gives_the_avx2_bits(product, rows) -> None:
+    """product(M, threads) -> tensor, once on the AVX-512 kernels and once on the AVX2 ones: bitwise equal
+    for every M in ``rows`` and 1 or 2 threads (the kernels switched back on after)."""
+    try:
+        for M in rows:
+            for threads in (1, 2):
+                assert kernels.set_avx512(True)
+                fast = product(M, threads)
+                assert not kernels.set_avx512(False)
+                assert torch.equal(fast, product(M, threads)), (M, threads)
+    finally:
+        kernels.set_avx512(True)
+
+
+needs_avx512 = pytest.mark.skipif("not kernels.set_avx512()",
+                                  reason="this CPU has no AVX-512 VNNI (the AVX2 kernels serve it)")
+
+
 @needs_kernel
-@pytest.mark.skipif("not kernels.set_avx512()", reason="this CPU has no AVX-512 VNNI (the AVX2 kernels serve it)")
+@needs_avx512
 @pytest.mark.parametrize("label", [label for label, weight in WEIGHTS.items() if weight.is_tiled])
 def test_the_avx512_kernels_give_the_avx2_bits(label):
     """Where the CPU has AVX-512 VNNI the int8 products run two tiles per instruction (qtiles_avx512.cpp);
@@ -230,22 +248,13 @@ def test_the_avx512_kernels_give_the_avx2_bits(label):
     weight = WEIGHTS[label]
     x = torch.randn(45, weight.shape[1], generator=torch.Generator().manual_seed(11))
     op = qmatmul_op()
-    try:
-        for M in (1, 2, 3, 4, 5, 8, 13, 45):
-            for threads in (1, 2):
-                def product():
-                    return op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, 32, threads, 8, weight.outputs)
-
-                assert kernels.set_avx512(True)
-                fast = product()
-                assert not kernels.set_avx512(False)
-                assert torch.equal(fast, product()), (M, threads)
-    finally:
-        kernels.set_avx512(True)
+    _avx512_gives_the_avx2_bits(
+        lambda M, threads: op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, 32, threads, 8,
+                              weight.outputs), (1, 2, 3, 4, 5, 8, 13, 45))
 
 
 @needs_kernel
-@pytest.mark.skipif("not kernels.set_avx512()", reason="this CPU has no AVX-512 (the AVX2 kernels serve it)")
+@needs_avx512
 @pytest.mark.parametrize("label", ["Q4_1 tiled", "Q6_K", "int8", "Q4_1 tiled N=13", "Q8_0 tiled N=5"])
 def test_the_avx512_exact_prompt_kernel_gives_the_avx2_bits(label):
     """Prompt rows' exact products (exact_matmul.cpp) with AVX-512 hold two outputs' 8-lane sums per register:
@@ -253,19 +262,9 @@ def test_the_avx512_exact_prompt_kernel_gives_the_avx2_bits(label):
     weight = WEIGHTS[label]
     x = torch.randn(61, weight.shape[1], generator=torch.Generator().manual_seed(12))
     op = kernels.exact_qmatmul_op()
-    try:
-        for M in (1, 5, 6, 13, 61):
-            for threads in (1, 2):
-                def product():
-                    return op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads,
-                              weight.outputs)
-
-                assert kernels.set_avx512(True)
-                fast = product()
-                assert not kernels.set_avx512(False)
-                assert torch.equal(fast, product()), (M, threads)
-    finally:
-        kernels.set_avx512(True)
+    _avx512_gives_the_avx2_bits(
+        lambda M, threads: op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads,
+                              weight.outputs), (1, 5, 6, 13, 61))
 
 
 def test_the_tiled_layout_is_a_byte_shuffle_of_the_rows_layout():
