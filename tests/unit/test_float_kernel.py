@@ -1,8 +1,9 @@
 """The float32 kernel for generated rows (layers/fmatmul.cpp, ``float_matmul``) and how ``linear`` uses it.
 
-Every output is one fused multiply-add chain over the inputs in order: the tests pin it against a
-float64 product (summation-order error only) and check that a row's bits never depend on the other
-rows of its product, the thread count or how its columns are split, and that ``linear`` gives prompt
+Every output is summed in one fixed order (FMA chains over segments of 64 inputs, added in order): the
+tests pin it against a float64 product (summation-order error only) and check that a row's bits never
+depend on the other rows of its product (batch 1 splits segments, more rows split columns), the thread
+count or how its work is split, and that ``linear`` gives prompt
 rows the GEMM and generated rows the kernel, each row as it would be alone in its role."""
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from fastdecode.layers.linear import linear
 needs_kernel = pytest.mark.skipif("float_matmul_op() is None", reason="no AVX2 extension on this machine")
 
 # (K, N): the decode shapes of a small Llama (Q/K/V, O, MLP), odd sizes (a masked last vector, K not a
-# multiple of 4, N below 8), and a wide matrix split into many column chunks
-SHAPES = [(64, 96), (96, 40), (37, 13), (5, 3), (48, 1100)]
+# multiple of 4, N below 8), a wide matrix split into many column chunks, and several segments of 64 inputs
+# with a partial last one
+SHAPES = [(64, 96), (96, 40), (37, 13), (5, 3), (48, 1100), (200, 72), (136, 1100)]
 
 
 def weights(K: int, N: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,16 +4,21 @@
 // Why: a decode step's products are a few rows against the whole matrix, memory-bound. oneDNN's GEMM
 // runs them well on one thread, but splitting them over OpenMP threads makes the step wait at a
 // barrier for a busy core (layers/threads.py), so they ran on one thread and left the second core's
-// memory bandwidth unused. Here the columns are cut into chunks that the kernel thread pool (parallel.h)
-// hands out, so helpers take part only while they have a core. Each chunk streams the rows of w (runs of
-// its columns, k in order) past accumulators kept in cache: every weight is read once per call, in long
-// sequential runs, and for up to 8 rows at a time.
+// memory bandwidth unused. Here the work is cut into pieces that the kernel thread pool (parallel.h)
+// hands out, so helpers take part only while they have a core. Every weight is read once per call:
+// - one row (batch 1): pieces are segments of SEGMENT rows of w, whole rows wide, so a thread's claim is
+//   one sequential stream of memory, read row after row (the SmolLM2-135M float32 step's products:
+//   45 GB/s on two threads, against 34 GB/s when the columns were split and each thread read short runs
+//   of every row; 29 against 25 GB/s on one thread);
+// - several rows: pieces are blocks of columns; each streams the rows of w (runs of its columns, 4 rows
+//   at a time) past accumulators kept in cache, for up to 8 rows at a time.
 //
-// Arithmetic: each output is one chain of fused multiply-adds over k = 0 .. K-1 in order, starting at
-// 0, then + bias[n] (one rounding). Every (row, column) gets exactly these operations whatever M is,
-// however rows are grouped (8, 4, 2 or 1 at a time, to load each weight vector once for several rows)
-// and however columns are split between threads or masked at the tail, so a row's result never
-// depends on the other rows of its product (batch composition) nor on the thread count.
+// Arithmetic: each output sums its inputs in segments of SEGMENT (k = 0..63, 64..127, ...), each segment
+// one chain of fused multiply-adds in k order starting at 0; then the segment sums are added in order
+// (((s0 + s1) + s2) + ...) and bias[n] (one rounding each). Every (row, column) gets exactly these
+// operations whatever M is, however rows are grouped (8, 4, 2 or 1 at a time), whichever piece a segment
+// or column falls in and however the pieces are split between threads or masked at the tail, so a row's
+// result never depends on the other rows of its product (batch composition) nor on the thread count.
 // It differs from a blocked GEMM only by summation order (error ~ K * 2^-24 relative).
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -34,6 +39,8 @@ namespace {
 constexpr int64_t ACCUMULATORS = 4096;
 constexpr int64_t ONE_ROW_ACCUMULATORS = 32768;
 constexpr int MAX_ROWS = 8;  // rows of x per pass over the weights
+constexpr int64_t SEGMENT = 64;  // inputs per partial sum (the arithmetic: see the top)
+constexpr int64_t SEQUENTIAL_COLUMNS = 8192;  // one row: rows of w up to this wide are read one after another
 // Rows of w prefetched ahead of the ones being read, with several rows per pass (compute keeps the
 // hardware prefetcher behind; with one row software prefetches only slowed it down).
 constexpr int64_t PREFETCH_ROWS = 8;
@@ -71,44 +78,59 @@ void rows_pass(const float* x, int64_t K, const float* w, int64_t N, int64_t m0,
   }
 }
 
-// Rows [m0, m0 + RB) x columns [n, n + width), RB * width <= the accumulators (width a multiple of 8 but at the end).
+// Rows [m0, m0 + RB) x columns [n, n + width) over the inputs [k0, k1) (k0 a multiple of SEGMENT), RB * width
+// <= the accumulators (width a multiple of 8 but at the end), into out[(m0 + r) * N + n ...] (+ bias when
+// given): each segment of SEGMENT inputs summed from 0, the segment sums added in order. One row streams the
+// rows of w one after another (`sequential`: one long read, measured faster than 4 rows at a time for rows
+// of up to SEQUENTIAL_COLUMNS), several rows take 4 rows of w per pass (fewer accumulator loads).
 template <int RB>
-void block(const float* x, int64_t K, const float* w, int64_t N, const float* bias, float* y, int64_t m0, int64_t n,
-           int64_t width) {
-  alignas(32) float acc[RB == 1 ? ONE_ROW_ACCUMULATORS : ACCUMULATORS];  // [RB, stride]
+void block(const float* x, int64_t K, const float* w, int64_t N, int64_t k0, int64_t k1, const float* bias,
+           float* out, int64_t m0, int64_t n, int64_t width, bool sequential) {
+  constexpr int64_t SIZE = RB == 1 ? ONE_ROW_ACCUMULATORS : ACCUMULATORS;
+  alignas(32) float total[SIZE];  // [RB, stride]: the first segment's sums, then the running total
+  alignas(32) float acc[SIZE];  // a later segment's sums
   const int64_t vectors = (width + 7) / 8, stride = 8 * vectors;
   const bool masked = width % 8 != 0;
   const __m256i mask = lanes_below(width % 8);
-  for (int r = 0; r < RB; ++r)
-    for (int64_t v = 0; v < vectors; ++v) _mm256_store_ps(acc + r * stride + 8 * v, _mm256_setzero_ps());
-  int64_t k = 0;
-  for (; k + 4 <= K; k += 4) rows_pass<RB, 4>(x, K, w, N, m0, k, n, stride, vectors, masked, mask, acc);
-  for (; k < K; ++k) rows_pass<RB, 1>(x, K, w, N, m0, k, n, stride, vectors, masked, mask, acc);
+  for (int64_t s0 = k0; s0 < k1; s0 += SEGMENT) {
+    const int64_t s1 = std::min(k1, s0 + SEGMENT);
+    float* sums = s0 == k0 ? total : acc;
+    for (int r = 0; r < RB; ++r)
+      for (int64_t v = 0; v < vectors; ++v) _mm256_store_ps(sums + r * stride + 8 * v, _mm256_setzero_ps());
+    int64_t k = s0;
+    if (!sequential)
+      for (; k + 4 <= s1; k += 4) rows_pass<RB, 4>(x, K, w, N, m0, k, n, stride, vectors, masked, mask, sums);
+    for (; k < s1; ++k) rows_pass<RB, 1>(x, K, w, N, m0, k, n, stride, vectors, masked, mask, sums);
+    if (s0 != k0)
+      for (int64_t i = 0; i < RB * stride; i += 8)
+        _mm256_store_ps(total + i, _mm256_add_ps(_mm256_load_ps(total + i), _mm256_load_ps(acc + i)));
+  }
   for (int r = 0; r < RB; ++r) {
-    float* out = y + (m0 + r) * N + n;
+    float* row = out + (m0 + r) * N + n;
     for (int64_t v = 0; v < vectors; ++v) {
       const bool partial = masked && v == vectors - 1;
-      __m256 sum = _mm256_load_ps(acc + r * stride + 8 * v);
+      __m256 sum = _mm256_load_ps(total + r * stride + 8 * v);
       if (bias != nullptr)
         sum = _mm256_add_ps(sum, partial ? _mm256_maskload_ps(bias + n + 8 * v, mask) : _mm256_loadu_ps(bias + n + 8 * v));
-      if (partial) _mm256_maskstore_ps(out + 8 * v, mask, sum);
-      else _mm256_storeu_ps(out + 8 * v, sum);
+      if (partial) _mm256_maskstore_ps(row + 8 * v, mask, sum);
+      else _mm256_storeu_ps(row + 8 * v, sum);
     }
   }
 }
 
-void columns(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
-             int64_t n0, int64_t n1) {
+void columns(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t k0, int64_t k1,
+             const float* bias, float* out, int64_t n0, int64_t n1) {
   // a multiple of 8: aligned accumulator rows (the one-row blocks of M > 1 use the narrower width too)
   const int64_t widest = M == 1 ? ONE_ROW_ACCUMULATORS : ACCUMULATORS / std::min<int64_t>(M, MAX_ROWS) / 8 * 8;
   for (int64_t n = n0; n < n1; n += widest) {
     const int64_t width = std::min(widest, n1 - n);
+    const bool sequential = width <= SEQUENTIAL_COLUMNS;
     int64_t m = 0;
     static_assert(MAX_ROWS == 8, "the row groups below");
-    for (; m + 8 <= M; m += 8) block<8>(x, K, w, N, bias, y, m, n, width);
-    for (; m + 4 <= M; m += 4) block<4>(x, K, w, N, bias, y, m, n, width);
-    for (; m + 2 <= M; m += 2) block<2>(x, K, w, N, bias, y, m, n, width);
-    for (; m < M; ++m) block<1>(x, K, w, N, bias, y, m, n, width);
+    for (; m + 8 <= M; m += 8) block<8>(x, K, w, N, k0, k1, bias, out, m, n, width, false);
+    for (; m + 4 <= M; m += 4) block<4>(x, K, w, N, k0, k1, bias, out, m, n, width, false);
+    for (; m + 2 <= M; m += 2) block<2>(x, K, w, N, k0, k1, bias, out, m, n, width, false);
+    for (; m < M; ++m) block<1>(x, K, w, N, k0, k1, bias, out, m, n, width, sequential);
   }
 }
 
@@ -129,10 +151,38 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const c10
   const float* wp = weight.data_ptr<float>();
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // Columns per claimed chunk: an eighth of N in multiples of 64 (runs of >= 256 bytes per row of w), at most 512.
+  const int64_t segments = (K + SEGMENT - 1) / SEGMENT;
+  if (M == 1 && segments > 1) {
+    // One row (memory-bound): pieces of whole rows of w, (segment, block of up to ONE_ROW_ACCUMULATORS columns),
+    // segments inner, so that a thread's claim is consecutive rows, read as one stream; each piece's sums go to
+    // its segment's partial row, added in segment order afterwards (the same additions as block's).
+    const int64_t width = ONE_ROW_ACCUMULATORS, blocks = (N + width - 1) / width;
+    at::Tensor partial = at::empty({segments, N}, x.options());
+    float* pp = partial.data_ptr<float>();
+    parallel_chunks(segments * blocks, 1, threads, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t s = p % segments, b = p / segments;
+        columns(xp, 1, K, wp, N, s * SEGMENT, std::min(K, (s + 1) * SEGMENT), nullptr, pp + s * N, b * width,
+                std::min(N, (b + 1) * width));
+      }
+    });
+    for (int64_t n = 0; n < N; n += 8) {  // ((partial 0 + partial 1) + partial 2) ... + bias
+      const int64_t valid = std::min<int64_t>(8, N - n);
+      const __m256i lanes = lanes_below(valid);
+      auto load = [&](const float* p) { return valid == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes); };
+      __m256 sum = load(pp + n);
+      for (int64_t s = 1; s < segments; ++s) sum = _mm256_add_ps(sum, load(pp + s * N + n));
+      if (bp != nullptr) sum = _mm256_add_ps(sum, load(bp + n));
+      if (valid == 8) _mm256_storeu_ps(yp + n, sum);
+      else _mm256_maskstore_ps(yp + n, lanes, sum);
+    }
+    return y;
+  }
+  // Several rows: columns per claimed chunk, an eighth of N in multiples of 64 (runs of >= 256 bytes per row
+  // of w), at most 512; each chunk sums its segments itself.
   const int64_t chunk = std::clamp<int64_t>((N / 8 + 63) / 64 * 64, 64, 512);
   parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) {
-    columns(xp, M, K, wp, N, bp, yp, n0, n1);
+    columns(xp, M, K, wp, N, 0, K, bp, yp, n0, n1);
   });
   return y;
 }

@@ -120,7 +120,7 @@ def cross_attention_op():
 
 def float_matmul_op():
     """torch.ops.fastdecode_kernels.float_matmul (float32 x [M, K] @ w [K, N] + bias for generated rows,
-    each output one fused multiply-add chain: layers/fmatmul.cpp), or None like ``qmatmul_op``."""
+    each output summed in one fixed order: layers/fmatmul.cpp), or None like ``qmatmul_op``."""
     ops = _ops()
     return None if ops is None else ops.float_matmul
 

@@ -13,8 +13,9 @@ Small products run on one thread (``threads.py``).
 
 Generated rows (decode steps, beams; ``quantized.prompt_rows`` marks the others) of a float32 matrix
 held as a contiguous [in, out] buffer take the extension's ``float_matmul`` (layers/fmatmul.cpp)
-instead: each output one fused multiply-add chain in input order, so a row's result is the same
-whatever else is in the product, and its columns split over the kernel thread pool, which at batch 1
+instead: each output summed in one fixed order (fused multiply-add chains over segments of 64 inputs,
+added in order), so a row's result is the same whatever else is in the product, and the work split
+over the kernel thread pool (at batch 1 segments of whole rows, each thread streaming its own), which
 uses the second core's memory bandwidth that the one-thread GEMM leaves idle. Prompt rows keep the
 GEMM (compute-bound there); a step mixing both runs each part its own way, like the quantized kernels
 (its logits layer, over the rows picked for logits, takes the kernel for every row).
