@@ -214,9 +214,23 @@ void float_tile(const float* x, const float* xsum, int64_t m0, int64_t K, const 
 // block passes over them, so each weight byte comes from memory once per call.
 constexpr int64_t TILES_PER_PASS = 4;
 
+// Rows [m, m + RB) x tiles [p, p1) on the AVX-512 kernel, two tiles at a time; a last odd tile on the AVX2 one.
+template <int BITS, typename S, int RB>
+void wide_rows(const QuantizedRows& q, const uint8_t* offset, int64_t m, const uint8_t* cp, const S* sp, const S* mp,
+               int64_t blocks, int64_t p, int64_t p1, float* yp, int64_t N) {
+  int64_t t = p;
+  for (; t + 2 <= p1; t += 2) avx512::int8_tile_pair<BITS, S, RB, true>(q, offset, m, cp, sp, mp, blocks, t, yp, N);
+  constexpr int AVX2_ROWS = RB < 4 ? RB : 4;
+  if (t < p1)
+    for (int r = 0; r < RB; r += AVX2_ROWS)
+      int8_tiles<BITS, S, AVX2_ROWS, 1, RB == 1>(q, m + r, cp, sp, mp, blocks, t, yp, N);
+}
+
+// wide: the AVX-512 kernels (offset: their unsigned activations for 8-bit codes).
 template <int BITS, typename S>
-void tiles_range(const QuantizedRows& q, bool wide, const uint8_t* offset, const float* x, const float* xsum, int64_t M, int64_t K,
-                 const uint8_t* cp, const S* sp, const S* mp, float* yp, int64_t N, int64_t t0, int64_t t1) {
+void tiles_range(const QuantizedRows& q, bool wide, const uint8_t* offset, const float* x, const float* xsum,
+                 int64_t M, int64_t K, const uint8_t* cp, const S* sp, const S* mp, float* yp, int64_t N, int64_t t0,
+                 int64_t t1) {
   const int64_t blocks = K / 32;
   for (int64_t p = t0; p < t1; p += TILES_PER_PASS) {
     const int64_t p1 = std::min(p + TILES_PER_PASS, t1);
@@ -230,24 +244,11 @@ void tiles_range(const QuantizedRows& q, bool wide, const uint8_t* offset, const
         for (int64_t t = p; t < p1; ++t) float_tile<BITS, S, 1>(x, xsum, m, K, cp, sp, mp, blocks, t, yp, N);
       continue;
     }
-    if (wide) {  // AVX-512: the same results, two tiles per instruction (qtiles_avx512.cpp); a last odd tile below
-      const int64_t pairs_end = p + (p1 - p) / 2 * 2;
-      for (; m + 8 <= M; m += 8)
-        for (int64_t t = p; t < p1; t += 2)
-          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 8, true>(q, offset, m, cp, sp, mp, blocks, t, yp, N);
-          else for (int64_t r = 0; r < 8; r += 4) int8_tiles<BITS, S, 4, 1, false>(q, m + r, cp, sp, mp, blocks, t, yp, N);
-      for (; m + 4 <= M; m += 4)
-        for (int64_t t = p; t < p1; t += 2)
-          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 4, true>(q, offset, m, cp, sp, mp, blocks, t, yp, N);
-          else int8_tiles<BITS, S, 4, 1, false>(q, m, cp, sp, mp, blocks, t, yp, N);
-      for (; m + 2 <= M; m += 2)
-        for (int64_t t = p; t < p1; t += 2)
-          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 2, true>(q, offset, m, cp, sp, mp, blocks, t, yp, N);
-          else int8_tiles<BITS, S, 2, 1, false>(q, m, cp, sp, mp, blocks, t, yp, N);
-      for (; m < M; ++m)
-        for (int64_t t = p; t < p1; t += 2)
-          if (t < pairs_end) avx512::int8_tile_pair<BITS, S, 1, true>(q, offset, m, cp, sp, mp, blocks, t, yp, N);
-          else int8_tiles<BITS, S, 1, 1, true>(q, m, cp, sp, mp, blocks, t, yp, N);
+    if (wide) {  // AVX-512: the same results, two tiles per instruction (qtiles_avx512.cpp)
+      for (; m + 8 <= M; m += 8) wide_rows<BITS, S, 8>(q, offset, m, cp, sp, mp, blocks, p, p1, yp, N);
+      for (; m + 4 <= M; m += 4) wide_rows<BITS, S, 4>(q, offset, m, cp, sp, mp, blocks, p, p1, yp, N);
+      for (; m + 2 <= M; m += 2) wide_rows<BITS, S, 2>(q, offset, m, cp, sp, mp, blocks, p, p1, yp, N);
+      for (; m < M; ++m) wide_rows<BITS, S, 1>(q, offset, m, cp, sp, mp, blocks, p, p1, yp, N);
       continue;
     }
     for (; m + 4 <= M; m += 4)
