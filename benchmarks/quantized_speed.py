@@ -242,12 +242,6 @@ def ct2_bart_converter(ctranslate2, folder: Path):
     return PostNormBart(str(folder))
 
 
-def cpu_has_avx512() -> bool:
-    """Whether fastdecode's AVX-512 VNNI kernels can run here (layers/isa.h's flags), read without torch."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"))
-
-
 def bart_section(args) -> str:
     """bart-base size (random weights), 8 sources x 256 tokens, beam 4."""
     from random_models import build_bart
@@ -260,6 +254,8 @@ def bart_section(args) -> str:
                   "fastdecode-int8-avx2": {"quantize": "int8", "avx2_only": True}, "fastdecode-float32": {}}
     ct2_dir = folder.parent / "bart-base-random-ct2"
     skipped = {}
+    from fastdecode.layers.kernels import cpu_has_avx512  # (no torch import)
+
     if not cpu_has_avx512():
         del per_engine["fastdecode-int8-avx2"]  # (the same row as fastdecode-int8 there)
     if missing_module("ct2-int8"):

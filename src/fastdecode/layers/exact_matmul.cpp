@@ -85,6 +85,7 @@ at::Tensor exact_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at:
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t pieces = (N + OUTPUT_CHUNK - 1) / OUTPUT_CHUNK;
+  const bool wide = fastdecode::use_avx512();  // read once: the whole product on one kernel
   fastdecode::parallel_chunks(pieces, 1, threads, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * OUTPUT_CHUNK, n = std::min(OUTPUT_CHUNK, N - n0);
@@ -96,7 +97,7 @@ at::Tensor exact_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at:
       const float* wp = w.data_ptr<float>();
       for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
         const int64_t m1 = std::min(M, m0 + ROW_CHUNK);
-        if (fastdecode::use_avx512()) {  // the same bits, two outputs per register; an odd last output here
+        if (wide) {  // AVX-512: the same bits, two outputs per register; an odd last output here
           const int64_t done = fastdecode::avx512::exact_rows(xp + m0 * K, m1 - m0, K, wp, n, yp + m0 * N + n0, N);
           if (done < n)
             for (int64_t m = m0; m < m1; ++m) dot_block<1, 1>(xp + m * K, K, wp + done * K, K, yp + m * N + n0 + done, N);

@@ -26,12 +26,22 @@ HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-ffp-contract=off"]  # no fused mul+add: bitwise row results
 
 
-def _cpu_has_avx2() -> bool:
+def _cpu_has(*flags: str) -> bool:
+    """Whether /proc/cpuinfo lists every flag (False where it cannot be read). Imports nothing heavy."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        listed = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
+    return all(f" {flag}" in listed for flag in flags)
+
+
+def _cpu_has_avx2() -> bool:
+    return _cpu_has("avx2", "fma", "f16c")
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU can run the AVX-512 VNNI kernels (isa.h's cpu_has_avx512, read without torch)."""
+    return _cpu_has("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 
 
 def _build_dir() -> Path:

@@ -69,12 +69,11 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
   const uint8_t* high_codes = low_codes + blocks * BB;
   const S* low_scale = scale + t0 * blocks * TILE;
   const S* high_scale = low_scale + blocks * TILE;
+  // each row's activation codes: as they are (4-bit codes), or + 128 as unsigned bytes (8-bit codes)
   const int8_t* act[RB];
-  const int8_t* offset[RB];  // 8-bit codes: the activations + 128 (as unsigned bytes)
   const float* act_scale[RB];
   for (int r = 0; r < RB; ++r) {
-    act[r] = q.codes.data() + (m0 + r) * K;
-    offset[r] = BITS == 8 ? reinterpret_cast<const int8_t*>(offset_codes) + (m0 + r) * K : nullptr;
+    act[r] = (BITS == 8 ? reinterpret_cast<const int8_t*>(offset_codes) : q.codes.data()) + (m0 + r) * K;
     act_scale[r] = q.scale.data() + (m0 + r) * blocks;
   }
   __m512 acc[RB];
@@ -110,7 +109,7 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
         const __m512i v = load_pair(w0 + 32 * c, w1 + 32 * c);
         code_sum = _mm512_dpbusd_epi32(code_sum, ones, v);
         for (int r = 0; r < RB; ++r)
-          dot[r] = _mm512_dpbusd_epi32(dot[r], broadcast4(offset[r] + 32 * b + 4 * c), v);
+          dot[r] = _mm512_dpbusd_epi32(dot[r], broadcast4(act[r] + 32 * b + 4 * c), v);
       }
       const __m512i correction = _mm512_slli_epi32(code_sum, 7);  // 128 * sum of the codes
       for (int r = 0; r < RB; ++r) dot[r] = _mm512_sub_epi32(dot[r], correction);
@@ -128,10 +127,11 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
       const S* low_mins = mins + t0 * blocks * TILE;
       const S* high_mins = low_mins + blocks * TILE;
       const float* sums = q.sums.data() + (m0 + r) * blocks;
-      __m512 offset = _mm512_setzero_ps();
+      __m512 min_term = _mm512_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b)
-        offset = _mm512_fmadd_ps(load_scales(low_mins + b * TILE, high_mins + b * TILE), _mm512_set1_ps(sums[b]), offset);
-      total = _mm512_add_ps(total, offset);
+        min_term = _mm512_fmadd_ps(load_scales(low_mins + b * TILE, high_mins + b * TILE), _mm512_set1_ps(sums[b]),
+                                   min_term);
+      total = _mm512_add_ps(total, min_term);
     }
     _mm512_mask_storeu_ps(y + (m0 + r) * N + n, valid, total);
   }

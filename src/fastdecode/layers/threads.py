@@ -84,19 +84,22 @@ def threads_for(work: int):
     """Context manager: torch's threads for an OpenMP op of ``work`` multiply-adds: the caller's when
     the op is big, else one. Inside torch.compile the thread count cannot be traced: the compiled graph
     keeps the caller's."""
-    if torch.compiler.is_compiling():
-        return _UNCHANGED
-    count = caller_threads() if work >= PARALLEL_MIN_WORK else 1
-    return _UNCHANGED if count == torch.get_num_threads() else _Threads(count)
+    return _caller_threads_from(PARALLEL_MIN_WORK, work)
 
 
 def pool_threads_for(work: int):
     """Context manager: torch's threads for an op that splits its work over the kernel thread pool
     (parallel.h) and reads its thread count from torch (the decode attention op): the caller's from
     ``KERNEL_PARALLEL_MIN_WORK`` multiply-adds, else one."""
+    return _caller_threads_from(KERNEL_PARALLEL_MIN_WORK, work)
+
+
+def _caller_threads_from(minimum: int, work: int):
+    """torch's thread count for one op: the caller's from ``minimum`` multiply-adds of ``work``, else one
+    (unchanged inside torch.compile)."""
     if torch.compiler.is_compiling():
         return _UNCHANGED
-    count = caller_threads() if work >= KERNEL_PARALLEL_MIN_WORK else 1
+    count = caller_threads() if work >= minimum else 1
     return _UNCHANGED if count == torch.get_num_threads() else _Threads(count)
 
 
