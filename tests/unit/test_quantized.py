@@ -65,6 +65,26 @@ def test_repacked_blocks_decode_exactly_as_the_gguf_package(qtype):
     assert torch.equal(dequantize(weight, rows), reference[rows])  # embedding lookups decode rows only
 
 
+@pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [48, 13])
+def test_repacking_straight_into_tiles_gives_the_tiled_bytes(qtype, rows):
+    """repack(tile=True) copies the blocks once, straight into the tiled layout (a load's path): the same
+    bytes as tiling the rows layout, for a read-only source (the file's memory map) that stays untouched,
+    and a partial last tile (padded)."""
+    shape = (rows, 512)
+    raw = random_blocks(qtype, shape, seed=3)
+    source = np.frombuffer(raw.tobytes(), dtype=np.uint8).reshape(raw.shape)  # read-only, as the memory map
+    direct, by_rows = repack(qtype.name, source, shape, tile=True), tiled(repack(qtype.name, raw, shape))
+    assert direct.is_tiled == by_rows.is_tiled == (qtype != QT.Q6_K)  # Q6_K has groups of 16: rows layout
+    assert (direct.outputs, direct.shape) == (by_rows.outputs, by_rows.shape)
+    for mine, theirs in ((direct.codes, by_rows.codes), (direct.scale, by_rows.scale), (direct.mins, by_rows.mins)):
+        assert (mine is None) == (theirs is None)
+        if mine is not None:
+            assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+            assert not np.shares_memory(mine.numpy(), source)  # a copy, never the map itself
+    assert torch.equal(dequantize(direct), torch.from_numpy(gguf_dequantize(raw, qtype).reshape(shape)))
+
+
 def _weights_of_every_type():
     """(label, QuantizedWeight [72, 512]) for every GGUF type, in the rows layout (as repacked) and the
     tiled one (as loaded: every type with groups of 32), and quantize="int8" / "int4" (tiled); plus

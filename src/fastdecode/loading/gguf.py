@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, FastDecodeError
-from ..layers.quantized import QuantizedWeight, keeps_rows_layout, tiled
+from ..layers.quantized import QuantizedWeight, keeps_rows_layout
 from ..models.registry import family_for_gguf
 from .checkpoint import Checkpoint, canonical_weights, check_tokenizer_matches
 from .gguf_blocks import REPACKERS, repack
@@ -24,17 +24,18 @@ from .names import check_weight_shapes, resolve_weight_names
 log = logging.getLogger("fastdecode")
 
 
-def _hf_layout(module, canonical: str, weight: QuantizedWeight, config) -> QuantizedWeight:
-    """The family's GGUF -> HF layout function applied to a quantized weight's rows.
+def _hf_layout(module, canonical: str, raw: np.ndarray, config) -> tuple[np.ndarray, bool]:
+    """The family's GGUF -> HF layout function applied to a quantized tensor's block rows [N, bytes]:
+    (rows, transposed).
 
     The function is run on a column of row indices [N, 1]: it comes back with rows reordered (the
-    llama Q/K RoPE permutation: reorder whole rows, codes and scales together) or transposed to
+    llama Q/K RoPE permutation: whole block rows move, codes and scales together) or transposed to
     [1, N] (GPT-2's Conv1D layout: the weight is then seen as [in, out])."""
-    index = module.gguf_to_hf_layout(canonical, np.arange(weight.shape[0])[:, None], config)  # [N, 1] or [1, N]
-    if index.shape[0] == 1 and weight.shape[0] != 1:
-        return weight.t()
+    index = module.gguf_to_hf_layout(canonical, np.arange(raw.shape[0])[:, None], config)  # [N, 1] or [1, N]
+    if index.shape[0] == 1 and raw.shape[0] != 1:
+        return raw, True
     order = index[:, 0]
-    return weight if (order == np.arange(len(order))).all() else weight.take_rows(torch.from_numpy(order))
+    return (raw if (order == np.arange(len(order))).all() else raw[order]), False
 
 
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool = True) -> Checkpoint:
@@ -65,8 +66,9 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool
         canonical, info = canonical_of[name], gguf.tensors[name]
         type_name = info.type_name
         if native and type_name in REPACKERS and len(info.shape) == 2 and "pos_embed" not in canonical:
-            weight = _hf_layout(module, canonical, repack(type_name, gguf.raw(name), info.shape), config)
-            return (weight if keeps_rows_layout(canonical) else tiled(weight)).to(device)  # made once
+            raw, transposed = _hf_layout(module, canonical, gguf.raw(name), config)
+            weight = repack(type_name, raw, info.shape, tile=not keeps_rows_layout(canonical))  # made once
+            return (weight.t() if transposed else weight).to(device)
         if type_name not in ("F32", "F16", "BF16"):
             dequantized_types.add(type_name)
         array = module.gguf_to_hf_layout(canonical_of[name], gguf.dequantized(name), config)
