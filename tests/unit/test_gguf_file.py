@@ -15,7 +15,8 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf import GGUFReader, GGUFValueType, GGUFWriter  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-from fastdecode.loading.gguf_file import GGUFFile  # noqa: E402
+from fastdecode.errors import CheckpointError  # noqa: E402
+from fastdecode.loading.gguf_file import LAZY_STRINGS, GGUFFile, StringArray  # noqa: E402
 
 
 METADATA = [  # (key, value, value type, array item type)
@@ -114,3 +115,40 @@ def test_tensor_table_and_dequantized_values_equal_gguf_reader(everything_file):
         values = ours.dequantized(name)
         assert values.dtype == np.float32 and values.shape == info.shape, name
         np.testing.assert_array_equal(values, expected, err_msg=name)  # NaN == NaN (random K blocks)
+
+
+def _string_array_file(path: Path, strings: list[str]) -> Path:
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_key_value("test.vocabulary", strings, GGUFValueType.ARRAY)
+    writer.add_key_value("test.after", 7, GGUFValueType.UINT32)  # read past the array: its end was found
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_long_string_arrays_are_decoded_when_read(tmp_path):
+    """A vocabulary-size string array stays in the map (StringArray) and reads like the list it encodes."""
+    strings = [f"tok{i}·" * (i % 5) for i in range(LAZY_STRINGS + 3)]
+    parsed = GGUFFile(_string_array_file(tmp_path / "vocabulary.gguf", strings)).metadata
+    array = parsed["test.vocabulary"]
+    assert isinstance(array, StringArray) and parsed["test.after"] == 7
+    assert len(array) == len(strings) and array[5] == strings[5] and array[-1] == strings[-1]
+    assert array[10:20] == strings[10:20] and array == strings and list(array) == strings
+    with pytest.raises(IndexError):
+        array[len(strings)]
+
+
+def test_a_string_that_is_not_utf8_is_named_when_read(tmp_path):
+    strings = [f"t{i}" for i in range(LAZY_STRINGS)]
+    path = _string_array_file(tmp_path / "bad.gguf", strings)
+    data = bytearray(path.read_bytes())
+    at = data.index((4).to_bytes(8, "little") + b"t123") + 8  # string 123: its length (4 bytes), then "t123"
+    data[at] = 0xFF  # "t123" -> b"\xff123": not UTF-8
+    path.write_bytes(bytes(data))
+    array = GGUFFile(path).metadata["test.vocabulary"]
+    assert array[122] == "t122"  # the other strings read as written
+    for read in (lambda: array[123], lambda: list(array)):
+        with pytest.raises(CheckpointError, match="string 123 of an array is not UTF-8"):
+            read()

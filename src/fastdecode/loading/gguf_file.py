@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?
 _NUMPY_DTYPES = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 _LENGTH = struct.Struct("<Q")  # a string's byte count
+LAZY_STRINGS = 4096  # string arrays at least this long (vocabularies, merges) are decoded when read
 
 
 # ggml type code -> (name, elements per block, bytes per block) for the types a load reads without
@@ -122,9 +124,19 @@ class GGUFFile:
             raise ValueError("string runs past the end of the file")
         return self._map[start : self._pos].decode("utf-8")
 
-    def _read_strings(self, count: int) -> list[str]:
-        """A string array (a vocabulary: 262,144 tokens for Gemma 3) in one tight loop, decoded by ``map``."""
+    def _read_strings(self, count: int) -> list[str] | StringArray:
+        """A string array; from ``LAZY_STRINGS`` strings on (a vocabulary: 49,152 tokens and 48,900 merges
+        for SmolLM2, 262,144 tokens for Gemma 3) a ``StringArray``, whose strings are decoded when read."""
         buf, pos, unpack_length = self._map, self._pos, _LENGTH.unpack_from
+        if count >= LAZY_STRINGS:
+            heads = [0] * (count + 1)  # where each string's length field is, then the array's end
+            for index in range(count):
+                heads[index] = pos
+                pos += 8 + unpack_length(buf, pos)[0]
+            if pos > len(buf):
+                raise ValueError("string array runs past the end of the file")
+            heads[count] = self._pos = pos
+            return StringArray(buf, heads, self.path)
         pieces = [b""] * count
         for index in range(count):
             (length,) = unpack_length(buf, pos)
@@ -182,6 +194,56 @@ class GGUFFile:
             except NotImplementedError as exc:
                 raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported type {qtype.name}") from exc
         return values.reshape(info.shape)
+
+
+class StringArray(Sequence[str]):
+    """A metadata string array left in the memory map, each string decoded from UTF-8 when read.
+
+    A load whose tokenizer comes from the cache (tokenizer/cache.py) reads a few of a vocabulary's
+    strings, not all of them (decoding SmolLM2's 98,000 cost 11 ms of its load). Iterating decodes every
+    string once and keeps them. Equal to any sequence of the same strings."""
+
+    __slots__ = ("_buf", "_heads", "_path", "_strings")
+
+    def __init__(self, buf: mmap.mmap, heads: list[int], path: Path):
+        self._buf, self._heads, self._path = buf, heads, path  # heads: length fields' offsets, then the end
+        self._strings: list[str] | None = None
+
+    def __len__(self) -> int:
+        return len(self._heads) - 1
+
+    def __getitem__(self, index):
+        if self._strings is not None or isinstance(index, slice):
+            return self.strings()[index]
+        index = range(len(self))[index]  # negative indices; IndexError past the end
+        return self._decode(self._buf[self._heads[index] + 8 : self._heads[index + 1]], index)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.strings())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and not isinstance(other, (str, bytes)) and self.strings() == list(other)
+
+    __hash__ = None  # a sequence compared by value, as a list
+
+    def strings(self) -> list[str]:
+        """Every string, decoded once."""
+        if self._strings is None:
+            buf, heads = self._buf, self._heads
+            pieces = [buf[start + 8 : end] for start, end in zip(heads, heads[1:])]
+            try:
+                self._strings = list(map(bytes.decode, pieces))
+            except UnicodeDecodeError:
+                for index, piece in enumerate(pieces):
+                    self._decode(piece, index)  # raises, naming the string
+                raise
+        return self._strings
+
+    def _decode(self, piece: bytes, index: int) -> str:
+        try:
+            return piece.decode()
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"corrupt GGUF file {self._path}: string {index} of an array is not UTF-8 ({exc})") from exc
 
 
 def ggml_type(code: int, tensor: str) -> tuple[str, int, int]:

@@ -18,6 +18,7 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 
 from ...errors import TokenizerError
+from ..gguf_file import StringArray
 from .cache import cached_backend
 from .core import template_end_of_turn_ids
 from .pretokenizers import BYTE_LEVEL_PRE_TOKENIZERS
@@ -47,7 +48,7 @@ def gguf_tokenizer_parts(
     if model is None:
         raise TokenizerError(f"{source} has no tokenizer (no 'tokenizer.ggml.model' key)")
     tokens = fields.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, (list, tuple)) or not tokens or set(map(type, tokens)) != {str}:
+    if not _is_string_list(tokens) or not tokens:
         raise TokenizerError(f"{source}: 'tokenizer.ggml.tokens' is missing or not a list of strings")
     n = len(tokens)
     token_types = _int_array(fields, "tokenizer.ggml.token_type", n, source)
@@ -79,23 +80,24 @@ def gguf_tokenizer_parts(
     add_eos = _flag(fields.get("tokenizer.ggml.add_eos_token"), False) and eos is not None
 
     def build() -> tokenizers.Tokenizer:
+        spelled = list(tokens)  # (a StringArray: every string decoded now, once)
         if model == "gpt2":
-            backend = _byte_level_bpe(fields, tokens, token_types, source)
+            backend = _byte_level_bpe(fields, spelled, token_types, source)
         else:
-            backend = _sentencepiece_bpe(fields, tokens, token_types, unk, source)
+            backend = _sentencepiece_bpe(fields, spelled, token_types, unk, source)
         special = set(np.flatnonzero(np.isin(token_types, (_TOKEN_CONTROL, _TOKEN_UNKNOWN))).tolist())
         special |= {i for i in (bos, eos, unk) if i is not None}
         user_defined = [i for i in np.flatnonzero(token_types == _TOKEN_USER_DEFINED).tolist() if i not in special]
         backend.add_special_tokens(
-            [AddedToken(tokens[i], special=True, normalized=False) for i in sorted(special) if tokens[i]]
+            [AddedToken(spelled[i], special=True, normalized=False) for i in sorted(special) if spelled[i]]
         )
         if user_defined:
             backend.add_tokens(
-                [AddedToken(tokens[i], special=False, normalized=False) for i in user_defined if tokens[i]]
+                [AddedToken(spelled[i], special=False, normalized=False) for i in user_defined if spelled[i]]
             )
         if add_bos or add_eos:
             backend.post_processor = _template_processor(
-                (tokens[bos], bos) if add_bos else None, (tokens[eos], eos) if add_eos else None
+                (spelled[bos], bos) if add_bos else None, (spelled[eos], eos) if add_eos else None
             )
         return backend
 
@@ -302,8 +304,13 @@ def _int_array(fields: Mapping[str, Any], key: str, n: int, source: str) -> np.n
     return np.array(value, dtype=np.int64)
 
 
+def _is_string_list(value: Any) -> bool:
+    """A list of strings: a list or tuple of str, or a GGUF string array (``StringArray``: strings by type)."""
+    return isinstance(value, StringArray) or isinstance(value, (list, tuple)) and not set(map(type, value)) - {str}
+
+
 def _merge_pairs(merges: Any, source: str) -> list[tuple[str, str]]:
-    if not isinstance(merges, (list, tuple)) or set(map(type, merges)) - {str}:
+    if not _is_string_list(merges):
         raise TokenizerError(f"{source}: tokenizer.ggml.merges is not a list of strings")
     pairs = list(map(tuple, map(str.split, merges, repeat(" "))))
     if set(map(len, pairs)) - {2}:
