@@ -223,15 +223,15 @@ def test_4_bit_codes_at_the_extremes_do_not_overflow_the_int16_block_sums():
 @pytest.mark.parametrize("label", [label for label, weight in WEIGHTS.items() if weight.is_tiled])
 @pytest.mark.parametrize("activation_bits", [8, 32])
 def test_tiled_rows_are_the_same_bits_at_every_row_count_and_thread_count(label, activation_bits):
-    """The tiled kernels block rows by 8, 4, 2 and 1 and outputs by tiles (chunks of tiles per thread):
-    a row's bits must not depend on M, on its position or on the thread count, and a partial last tile
-    must give its real outputs only."""
+    """The tiled kernels block rows by 8, 4, 2 and 1, in blocks that stay in L2 (192 to 768 rows here), and
+    outputs by tiles (chunks of tiles per thread): a row's bits must not depend on M, on its position or on
+    the thread count, and a partial last tile must give its real outputs only."""
     weight = WEIGHTS[label]
-    x = torch.randn(300, weight.shape[1], generator=torch.Generator().manual_seed(10))
+    x = torch.randn(800, weight.shape[1], generator=torch.Generator().manual_seed(10))
     op = qmatmul_op()
     alone = torch.cat([op(x[m : m + 1], weight.codes, weight.scale, weight.mins, weight.bits, 32, 1, activation_bits,
-                          weight.outputs) for m in range(0, 300, 23)])  # rows 0, 23, ... one at a time
-    for M in (1, 3, 8, 33, 300):
+                          weight.outputs) for m in range(0, 800, 23)])  # rows 0, 23, ... one at a time
+    for M in (1, 3, 8, 33, 300, 800):
         for threads in (1, 2):
             y = op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, 32, threads, activation_bits,
                    weight.outputs)

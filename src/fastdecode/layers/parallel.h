@@ -65,9 +65,11 @@ class ChunkPool {
   static constexpr int64_t WAKE_INTERVAL_MICROSECONDS = 2000;  // callers wake sleeping helpers at most this often
   static constexpr int64_t FINAL_SPIN_MICROSECONDS = 20;     // the caller, for pieces helpers hold
   static constexpr int64_t MAX_PIECE_CHUNKS = 16;  // what a helper preempted mid-piece can make the caller wait for
-  // Jobs of at least this many chunks (of >= CHUNK_WORK multiply-adds: tens of microseconds and more) are
-  // handed out even when no helper spins: a helper's wake-up is short beside them.
+  // Jobs of at least this many chunks (of >= CHUNK_WORK multiply-adds: tens of microseconds and more), or
+  // of LONG_JOB_WORK multiply-adds when the caller says how much a chunk is (a product of thousands of rows:
+  // few chunks, each long), are handed out even when no helper spins: a helper's wake-up is short beside them.
   static constexpr int64_t LONG_JOB_CHUNKS = 64;
+  static constexpr int64_t LONG_JOB_WORK = int64_t{1} << 24;  // ~50-100 us on one core
 
   // The process's pool (a new one after fork: the parent's threads do not exist in the child).
   static ChunkPool& instance() {
@@ -83,9 +85,10 @@ class ChunkPool {
   }
 
   // Runs body(begin, end) over [0, n) in pieces of whole `chunk`s (the last may be shorter) on this
-  // thread and up to threads - 1 helpers (one thread per core at most).
+  // thread and up to threads - 1 helpers (one thread per core at most); chunk_work: multiply-adds per
+  // chunk, 0 where unknown.
   template <typename F>
-  void run(int64_t n, int64_t chunk, int threads, const F& body) {
+  void run(int64_t n, int64_t chunk, int threads, const F& body, int64_t chunk_work = 0) {
     const int64_t chunks = (n + chunk - 1) / chunk;
     static const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
     const int helpers = static_cast<int>(std::min<int64_t>({threads - 1, chunks - 1, cores - 1, MAX_HELPERS}));
@@ -102,7 +105,7 @@ class ChunkPool {
     if (spinning_.load(std::memory_order_seq_cst) == 0 ||
         now_microseconds() - heartbeat_.load(std::memory_order_relaxed) > HEARTBEAT_MICROSECONDS) {  // no helper has a core now
       wake_helpers();
-      if (chunks < LONG_JOB_CHUNKS) {
+      if (chunks < LONG_JOB_CHUNKS && chunks * chunk_work < LONG_JOB_WORK) {
         run_alone(n, body);
         owner_.clear(std::memory_order_release);
         return;
@@ -277,9 +280,10 @@ class ChunkPool {
 
 // body(begin, end) over [0, n) in pieces of whole `chunk`s, on up to `threads` threads (at most one
 // per core; see above). body must compute each output the same whatever range it is given.
-// threads <= 0: torch's thread count (at::get_num_threads()) when the call runs.
+// threads <= 0: torch's thread count (at::get_num_threads()) when the call runs. chunk_work: the
+// multiply-adds of one chunk where they are many (a long job is handed out even when no helper spins).
 template <typename F>
-inline void parallel_chunks(int64_t n, int64_t chunk, int64_t threads, const F& body) {
+inline void parallel_chunks(int64_t n, int64_t chunk, int64_t threads, const F& body, int64_t chunk_work = 0) {
   if (n <= 0) return;
   if (threads <= 0) threads = at::get_num_threads();
   chunk = std::max<int64_t>(1, chunk);
@@ -287,7 +291,7 @@ inline void parallel_chunks(int64_t n, int64_t chunk, int64_t threads, const F& 
     run_alone(n, body);
     return;
   }
-  ChunkPool::instance().run(n, chunk, static_cast<int>(threads), body);
+  ChunkPool::instance().run(n, chunk, static_cast<int>(threads), body, chunk_work);
 }
 
 // Outputs per chunk (the smallest piece): about CHUNK_WORK multiply-adds (a few microseconds: the

@@ -281,9 +281,10 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   const S* sp = scale.data_ptr<S>();
   const S* mp = mins.has_value() && mins->defined() ? mins->data_ptr<S>() : nullptr;
   float* yp = y.data_ptr<float>();
-  fastdecode::parallel_chunks(N, fastdecode::chunk_outputs(M * K, 32), threads, [&](int64_t n0, int64_t n1) {
+  const int64_t chunk = fastdecode::chunk_outputs(M * K, 32);
+  fastdecode::parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) {
     outputs_range<BITS, G, S>(q, xp, xsum.data(), M, K, cp, sp, mp, yp, N, n0, n1);
-  });
+  }, chunk * M * K);
   return y;
 }
 
