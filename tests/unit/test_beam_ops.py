@@ -55,6 +55,9 @@ def test_beam_candidates_match_torch(V, banned, first_step):
     for b in range(B):  # a sample alone: bitwise the same
         alone = beam_candidates_op()(logits[b * K : (b + 1) * K].contiguous(), running[b].contiguous(), banned, K, keep)
         assert torch.equal(alone[0], scores[b : b + 1]) and torch.equal(alone[1], indices[b : b + 1])
+    for _ in range(3):  # samples split over two threads (the kernel pool): the same bits
+        split = beam_candidates_op()(logits, running.reshape(-1).contiguous(), banned, K, keep, 2)
+        assert torch.equal(split[0], scores) and torch.equal(split[1], indices)
 
 
 @needs_kernels

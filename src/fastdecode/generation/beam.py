@@ -24,7 +24,7 @@ from ..engine.plan import StepPlan, attention_terms
 from ..engine.slots import BLOCK_SIZE, SlotCache
 from ..layers.kernels import beam_candidates_op
 from ..layers.quantized import prompt_rows
-from ..layers.threads import threads_for
+from ..layers.threads import caller_threads, threads_for
 from .decode import SequenceResult
 from .sampling import TokenSelector
 from .step import Started
@@ -214,6 +214,7 @@ class BeamSearch:
         final: list = [None] * B  # per original sample: (tokens [K, max_new], lengths [K], scores [K])
 
         running = torch.zeros(B, K, device=device)
+        threads = caller_threads()  # the candidates op's (the loop's small ops run on one)
         running[:, 1:] = NEG  # only one beam is real at the first step
         running_tokens = torch.zeros(B, K, max_new, dtype=torch.long, device=device)
         fin_tokens = torch.zeros_like(running_tokens)
@@ -224,7 +225,7 @@ class BeamSearch:
         for step in range(max_new):
             self.steps = step + 1
             with threads_for(0):  # small ops, on one thread (see ``decode``)
-                top_lp, top_index = self._candidates(logits, running, step, n_keep)  # [B, 2K]
+                top_lp, top_index = self._candidates(logits, running, step, n_keep, threads)  # [B, 2K]
                 top_beam, top_token = top_index // V, top_index % V
                 cand_tokens = _gather(running_tokens, top_beam)  # [B, 2K, max_new]
                 cand_tokens[:, :, step] = top_token
@@ -288,17 +289,18 @@ class BeamSearch:
             final[original] = (fin_tokens[sample], fin_length[sample], fin_scores[sample])
         self.results = self._collect(*(torch.stack(parts) for parts in zip(*final)))
 
-    def _candidates(self, logits: torch.Tensor, running: torch.Tensor, step: int,
-                    n_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _candidates(self, logits: torch.Tensor, running: torch.Tensor, step: int, n_keep: int,
+                    threads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sample's ``n_keep`` best continuations: scores and indices (beam * V + token) [B, n_keep]
         of log_softmax(logits [B*K, V]), processed, plus the beams' running scores [B, K]. When the step's
-        processors only suppress tokens, one pass of the C++ op (layers/beam_search.cpp) instead of
-        five [B*K, V] tensors and a sort of K*V scores per sample."""
+        processors only suppress tokens, one pass of the C++ op (layers/beam_search.cpp, samples split
+        over ``threads`` of the kernel pool) instead of five [B*K, V] tensors and a sort of K*V scores per
+        sample."""
         B, K = running.shape
         banned = self.selector.suppressed_only(step)
         op = beam_candidates_op() if banned is not None and logits.dtype == torch.float32 and logits.is_cpu else None
         if op is not None:
-            return op(logits.contiguous(), running.reshape(-1).contiguous(), banned.cpu(), K, n_keep)
+            return op(logits.contiguous(), running.reshape(-1).contiguous(), banned.cpu(), K, n_keep, threads)
         V = logits.shape[-1]
         logp = self.selector.process(torch.log_softmax(logits.float(), dim=-1), step)  # [B*K, V]
         total = (logp.view(B, K, V) + running[:, :, None]).view(B, K * V)

@@ -219,7 +219,7 @@ def _register_fake() -> None:
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("fastdecode_kernels::beam_candidates")
-    def _beam_candidates_fake(logits, running, banned, K, keep):  # [B*K, V] -> scores, indices [B, keep]
+    def _beam_candidates_fake(logits, running, banned, K, keep, threads=1):  # [B*K, V] -> scores, indices [B, keep]
         B = logits.shape[0] // K
         return logits.new_empty((B, keep)), logits.new_empty((B, keep), dtype=torch.long)
 
