@@ -239,6 +239,23 @@ def test_tiled_rows_are_the_same_bits_at_every_row_count_and_thread_count(label,
             assert torch.equal(y[::23], alone[: len(y[::23])]), (M, threads)
 
 
+@needs_kernel
+@pytest.mark.parametrize("label", list(WEIGHTS))
+def test_a_bias_added_inside_the_kernel_is_the_same_addition(label):
+    """qmatmul(..., bias) adds the bias to each output once it is summed: bitwise product + bias, in every
+    layout, row block and thread count (and quantized_linear passes it there)."""
+    weight = WEIGHTS[label]
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(800, weight.shape[1], generator=generator)
+    bias = torch.randn(weight.outputs, generator=generator)
+    op = qmatmul_op()
+    for M in (1, 8, 800):
+        for threads in (1, 2):
+            args = (x[:M], weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads, 8, weight.outputs)
+            assert torch.equal(op(*args, bias), op(*args) + bias), (M, threads)
+    assert torch.equal(quantized.quantized_linear(x[:8], weight, bias), quantized.quantized_linear(x[:8], weight, None) + bias)
+
+
 def _avx512_gives_the_avx2_bits(product, rows) -> None:
     """product(M, threads) -> tensor, once on the AVX-512 kernels and once on the AVX2 ones: bitwise equal
     for every M in ``rows`` and 1 or 2 threads (the kernels switched back on after)."""

@@ -42,12 +42,14 @@ constexpr int64_t kProductInts = 5;
 constexpr int64_t kProductTensors = 4;
 
 at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const OptionalTensor& mins,
-                   int64_t bits, int64_t group, int64_t threads, int64_t activation_bits, int64_t outputs) {
+                   int64_t bits, int64_t group, int64_t threads, int64_t activation_bits, int64_t outputs,
+                   const OptionalTensor& bias) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("fastdecode_kernels::qmatmul", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                               const OptionalTensor&, int64_t, int64_t, int64_t, int64_t, int64_t)>();
-  return op.call(x, codes, scale, mins, bits, group, threads, activation_bits, outputs);
+                                               const OptionalTensor&, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                               const OptionalTensor&)>();
+  return op.call(x, codes, scale, mins, bits, group, threads, activation_bits, outputs, bias);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_heads(const at::Tensor& qkv, int64_t H, int64_t Hkv,
@@ -105,9 +107,11 @@ at::Tensor product(const at::Tensor& rows, const c10::List<OptionalTensor>& weig
   TORCH_CHECK(codes.has_value(), "decode_block: product ", p, " has no weight");
   if (ints[i] == 0) return float_matmul(rows, *codes, bias, ints[i + 4]);
   TORCH_CHECK(scale.has_value(), "decode_block: quantized product ", p, " has no scales");
+  // a float32 bias is added inside (as quantized_linear passes it), another after (promoted the same way)
+  const bool inside = bias.has_value() && bias->scalar_type() == at::kFloat && bias->is_contiguous();
   at::Tensor out = qmatmul(rows, *codes, *scale, weights.get(t + 2), ints[i], ints[i + 1], ints[i + 4], ints[i + 2],
-                           ints[i + 3]);
-  if (bias.has_value()) out.add_(*bias);
+                           ints[i + 3], inside ? bias : c10::nullopt);
+  if (bias.has_value() && !inside) out.add_(*bias);
   return out;
 }
 

@@ -337,16 +337,38 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c1
   TORCH_CHECK(false, "no kernel for bits=", bits, " group=", group);
 }
 
-// x [M, K] float32 -> y [M, N] float32, activations quantized to int8 per 32 (see the top of the file).
+at::Tensor rows_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t threads,
+                        int64_t activation_bits);
+
+// x [M, K] float32 -> y [M, N] float32 (+ bias [N] float32, added to each output once it is summed: the
+// same float addition as adding it after), activations quantized to int8 per 32 (see the top of the file).
 at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                    const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t threads, int64_t activation_bits,
-                   int64_t outputs) {
+                   int64_t outputs, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(activation_bits == 8 || activation_bits == 32, "activation_bits is 8 or 32, not ", activation_bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->dim() == 1 && bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->device().is_cpu(),
+                "bias must be contiguous float32 [N] on the CPU");
   if (codes.dim() == 3) {  // the tiled layout (qtiles.cpp)
     TORCH_CHECK(group == 32, "tiled codes have groups of 32, not ", group);
-    return fastdecode::tiled_qmatmul(x, codes, scale, mins, bits, outputs, threads, activation_bits);
+    return fastdecode::tiled_qmatmul(x, codes, scale, mins, bits, outputs, threads, activation_bits,
+                                     has_bias ? bias->data_ptr<float>() : nullptr, has_bias ? bias->numel() : 0);
   }
+  at::Tensor y = rows_qmatmul(x, codes, scale, mins, bits, group, threads, activation_bits);
+  if (has_bias) {
+    TORCH_CHECK(bias->numel() == y.size(1), "bias has ", bias->numel(), " values for ", y.size(1), " outputs");
+    y.add_(*bias);
+  }
+  return y;
+}
+
+// The rows layout (every format, Q6_K's groups of 16 included).
+at::Tensor rows_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t threads,
+                        int64_t activation_bits) {
   TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "codes and scales must be contiguous");
   TORCH_CHECK(x.size(1) == scale.size(1) * group, "x has ", x.size(1), " inputs, the weight ", scale.size(1) * group);
   TORCH_CHECK(x.size(1) % 32 == 0, "activations are quantized in blocks of 32: ", x.size(1), " inputs");
@@ -366,7 +388,7 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 
 // A CPU kernel (not a composite one), so kernels.py can give the op a fake kernel for torch.compile.
 TORCH_LIBRARY(fastdecode_kernels, m) {
-  m.def("qmatmul(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int threads, int activation_bits=8, int outputs=-1) -> Tensor");
+  m.def("qmatmul(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int threads, int activation_bits=8, int outputs=-1, Tensor? bias=None) -> Tensor");
   m.def("dequantize(Tensor codes, Tensor scale, Tensor? mins, int bits, int group, int threads, int outputs=-1) -> Tensor");
 }
 

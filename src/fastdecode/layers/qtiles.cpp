@@ -214,6 +214,14 @@ void float_tile(const float* x, const float* xsum, int64_t m0, int64_t K, const 
 // block passes over them, so each weight byte comes from memory once per call.
 constexpr int64_t TILES_PER_PASS = 4;
 
+// y[m, n] += bias[n] for rows [m0, m1), outputs [n0, n1) of y [M, N].
+inline void add_bias(const float* bias, int64_t m0, int64_t m1, int64_t n0, int64_t n1, float* y, int64_t N) {
+  for (int64_t m = m0; m < m1; ++m) {
+    float* row = y + m * N;
+    for (int64_t n = n0; n < n1; ++n) row[n] += bias[n];
+  }
+}
+
 // Activation bytes of the rows a pass over the tiles reads: within L2 (512 KB per core on Zen 2-4, 1 MB on
 // Zen 5; blocks of 256 or 512 rows of K = 768 measured alike on Zen 5).
 constexpr int64_t ROW_BLOCK_BYTES = 384 << 10;
@@ -275,7 +283,8 @@ void tiles_range(const QuantizedRows& q, bool wide, const uint8_t* offset, const
 
 template <int BITS, typename S>
 at::Tensor tiled_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                             const c10::optional<at::Tensor>& mins, int64_t N, int64_t threads, int64_t activation_bits) {
+                             const c10::optional<at::Tensor>& mins, int64_t N, int64_t threads, int64_t activation_bits,
+                             const float* bias) {
   const int64_t M = x.size(0), K = x.size(1), tiles = codes.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   const bool exact = activation_bits == 32, has_min = mins.has_value() && mins->defined();
@@ -298,6 +307,7 @@ at::Tensor tiled_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const
     const int64_t chunk = chunk_outputs((m1 - m0) * K, wide ? 2 * TILE : TILE) / TILE;
     parallel_chunks(tiles, chunk, threads, [&](int64_t t0, int64_t t1) {
       tiles_range<BITS, S>(q, wide, offset.data(), xp, xsum.data(), m0, m1, K, cp, sp, mp, yp, N, t0, t1);
+      if (bias != nullptr) add_bias(bias, m0, m1, t0 * TILE, std::min(N, t1 * TILE), yp, N);  // (in cache still)
     }, chunk * TILE * (m1 - m0) * K);
   }
   return y;
@@ -390,16 +400,17 @@ void check_tiled(const at::Tensor& codes, const at::Tensor& scale, const c10::op
 
 at::Tensor tiled_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                          const c10::optional<at::Tensor>& mins, int64_t bits, int64_t outputs, int64_t threads,
-                         int64_t activation_bits) {
+                         int64_t activation_bits, const float* bias, int64_t bias_size) {
   if (outputs < 0) outputs = codes.size(0) * TILE;
   check_tiled(codes, scale, mins, bits, outputs);
   TORCH_CHECK(x.size(1) == 32 * codes.size(1), "x has ", x.size(1), " inputs, the weight ", 32 * codes.size(1));
+  TORCH_CHECK(bias == nullptr || bias_size == outputs, "bias has ", bias_size, " values for ", outputs, " outputs");
   const bool half = scale.scalar_type() == at::kHalf;
   if (bits == 4)
-    return half ? tiled_matmul_impl<4, at::Half>(x, codes, scale, mins, outputs, threads, activation_bits)
-                : tiled_matmul_impl<4, float>(x, codes, scale, mins, outputs, threads, activation_bits);
-  return half ? tiled_matmul_impl<8, at::Half>(x, codes, scale, mins, outputs, threads, activation_bits)
-              : tiled_matmul_impl<8, float>(x, codes, scale, mins, outputs, threads, activation_bits);
+    return half ? tiled_matmul_impl<4, at::Half>(x, codes, scale, mins, outputs, threads, activation_bits, bias)
+                : tiled_matmul_impl<4, float>(x, codes, scale, mins, outputs, threads, activation_bits, bias);
+  return half ? tiled_matmul_impl<8, at::Half>(x, codes, scale, mins, outputs, threads, activation_bits, bias)
+              : tiled_matmul_impl<8, float>(x, codes, scale, mins, outputs, threads, activation_bits, bias);
 }
 
 at::Tensor tiled_dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,

@@ -260,6 +260,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         roles = _ROLES.get()
     if op is None or roles is ALL_PROMPT:
         out = _exact_product(rows, weight)
+    elif roles is None and bias is not None and bias.dtype == torch.float32 and bias.dim() == 1 and bias.is_contiguous():
+        out, bias = _kernel_product(op, rows, weight, bias), None  # added inside, while the outputs are in cache
     elif roles is None:
         out = _kernel_product(op, rows, weight)
     else:  # a step mixing prompt and generated rows: each part its own way
@@ -269,17 +271,17 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         out[roles.generated] = _kernel_product(op, rows[roles.generated], weight)
         out[roles.prompt] = _exact_product(rows[roles.prompt], weight)
     if bias is not None:
-        out += bias  # (a fresh tensor: in place saves a pass over it)
+        out += bias  # (a fresh tensor: in place saves a pass over it; the same float addition as the kernel's)
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], N)  # [..., N]
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def _kernel_product(op, rows: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """rows [M, K] float32 -> [M, N] through the AVX2 kernel."""
+def _kernel_product(op, rows: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [M, K] float32 -> [M, N] (+ bias: float32 [N]) through the AVX2 / AVX-512 kernel."""
     M, K, N = rows.shape[0], weight.inputs, weight.outputs
     return op(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
-              weight.bits, weight.group, kernel_threads(M * K * N), weight.activation_bits, weight.outputs)
+              weight.bits, weight.group, kernel_threads(M * K * N), weight.activation_bits, weight.outputs, bias)
 
 
 def _exact_product(rows: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
