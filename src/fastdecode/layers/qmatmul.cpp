@@ -274,7 +274,8 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   const bool exact = activation_bits == 32;
-  const QuantizedRows q = exact ? QuantizedRows{K, {}, {}, {}} : quantize_rows<G>(x.data_ptr<float>(), M, K);
+  const bool has_min = mins.has_value() && mins->defined();
+  const QuantizedRows q = exact ? QuantizedRows{K, {}, {}, {}} : quantize_rows<G>(x.data_ptr<float>(), M, K, has_min);
   const float* xp = exact ? x.data_ptr<float>() : nullptr;
   const std::vector<float> xsum = exact && mins.has_value() && mins->defined() ? group_sums<G>(xp, M, K) : std::vector<float>();
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());

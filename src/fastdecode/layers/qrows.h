@@ -36,13 +36,15 @@ struct QuantizedRows {
   int64_t K;
   std::vector<int8_t> codes;  // [M, K]
   std::vector<float> scale;   // [M, K/32]: d, x ~ d * code
-  std::vector<float> sums;    // [M, K/G]: d * (sum of the codes) per weight group, for the mins term
+  std::vector<float> sums;    // [M, K/G]: d * (sum of the codes) per weight group, for the mins term (or empty)
 };
 
+// with_sums: the code sums too (read only by weights with mins: a third of the quantization's time).
 template <int G>
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, bool with_sums = true) {
   const int64_t blocks = K / 32;
-  QuantizedRows q{K, std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * K / G)};
+  QuantizedRows q{K, std::vector<int8_t>(M * K), std::vector<float>(M * blocks),
+                  std::vector<float>(with_sums ? M * K / G : 0)};
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t i = 0; i < M * blocks; ++i) {
@@ -60,6 +62,7 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
     const __m256i ordered = _mm256_permutevar8x32_epi32(packed, order);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.codes.data() + 32 * i), ordered);
     q.scale[i] = d;
+    if (!with_sums) continue;
     // code sums per group: lanes 0-3 of `fours` sum inputs 0..15, lanes 4-7 inputs 16..31 (exact in float)
     const __m256 fours = _mm256_cvtepi32_ps(
         _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), ordered), _mm256_set1_epi16(1)));
