@@ -195,10 +195,11 @@ def embedded_section(args) -> str:
                      "call sends its prompts as concurrent /completion requests (greedy, ignore_eos, exactly the new "
                      "tokens) and is timed to the last answer; load and first token: process start to a ready "
                      "/health and to a 1-token completion")
-    return "\n".join(lines + targets(rates, {r[0]: r for r in rows}))
+    native_engine_s = peers["fastdecode-native"].ready.get("engine_s") if "fastdecode-native" in peers else None
+    return "\n".join(lines + targets(rates, {r[0]: r for r in rows}, native_engine_s))
 
 
-def targets(rate: dict[str, list[float]], rows: dict[str, list[str]]) -> list[str]:
+def targets(rate: dict[str, list[float]], rows: dict[str, list[str]], native_engine_s: float | None) -> list[str]:
     def ratio(a: str, b: str, index: int) -> str:
         if a not in rate or b not in rate:
             return "n/a (not run)"
@@ -210,8 +211,9 @@ def targets(rate: dict[str, list[float]], rows: dict[str, list[str]]) -> list[st
         f"- batch 8, native vs CTranslate2 int8: {ratio('fastdecode-native', 'ct2-int8', 1)} (target >= 1.5x)",
         f"- batch 8, native vs llama.cpp: {ratio('fastdecode-native', 'llama.cpp', 1)}",
         f"- prompt processing, native vs llama.cpp: {ratio('fastdecode-native', 'llama.cpp', 2)} (target >= 1x)",
-        f"- load {native[1] if native else '?'} s (target <= 1 s), first token {native[2] if native else '?'} s "
-        "after process start (target <= 1.5 s)",
+        f"- load {native[1] if native else '?'} s after process start (target <= 1 s; fastdecode.load() itself "
+        f"{f'{native_engine_s:.2f}' if native_engine_s is not None else '?'} s, the rest Python and import torch), "
+        f"first token {native[2] if native else '?'} s after process start (target <= 1.5 s)",
         f"- float32 batch 1 vs CTranslate2 float32: {ratio('fastdecode-float32', 'ct2-float32', 0)} (target >= 1x)",
     ]
 
