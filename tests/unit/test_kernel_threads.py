@@ -158,3 +158,32 @@ def test_linear_on_two_threads_equals_one_thread_for_every_row_count(kind):
             assert torch.equal(results[0], results[1]), rows
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_new", "relu"])
+def test_a_big_activation_gets_the_callers_threads_and_the_same_bits(activation, monkeypatch):
+    """linear(..., activation) over an encoder-size output ([256, 3072]): the activation runs on the
+    caller's threads (threads_for), a decode-size one ([8, 3072]) on one; the bits are the same."""
+    torch.manual_seed(4)
+    weight = quantize_matrix(torch.randn(3072, 768) * 0.05, "int8")
+    bias = torch.randn(3072)
+    seen = []
+    real = thread_policy.threads_for
+
+    def recording(work):
+        seen.append(work)
+        return real(work)
+
+    monkeypatch.setattr("fastdecode.layers.linear.threads_for", recording)
+    previous = torch.get_num_threads()
+    try:
+        for rows, big in ((256, True), (8, False)):
+            x = torch.randn(rows, 768)
+            results = []
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                results.append(thread_policy.one_thread_except_big_ops(lambda: linear(x, weight, bias, activation))())
+            assert torch.equal(results[0], results[1]), rows
+            assert (seen[-1] >= thread_policy.PARALLEL_MIN_WORK) == big
+    finally:
+        torch.set_num_threads(previous)
