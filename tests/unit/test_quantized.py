@@ -251,9 +251,11 @@ def test_a_bias_added_inside_the_kernel_is_the_same_addition(label):
     op = qmatmul_op()
     for M in (1, 8, 800):
         for threads in (1, 2):
-            args = (x[:M], weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads, 8, weight.outputs)
+            args = (x[:M], weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads, 8,
+                    weight.outputs)
             assert torch.equal(op(*args, bias), op(*args) + bias), (M, threads)
-    assert torch.equal(quantized.quantized_linear(x[:8], weight, bias), quantized.quantized_linear(x[:8], weight, None) + bias)
+    fused = quantized.quantized_linear(x[:8], weight, bias)
+    assert torch.equal(fused, quantized.quantized_linear(x[:8], weight, None) + bias)
 
 
 def _avx512_gives_the_avx2_bits(product, rows) -> None:

@@ -9,9 +9,10 @@
 // total = log_softmax(logits) (banned ids -inf) + running. Equal scores keep the lower index first.
 // The PyTorch chain writes five [B*K, V] tensors per step (log_softmax, the suppression's copy,
 // the running sum, ...) and sorts 2 x 10^5 scores per sample; here each row is read three times
-// (max, sum of exp, candidates) and nothing of its size is written; samples run on the kernel pool. The exponentials are exp8's
-// (vec_math.h, relative error ~2e-7; PyTorch's are SLEEF's, twice the time here) and the sum runs in
-// another order, so scores differ from PyTorch's by a few float32 roundings. A row's scores depend on that row only: batched == alone, bitwise.
+// (max, sum of exp, candidates) and nothing of its size is written; samples run on the kernel pool.
+// The exponentials are exp8's (vec_math.h, relative error ~2e-7; PyTorch's are SLEEF's, twice the time
+// here) and the sum runs in another order, so scores differ from PyTorch's by a few float32 roundings.
+// A row's scores depend on that row only: batched == alone, bitwise.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <immintrin.h>

@@ -202,7 +202,8 @@ def _register_fake() -> None:
     import torch
 
     @torch.library.register_fake("fastdecode_kernels::qmatmul")
-    def _qmatmul_fake(x, codes, scale, mins, bits, group, threads, activation_bits=8, outputs=-1, bias=None):  # x [M, K] -> [M, N]
+    def _qmatmul_fake(x, codes, scale, mins, bits, group, threads, activation_bits=8, outputs=-1,
+                      bias=None):  # x [M, K] -> [M, N]
         return x.new_empty((x.shape[0], _outputs(codes, scale, outputs)))
 
     @torch.library.register_fake("fastdecode_kernels::exact_qmatmul")

@@ -260,7 +260,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         roles = _ROLES.get()
     if op is None or roles is ALL_PROMPT:
         out = _exact_product(rows, weight)
-    elif roles is None and bias is not None and bias.dtype == torch.float32 and bias.dim() == 1 and bias.is_contiguous():
+    elif (roles is None and bias is not None and bias.dtype == torch.float32 and bias.dim() == 1
+          and bias.is_contiguous()):
         out, bias = _kernel_product(op, rows, weight, bias), None  # added inside, while the outputs are in cache
     elif roles is None:
         out = _kernel_product(op, rows, weight)

@@ -243,7 +243,9 @@ class StringArray(Sequence[str]):
         try:
             return piece.decode()
         except UnicodeDecodeError as exc:
-            raise CheckpointError(f"corrupt GGUF file {self._path}: string {index} of an array is not UTF-8 ({exc})") from exc
+            raise CheckpointError(
+                f"corrupt GGUF file {self._path}: string {index} of an array is not UTF-8 ({exc})"
+            ) from exc
 
 
 def ggml_type(code: int, tensor: str) -> tuple[str, int, int]:
