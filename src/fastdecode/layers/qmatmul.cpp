@@ -277,10 +277,10 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   const bool has_min = mins.has_value() && mins->defined();
   const QuantizedRows q = exact ? QuantizedRows{K, {}, {}, {}} : quantize_rows<G>(x.data_ptr<float>(), M, K, has_min);
   const float* xp = exact ? x.data_ptr<float>() : nullptr;
-  const std::vector<float> xsum = exact && mins.has_value() && mins->defined() ? group_sums<G>(xp, M, K) : std::vector<float>();
+  const std::vector<float> xsum = exact && has_min ? group_sums<G>(xp, M, K) : std::vector<float>();
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const S* sp = scale.data_ptr<S>();
-  const S* mp = mins.has_value() && mins->defined() ? mins->data_ptr<S>() : nullptr;
+  const S* mp = has_min ? mins->data_ptr<S>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t chunk = fastdecode::chunk_outputs(M * K, 32);
   fastdecode::parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) {

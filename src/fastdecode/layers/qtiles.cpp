@@ -243,9 +243,8 @@ void wide_rows(const QuantizedRows& q, const uint8_t* offset, int64_t m, const u
       int8_tiles<BITS, S, AVX2_ROWS, 1, RB == 1>(q, m + r, cp, sp, mp, blocks, t, yp, N);
 }
 
-// wide: the AVX-512 kernels (offset: their unsigned activations for 8-bit codes).
+// Rows [m0, M) x tiles [t0, t1); wide: the AVX-512 kernels (offset: their unsigned activations for 8-bit codes).
 template <int BITS, typename S>
-// Rows [m0, M) x tiles [t0, t1).
 void tiles_range(const QuantizedRows& q, bool wide, const uint8_t* offset, const float* x, const float* xsum,
                  int64_t m0, int64_t M, int64_t K, const uint8_t* cp, const S* sp, const S* mp, float* yp, int64_t N,
                  int64_t t0, int64_t t1) {

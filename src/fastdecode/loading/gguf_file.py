@@ -125,28 +125,19 @@ class GGUFFile:
         return self._map[start : self._pos].decode("utf-8")
 
     def _read_strings(self, count: int) -> list[str] | StringArray:
-        """A string array; from ``LAZY_STRINGS`` strings on (a vocabulary: 49,152 tokens and 48,900 merges
-        for SmolLM2, 262,144 tokens for Gemma 3) a ``StringArray``, whose strings are decoded when read."""
+        """A string array: where each string is, found in one tight loop; from ``LAZY_STRINGS`` strings on (a
+        vocabulary: 49,152 tokens and 48,900 merges for SmolLM2, 262,144 tokens for Gemma 3) a ``StringArray``,
+        whose strings are decoded when read, else the decoded list."""
         buf, pos, unpack_length = self._map, self._pos, _LENGTH.unpack_from
-        if count >= LAZY_STRINGS:
-            heads = [0] * (count + 1)  # where each string's length field is, then the array's end
-            for index in range(count):
-                heads[index] = pos
-                pos += 8 + unpack_length(buf, pos)[0]
-            if pos > len(buf):
-                raise ValueError("string array runs past the end of the file")
-            heads[count] = self._pos = pos
-            return StringArray(buf, heads, self.path)
-        pieces = [b""] * count
+        heads = [0] * (count + 1)  # where each string's length field is, then the array's end
         for index in range(count):
-            (length,) = unpack_length(buf, pos)
-            pos += 8
-            pieces[index] = buf[pos : pos + length]
-            pos += length
+            heads[index] = pos
+            pos += 8 + unpack_length(buf, pos)[0]
         if pos > len(buf):
             raise ValueError("string array runs past the end of the file")
-        self._pos = pos
-        return list(map(bytes.decode, pieces))
+        heads[count] = self._pos = pos
+        array = StringArray(buf, heads, self.path)
+        return array if count >= LAZY_STRINGS else array.strings()
 
     def _read_value(self, value_type: int) -> Any:
         if value_type in _SCALAR_FORMATS:
