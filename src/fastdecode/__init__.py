@@ -54,11 +54,14 @@ def load(source: str | None = None, device: str = "cpu", dtype: str = "float32",
     return _load(source, device=device, dtype=dtype, quantize=quantize)
 
 
-def from_hf(hf_model: Any, tokenizer: Any = None) -> "Generator":
-    """Wrap an in-memory ``transformers`` model (weights shared, not copied)."""
+def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None) -> "Generator":
+    """Wrap an in-memory ``transformers`` model (weights shared, not copied).
+
+    quantize: None (float), or "int8" / "int4" (its float matrices quantized into new tables, as ``load``
+    does; the model itself is left as it is)."""
     from .api import from_hf as _from_hf
 
-    return _from_hf(hf_model, tokenizer=tokenizer)
+    return _from_hf(hf_model, tokenizer=tokenizer, quantize=quantize)
 
 
 def __getattr__(name: str) -> Any:

@@ -54,8 +54,7 @@ def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "fl
          quantize: str | None = None) -> "Generator":
     """quantize: None (GGUF blocks run as they are, float checkpoints stay float), "int8" / "int4"
     (float matrices quantized at load), "dequantize" (GGUF blocks decoded to ``dtype`` at load)."""
-    from .loading.quantize import (INT8_SEQ2SEQ_ACTIVATIONS, check_quantize, int8_everywhere, logits_layer_precise,
-                                   quantize_weights)
+    from .loading.quantize import apply_quantize, check_quantize
 
     check_quantize(quantize)
     torch_device, torch_dtype = resolve_device(device), resolve_dtype(dtype)
@@ -72,19 +71,17 @@ def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "fl
         checkpoint = load_gguf(path, torch_dtype, torch_device, native=quantize != "dequantize")
     else:
         raise ModelNotFoundError(f"{path} is neither a Hugging Face model folder nor a .gguf file")
-    if quantize in ("int8", "int4"):
-        checkpoint.weights = quantize_weights(checkpoint.weights, quantize)
-    if quantize in ("int8", "int4") and checkpoint.family.is_encoder_decoder and INT8_SEQ2SEQ_ACTIVATIONS:
-        checkpoint.weights = int8_everywhere(checkpoint.weights)  # as CTranslate2 (loading/quantize.py)
-    else:
-        checkpoint.weights = logits_layer_precise(checkpoint.weights)
-    return Generator(checkpoint)
+    return Generator(apply_quantize(checkpoint, quantize))
 
 
-def from_hf(hf_model: Any, tokenizer: Any = None) -> "Generator":
+def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None) -> "Generator":
+    """quantize: as for ``load`` ("int8" / "int4": the model's float matrices quantized into new tables, the
+    model itself untouched; None and "dequantize": its weights shared as they are)."""
     from .loading.from_hf import checkpoint_from_hf
+    from .loading.quantize import apply_quantize, check_quantize
 
-    return Generator(checkpoint_from_hf(hf_model, tokenizer))
+    check_quantize(quantize)
+    return Generator(apply_quantize(checkpoint_from_hf(hf_model, tokenizer), quantize))
 
 
 def _slots_for(lengths: list[int], bytes_per_token: int) -> int:

@@ -43,8 +43,9 @@ def hf_tokenizer(vocab_size: int, specials: list[str]):
     return backend
 
 
-def tiny_chat_generator(seed: int = 0):
-    """A fastdecode Generator: tiny random Llama + trained BPE with <|im_end|> as EOS and ChatML."""
+def tiny_chat_generator(seed: int = 0, quantize: str | None = None):
+    """A fastdecode Generator: tiny random Llama + trained BPE with <|im_end|> as EOS and ChatML
+    (``quantize``: as ``from_hf``'s)."""
     import torch
     import transformers as tf
 
@@ -61,7 +62,7 @@ def tiny_chat_generator(seed: int = 0):
     model = tf.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # a peaked output layer: varied, not uniform, token choices
         model.lm_head.weight.mul_(8.0)
-    return fastdecode.from_hf(model, tokenizer)
+    return fastdecode.from_hf(model, tokenizer, quantize=quantize)
 
 
 def tiny_bart_generator():

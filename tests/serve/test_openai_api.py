@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_helpers import chat_generator, serve, server, tiny_bart_generator  # noqa: F401 (fixtures)
+from serve_helpers import chat_generator, serve, server, tiny_bart_generator, tiny_chat_generator  # noqa: F401
 
 openai = pytest.importorskip("openai")
 
@@ -137,3 +137,20 @@ def test_encoder_decoder_model():
         assert completion_texts(client, False, prompt=source, max_tokens=10, extra_body={"num_beams": 3}) == [beams]
         with pytest.raises(openai.BadRequestError, match="encoder-decoder"):
             client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=4)
+
+
+def test_quantized_model_served_equals_offline():
+    """int8 weights behind the server: greedy (streamed and whole), seeded sampling and beam search answer as
+    the same quantized Generator does offline (the n = 2 samples decoded together)."""
+    quantized = tiny_chat_generator(quantize="int8")
+    with serve(quantized) as server:
+        client = server.client()
+        for stream in (False, True):
+            assert completion_texts(client, stream, prompt="Hello there", max_tokens=12, temperature=0) == [
+                quantized.generate("Hello there", max_new_tokens=12)]
+        sampled = completion_texts(client, False, prompt="A cat", max_tokens=8, temperature=1.0, n=2, seed=5)
+        assert sampled == [quantized.generate("A cat", max_new_tokens=8, do_sample=True, temperature=1.0, seed=5 + j)
+                           for j in range(2)]
+        response = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=6,
+                                                  extra_body={"num_beams": 2})
+        assert response.choices[0].message.content == quantized.generate(QUESTION, max_new_tokens=6, num_beams=2)

@@ -123,6 +123,32 @@ def test_int8_everywhere_only_for_encoder_decoder_models(tmp_path):
     assert weights["lm_head.weight"].codes is weights["embed.weight"].codes and weights["embed.weight"].is_tiled
 
 
+@pytest.mark.parametrize("kind", ["llama-gqa", "gpt2", "bart", "t5"])
+def test_from_hf_quantizes_an_in_memory_model_as_load_does_its_folder(kind, tmp_path):
+    """``from_hf(model, quantize=...)``: the same tables, so the same logits and tokens bit for bit, as
+    ``load(folder, quantize=...)`` on the saved model; the model's own float weights are left as they were."""
+    from tiny_encdec import save_tiny_encdec_folder
+    from tiny_models import save_tiny_folder
+
+    seq2seq = kind in ("bart", "t5")
+    hf = save_tiny_encdec_folder(tmp_path, kind) if seq2seq else save_tiny_folder(tmp_path, kind)
+    before = {name: p.detach().clone() for name, p in hf.state_dict().items()}
+    prompts = _decoder_prompts()[:3]
+    options = {"max_new_tokens": 6, "min_new_tokens": 6}
+    for quantize in ("int8", "int4"):
+        loaded = fastdecode.load(str(tmp_path), quantize=quantize)
+        wrapped = fastdecode.from_hf(hf, quantize=quantize)
+        assert wrapped.inspect()["weight_bytes_read_per_token"] == loaded.inspect()["weight_bytes_read_per_token"]
+        if not seq2seq:
+            assert torch.equal(prefill_logits(wrapped, prompts[0]), prefill_logits(loaded, prompts[0]))
+        assert wrapped.generate_ids(prompts, **options) == loaded.generate_ids(prompts, **options)
+        assert wrapped.generate_ids(prompts, num_beams=3, **options) == loaded.generate_ids(prompts, num_beams=3,
+                                                                                           **options)
+    assert all(torch.equal(p, before[name]) for name, p in hf.state_dict().items())
+    with pytest.raises(InvalidOptionError, match="quantize"):
+        fastdecode.from_hf(hf, quantize="int3")
+
+
 def test_int4_quantizes_and_runs(tmp_path):
     from tiny_models import save_tiny_folder
 

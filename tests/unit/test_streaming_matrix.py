@@ -1,7 +1,7 @@
 """Streaming on every attention kind, with every strategy it allows: greedy past n_ctx equals the
 explicit definition (shift) or the naive loop (re-evaluate), batched prompts equal each prompt
-alone (greedy and seeded sampling), and refusals are typed (learned positions cannot shift, beam
-search cannot stream)."""
+alone (greedy and seeded sampling), on float and on quantized weights, and refusals are typed
+(learned positions cannot shift, beam search cannot stream)."""
 
 from __future__ import annotations
 
@@ -67,3 +67,18 @@ def test_beam_search_cannot_stream(kind_gen):
     _, gen = kind_gen
     with pytest.raises(InvalidOptionError, match="streaming cache"):
         gen.generate_ids([[3, 4, 5]], max_new_tokens=4, num_beams=2, **STREAM)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["llama-mqa", "qwen2-swa", "gemma3", "bloom", "gpt2"])
+def test_quantized_weights_stream_batched_as_each_alone(kind, quantize):
+    """Quantized weights (prompt rows exact, generated rows the int8 kernel) through both policies: a prompt
+    past n_ctx and one crossing it while generating, batched, give each prompt's tokens alone."""
+    gen = fastdecode.from_hf(build(kind), quantize=quantize)
+    prompts = [_prompt(22, 4), _prompt(6, 5)]
+    for policy in ["reevaluate"] + (["shift"] if kind != "gpt2" else []):
+        for sampling in [{}, {"do_sample": True, "top_k": 20, "seed": 3}]:
+            options = {"max_new_tokens": 16, "policy": policy, **STREAM, **sampling}
+            together = gen.generate_ids(prompts, **options)
+            assert together == [gen.generate_ids([p], **options)[0] for p in prompts]
+            assert all(len(tokens) == 16 for tokens in together)

@@ -31,6 +31,20 @@ def check_quantize(quantize: str | None) -> None:
         raise InvalidOptionError(f"quantize must be None or one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
 
 
+def apply_quantize(checkpoint, quantize: str | None):
+    """``checkpoint`` with its weights as ``quantize`` asks (``load``'s and ``from_hf``'s last step): float
+    matrices quantized for "int8" / "int4" (encoder-decoder models then on int8 activations everywhere, as
+    CTranslate2), and a quantized LM head, a GGUF's included, on float32 activations otherwise. (Callers check
+    ``quantize`` first, before loading anything.)"""
+    if quantize in ("int8", "int4"):
+        checkpoint.weights = quantize_weights(checkpoint.weights, quantize)
+    if quantize in ("int8", "int4") and checkpoint.family.is_encoder_decoder and INT8_SEQ2SEQ_ACTIVATIONS:
+        checkpoint.weights = int8_everywhere(checkpoint.weights)
+    else:
+        checkpoint.weights = logits_layer_precise(checkpoint.weights)
+    return checkpoint
+
+
 def logits_layer_precise(weights: dict[str, torch.Tensor | QuantizedWeight]) -> dict:
     """A quantized LM head runs its decode products on float32 activations (``quantized.for_logits``);
     other matrices, the embedding view of a tied head included, are unchanged."""
@@ -47,14 +61,18 @@ def int8_everywhere(weights: dict[str, torch.Tensor | QuantizedWeight]) -> dict:
     gather from that layout, one copy). For encoder-decoder models quantized at load."""
     head = weights.get("lm_head.weight")
     tiled_head = tiled(head) if isinstance(head, QuantizedWeight) else None
+    done: dict[int, QuantizedWeight] = {}  # id of a table -> its conversion: names sharing a table still share one
 
     def converted(weight):
         if not isinstance(weight, QuantizedWeight):
             return weight
-        if tiled_head is not None and weight.codes is head.codes:
-            weight = dataclasses.replace(weight, codes=tiled_head.codes, scale=tiled_head.scale, mins=tiled_head.mins,
-                                         outputs=tiled_head.outputs)
-        return int8_prompt_rows(weight)
+        if id(weight) not in done:
+            new = weight
+            if tiled_head is not None and weight.codes is head.codes:
+                new = dataclasses.replace(weight, codes=tiled_head.codes, scale=tiled_head.scale, mins=tiled_head.mins,
+                                          outputs=tiled_head.outputs)
+            done[id(weight)] = int8_prompt_rows(new)
+        return done[id(weight)]
 
     return {name: converted(weight) for name, weight in weights.items()}
 
