@@ -63,6 +63,23 @@ def test_a_row_gets_the_same_bits_at_every_row_count_thread_count_and_position(K
 
 
 @needs_kernel
+@pytest.mark.parametrize("K, N", [(1536, 576), (200, 32776)])
+def test_one_row_partial_sums_added_while_the_pieces_run_are_the_in_order_additions(K, N):
+    """At batch 1 the segments' partial rows are added into the output by whichever thread finishes a piece,
+    in segment order (fmatmul.cpp's add_ready): on two threads, call after call (the pieces finishing in
+    varying order), a row is the bits of the serial run and of the several-rows path's in-order additions;
+    24 segments in one column block, and 4 segments in two blocks (the second 8 columns wide)."""
+    w, bias, x = weights(K, N, seed=11)
+    op = float_matmul_op()
+    row = x[:1].contiguous()
+    serial = op(row, w, bias, 1)
+    assert torch.equal(op(x[:2], w, bias, 1)[:1], serial)  # the several-rows path adds in the same order
+    for _ in range(200 if K * N < 2**21 else 20):
+        assert torch.equal(op(row, w, bias, 2), serial)
+        assert torch.equal(op(row, w, None, 2) + bias, serial)
+
+
+@needs_kernel
 def test_kernel_rejects_what_it_cannot_read():
     op = float_matmul_op()
     w = torch.randn(8, 16)

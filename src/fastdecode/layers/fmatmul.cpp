@@ -25,7 +25,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <vector>
 
 #include "parallel.h"
 
@@ -155,27 +157,53 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const c10
   if (M == 1 && segments > 1) {
     // One row (memory-bound): pieces of whole rows of w, (segment, block of up to ONE_ROW_ACCUMULATORS columns),
     // segments inner, so that a thread's claim is consecutive rows, read as one stream; each piece's sums go to
-    // its segment's partial row, added in segment order afterwards (the same additions as block's).
+    // its segment's partial row. The partial rows are added into y in segment order (((0 + 1) + 2) ... + bias: the
+    // same additions as block's) while the pieces run, not in a serial pass after them: the thread that finishes a
+    // piece adds every finished row next in order, its own still in cache (add_ready).
     const int64_t width = ONE_ROW_ACCUMULATORS, blocks = (N + width - 1) / width;
     at::Tensor partial = at::empty({segments, N}, x.options());
     float* pp = partial.data_ptr<float>();
+    std::vector<std::atomic<bool>> ready(segments * blocks);
+    std::vector<std::atomic<bool>> adding(blocks);
+    std::vector<int64_t> added(blocks, 0);  // per block: segments added so far (written under its `adding`)
+    for (auto& r : ready) r.store(false, std::memory_order_relaxed);  // [blocks, segments]: partial rows written
+    for (auto& a : adding) a.store(false, std::memory_order_relaxed);
+    // Block b's finished rows, next in order, added into y by one thread at a time (the one holding adding[b]). A
+    // thread that finds the block held leaves its row to the holder, which looks again after letting go: every
+    // row is added by the time the last piece's body returns (sequentially consistent flags: no row is missed).
+    auto add_ready = [&](int64_t b) {
+      const int64_t n0 = b * width, n1 = std::min(N, n0 + width);
+      for (;;) {
+        if (adding[b].exchange(true, std::memory_order_seq_cst)) return;  // held: the holder adds our row
+        int64_t s = added[b];
+        for (; s < segments && ready[b * segments + s].load(std::memory_order_seq_cst); ++s) {
+          const bool last = s == segments - 1;
+          for (int64_t n = n0; n < n1; n += 8) {
+            const int64_t valid = std::min<int64_t>(8, n1 - n);
+            const __m256i lanes = lanes_below(valid);
+            auto load = [&](const float* p) { return valid == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes); };
+            __m256 sum = load(pp + s * N + n);
+            if (s > 0) sum = _mm256_add_ps(load(yp + n), sum);
+            if (last && bp != nullptr) sum = _mm256_add_ps(sum, load(bp + n));
+            if (valid == 8) _mm256_storeu_ps(yp + n, sum);
+            else _mm256_maskstore_ps(yp + n, lanes, sum);
+          }
+        }
+        added[b] = s;
+        adding[b].store(false, std::memory_order_seq_cst);
+        // the next row finished while we held the block: its thread left it to us
+        if (s == segments || !ready[b * segments + s].load(std::memory_order_seq_cst)) return;
+      }
+    };
     parallel_chunks(segments * blocks, 1, threads, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t s = p % segments, b = p / segments;
         columns(xp, 1, K, wp, N, s * SEGMENT, std::min(K, (s + 1) * SEGMENT), nullptr, pp + s * N, b * width,
                 std::min(N, (b + 1) * width));
+        ready[p].store(true, std::memory_order_seq_cst);
+        add_ready(b);
       }
     });
-    for (int64_t n = 0; n < N; n += 8) {  // ((partial 0 + partial 1) + partial 2) ... + bias
-      const int64_t valid = std::min<int64_t>(8, N - n);
-      const __m256i lanes = lanes_below(valid);
-      auto load = [&](const float* p) { return valid == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes); };
-      __m256 sum = load(pp + n);
-      for (int64_t s = 1; s < segments; ++s) sum = _mm256_add_ps(sum, load(pp + s * N + n));
-      if (bp != nullptr) sum = _mm256_add_ps(sum, load(bp + n));
-      if (valid == 8) _mm256_storeu_ps(yp + n, sum);
-      else _mm256_maskstore_ps(yp + n, lanes, sum);
-    }
     return y;
   }
   // Several rows: columns per claimed chunk, an eighth of N in multiples of 64 (runs of >= 256 bytes per row
