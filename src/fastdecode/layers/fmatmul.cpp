@@ -163,10 +163,10 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const c10
     const int64_t width = ONE_ROW_ACCUMULATORS, blocks = (N + width - 1) / width;
     at::Tensor partial = at::empty({segments, N}, x.options());
     float* pp = partial.data_ptr<float>();
-    std::vector<std::atomic<bool>> ready(segments * blocks);
-    std::vector<std::atomic<bool>> adding(blocks);
+    std::vector<std::atomic<bool>> ready(segments * blocks);  // [blocks, segments]: the piece's partial row is written
+    std::vector<std::atomic<bool>> adding(blocks);  // per block: a thread is adding its rows into y
     std::vector<int64_t> added(blocks, 0);  // per block: segments added so far (written under its `adding`)
-    for (auto& r : ready) r.store(false, std::memory_order_relaxed);  // [blocks, segments]: partial rows written
+    for (auto& r : ready) r.store(false, std::memory_order_relaxed);
     for (auto& a : adding) a.store(false, std::memory_order_relaxed);
     // Block b's finished rows, next in order, added into y by one thread at a time (the one holding adding[b]). A
     // thread that finds the block held leaves its row to the holder, which looks again after letting go: every

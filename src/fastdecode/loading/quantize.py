@@ -1,4 +1,4 @@
-"""``load(..., quantize="int8" | "int4")``: a float checkpoint's matrices quantized once at load.
+"""``load(..., quantize="int8" | "int4")`` (and ``from_hf``'s): a float checkpoint's matrices quantized once at load.
 
 Quantized: every linear weight (canonical [in, out], quantized as its [out, in] rows) and the token
 embedding tables ([V, C], one row per token; a tied LM head shares the embedding's quantized table).
