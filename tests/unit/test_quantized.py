@@ -254,6 +254,8 @@ def test_a_bias_added_inside_the_kernel_is_the_same_addition(label):
             args = (x[:M], weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads, 8,
                     weight.outputs)
             assert torch.equal(op(*args, bias), op(*args) + bias), (M, threads)
+    with pytest.raises(RuntimeError, match=f"bias has {weight.outputs - 1} values for {weight.outputs} outputs"):
+        op(*args, bias[:-1])
     fused = quantized.quantized_linear(x[:8], weight, bias)
     assert torch.equal(fused, quantized.quantized_linear(x[:8], weight, None) + bias)
 

@@ -213,8 +213,8 @@ class BeamSearch:
         alive = list(range(B))  # original sample index of each sample still searching
         final: list = [None] * B  # per original sample: (tokens [K, max_new], lengths [K], scores [K])
 
-        running = torch.zeros(B, K, device=device)
         threads = caller_threads()  # the candidates op's (the loop's small ops run on one)
+        running = torch.zeros(B, K, device=device)
         running[:, 1:] = NEG  # only one beam is real at the first step
         running_tokens = torch.zeros(B, K, max_new, dtype=torch.long, device=device)
         fin_tokens = torch.zeros_like(running_tokens)

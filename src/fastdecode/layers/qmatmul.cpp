@@ -358,11 +358,11 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     return fastdecode::tiled_qmatmul(x, codes, scale, mins, bits, outputs, threads, activation_bits,
                                      has_bias ? bias->data_ptr<float>() : nullptr, has_bias ? bias->numel() : 0);
   }
+  // (the rows layout has one scale row per output; checked before the product)
+  TORCH_CHECK(!has_bias || bias->numel() == scale.size(0), "bias has ", bias->numel(), " values for ", scale.size(0),
+              " outputs");
   at::Tensor y = rows_qmatmul(x, codes, scale, mins, bits, group, threads, activation_bits);
-  if (has_bias) {
-    TORCH_CHECK(bias->numel() == y.size(1), "bias has ", bias->numel(), " values for ", y.size(1), " outputs");
-    y.add_(*bias);
-  }
+  if (has_bias) y.add_(*bias);
   return y;
 }
 
