@@ -12,6 +12,7 @@ import torch
 
 from .config import GenerationConfig, ModelConfig
 from .errors import (
+    GenerationCancelledError,
     InvalidOptionError,
     ModelNotFoundError,
     PromptTooLongError,
@@ -82,6 +83,11 @@ def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None) -
 
     check_quantize(quantize)
     return Generator(apply_quantize(checkpoint_from_hf(hf_model, tokenizer), quantize))
+
+
+def _check_stop(should_stop: Callable[[], bool] | None) -> None:
+    if should_stop is not None and should_stop():
+        raise GenerationCancelledError("the generation was cancelled by its caller")
 
 
 def _slots_for(lengths: list[int], bytes_per_token: int) -> int:
@@ -245,7 +251,11 @@ class Generator:
         ``prompts``: a list of token-id lists (or 1-D tensors / arrays), or a 2-D tensor / array."""
         return [r.tokens for r in self.generate_ids_with_details(prompts, **options)]
 
-    def generate_ids_with_details(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[SequenceResult]:
+    def generate_ids_with_details(self, prompts: Sequence[Sequence[int]],
+                                  should_stop: Callable[[], bool] | None = None,
+                                  **options: Any) -> list[SequenceResult]:
+        """``should_stop``: asked before each step (e.g. from another thread); True raises
+        GenerationCancelledError and frees what the run holds."""
         prompts = validation.token_prompts(prompts)
         config = self._options(options)
         stops = config.stop_strings()
@@ -254,12 +264,14 @@ class Generator:
         if self._runs_in_engine(config):
             engine, sequences = self._submit_all(list(prompts), config)
             while engine.has_work():
+                _check_stop(should_stop)
                 engine.step()
             return [SequenceResult(s.output_ids, s.stop_kind) for s in sequences]
         results: list[SequenceResult] = []
         for loop in self._loops(list(prompts), config):
             watchers = [TextWatcher(self.tokenizer, stops) for _ in loop.results] if stops else None
             for events in loop:
+                _check_stop(should_stop)
                 for index, token in events if watchers else ():
                     watchers[index].push(token)
                     if watchers[index].matcher.stopped:

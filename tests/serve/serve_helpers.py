@@ -96,11 +96,13 @@ class RunningServer:
     def __init__(self, app):
         import uvicorn
 
+        from fastdecode.serve.server import uvicorn_config
+
         self.app = app
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = self.base + "/v1"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "RunningServer":
