@@ -40,11 +40,15 @@ def request_bytes(path: str, body: dict, host: str = "127.0.0.1") -> bytes:
 
 
 def answer(sock: socket.socket, timeout: float = 10.0) -> bytes:
-    """Everything the server sends until it closes the connection (fails past ``timeout``)."""
+    """Everything the server sends until it closes the connection (fails past ``timeout``). A reset
+    ends it too: a server closing while a byte it has not read is in flight sends RST, not FIN."""
     sock.settimeout(timeout)
     data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
     return data
 
 
@@ -99,6 +103,19 @@ def test_beam_search_is_bounded_by_the_queue_and_cancelled_on_disconnect(slow_ge
             time.sleep(0.01)
         assert response.status_code == 200 and time.monotonic() - left < 1.5, response.text
         assert generated(server) - before <= 2 * 2  # the abandoned search produced nothing
+
+
+def test_should_stop_ends_a_generation_between_steps(slow_generator):
+    """The hook the beam route cancels through: asked before every step, in the engine and in beam search."""
+    from fastdecode.errors import GenerationCancelledError
+
+    prompt = slow_generator.encode_prompt("hello")
+    for beams in (1, 4):
+        asked = []
+        with pytest.raises(GenerationCancelledError):
+            slow_generator.generate_ids_with_details([prompt], should_stop=lambda: asked.append(1) or len(asked) > 3,
+                                                     num_beams=beams, max_new_tokens=50, min_new_tokens=50)
+        assert len(asked) == 4, beams
 
 
 def test_any_body_the_json_parser_cannot_take_is_a_400(slow_generator):

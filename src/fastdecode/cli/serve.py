@@ -18,7 +18,8 @@ from .options import load_settings, model_options
 @click.option("--max-batch-tokens", type=int, default=2048, show_default=True,
               help="Tokens per scheduler step (prefill chunks + decodes).")
 @click.option("--max-queue", type=int, default=256, show_default=True,
-              help="Sequences waiting or running; beyond it requests get 503 + Retry-After.")
+              help="Sequences waiting or running (and beam-search prompts waiting for or running on "
+                   "their thread); beyond it requests get 503 + Retry-After.")
 @click.option("--api-key", default=None, envvar="FASTDECODE_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1/ routes (or env FASTDECODE_API_KEY).")
 @click.option("--n-ctx", type=int, default=None, help="Context per request (default: the model's).")
