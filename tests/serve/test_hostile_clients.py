@@ -131,7 +131,8 @@ def test_any_body_the_json_parser_cannot_take_is_a_400(slow_generator):
 
 
 def test_slow_and_incomplete_requests_are_closed_and_connections_bounded(slow_generator):
-    """Row 4: a body shorter than its Content-Length gets 408 after --body-timeout; 40 connections
+    """Row 4: a body shorter than its Content-Length gets 408 after --body-timeout; a connection that
+    sends nothing is closed after --header-timeout; 40 connections
     sending their headers a byte at a time: the first --max-connections wait --header-timeout, then
     408 and closed; the others get 503 at once. The options are in `fastdecode serve --help`."""
     from fastdecode.cli import main
@@ -146,6 +147,10 @@ def test_slow_and_incomplete_requests_are_closed_and_connections_bounded(slow_ge
             reply = answer(sock)
             assert reply.startswith(b"HTTP/1.1 408 ") and b"--body-timeout" in reply, reply
             assert 0.9 < time.monotonic() - started < 3
+
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:  # sends nothing: closed, no answer
+            started = time.monotonic()
+            assert answer(sock) == b"" and 0.9 < time.monotonic() - started < 3
 
         head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
         slow = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(40)]

@@ -10,7 +10,8 @@ h11 protocol with three additions:
 * a new connection over ``max_connections`` is answered 503 (+ Retry-After) and closed at once;
 * a request whose head has started (or a new connection) must complete its headers within
   ``header_timeout`` seconds, and then its body within ``body_timeout``; past either the client
-  gets 408 and the connection is closed (a handler waiting on the body sees a disconnect).
+  gets 408 and the connection is closed (a handler waiting on the body sees a disconnect). A new
+  connection that sent nothing is closed without an answer (nothing to answer to).
 
 The timers follow h11's view of the client (``their_state``) after every chunk received.
 """
@@ -99,7 +100,8 @@ class _GuardedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         log.info("closed a connection whose request %s took longer than %g s", phase, seconds)
-        if self.cycle is None or not self.cycle.response_started:
+        started = phase == "body" or bool(self.conn.trailing_data[0])  # a connection that sent nothing: no answer
+        if started and (self.cycle is None or not self.cycle.response_started):
             option = "--header-timeout" if phase == "headers" else "--body-timeout"
             self.transport.write(_raw_error(408, "Request Timeout",
                                             f"the request {phase} did not arrive within {seconds:g} s ({option})",
