@@ -18,7 +18,8 @@ PAD = 150
 NEW = 12
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama-gqa", "llama-mqa", "mistral", "gemma3", "bloom"])
+@pytest.fixture(scope="module", params=["gpt2", "llama-gqa", "llama-mqa", "mistral", "gemma3", "bloom", "qwen3", "granite",
+                                        "smollm3-nope-list", "olmo2"])
 def pair(request, tmp_path_factory):
     hf = build(request.param)
     with torch.no_grad():

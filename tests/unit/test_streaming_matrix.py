@@ -14,7 +14,10 @@ from streaming_reference import ExplicitShiftEngine
 from tiny_models import VOCAB, build
 
 pytest.importorskip("transformers")
-SHIFTABLE = ["llama-mha", "llama-mqa", "mistral", "qwen2-swa", "gemma3", "bloom"]  # llama-gqa: test_streaming.py
+# llama-gqa: test_streaming.py. Every RoPE variant shifts: llama3 and YaRN scaled frequencies, SmolLM3's
+# NoPE layers (no rotation to shift) between scaled ones, Qwen3's normed keys, Granite, OLMo 2.
+SHIFTABLE = ["llama-mha", "llama-mqa", "mistral", "qwen2-swa", "gemma3", "bloom", "llama-rope-llama3",
+             "llama-rope-yarn", "qwen3-tied-mqa", "granite", "smollm3-nope-list", "olmo2"]
 STREAM = {"n_ctx": 20, "n_keep": 3}
 
 
