@@ -50,6 +50,13 @@ def test_gguf_written_by_the_gguf_package_loads_back_identical(kind, tmp_path):
     assert gen.generate_ids(prompts, max_new_tokens=12) == direct.generate_ids(prompts, max_new_tokens=12)
 
 
+def test_llama3_rope_freqs_keep_float32_in_a_bfloat16_load(tmp_path):
+    gen = fastdecode.load(str(write_gguf(tmp_path / "llama3.gguf", "llama3")), dtype="bfloat16")
+    float32 = fastdecode.load(str(tmp_path / "llama3.gguf"))
+    assert gen.model.dtype == torch.bfloat16
+    assert torch.equal(gen.model.rope.inv_freq, float32.model.rope.inv_freq)
+
+
 def test_llama3_gguf_without_its_rope_freqs_differs(tmp_path):
     """The rope_freqs tensor is applied, not ignored: the same file without it gives other logits."""
     tensors = gguf_tensors("llama3")

@@ -77,6 +77,7 @@ OUT_IN_WEIGHTS = ("q.weight", "k.weight", "v.weight", "o.weight", "gate.weight",
                   "lm_head.weight")
 # Buffers some checkpoints carry that are not weights.
 IGNORED_NAME_PATTERNS = (r".*rotary_emb\.inv_freq$",)
+KEEP_FLOAT32 = ("rope_freqs.weight",)  # divisors of the float64 frequencies: not rounded to bf16 / fp16
 # GGUF architectures whose converter permutes Q/K rows for interleaved RoPE (llama.cpp's ROPE_TYPE_NORM)
 PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "granite", "smollm3")
 
