@@ -71,6 +71,31 @@ def build(kind: str, seed: int = 0, **overrides):
         config = tf.Qwen2Config(**_common(num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
                                           max_window_layers=1), **_rope(1000000.0))
         model = tf.Qwen2ForCausalLM(config)
+    elif kind == "qwen3":  # head_dim 24, not hidden / heads = 16; untied
+        config = tf.Qwen3Config(**_common(num_key_value_heads=2, head_dim=24), **_rope(1000000.0))
+        model = _with_random_norms(tf.Qwen3ForCausalLM(config), seed)
+    elif kind == "qwen3-tied-mqa":  # tied head, one KV head, q/k/v/o biases, sliding window on layer 1
+        config = tf.Qwen3Config(**_common(num_key_value_heads=1, head_dim=8, tie_word_embeddings=True,
+                                          attention_bias=True, use_sliding_window=True, sliding_window=6,
+                                          max_window_layers=1), **_rope(10000.0))
+        model = _with_random_norms(tf.Qwen3ForCausalLM(config), seed)
+    elif kind == "granite":  # every multiplier away from 1
+        config = tf.GraniteConfig(**_common(num_key_value_heads=2), embedding_multiplier=3.0, residual_multiplier=0.4,
+                                  attention_multiplier=0.09, logits_scaling=2.5, **_rope())
+        model = tf.GraniteForCausalLM(config)
+    elif kind == "smollm3":  # 4 layers, every fourth without RoPE (layer 3), tied, GQA
+        config = tf.SmolLM3Config(**_common(num_hidden_layers=4, num_key_value_heads=2, tie_word_embeddings=True),
+                                  **_rope(50000.0))
+        model = tf.SmolLM3ForCausalLM(config)
+    elif kind == "smollm3-nope-list":  # an explicit pattern: layers 0 and 2 without RoPE, scaled RoPE elsewhere
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64}
+        config = tf.SmolLM3Config(**_common(num_hidden_layers=3, num_key_value_heads=1), no_rope_layers=[0, 1, 0],
+                                  **_rope(500000.0, scaling))
+        model = tf.SmolLM3ForCausalLM(config)
+    elif kind == "olmo2":  # q/k norms over the whole projection, post-norms only
+        config = tf.Olmo2Config(**_common(num_key_value_heads=2), **_rope())
+        model = _with_random_norms(tf.Olmo2ForCausalLM(config), seed)
     elif kind == "gemma3":
         return build_gemma3(seed)
     elif kind == "bloom":
@@ -88,7 +113,19 @@ def build(kind: str, seed: int = 0, **overrides):
 
 
 DECODER_KINDS = ["llama-mha", "llama-gqa", "llama-mqa", "llama-rope-linear", "llama-rope-llama3", "llama-rope-yarn",
-                 "mistral", "qwen2", "qwen2-swa", "gemma3", "gpt2", "bloom"]
+                 "mistral", "qwen2", "qwen2-swa", "gemma3", "gpt2", "bloom", "qwen3", "qwen3-tied-mqa", "granite",
+                 "smollm3", "smollm3-nope-list", "olmo2"]
+
+
+def _with_random_norms(model, seed: int):
+    """Norm scales drawn around 1 (transformers initializes them to exactly 1, which would hide a
+    q/k norm weight applied to the wrong channels)."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
+    return model
 GEMMA3_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 
 

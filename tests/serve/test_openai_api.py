@@ -154,3 +154,15 @@ def test_quantized_model_served_equals_offline():
         response = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=6,
                                                   extra_body={"num_beams": 2})
         assert response.choices[0].message.content == quantized.generate(QUESTION, max_new_tokens=6, num_beams=2)
+
+
+def test_new_families_served_equal_offline():
+    """Qwen3, Granite, SmolLM3 and OLMo 2 behind the server answer as offline (greedy, whole and streamed)."""
+    for family in ("qwen3", "granite", "smollm3", "olmo2"):
+        generator = tiny_chat_generator(seed=3, family=family)
+        offline = generator.generate("Hello there", max_new_tokens=10)
+        with serve(generator) as server:
+            client = server.client()
+            for stream in (False, True):
+                served = completion_texts(client, stream, prompt="Hello there", max_tokens=10, temperature=0)
+                assert served == [offline], family

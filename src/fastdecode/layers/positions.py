@@ -16,6 +16,16 @@ from ..errors import UnsupportedModelError
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    """The scaling type of a ``rope_scaling`` / ``rope_parameters`` dict, refused by name when unknown
+    (checked when the config is read, before any weight)."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    return kind
+
+
 def rope_inverse_frequencies(
     rotary_dim: int, theta: float, scaling: dict[str, Any] | None, max_position_embeddings: int
 ) -> tuple[torch.Tensor, float]:
@@ -25,19 +35,15 @@ def rope_inverse_frequencies(
     """
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
     inv_freq = 1.0 / (theta**exponents)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
+    kind = rope_type(scaling)
+    if kind == "default":
         return inv_freq, 1.0
     factor = float(scaling["factor"])
-    if rope_type == "linear":
+    if kind == "linear":
         return inv_freq / factor, 1.0
-    if rope_type == "llama3":
+    if kind == "llama3":
         return _llama3_inv_freq(inv_freq, factor, scaling), 1.0
-    if rope_type == "yarn":
-        return _yarn_inv_freq(rotary_dim, theta, factor, scaling, max_position_embeddings)
-    raise UnsupportedModelError(
-        f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-    )
+    return _yarn_inv_freq(rotary_dim, theta, factor, scaling, max_position_embeddings)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, scaling: dict[str, Any]) -> torch.Tensor:
@@ -136,6 +142,24 @@ class RotaryEmbedding:
         deltas = torch.as_tensor(delta, device=x.device).reshape(1, -1)  # [1, T or 1]
         cos, sin = self.cos_sin(deltas, x.dtype, scaled=False)
         return rotate_half_split(x, cos, sin)
+
+
+class NoRotation:
+    """A layer without positions (NoPE, SmolLM3): the rotation tables of the identity (cos 1, sin 0:
+    ``x * 1 + swapped * 0`` is x exactly) and shifts that move nothing, so the layer runs through
+    the same code as its rotating neighbours, streaming shifts included."""
+
+    def __init__(self, rotary_dim: int):
+        self.rotary_dim = rotary_dim
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos 1, sin 0 [B, T, 1, rotary_dim]."""
+        B, T = positions.shape
+        ones = torch.ones(B, T, 1, self.rotary_dim, dtype=dtype, device=positions.device)
+        return ones, torch.zeros_like(ones)
+
+    def rotate_by(self, x: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
+        return x
 
 
 def rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -77,8 +77,11 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool
         return torch.from_numpy(array)  # HF layout, float32
 
     try:
-        weights = canonical_weights(mapping, lambda name: decode(name).to(device=device, dtype=dtype),
-                                    module.OUT_IN_WEIGHTS, config)
+        # a family's KEEP_FLOAT32 tensors (RoPE frequency divisors) keep their precision in any dtype
+        kept = {mapping[c] for c in getattr(module, "KEEP_FLOAT32", ()) if c in mapping}
+        weights = canonical_weights(
+            mapping, lambda name: decode(name).to(device=device, dtype=torch.float32 if name in kept else dtype),
+            module.OUT_IN_WEIGHTS, config)
     except FastDecodeError:
         raise
     except (ValueError, RuntimeError) as exc:
