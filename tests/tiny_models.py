@@ -73,6 +73,8 @@ def build(kind: str, seed: int = 0, **overrides):
         model = tf.Qwen2ForCausalLM(config)
     elif kind == "gemma3":
         return build_gemma3(seed)
+    elif kind.startswith("phi3"):
+        return build_phi3(kind, seed, **overrides)
     elif kind == "bloom":
         return build_bloom(seed)
     elif kind == "gpt2":
@@ -88,7 +90,7 @@ def build(kind: str, seed: int = 0, **overrides):
 
 
 DECODER_KINDS = ["llama-mha", "llama-gqa", "llama-mqa", "llama-rope-linear", "llama-rope-llama3", "llama-rope-yarn",
-                 "mistral", "qwen2", "qwen2-swa", "gemma3", "gpt2", "bloom"]
+                 "mistral", "qwen2", "qwen2-swa", "gemma3", "gpt2", "bloom", "phi3-longrope", "phi3-swa"]
 GEMMA3_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 
 
@@ -152,6 +154,39 @@ def save_tiny_folder(folder, kind: str = "llama-gqa", with_tokenizer: bool = Tru
     model.save_pretrained(folder)
     if with_tokenizer:
         save_word_tokenizer(folder, chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    return model
+
+
+PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS = [1.0, 1.3, 2.0, 3.5], [1.5, 4.0, 9.0, 20.0]
+
+
+def build_phi3(kind: str, seed: int = 0, **overrides):
+    """Tiny Phi-3. ``phi3-longrope``: GQA, half the head dims rotated (partial_rotary_factor 0.5),
+    LongRoPE with distinct short and long factors switching at 64 tokens (max 256: the attention
+    factor is sqrt(1 + ln 4 / ln 64)), tied. ``phi3-swa``: MQA, a sliding window of 8 on every
+    layer, no scaling, untied. Weights re-drawn at std 0.1 so attention is far from uniform and the
+    rotation (and its factors) moves the logits."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if kind == "phi3-longrope":
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "short_factor": PHI3_SHORT_FACTORS, "long_factor": PHI3_LONG_FACTORS}
+        options = dict(num_key_value_heads=2, partial_rotary_factor=0.5, original_max_position_embeddings=64,
+                       tie_word_embeddings=True, rope_parameters=rope)
+    elif kind == "phi3-swa":
+        options = dict(num_key_value_heads=1, sliding_window=8, **_rope())
+    else:
+        raise ValueError(kind)
+    config = tf.Phi3Config(**_shared_sizes(**{**options, **overrides}))
+    model = tf.Phi3ForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
     return model
 
 

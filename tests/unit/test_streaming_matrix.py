@@ -14,7 +14,7 @@ from streaming_reference import ExplicitShiftEngine
 from tiny_models import VOCAB, build
 
 pytest.importorskip("transformers")
-SHIFTABLE = ["llama-mha", "llama-mqa", "mistral", "qwen2-swa", "gemma3", "bloom"]  # llama-gqa: test_streaming.py
+SHIFTABLE = ["llama-mha", "llama-mqa", "mistral", "qwen2-swa", "gemma3", "bloom", "phi3-longrope", "phi3-swa"]  # llama-gqa: test_streaming.py
 STREAM = {"n_ctx": 20, "n_keep": 3}
 
 

@@ -48,6 +48,7 @@ from ..engine.plan import layer_windows, no_distances, position_mask
 from ..engine.slots import BLOCK_SIZE, SlotCache
 from ..errors import InvalidOptionError
 from ..layers.attention import attention, two_segment_attention
+from ..layers.positions import longrope_switches
 from ..layers.quantized import prompt_rows
 
 MAX_CHUNK = 512  # tokens per forward when feeding long inputs (the shift policy's headroom)
@@ -73,6 +74,10 @@ class StreamEngine:
             raise InvalidOptionError(
                 f"n_ctx={n_ctx} exceeds the {cfg.max_position_embeddings} learned positions of {cfg.architecture}"
             )
+        if longrope_switches(cfg.rope_scaling) and n_ctx > cfg.max_position_embeddings:
+            raise InvalidOptionError(
+                f"n_ctx={n_ctx} exceeds the {cfg.max_position_embeddings} positions {cfg.architecture}'s LongRoPE "
+                "runs with its short factors (past them transformers switches factors and recomputes the cache)")
         self.model, self.policy = model, policy
         self.n_ctx, self.n_keep, self.n_discard = n_ctx, n_keep, n_discard
         self.window = n_ctx - n_keep

@@ -235,8 +235,7 @@ class LlamaModel(ModelBase):
             LlamaBlock(
                 attn_norm=weights[f"layers.{i}.attn_norm.weight"],
                 mlp_norm=weights[f"layers.{i}.mlp_norm.weight"],
-                qkv=fuse_projections(weights, [f"layers.{i}.{name}" for name in ("q", "k", "v")]),
-                gate_up=fuse_projections(weights, [f"layers.{i}.{name}" for name in ("gate", "up")]),
+                **self.fused_products(weights, i),
                 # [in, out] buffers seen as [out, in]: linear() then runs x @ buffer (the fast layout)
                 **{name: weights[f"layers.{i}.{name}.weight"].t() for name in ("o", "down")},
                 **{f"{name}_bias": weights.get(f"layers.{i}.{name}.bias") for name in ("o", "down")},
@@ -254,6 +253,12 @@ class LlamaModel(ModelBase):
         self.layer_ropes = [self.rope] * config.num_layers  # every layer shares one rotary table
         self.scale = config.head_dim**-0.5
         self.fused_decode = FusedDecode.for_model(self)  # pure decode steps: one op per block, or None
+
+    def fused_products(self, weights: dict[str, torch.Tensor], i: int) -> dict[str, FusedProjection]:
+        """Block i's ``qkv`` and ``gate_up`` products from the checkpoint's separate matrices
+        (Phi-3, whose checkpoints hold them fused already, overrides this)."""
+        return {"qkv": fuse_projections(weights, [f"layers.{i}.{name}" for name in ("q", "k", "v")]),
+                "gate_up": fuse_projections(weights, [f"layers.{i}.{name}" for name in ("gate", "up")])}
 
     @one_thread_except_big_ops
     def forward(

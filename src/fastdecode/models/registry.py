@@ -45,6 +45,12 @@ FAMILIES = (
            hf_architectures=("Gemma3ForCausalLM",),
            hf_model_types=("gemma3_text",),
            gguf_architectures=("gemma3",)),
+    # --- issue 34 (second half): Phi-3 / Phi-3.5 / Phi-4-mini and Gemma 2 ---
+    Family("phi3", "phi3", "Phi3Model",
+           hf_architectures=("Phi3ForCausalLM",),
+           hf_model_types=("phi3",),
+           gguf_architectures=("phi3",)),
+    # --- end of issue 34 (second half) ---
     Family("bloom", "bloom", "BloomModel",
            hf_architectures=("BloomForCausalLM",),
            hf_model_types=("bloom",),
