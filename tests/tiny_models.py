@@ -75,6 +75,8 @@ def build(kind: str, seed: int = 0, **overrides):
         return build_gemma3(seed)
     elif kind.startswith("phi3"):
         return build_phi3(kind, seed, **overrides)
+    elif kind.startswith("gemma2"):
+        return build_gemma2(kind, seed, **overrides)
     elif kind == "bloom":
         return build_bloom(seed)
     elif kind == "gpt2":
@@ -90,7 +92,8 @@ def build(kind: str, seed: int = 0, **overrides):
 
 
 DECODER_KINDS = ["llama-mha", "llama-gqa", "llama-mqa", "llama-rope-linear", "llama-rope-llama3", "llama-rope-yarn",
-                 "mistral", "qwen2", "qwen2-swa", "gemma3", "gpt2", "bloom", "phi3-longrope", "phi3-swa"]
+                 "mistral", "qwen2", "qwen2-swa", "gemma3", "gpt2", "bloom", "phi3-longrope", "phi3-swa",
+                 "gemma2", "gemma2-mha"]
 GEMMA3_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 
 
@@ -185,6 +188,34 @@ def build_phi3(kind: str, seed: int = 0, **overrides):
         for name, param in model.named_parameters():
             if not name.endswith("norm.weight"):
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def build_gemma2(kind: str = "gemma2", seed: int = 0, **overrides):
+    """Tiny Gemma 2: sliding (window 8) and full layers alternating, attention soft-capped at 5 and
+    logits at 3 (low caps, so that tanh bends the scores and logits of these random weights), a
+    query scale that is not head_dim, RoPE base 20,000, non-zero (1 + w) norm weights and the other
+    weights re-drawn at std 0.15 (scores large enough for the cap to bend them). ``gemma2``:
+    GQA (4 query heads on 2), head_dim 32, tied; ``gemma2-mha``: 4 heads of 16, untied."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    heads = dict(num_key_value_heads=2, head_dim=32) if kind == "gemma2" else dict(
+        num_key_value_heads=4, head_dim=16, tie_word_embeddings=False)
+    options = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
+                   num_attention_heads=4, query_pre_attn_scalar=24, sliding_window=8, max_position_embeddings=256,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0, bos_token_id=1, eos_token_id=None,
+                   pad_token_id=0, tie_word_embeddings=True, **_rope(20000.0))
+    options.update(heads)
+    options.update(overrides)
+    model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**options)).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(0.3 * noise if name.endswith("norm.weight") else 0.15 * noise)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model

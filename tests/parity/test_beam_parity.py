@@ -19,7 +19,7 @@ NEW = 12
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama-gqa", "llama-mqa", "mistral", "gemma3", "bloom", "phi3-longrope",
-                                        "phi3-swa"])
+                                        "phi3-swa", "gemma2"])
 def pair(request, tmp_path_factory):
     hf = build(request.param)
     with torch.no_grad():

@@ -82,3 +82,25 @@ def test_phi3_unknown_rope_scaling_is_refused_by_name(tmp_path):
     config.write_text(config.read_text().replace('"rope_type": "default"', '"rope_type": "dynamic", "factor": 2.0'))
     with pytest.raises(UnsupportedModelError, match="'dynamic'"):
         fastdecode.load(str(tmp_path))
+
+
+@pytest.mark.parametrize("caps", [{}, {"attn_logit_softcapping": None}, {"final_logit_softcapping": None}],
+                         ids=["both-caps", "no-attention-cap", "no-final-cap"])
+def test_gemma2_soft_caps_each_matter_and_match_transformers(caps):
+    """Each cap moves these logits by far more than the tolerance, and with either one off (an
+    explicit null in the config) the logits are still transformers'."""
+    hf, capped = build("gemma2", **caps), build("gemma2")
+    ids = _prompt(30, 5)  # past the window of 8
+    reference = _hf_logits(hf, ids)
+    if caps:
+        assert (reference - _hf_logits(capped, ids)).abs().max() > 0.1
+    torch.testing.assert_close(prefill_logits(fastdecode.from_hf(hf), ids), reference, atol=ATOL, rtol=0)
+
+
+def test_gemma2_scaled_rope_is_refused_by_name(tmp_path):
+    hf = build("gemma2")
+    hf.save_pretrained(tmp_path)
+    config = tmp_path / "config.json"
+    config.write_text(config.read_text().replace('"rope_type": "default"', '"rope_type": "linear", "factor": 2.0'))
+    with pytest.raises(UnsupportedModelError, match="'linear'"):
+        fastdecode.load(str(tmp_path))

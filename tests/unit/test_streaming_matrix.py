@@ -14,7 +14,8 @@ from streaming_reference import ExplicitShiftEngine
 from tiny_models import VOCAB, build
 
 pytest.importorskip("transformers")
-SHIFTABLE = ["llama-mha", "llama-mqa", "mistral", "qwen2-swa", "gemma3", "bloom", "phi3-longrope", "phi3-swa"]  # llama-gqa: test_streaming.py
+SHIFTABLE = ["llama-mha", "llama-mqa", "mistral", "qwen2-swa", "gemma3", "bloom", "phi3-longrope", "phi3-swa",
+             "gemma2"]  # llama-gqa: test_streaming.py
 STREAM = {"n_ctx": 20, "n_keep": 3}
 
 
@@ -70,7 +71,7 @@ def test_beam_search_cannot_stream(kind_gen):
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
-@pytest.mark.parametrize("kind", ["llama-mqa", "qwen2-swa", "gemma3", "bloom", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama-mqa", "qwen2-swa", "gemma3", "bloom", "gpt2", "gemma2"])
 def test_quantized_weights_stream_batched_as_each_alone(kind, quantize):
     """Quantized weights (prompt rows exact, generated rows the int8 kernel) through both policies: a prompt
     past n_ctx and one crossing it while generating, batched, give each prompt's tokens alone."""

@@ -48,6 +48,7 @@ class ModelConfig:
     rope_local_theta: float | None = None  # RoPE base of sliding layers (Gemma 3: 10,000); None: as full layers
     attention_scale: float | None = None  # query scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2/3 option)
+    attention_softcapping: float | None = None  # scores = cap * tanh(scores / cap) before the mask (Gemma 2)
     position_kind: str = "rope"  # "rope", "alibi" or "learned" (absolute, cannot be shifted)
     residual_after_norm: bool = False  # BLOOM's apply_residual_connection_post_layernorm
     bos_token_id: int | None = None

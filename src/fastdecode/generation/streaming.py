@@ -274,7 +274,7 @@ class StreamPlan:
         return no_distances(query_positions)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float) -> torch.Tensor:
+               scale: float, softcap: float | None = None) -> torch.Tensor:
         """q [1, H, T, D]; k, v [1, Hkv, T, D] -> [1, H, T, D] (``mask`` unused: the plan builds its own)."""
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
         keys.index_copy_(0, self.write_slots, k[0].transpose(0, 1))  # [T, Hkv, D]
@@ -282,10 +282,11 @@ class StreamPlan:
         kg, vg = self._read(keys), self._read(values)  # [1, Hkv, S, D]
         mask = self._mask(self.stream.windows[layer])
         if not self.split:
-            return attention(q, kg, vg, mask, scale)
+            return attention(q, kg, vg, mask, scale, softcap)
         n = self.sinks
         q_sinks = self.stream.ropes[layer].rotate_by(q, self.corrections.neg())  # sinks seen c_t closer
-        return two_segment_attention(q_sinks, kg[:, :, :n], vg[:, :, :n], q, kg[:, :, n:], vg[:, :, n:], mask, scale)
+        return two_segment_attention(q_sinks, kg[:, :, :n], vg[:, :, :n], q, kg[:, :, n:], vg[:, :, n:], mask, scale,
+                                     softcap)
 
     def _read(self, buffer: torch.Tensor) -> torch.Tensor:
         """A layer's K or V [slots, Hkv, D] -> the stream's keys [1, Hkv, S, D]."""

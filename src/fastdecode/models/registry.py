@@ -50,6 +50,10 @@ FAMILIES = (
            hf_architectures=("Phi3ForCausalLM",),
            hf_model_types=("phi3",),
            gguf_architectures=("phi3",)),
+    Family("gemma2", "gemma2", "Gemma2Model",
+           hf_architectures=("Gemma2ForCausalLM",),
+           hf_model_types=("gemma2",),
+           gguf_architectures=("gemma2",)),
     # --- end of issue 34 (second half) ---
     Family("bloom", "bloom", "BloomModel",
            hf_architectures=("BloomForCausalLM",),
