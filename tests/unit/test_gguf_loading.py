@@ -159,6 +159,17 @@ def test_config_from_metadata_matches_hf_config(kind, loaded):
             fastdecode.from_hf(hf_model(kind)).model.rope.attention_factor, abs=1e-7)
 
 
+def test_phi3_rope_factors_stay_float32_in_a_bfloat16_load(gguf_file):
+    """The LongRoPE factors are values, not weights: a bfloat16 load must not round them (0.4% on a
+    frequency is radians of error a few thousand positions on)."""
+    path = str(gguf_file("phi3-longrope"))
+    half, full = fastdecode.load(path, dtype="bfloat16").model, fastdecode.load(path).model
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.rope.inv_freq, full.rope.inv_freq, atol=0, rtol=0)
+    folder = fastdecode.from_hf(hf_model("phi3-longrope")).model.rope.inv_freq  # factors from config.json
+    torch.testing.assert_close(full.rope.inv_freq, folder, atol=0, rtol=1e-7)  # the file's are float32
+
+
 def test_qk_unpermutation_is_what_makes_llama_match(loaded, gguf_file, monkeypatch):
     """Negative control: loading the llama file without undoing the permutation visibly breaks
     parity, so the parity tests above really exercise ``gguf_to_hf_layout``."""

@@ -71,7 +71,7 @@ def test_beam_search_cannot_stream(kind_gen):
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
-@pytest.mark.parametrize("kind", ["llama-mqa", "qwen2-swa", "gemma3", "bloom", "gpt2", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama-mqa", "qwen2-swa", "gemma3", "bloom", "gpt2", "gemma2", "phi3-longrope"])
 def test_quantized_weights_stream_batched_as_each_alone(kind, quantize):
     """Quantized weights (prompt rows exact, generated rows the int8 kernel) through both policies: a prompt
     past n_ctx and one crossing it while generating, batched, give each prompt's tokens alone."""

@@ -63,6 +63,7 @@ GGUF_NAMES = {
     "layers.{layer}.down.weight": "blk.{layer}.ffn_down.weight",
 }
 OUT_IN_WEIGHTS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight", "lm_head.weight")
+FLOAT32_WEIGHTS = ("rope.short_factor", "rope.long_factor")  # loaded as float32 whatever the model's dtype
 IGNORED_NAME_PATTERNS = (r".*rotary_emb\..*inv_freq$",)
 _PER_LAYER = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")
 DEFAULT_ORIGINAL_CONTEXT = 4096  # transformers' Phi3Config default for original_max_position_embeddings

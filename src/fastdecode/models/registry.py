@@ -4,7 +4,8 @@ One registration per family. A family module provides: ``HF_NAMES`` and ``GGUF_N
 (canonical weight name -> checkpoint name), ``IGNORED_NAME_PATTERNS``, ``weight_names(config)``,
 ``weight_shapes(config)`` (expected shapes, HF layout; checked at load), ``config_from_hf(dict)``,
 ``config_from_gguf(metadata, tensor_names)``, optionally ``gguf_shape_to_hf(name, shape)``,
-``gguf_to_hf_layout(name, array, config)`` and the model class named here. Encoder-decoder
+``gguf_to_hf_layout(name, array, config)``, ``FLOAT32_WEIGHTS`` (GGUF tensors that are values, such
+as RoPE factors, kept float32 whatever the dtype) and the model class named here. Encoder-decoder
 families (``is_encoder_decoder``) have no GGUF form: their model class provides ``encode``,
 ``cross_kv`` and ``decode`` instead of ``forward`` (see generation/encdec.py).
 """
