@@ -5,11 +5,14 @@ test_beam_parity.py, test_streaming_matrix.py, test_gguf_loading.py."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import fastdecode
 from fastdecode.errors import InvalidOptionError, PromptTooLongError, UnsupportedModelError
+from fastdecode.layers.positions import rope_inverse_frequencies
 from tiny_models import PHI3_LONG_FACTORS, VOCAB, build, build_phi3, prefill_logits
 
 pytest.importorskip("transformers")
@@ -104,3 +107,26 @@ def test_gemma2_scaled_rope_is_refused_by_name(tmp_path):
     config.write_text(config.read_text().replace('"rope_type": "default"', '"rope_type": "linear", "factor": 2.0'))
     with pytest.raises(UnsupportedModelError, match="'linear'"):
         fastdecode.load(str(tmp_path))
+
+
+def test_phi3_config_json_of_transformers_4():
+    """The config.json shapes Microsoft ships: Phi-3-mini-128k (4.x ``rope_scaling`` of type "su",
+    no factor: the growth is max / original = 32) and Phi-4-mini (``longrope``, 3/4 of the head
+    rotated, tied). Both get the attention factor sqrt(1 + ln 32 / ln 4096) and the switch as context."""
+    from fastdecode.models.phi3 import config_from_hf
+
+    common = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "intermediate_size": 8192,
+              "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rope_theta": 10000.0}
+    mini = config_from_hf(common | {"num_key_value_heads": 32, "sliding_window": 262144, "rope_scaling": {
+        "type": "su", "short_factor": [1.0] * 48, "long_factor": [1.5] * 48}})
+    phi4 = config_from_hf(common | {"num_key_value_heads": 8, "partial_rotary_factor": 0.75, "tie_word_embeddings": True,
+                                    "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 36,
+                                                     "long_factor": [2.0] * 36}})
+    expected = (1 + math.log(32) / math.log(4096)) ** 0.5
+    for config, half_rotary in ((mini, 48), (phi4, 36)):
+        assert config.max_position_embeddings == 4096
+        inv_freq, factor = rope_inverse_frequencies(int(96 * config.partial_rotary_factor), config.rope_theta,
+                                                    config.rope_scaling, config.max_position_embeddings)
+        assert inv_freq.shape == (half_rotary,) and factor == pytest.approx(expected)
+    assert mini.sliding_window == 262144 and phi4.tie_word_embeddings and phi4.num_kv_heads == 8
