@@ -120,9 +120,9 @@ def test_phi3_config_json_of_transformers_4():
               "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rope_theta": 10000.0}
     mini = config_from_hf(common | {"num_key_value_heads": 32, "sliding_window": 262144, "rope_scaling": {
         "type": "su", "short_factor": [1.0] * 48, "long_factor": [1.5] * 48}})
-    phi4 = config_from_hf(common | {"num_key_value_heads": 8, "partial_rotary_factor": 0.75, "tie_word_embeddings": True,
-                                    "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 36,
-                                                     "long_factor": [2.0] * 36}})
+    phi4 = config_from_hf(common | {"num_key_value_heads": 8, "partial_rotary_factor": 0.75,
+                                    "tie_word_embeddings": True, "rope_scaling": {
+                                        "type": "longrope", "short_factor": [1.0] * 36, "long_factor": [2.0] * 36}})
     expected = (1 + math.log(32) / math.log(4096)) ** 0.5
     for config, half_rotary in ((mini, 48), (phi4, 36)):
         assert config.max_position_embeddings == 4096

@@ -204,7 +204,8 @@ class Phi3Model(LlamaModel):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         scaling = config.rope_scaling
         if scaling is not None and scaling.get("factors_in_file"):  # GGUF: the factors came as tensors
-            factors = {f"{kind}_factor": weights.pop(f"rope.{kind}_factor").double().tolist() for kind in ("short", "long")}
+            factors = {f"{kind}_factor": weights.pop(f"rope.{kind}_factor").double().tolist()
+                       for kind in ("short", "long")}
             scaling = {key: value for key, value in scaling.items() if key != "factors_in_file"} | factors
             config = dataclasses.replace(config, rope_scaling=scaling)
         super().__init__(config, weights)
