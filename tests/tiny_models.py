@@ -158,7 +158,7 @@ def build_gemma3(seed: int = 0, **overrides):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator, device="cpu"))
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -273,7 +273,8 @@ def build_bloom(seed: int = 0, **overrides):
 def hf_greedy(hf, ids: list[int], new_tokens: int) -> list[int]:
     """transformers' greedy continuation of ``ids``: exactly ``new_tokens`` new token ids."""
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        out = hf.generate(torch.tensor([ids], device=hf.device),
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=hf.device),
                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     return out[0, len(ids):].tolist()
 

@@ -208,13 +208,16 @@ class Generator:
 
     # -- the engine ----------------------------------------------------------------------------
     def engine(self, max_batch_tokens: int = 2048, max_queue: int = 256, cache_tokens: int | None = None,
-               prefill_chunk: int = 256, source_tokens: int | None = None, compile_decode: bool = False) -> Engine:
+               prefill_chunk: int = 256, source_tokens: int | None = None, compile_decode: bool = False,
+               cuda_graphs: bool | None = None) -> Engine:
         """A continuous-batching engine over this model (``submit`` / ``step``; see fastdecode.engine).
         ``prefill_chunk``: prompt tokens per step while other sequences are decoding;
         ``source_tokens``: an encoder-decoder model's cross-attention slots (default: by memory);
-        ``compile_decode``: pure-decode steps through the compiled fixed-shape step (engine/compiled.py)."""
+        ``compile_decode``: pure-decode steps through the compiled fixed-shape step (engine/compiled.py);
+        ``cuda_graphs``: those steps replayed from CUDA graphs (engine/cuda_graphs.py; default on CUDA)."""
         return Engine(self, max_batch_tokens=max_batch_tokens, max_queue=max_queue, cache_tokens=cache_tokens,
-                      prefill_chunk=prefill_chunk, source_tokens=source_tokens, compile_decode=compile_decode)
+                      prefill_chunk=prefill_chunk, source_tokens=source_tokens, compile_decode=compile_decode,
+                      cuda_graphs=cuda_graphs)
 
     def _runs_in_engine(self, config: GenerationConfig) -> bool:
         """Greedy and sampling run in the engine (decoder-only and encoder-decoder models); beam

@@ -32,7 +32,7 @@ def pair(request, tmp_path_factory):
 
 def _prompts(lengths, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+    return [torch.randint(2, VOCAB, (n,), generator=generator, device="cpu").tolist() for n in lengths]
 
 
 def _eos_for(gen, prompts):

@@ -27,7 +27,7 @@ def pair(request):
 
 
 def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed), device="cpu").tolist()
 
 
 def _hf_nll(hf, ids: list[int]) -> torch.Tensor:

@@ -84,9 +84,12 @@ def decode_step(model, cache: SlotCache, windows: list[int | None], score_bias, 
     return logits, logits.argmax(dim=-1)
 
 
-def decode_window_tables(cache: SlotCache, tables: list, positions: list[int]) -> tuple:
+def decode_window_tables(cache: SlotCache, tables: list, positions: list[int], device: torch.device | None = None
+                         ) -> tuple:
     """Each sliding kind's fixed-shape view for rows decoding at ``positions`` (``decode_step``'s
-    ``window_tables``)."""
+    ``window_tables``), made on ``device`` (default: the cache's; a CUDA graph's inputs are made on
+    the host and copied into its static buffers)."""
     size = cache.block_size
-    return tuple(cache.window_tables(tables, positions, [p + 1 for p in positions], w, (w - 1) // size + 2)
+    return tuple(cache.window_tables(tables, positions, [p + 1 for p in positions], w, (w - 1) // size + 2,
+                                     device=device)
                  for w in cache.windows)

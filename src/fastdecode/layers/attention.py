@@ -42,6 +42,12 @@ def attention(
             scores = scores + folded_mask
         out = scores.float().softmax(dim=-1).to(v.dtype) @ v  # [B, Hkv, G*T, D]
         return out.reshape(B, H, T, D)  # [B, Hkv, G*T, D] -> [B, H, T, D]
+    if q.is_cuda and T == 1 and H != Hkv and (mask is None or mask.shape[1] == 1):
+        # one query per row (a decode step): the group's query heads become the query axis of their
+        # KV head, so the GPU's fused kernels (which lack native GQA) read each K/V head once
+        q = q.reshape(B, Hkv, H // Hkv, D)  # [B, H, 1, D] -> [B, Hkv, G, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # mask [B, 1, 1, S] broadcasts
+        return out.reshape(B, H, 1, D)  # [B, Hkv, G, D] -> [B, H, 1, D]
     with threads_for(q.numel() * k.shape[2]):  # B*H*T*D * S multiply-adds
         # SDPA's native GQA: each KV head serves its group of query heads as it is (PyTorch's CPU
         # flash kernel indexes head h // G; no K/V copy), one op with no per-layer mask folding.

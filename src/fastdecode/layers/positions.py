@@ -141,6 +141,9 @@ class RotaryEmbedding:
         self.rotary_dim = rotary_dim
         self.inv_freq = inv_freq.to(torch.float64)
         self.attention_factor = attention_factor
+        # inv_freq on each device it was used on: a forward on a GPU copies nothing from the host (a
+        # captured CUDA graph cannot), the first (warm-up) call copies it once
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, scaled: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,11 +169,18 @@ class RotaryEmbedding:
     def _half_cos_sin(self, positions: torch.Tensor, scaled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> float64 cos, sin [B, T, rotary_dim/2] of each frequency's angle, times
         YaRN's attention factor when ``scaled`` (one rounding to the dtype comes after)."""
-        angles = positions.to(torch.float64)[..., None] * self.inv_freq.to(positions.device)  # [B, T, rot/2]
+        angles = positions.to(torch.float64)[..., None] * self._inv_freq(positions.device)  # [B, T, rot/2]
         cos, sin = angles.cos(), angles.sin()
         if scaled and self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos, sin
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self.inv_freq
+        if device not in self._inv_freq_on:
+            self._inv_freq_on[device] = self.inv_freq.to(device)
+        return self._inv_freq_on[device]
 
     def rotate_by(self, x: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
         """Rotate already-rotated vectors x [B, H, T, D] by ``delta`` more positions (an int, or

@@ -251,13 +251,15 @@ class Gemma3Model(ModelBase):
         self.embed = weights["embed.weight"]
         # sqrt(hidden) rounded to the weight dtype, as transformers multiplies (bf16: 55.4256 -> 55.5)
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5).to(self.embed.dtype))
-        self.norm = 1.0 + weights["norm.weight"]
+        # the (1 + w) scales in float32 whatever the model's dtype: transformers adds the 1 in float32 and
+        # scales before rounding (layers/elementwise.py's half-precision norm reads a float32 weight so)
+        self.norm = 1.0 + weights["norm.weight"].float()
         self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for linear()
         self.layers = [
             Gemma3Block(
-                **{name: 1.0 + weights[f"layers.{i}.{name}.weight"] for name in _NORMS[:4]},  # the (1 + w) scales
-                qk_norm=torch.cat((1.0 + weights[f"layers.{i}.q_norm.weight"].expand(config.num_heads, -1),
-                                   1.0 + weights[f"layers.{i}.k_norm.weight"].expand(config.num_kv_heads, -1)))
+                **{name: 1.0 + weights[f"layers.{i}.{name}.weight"].float() for name in _NORMS[:4]},  # (1 + w)
+                qk_norm=torch.cat((1.0 + weights[f"layers.{i}.q_norm.weight"].float().expand(config.num_heads, -1),
+                                   1.0 + weights[f"layers.{i}.k_norm.weight"].float().expand(config.num_kv_heads, -1))),
                 if f"layers.{i}.q_norm.weight" in weights else None,
                 qkv=fuse_projections(weights, [f"layers.{i}.{name}" for name in ("q", "k", "v")]),
                 gate_up=fuse_projections(weights, [f"layers.{i}.{name}" for name in ("gate", "up")]),
