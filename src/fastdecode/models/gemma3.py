@@ -259,7 +259,7 @@ class Gemma3Model(ModelBase):
             Gemma3Block(
                 **{name: 1.0 + weights[f"layers.{i}.{name}.weight"].float() for name in _NORMS[:4]},  # (1 + w)
                 qk_norm=torch.cat((1.0 + weights[f"layers.{i}.q_norm.weight"].float().expand(config.num_heads, -1),
-                                   1.0 + weights[f"layers.{i}.k_norm.weight"].float().expand(config.num_kv_heads, -1))),
+                                   1.0 + weights[f"layers.{i}.k_norm.weight"].float().expand(config.num_kv_heads, -1)))
                 if f"layers.{i}.q_norm.weight" in weights else None,
                 qkv=fuse_projections(weights, [f"layers.{i}.{name}" for name in ("q", "k", "v")]),
                 gate_up=fuse_projections(weights, [f"layers.{i}.{name}" for name in ("gate", "up")]),
