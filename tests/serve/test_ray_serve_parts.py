@@ -17,9 +17,11 @@ from serve_helpers import chat_generator, serve, server, tiny_bart_generator  # 
 from fastdecode.cli import main
 from fastdecode.errors import InvalidOptionError
 from fastdecode.integrations.ray_serve import ReplicaOptions
-from fastdecode.integrations.ray_serve.forwarding import ForwardedRequest, HostedApp, ResponseHead, routing_text
+from fastdecode.integrations.ray_serve.forwarding import (ForwardedRequest, HostedApp, ReplicaIdentity, ResponseHead,
+                                                          routing_text)
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+IDENTITY = ReplicaIdentity("r1", "127.0.0.1", 1234)
 
 
 def forwarded(path: str, body: dict | None = None, method: str = "POST") -> ForwardedRequest:
@@ -29,8 +31,8 @@ def forwarded(path: str, body: dict | None = None, method: str = "POST") -> Forw
 
 
 async def answer(hosted: HostedApp, request: ForwardedRequest) -> tuple[ResponseHead, bytes]:
-    items = [item async for item in hosted.handle(request, "r1")]
-    assert isinstance(items[0], ResponseHead) and items[0].replica == "r1"
+    items = [item async for item in hosted.handle(request, IDENTITY)]
+    assert isinstance(items[0], ResponseHead) and items[0].identity == IDENTITY
     assert all(isinstance(item, bytes) for item in items[1:])
     return items[0], b"".join(items[1:])
 
@@ -118,7 +120,7 @@ def test_the_ingress_going_away_stops_the_generation(chat_generator):
         await hosted.start()
         service = hosted.app.state.service
         try:
-            response = hosted.handle(forwarded("/v1/completions", body), "r1")
+            response = hosted.handle(forwarded("/v1/completions", body), IDENTITY)
             assert isinstance(await response.__anext__(), ResponseHead)
             assert b"data: " in await response.__anext__()
             await response.aclose()

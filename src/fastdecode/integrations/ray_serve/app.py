@@ -129,7 +129,10 @@ def run_service(load: LoadSettings, settings: ServeSettings, options: ReplicaOpt
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as exc:  # no replica could start: the reason is in the message
             raise InvalidOptionError(f"the service did not start on Ray Serve: {exc}") from None
-        announce(f"fastdecode on Ray Serve: http://{host}:{port} ({options.describe()})")
+        import ray
+
+        announce(f"fastdecode on Ray Serve: http://{host}:{port} ({options.describe()}; "
+                 f"Ray at {ray.get_runtime_context().gcs_address})")
         _wait_for_stop()
         announce("stopping: in-flight requests finish first")
         serve.delete(APP_NAME)  # each replica drains for at most settings.grace_seconds

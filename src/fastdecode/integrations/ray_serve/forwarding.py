@@ -34,13 +34,22 @@ class ForwardedRequest:
     replica: str | None = None
 
 
+@dataclass(frozen=True)
+class ReplicaIdentity:
+    """Which replica answered, and where its process runs (for operators: logs, profilers, kill)."""
+
+    replica: str  # Serve's replica id
+    node: str  # the node's IP address
+    pid: int
+
+
 @dataclass
 class ResponseHead:
     """The first item a replica streams back: status, headers, and who answered."""
 
     status: int
     headers: list[tuple[bytes, bytes]]
-    replica: str
+    identity: ReplicaIdentity
 
 
 def routing_text(endpoint: str, prompts: list[Any]) -> str | None:
@@ -86,11 +95,12 @@ class HostedApp:
     async def stop(self) -> None:
         await self._lifespan.shutdown()
 
-    def handle(self, request: "ForwardedRequest", replica: str) -> AsyncIterator["ResponseHead | bytes"]:
-        return call_app(self.app, request, replica)
+    def handle(self, request: ForwardedRequest, identity: ReplicaIdentity) -> AsyncIterator[ResponseHead | bytes]:
+        return call_app(self.app, request, identity)
 
 
-async def call_app(app: Any, request: ForwardedRequest, replica: str) -> AsyncIterator[ResponseHead | bytes]:
+async def call_app(app: Any, request: ForwardedRequest,
+                   identity: ReplicaIdentity) -> AsyncIterator[ResponseHead | bytes]:
     """Run ``request`` through the ASGI ``app``; yield its head, then each body chunk as sent.
 
     Closing the iterator early (the client went away, the ingress cancelled) tells the app the
@@ -131,7 +141,7 @@ async def call_app(app: Any, request: ForwardedRequest, replica: str) -> AsyncIt
                 break
             if message["type"] == "http.response.start":
                 started = True
-                yield ResponseHead(message["status"], list(message.get("headers", [])), replica)
+                yield ResponseHead(message["status"], list(message.get("headers", [])), identity)
             elif message["type"] == "http.response.body" and started:
                 if message.get("body"):
                     yield bytes(message["body"])

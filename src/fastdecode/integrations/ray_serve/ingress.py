@@ -29,14 +29,15 @@ from ray.exceptions import RayActorError
 from ...serve.app import _error_response, _Guard, _read_body
 from ...serve.protocol import APIError, parse_json, parse_request
 from ...serve.service import ServeSettings
-from .forwarding import GENERATION_PATHS, REPLICA_HEADER, ForwardedRequest, ResponseHead, routing_text
+from .forwarding import (GENERATION_PATHS, REPLICA_HEADER, ForwardedRequest, ReplicaIdentity, ResponseHead,
+                         routing_text)
 from .metrics import IngressMetrics
 from .registry import live_replicas
 
 RETRY_BACKOFF_S = (0.1, 0.5, 1.0, 2.0)  # before each new try; one more try than failures survived
 log = logging.getLogger("fastdecode.serve")
 
-FAN_OUT_TIMEOUT_S = 10.0  # a replica that does not answer /metrics or /health in time is left out
+FAN_OUT_TIMEOUT_S = 5.0  # a replica that does not answer /metrics or /health in time is left out
 SKIPPED_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"host"}
 
 
@@ -90,32 +91,36 @@ class Ingress:
             return _whole(head, body)
         raise replica_lost(lost)
 
-    async def gather(self, path: str) -> dict[str, bytes]:
-        """Each live replica's answer to ``GET path`` (replica id -> body); silent replicas left out."""
+    async def gather(self, path: str) -> list[tuple[ReplicaIdentity, bytes]]:
+        """Each live replica's answer to ``GET path``; replicas that do not answer in time are left out.
+
+        One replica after the other: calls made while serving one HTTP request share its Serve
+        request id, and Ray 2.60's router matches a routed replica to its request by that id, so
+        concurrent calls from one request could take each other's replica (and spin).
+        """
         ids = live_replicas(self.model.app_name, self.model.deployment_name)
         if ids is None:  # the router is made by the handle's first request
             await self.respond(ForwardedRequest("GET", "/health"), stream=False)
             ids = live_replicas(self.model.app_name, self.model.deployment_name) or []
-
-        async def one(replica: str) -> bytes | None:
+        answers = []
+        for replica in ids:
             responses = self.model.handle.remote(ForwardedRequest("GET", path, replica=replica))
             try:
-                return await asyncio.wait_for(_body(responses), FAN_OUT_TIMEOUT_S)
-            except (RayActorError, asyncio.TimeoutError):
+                answers.append(await asyncio.wait_for(_identity_and_body(responses), FAN_OUT_TIMEOUT_S))
+            except Exception as exc:  # dead, busy or failing: left out, as a scrape target that is down
+                log.warning("replica %s did not answer %s: %r", replica, path, exc)
                 responses.cancel()
-                return None
-
-        answers = await asyncio.gather(*(one(replica) for replica in ids))
-        return {replica: answer for replica, answer in zip(ids, answers) if answer is not None}
+        return answers
 
 
-async def _body(responses: Any) -> bytes:
-    return b"".join([chunk async for chunk in responses if not isinstance(chunk, ResponseHead)])
+async def _identity_and_body(responses: Any) -> tuple[ReplicaIdentity, bytes]:
+    head: ResponseHead = await responses.__anext__()
+    return head.identity, b"".join([chunk async for chunk in responses])
 
 
 def _headers(head: ResponseHead) -> list[tuple[bytes, bytes]]:
     kept = [(k, v) for k, v in head.headers if k.lower() not in SKIPPED_HEADERS]
-    return kept + [(REPLICA_HEADER.encode(), head.replica.encode())]
+    return kept + [(REPLICA_HEADER.encode(), head.identity.replica.encode())]
 
 
 def _whole(head: ResponseHead, body: bytes) -> Response:
@@ -172,16 +177,19 @@ def build_app(ingress: Ingress) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        replicas = await ingress.gather("/metrics")
-        text = {replica: body.decode("utf-8") for replica, body in replicas.items()}
-        return Response(metrics.render(text), media_type=metrics.content_type)
+        replicas = {identity.replica: body.decode("utf-8") for identity, body in await ingress.gather("/metrics")}
+        return Response(metrics.render(replicas), media_type=metrics.content_type)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        answers = [json.loads(body) for body in (await ingress.gather("/health")).values()]
-        body = {"status": "ok" if answers else "unavailable", "model": settings.model_name, "replicas": len(answers),
-                "running_sequences": sum(a.get("running_sequences", 0) for a in answers)}
-        return JSONResponse(body, status_code=200 if answers else 503)
+        """The service is up while one replica answers; each replica is listed with where it runs."""
+        replicas = [{"replica": identity.replica, "node": identity.node, "pid": identity.pid,
+                     "running_sequences": json.loads(body).get("running_sequences", 0)}
+                    for identity, body in await ingress.gather("/health")]
+        body = {"status": "ok" if replicas else "unavailable", "model": settings.model_name,
+                "replicas": len(replicas), "running_sequences": sum(r["running_sequences"] for r in replicas),
+                "by_replica": replicas}
+        return JSONResponse(body, status_code=200 if replicas else 503)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"])
     async def forward(request: Request) -> Response:

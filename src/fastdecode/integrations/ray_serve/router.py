@@ -42,11 +42,13 @@ class _PinnedRequests:
         register(self._deployment_id.app_name, self._deployment_id.name, self)
 
     @staticmethod
-    def _pinned(candidates: list[Any], request: ForwardedRequest | None) -> list[list[Any]] | None:
+    def _pinned(candidates: list[Any], pending_request: Any) -> list[list[Any]] | None:
         """The pinned replica as the only choice ([] while it is not routable: the caller's
         timeout ends the wait); None for an unpinned request."""
+        request = _forwarded(pending_request)
         if request is None or request.replica is None:
             return None
+        pending_request.routing_context.should_backoff = True  # no other choice to try: wait between tries
         return [[replica for replica in candidates if replica.replica_id.unique_id == request.replica]]
 
 
@@ -56,10 +58,10 @@ class PrefixAwareRouter(_PinnedRequests, PrefixCacheAffinityRouter):
         self._register()
 
     async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
-        request = _forwarded(pending_request)
-        pinned = self._pinned(candidate_replicas, request)
+        pinned = self._pinned(candidate_replicas, pending_request)
         if pinned is not None:
             return pinned
+        request = _forwarded(pending_request)
         if request is None or request.prompt is None:  # nothing to match (GET routes): by load
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         return await super().choose_replicas(candidate_replicas, pending_request)
@@ -76,7 +78,7 @@ class PowerOfTwoRouter(_PinnedRequests, PowerOfTwoChoicesRequestRouter):
         self._register()
 
     async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
-        pinned = self._pinned(candidate_replicas, _forwarded(pending_request))
+        pinned = self._pinned(candidate_replicas, pending_request)
         if pinned is not None:
             return pinned
         return await super().choose_replicas(candidate_replicas, pending_request)
