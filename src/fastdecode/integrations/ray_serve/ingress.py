@@ -34,9 +34,9 @@ from .forwarding import (GENERATION_PATHS, REPLICA_HEADER, ForwardedRequest, Rep
 from .metrics import IngressMetrics
 from .registry import live_replicas
 
-RETRY_BACKOFF_S = (0.1, 0.5, 1.0, 2.0)  # before each new try; one more try than failures survived
 log = logging.getLogger("fastdecode.serve")
 
+RETRY_BACKOFF_S = (0.1, 0.5, 1.0, 2.0)  # before each new try; one more try than failures survived
 FAN_OUT_TIMEOUT_S = 5.0  # a replica that does not answer /metrics or /health in time is left out
 SKIPPED_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"host"}
 
@@ -88,6 +88,9 @@ class Ingress:
                 self.metrics.replica_failures.inc()
                 lost = exc
                 continue
+            except asyncio.CancelledError:  # the client went away: so does its generation
+                responses.cancel()
+                raise
             return _whole(head, body)
         raise replica_lost(lost)
 
