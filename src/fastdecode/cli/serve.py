@@ -10,6 +10,7 @@ import click
 
 from .errors import handle_errors
 from .options import load_settings, model_options
+from .serve_ray import ray_serve_options, ray_serve_values, run_on_ray
 
 
 @click.command("serve")
@@ -41,15 +42,24 @@ from .options import load_settings, model_options
 @click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Open connections; a new one beyond it gets 503 + Retry-After and is closed.")
 @click.option("--model-name", default=None, help="The model id clients send (default: the file or folder name).")
+@ray_serve_options
 @model_options
 @handle_errors
 def serve(model: str | None, device: str, dtype: str, host: str, port: int, model_name: str | None,
           context_overflow: str | None, **kwargs: Any) -> None:
-    """Serve the model over an OpenAI-compatible HTTP API, with a web chat page at /."""
+    """Serve the model over an OpenAI-compatible HTTP API, with a web chat page at /.
+
+    With --ray, the same API on Ray Serve: an ingress in front of model replicas (one engine each).
+    """
     from ..api import default_model_path
     from ..serve.server import run
 
+    ray_address, replica_options = ray_serve_values(kwargs)
     overflow = context_overflow or ("shift" if kwargs["n_ctx"] is not None else "error")
     name = model_name or Path(model or default_model_path()).name.removesuffix(".gguf")
+    if ray_address is not None:
+        load = load_settings(model, device, dtype, kwargs)
+        sys.exit(run_on_ray(load, ray_address, replica_options, host, port, model_name=name,
+                            context_overflow=overflow, **kwargs))
     generator = load_settings(model, device, dtype, kwargs).load()
     sys.exit(run(generator, host, port, model_name=name, context_overflow=overflow, **kwargs))
