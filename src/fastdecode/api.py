@@ -28,6 +28,7 @@ from .loading.checkpoint import Checkpoint, resolve_device, resolve_dtype
 from . import validation
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .constraints import CompiledGrammar
     from .generation.chat import ChatSession
     from .pipeline import BatchRun
 
@@ -100,6 +101,7 @@ class Generator:
         self.tokenizer = checkpoint.tokenizer
         self.model = checkpoint.family.build(checkpoint.config, checkpoint.weights)
         self.defaults = defaults or GenerationConfig()
+        self._grammar_compilers: dict[tuple[int, ...], Any] = {}  # per EOS set (constraints/compiler.py)
 
     @property
     def device(self) -> torch.device:
@@ -117,6 +119,34 @@ class Generator:
         if self.tokenizer is not None:
             ids += [i for i in self.tokenizer.eos_token_ids if i not in ids]
         return ids
+
+    def compile_constraint(self, response_format: Any, name: str = "response_format",
+                           eos_ids: list[int] | None = None) -> "CompiledGrammar | None":
+        """A ``response_format`` (dict form or Pydantic model class; constraints/forms.py) compiled
+        for this model's tokenizer, or None for no constraint. Cached by grammar text: servers call
+        it on their request threads so that the engine thread finds it compiled. InvalidOptionError
+        naming ``name`` when the form, schema or grammar is invalid."""
+        from .constraints import GrammarCompiler, grammar_text, response_format_from
+
+        form = response_format_from(response_format, name)
+        if form is None:
+            return None
+        tokenizer = self._require_tokenizer()
+        if tokenizer.vocab_size > self.config.vocab_size:
+            raise InvalidOptionError(f"{name}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                                     f"{self.config.vocab_size}; constrained decoding needs them to agree")
+        eos = tuple(self._eos_ids(self.defaults) if eos_ids is None else eos_ids)
+        compiler = self._grammar_compilers.get(eos)
+        if compiler is None:
+            compiler = GrammarCompiler(tokenizer.backend.to_str(), self.config.vocab_size, list(eos))
+            compiler = self._grammar_compilers.setdefault(eos, compiler)
+        return compiler.compile(grammar_text(form, name), name)
+
+    def grammar_for(self, config: GenerationConfig) -> "CompiledGrammar | None":
+        """The compiled constraint of a generation config (its ``response_format``), or None."""
+        if config.response_format is None:
+            return None
+        return self.compile_constraint(config.response_format, eos_ids=self._eos_ids(config))
 
     def _require_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -193,12 +223,12 @@ class Generator:
         if config.num_beams > 1:
             from .generation.beam import BeamSearch
 
-            return [BeamSearch(self.model, prompts, config, eos)]  # R results per prompt, best first
+            return [BeamSearch(self.model, prompts, config, eos, self.grammar_for(config))]  # R results per prompt, best first
         seeds = sequence_seeds(config, len(prompts)) if config.is_sampling else None
         if config.n_ctx is not None:
-            return [DecodeLoop(self.model, [p], config, eos, row_seeds=seeds and [seeds[i]])
-                    for i, p in enumerate(repeated)]
-        return [DecodeLoop(self.model, repeated, config, eos, row_seeds=seeds)]
+            return [DecodeLoop(self.model, [p], config, eos, row_seeds=seeds and [seeds[i]],
+                               grammar=self.grammar_for(config)) for i, p in enumerate(repeated)]
+        return [DecodeLoop(self.model, repeated, config, eos, row_seeds=seeds, grammar=self.grammar_for(config))]
 
     # -- the engine ----------------------------------------------------------------------------
     def engine(self, max_batch_tokens: int = 2048, max_queue: int = 256, cache_tokens: int | None = None,

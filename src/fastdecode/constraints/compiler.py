@@ -1,0 +1,107 @@
+"""Grammars compiled against a model's tokenizer, cached by their text, and per-row matcher states.
+
+llguidance computes, from a grammar and the tokens so far, the set of tokens that keep the
+output inside the grammar (a bitmask over the vocabulary). ``GrammarCompiler`` owns the
+llguidance tokenizer (built once from the ``tokenizers`` JSON, ~0.4 s) and a cache of compiled
+grammars keyed by their text, so a schema sent a thousand times compiles once; compiling is
+bounded by llguidance's parser limits (lexer fuel, grammar size), so a hostile grammar fails
+with an error instead of stalling. ``GrammarState`` is one row's position in its grammar: its
+allowed-token mask, the token it took, and a fork for beam search.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ..errors import InvalidOptionError
+
+CACHE_ENTRIES = 256
+# llguidance's own defaults, named here so that the bounds are a decision, not an accident:
+# initial lexer fuel ~20 ms of regex analysis, at most 500k grammar symbols, a mask step at most
+# 200k lexer fuel (~15 ms) and 50k Earley items.
+PARSER_LIMITS = {"initial_lexer_fuel": 1_000_000, "max_grammar_size": 500_000, "step_lexer_fuel": 200_000,
+                 "step_max_items": 50_000, "max_lexer_states": 250_000}
+BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class CompiledGrammar:
+    """A grammar compiled once; ``state()`` gives each row its own matcher (a cheap copy)."""
+
+    def __init__(self, matcher: Any, vocab_size: int):
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+
+    def state(self) -> "GrammarState":
+        return GrammarState(self._matcher.deep_copy(), self.vocab_size)
+
+
+class GrammarState:
+    """One row's matcher: the tokens allowed next, the token taken, a fork for a new beam."""
+
+    def __init__(self, matcher: Any, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self._words = torch.empty(-(-vocab_size // 32), dtype=torch.int32)  # the bitmask, 32 tokens a word
+
+    def allowed(self) -> torch.Tensor:
+        """[V] bool: the tokens the grammar allows next (none once the matcher is in error)."""
+        words = self._words
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        bits = (words[:, None] >> BIT_SHIFTS) & 1  # [W, 32], bit b of word w is token 32 * w + b
+        return bits.view(-1)[: self.vocab_size].bool()  # [W * 32] -> [V]
+
+    def advance(self, token: int) -> None:
+        """Take ``token`` (a disallowed one puts the matcher in its error state: it then allows nothing)."""
+        self.matcher.consume_token(token)
+
+    def fork(self) -> "GrammarState":
+        return GrammarState(self.matcher.deep_copy(), self.vocab_size)
+
+
+class GrammarCompiler:
+    """Compiles grammar texts (``constraints.forms.grammar_text``) for one tokenizer; thread-safe,
+    so servers compile on request threads and the engine thread finds the result cached."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int]):
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self.eos_ids = list(eos_ids)
+        self._lltokenizer: Any = None
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = 0  # grammars actually compiled (cache misses), for tests and metrics
+
+    def lltokenizer(self) -> Any:
+        from llguidance import LLTokenizer
+
+        with self._lock:
+            if self._lltokenizer is None:
+                if not self.eos_ids:
+                    raise InvalidOptionError("constrained decoding needs an end-of-sequence token; this model has none")
+                self._lltokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+            return self._lltokenizer
+
+    def compile(self, grammar: str, name: str = "response_format") -> CompiledGrammar:
+        """The compiled grammar for ``grammar`` (cached by text); InvalidOptionError naming ``name``
+        with llguidance's message when it is invalid, unsupported or past the limits."""
+        with self._lock:
+            found = self._cache.get(grammar)
+            if found is not None:
+                self._cache.move_to_end(grammar)
+                return found
+        from llguidance import LLMatcher, LLParserLimits
+
+        matcher = LLMatcher(self.lltokenizer(), grammar, log_level=0, limits=LLParserLimits(**PARSER_LIMITS))
+        if matcher.is_error():
+            raise InvalidOptionError(f"{name} cannot be used: {matcher.get_error().strip()}")
+        compiled = CompiledGrammar(matcher, self.vocab_size)
+        with self._lock:
+            self.compiles += 1
+            self._cache[grammar] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled
