@@ -85,13 +85,14 @@ def grammar_text(form: dict, name: str = "response_format") -> str:
     if kind == "choice":
         return grammar_from("choice", form["choice"])
     text = form[kind]
-    check_size(text, f"{name}.{kind}")
+    name = name if name == kind else f"{name}.{kind}"
+    check_size(text, name)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(text)
     try:
         return grammar_from("grammar", text)
     except ValueError as exc:  # GBNF that does not convert to Lark
-        raise InvalidOptionError(f"{name}.grammar is not a valid GBNF or Lark grammar: {exc}") from None
+        raise InvalidOptionError(f"{name} is not a valid GBNF or Lark grammar: {exc}") from None
 
 
 def check_size(text: str, name: str) -> None:
