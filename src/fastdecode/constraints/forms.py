@@ -75,7 +75,7 @@ def grammar_text(form: dict, name: str = "response_format") -> str:
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
     if kind == "json_schema":
-        schema = form["json_schema"].get("schema", {})
+        schema = closed_objects(form["json_schema"].get("schema", {}))
         text = json.dumps(schema)
         check_size(text, f"{name}.json_schema.schema")
         try:
@@ -93,6 +93,33 @@ def grammar_text(form: dict, name: str = "response_format") -> str:
         return grammar_from("grammar", text)
     except ValueError as exc:  # GBNF that does not convert to Lark
         raise InvalidOptionError(f"{name} is not a valid GBNF or Lark grammar: {exc}") from None
+
+
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+              "unevaluatedItems", "prefixItems", "anyOf", "oneOf", "allOf")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists its properties and
+    says nothing about others (OpenAI's strict mode, xgrammar's default): the output then holds
+    only the named fields, still valid against the original schema, and a small model cannot add
+    fields until it runs out of tokens. A schema that sets additionalProperties keeps its choice."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in SUBSCHEMAS:
+            out[key] = closed_objects(value)
+        else:
+            out[key] = value
+    if "properties" in out and not {"additionalProperties", "unevaluatedProperties", "patternProperties"} & set(out):
+        out["additionalProperties"] = False
+    return out
 
 
 def check_size(text: str, name: str) -> None:

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..constraints.forms import lark_string
+from ..constraints.forms import closed_objects, lark_string
 from .protocol import APIError
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -126,7 +126,8 @@ def tool_grammar(request: ToolRequest) -> dict | None:
 
 def call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     """The JSON of one call of ``tool``: its name and arguments valid against its parameters."""
-    return {"type": "object", "properties": {"name": {"const": tool["name"]}, "arguments": tool["parameters"]},
+    arguments = closed_objects(tool["parameters"])  # only the named arguments (constraints/forms.py)
+    return {"type": "object", "properties": {"name": {"const": tool["name"]}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": CALL_JSON_STYLE}
 
 
