@@ -11,6 +11,7 @@ inverse CDF over the processed probabilities.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..config import GenerationConfig
@@ -143,11 +144,13 @@ class TokenSelector:
     def _grammar_masked(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [N, V] with every token its row's grammar forbids at -inf. A row whose matcher
         allows nothing (it failed: a forced token outside the grammar) may only end."""
-        allowed = torch.stack([state.allowed() for state in self.grammar_states])  # [N, V]
-        dead = ~allowed.any(dim=1)
-        if bool(dead.any()) and self.eos_ids.numel():
-            allowed[dead.nonzero()[:, 0][:, None], self.eos_ids.cpu()[None, :]] = True
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        allowed = np.stack([state.allowed() for state in self.grammar_states])  # [N, V] bool
+        dead = ~allowed.any(axis=1)  # [N]
+        if dead.any() and self.eos_ids.numel():
+            allowed[np.ix_(dead.nonzero()[0], self.eos_ids.tolist())] = True
+        if logits.device.type == "cpu":  # numpy: torch's masked_fill here measured ~14 ms a call on 2 busy cores
+            return torch.from_numpy(np.where(allowed, logits.numpy(), np.float32(float("-inf"))))
+        return logits.masked_fill(torch.from_numpy(~allowed).to(logits.device), float("-inf"))
 
     def _forced(self, num_generated: int) -> torch.Tensor | None:
         """The only token ids allowed at this step (a config's forced BOS / EOS), or None. At a step that

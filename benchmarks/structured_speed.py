@@ -1,0 +1,126 @@
+"""Constrained decoding's cost: greedy tokens/s with a JSON schema vs without, and schema compile time.
+
+On the embedded model (SmolLM2-135M-Instruct), in one process (``harness.alternate``: the two
+runs share the loaded model and alternate inside every repetition): batch 1 and batch 8, greedy,
+``--new-tokens`` tokens per row for both. The constrained run's schema asks for a long array of
+objects, so its grammar is active on every token and never completes before the length limit;
+the unconstrained run has ``eos_token_id=[]``. Both must produce exactly the same token count
+per row (checked). Targets (issue 31): <= 10% slower per token at batch 1, <= 15% at batch 8.
+
+Also: the compile time of a 20-field schema (a new text each repetition, so the cache never
+answers; the llguidance tokenizer is built once per model, before), and the mask step alone
+(one row's ``GrammarState.allowed``). llama.cpp's server is not run: its binaries are not
+installed on this machine (``peers/build_llama_cpp.sh`` builds them where a compiler and network
+are available); the table says so.
+
+    python benchmarks/structured_speed.py [--reps 5] [--new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402
+
+PROMPT = "List the players of the tournament with their scores as JSON."
+ITEM = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                         "score": {"type": "integer", "minimum": 0, "maximum": 100}},
+        "required": ["name", "score"]}
+LONG_SCHEMA = {"type": "object", "properties": {"players": {"type": "array", "items": ITEM, "minItems": 200}},
+               "required": ["players"]}
+FIELD_TYPES = [{"type": "string", "maxLength": 40}, {"type": "integer", "minimum": 0}, {"type": "number"},
+               {"type": "boolean"}, {"enum": ["red", "green", "blue"]},
+               {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+               {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"}]
+
+
+def twenty_field_schema(tag: int) -> dict:
+    properties = {f"field_{i}": dict(FIELD_TYPES[i % len(FIELD_TYPES)]) for i in range(20)}
+    return {"type": "object", "description": f"run {tag}", "properties": properties,
+            "required": [f"field_{i}" for i in range(0, 20, 2)]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+
+    import torch
+
+    import fastdecode
+    from fastdecode.constraints import GrammarCompiler, grammar_text, response_format_from
+
+    threads = torch.get_num_threads()
+    print(f"# Constrained decoding cost\n\n{harness.machine_line(threads)}\n")
+    gen = fastdecode.load(harness.embedded_model_path())
+    base = gen.encode_prompt(PROMPT, chat=True)
+    constraint = {"type": "json_schema", "json_schema": {"name": "players", "schema": LONG_SCHEMA}}
+    n = args.new_tokens
+    rows = []
+    meter = harness.Contention()
+    spent = harness.cpu_seconds()
+    for batch in (1, 8):
+        prompts = [base[i:] + base[:i] for i in range(batch)]  # rotations: different prompts, one length
+
+        def free():
+            return gen.generate_ids(prompts, max_new_tokens=n, eos_token_id=[])
+
+        def constrained():
+            return gen.generate_ids(prompts, max_new_tokens=n, response_format=constraint)
+
+        constrained()  # warm-up (and the one compile)
+        free()
+        times, results = harness.alternate({"unconstrained": free, "constrained": constrained}, args.reps,
+                                           f"batch {batch}")
+        for name, outputs in results.items():
+            if any(len(tokens) != n for tokens in outputs):
+                print(f"warning: {name} batch {batch} produced {[len(t) for t in outputs]} tokens", file=sys.stderr)
+        per_token = {name: [t / (n * batch) * 1e3 for t in values] for name, values in times.items()}
+        slower = harness.median(per_token["constrained"]) / harness.median(per_token["unconstrained"]) - 1
+        target = 0.10 if batch == 1 else 0.15
+        rows.append([batch, harness.spread(per_token["unconstrained"], 2), harness.spread(per_token["constrained"], 2),
+                     f"{slower * 100:+.1f}%", f"<= {target * 100:.0f}%", "yes" if slower <= target else "no"])
+    other = meter.other_cores(harness.cpu_seconds() - spent)
+    print(harness.table(["batch", "unconstrained ms/token", "constrained ms/token", "slower", "target", "met"], rows))
+    print(f"\n{n} new tokens per row, greedy, {args.reps} repetitions (median, min-max); other processes kept "
+          f"{other:.1f} cores busy on average meanwhile.\n")
+
+    eos = gen._eos_ids(gen.defaults)
+    compiler = GrammarCompiler(gen.tokenizer.backend.to_str(), gen.config.vocab_size, eos)
+    started = time.perf_counter()
+    compiler.lltokenizer()
+    tokenizer_s = time.perf_counter() - started
+    compile_ms, mask_us = [], []
+    for rep in range(args.reps):
+        form = response_format_from({"type": "json_schema",
+                                     "json_schema": {"name": "t", "schema": twenty_field_schema(rep)}})
+        text = grammar_text(form)
+        seconds, compiled = harness.timed(lambda: compiler.compile(text))
+        compile_ms.append(seconds * 1e3)
+        state = compiled.state()
+        state.allowed()
+        started = time.perf_counter()
+        for _ in range(100):
+            state.allowed()
+        mask_us.append((time.perf_counter() - started) / 100 * 1e6)
+    print(harness.table(["what", "time"], [
+        ["llguidance tokenizer (once per model)", f"{tokenizer_s * 1e3:.0f} ms"],
+        ["compile a 20-field schema (cache miss)", f"{harness.spread(compile_ms, 2)} ms"],
+        ["one row's mask (GrammarState.allowed, 49152 tokens)", f"{harness.spread(mask_us, 1)} us"],
+    ]))
+    print()
+    print(harness.table(["peer", "constrained tokens/s"],
+                        [harness.not_run("llama.cpp server (json_schema)", "llama.cpp is not installed on this "
+                                         "machine", 1)]))
+    print("\n" + json.dumps({"rows": rows, "compile_ms": compile_ms, "mask_us": mask_us}))
+
+
+if __name__ == "__main__":
+    main()
