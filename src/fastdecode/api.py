@@ -101,7 +101,7 @@ class Generator:
         self.tokenizer = checkpoint.tokenizer
         self.model = checkpoint.family.build(checkpoint.config, checkpoint.weights)
         self.defaults = defaults or GenerationConfig()
-        self._grammar_compilers: dict[tuple[int, ...], Any] = {}  # per EOS set (constraints/compiler.py)
+        self._grammars: Any = None  # constraints.ModelGrammars, made at the first constraint
 
     @property
     def device(self) -> torch.device:
@@ -122,30 +122,19 @@ class Generator:
 
     def compile_constraint(self, response_format: Any, name: str = "response_format",
                            eos_ids: list[int] | None = None) -> "CompiledGrammar | None":
-        """A ``response_format`` (dict form or Pydantic model class; constraints/forms.py) compiled
-        for this model's tokenizer, or None for no constraint. Cached by grammar text: servers call
-        it on their request threads so that the engine thread finds it compiled. InvalidOptionError
-        naming ``name`` when the form, schema or grammar is invalid."""
-        from .constraints import GrammarCompiler, grammar_text, response_format_from
+        """A ``response_format`` (constraints/forms.py) compiled for this model, cached by grammar text
+        (servers compile on request threads, the engine thread finds it), or None; InvalidOptionError
+        naming ``name``."""
+        from .constraints import ModelGrammars
 
-        form = response_format_from(response_format, name)
-        if form is None:
+        if response_format is None:  # no constraint: nothing to build (a model without a tokenizer is fine)
             return None
-        tokenizer = self._require_tokenizer()
-        if tokenizer.vocab_size > self.config.vocab_size:
-            raise InvalidOptionError(f"{name}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                                     f"{self.config.vocab_size}; constrained decoding needs them to agree")
-        eos = tuple(self._eos_ids(self.defaults) if eos_ids is None else eos_ids)
-        compiler = self._grammar_compilers.get(eos)
-        if compiler is None:
-            compiler = GrammarCompiler(tokenizer.backend.to_str(), self.config.vocab_size, list(eos))
-            compiler = self._grammar_compilers.setdefault(eos, compiler)
-        return compiler.compile(grammar_text(form, name), name)
+        self._grammars = self._grammars or ModelGrammars(self._require_tokenizer(), self.config.vocab_size)
+        eos = self._eos_ids(self.defaults) if eos_ids is None else eos_ids
+        return self._grammars.compile(response_format, name, eos)
 
     def grammar_for(self, config: GenerationConfig) -> "CompiledGrammar | None":
         """The compiled constraint of a generation config (its ``response_format``), or None."""
-        if config.response_format is None:
-            return None
         return self.compile_constraint(config.response_format, eos_ids=self._eos_ids(config))
 
     def _require_tokenizer(self) -> Any:
@@ -223,7 +212,8 @@ class Generator:
         if config.num_beams > 1:
             from .generation.beam import BeamSearch
 
-            return [BeamSearch(self.model, prompts, config, eos, self.grammar_for(config))]  # R results per prompt, best first
+            # R results per prompt, best first
+            return [BeamSearch(self.model, prompts, config, eos, self.grammar_for(config))]
         seeds = sequence_seeds(config, len(prompts)) if config.is_sampling else None
         if config.n_ctx is not None:
             return [DecodeLoop(self.model, [p], config, eos, row_seeds=seeds and [seeds[i]],

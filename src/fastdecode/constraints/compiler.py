@@ -62,6 +62,36 @@ class GrammarState:
         return GrammarState(self.matcher.deep_copy(), self.vocab_size)
 
 
+class ModelGrammars:
+    """A model's compilers (one per EOS set, usually one): response_format -> its CompiledGrammar."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.compilers: dict[tuple[int, ...], GrammarCompiler] = {}
+        self._lock = threading.Lock()
+
+    def compile(self, response_format: Any, name: str, eos_ids: list[int]) -> CompiledGrammar | None:
+        from .forms import grammar_text, response_format_from
+
+        form = response_format_from(response_format, name)
+        if form is None:
+            return None
+        if self.tokenizer.vocab_size > self.vocab_size:
+            raise InvalidOptionError(f"{name}: the tokenizer has {self.tokenizer.vocab_size} tokens but the model "
+                                     f"only {self.vocab_size}; constrained decoding needs them to agree")
+        eos = tuple(eos_ids)
+        with self._lock:
+            compiler = self.compilers.get(eos)
+            if compiler is None:
+                compiler = self.compilers[eos] = GrammarCompiler(self.tokenizer.backend.to_str(), self.vocab_size,
+                                                                 list(eos))
+        return compiler.compile(grammar_text(form, name), name)
+
+    @property
+    def compiles(self) -> int:
+        return sum(compiler.compiles for compiler in self.compilers.values())
+
+
 class GrammarCompiler:
     """Compiles grammar texts (``constraints.forms.grammar_text``) for one tokenizer; thread-safe,
     so servers compile on request threads and the engine thread finds the result cached."""
