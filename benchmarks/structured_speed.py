@@ -46,10 +46,26 @@ def twenty_field_schema(tag: int) -> dict:
             "required": [f"field_{i}" for i in range(0, 20, 2)]}
 
 
+def alternate_quietly(calls: dict, reps: int, quiet_wait: float, label: str) -> tuple[dict, dict]:
+    """``harness.alternate`` with ``harness.wait_for_quiet`` before each timed call (outside the timing)."""
+    times: dict = {name: [] for name in calls}
+    results: dict = {}
+    for rep in range(reps):
+        for name, fn in calls.items():
+            harness.wait_for_quiet(quiet_wait)
+            seconds, results[name] = harness.timed(fn)
+            times[name].append(seconds)
+            print(f"  {label} {name} rep {rep + 1}/{reps}: {seconds:.2f}s", file=sys.stderr, flush=True)
+    return times, results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--wait-for-quiet", type=float, default=0.0,
+                        help="Before each timed run, wait up to this many seconds for the other processes to go "
+                             "under 0.3 busy cores (recommended on a shared machine: 30).")
     args = parser.parse_args()
 
     import torch
@@ -77,8 +93,8 @@ def main() -> None:
 
         constrained()  # warm-up (and the one compile)
         free()
-        times, results = harness.alternate({"unconstrained": free, "constrained": constrained}, args.reps,
-                                           f"batch {batch}")
+        times, results = alternate_quietly({"unconstrained": free, "constrained": constrained}, args.reps,
+                                           args.wait_for_quiet, f"batch {batch}")
         for name, outputs in results.items():
             if any(len(tokens) != n for tokens in outputs):
                 print(f"warning: {name} batch {batch} produced {[len(t) for t in outputs]} tokens", file=sys.stderr)

@@ -140,6 +140,9 @@ def test_pydantic_model_class_and_the_compile_cache(gen):
     ({"type": "grammar", "grammar": "root ::= missing"}, "missing"),
     ({"type": "choice", "choice": []}, "choice"),
     ({"type": "xml"}, "response_format.type"),
+    ({"type": "regex", "regex": "a" * 300_000}, "the limit is"),  # refused before compiling
+    ({"type": "grammar", "grammar": "start: " + " ".join(f"x{i}" for i in range(20_000)) + "\n"
+      + "".join(f'x{i}: "a" | "b"\n' for i in range(20_000))}, "the limit is"),
     ("json", "response_format must be"),
 ])
 def test_bad_constraints_are_typed_errors_naming_the_problem(gen, response_format, message):

@@ -144,7 +144,8 @@ class TokenSelector:
     def _grammar_masked(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [N, V] with every token its row's grammar forbids at -inf. A row whose matcher
         allows nothing (it failed: a forced token outside the grammar) may only end."""
-        allowed = np.stack([state.allowed() for state in self.grammar_states])  # [N, V] bool
+        states = self.grammar_states
+        allowed = states[0].allowed()[None] if len(states) == 1 else np.stack([s.allowed() for s in states])  # [N, V]
         dead = ~allowed.any(axis=1)  # [N]
         if dead.any() and self.eos_ids.numel():
             allowed[np.ix_(dead.nonzero()[0], self.eos_ids.tolist())] = True
