@@ -149,3 +149,12 @@ def test_bad_constraints_are_typed_errors_naming_the_problem(gen, response_forma
     with pytest.raises(InvalidOptionError, match="response_format") as caught:
         gen.generate("Hello", max_new_tokens=4, response_format=response_format)
     assert message in str(caught.value)
+
+
+def test_encoder_decoder_models_follow_the_grammar_too():
+    from serve_helpers import tiny_bart_generator
+
+    bart = tiny_bart_generator()
+    texts = bart.generate(["The capital of France is Paris.", "A cat sat on the mat."], max_new_tokens=12,
+                          response_format={"type": "regex", "regex": "(yes|no)[0-9]"})
+    assert all(t[:-1] in ("yes", "no") and t[-1].isdigit() for t in texts), texts

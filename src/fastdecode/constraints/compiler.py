@@ -112,7 +112,11 @@ class GrammarCompiler:
             if self._lltokenizer is None:
                 if not self.eos_ids:
                     raise InvalidOptionError("constrained decoding needs an end-of-sequence token; this model has none")
-                self._lltokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+                try:
+                    self._lltokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                    eos_token=self.eos_ids)
+                except Exception as exc:  # llguidance's own error type for a tokenizer it cannot read
+                    raise InvalidOptionError(f"constrained decoding cannot use this model's tokenizer: {exc}") from None
             return self._lltokenizer
 
     def compile(self, grammar: str, name: str = "response_format") -> CompiledGrammar:
