@@ -20,6 +20,8 @@ import numpy as np
 from ..errors import InvalidOptionError
 
 CACHE_ENTRIES = 256
+# BYTE_BIAS[byte] = the 8 tokens' biases of one mask byte: bit i set -> 0, clear -> -inf (low bit first).
+BYTE_BIAS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, 0.0, -np.inf).astype(np.float32)  # [256, 8]
 # llguidance's own defaults, named here so that the bounds are a decision, not an accident:
 # initial lexer fuel ~20 ms of regex analysis, at most 500k grammar symbols, a mask step at most
 # 200k lexer fuel (~15 ms) and 50k Earley items.
@@ -46,13 +48,17 @@ class GrammarState:
         self.vocab_size = vocab_size
         self._words = np.empty(-(-vocab_size // 32), dtype="<u4")  # the bitmask, 32 tokens a word
 
-    def allowed(self) -> np.ndarray:
-        """[V] bool (numpy: a few microseconds, where small torch ops between two forwards cost far
-        more): the tokens the grammar allows next (none once the matcher is in error)."""
+    def bias(self) -> np.ndarray | None:
+        """[V] float32: 0 for the tokens the grammar allows next, -inf for the others, to add to the
+        row's logits; None when it allows nothing (the matcher failed). numpy, one table lookup per
+        mask byte: adding a bias measured ~7x faster than a masked select (np.where, masked_fill) on
+        this busy 2-core machine, and torch's small ops between two forwards cost far more."""
         words = self._words
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        # Bit b of little-endian word w is token 32 * w + b: the bytes' bits, least significant first.
-        return np.unpackbits(words.view(np.uint8), count=self.vocab_size, bitorder="little").view(bool)
+        if not words.any():
+            return None
+        # Bit b of little-endian word w is token 32 * w + b: byte k holds tokens 8k..8k+7, low bit first.
+        return BYTE_BIAS[words.view(np.uint8)].reshape(-1)[: self.vocab_size]  # [W*4, 8] -> [V]
 
     def advance(self, token: int) -> None:
         """Take ``token`` (a disallowed one puts the matcher in its error state: it then allows nothing)."""

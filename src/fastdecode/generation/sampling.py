@@ -142,16 +142,21 @@ class TokenSelector:
         return self.eos_ids if num_generated < cfg.min_new_tokens else self.eos_ids[:0]
 
     def _grammar_masked(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [N, V] with every token its row's grammar forbids at -inf. A row whose matcher
-        allows nothing (it failed: a forced token outside the grammar) may only end."""
-        states = self.grammar_states
-        allowed = states[0].allowed()[None] if len(states) == 1 else np.stack([s.allowed() for s in states])  # [N, V]
-        dead = ~allowed.any(axis=1)  # [N]
-        if dead.any() and self.eos_ids.numel():
-            allowed[np.ix_(dead.nonzero()[0], self.eos_ids.tolist())] = True
-        if logits.device.type == "cpu":  # numpy: torch's masked_fill here measured ~14 ms a call on 2 busy cores
-            return torch.from_numpy(np.where(allowed, logits.numpy(), np.float32(float("-inf"))))
-        return logits.masked_fill(torch.from_numpy(~allowed).to(logits.device), float("-inf"))
+        """logits [N, V] with every token its row's grammar forbids at -inf (its bias added). A row whose
+        matcher allows nothing (it failed: a forced token outside the grammar) may only end."""
+        biases = [state.bias() for state in self.grammar_states]
+        for row, bias in enumerate(biases):
+            if bias is None:
+                biases[row] = np.full(logits.shape[-1], np.float32(float("-inf")))
+                biases[row][self.eos_ids.tolist()] = 0.0
+        if logits.device.type != "cpu":
+            return logits + torch.from_numpy(np.stack(biases)).to(logits.device)  # [N, V]
+        # numpy, row by row into one new array: torch's ops here measured 2-20 ms a call on 2 busy cores
+        values = logits.numpy()
+        masked = np.empty_like(values)  # [N, V]
+        for row, bias in enumerate(biases):
+            np.add(values[row], bias, out=masked[row])
+        return torch.from_numpy(masked)
 
     def _forced(self, num_generated: int) -> torch.Tensor | None:
         """The only token ids allowed at this step (a config's forced BOS / EOS), or None. At a step that
