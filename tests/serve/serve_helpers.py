@@ -43,9 +43,19 @@ def hf_tokenizer(vocab_size: int, specials: list[str]):
     return backend
 
 
-def tiny_chat_generator(seed: int = 0, quantize: str | None = None):
-    """A fastdecode Generator: tiny random Llama + trained BPE with <|im_end|> as EOS and ChatML
-    (``quantize``: as ``from_hf``'s)."""
+# family -> (config class, model class, options): the decoder families a chat model can be
+CHAT_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
+                 "granite": ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 2.0,
+                                                                     "residual_multiplier": 0.5,
+                                                                     "attention_multiplier": 0.2, "logits_scaling": 0.5}),
+                 "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 0]}),
+                 "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {})}
+
+
+def tiny_chat_generator(seed: int = 0, quantize: str | None = None, family: str = "llama"):
+    """A fastdecode Generator: tiny random decoder (Llama, or another of ``CHAT_FAMILIES``) + trained
+    BPE with <|im_end|> as EOS and ChatML (``quantize``: as ``from_hf``'s)."""
     import torch
     import transformers as tf
 
@@ -56,13 +66,30 @@ def tiny_chat_generator(seed: int = 0, quantize: str | None = None):
                                            eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.chat_template = CHATML
     torch.manual_seed(seed)
-    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    model = tf.LlamaForCausalLM(config).eval()
+    config_class, model_class, options = CHAT_FAMILIES[family]
+    config = getattr(tf, config_class)(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=112,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+                                       tie_word_embeddings=False, **options)
+    model = getattr(tf, model_class)(config).eval()
     with torch.no_grad():  # a peaked output layer: varied, not uniform, token choices
         model.lm_head.weight.mul_(8.0)
     return fastdecode.from_hf(model, tokenizer, quantize=quantize)
+
+
+def tiny_family_generator(kind: str):
+    """A fastdecode Generator: tests/tiny_models.py's ``kind`` (e.g. "phi3-longrope", "gemma2") with
+    the chat tokenizer of ``tiny_chat_generator``."""
+    import transformers as tf
+    from tiny_models import build
+
+    import fastdecode
+
+    backend = hf_tokenizer(320, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>",
+                                           eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    return fastdecode.from_hf(build(kind, vocab_size=len(tokenizer), bos_token_id=1), tokenizer)
 
 
 def tiny_bart_generator():
@@ -96,11 +123,13 @@ class RunningServer:
     def __init__(self, app):
         import uvicorn
 
+        from fastdecode.serve.server import uvicorn_config
+
         self.app = app
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = self.base + "/v1"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "RunningServer":

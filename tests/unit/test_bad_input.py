@@ -77,6 +77,27 @@ def test_unsupported_rope_scaling(tiny_folder, tmp_path):
         fastdecode.load(str(folder))
 
 
+@pytest.mark.parametrize("key, value", [
+    ("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0), ("logits_scaling", 8.0),
+    ("residual_multiplier", 0.2), ("no_rope_layers", [1, 0]), ("query_pre_attn_scalar", 144),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
+])
+def test_a_key_that_changes_the_math_is_refused_by_name_not_ignored(tiny_folder, tmp_path, key, value):
+    """A Llama config carrying another family's knob (soft-capping, Granite's multipliers, SmolLM3's
+    NoPE list, ...) or an unknown RoPE scaling would run with it ignored: refused, naming the key."""
+    folder = copy_folder(tiny_folder, tmp_path / "m", **{key: value})
+    with pytest.raises(UnsupportedModelError, match=key if key != "rope_scaling" else "dynamic"):
+        fastdecode.load(str(folder))
+
+
+def test_new_families_are_named_in_the_unsupported_architecture_error(tiny_folder, tmp_path):
+    folder = copy_folder(tiny_folder, tmp_path / "m", architectures=["MambaForCausalLM"], model_type="mamba")
+    with pytest.raises(UnsupportedModelError, match="MambaForCausalLM") as info:
+        fastdecode.load(str(folder))
+    for name in ("Qwen3ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM"):
+        assert name in str(info.value)
+
+
 def test_truncated_safetensors(tiny_folder, tmp_path):
     folder = copy_folder(tiny_folder, tmp_path / "m")
     weights = folder / "model.safetensors"

@@ -9,7 +9,8 @@ import torch
 import fastdecode
 from fastdecode.errors import InvalidOptionError
 from fastdecode.generation.streaming import StreamEngine
-from fastdecode.layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_half_split
+from fastdecode.layers.positions import (NoRotation, RotaryEmbedding, rope_inverse_frequencies, rotate_half_split,
+                                         rotate_heads)
 from streaming_reference import ExplicitShiftEngine, logit_trace
 from tiny_models import VOCAB, build, build_bloom
 
@@ -44,10 +45,23 @@ def bloom():
 
 
 # -- rotation algebra -------------------------------------------------------------------------------
+SCALINGS = {  # every supported RoPE scaling type: scaled frequencies shift the same way
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
 @pytest.mark.parametrize("rotary_dim", [16, 8])
-def test_rotating_by_a_then_b_equals_rotating_by_a_plus_b(rotary_dim):
-    inv_freq, _ = rope_inverse_frequencies(rotary_dim, 10000.0, None, 256)
-    rope = RotaryEmbedding(rotary_dim, inv_freq)
+def test_rotating_by_a_then_b_equals_rotating_by_a_plus_b(rotary_dim, scaling):
+    """For every scaling type (YaRN's attention factor included: it scales the placed vector once,
+    the shift is a pure rotation), moving a rotated vector by d places it at p + d."""
+    inv_freq, factor = rope_inverse_frequencies(rotary_dim, 10000.0, SCALINGS[scaling], 256)
+    assert scaling == "default" or not torch.equal(inv_freq, rope_inverse_frequencies(rotary_dim, 10000.0, None, 256)[0])
+    rope = RotaryEmbedding(rotary_dim, inv_freq, factor)
     x = torch.randn(1, 2, 3, 16, dtype=torch.float64)
     torch.testing.assert_close(rope.rotate_by(rope.rotate_by(x, 37), -12), rope.rotate_by(x, 25))
     # rotating a vector placed at position p by d gives the vector placed at p + d
@@ -55,6 +69,15 @@ def test_rotating_by_a_then_b_equals_rotating_by_a_plus_b(rotary_dim):
     cos, sin = rope.cos_sin(positions, torch.float64)
     cos_d, sin_d = rope.cos_sin(positions + 40, torch.float64)
     torch.testing.assert_close(rope.rotate_by(rotate_half_split(x, cos, sin), 40), rotate_half_split(x, cos_d, sin_d))
+
+
+def test_a_layer_without_rope_rotates_by_the_identity_exactly():
+    """SmolLM3's NoPE layers run the rotation with cos 1, sin 0 (bit-exact identity) and shift by nothing."""
+    rope = NoRotation(16)
+    x = torch.randn(2, 5, 3, 16)
+    cos, signed_sin = rope.tables(torch.arange(5).repeat(2, 1) * 1000, x.dtype)  # [B, T, 1, D]
+    assert torch.equal(rotate_heads(x, cos, signed_sin), x)
+    assert torch.equal(rope.rotate_by(x, 17), x)
 
 
 def test_angles_are_exact_at_huge_positions():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import click
 
+from ..models.registry import supported_architectures, supported_gguf_architectures
 from .batch import batch
 from .chat import chat
 from .generate import generate
@@ -13,7 +14,11 @@ from .perplexity import perplexity
 from .serve import serve
 
 
-@click.group()
+SUPPORTED = (f"Supported architectures: {supported_architectures()}.\n\n"
+             f"GGUF architectures: {supported_gguf_architectures()}.")
+
+
+@click.group(epilog=SUPPORTED)
 @click.version_option(package_name="fastdecode")
 def main() -> None:
     """fastdecode: fast autoregressive decoding for transformer language models."""

@@ -1,19 +1,21 @@
 """How every subcommand fails: a ``FastDecodeError`` is one line on stderr and exit code 2 (the same
 code click uses for usage errors; an error's own ``exit_code`` where it has one), never a traceback.
 A closed standard stream a command needs is such an error; a write error on stdout (a full disk,
-/dev/full, a closed pipe) is one line and exit code 1."""
+/dev/full) is one line and exit code 1. A closed pipe (``fastdecode generate ... | head -1``) means
+the reader has read all it wants: a quiet exit with SIGPIPE's status, 141, as ``cat`` or ``grep``."""
 
 from __future__ import annotations
 
 import errno
 import functools
 import os
+import signal
 import sys
 
 from ..errors import FastDecodeError, InvalidOptionError
 
 # Errors writing stdout that are the environment's, not a bug: one line, exit 1.
-WRITE_ERRORS = (errno.EPIPE, errno.EBADF, errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG)
+WRITE_ERRORS = (errno.EBADF, errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG)
 
 
 def say(message: str) -> None:
@@ -57,6 +59,9 @@ def handle_errors(command):
             say("")
             sys.exit(130)
         except OSError as exc:
+            if exc.errno == errno.EPIPE:  # the reader closed the pipe: nothing more to say to it
+                _silence_stdout()
+                sys.exit(128 + signal.SIGPIPE)
             if exc.errno not in WRITE_ERRORS:
                 raise
             _silence_stdout()

@@ -18,7 +18,8 @@ from .options import load_settings, model_options
 @click.option("--max-batch-tokens", type=int, default=2048, show_default=True,
               help="Tokens per scheduler step (prefill chunks + decodes).")
 @click.option("--max-queue", type=int, default=256, show_default=True,
-              help="Sequences waiting or running; beyond it requests get 503 + Retry-After.")
+              help="Sequences waiting or running (and beam-search prompts waiting for or running on "
+                   "their thread); beyond it requests get 503 + Retry-After.")
 @click.option("--api-key", default=None, envvar="FASTDECODE_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1/ routes (or env FASTDECODE_API_KEY).")
 @click.option("--n-ctx", type=int, default=None, help="Context per request (default: the model's).")
@@ -30,6 +31,15 @@ from .options import load_settings, model_options
 @click.option("--max-body-bytes", type=int, default=1 << 20, show_default=True)
 @click.option("--grace-seconds", type=float, default=30.0, show_default=True,
               help="On SIGTERM, how long in-flight requests may still run.")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+              help="Seconds a request's headers may take to arrive (from its first byte, or from the "
+                   "connection); then 408 and the connection is closed.")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds a request's body may take to arrive after its headers; then 408 and close.")
+@click.option("--keep-alive-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+              help="Seconds an idle keep-alive connection stays open.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Open connections; a new one beyond it gets 503 + Retry-After and is closed.")
 @click.option("--model-name", default=None, help="The model id clients send (default: the file or folder name).")
 @model_options
 @handle_errors

@@ -48,6 +48,14 @@ class ModelConfig:
     rope_local_theta: float | None = None  # RoPE base of sliding layers (Gemma 3: 10,000); None: as full layers
     attention_scale: float | None = None  # query scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2/3 option)
+    # RMSNorm on queries and keys before RoPE: "head" over each head's D (Qwen3), "projection" over
+    # the whole projection, H*D or Hkv*D (OLMo 2); None: none
+    qk_norm: str | None = None
+    nope_layers: list[int] = field(default_factory=list)  # layers that do not rotate q and k (SmolLM3)
+    embedding_multiplier: float = 1.0  # Granite: token embeddings times this
+    residual_multiplier: float = 1.0  # Granite: each block's attention and MLP outputs times this
+    logits_divisor: float = 1.0  # Granite's logits_scaling: logits divided by this
+    attention_softcapping: float | None = None  # scores = cap * tanh(scores / cap) before the mask (Gemma 2)
     position_kind: str = "rope"  # "rope", "alibi" or "learned" (absolute, cannot be shifted)
     residual_after_norm: bool = False  # BLOOM's apply_residual_connection_post_layernorm
     bos_token_id: int | None = None
@@ -68,6 +76,8 @@ class ModelConfig:
         if unknown:
             raise UnsupportedModelError(
                 f"unsupported attention layer type(s) {', '.join(map(repr, unknown))}; supported: {SLIDING!r}, {FULL!r}")
+        if any(not isinstance(i, int) or not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise UnsupportedModelError(f"NoPE layer indices must lie in [0, {self.num_layers}), got {self.nope_layers!r}")
         if SLIDING in self.layer_types and self.sliding_window is None:
             raise UnsupportedModelError("sliding_attention layers need a sliding_window, got None")
 
@@ -90,7 +100,8 @@ class ModelConfig:
     def position_scheme(self) -> str:
         if self.position_kind == "rope":
             partial = f", {self.partial_rotary_factor:g} of head dims" if self.partial_rotary_factor != 1 else ""
-            return f"rope (half-split{partial})"
+            nope = f"; no rotation in layers {', '.join(map(str, self.nope_layers))}" if self.nope_layers else ""
+            return f"rope (half-split{partial}){nope}"
         return {"alibi": "alibi", "learned": "learned absolute"}[self.position_kind]
 
     def kv_cache_bytes_per_token(self, bytes_per_element: int = 4) -> int:
@@ -128,6 +139,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not is_number(value) or not math.isfinite(value) or value < 0:
                 raise fail(f"{name} must be a finite number >= 0, got {value!r}")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_divisor"):
+            value = getattr(self, name)
+            if not is_number(value) or not math.isfinite(value) or value == 0:
+                raise fail(f"{name} must be a finite non-zero number, got {value!r}")
+        if self.qk_norm not in (None, "head", "projection"):
+            raise fail(f"qk_norm must be 'head', 'projection' or None, got {self.qk_norm!r}")
         if self.position_kind == "rope" and not 0 < self.partial_rotary_factor <= 1:
             raise fail(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
         if self.position_kind not in self.position_kinds:

@@ -26,6 +26,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..engine import Engine, Sequence, TokenEvent
+from ..errors import TokenizerError
 from ..generation.sampling import sequence_seeds
 from .decode import DecodeLoop
 from .stopping import TextWatcher
@@ -101,6 +102,10 @@ class ChatSession:
         self.generator = generator
         self.config = config
         self.tokenizer = generator._require_tokenizer()
+        if not self.tokenizer.chat_template:  # refused here, before a first turn could fail
+            raise TokenizerError("this model's tokenizer has no chat template, which a chat renders every turn "
+                                 "with: load a chat model (--model), or generate from a plain prompt "
+                                 "(fastdecode generate --no-chat)")
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         streaming_engine(generator.model, config)  # refuses a policy the model cannot stream with, as before
         self.engine: Any = self._fresh_conversation()  # EngineConversation, or a streaming engine

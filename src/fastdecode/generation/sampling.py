@@ -101,7 +101,7 @@ class TokenSelector:
     def record(self, tokens: torch.Tensor) -> None:
         """Append the chosen tokens [N] to the per-row state."""
         if self.seen is not None:
-            self.seen[torch.arange(tokens.shape[0], device=tokens.device), tokens] = True
+            self.seen.scatter_(1, tokens[:, None], True)  # row i's token seen (no host copy of the value on a GPU)
         if self.history is not None:
             self.history = torch.cat([self.history, tokens[:, None]], dim=1)  # [N, L+1]
         if self.grammar_states is not None:
@@ -140,6 +140,14 @@ class TokenSelector:
                 or (cfg.encoder_no_repeat_ngram_size > 0 and self.sources is not None)):
             return None
         return self.eos_ids if num_generated < cfg.min_new_tokens else self.eos_ids[:0]
+
+    def plain_greedy(self, num_generated: int) -> bool:
+        """True when ``select`` at this step is the argmax of the logits as they are (greedy, no processor
+        active), so an engine may pick many such rows with one argmax."""
+        cfg = self.config
+        return (not cfg.is_sampling and self.seen is None and self.history is None
+                and not (num_generated < cfg.min_new_tokens and self.eos_ids.numel())
+                and self.grammar_states is None and self._forced(num_generated) is None)
 
     def _grammar_masked(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [N, V] with every token its row's grammar forbids at -inf (its bias added). A row whose

@@ -45,6 +45,19 @@ class ModelBase:
 
     embed: torch.Tensor
 
+    def take_ends(self, config: Any, weights: dict[str, torch.Tensor]) -> None:
+        """Keep the config and the ends of an RMSNorm decoder: the embedding table, the final norm
+        scale and the LM head (its [C, V] buffer seen as [V, C] for linear()); the activation checked."""
+        from ..errors import UnsupportedModelError
+        from ..layers.linear import ACTIVATIONS
+
+        if config.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"activation {config.hidden_act!r} is not supported")
+        self.config = config
+        self.embed = weights["embed.weight"]
+        self.norm = weights["norm.weight"]
+        self.lm_head = weights["lm_head.weight"].t()
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype

@@ -4,7 +4,8 @@ One registration per family. A family module provides: ``HF_NAMES`` and ``GGUF_N
 (canonical weight name -> checkpoint name), ``IGNORED_NAME_PATTERNS``, ``weight_names(config)``,
 ``weight_shapes(config)`` (expected shapes, HF layout; checked at load), ``config_from_hf(dict)``,
 ``config_from_gguf(metadata, tensor_names)``, optionally ``gguf_shape_to_hf(name, shape)``,
-``gguf_to_hf_layout(name, array, config)`` and the model class named here. Encoder-decoder
+``gguf_to_hf_layout(name, array, config)``, ``FLOAT32_WEIGHTS`` (GGUF tensors that are values, such
+as RoPE factors, kept float32 whatever the dtype) and the model class named here. Encoder-decoder
 families (``is_encoder_decoder``) have no GGUF form: their model class provides ``encode``,
 ``cross_kv`` and ``decode`` instead of ``forward`` (see generation/encdec.py).
 """
@@ -36,15 +37,32 @@ class Family:
         return getattr(self.load_module(), self.model_class)(config, weights)
 
 
+# The one list of supported architectures: loaders, `fastdecode inspect`, `fastdecode --help` and the
+# "unsupported architecture" error all read it. A new family is one entry here (and its module).
 FAMILIES = (
     Family("llama", "llama", "LlamaModel",
-           hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
-           hf_model_types=("llama", "mistral", "qwen2"),
-           gguf_architectures=("llama", "mistral", "qwen2")),
+           hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                             "GraniteForCausalLM", "SmolLM3ForCausalLM"),
+           hf_model_types=("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3"),
+           gguf_architectures=("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3")),
+    Family("olmo2", "olmo2", "Olmo2Model",
+           hf_architectures=("Olmo2ForCausalLM",),
+           hf_model_types=("olmo2",),
+           gguf_architectures=("olmo2",)),
     Family("gemma3", "gemma3", "Gemma3Model",
            hf_architectures=("Gemma3ForCausalLM",),
            hf_model_types=("gemma3_text",),
            gguf_architectures=("gemma3",)),
+    # --- issue 34 (second half): Phi-3 / Phi-3.5 / Phi-4-mini and Gemma 2 ---
+    Family("phi3", "phi3", "Phi3Model",
+           hf_architectures=("Phi3ForCausalLM",),
+           hf_model_types=("phi3",),
+           gguf_architectures=("phi3",)),
+    Family("gemma2", "gemma2", "Gemma2Model",
+           hf_architectures=("Gemma2ForCausalLM",),
+           hf_model_types=("gemma2",),
+           gguf_architectures=("gemma2",)),
+    # --- end of issue 34 (second half) ---
     Family("bloom", "bloom", "BloomModel",
            hf_architectures=("BloomForCausalLM",),
            hf_model_types=("bloom",),
@@ -63,11 +81,18 @@ FAMILIES = (
            hf_model_types=("t5",),
            gguf_architectures=(),
            is_encoder_decoder=True),
+    # --- issue 34, Phi-3 / Gemma 2: their entries go below this line -------------------------------
 )
 
 
 def supported_architectures() -> str:
+    """The HF architectures (config.json ``architectures``) every loader accepts, comma-separated."""
     return ", ".join(a for f in FAMILIES for a in f.hf_architectures)
+
+
+def supported_gguf_architectures() -> str:
+    """The GGUF ``general.architecture`` names (llama.cpp's) the GGUF loader accepts, comma-separated."""
+    return ", ".join(a for f in FAMILIES for a in f.gguf_architectures)
 
 
 def family_by_name(name: str) -> Family:
@@ -97,7 +122,7 @@ def family_for_gguf(architecture: str) -> Family:
     for family in FAMILIES:
         if architecture in family.gguf_architectures:
             return family
-    supported = ", ".join(a for f in FAMILIES for a in f.gguf_architectures)
     raise UnsupportedModelError(
-        f"unsupported GGUF architecture {architecture!r}; supported GGUF architectures: {supported}"
+        f"unsupported GGUF architecture {architecture!r}; supported GGUF architectures: "
+        f"{supported_gguf_architectures()}"
     )

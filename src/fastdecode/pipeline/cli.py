@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..errors import BatchFileError, ModelNotFoundError
-from .inputs import BOM, InputItem, format_for, items_from_lines, skip_done
+from .inputs import BOM, InputItem, format_for, items_from_lines, skip_done, text_lines
 from .output import OutputFile, OutputState, encode_record, same_file
 from .runner import BatchRun, PipelineStats, split_at_first_error
 from .settings import BatchSettings, LoadSettings
@@ -44,16 +44,18 @@ def read_input(path: str, input_format: str, field: str) -> Iterator[InputItem]:
     """
     handle = sys.stdin.buffer if path == "-" else open(path, "rb")
     try:
-        head: list[bytes] = []
+        lines = text_lines(handle)
+        head: list[str | bytes] = []
         fmt = input_format
         if fmt == "auto":
-            for raw in handle:
+            for raw in lines:
                 head.append(raw)
                 if raw.strip():
                     break
-            first = head[-1].decode("utf-8", errors="replace").lstrip(BOM) if head else ""
+            first = head[-1] if head else ""
+            first = (first.decode("utf-8", errors="replace") if isinstance(first, bytes) else first).lstrip(BOM)
             fmt = format_for("" if path == "-" else path, first)
-        yield from items_from_lines(itertools.chain(head, handle), fmt, field)
+        yield from items_from_lines(itertools.chain(head, lines), fmt, field)
     finally:
         if handle is not sys.stdin.buffer:
             handle.close()
@@ -65,7 +67,7 @@ def count_inputs(path: str) -> int | None:
     if path == "-" or not stat.S_ISREG(os.stat(path).st_mode):
         return None
     with open(path, "rb") as handle:
-        return sum(1 for raw in handle if raw.strip())
+        return sum(1 for raw in text_lines(handle) if raw.strip())
 
 
 def check_not_input(input_path: str, output: str) -> None:

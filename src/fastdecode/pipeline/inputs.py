@@ -11,6 +11,8 @@ its 0-based line index, so ids never shift when blank lines are added or removed
 
 from __future__ import annotations
 
+import codecs
+import io
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -20,6 +22,10 @@ from ..errors import BatchFileError
 
 FORMATS = ("jsonl", "txt")
 BOM = "\ufeff"  # a UTF-8 byte order mark, as some editors write at the start of a file
+# Byte order marks of the encodings a text file is decoded by instead of UTF-8 (UTF-32 first:
+# its little-endian mark begins with UTF-16's).
+WIDE_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+             (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
 
 
 @dataclass(slots=True)
@@ -45,17 +51,52 @@ def format_for(path: str, first_line: str) -> str:
     return "jsonl" if first_line.lstrip().startswith("{") else "txt"
 
 
+def wide_encoding(head: bytes) -> str | None:
+    """"utf-16" / "utf-32" when ``head`` (a file's first bytes) starts with that byte order mark."""
+    return next((name for bom, name in WIDE_BOMS if head.startswith(bom)), None)
+
+
+def text_lines(handle: Any) -> Iterator[str | bytes]:
+    """A binary file's lines: bytes (decoded later, line by line, as UTF-8), or str when the file
+    starts with a UTF-16 / UTF-32 byte order mark (decoded here by that encoding, which drops the
+    mark; a decoding error refuses the file, naming the encoding)."""
+    if not hasattr(handle, "peek"):  # e.g. an in-memory stdin
+        handle = io.BufferedReader(handle)
+    encoding = wide_encoding(handle.peek(4)[:4])
+    if encoding is None:
+        yield from handle
+        return
+    text = io.TextIOWrapper(handle, encoding=encoding, newline="\n")
+    line = 0
+    try:
+        for line, decoded in enumerate(text, start=1):
+            yield decoded
+    except UnicodeDecodeError as exc:
+        raise BatchFileError(f"the input starts with a {encoding.upper()} byte order mark but line {line + 1} is "
+                             f"not valid {encoding.upper()} ({exc.reason})") from None
+    finally:
+        text.detach()  # the caller closes the file
+
+
+def _check_text(text: str) -> None:
+    if "\0" in text:
+        raise BatchFileError("the prompt contains NUL characters (U+0000): is the file UTF-16 or binary "
+                             "without a byte order mark?")
+
+
 def check_prompt(prompt: Any) -> None:
-    """Raise BatchFileError unless ``prompt`` is a non-empty string or a chat conversation."""
+    """Raise BatchFileError unless ``prompt`` is a non-empty string or a chat conversation (no NULs)."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise BatchFileError("empty prompt")
+        _check_text(prompt)
         return
     if isinstance(prompt, list) and prompt:
         for message in prompt:
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                     and isinstance(message.get("content"), str)):
                 raise BatchFileError('a chat prompt must be a list of {"role": str, "content": str} objects')
+            _check_text(message["content"])
         return
     if isinstance(prompt, list):
         raise BatchFileError("empty chat prompt")

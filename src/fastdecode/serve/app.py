@@ -18,8 +18,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from .body import read_json_body, too_large
+from .lifetime import ConnectionLifetime, lifetime_of
 from .metrics import ServerMetrics
-from .protocol import APIError, GenerationRequest, parse_json, parse_request
+from .protocol import APIError, GenerationRequest, parse_request
 from .responses import ChoiceState, ResponseBuilder
 from .service import GenerationService, RunningRequest, ServeSettings
 from .structured import attach_constraints
@@ -32,10 +34,13 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
     settings = settings or ServeSettings()
     metrics = ServerMetrics()
     service = GenerationService(generator, settings, metrics)
+    # redirect_slashes off: Starlette would answer "/v1/completions/" with a redirect built from the
+    # Host header (an open redirect); an unknown path is a 404 error object instead.
     app = FastAPI(title="fastdecode", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=_lifespan(service))
+                  lifespan=_lifespan(service), redirect_slashes=False)
     app.state.service, app.state.settings, app.state.metrics = service, settings, metrics
 
+    app.add_middleware(ConnectionLifetime)
     app.add_middleware(_Guard, settings=settings, metrics=metrics)
 
     @app.exception_handler(APIError)
@@ -84,19 +89,20 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
         return await _generate(request, "chat")
 
     async def _generate(request: Request, endpoint: str) -> Response:
-        body = parse_json(await _read_body(request, settings.max_body_bytes))
+        body = await read_json_body(request, settings.max_body_bytes)
         parsed = parse_request(body, endpoint, settings.model_name)
         attach_constraints(parsed, body)
         prompts = service.encode(parsed)
         running = await service.start_request(parsed, prompts)
+        lifetime_of(request).on_disconnect(running.cancel)  # every route, streamed or not
         builder = ResponseBuilder(endpoint, settings.model_name, generator.tokenizer, parsed.logprobs)
         if parsed.stream:
             return StreamingResponse(_sse(running, parsed, builder), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         choices = {i: ChoiceState(i) for i in range(len(running.prompt_lengths) * parsed.n)}
-        async for piece in running.pieces(request.is_disconnected):
+        async for piece in running.pieces():
             choices[piece.index].add(piece)
-        if not running.done:  # the client went away: nothing to answer
+        if running.cancelled:  # the client went away: nothing to answer
             return Response(status_code=499)
         ordered = [choices[i] for i in sorted(choices)]
         if parsed.tools is not None and parsed.tools.parses_output:
@@ -217,24 +223,9 @@ def _check_key(authorization: str, key: str) -> None:
                        "authentication_error", code="invalid_api_key")
 
 
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than {limit} bytes", param=None, code="request_too_large")
-
-
 def _check_declared_size(declared: str | None, limit: int) -> None:
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, read up to ``limit`` bytes (also for chunked uploads that declare no length)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+        raise too_large(limit)
 
 
 def _endpoint_label(path: str) -> str:

@@ -7,7 +7,6 @@ as OpenAI's own API does for fields it does not use.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,16 +60,6 @@ class GenerationRequest:
     @property
     def is_beam(self) -> bool:
         return self.options.get("num_beams", 1) > 1
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
-    return body
 
 
 def parse_request(body: dict[str, Any], endpoint: str, served_model: str) -> GenerationRequest:

@@ -22,9 +22,7 @@ def run(generator: Any, host: str, port: int, **settings: Any) -> int:
         app = create_app(generator, ServeSettings(**settings))
     except APIError as exc:
         raise InvalidOptionError(exc.message) from exc
-    config = uvicorn.Config(app, host=host, port=port, log_level="info",
-                            timeout_graceful_shutdown=settings.get("grace_seconds", 30.0))
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, host, port, log_level="info"))
     # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: make that
     # one a no-op so that a drained server exits 0.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
@@ -33,3 +31,17 @@ def run(generator: Any, host: str, port: int, **settings: Any) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0 if server.started else 1
+
+
+def uvicorn_config(app: Any, host: str, port: int, log_level: str = "info") -> Any:
+    """uvicorn's settings for an app built by ``create_app``: its ServeSettings' timeouts and limits
+    (the header / body deadlines and the connection bound through connections.py's protocol)."""
+    import uvicorn
+
+    from .connections import ConnectionLimits, guarded_protocol
+
+    settings = app.state.settings
+    limits = ConnectionLimits(settings.header_timeout, settings.body_timeout, settings.max_connections)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=guarded_protocol(limits),
+                          timeout_keep_alive=settings.keep_alive_timeout,
+                          timeout_graceful_shutdown=settings.grace_seconds)

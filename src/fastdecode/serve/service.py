@@ -4,7 +4,7 @@ Three routes:
 * the engine (continuous batching; every greedy / sampling request that fits the context, to a
   decoder-only or an encoder-decoder model),
 * beam search (``num_beams > 1``): ``Generator.generate_ids_with_details`` on a worker thread, the
-  final text of each choice in one piece,
+  final text of each choice in one piece (bounded by ``max_queue`` and cancellable, as the engine),
 * conversations longer than the context with ``--context-overflow shift|reevaluate``: streaming
   caches kept between turns (``sessions.py``).
 """
@@ -12,15 +12,16 @@ Three routes:
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from ..engine.sequence import public_finish_reason
 from .. import validation
-from ..errors import FastDecodeError
+from ..errors import FastDecodeError, GenerationCancelledError, QueueFullError
 from .metrics import ServerMetrics
 from .protocol import APIError, GenerationRequest, api_error_from
 from .sessions import LoopRunner
@@ -42,6 +43,13 @@ class ServeSettings:
     n_keep: int = 4
     context_overflow: str = "error"  # "shift", "reevaluate" or "error"
     grace_seconds: float = 30.0  # SIGTERM: how long in-flight requests may still run
+    header_timeout: float = 5.0  # seconds a request's headers may take to arrive (connections.py)
+    body_timeout: float = 10.0  # seconds its body may take after them
+    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open (uvicorn's own)
+    max_connections: int = 1024  # open connections; beyond it a new one gets 503
+
+
+_CANCELLED = object()  # put in a request's queue when it is cancelled: wakes whoever waits on it
 
 
 class RunningRequest:
@@ -53,41 +61,35 @@ class RunningRequest:
         self.prompt_lengths = prompt_lengths
         self._buffer: list[Piece] = []
         self.done = False
+        self.cancelled = False  # stopped before every choice finished (the client went away)
 
     def cancel(self) -> None:
+        """Stop every submission (the engine frees their blocks at its next step); call on the event loop."""
         if not self.done:
-            self.done = True
+            self.done = self.cancelled = True
             self._cancel()
+            self.sink.queue.put_nowait(_CANCELLED)
 
     async def admitted(self) -> None:
         """Wait until every submission is accepted; raise the first rejection (after cancelling the rest)."""
         waiting = {s.index for s in self.submissions}
-        while waiting:
+        while waiting and not self.cancelled:
             item = await self.sink.queue.get()
             if isinstance(item, Failed):
                 self.cancel()
                 raise item.error
             if isinstance(item, Admitted):
                 waiting.discard(item.index)
-            else:
+            elif item is not _CANCELLED:
                 self._buffer.append(item)
 
-    async def pieces(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[Piece]:
-        """Every piece until each choice has finished; cancels everything if the consumer stops early."""
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Every piece until each choice has finished, or until the request is cancelled; cancels
+        everything if the consumer stops early."""
         open_choices = {s.index for s in self.submissions}
         try:
-            while open_choices:
-                if self._buffer:
-                    item = self._buffer.pop(0)
-                elif is_disconnected is None:
-                    item = await self.sink.queue.get()
-                else:
-                    try:
-                        item = await asyncio.wait_for(self.sink.queue.get(), timeout=0.5)
-                    except asyncio.TimeoutError:
-                        if await is_disconnected():
-                            return
-                        continue
+            while open_choices and not self.cancelled:
+                item = self._buffer.pop(0) if self._buffer else await self.sink.queue.get()
                 if isinstance(item, Failed):
                     raise item.error
                 if isinstance(item, Piece):
@@ -120,6 +122,8 @@ class GenerationService:
             except FastDecodeError as exc:
                 raise APIError(400, f"bad streaming settings: {exc}") from exc
         self._beam_pool = ThreadPoolExecutor(1, thread_name_prefix="fastdecode-beam")
+        self._beam_lock = threading.Lock()
+        self._beam_prompts = 0  # prompts of beam requests waiting for or running on the beam thread
 
     def start(self) -> None:
         self.worker.start()
@@ -219,7 +223,9 @@ class GenerationService:
 
     def _start_beam(self, request: GenerationRequest, prompts: list[list[int]], options: list[dict[str, Any]],
                     sink: RequestSink) -> RunningRequest:
-        """Beam search as one call on the beam thread; each choice arrives whole, as one final piece."""
+        """Beam search as one call on the beam thread; each choice arrives whole, as one final piece.
+        Its prompts count against ``max_queue`` while they wait or run (503 beyond it), and a
+        cancelled request stops its search before the next step (or is skipped if it still waits)."""
         gen, n = self.generator, request.n
         by_options: dict[int, list[int]] = {}  # prompts grouped by max_new_tokens (one call each)
         for p, o in enumerate(options):
@@ -229,23 +235,42 @@ class GenerationService:
                 gen._options(options[group[0]])
             except FastDecodeError as exc:
                 raise api_error_from(exc) from exc
+        self._take_beam_places(len(prompts))
+        stop = threading.Event()
 
         def run() -> None:
-            for group in by_options.values():
-                try:
-                    results = gen.generate_ids_with_details([prompts[p] for p in group], **options[group[0]])
-                except FastDecodeError as exc:
-                    sink.put(Failed(group[0] * n, api_error_from(exc)))
-                    return
-                texts = gen.decode_results(results, **options[group[0]])
-                for k, (result, text) in enumerate(zip(results, texts)):
-                    p = group[k // n]
-                    reason = public_finish_reason(result.finish_reason)
-                    self.metrics.generated_tokens.inc(len(result.tokens))
-                    sink.put(Piece(p * n + k % n, None, text, None, None, reason, len(prompts[p]), 0,
-                                   len(result.tokens)))
+            try:
+                for group in by_options.values():
+                    if stop.is_set():
+                        return
+                    try:
+                        results = gen.generate_ids_with_details([prompts[p] for p in group], should_stop=stop.is_set,
+                                                                **options[group[0]])
+                    except GenerationCancelledError:
+                        return
+                    except FastDecodeError as exc:
+                        sink.put(Failed(group[0] * n, api_error_from(exc)))
+                        return
+                    texts = gen.decode_results(results, **options[group[0]])
+                    for k, (result, text) in enumerate(zip(results, texts)):
+                        p = group[k // n]
+                        reason = public_finish_reason(result.finish_reason)
+                        self.metrics.generated_tokens.inc(len(result.tokens))
+                        sink.put(Piece(p * n + k % n, None, text, None, None, reason, len(prompts[p]), 0,
+                                       len(result.tokens)))
+            finally:
+                with self._beam_lock:
+                    self._beam_prompts -= len(prompts)
 
         submissions = [Submission(i, prompts[i // n], options[i // n], sink, time.perf_counter())
                        for i in range(len(prompts) * n)]
         self._beam_pool.submit(run)
-        return RunningRequest(sink, submissions, lambda: None, [len(p) for p in prompts])
+        return RunningRequest(sink, submissions, stop.set, [len(p) for p in prompts])
+
+    def _take_beam_places(self, count: int) -> None:
+        with self._beam_lock:
+            if self._beam_prompts + count > self.settings.max_queue:
+                raise api_error_from(QueueFullError(
+                    f"the beam-search queue is full ({self._beam_prompts} of {self.settings.max_queue} prompts "
+                    f"waiting or running; this request has {count})"))
+            self._beam_prompts += count
