@@ -1,6 +1,7 @@
 """The client libraries people put in front of a local server, against a real `fastdecode serve`
 (the embedded SmolLM2-135M-Instruct) on loopback: structured outputs and tool calls come back
-valid for openai, langchain-openai and instructor."""
+valid for openai, langchain-openai and instructor. Greedy (temperature 0) throughout, so that
+each answer is the same every run."""
 
 from __future__ import annotations
 
@@ -69,6 +70,11 @@ def client(base_url):
     return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
 
 
+def ask(client, **request):
+    """A greedy chat completion from the served model."""
+    return client.chat.completions.create(model="smol", temperature=0, **request)
+
+
 def check_call(call, tool: dict) -> dict:
     assert call.type == "function" and call.id and call.function.name == tool["function"]["name"]
     arguments = json.loads(call.function.arguments)
@@ -77,52 +83,51 @@ def check_call(call, tool: dict) -> dict:
 
 
 def test_openai_parse_json_schema_and_json_object(client):
-    parsed = client.chat.completions.parse(model="smol", messages=[{"role": "user", "content": "Invent a person."}],
-                                           response_format=Person, max_tokens=60)
+    parsed = client.chat.completions.parse(model="smol", temperature=0, response_format=Person, max_tokens=60,
+                                           messages=[{"role": "user", "content": "Invent a person."}])
     assert isinstance(parsed.choices[0].message.parsed, Person)
     schema = {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "blue"]},
                                                           "maxItems": 3}}, "required": ["colors"]}
-    answer = client.chat.completions.create(
-        model="smol", messages=[{"role": "user", "content": "Name colors."}], max_tokens=60,
+    answer = ask(
+        client, messages=[{"role": "user", "content": "Name colors."}], max_tokens=60,
         response_format={"type": "json_schema", "json_schema": {"name": "colors", "schema": schema, "strict": True}})
     jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
-    answer = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "A JSON object."}],
-                                            max_tokens=60, response_format={"type": "json_object"})
+    answer = ask(client, messages=[{"role": "user", "content": "A JSON object."}],
+                 max_tokens=60, response_format={"type": "json_object"})
     if answer.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(answer.choices[0].message.content), dict)
 
 
 def test_openai_tools_required_named_auto_and_a_round_trip(client):
-    required = client.chat.completions.create(model="smol", messages=QUESTION, tools=[WEATHER, TIME],
-                                              tool_choice="required", parallel_tool_calls=False, max_tokens=60)
+    required = ask(client, messages=QUESTION, tools=[WEATHER, TIME],
+                   tool_choice="required", parallel_tool_calls=False, max_tokens=60)
     choice = required.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert len(choice.message.tool_calls) == 1
     call = choice.message.tool_calls[0]
     check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
-    named = client.chat.completions.create(model="smol", messages=QUESTION, tools=[WEATHER, TIME], max_tokens=60,
-                                           tool_choice={"type": "function", "function": {"name": "get_time"}})
+    named = ask(client, messages=QUESTION, tools=[WEATHER, TIME], max_tokens=60,
+                tool_choice={"type": "function", "function": {"name": "get_time"}})
     check_call(named.choices[0].message.tool_calls[0], TIME)
-    auto = client.chat.completions.create(model="smol", messages=QUESTION, tools=[WEATHER], max_tokens=60)
+    auto = ask(client, messages=QUESTION, tools=[WEATHER], max_tokens=60)
     message = auto.choices[0].message
     for call in message.tool_calls or []:
         check_call(call, WEATHER)
     assert message.tool_calls or isinstance(message.content, str)
-    forced = client.chat.completions.create(model="smol", messages=QUESTION, tools=[WEATHER], max_tokens=60,
-                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    forced = ask(client, messages=QUESTION, tools=[WEATHER], max_tokens=60,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assistant = forced.choices[0].message
     history = QUESTION + [assistant.model_dump(exclude_none=True),
                           {"role": "tool", "tool_call_id": assistant.tool_calls[0].id,
                            "content": [{"type": "text", "text": "22 C and sunny"}]}]
-    final = client.chat.completions.create(model="smol", messages=history, tools=[WEATHER], tool_choice="none",
-                                           max_tokens=30)
+    final = ask(client, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=30)
     assert final.choices[0].message.content and final.choices[0].message.tool_calls is None
 
 
 def test_openai_streams_tool_call_deltas(client):
-    stream = client.chat.completions.create(model="smol", messages=QUESTION, tools=[WEATHER], max_tokens=60,
-                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                            stream=True)
+    stream = ask(client, messages=QUESTION, tools=[WEATHER], max_tokens=60,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                 stream=True)
     calls: dict[int, dict] = {}
     reasons = []
     for chunk in stream:
@@ -148,7 +153,7 @@ def test_bad_structured_requests_are_openai_errors_naming_the_field(client):
              ({"grammar": "root ::= missing"}, "grammar", "missing")]
     for extra, param, text in cases:
         with pytest.raises(openai.BadRequestError) as caught:
-            client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=5, extra_body=extra)
+            ask(client, messages=QUESTION, max_tokens=5, extra_body=extra)
         error = caught.value.body
         assert error["param"] == param and text in error["message"], error
 
@@ -159,7 +164,7 @@ def test_vllm_and_llama_cpp_forms(client):
                          ({"grammar": 'root ::= "A" | "B"'}, lambda t: t in ("A", "B")),
                          ({"json_schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
                                            "required": ["ok"]}}, lambda t: isinstance(json.loads(t)["ok"], bool))):
-        answer = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=20, extra_body=extra)
+        answer = ask(client, messages=QUESTION, max_tokens=20, extra_body=extra)
         assert check(answer.choices[0].message.content), (extra, answer.choices[0].message.content)
 
 
@@ -181,6 +186,7 @@ def test_instructor_tools_and_json_schema_modes(base_url):
     instructor = pytest.importorskip("instructor")
     for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
         client = instructor.from_openai(openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0), mode=mode)
-        person = client.chat.completions.create(model="smol", response_model=Person, max_tokens=60, max_retries=0,
+        person = client.chat.completions.create(model="smol", temperature=0, response_model=Person, max_tokens=80,
+                                                max_retries=0,
                                                 messages=[{"role": "user", "content": "Invent a person."}])
         assert isinstance(person, Person), mode
