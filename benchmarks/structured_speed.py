@@ -1,19 +1,22 @@
 """Constrained decoding's cost: greedy tokens/s with a JSON schema vs without, and schema compile time.
 
-On the embedded model (SmolLM2-135M-Instruct), in one process (``harness.alternate``: the two
-runs share the loaded model and alternate inside every repetition): batch 1 and batch 8, greedy,
+On the embedded model (SmolLM2-135M-Instruct), in one process (``harness.alternate``'s scheme, with
+``harness.wait_for_quiet`` before each timed run: the two runs share the loaded model and
+alternate inside every repetition): batch 1 and batch 8, greedy,
 ``--new-tokens`` tokens per row for both. The constrained run's schema asks for a long array of
 objects, so its grammar is active on every token and never completes before the length limit;
 the unconstrained run has ``eos_token_id=[]``. Both must produce exactly the same token count
 per row (checked). Targets (issue 31): <= 10% slower per token at batch 1, <= 15% at batch 8.
 
 Also: the compile time of a 20-field schema (a new text each repetition, so the cache never
-answers; the llguidance tokenizer is built once per model, before), and the mask step alone
-(one row's ``GrammarState.bias``) and the sampler's extra work per step with the grammar. llama.cpp's server is not run: its binaries are not
-installed on this machine (``peers/build_llama_cpp.sh`` builds them where a compiler and network
-are available); the table says so.
+answers; the llguidance tokenizer is built once per model, before), the mask step alone (one
+row's ``GrammarState.bias``) and the sampler's extra work per step with the grammar
+(``TokenSelector.select`` with and without it: the end-to-end numbers of a busy machine swing
+more than the effect). llama.cpp's server is not run: its binaries are not installed on this
+machine (``peers/build_llama_cpp.sh`` builds them where a compiler and network are available);
+the table says so.
 
-    python benchmarks/structured_speed.py [--reps 5] [--new-tokens 128]
+    python benchmarks/structured_speed.py [--reps 5] [--new-tokens 128] [--wait-for-quiet 10]
 """
 
 from __future__ import annotations
@@ -65,10 +68,11 @@ def sampler_cost_ms(gen, constraint: dict, batch: int, steps: int) -> float:
     per step for constrained rows; the forward is the same for both)."""
     import torch
 
+    import fastdecode
     from fastdecode.generation.sampling import TokenSelector
 
-    eos, vocab = gen._eos_ids(gen.defaults), gen.config.vocab_size
-    config = gen._options({"max_new_tokens": steps})
+    eos, vocab = list(gen.tokenizer.eos_token_ids), gen.config.vocab_size
+    config = fastdecode.GenerationConfig(max_new_tokens=steps)
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))  # [B, V]
     grammar = gen.compile_constraint(constraint)
     extra = []
@@ -140,7 +144,7 @@ def main() -> None:
           "sampler's extra time per step with the grammar (every row's mask, applying it, taking the token), "
           "timed alone on the same logits and tokens; it is set against the fastest unconstrained step.\n")
 
-    eos = gen._eos_ids(gen.defaults)
+    eos = list(gen.tokenizer.eos_token_ids)
     compiler = GrammarCompiler(gen.tokenizer.backend.to_str(), gen.config.vocab_size, eos)
     started = time.perf_counter()
     compiler.lltokenizer()
