@@ -190,7 +190,8 @@ class Engine:
         eos = gen._eos_ids(config)
         selector = TokenSelector(config, eos, model.config.vocab_size, model.device,
                                  forced_bos=getattr(model.config, "forced_bos_token_id", None),
-                                 forced_eos=getattr(model.config, "forced_eos_token_id", ()))
+                                 forced_eos=getattr(model.config, "forced_eos_token_id", ()),
+                                 grammar=gen.grammar_for(config))
         # The processors' history: the decoder's tokens (an encoder-decoder's start token, as
         # transformers penalizes it), and the source for encoder n-gram blocking.
         history = history if history is not None else decoder_prompt or prompt

@@ -24,6 +24,8 @@ from .metrics import ServerMetrics
 from .protocol import APIError, GenerationRequest, parse_request
 from .responses import ChoiceState, ResponseBuilder
 from .service import GenerationService, RunningRequest, ServeSettings
+from .structured import attach_constraints
+from .tool_calls import ToolStream, parse_tool_calls, tool_call_deltas
 
 log = logging.getLogger("fastdecode.serve")
 
@@ -89,6 +91,7 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
     async def _generate(request: Request, endpoint: str) -> Response:
         body = await read_json_body(request, settings.max_body_bytes)
         parsed = parse_request(body, endpoint, settings.model_name)
+        attach_constraints(parsed, body)
         prompts = service.encode(parsed)
         running = await service.start_request(parsed, prompts)
         lifetime_of(request).on_disconnect(running.cancel)  # every route, streamed or not
@@ -102,6 +105,11 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
         if running.cancelled:  # the client went away: nothing to answer
             return Response(status_code=499)
         ordered = [choices[i] for i in sorted(choices)]
+        if parsed.tools is not None and parsed.tools.parses_output:
+            for choice in ordered:
+                content, calls, _ = parse_tool_calls(choice.text, parsed.tools.names)
+                if calls:
+                    choice.text, choice.tool_calls, choice.finish_reason = content or "", calls, "tool_calls"
         return JSONResponse(builder.response(ordered, _prompt_counts(ordered, running, parsed.n)))
 
     return app
@@ -116,9 +124,14 @@ async def _sse(running: RunningRequest, request: GenerationRequest, builder: Res
             first = builder.first_chunk(index)
             if first is not None:
                 yield _event(first)
+        tool_streams = ({i: ToolStream(request.tools.names) for i in choices}
+                        if request.tools is not None and request.tools.parses_output else None)
         async for piece in running.pieces():
             choices[piece.index].add(piece)
-            if piece.text or piece.finish_reason is not None or request.logprobs is not None:
+            if tool_streams is not None:
+                for chunk in _tool_chunks(builder, choices[piece.index], tool_streams[piece.index], piece):
+                    yield _event(chunk)
+            elif piece.text or piece.finish_reason is not None or request.logprobs is not None:
                 yield _event(builder.piece_chunk(piece))
     except APIError as exc:
         yield _event(exc.body())
@@ -129,6 +142,19 @@ async def _sse(running: RunningRequest, request: GenerationRequest, builder: Res
         ordered = [choices[i] for i in sorted(choices)]
         yield _event(builder.usage_chunk(ordered, _prompt_counts(ordered, running, request.n)))
     yield "data: [DONE]\n\n"
+
+
+def _tool_chunks(builder: ResponseBuilder, choice: ChoiceState, stream: ToolStream, piece: Any) -> list[dict]:
+    """A streamed choice of a request with tools: content while no call may be starting, then at
+    its end the calls as OpenAI streams them (header, then argument fragments) and "tool_calls"."""
+    if piece.finish_reason is None:
+        text = stream.content(choice.text)
+        return [builder.text_chunk(piece.index, text, None)] if text else []
+    rest, calls = stream.finish(choice.text)
+    chunks = [builder.text_chunk(piece.index, rest, None)] if rest else []
+    chunks += [builder.delta_chunk(piece.index, delta) for delta in tool_call_deltas(calls)]
+    chunks.append(builder.text_chunk(piece.index, "", "tool_calls" if calls else piece.finish_reason))
+    return chunks
 
 
 def _event(body: dict[str, Any]) -> str:
