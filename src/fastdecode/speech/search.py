@@ -1,0 +1,242 @@
+"""Whisper's decoding of a batch of windows: the logits rules, then greedy, sampling or beam search.
+
+Rules, in Whisper's order, on each row's logits: the suppressed tokens (every step), blank and
+end-of-text at the first sampled step, and with timestamps the timestamp rules (timestamps come
+in pairs, never decrease, the first token is a timestamp no later than
+``max_initial_timestamp``, and a timestamp is forced when their total probability beats every
+text token). Beam search is Whisper's: each beam's best K+1 continuations, ranked by summed
+log-probability; candidates ending ranked above the K-th open beam join the window's finished set
+until it holds ``round(K * patience)``; the result is the best finished by summed log-probability
+divided by its length. With K=1 and temperature 0 it is greedy decoding; a temperature above 0
+samples ``best_of`` independent rows per window and keeps the best by the same score.
+
+The search drives an engine with the verbs of speech/engine.py's ``WhisperEngine``
+(``start``, ``decode``, ``reorder_beams``, ``keep_samples``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .vocabulary import WhisperVocabulary
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    beam_size: int = 5
+    patience: float = 1.0
+    temperature: float = 0.0
+    best_of: int = 5  # rows sampled per window when temperature > 0
+    max_length: int = 448  # prompt and generated tokens together (the decoder's positions)
+    timestamps: bool = False
+    suppress_tokens: tuple[int, ...] = ()
+    suppress_at_begin: tuple[int, ...] = ()
+    max_initial_timestamp_index: int = 50
+    seed: int | None = None
+
+
+@dataclass
+class WindowResult:
+    tokens: list[int]  # generated, without end-of-text
+    sum_logprob: float
+    no_speech_prob: float = 0.0
+    avg_logprob: float = field(init=False)
+
+    def __post_init__(self):
+        self.avg_logprob = self.sum_logprob / (len(self.tokens) + 1)
+
+
+class LogitsRules:
+    """Whisper's logits rules for rows whose generated tokens (after the prompt) are known."""
+
+    def __init__(self, vocabulary: WhisperVocabulary, options: SearchOptions, vocab_size: int, device):
+        self.vocab, self.options = vocabulary, options
+        always = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        special = [vocabulary.transcribe, vocabulary.translate, vocabulary.sot, vocabulary.sot_prev,
+                   vocabulary.sot_lm, vocabulary.no_speech]
+        for token in [*options.suppress_tokens, *(t for t in special if t is not None)]:
+            if 0 <= token < vocab_size:
+                always[token] = True
+        if options.timestamps:
+            always[vocabulary.no_timestamps] = True
+        self.always = always  # [V]
+        self.at_begin = list(options.suppress_at_begin) or [vocabulary.encode(" ")[0], vocabulary.eot]
+
+    def apply(self, logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
+        """logits [R, V] (a copy is changed) for rows with these generated tokens -> masked logits."""
+        logits = logits.float().masked_fill(self.always, float("-inf"))  # [R, V]
+        for row, tokens in enumerate(generated):
+            if not tokens:
+                logits[row, self.at_begin] = float("-inf")
+        if self.options.timestamps:
+            self._timestamp_rules(logits, generated)
+        return logits
+
+    def _timestamp_rules(self, logits: torch.Tensor, generated: list[list[int]]) -> None:
+        begin, eot = self.vocab.timestamp_begin, self.vocab.eot
+        for row, tokens in enumerate(generated):
+            last_was = len(tokens) >= 1 and tokens[-1] >= begin
+            penultimate_was = len(tokens) < 2 or tokens[-2] >= begin
+            if last_was:
+                if penultimate_was:  # a pair closed: text (or end) comes next
+                    logits[row, begin:] = float("-inf")
+                else:  # an opening timestamp without text after it: another timestamp or the end
+                    logits[row, :eot] = float("-inf")
+            stamps = [t for t in tokens if t >= begin]
+            if stamps:  # never decreasing; never repeating, except to close a pair
+                last = stamps[-1] if last_was and not penultimate_was else stamps[-1] + 1
+                logits[row, begin:last] = float("-inf")
+            if not tokens:  # the first token is a timestamp, and an early one
+                logits[row, :begin] = float("-inf")
+                logits[row, begin + self.options.max_initial_timestamp_index + 1:] = float("-inf")
+        logprobs = torch.log_softmax(logits, dim=-1)  # [R, V]
+        stamp_mass = torch.logsumexp(logprobs[:, begin:], dim=-1)  # [R]
+        best_text = logprobs[:, :begin].max(dim=-1).values  # [R]
+        logits[stamp_mass > best_text, :begin] = float("-inf")
+
+
+def search(engine, vocabulary: WhisperVocabulary, prompts: list[list[int]], sot_index: list[int],
+           options: SearchOptions) -> list[WindowResult]:
+    """Decode B windows (the engine holds their cross K/V) from their prompts -> one result each."""
+    sampling = options.temperature > 0
+    K = options.best_of if sampling else options.beam_size
+    B = len(prompts)
+    logits, sot_logits = engine.start(prompts, sot_index)  # [B, V] each
+    no_speech = [0.0] * B
+    if vocabulary.no_speech is not None:
+        no_speech = sot_logits.float().softmax(dim=-1)[:, vocabulary.no_speech].tolist()
+    rules = LogitsRules(vocabulary, options, logits.shape[-1], logits.device)
+    generator = None
+    if sampling:
+        generator = torch.Generator(device=logits.device)
+        generator.manual_seed(options.seed if options.seed is not None else torch.seed())
+    max_new = min(options.max_length - max(len(p) for p in prompts), engine.max_new_tokens)
+    candidates = K if sampling else max(1, round(K * options.patience))
+    state = _Beams(B, K, candidates, vocabulary.eot, [len(p) for p in prompts])
+    first = True
+    for step in range(max_new):
+        rows = state.open_rows()
+        if first:  # one row per window so far: every beam of it is the same
+            generated = [[] for _ in range(len(rows) // K)]
+        else:
+            generated = [state.tokens[r] for r in rows]
+        masked = rules.apply(logits, generated)
+        if sampling:
+            masked = masked / options.temperature
+        logprobs = torch.log_softmax(masked, dim=-1)  # [rows or B, V]
+        if first:
+            logprobs = logprobs.repeat_interleave(K, dim=0)  # [B*K, V]
+        last = step + 1 == max_new
+        if sampling:
+            choice = torch.multinomial(logprobs.exp(), 1, generator=generator)[:, 0]  # [R]
+            picked = logprobs.gather(1, choice[:, None])[:, 0]
+            state.advance_independent(choice.tolist(), picked.tolist(), last)
+        else:
+            top_lp, top_tokens = logprobs.topk(K + 1, dim=-1)  # [R, K+1]
+            state.advance_beams(top_lp.tolist(), top_tokens.tolist(), first, last)
+        first = False
+        if state.finished_all():
+            break
+        samples, sources = state.compact()
+        if samples is not None:
+            engine.keep_samples(torch.tensor(samples))
+        engine.reorder_beams(torch.tensor(sources))
+        rows = state.open_rows()
+        tokens = torch.tensor([state.tokens[r][-1] for r in rows], device=logits.device)
+        positions = torch.tensor([state.prompt_lengths[state.sample_of(r)] + len(state.tokens[r]) - 1 for r in rows],
+                                 device=logits.device)
+        logits = engine.decode(tokens, positions)  # [R, V]
+    return [WindowResult(tokens, score, no_speech[b]) for b, (tokens, score) in enumerate(state.best())]
+
+
+class _Beams:
+    """Per window: K open rows (tokens, summed log-probability) and its finished candidates."""
+
+    def __init__(self, B: int, K: int, max_candidates: int, eot: int, prompt_lengths: list[int]):
+        self.B, self.K, self.max_candidates, self.eot = B, K, max_candidates, eot
+        self.prompt_lengths = prompt_lengths
+        self.tokens: list[list[int]] = [[] for _ in range(B * K)]  # row b*K+j of window b
+        self.scores = [0.0] * (B * K)
+        # per window: key (the tokens in beam search, the row when sampling) -> (tokens, summed log-prob)
+        self.finished: list[dict] = [{} for _ in range(B)]
+        self.done: set[int] = set()  # sampled rows that ended
+        self.open = list(range(B))  # windows the engine still holds, in its order
+        self.sources: list[int] = list(range(B * K))
+
+    def sample_of(self, row: int) -> int:
+        return row // self.K
+
+    def open_rows(self) -> list[int]:
+        return [b * self.K + j for b in self.open for j in range(self.K)]
+
+    def advance_beams(self, top_lp, top_tokens, first: bool, last: bool) -> None:
+        """top_lp, top_tokens: per open row, its K+1 best continuations."""
+        K = self.K
+        new_tokens, new_scores, sources = list(self.tokens), list(self.scores), []
+        for index, b in enumerate(self.open):
+            candidates: dict[tuple[int, ...], tuple[float, int]] = {}
+            beams = [0] if first else range(K)  # the first step: one real beam
+            for j in beams:
+                row = b * K + j
+                for lp, token in zip(top_lp[index * K + j], top_tokens[index * K + j]):
+                    sequence = (*self.tokens[row], token)
+                    score = self.scores[row] + lp
+                    if sequence not in candidates or candidates[sequence][0] < score:
+                        candidates[sequence] = (score, index * K + j)
+            kept = 0
+            for sequence, (score, source) in sorted(candidates.items(), key=lambda item: -item[1][0]):
+                if sequence[-1] == self.eot:
+                    if len(self.finished[b]) < self.max_candidates:
+                        self.finished[b][sequence[:-1]] = (sequence[:-1], score)
+                    continue
+                new_tokens[b * K + kept], new_scores[b * K + kept] = list(sequence), score
+                sources.append(source)
+                kept += 1
+                if kept == K:
+                    break
+            if last and len(self.finished[b]) < self.max_candidates:  # out of room: the open beams count
+                for j in range(K):
+                    if len(self.finished[b]) >= K:
+                        break
+                    sequence = tuple(new_tokens[b * K + j])
+                    self.finished[b].setdefault(sequence, (sequence, new_scores[b * K + j]))
+        self.tokens, self.scores, self.sources = new_tokens, new_scores, sources
+
+    def advance_independent(self, tokens: list[int], logprobs: list[float], last: bool) -> None:
+        """Sampling: each open row appends its token; a row ending (or out of room) is finished (and
+        runs on with its window, ignored, until every row of the window has ended)."""
+        K = self.K
+        for index, row in enumerate(self.open_rows()):
+            if row not in self.done:
+                self.scores[row] += logprobs[index]
+                if tokens[index] == self.eot or last:
+                    ended = self.tokens[row] if tokens[index] == self.eot else [*self.tokens[row], tokens[index]]
+                    self.finished[row // K][row] = (tuple(ended), self.scores[row])
+                    self.done.add(row)
+            self.tokens[row] = [*self.tokens[row], tokens[index]]
+        self.sources = list(range(len(self.open) * K))
+
+    def finished_all(self) -> bool:
+        return all(len(self.finished[b]) >= self.max_candidates for b in self.open)
+
+    def compact(self) -> tuple[list[int] | None, list[int]]:
+        """Windows whose finished set is full leave -> (their engine sample indices kept or None,
+        each remaining row's source row within the kept engine rows)."""
+        K = self.K
+        keep = [i for i, b in enumerate(self.open) if len(self.finished[b]) < self.max_candidates]
+        position = {i: n for n, i in enumerate(keep)}
+        sources = [position[s // K] * K + s % K for s in self.sources if s // K in position]
+        if len(keep) == len(self.open):
+            return None, sources
+        self.open = [self.open[i] for i in keep]
+        return keep, sources
+
+    def best(self) -> list[tuple[list[int], float]]:
+        """Per window: the finished candidate of the best summed log-probability per token."""
+        results = []
+        for finished in self.finished:
+            tokens, score = max(finished.values(), key=lambda item: item[1] / max(1, len(item[0])))
+            results.append((list(tokens), score))
+        return results
