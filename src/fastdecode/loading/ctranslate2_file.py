@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,4 +118,6 @@ class CTranslate2File:
         if entry.dtype == "bfloat16":
             return torch.frombuffer(raw, dtype=torch.bfloat16).reshape(entry.shape) if entry.nbytes else \
                 torch.empty(entry.shape, dtype=torch.bfloat16)
-        return torch.from_numpy(raw.view(entry.dtype).reshape(entry.shape))  # a view of the map
+        with warnings.catch_warnings():  # read-only memory: the loader converts (copies) before any write
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(raw.view(entry.dtype).reshape(entry.shape))  # a view of the map

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import CheckpointError, UnsupportedModelError
-from .bart import BartModel
+from .bart import _DECODER_LAYER, _ENCODER_LAYER, BartModel
 from .base import token_id_list
 
 N_FRAMES = 3000  # 30 s of 10 ms feature frames: the encoder's fixed input length
@@ -33,15 +33,7 @@ class WhisperConfig(EncoderDecoderConfig):
     num_mel_bins: int = 80
 
 
-_ENCODER_LAYER = {
-    "attn_norm": "self_attn_layer_norm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj", "o": "self_attn.out_proj", "mlp_norm": "final_layer_norm", "up": "fc1", "down": "fc2",
-}
-_DECODER_LAYER = {
-    **_ENCODER_LAYER,
-    "cross_norm": "encoder_attn_layer_norm", "cross_q": "encoder_attn.q_proj", "cross_k": "encoder_attn.k_proj",
-    "cross_v": "encoder_attn.v_proj", "cross_o": "encoder_attn.out_proj",
-}
+# HF sublayer names: BART's (bart.py)
 # Projections stored [out, in] in both formats; the canonical layout is [in, out].
 _LINEARS = ("q", "k", "v", "o", "up", "down", "cross_q", "cross_k", "cross_v", "cross_o")
 _NO_BIAS = ("k", "cross_k")  # Whisper's key projections have no bias
@@ -121,7 +113,6 @@ def config_from_ctranslate2(shape: Callable[[str], tuple[int, ...]], scalar: Cal
 def ctranslate2_weights(config: WhisperConfig, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
     """Canonical name -> tensor in the HF layout, from CTranslate2 variable names (fused QKV and
     cross KV split back; CTranslate2 stores zeros for the bias-free key projections)."""
-    C = config.hidden_size
     out = {"embed.weight": fetch("decoder/embeddings/weight"),
            "encoder.pos_embed.weight": fetch("encoder/position_encodings/encodings"),
            "decoder.pos_embed.weight": fetch("decoder/position_encodings/encodings")}
@@ -132,8 +123,8 @@ def ctranslate2_weights(config: WhisperConfig, fetch: Callable[[str], torch.Tens
             out[f"encoder.{conv}.{kind}"] = fetch(f"encoder/{conv}/{kind}")
 
     def linear(prefix: str, ct2: str, parts: tuple[str, ...]) -> None:
-        weight, bias = fetch(f"{ct2}/weight"), fetch(f"{ct2}/bias")  # [n*C, C], [n*C]
-        for name, w, b in zip(parts, weight.split(C), bias.split(C)):
+        weight, bias = fetch(f"{ct2}/weight"), fetch(f"{ct2}/bias")  # [n*out, in], [n*out]: n equal parts
+        for name, w, b in zip(parts, weight.chunk(len(parts)), bias.chunk(len(parts))):
             out[f"{prefix}.{name}.weight"] = w
             if name not in _NO_BIAS:
                 out[f"{prefix}.{name}.bias"] = b

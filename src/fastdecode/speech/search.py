@@ -4,10 +4,11 @@ Rules, in Whisper's order, on each row's logits: the suppressed tokens (every st
 end-of-text at the first sampled step, and with timestamps the timestamp rules (timestamps come
 in pairs, never decrease, the first token is a timestamp no later than
 ``max_initial_timestamp``, and a timestamp is forced when their total probability beats every
-text token). Beam search is Whisper's: each beam's best K+1 continuations, ranked by summed
-log-probability; candidates ending ranked above the K-th open beam join the window's finished set
-until it holds ``round(K * patience)``; the result is the best finished by summed log-probability
-divided by its length. With K=1 and temperature 0 it is greedy decoding; a temperature above 0
+text token). Beam search is CTranslate2's (faster-whisper's engine): per window the 2K best
+candidates by summed log-probability; each of the first K that ends is finished and its place
+goes to the next that does not; with patience 1 the window is done once its best candidate ends,
+else once it holds ``round(K * patience)`` finished; the result is the finished candidate of the
+best summed log-probability divided by its length. With K=1 and temperature 0 it is greedy decoding; a temperature above 0
 samples ``best_of`` independent rows per window and keeps the best by the same score.
 
 The search drives an engine with the verbs of speech/engine.py's ``WhisperEngine``
@@ -115,6 +116,7 @@ def search(engine, vocabulary: WhisperVocabulary, prompts: list[list[int]], sot_
     max_new = min(options.max_length - max(len(p) for p in prompts), engine.max_new_tokens)
     candidates = K if sampling else max(1, round(K * options.patience))
     state = _Beams(B, K, candidates, vocabulary.eot, [len(p) for p in prompts])
+    state.early_exit = not sampling and options.patience == 1
     first = True
     for step in range(max_new):
         rows = state.open_rows()
@@ -134,7 +136,7 @@ def search(engine, vocabulary: WhisperVocabulary, prompts: list[list[int]], sot_
             picked = logprobs.gather(1, choice[:, None])[:, 0]
             state.advance_independent(choice.tolist(), picked.tolist(), last)
         else:
-            top_lp, top_tokens = logprobs.topk(K + 1, dim=-1)  # [R, K+1]
+            top_lp, top_tokens = logprobs.topk(2 * K, dim=-1)  # [R, 2K]
             state.advance_beams(top_lp.tolist(), top_tokens.tolist(), first, last)
         first = False
         if state.finished_all():
@@ -162,6 +164,8 @@ class _Beams:
         # per window: key (the tokens in beam search, the row when sampling) -> (tokens, summed log-prob)
         self.finished: list[dict] = [{} for _ in range(B)]
         self.done: set[int] = set()  # sampled rows that ended
+        self.top_finished = [False] * B
+        self.early_exit = False
         self.open = list(range(B))  # windows the engine still holds, in its order
         self.sources: list[int] = list(range(B * K))
 
@@ -172,37 +176,39 @@ class _Beams:
         return [b * self.K + j for b in self.open for j in range(self.K)]
 
     def advance_beams(self, top_lp, top_tokens, first: bool, last: bool) -> None:
-        """top_lp, top_tokens: per open row, its K+1 best continuations."""
+        """top_lp, top_tokens: per open row, its 2K best continuations. Per window, the 2K best
+        candidates by summed log-probability: each of the first K that ends is finished (the
+        window's search is over once the best candidate ends) and its place goes to the next
+        candidate that does not end."""
         K = self.K
         new_tokens, new_scores, sources = list(self.tokens), list(self.scores), []
         for index, b in enumerate(self.open):
-            candidates: dict[tuple[int, ...], tuple[float, int]] = {}
-            beams = [0] if first else range(K)  # the first step: one real beam
-            for j in beams:
+            candidates = []  # (score, source row in the engine, token)
+            for j in ([0] if first else range(K)):  # the first step: one real beam
                 row = b * K + j
-                for lp, token in zip(top_lp[index * K + j], top_tokens[index * K + j]):
-                    sequence = (*self.tokens[row], token)
-                    score = self.scores[row] + lp
-                    if sequence not in candidates or candidates[sequence][0] < score:
-                        candidates[sequence] = (score, index * K + j)
-            kept = 0
-            for sequence, (score, source) in sorted(candidates.items(), key=lambda item: -item[1][0]):
-                if sequence[-1] == self.eot:
-                    if len(self.finished[b]) < self.max_candidates:
-                        self.finished[b][sequence[:-1]] = (sequence[:-1], score)
-                    continue
-                new_tokens[b * K + kept], new_scores[b * K + kept] = list(sequence), score
+                candidates += [(self.scores[row] + lp, index * K + j, token, row)
+                               for lp, token in zip(top_lp[index * K + j], top_tokens[index * K + j])]
+            candidates.sort(key=lambda c: -c[0])
+            candidates = candidates[: 2 * K]
+            secondary = K
+            for k in range(K):
+                score, source, token, row = candidates[k]
+                if token == self.eot or last:
+                    ended = tuple(self.tokens[row]) if token == self.eot else (*self.tokens[row], token)
+                    self.finished[b][len(self.finished[b])] = (ended, score)
+                    if k == 0:
+                        self.top_finished[b] = True
+                    while secondary < len(candidates) and candidates[secondary][2] == self.eot:
+                        secondary += 1
+                    if secondary == len(candidates):
+                        score, source, token, row = float("-inf"), source, token, row  # nothing left: a dead beam
+                    else:
+                        score, source, token, row = candidates[secondary]
+                        secondary += 1
+                new_tokens[b * K + k], new_scores[b * K + k] = [*self.tokens[row], token], score
                 sources.append(source)
-                kept += 1
-                if kept == K:
-                    break
-            if last and len(self.finished[b]) < self.max_candidates:  # out of room: the open beams count
-                for j in range(K):
-                    if len(self.finished[b]) >= K:
-                        break
-                    sequence = tuple(new_tokens[b * K + j])
-                    self.finished[b].setdefault(sequence, (sequence, new_scores[b * K + j]))
         self.tokens, self.scores, self.sources = new_tokens, new_scores, sources
+        self.last = last
 
     def advance_independent(self, tokens: list[int], logprobs: list[float], last: bool) -> None:
         """Sampling: each open row appends its token; a row ending (or out of room) is finished (and
@@ -218,14 +224,21 @@ class _Beams:
             self.tokens[row] = [*self.tokens[row], tokens[index]]
         self.sources = list(range(len(self.open) * K))
 
+    def window_done(self, b: int) -> bool:
+        """Beam search with patience 1 ends a window once its best candidate has ended; otherwise
+        (and when sampling) once it holds ``max_candidates`` finished candidates."""
+        if self.early_exit:
+            return self.top_finished[b]
+        return len(self.finished[b]) >= self.max_candidates
+
     def finished_all(self) -> bool:
-        return all(len(self.finished[b]) >= self.max_candidates for b in self.open)
+        return all(self.window_done(b) for b in self.open)
 
     def compact(self) -> tuple[list[int] | None, list[int]]:
         """Windows whose finished set is full leave -> (their engine sample indices kept or None,
         each remaining row's source row within the kept engine rows)."""
         K = self.K
-        keep = [i for i, b in enumerate(self.open) if len(self.finished[b]) < self.max_candidates]
+        keep = [i for i, b in enumerate(self.open) if not self.window_done(b)]
         position = {i: n for n, i in enumerate(keep)}
         sources = [position[s // K] * K + s % K for s in self.sources if s // K in position]
         if len(keep) == len(self.open):
