@@ -93,18 +93,20 @@ def compare_with_ctranslate2(folder: Path, sentences, tmp_path: Path) -> None:
     for voice, speed, language, text in sentences:
         samples = torch.cat(list(stream_samples(speak(tmp_path, voice, speed, text))))
         features = window_features(samples, checkpoint.config.num_mel_bins)[None]  # [1, M, 3000]
+        with torch.inference_mode():
+            sources = encode_windows(checkpoint.model, features)  # once per sentence: the engine copies its view
+        encoded = oracle.encode(ctranslate2.StorageView.from_array(features.numpy()))  # CTranslate2's, once too
         for timestamps in (False, True):
             prompt = vocab.sot_sequence(language, "transcribe", timestamps)
             for beam_size in (1, 5):
-                expected = oracle.generate(ctranslate2.StorageView.from_array(features.numpy()), [prompt],
-                                           beam_size=beam_size, return_scores=True)[0]
+                expected = oracle.generate(encoded, [prompt], beam_size=beam_size, return_scores=True)[0]
                 with torch.inference_mode():
-                    engine = WhisperEngine(checkpoint.model, encode_windows(checkpoint.model, features), beam_size, 448)
-                    got = search(engine, vocab, [prompt], [0], SearchOptions(
-                        beam_size=beam_size, timestamps=timestamps, suppress_tokens=tuple(checkpoint.suppress_tokens),
-                        suppress_at_begin=tuple(checkpoint.suppress_at_begin)))[0]
+                    got = search(WhisperEngine(checkpoint.model, sources, beam_size, 448), vocab, [prompt], [0],
+                                 SearchOptions(beam_size=beam_size, timestamps=timestamps,
+                                               suppress_tokens=tuple(checkpoint.suppress_tokens),
+                                               suppress_at_begin=tuple(checkpoint.suppress_at_begin)))[0]
                 assert got.tokens == expected.sequences_ids[0], (text, timestamps, beam_size)
-                # CTranslate2's score: summed log-probability over the tokens (end included in the sum)
+                # CTranslate2's score: summed log-probability (end included) over the tokens (end excluded)
                 assert got.sum_logprob / len(got.tokens) == pytest.approx(expected.scores[0], abs=1e-3)
                 # beam 5 (the default) on English (tiny's greedy output misses a word or two on espeak;
                 # base mishears espeak's French and German voices, though exactly as CTranslate2 does)
