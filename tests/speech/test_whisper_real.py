@@ -61,7 +61,7 @@ def base(tmp_path_factory) -> Path:
 def speak(tmp_path: Path, voice: str, speed: int, text: str) -> Path:
     if shutil.which("espeak-ng") is None:
         pytest.skip("espeak-ng is not installed (make test installs it as root)")
-    path = tmp_path / f"{voice}.wav"
+    path = tmp_path / f"{voice}-{abs(hash(text)) % 10**8}.wav"
     subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-w", str(path), text], check=True)
     return path
 
@@ -132,3 +132,69 @@ def test_transcribe_detects_language_and_times_segments(base, tmp_path):
         assert 0 <= result.segments[0].start < result.segments[-1].end <= result.duration + 0.5
         if language == "en":
             assert word_error_rate(text, result.text) < 0.2, result.text
+
+
+LONG_SENTENCES = ["I would like to book a table for two people tomorrow evening.",
+                  "The weather is sunny and warm today.",
+                  "Please send me the report before Friday afternoon.",
+                  "My favourite colour is blue and I like to swim in the sea.",
+                  "We will meet at the station at nine o'clock.",
+                  "Thank you very much for your help with the project."]
+
+
+def long_recording(tmp_path: Path, seconds_of_silence: float = 3.0) -> tuple[Path, str]:
+    """The sentences spoken one after another with silence between them: about 40 s, longer than
+    one 30 s window, so the transcription seeks from window to window."""
+    import wave
+
+    import numpy as np
+
+    pieces, rate = [], None
+    for n, text in enumerate(LONG_SENTENCES):
+        path = speak(tmp_path, "en-us", 140, text)
+        with wave.open(str(path)) as handle:
+            rate = handle.getframerate()
+            pieces.append(np.frombuffer(handle.readframes(handle.getnframes()), dtype="<i2"))
+        pieces.append(np.zeros(int(seconds_of_silence * rate), dtype="<i2"))
+        path.unlink()
+    out = tmp_path / "long.wav"
+    with wave.open(str(out), "wb") as handle:
+        handle.setnchannels(1)
+        handle.setsampwidth(2)
+        handle.setframerate(rate)
+        handle.writeframes(np.concatenate(pieces).tobytes())
+    return out, " ".join(LONG_SENTENCES)
+
+
+def test_long_audio_seeks_window_to_window(tiny_en, tmp_path):
+    import fastdecode
+
+    path, spoken = long_recording(tmp_path)
+    result = fastdecode.load_speech(str(tiny_en)).transcribe(path)
+    assert result.duration > 35  # about 39 s
+    starts = [s.start for s in result.segments]
+    assert starts == sorted(starts) and all(s.start < s.end for s in result.segments)
+    assert result.segments[-1].end > 30  # the second window's segments carry its offset
+    assert len({s.seek for s in result.segments}) >= 2  # more than one window
+    assert word_error_rate(spoken, result.text) < 0.2, result.text
+
+
+def test_transcriptions_batched_equal_each_alone(tiny_en, tmp_path):
+    """Two transcriptions answered side by side (one encoder batch, one search per round) give
+    what each gives alone, greedy and beam."""
+    import fastdecode
+    from fastdecode.speech.batching import WindowBatcher
+
+    speech = fastdecode.load_speech(str(tiny_en))
+    files = [speak(tmp_path, "en-us", speed, text) for speed, text in ((140, LONG_SENTENCES[0]),
+                                                                       (130, LONG_SENTENCES[1]))]
+    for beam_size in (1, 5):
+        alone = [speech.transcribe(f, beam_size=beam_size) for f in files]
+        batcher, out = WindowBatcher(speech.model, speech.vocabulary), {}
+        for n, f in enumerate(files):
+            batcher.add(speech.steps(f, speech.options(beam_size=beam_size)), lambda r, n=n: out.__setitem__(n, r))
+        while batcher.open:
+            batcher.round()
+        for n, expected in enumerate(alone):
+            assert [(s.start, s.end, s.tokens) for s in out[n].segments] == \
+                   [(s.start, s.end, s.tokens) for s in expected.segments]

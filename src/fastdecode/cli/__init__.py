@@ -11,6 +11,7 @@ from .generate import generate
 from .inspect import inspect
 from .perplexity import perplexity
 from .serve import serve
+from .transcribe import transcribe
 
 
 @click.group()
@@ -19,7 +20,7 @@ def main() -> None:
     """fastdecode: fast autoregressive decoding for transformer language models."""
 
 
-for command in (generate, inspect, chat, perplexity, batch, serve):
+for command in (generate, inspect, chat, perplexity, batch, serve, transcribe):
     main.add_command(command)
 
 __all__ = ["main"]

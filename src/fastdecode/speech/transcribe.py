@@ -19,48 +19,22 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import InvalidOptionError
 from .audio import AudioInput, SampleBuffer, stream_samples
-from .engine import WhisperEngine, encode_windows
+from .batching import run_alone
 from .features import HOP_LENGTH, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, window_features
 from .loading import WhisperCheckpoint
-from .search import SearchOptions, WindowResult, search
+from .requests import Detect, Encode, Search, Segment, Steps, Transcription
+from .search import SearchOptions, WindowResult
 from .vocabulary import TIME_PRECISION
 
 FRAME_SECONDS = HOP_LENGTH / SAMPLE_RATE  # 0.01
 FRAMES_PER_TIMESTAMP = round(TIME_PRECISION / FRAME_SECONDS)  # 2
 PREVIOUS_TEXT_TOKENS = 223  # Whisper's n_text_ctx // 2 - 1
-
-
-@dataclass
-class Segment:
-    id: int
-    start: float
-    end: float
-    text: str
-    tokens: list[int]
-    avg_logprob: float
-    compression_ratio: float
-    no_speech_prob: float
-    temperature: float
-    seek: int
-
-
-@dataclass
-class Transcription:
-    segments: list[Segment]
-    language: str | None
-    language_probability: float | None
-    duration: float
-    task: str = "transcribe"
-    text: str = field(init=False)
-
-    def __post_init__(self):
-        self.text = "".join(s.text for s in self.segments).strip()
 
 
 @dataclass(frozen=True)
@@ -97,7 +71,10 @@ def compression_ratio(text: str) -> float:
 
 
 class Transcriber:
-    """A loaded Whisper model: ``transcribe(audio, ...)`` -> ``Transcription`` (segments with times)."""
+    """A loaded Whisper model: ``transcribe(audio, ...)`` -> ``Transcription`` (segments with times).
+
+    A transcription is a generator of model requests (speech/batching.py answers them, one
+    transcription alone or many side by side in one batch: the server's requests)."""
 
     def __init__(self, checkpoint: WhisperCheckpoint):
         self.checkpoint = checkpoint
@@ -107,25 +84,34 @@ class Transcriber:
     def multilingual(self) -> bool:
         return self.vocabulary.multilingual
 
-    def transcribe(self, audio: AudioInput, language: str | None = None, task: str = "transcribe",
-                   beam_size: int = 5, word_timestamps: bool = False,
-                   progress: Callable[[float], None] | None = None, **options) -> Transcription:
+    def options(self, language: str | None = None, task: str = "transcribe", beam_size: int = 5,
+                word_timestamps: bool = False, **options) -> TranscribeOptions:
+        """The options of a transcription, checked (typed errors) before any audio is read."""
         if word_timestamps:
             raise InvalidOptionError("word_timestamps is not supported yet (segment timestamps only)")
+        if isinstance(options.get("temperature"), (int, float)):
+            options["temperature"] = (float(options["temperature"]),)
         try:
             opts = TranscribeOptions(language=language, task=task, beam_size=beam_size, **options)
         except TypeError as exc:
             raise InvalidOptionError(f"transcribe: {exc}") from exc
-        if isinstance(opts.temperature, (int, float)):
-            opts = TranscribeOptions(**{**opts.__dict__, "temperature": (float(opts.temperature),)})
         opts.check()
         if language is not None:
             self.vocabulary.language_id(language)  # an unknown language is refused before any decoding
-        with torch.inference_mode():
-            return self._run(SampleBuffer(stream_samples(audio)), opts, progress)
+        if task == "translate" and not self.multilingual:
+            raise InvalidOptionError("this Whisper model is English-only: it cannot translate")
+        return opts
+
+    def transcribe(self, audio: AudioInput, language: str | None = None, task: str = "transcribe",
+                   beam_size: int = 5, word_timestamps: bool = False,
+                   progress: Callable[[float], None] | None = None, **options) -> Transcription:
+        opts = self.options(language, task, beam_size, word_timestamps, **options)
+        return run_alone(self.model, self.vocabulary, self.steps(audio, opts, progress))
 
     # -- the window loop ----------------------------------------------------------------------
-    def _run(self, buffer: SampleBuffer, opts: TranscribeOptions, progress) -> Transcription:
+    def steps(self, audio: AudioInput, opts: TranscribeOptions, progress=None) -> Steps:
+        """The transcription of ``audio`` as model requests (see ``Encode``, ``Detect``, ``Search``)."""
+        buffer = SampleBuffer(stream_samples(audio))
         vocab, n_mels = self.vocabulary, self.checkpoint.config.num_mel_bins
         language, language_probability = opts.language, None
         history: list[int] = vocab.encode(" " + opts.initial_prompt.strip()) if opts.initial_prompt else []
@@ -136,13 +122,13 @@ class Transcriber:
             window_frames = min(WINDOW_FRAMES, samples.shape[0] // HOP_LENGTH)
             if window_frames == 0:
                 break
-            sources = encode_windows(self.model, window_features(samples, n_mels)[None])
+            sources = yield Encode(window_features(samples, n_mels))
             if language is None:
-                language, language_probability = self._detect_language(sources) if vocab.multilingual else ("en", 1.0)
+                language, language_probability = (yield Detect(sources)) if vocab.multilingual else ("en", 1.0)
             prompt = ([vocab.sot_prev, *history[-PREVIOUS_TEXT_TOKENS:]] if history else [])
             sot_index = len(prompt)
             prompt += vocab.sot_sequence(language, opts.task, not opts.without_timestamps)
-            result, temperature = self._decode_with_fallback(sources, prompt, sot_index, opts)
+            result, temperature = yield from self._decode_with_fallback(sources, prompt, sot_index, opts)
             if (opts.no_speech_threshold is not None and result.no_speech_prob > opts.no_speech_threshold
                     and (opts.log_prob_threshold is None or result.avg_logprob < opts.log_prob_threshold)):
                 seek += window_frames  # silence
@@ -159,29 +145,18 @@ class Transcriber:
         duration = (buffer.start + buffer.buffer.shape[0]) / SAMPLE_RATE
         return Transcription(segments, language, language_probability, duration, opts.task)
 
-    def _detect_language(self, sources) -> tuple[str, float]:
-        """The most likely language token after ``<|startoftranscript|>`` in the first window."""
-        vocab = self.vocabulary
-        engine = WhisperEngine(self.model, sources, 1, 1)
-        logits, _ = engine.start([[vocab.sot]], [0])  # [1, V]
-        ids = torch.tensor(list(vocab.languages.values()), device=logits.device)
-        probs = logits[0, ids].float().softmax(dim=-1)
-        best = int(probs.argmax())
-        return vocab.language_code(int(ids[best])), float(probs[best])
-
-    def _decode_with_fallback(self, sources, prompt: list[int], sot_index: int,
-                              opts: TranscribeOptions) -> tuple[WindowResult, float]:
+    def search_options(self, opts: TranscribeOptions, temperature: float) -> SearchOptions:
         ckpt = self.checkpoint
+        return SearchOptions(
+            beam_size=opts.beam_size, patience=opts.patience, temperature=temperature, best_of=opts.best_of,
+            max_length=ckpt.config.max_target_positions, timestamps=not opts.without_timestamps,
+            suppress_tokens=tuple(ckpt.suppress_tokens), suppress_at_begin=tuple(ckpt.suppress_at_begin),
+            max_initial_timestamp_index=round(opts.max_initial_timestamp / TIME_PRECISION), seed=opts.seed)
+
+    def _decode_with_fallback(self, sources, prompt: list[int], sot_index: int, opts: TranscribeOptions):
         result, temperature = None, 0.0
         for temperature in opts.temperature:
-            search_options = SearchOptions(
-                beam_size=opts.beam_size, patience=opts.patience, temperature=temperature, best_of=opts.best_of,
-                max_length=self.checkpoint.config.max_target_positions, timestamps=not opts.without_timestamps,
-                suppress_tokens=tuple(ckpt.suppress_tokens), suppress_at_begin=tuple(ckpt.suppress_at_begin),
-                max_initial_timestamp_index=round(opts.max_initial_timestamp / TIME_PRECISION), seed=opts.seed)
-            rows = 1 if temperature == 0 and opts.beam_size == 1 else (opts.best_of if temperature > 0 else opts.beam_size)
-            engine = WhisperEngine(self.model, sources, rows, self.checkpoint.config.max_target_positions)
-            result = search(engine, self.vocabulary, [prompt], [sot_index], search_options)[0]
+            result = yield Search(sources, prompt, sot_index, self.search_options(opts, temperature))
             text = self.vocabulary.decode(result.tokens)
             too_repetitive = (opts.compression_ratio_threshold is not None
                               and compression_ratio(text) > opts.compression_ratio_threshold)
