@@ -133,3 +133,23 @@ def test_greedy_matches_transformers_generate(pair):
                 break
             rows.append(token)
     assert got.tokens == rows[2:]
+
+
+def test_sampling_matches_transformers_with_one_seed(pair):
+    """Temperature sampling (best_of rows per window) draws the same tokens over the engine and
+    over transformers' forward from one seed."""
+    hf, model = pair
+    torch.manual_seed(3)
+    features = torch.randn(2, MELS, FRAMES)
+    prompts = [[SOT, NO_TIMESTAMPS], [SOT, NO_TIMESTAMPS]]
+    options = SearchOptions(temperature=0.8, best_of=3, max_length=20, suppress_at_begin=(EOT,), seed=7)
+    with torch.no_grad():
+        got = search(WhisperEngine(model, encode_windows(model, features), 3, 40), vocabulary(), prompts, [0, 0],
+                     options)
+        expected = search(TransformersRecompute(hf, features, 3), vocabulary(), prompts, [0, 0], options)
+        greedy = search(WhisperEngine(model, encode_windows(model, features), 1, 40), vocabulary(), prompts, [0, 0],
+                        SearchOptions(beam_size=1, max_length=20, suppress_at_begin=(EOT,)))
+    assert [r.tokens for r in got] == [r.tokens for r in expected]
+    assert [r.tokens for r in got] != [r.tokens for r in greedy]  # it did sample
+    for a, b in zip(got, expected):
+        assert a.sum_logprob == pytest.approx(b.sum_logprob, abs=1e-3)

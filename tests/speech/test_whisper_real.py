@@ -198,3 +198,36 @@ def test_transcriptions_batched_equal_each_alone(tiny_en, tmp_path):
         for n, expected in enumerate(alone):
             assert [(s.start, s.end, s.tokens) for s in out[n].segments] == \
                    [(s.start, s.end, s.tokens) for s in expected.segments]
+
+
+def test_empty_and_silent_audio(tiny_en, tmp_path):
+    import wave
+
+    import numpy as np
+
+    import fastdecode
+
+    speech = fastdecode.load_speech(str(tiny_en))
+    for name, seconds in (("empty", 0.0), ("silent", 5.0)):
+        path = tmp_path / f"{name}.wav"
+        with wave.open(str(path), "wb") as handle:
+            handle.setnchannels(1)
+            handle.setsampwidth(2)
+            handle.setframerate(16000)
+            handle.writeframes(np.zeros(int(seconds * 16000), dtype="<i2").tobytes())
+        result = speech.transcribe(path)
+        assert result.duration == pytest.approx(seconds)
+        if name == "empty":
+            assert result.segments == [] and result.text == ""
+        else:  # Whisper's rule skips a window only when it is unlikely too: tiny.en says " You", flagged as no speech
+            assert all(s.no_speech_prob > 0.6 for s in result.segments)
+
+
+def test_base_translates_french_into_english(base, tmp_path):
+    import fastdecode
+
+    voice, speed, _language, text = OTHER_LANGUAGES[0]
+    result = fastdecode.load_speech(str(base)).transcribe(speak(tmp_path, voice, speed, text), task="translate")
+    assert result.language == "fr" and result.task == "translate"
+    words = result.text.lower()
+    assert "coffee" in words and "café" not in words and "bonjour" not in words, result.text  # English, not French
