@@ -66,13 +66,14 @@ def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None) -
     return _from_hf(hf_model, tokenizer=tokenizer, quantize=quantize)
 
 
-def load_speech(path: str) -> "Transcriber":
+def load_speech(path: str, quantize: str | None = None) -> "Transcriber":
     """Load a Whisper folder (CTranslate2 ``model.bin`` or Hugging Face safetensors) into a
-    ``Transcriber``: ``transcribe(audio, language=None, beam_size=5, ...)`` -> segments with times."""
+    ``Transcriber``: ``transcribe(audio, language=None, beam_size=5, ...)`` -> segments with times.
+    ``quantize``: None (float32) or "int8" / "int4" (quantized at load)."""
     from .speech.loading import load_whisper
     from .speech.transcribe import Transcriber
 
-    return Transcriber(load_whisper(path))
+    return Transcriber(load_whisper(path, quantize=quantize))
 
 
 def __getattr__(name: str) -> Any:

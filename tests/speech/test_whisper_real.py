@@ -231,3 +231,15 @@ def test_base_translates_french_into_english(base, tmp_path):
     assert result.language == "fr" and result.task == "translate"
     words = result.text.lower()
     assert "coffee" in words and "café" not in words and "bonjour" not in words, result.text  # English, not French
+
+
+def test_int8_weights_transcribe_as_float(tiny_en, tmp_path):
+    """Weights quantized at load (int8, int8 activations as CTranslate2's int8): the same words."""
+    import fastdecode
+
+    float32, int8 = fastdecode.load_speech(str(tiny_en)), fastdecode.load_speech(str(tiny_en), quantize="int8")
+    for voice, speed, _language, text in SENTENCES:
+        path = speak(tmp_path, voice, speed, text)
+        expected, got = float32.transcribe(path).text, int8.transcribe(path).text
+        assert word_error_rate(expected, got) <= 0.1, (expected, got)
+        assert word_error_rate(text, got) < 0.2, got

@@ -23,9 +23,11 @@ from .errors import handle_errors
               help="On SIGTERM, how long in-flight requests may still run.")
 @click.option("--model-name", default=None, help="The model id clients send (default: the folder name; "
                                                  "'whisper-1' is always accepted).")
+@click.option("--quantize", type=click.Choice(["int8", "int4"]), default=None,
+              help="Quantize the weights at load (default: float32).")
 @handle_errors
 def serve_speech(model: str, host: str, port: int, api_key: str | None, max_body_bytes: int, grace_seconds: float,
-                 model_name: str | None) -> None:
+                 model_name: str | None, quantize: str | None) -> None:
     """Serve a Whisper model over OpenAI's audio API (transcriptions; translations when multilingual)."""
     try:
         from ..serve.audio import SpeechServeSettings, create_speech_app
@@ -37,4 +39,4 @@ def serve_speech(model: str, host: str, port: int, api_key: str | None, max_body
 
     settings = SpeechServeSettings(model_name=model_name or Path(model).name, api_key=api_key,
                                    max_body_bytes=max_body_bytes, grace_seconds=grace_seconds)
-    sys.exit(serve_app(create_speech_app(load_speech(model), settings), host, port, grace_seconds))
+    sys.exit(serve_app(create_speech_app(load_speech(model, quantize=quantize), settings), host, port, grace_seconds))

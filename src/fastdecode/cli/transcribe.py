@@ -29,10 +29,12 @@ FORMAT_SUFFIXES = {"srt": ".srt", "vtt": ".vtt", "text": ".txt", "verbose_json":
 @click.option("--initial-prompt", default=None, help="Text that the first window continues (names, spelling).")
 @click.option("--without-timestamps", is_flag=True, help="One segment per 30 s window, no timestamp tokens.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="A progress bar on stderr.")
+@click.option("--quantize", type=click.Choice(["int8", "int4"]), default=None,
+              help="Quantize the weights at load (default: float32).")
 @handle_errors
 def transcribe(files: tuple[str, ...], model: str, output: str | None, response_format: str | None,
                language: str | None, task: str, beam_size: int, temperature: tuple[float, ...],
-               initial_prompt: str | None, without_timestamps: bool, progress: bool) -> None:
+               initial_prompt: str | None, without_timestamps: bool, progress: bool, quantize: str | None) -> None:
     """Transcribe (or translate into English) speech files with a Whisper model."""
     from .. import load_speech
     from ..speech.formats import render
@@ -43,7 +45,7 @@ def transcribe(files: tuple[str, ...], model: str, output: str | None, response_
     targets = _targets(files, output, response_format)
     if output is None:
         require_stream("stdout")
-    speech = load_speech(model)
+    speech = load_speech(model, quantize=quantize)
     options = {"initial_prompt": initial_prompt, "without_timestamps": without_timestamps}
     if temperature:
         options["temperature"] = tuple(temperature)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, ModelNotFoundError
+from ..errors import CheckpointError, InvalidOptionError, ModelNotFoundError
 from ..loading.jsonfile import read_json_object
 from ..models.whisper import (WhisperConfig, WhisperModel, canonical, config_from_ctranslate2, config_from_hf,
                               ctranslate2_weights, hf_names)
@@ -33,7 +33,12 @@ class WhisperCheckpoint:
     file_format: str = ""
 
 
-def load_whisper(path: str | Path, need_vocabulary: bool = True) -> WhisperCheckpoint:
+def load_whisper(path: str | Path, need_vocabulary: bool = True, quantize: str | None = None) -> WhisperCheckpoint:
+    """``quantize``: None (float32), or "int8" / "int4": the projections and the tied embedding
+    quantized at load, every product on int8 activations (as the encoder-decoder families, and as
+    CTranslate2's int8); convolutions, norms, biases and position tables stay float."""
+    if quantize not in (None, "int8", "int4"):
+        raise InvalidOptionError(f"quantize must be None, 'int8' or 'int4' for Whisper, got {quantize!r}")
     folder = Path(path)
     if not folder.is_dir():
         raise ModelNotFoundError(f"Whisper model folder {folder} does not exist")
@@ -45,7 +50,12 @@ def load_whisper(path: str | Path, need_vocabulary: bool = True) -> WhisperCheck
         file_format = "safetensors"
     else:
         raise CheckpointError(f"{folder} has neither model.bin (CTranslate2) nor *.safetensors (Hugging Face)")
-    model = WhisperModel(config, canonical(config, weights, str(folder)))
+    weights = canonical(config, weights, str(folder))
+    if quantize is not None:
+        from ..loading.quantize import int8_everywhere, quantize_weights
+
+        weights = int8_everywhere(quantize_weights(weights, quantize))
+    model = WhisperModel(config, weights)
     vocabulary = None
     if need_vocabulary or (folder / "tokenizer.json").is_file():
         vocabulary = WhisperVocabulary.from_folder(folder, config.vocab_size)
