@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..layers.threads import threads_for
 from .vocabulary import WhisperVocabulary
 
 
@@ -124,20 +125,21 @@ def search(engine, vocabulary: WhisperVocabulary, prompts: list[list[int]], sot_
             generated = [[] for _ in range(len(rows) // K)]
         else:
             generated = [state.tokens[r] for r in rows]
-        masked = rules.apply(logits, generated)
-        if sampling:
-            masked = masked / options.temperature
-        logprobs = torch.log_softmax(masked, dim=-1)  # [rows or B, V]
-        if first:
-            logprobs = logprobs.repeat_interleave(K, dim=0)  # [B*K, V]
-        last = step + 1 == max_new
-        if sampling:
-            choice = torch.multinomial(logprobs.exp(), 1, generator=generator)[:, 0]  # [R]
-            picked = logprobs.gather(1, choice[:, None])[:, 0]
-            state.advance_independent(choice.tolist(), picked.tolist(), last)
-        else:
-            top_lp, top_tokens = logprobs.topk(2 * K, dim=-1)  # [R, 2K]
-            state.advance_beams(top_lp.tolist(), top_tokens.tolist(), first, last)
+        with threads_for(0):  # small ops on one thread (an OpenMP barrier costs more than the work: beam.py)
+            masked = rules.apply(logits, generated)
+            if sampling:
+                masked = masked / options.temperature
+            logprobs = torch.log_softmax(masked, dim=-1)  # [rows or B, V]
+            if first:
+                logprobs = logprobs.repeat_interleave(K, dim=0)  # [B*K, V]
+            last = step + 1 == max_new
+            if sampling:
+                choice = torch.multinomial(logprobs.exp(), 1, generator=generator)[:, 0]  # [R]
+                picked = logprobs.gather(1, choice[:, None])[:, 0]
+                state.advance_independent(choice.tolist(), picked.tolist(), last)
+            else:
+                top_lp, top_tokens = logprobs.topk(2 * K, dim=-1)  # [R, 2K]
+                state.advance_beams(top_lp.tolist(), top_tokens.tolist(), first, last)
         first = False
         if state.finished_all():
             break
