@@ -82,3 +82,15 @@ def test_truncated_model_bin_is_a_checkpoint_error(tmp_path):
     (tmp_path / "empty.bin").write_bytes(b"")
     with pytest.raises(CheckpointError):
         CTranslate2File(tmp_path / "empty.bin")
+
+
+def test_text_load_of_a_whisper_folder_points_to_load_speech(tmp_path):
+    import json as json_module
+
+    import fastdecode
+    from fastdecode.errors import UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(json_module.dumps({"model_type": "whisper",
+                                                              "architectures": ["WhisperForConditionalGeneration"]}))
+    with pytest.raises(UnsupportedModelError, match="load_speech"):
+        fastdecode.load(str(tmp_path))
