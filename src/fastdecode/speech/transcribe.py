@@ -35,6 +35,7 @@ from .vocabulary import TIME_PRECISION
 FRAME_SECONDS = HOP_LENGTH / SAMPLE_RATE  # 0.01
 FRAMES_PER_TIMESTAMP = round(TIME_PRECISION / FRAME_SECONDS)  # 2
 PREVIOUS_TEXT_TOKENS = 223  # Whisper's n_text_ctx // 2 - 1
+PROMPT_RESET_TEMPERATURE = 0.5  # faster-whisper's prompt_reset_on_temperature
 
 
 @dataclass(frozen=True)
@@ -133,12 +134,12 @@ class Transcriber:
                     and (opts.log_prob_threshold is None or result.avg_logprob < opts.log_prob_threshold)):
                 seek += window_frames  # silence
             else:
-                new, advance = self._segments(result, seek, window_frames, temperature, len(segments))
+                new, advance, consumed = self._segments(result, seek, window_frames, temperature, len(segments))
                 segments += new
                 seek += advance
-                if opts.condition_on_previous_text and temperature < 0.5:
-                    history += result.tokens
-                else:
+                if opts.condition_on_previous_text and temperature <= PROMPT_RESET_TEMPERATURE:
+                    history += consumed
+                else:  # a window decoded at a high temperature is not a prompt for the next
                     history = []
             if progress is not None:
                 progress(seek * FRAME_SECONDS)
@@ -154,7 +155,10 @@ class Transcriber:
             max_initial_timestamp_index=round(opts.max_initial_timestamp / TIME_PRECISION), seed=opts.seed)
 
     def _decode_with_fallback(self, sources, prompt: list[int], sot_index: int, opts: TranscribeOptions):
-        result, temperature = None, 0.0
+        """The first result that is neither too repetitive nor too unlikely (or is silence), trying
+        the temperatures in turn; when none passes, faster-whisper's choice: the most likely (by
+        average log-probability) of those not too repetitive, else of all."""
+        tried = []  # (result, temperature, too repetitive)
         for temperature in opts.temperature:
             result = yield Search(sources, prompt, sot_index, self.search_options(opts, temperature))
             text = self.vocabulary.decode(result.tokens)
@@ -164,12 +168,16 @@ class Transcriber:
             silent = (opts.no_speech_threshold is not None and result.no_speech_prob > opts.no_speech_threshold
                       and too_unlikely)
             if silent or not (too_repetitive or too_unlikely):
-                break
+                return result, temperature
+            tried.append((result, temperature, too_repetitive))
+        candidates = [t for t in tried if not t[2]] or tried
+        result, temperature, _ = max(candidates, key=lambda t: t[0].avg_logprob)
         return result, temperature
 
     def _segments(self, result: WindowResult, seek: int, window_frames: int, temperature: float,
-                  first_id: int) -> tuple[list[Segment], int]:
-        """The window's segments and how many frames ``seek`` advances."""
+                  first_id: int) -> tuple[list[Segment], int, list[int]]:
+        """The window's segments, how many frames ``seek`` advances, and the tokens it consumed (the
+        next window's previous text)."""
         vocab, tokens = self.vocabulary, result.tokens
         begin = vocab.timestamp_begin
         offset = seek * FRAME_SECONDS
@@ -193,11 +201,12 @@ class Transcriber:
                 add(part, offset + (part[0] - begin) * TIME_PRECISION, offset + (part[-1] - begin) * TIME_PRECISION)
                 last = cut
             advance = window_frames if single_ending else (tokens[last - 1] - begin) * FRAMES_PER_TIMESTAMP
-            return segments, advance if advance > 0 else window_frames
+            # the tokens after the last closed timestamp are decoded again from the next window
+            return segments, advance if advance > 0 else window_frames, tokens[:last]
         duration = window_frames * FRAME_SECONDS
         stamps = [t for t in tokens if t >= begin]
         if stamps and stamps[-1] != begin:
             duration = (stamps[-1] - begin) * TIME_PRECISION
         add(tokens, offset, offset + duration)
-        return segments, window_frames
+        return segments, window_frames, tokens
 
