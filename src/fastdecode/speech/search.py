@@ -55,20 +55,15 @@ class LogitsRules:
 
     def __init__(self, vocabulary: WhisperVocabulary, options: SearchOptions, vocab_size: int, device):
         self.vocab, self.options = vocabulary, options
-        always = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         special = [vocabulary.transcribe, vocabulary.translate, vocabulary.sot, vocabulary.sot_prev,
-                   vocabulary.sot_lm, vocabulary.no_speech]
-        for token in [*options.suppress_tokens, *(t for t in special if t is not None)]:
-            if 0 <= token < vocab_size:
-                always[token] = True
-        if options.timestamps:
-            always[vocabulary.no_timestamps] = True
-        self.always = always  # [V]
+                   vocabulary.sot_lm, vocabulary.no_speech] + ([vocabulary.no_timestamps] if options.timestamps else [])
+        always = {t for t in [*options.suppress_tokens, *special] if t is not None and 0 <= t < vocab_size}
+        self.always = torch.tensor(sorted(always), dtype=torch.long, device=device)  # token ids suppressed
         self.at_begin = list(options.suppress_at_begin) or [vocabulary.encode(" ")[0], vocabulary.eot]
 
     def apply(self, logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
-        """logits [R, V] (a copy is changed) for rows with these generated tokens -> masked logits."""
-        logits = logits.float().masked_fill(self.always, float("-inf"))  # [R, V]
+        """logits [R, V] (float32: changed in place) for rows with these generated tokens -> masked logits."""
+        logits = logits.float().index_fill_(1, self.always, float("-inf"))  # [R, V]
         for row, tokens in enumerate(generated):
             if not tokens:
                 logits[row, self.at_begin] = float("-inf")
@@ -93,9 +88,10 @@ class LogitsRules:
             if not tokens:  # the first token is a timestamp, and an early one
                 logits[row, :begin] = float("-inf")
                 logits[row, begin + self.options.max_initial_timestamp_index + 1:] = float("-inf")
-        logprobs = torch.log_softmax(logits, dim=-1)  # [R, V]
-        stamp_mass = torch.logsumexp(logprobs[:, begin:], dim=-1)  # [R]
-        best_text = logprobs[:, :begin].max(dim=-1).values  # [R]
+        # the timestamps' total probability against the likeliest text token's (the softmax
+        # normalizer is the same on both sides, so the logits compare as the log-probabilities)
+        stamp_mass = torch.logsumexp(logits[:, begin:], dim=-1)  # [R]
+        best_text = logits[:, :begin].max(dim=-1).values  # [R]
         logits[stamp_mass > best_text, :begin] = float("-inf")
 
 
