@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from test_whisper_real import SENTENCES, speak, tiny_en, word_error_rate  # noqa: F401 - tiny_en: a fixture
+from test_whisper_real import OTHER_LANGUAGES, SENTENCES, base, speak, tiny_en, word_error_rate  # noqa: F401 - fixtures
 
 pytest.importorskip("fastapi")
 pytest.importorskip("multipart")
@@ -102,3 +102,22 @@ def test_concurrent_requests_are_answered_together(server, speech_file):
     with ThreadPoolExecutor(3) as pool:
         answers = list(pool.map(one, range(3)))
     assert len(set(answers)) == 1
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK's audio.translations
+def test_translations_on_the_multilingual_model(base, tmp_path):  # noqa: F811 - the imported fixture
+    from serve.serve_helpers import RunningServer
+
+    import fastdecode
+    from fastdecode.serve.audio import SpeechServeSettings, create_speech_app
+
+    voice, speed, _language, text = OTHER_LANGUAGES[0]
+    path = speak(tmp_path, voice, speed, text)
+    app = create_speech_app(fastdecode.load_speech(str(base)), SpeechServeSettings(model_name="base"))
+    with RunningServer(app) as running, open(path, "rb") as audio:
+        client = running.client()
+        english = client.audio.translations.create(model="base", file=audio, response_format="verbose_json")
+        audio.seek(0)
+        french = client.audio.transcriptions.create(model="base", file=audio, response_format="verbose_json")
+    assert english.language == "fr" == french.language
+    assert "coffee" in english.text.lower() and "café" in french.text.lower(), (english.text, french.text)
