@@ -30,8 +30,9 @@ def serve_speech(model: str, host: str, port: int, api_key: str | None, max_body
                  model_name: str | None, quantize: str | None) -> None:
     """Serve a Whisper model over OpenAI's audio API (transcriptions; translations when multilingual)."""
     try:
-        from ..serve.audio import SpeechServeSettings, create_speech_app
-        from ..serve.server import serve_app
+        import multipart  # noqa: F401 - python-multipart: FastAPI's form parser
+
+        from ..serve.audio import SpeechServeSettings, run_speech_server
     except ImportError as exc:
         raise InvalidOptionError(f"fastdecode serve-speech needs the serve extra and python-multipart: "
                                  f"pip install 'fastdecode[serve,speech]' ({exc})") from exc
@@ -39,4 +40,4 @@ def serve_speech(model: str, host: str, port: int, api_key: str | None, max_body
 
     settings = SpeechServeSettings(model_name=model_name or Path(model).name, api_key=api_key,
                                    max_body_bytes=max_body_bytes, grace_seconds=grace_seconds)
-    sys.exit(serve_app(create_speech_app(load_speech(model, quantize=quantize), settings), host, port, grace_seconds))
+    sys.exit(run_speech_server(load_speech(model, quantize=quantize), host, port, settings))

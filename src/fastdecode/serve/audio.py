@@ -189,3 +189,21 @@ def create_speech_app(transcriber, settings: SpeechServeSettings | None = None) 
         return PlainTextResponse(render(result, response_format))
 
     return app
+
+
+def run_speech_server(transcriber, host: str, port: int, settings: SpeechServeSettings) -> int:
+    """Serve until SIGTERM / Ctrl-C (in-flight requests get ``grace_seconds``) -> the exit code: 0
+    once drained (uvicorn's re-raised SIGTERM is made a no-op, as server.py does)."""
+    import signal
+
+    import uvicorn
+
+    app = create_speech_app(transcriber, settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                           timeout_graceful_shutdown=settings.grace_seconds))
+    restore = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, restore)
+    return 0 if server.started else 1

@@ -11,7 +11,7 @@ from ..errors import InvalidOptionError
 
 def run(generator: Any, host: str, port: int, **settings: Any) -> int:
     try:
-        import uvicorn  # noqa: F401 - the serve extra is installed (serve_app runs it)
+        import uvicorn
 
         from .app import create_app
         from .protocol import APIError
@@ -22,14 +22,8 @@ def run(generator: Any, host: str, port: int, **settings: Any) -> int:
         app = create_app(generator, ServeSettings(**settings))
     except APIError as exc:
         raise InvalidOptionError(exc.message) from exc
-    return serve_app(app, host, port, settings.get("grace_seconds", 30.0))
-
-
-def serve_app(app: Any, host: str, port: int, grace_seconds: float) -> int:
-    """Run ``app`` under uvicorn until SIGTERM / Ctrl-C -> the exit code."""
-    import uvicorn
-
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=grace_seconds)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info",
+                            timeout_graceful_shutdown=settings.get("grace_seconds", 30.0))
     server = uvicorn.Server(config)
     # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: make that
     # one a no-op so that a drained server exits 0.
