@@ -112,6 +112,9 @@ def family_for_hf_config(hf_config: dict[str, Any]) -> Family:
             not architectures and model_type in family.hf_model_types
         ):
             return family
+    if model_type == "whisper" or any(a.startswith("Whisper") for a in architectures) or "suppress_ids" in hf_config:
+        raise UnsupportedModelError("this is a Whisper speech-to-text model (a Hugging Face or CTranslate2 folder): "
+                                    "load it with fastdecode.load_speech(path), or run `fastdecode transcribe`")
     named = ", ".join(architectures) or repr(model_type)
     raise UnsupportedModelError(
         f"unsupported architecture {named}; supported architectures: {supported_architectures()}"

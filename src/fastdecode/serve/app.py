@@ -43,23 +43,7 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
     app.add_middleware(ConnectionLifetime)
     app.add_middleware(_Guard, settings=settings, metrics=metrics)
 
-    @app.exception_handler(APIError)
-    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
-
-    @app.exception_handler(404)
-    async def not_found(request: Request, _exc: Exception) -> JSONResponse:
-        return _error_response(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
-
-    @app.exception_handler(405)
-    async def not_allowed(request: Request, _exc: Exception) -> JSONResponse:
-        return _error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}",
-                                        code="method_not_allowed"))
-
-    @app.exception_handler(Exception)
-    async def internal(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return _error_response(APIError(500, f"internal error: {exc}", "server_error", code="internal_error"))
+    add_error_handlers(app)
 
     @app.get("/", response_class=HTMLResponse)
     async def chat_page() -> HTMLResponse:
@@ -113,6 +97,28 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
         return JSONResponse(builder.response(ordered, _prompt_counts(ordered, running, parsed.n)))
 
     return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error answered as an OpenAI error object (also used by the speech app, audio.py)."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _exc: Exception) -> JSONResponse:
+        return _error_response(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, _exc: Exception) -> JSONResponse:
+        return _error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                        code="method_not_allowed"))
+
+    @app.exception_handler(Exception)
+    async def internal(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _error_response(APIError(500, f"internal error: {exc}", "server_error", code="internal_error"))
 
 
 async def _sse(running: RunningRequest, request: GenerationRequest, builder: ResponseBuilder) -> AsyncIterator[str]:
