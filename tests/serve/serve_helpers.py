@@ -89,7 +89,7 @@ def tiny_family_generator(kind: str):
     backend = hf_tokenizer(320, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>",
                                            eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = chat_template
+    tokenizer.chat_template = CHATML
     return fastdecode.from_hf(build(kind, vocab_size=len(tokenizer), bos_token_id=1), tokenizer)
 
 
