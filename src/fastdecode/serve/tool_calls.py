@@ -17,10 +17,15 @@ piece (any split, down to one character) and answers OpenAI stream deltas:
 
 The states, per character:
 
-    TEXT ── "<tool_call>" ──> CALL, reading the call object: OPEN ("{") -> KEY -> COLON -> VALUE
-     ^                            -> AFTER_VALUE ("," back to KEY, "}" to CLOSED) -> CLOSED
-     |                            ("</tool_call>", or any other text: the call has ended)
-     └──── the call ends; or, before the name was sent, a false start: its text is re-read as TEXT
+    TEXT ── "<tool_call>" ──> CALL, reading the call object's top level (JsonValueEnd reads each
+     ^                        key and value whole, whatever they nest or escape):
+     |                          OPEN -"{"-> KEY -key-> COLON -":"-> VALUE_START -> VALUE -> AFTER_VALUE
+     |                          AFTER_VALUE -","-> KEY;  KEY or AFTER_VALUE -"}"-> CLOSED
+     |                          CLOSED: "</tool_call>" (or any other text, then read as TEXT) ends it
+     |                        when the "name" value ends and is offered: the call is sent (header);
+     |                        while the "arguments" value grows: its fragments are sent
+     └──── the call ends; or, before it was sent, anything unexpected: a false start, whose text
+           is read again as TEXT (its "<" is content, the rest may hold a real call)
 
 Not a JSON validator: a call sent whose arguments turn out not to be JSON (only possible for
 ``tool_choice`` "auto"; "required" and named calls are grammar-forced) or that is cut off
