@@ -53,9 +53,10 @@ CHAT_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
                  "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {})}
 
 
-def tiny_chat_generator(seed: int = 0, quantize: str | None = None, family: str = "llama"):
+def tiny_chat_generator(seed: int = 0, quantize: str | None = None, family: str = "llama",
+                        chat_template: str = CHATML):
     """A fastdecode Generator: tiny random decoder (Llama, or another of ``CHAT_FAMILIES``) + trained
-    BPE with <|im_end|> as EOS and ChatML (``quantize``: as ``from_hf``'s)."""
+    BPE with <|im_end|> as EOS and ChatML, or ``chat_template`` (``quantize``: as ``from_hf``'s)."""
     import torch
     import transformers as tf
 
@@ -64,7 +65,7 @@ def tiny_chat_generator(seed: int = 0, quantize: str | None = None, family: str 
     backend = hf_tokenizer(320, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>",
                                            eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = CHATML
+    tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
     config_class, model_class, options = CHAT_FAMILIES[family]
     config = getattr(tf, config_class)(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=112,

@@ -1,5 +1,6 @@
 """Tool calling's pieces without a model: request validation, the prompt (native template and the
-generic format), the forced-call grammar, parsing the Hermes format, streamed deltas."""
+generic format), the forced-call grammar, parsing the Hermes format from a whole text (the
+incremental parser's streamed deltas: test_tool_call_stream.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ pytest.importorskip("fastapi")
 
 from fastdecode.loading.tokenizer.chat_template import compile_chat_template, render_chat_template  # noqa: E402
 from fastdecode.serve.protocol import APIError  # noqa: E402
-from fastdecode.serve.tool_calls import ToolStream, parse_tool_calls, tool_call_deltas  # noqa: E402
+from fastdecode.serve.tool_calls import parse_tool_calls  # noqa: E402
 from fastdecode.serve.tools import GENERIC_TOOL_PROMPT, parse_tools, render_messages, tool_grammar  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -77,23 +78,14 @@ def test_bad_tool_fields_name_the_field(body, param):
 def test_parsing_the_hermes_format():
     text = 'Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n' \
            '<tool_call>{"name": "unknown", "arguments": {}}</tool_call><tool_call>not json</tool_call>'
-    content, calls, first = parse_tool_calls(text, ["get_weather"])
-    assert content == "Let me check." and len(calls) == 1 and text[first:].startswith("<tool_call>")
-    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    content, calls = parse_tool_calls(text, ["get_weather"])
+    assert len(calls) == 1 and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
-    assert parse_tool_calls("plain answer", ["get_weather"]) == ("plain answer", [], 12)
-
-
-def test_streams_hold_back_a_call_and_send_openai_deltas():
-    stream = ToolStream(["get_weather"])
-    full = 'Sure <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    sent = [stream.content(full[:n]) for n in (4, 7, 9, 30)]
-    assert "".join(sent) == "Sure " and sent[1] == " "  # "<t" might start a call: held
-    rest, calls = stream.finish(full)
-    assert rest == "" and len(calls) == 1
-    deltas = tool_call_deltas(calls)
-    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
-    assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas) == '{"city": "Paris"}'
-    assert all(d["tool_calls"][0]["index"] == 0 for d in deltas)
-    plain = ToolStream(["get_weather"])
-    assert plain.content("a < b") == "a < b" and plain.finish("a < b and more") == (" and more", [])
+    # the blocks that are not calls stay in the content, never lost
+    assert content == 'Let me check.\n\n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>' \
+                      '<tool_call>not json</tool_call>'
+    assert parse_tool_calls("plain answer", ["get_weather"]) == ("plain answer", [])
+    cut = '<tool_call>{"name": "get_weather", "arguments": {"city": "Par'
+    assert parse_tool_calls(cut, ["get_weather"]) == (cut, [])  # cut off: not a call
+    bad = 'x <tool_call>{"name": "get_weather", "arguments": {"city": Paris}}</tool_call>'
+    assert parse_tool_calls(bad, ["get_weather"]) == (bad, [])  # arguments that are not JSON

@@ -25,7 +25,7 @@ from .protocol import APIError, GenerationRequest, parse_request
 from .responses import ChoiceState, ResponseBuilder
 from .service import GenerationService, RunningRequest, ServeSettings
 from .structured import attach_constraints
-from .tool_calls import ToolStream, parse_tool_calls, tool_call_deltas
+from .tool_calls import ToolCallParser, parse_tool_calls
 
 log = logging.getLogger("fastdecode.serve")
 
@@ -91,7 +91,7 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
         ordered = [choices[i] for i in sorted(choices)]
         if parsed.tools is not None and parsed.tools.parses_output:
             for choice in ordered:
-                content, calls, _ = parse_tool_calls(choice.text, parsed.tools.names)
+                content, calls = parse_tool_calls(choice.text, parsed.tools.names)
                 if calls:
                     choice.text, choice.tool_calls, choice.finish_reason = content or "", calls, "tool_calls"
         return JSONResponse(builder.response(ordered, _prompt_counts(ordered, running, parsed.n)))
@@ -130,12 +130,12 @@ async def _sse(running: RunningRequest, request: GenerationRequest, builder: Res
             first = builder.first_chunk(index)
             if first is not None:
                 yield _event(first)
-        tool_streams = ({i: ToolStream(request.tools.names) for i in choices}
+        tool_parsers = ({i: ToolCallParser(request.tools.names) for i in choices}
                         if request.tools is not None and request.tools.parses_output else None)
         async for piece in running.pieces():
             choices[piece.index].add(piece)
-            if tool_streams is not None:
-                for chunk in _tool_chunks(builder, choices[piece.index], tool_streams[piece.index], piece):
+            if tool_parsers is not None:
+                for chunk in _tool_chunks(builder, tool_parsers[piece.index], piece):
                     yield _event(chunk)
             elif piece.text or piece.finish_reason is not None or request.logprobs is not None:
                 yield _event(builder.piece_chunk(piece))
@@ -150,16 +150,15 @@ async def _sse(running: RunningRequest, request: GenerationRequest, builder: Res
     yield "data: [DONE]\n\n"
 
 
-def _tool_chunks(builder: ResponseBuilder, choice: ChoiceState, stream: ToolStream, piece: Any) -> list[dict]:
-    """A streamed choice of a request with tools: content while no call may be starting, then at
-    its end the calls as OpenAI streams them (header, then argument fragments) and "tool_calls"."""
-    if piece.finish_reason is None:
-        text = stream.content(choice.text)
-        return [builder.text_chunk(piece.index, text, None)] if text else []
-    rest, calls = stream.finish(choice.text)
-    chunks = [builder.text_chunk(piece.index, rest, None)] if rest else []
-    chunks += [builder.delta_chunk(piece.index, delta) for delta in tool_call_deltas(calls)]
-    chunks.append(builder.text_chunk(piece.index, "", "tool_calls" if calls else piece.finish_reason))
+def _tool_chunks(builder: ResponseBuilder, parser: ToolCallParser, piece: Any) -> list[dict]:
+    """A streamed choice of a request with tools: its content and tool-call deltas as they are read
+    (serve/tool_calls.py), then at its end the finish reason ("tool_calls" once a call was sent)."""
+    deltas = parser.feed(piece.text)
+    if piece.finish_reason is not None:
+        deltas += parser.finish()
+    chunks = [builder.delta_chunk(piece.index, delta) for delta in deltas]
+    if piece.finish_reason is not None:
+        chunks.append(builder.text_chunk(piece.index, "", parser.finish_reason(piece.finish_reason)))
     return chunks
 
 
