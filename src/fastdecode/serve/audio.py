@@ -38,6 +38,11 @@ class SpeechServeSettings:
     api_key: str | None = None
     max_body_bytes: int = 25 << 20  # OpenAI's upload limit
     grace_seconds: float = 30.0
+    # slow clients and open connections, as the text server's (serve/connections.py via server.uvicorn_config)
+    header_timeout: float = 5.0
+    body_timeout: float = 60.0  # an upload of 25 MB on a slow link
+    keep_alive_timeout: float = 5.0
+    max_connections: int = 1024
 
 
 class SpeechWorker:
