@@ -24,6 +24,8 @@ class Checkpoint:
     tokenizer: Any  # fastdecode.loading.tokenizer.Tokenizer or None
     source: str
     file_format: str  # "safetensors", "gguf" or "transformers (in memory)"
+    # (entry path, identity): where ``fastdecode.load`` saves the built model's weights (loading/weight_cache.py)
+    weight_cache: tuple | None = None
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -156,6 +156,10 @@ class GGUFFile:
             return [self._read_value(item_type) for _ in range(count)]
         raise ValueError(f"unknown metadata value type {value_type}")
 
+    def head(self, count: int) -> bytes:
+        """The file's first ``count`` bytes (all of a shorter file)."""
+        return self._map[:count]
+
     # -- tensors -----------------------------------------------------------------------------
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a uint8 array of shape [rows..., bytes_per_row] (zero-copy)."""
