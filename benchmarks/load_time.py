@@ -78,7 +78,8 @@ def run_once(src: str | None, path: str) -> dict[str, float]:
     start = time.time()
     out = subprocess.run([sys.executable, "-c", CHILD, path], env=env, capture_output=True, text=True, check=True)
     marks = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"import fastdecode": marks["imported"] - start, "torch": marks["torch"], "load": marks["load_only"], "load cpu": marks["load_cpu"],
+    return {"import fastdecode": marks["imported"] - start, "torch": marks["torch"], "load": marks["load_only"],
+            "load cpu": marks["load_cpu"],
             "loaded": marks["loaded"] - start, "first token": marks["first_token"] - start, "peak GB": marks["peak_gb"]}
 
 

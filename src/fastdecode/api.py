@@ -77,7 +77,8 @@ def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "fl
     if checkpoint.weight_cache is not None:  # a cache miss: the built model's weights, for the next load
         from .loading import weight_cache
 
-        weight_cache.save(*checkpoint.weight_cache, checkpoint.weights)
+        where, identity, string_array_ends = checkpoint.weight_cache
+        weight_cache.save(where, identity, checkpoint.weights, string_array_ends)
     return generator
 
 

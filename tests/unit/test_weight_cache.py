@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType as QT
 import fastdecode
 from fastdecode.errors import CheckpointError
 from fastdecode.layers.fused import concat_outputs
-from fastdecode.loading import weight_cache
+from fastdecode.loading import gguf_file, weight_cache
+from fastdecode.loading.gguf_file import GGUFFile
 from fastdecode.loading.gguf_blocks import repack
 from tiny_gguf import gguf_tensors, write_gguf
 from tiny_models import prefill_logits
@@ -62,8 +63,9 @@ def test_repacked_layouts_round_trip_as_views_of_one_mapping(cache_dir, qtype):
     rows = repack(qtype.name, _random_blocks(qtype, N, K, 7), (N, K))
     weights = {"q": views[0].t(), "k": views[1].t(), "v": views[2].t(), "table": rows, "head": rows.t()}
     where = cache_dir / "entry.fdw"
-    weight_cache.save(where, {"made": "here"}, weights)
-    loaded = weight_cache.load(where, {"made": "here"})
+    weight_cache.save(where, {"made": "here"}, weights, {100: 200})
+    loaded, ends = weight_cache.load(where, {"made": "here"})
+    assert ends == {100: 200}
     for name, weight in weights.items():
         for field in ("kind", "bits", "group", "transposed", "outputs", "inputs", "dtype", "is_tiled"):
             assert getattr(loaded[name], field) == getattr(weight, field), (name, field)
@@ -176,3 +178,18 @@ def test_the_embedded_model_maps_its_entry_once_per_process(cache_dir, monkeypat
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["hit"] and result["same"]
     assert result["growth"] < 0.5 * entry.stat().st_size / 2**20, result
+
+
+def test_string_arrays_skipped_by_their_recorded_ends_read_the_same(tmp_path, monkeypatch):
+    """The entry keeps where the GGUF's long string arrays end, so a later parse skips them (their
+    strings are found when one is read): the same metadata and tensors; a wrong end is a CheckpointError."""
+    monkeypatch.setattr(gguf_file, "LAZY_STRINGS", 100)  # the tiny vocabulary's 267 tokens count as long
+    path = write_gguf(tmp_path / "m.gguf", "qwen2", QT.Q8_0)
+    walked = GGUFFile(path)
+    [(start, end)] = walked.string_array_ends.items()
+    skipped = GGUFFile(path, {start: end})
+    assert skipped.tensors == walked.tensors
+    tokens = skipped.metadata["tokenizer.ggml.tokens"]
+    assert len(tokens) == 267 and tokens[-1] == "<|im_end|>" and tokens == walked.metadata["tokenizer.ggml.tokens"]
+    with pytest.raises(CheckpointError, match="corrupt"):  # the parse goes on at a wrong place, or the read finds it
+        GGUFFile(path, {start: end - 1}).metadata["tokenizer.ggml.tokens"][0]

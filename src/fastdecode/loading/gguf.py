@@ -43,27 +43,33 @@ def _hf_layout(module, canonical: str, raw: np.ndarray, config) -> tuple[np.ndar
     return (raw if (order == np.arange(len(order))).all() else raw[order]), False
 
 
-def _cached_weights(gguf: GGUFFile, dtype: torch.dtype, module) -> tuple[dict | None, tuple | None]:
-    """(the weights mapped from the file's cache entry, or None; (entry path, identity) to save a
-    miss to, or None without a cache)."""
-    identity = weight_cache.gguf_identity(gguf.path, gguf.head(weight_cache.HASHED_BYTES), dtype, module)
+def _cached_weights(path: Path, dtype: torch.dtype) -> tuple[dict | None, dict[int, int] | None, tuple | None]:
+    """(the weights mapped from the file's cache entry, or None; the file's string arrays' ends, or None;
+    (entry path, identity) to save a miss to, or None without a cache)."""
+    try:
+        identity = weight_cache.gguf_identity(path, dtype)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read GGUF file {path}: {exc}") from exc
     where = weight_cache.entry_path(identity)
     if where is None:
-        return None, None
+        return None, None, None
     try:
-        return weight_cache.load(where, identity), None
+        return *weight_cache.load(where, identity), None
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, weight_cache.StaleCacheEntry) as exc:
-        log.info("fastdecode: rebuilding the cached weights %s of %s (%s)", where, gguf.path, exc)
-    return None, (where, identity)
+        log.info("fastdecode: rebuilding the cached weights %s of %s (%s)", where, path, exc)
+    return None, None, (where, identity)
 
 
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool = True,
               cached: bool = False) -> Checkpoint:
     """native: keep blocks of a type the kernels run quantized; False decodes every tensor to ``dtype``.
     cached: a native CPU load reads the weight cache (the caller saves a miss: ``Checkpoint.weight_cache``)."""
-    gguf = GGUFFile(path)
+    weights = string_array_ends = save_to = None
+    if cached and native and device.type == "cpu":
+        weights, string_array_ends, save_to = _cached_weights(path, dtype)
+    gguf = GGUFFile(path, string_array_ends)
     meta = gguf.metadata
     architecture = meta.get("general.architecture")
     if not isinstance(architecture, str):
@@ -82,17 +88,14 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool
                                    module.IGNORED_NAME_PATTERNS, str(path))
     check_weight_shapes(module, config, mapping, lambda name: gguf.tensors[name].shape, str(path), gguf=True)
 
-    if cached and native and device.type == "cpu":
-        weights, save_to = _cached_weights(gguf, dtype, module)
-    else:
-        weights, save_to = None, None
     if weights is None:
         weights = _decoded_weights(gguf, module, config, mapping, dtype, device, native)
     from .tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf_fields(meta, source=str(path), path=path)
     check_tokenizer_matches(tokenizer, config, str(path))
-    return Checkpoint(config, family, weights, tokenizer, str(path), "gguf", weight_cache=save_to)
+    return Checkpoint(config, family, weights, tokenizer, str(path), "gguf",
+                      weight_cache=None if save_to is None else (*save_to, gguf.string_array_ends))
 
 
 def _decoded_weights(gguf: GGUFFile, module, config, mapping: dict[str, str], dtype: torch.dtype,

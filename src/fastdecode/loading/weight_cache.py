@@ -29,6 +29,7 @@ weight (its fields, and codes / scale / mins as tensors).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -73,22 +74,27 @@ def cache_root() -> Path | None:
     return Path(os.environ.get("FASTDECODE_WEIGHT_CACHE") or Path(root) / "weights")
 
 
-def _code_version(family_module) -> str:
+@functools.cache
+def _code_version() -> str:
+    """A hash of the sources that decide an entry's bytes: the repacker, the layouts, the loader, this file
+    and the families' modules (their GGUF -> HF layout functions)."""
     package = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256(str(FORMAT_VERSION).encode())
-    for source in [package / name for name in _LAYOUT_SOURCES] + [Path(family_module.__file__)]:
+    for source in [package / name for name in _LAYOUT_SOURCES] + sorted((package / "models").glob("*.py")):
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 
 
-def gguf_identity(path: Path, head: bytes, dtype: torch.dtype, family_module) -> dict:
-    """What an entry must have been made from: the file (as stat sees it, and its first bytes), the
-    load's dtype and the layout code's version. ``head``: the file's first ``HASHED_BYTES``."""
+def gguf_identity(path: Path, dtype: torch.dtype) -> dict:
+    """What an entry must have been made from: the file (as stat sees it, and its first ``HASHED_BYTES``),
+    the load's dtype and the layout code's version."""
     resolved = path.resolve()
-    stat = resolved.stat()
+    with open(resolved, "rb") as handle:
+        stat = os.fstat(handle.fileno())
+        head = handle.read(HASHED_BYTES)
     return {"path": str(resolved), "size": stat.st_size, "inode": stat.st_ino, "mtime_ns": stat.st_mtime_ns,
             "ctime_ns": stat.st_ctime_ns, "head_sha256": hashlib.sha256(head).hexdigest(), "dtype": str(dtype),
-            "code": _code_version(family_module), "torch": torch.__version__}
+            "code": _code_version(), "torch": torch.__version__}
 
 
 def entry_path(identity: dict) -> Path | None:
@@ -117,10 +123,12 @@ def _remove_older_entries(where: Path) -> None:
 
 # -- writing ------------------------------------------------------------------------------------
 
-def save(where: Path, identity: dict, weights: dict[str, torch.Tensor | QuantizedWeight]) -> None:
+def save(where: Path, identity: dict, weights: dict[str, torch.Tensor | QuantizedWeight],
+         string_array_ends: dict[int, int]) -> None:
     """Write ``weights`` (CPU tensors and quantized weights, as the built model holds them) to ``where``:
-    every storage once, each weight described as a view of one. Atomic (a temporary name, then a
-    rename); a failure is logged and leaves no entry."""
+    every storage once, each weight described as a view of one; and the GGUF's long string arrays' ends
+    (``GGUFFile.string_array_ends``: a later parse skips them). Atomic (a temporary name, then a rename);
+    a failure is logged and leaves no entry."""
     storages: dict[int, torch.UntypedStorage] = {}  # data pointer -> storage, in order of first use
     numbers: dict[int, int] = {}  # data pointer -> its storage's number in the file
 
@@ -147,7 +155,8 @@ def save(where: Path, identity: dict, weights: dict[str, torch.Tensor | Quantize
         layout.append([offset, storage.nbytes()])
         offset = -(-(offset + storage.nbytes()) // PAGE) * PAGE
     mtime_ns = time.time_ns()
-    header = {"identity": identity, "mtime_ns": mtime_ns, "storages": layout, "weights": index, "data_bytes": offset}
+    header = {"identity": identity, "mtime_ns": mtime_ns, "storages": layout, "weights": index, "data_bytes": offset,
+              "string_array_ends": {str(start): end for start, end in string_array_ends.items()}}
     body = json.dumps(header, sort_keys=True).encode()
     body_hash = hashlib.sha256(body).digest()
     data_start = _data_start(len(body))
@@ -178,10 +187,10 @@ def _data_start(index_bytes: int) -> int:
 
 # -- reading ------------------------------------------------------------------------------------
 
-def load(where: Path, identity: dict) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """The weights of the entry at ``where``, each a view of one copy-on-write mapping of the file.
-    Raises ``FileNotFoundError`` without an entry, ``StaleCacheEntry`` for a damaged entry or one
-    made from other input."""
+def load(where: Path, identity: dict) -> tuple[dict[str, torch.Tensor | QuantizedWeight], dict[int, int]]:
+    """(the weights of the entry at ``where``, each a view of one copy-on-write mapping of the file; the
+    GGUF's string arrays' ends, for ``GGUFFile``). Raises ``FileNotFoundError`` without an entry,
+    ``StaleCacheEntry`` for a damaged entry or one made from other input."""
     with open(where, "rb") as handle:
         stat = os.fstat(handle.fileno())
         preamble = handle.read(_PREAMBLE.size + 32)
@@ -223,7 +232,7 @@ def load(where: Path, identity: dict) -> dict[str, torch.Tensor | QuantizedWeigh
         fields["dtype"] = getattr(torch, fields["dtype"])
         tensors = {part: view(fields.pop(part)) for part in ("codes", "scale", "mins")}
         weights[name] = QuantizedWeight(**fields, **tensors)
-    return weights
+    return weights, {int(start): end for start, end in header["string_array_ends"].items()}
 
 
 def _mapping(where: Path, handle, stat: os.stat_result) -> torch.Tensor:
