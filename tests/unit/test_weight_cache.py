@@ -193,3 +193,14 @@ def test_string_arrays_skipped_by_their_recorded_ends_read_the_same(tmp_path, mo
     assert len(tokens) == 267 and tokens[-1] == "<|im_end|>" and tokens == walked.metadata["tokenizer.ggml.tokens"]
     with pytest.raises(CheckpointError, match="corrupt"):  # the parse goes on at a wrong place, or the read finds it
         GGUFFile(path, {start: end - 1}).metadata["tokenizer.ggml.tokens"][0]
+
+
+def test_writing_an_entry_removes_abandoned_partial_files(tmp_path, cache_dir):
+    cache_dir.mkdir()
+    abandoned, live = cache_dir / "old.part", cache_dir / "new.part"
+    abandoned.write_bytes(b"x")
+    live.write_bytes(b"x")
+    hour_ago = abandoned.stat().st_mtime_ns - (weight_cache.ABANDONED_SECONDS + 60) * 10**9
+    os.utime(abandoned, ns=(hour_ago, hour_ago))
+    fastdecode.load(write_gguf(tmp_path / "m.gguf", "qwen2", QT.Q4_0))
+    assert not abandoned.exists() and live.exists() and len(_entries(cache_dir)) == 1

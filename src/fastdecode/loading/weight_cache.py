@@ -51,6 +51,7 @@ FORMAT_VERSION = 1
 PAGE = 4096
 _PREAMBLE = struct.Struct("<8sIQ")  # magic, format version, index length
 MIN_CACHED_BYTES = 32 << 20  # smaller GGUF files (tests' tiny models) repack in milliseconds: not cached
+ABANDONED_SECONDS = 3600  # a partial entry untouched this long was left by a writer that died
 HASHED_BYTES = 1 << 20  # the GGUF's first MiB (header, metadata, the first tensors) joins its identity
 # what decides the cached bytes besides the GGUF: their sources' hash is part of every entry's name
 _LAYOUT_SOURCES = ("loading/gguf_blocks.py", "loading/gguf.py", "layers/quantized.py", "loading/weight_cache.py")
@@ -111,14 +112,16 @@ def entry_path(identity: dict) -> Path | None:
 
 def _remove_older_entries(where: Path) -> None:
     """Remove the entries made for earlier contents of the same GGUF path (or another code version):
-    one entry per file is kept (a process mapping a removed entry keeps its pages)."""
+    one entry per file is kept (a process mapping a removed entry keeps its pages); and the partial
+    files of writers that died (untouched for an hour: a live writer's file grows)."""
     prefix = where.name.split("-")[0]
-    for other in where.parent.glob(f"{prefix}-*.fdw"):
-        if other != where:
-            try:
+    stale = [other for other in where.parent.glob(f"{prefix}-*.fdw") if other != where]
+    for other in stale + list(where.parent.glob("*.part")):
+        try:
+            if other.suffix == ".fdw" or time.time() - other.stat().st_mtime > ABANDONED_SECONDS:
                 other.unlink()
-            except OSError:
-                pass
+        except OSError:
+            pass
 
 
 # -- writing ------------------------------------------------------------------------------------
