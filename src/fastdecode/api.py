@@ -73,12 +73,13 @@ def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "fl
                                cached=quantize is None)
     else:
         raise ModelNotFoundError(f"{path} is neither a Hugging Face model folder nor a .gguf file")
+    loaded = dict(checkpoint.weights)  # building may take entries out (Phi-3's LongRoPE factors)
     generator = Generator(apply_quantize(checkpoint, quantize))
-    if checkpoint.weight_cache is not None:  # a cache miss: the built model's weights, for the next load
+    if checkpoint.weight_cache is not None:  # a cache miss: the built model's weights (fused), for the next load
         from .loading import weight_cache
 
         where, identity, string_array_ends = checkpoint.weight_cache
-        weight_cache.save(where, identity, checkpoint.weights, string_array_ends)
+        weight_cache.save(where, identity, loaded | checkpoint.weights, string_array_ends)
     return generator
 
 

@@ -80,7 +80,10 @@ def test_repacked_layouts_round_trip_as_views_of_one_mapping(cache_dir, qtype):
         weight_cache.load(where, {"made": "elsewhere"})
 
 
-@pytest.mark.parametrize("kind,qtype", [("qwen2", QT.Q8_0), ("llama-tied", QT.Q4_1)])
+# q/k/v biases fused; a tied head; LongRoPE factors the build takes out of the dict; GPT-2's transposed
+# Conv1D layout and float position table; per-head q/k norms
+@pytest.mark.parametrize("kind,qtype", [("qwen2", QT.Q8_0), ("llama-tied", QT.Q4_1), ("phi3-longrope", QT.Q4_0),
+                                        ("gpt2", QT.Q8_0), ("qwen3", QT.Q4_1)])
 def test_cached_load_gives_the_same_logits_as_repacking(tmp_path, cache_dir, monkeypatch, kind, qtype):
     path = write_gguf(tmp_path / f"{kind}.gguf", kind, qtype)
     missed = fastdecode.load(path)  # repacks, then writes the entry
