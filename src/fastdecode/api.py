@@ -70,10 +70,18 @@ def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "fl
     elif path.suffix.lower() == ".gguf":
         from .loading.gguf import load_gguf
 
-        checkpoint = load_gguf(path, torch_dtype, torch_device, native=quantize != "dequantize")
+        checkpoint = load_gguf(path, torch_dtype, torch_device, native=quantize != "dequantize",
+                               cached=quantize is None)
     else:
         raise ModelNotFoundError(f"{path} is neither a Hugging Face model folder nor a .gguf file")
-    return Generator(apply_quantize(checkpoint, quantize))
+    loaded = dict(checkpoint.weights)  # building may take entries out (Phi-3's LongRoPE factors)
+    generator = Generator(apply_quantize(checkpoint, quantize))
+    if checkpoint.weight_cache is not None:  # a cache miss: the built model's weights (fused), for the next load
+        from .loading import weight_cache
+
+        where, identity, string_array_ends = checkpoint.weight_cache
+        weight_cache.save(where, identity, loaded | checkpoint.weights, string_array_ends)
+    return generator
 
 
 def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None) -> "Generator":

@@ -62,7 +62,7 @@ def concat_outputs(weights: list[Weight]) -> tuple[Weight, list[Weight]]:
     per input weight). Quantized ones concatenate their stored rows (codes, scales, mins)."""
     if isinstance(weights[0], QuantizedWeight):
         def cat(field: str) -> torch.Tensor:  # stored [out, ...] or [out tiles, ...]: outputs first
-            return torch.cat([getattr(w, field) for w in weights], dim=0)
+            return cat_rows([getattr(w, field) for w in weights])
 
         fused = dataclasses.replace(weights[0], codes=cat("codes"), scale=cat("scale"),
                                     mins=None if weights[0].mins is None else cat("mins"),
@@ -75,6 +75,21 @@ def concat_outputs(weights: list[Weight]) -> tuple[Weight, list[Weight]]:
         return fused, views
     fused = torch.cat(weights, dim=1)  # [in, sum(out)]
     return fused, list(fused.split([w.shape[1] for w in weights], dim=1))
+
+
+def cat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(tensors, dim=0)``; a view where they already lie one after another in one storage
+    (weights mapped from the cache of a model fused before: loading/weight_cache.py), else a copy."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    for tensor in tensors:
+        if (tensor.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or tensor.dtype != first.dtype or not tensor.is_contiguous() or tensor.shape[1:] != first.shape[1:]
+                or tensor.storage_offset() != offset):
+            return torch.cat(tensors, dim=0)
+        offset += tensor.numel()
+    rows = sum(tensor.shape[0] for tensor in tensors)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())  # [sum rows, ...]
 
 
 def fuse_projections(weights: dict[str, Weight], names: list[str]) -> FusedProjection:
@@ -109,8 +124,8 @@ def _fuse_biases(weights: dict[str, Weight], group: list[str], biases: list, vie
     """The fused product's bias [sum(out)] (zeros for a projection without one); the checkpoint's
     bias entries become views of it."""
     known = next(b for b in biases if b is not None)
-    fused = torch.cat([b if b is not None else torch.zeros(m.shape[1], dtype=known.dtype, device=known.device)
-                       for b, m in zip(biases, views)])
+    fused = cat_rows([b if b is not None else torch.zeros(m.shape[1], dtype=known.dtype, device=known.device)
+                      for b, m in zip(biases, views)])
     for name, bias, part in zip(group, biases, fused.split([m.shape[1] for m in views])):
         if bias is not None:
             weights[f"{name}.bias"] = part

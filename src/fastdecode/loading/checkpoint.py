@@ -24,6 +24,9 @@ class Checkpoint:
     tokenizer: Any  # fastdecode.loading.tokenizer.Tokenizer or None
     source: str
     file_format: str  # "safetensors", "gguf" or "transformers (in memory)"
+    # (entry path, identity, the GGUF's string arrays' ends): where ``fastdecode.load`` saves the built
+    # model's weights (loading/weight_cache.py) after a cache miss; None otherwise
+    weight_cache: tuple | None = None
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -3,6 +3,10 @@
 Linear weights and the token embedding in a type the kernels run (``gguf_blocks.REPACKERS``) stay
 quantized (``QuantizedWeight``, repacked from the file's blocks, never float32); other types are
 dequantized to the requested dtype, with one log line naming them.
+
+A native CPU load first looks for the file's weights in the weight cache (weight_cache.py): a hit maps
+them, already repacked and fused, instead of repacking; a miss repacks and leaves the checkpoint's
+``weight_cache`` set, so that ``fastdecode.load`` saves the built model's weights there.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from .checkpoint import Checkpoint, canonical_weights, check_tokenizer_matches
 from .gguf_blocks import REPACKERS, repack
 from .gguf_file import GGUFFile
 from .names import check_weight_shapes, resolve_weight_names
+from . import weight_cache
 
 log = logging.getLogger("fastdecode")
 
@@ -38,9 +43,33 @@ def _hf_layout(module, canonical: str, raw: np.ndarray, config) -> tuple[np.ndar
     return (raw if (order == np.arange(len(order))).all() else raw[order]), False
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool = True) -> Checkpoint:
-    """native: keep blocks of a type the kernels run quantized; False decodes every tensor to ``dtype``."""
-    gguf = GGUFFile(path)
+def _cached_weights(path: Path, dtype: torch.dtype) -> tuple[dict | None, dict[int, int] | None, tuple | None]:
+    """(the weights mapped from the file's cache entry, or None; the file's string arrays' ends, or None;
+    (entry path, identity) to save a miss to, or None without a cache)."""
+    try:
+        identity = weight_cache.gguf_identity(path, dtype)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read GGUF file {path}: {exc}") from exc
+    where = weight_cache.entry_path(identity)
+    if where is None:
+        return None, None, None
+    try:
+        return *weight_cache.load(where, identity), None
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, weight_cache.StaleCacheEntry) as exc:
+        log.info("fastdecode: rebuilding the cached weights %s of %s (%s)", where, path, exc)
+    return None, None, (where, identity)
+
+
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool = True,
+              cached: bool = False) -> Checkpoint:
+    """native: keep blocks of a type the kernels run quantized; False decodes every tensor to ``dtype``.
+    cached: a native CPU load reads the weight cache (the caller saves a miss: ``Checkpoint.weight_cache``)."""
+    weights = string_array_ends = save_to = None
+    if cached and native and device.type == "cpu":
+        weights, string_array_ends, save_to = _cached_weights(path, dtype)
+    gguf = GGUFFile(path, string_array_ends)
     meta = gguf.metadata
     architecture = meta.get("general.architecture")
     if not isinstance(architecture, str):
@@ -59,6 +88,20 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool
                                    module.IGNORED_NAME_PATTERNS, str(path))
     check_weight_shapes(module, config, mapping, lambda name: gguf.tensors[name].shape, str(path), gguf=True)
 
+    if weights is None:
+        weights = _decoded_weights(gguf, module, config, mapping, dtype, device, native)
+    from .tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf_fields(meta, source=str(path), path=path)
+    check_tokenizer_matches(tokenizer, config, str(path))
+    return Checkpoint(config, family, weights, tokenizer, str(path), "gguf",
+                      weight_cache=None if save_to is None else (*save_to, gguf.string_array_ends))
+
+
+def _decoded_weights(gguf: GGUFFile, module, config, mapping: dict[str, str], dtype: torch.dtype,
+                     device: torch.device, native: bool) -> dict:
+    """The canonical weights from the file's tensors: repacked where the kernels run their type (native)."""
+    path = gguf.path
     canonical_of = {name: canonical for canonical, name in mapping.items()}
     dequantized_types = set()
 
@@ -91,9 +134,4 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool
     if dequantized_types:
         log.info("fastdecode: %s has tensors of type %s without a quantized kernel; dequantized at load",
                  path, ", ".join(sorted(dequantized_types)))
-
-    from .tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_gguf_fields(meta, source=str(path), path=path)
-    check_tokenizer_matches(tokenizer, config, str(path))
-    return Checkpoint(config, family, weights, tokenizer, str(path), "gguf")
+    return weights

@@ -60,8 +60,13 @@ class GGUFTensorInfo:
 class GGUFFile:
     """A parsed GGUF file. ``metadata`` holds plain Python values; tensors stay on disk (mmap)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, string_array_ends: dict[int, int] | None = None):
+        """string_array_ends: where each long string array (by the offset of its first string) ends, as
+        ``self.string_array_ends`` found it in an earlier parse of this very file (the weight cache keeps
+        them): those arrays are skipped, their strings found when one is read (and checked then)."""
         self.path = Path(path)
+        self._known_ends = string_array_ends or {}
+        self.string_array_ends: dict[int, int] = {}
         try:
             with open(self.path, "rb") as handle:
                 self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
@@ -128,16 +133,17 @@ class GGUFFile:
         """A string array: where each string is, found in one tight loop; from ``LAZY_STRINGS`` strings on (a
         vocabulary: 49,152 tokens and 48,900 merges for SmolLM2, 262,144 tokens for Gemma 3) a ``StringArray``,
         whose strings are decoded when read, else the decoded list."""
-        buf, pos, unpack_length = self._map, self._pos, _LENGTH.unpack_from
-        heads = [0] * (count + 1)  # where each string's length field is, then the array's end
-        for index in range(count):
-            heads[index] = pos
-            pos += 8 + unpack_length(buf, pos)[0]
-        if pos > len(buf):
-            raise ValueError("string array runs past the end of the file")
-        heads[count] = self._pos = pos
-        array = StringArray(buf, heads, self.path)
-        return array if count >= LAZY_STRINGS else array.strings()
+        start = self._pos
+        if count >= LAZY_STRINGS and self._known_ends.get(start, len(self._map) + 1) <= len(self._map):
+            self._pos = self.string_array_ends[start] = self._known_ends[start]
+            return StringArray(self._map, None, self.path, start, count, self._pos)
+        heads = string_heads(self._map, start, count)
+        self._pos = heads[count]
+        array = StringArray(self._map, heads, self.path)
+        if count < LAZY_STRINGS:
+            return array.strings()
+        self.string_array_ends[start] = self._pos
+        return array
 
     def _read_value(self, value_type: int) -> Any:
         if value_type in _SCALAR_FORMATS:
@@ -187,6 +193,19 @@ class GGUFFile:
         return values.reshape(info.shape)
 
 
+def string_heads(buf: mmap.mmap, start: int, count: int) -> list[int]:
+    """Where each of ``count`` strings from ``start`` has its length field, then where the array ends."""
+    pos, unpack_length = start, _LENGTH.unpack_from
+    heads = [0] * (count + 1)
+    for index in range(count):
+        heads[index] = pos
+        pos += 8 + unpack_length(buf, pos)[0]
+    if pos > len(buf):
+        raise ValueError("string array runs past the end of the file")
+    heads[count] = pos
+    return heads
+
+
 class StringArray(Sequence[str]):
     """A metadata string array left in the memory map, each string decoded from UTF-8 when read.
 
@@ -194,20 +213,38 @@ class StringArray(Sequence[str]):
     strings, not all of them (decoding SmolLM2's 98,000 cost 11 ms of its load). Iterating decodes every
     string once and keeps them. Equal to any sequence of the same strings."""
 
-    __slots__ = ("_buf", "_heads", "_path", "_strings")
+    __slots__ = ("_buf", "_heads", "_path", "_strings", "_span")
 
-    def __init__(self, buf: mmap.mmap, heads: list[int], path: Path):
-        self._buf, self._heads, self._path = buf, heads, path  # heads: length fields' offsets, then the end
+    def __init__(self, buf: mmap.mmap, heads: list[int] | None, path: Path, start: int = 0, count: int = 0,
+                 end: int = 0):
+        """heads: the length fields' offsets, then the end; None: found when first needed, from the
+        array's (start, count, end) (a skipped array: ``GGUFFile``'s string_array_ends)."""
+        self._buf, self._heads, self._path = buf, heads, path
+        self._span = (start, count, end)
         self._strings: list[str] | None = None
 
     def __len__(self) -> int:
-        return len(self._heads) - 1
+        return self._span[1] if self._heads is None else len(self._heads) - 1
+
+    def _found_heads(self) -> list[int]:
+        if self._heads is None:
+            start, count, end = self._span
+            try:
+                heads = string_heads(self._buf, start, count)
+            except (ValueError, struct.error) as exc:
+                raise CheckpointError(f"corrupt GGUF file {self._path}: a string array ({exc})") from exc
+            if heads[count] != end:
+                raise CheckpointError(f"corrupt GGUF file {self._path}: a string array ends at {heads[count]}, "
+                                      f"its recorded end is {end}")
+            self._heads = heads
+        return self._heads
 
     def __getitem__(self, index):
         if self._strings is not None or isinstance(index, slice):
             return self.strings()[index]
         index = range(len(self))[index]  # negative indices; IndexError past the end
-        return self._decode(self._buf[self._heads[index] + 8 : self._heads[index + 1]], index)
+        heads = self._found_heads()
+        return self._decode(self._buf[heads[index] + 8 : heads[index + 1]], index)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.strings())
@@ -220,7 +257,7 @@ class StringArray(Sequence[str]):
     def strings(self) -> list[str]:
         """Every string, decoded once."""
         if self._strings is None:
-            buf, heads = self._buf, self._heads
+            buf, heads = self._buf, self._found_heads()
             pieces = [buf[start + 8 : end] for start, end in zip(heads, heads[1:])]
             try:
                 self._strings = list(map(bytes.decode, pieces))
