@@ -116,6 +116,8 @@ class Generator:
         return GenerationConfig.from_options(self.defaults, **options)
 
     def _eos_ids(self, config: GenerationConfig) -> list[int]:
+        if config.ignore_eos:  # nothing stops the sequence but max_new_tokens (and stop strings)
+            return []
         explicit = config.eos_token_ids_or_none()
         if explicit is not None:
             return explicit

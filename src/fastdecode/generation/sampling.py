@@ -17,9 +17,12 @@ from ..config import GenerationConfig
 from ..errors import InvalidOptionError
 from .processors import (
     PAD,
+    apply_min_p,
+    apply_presence_frequency_penalty,
     apply_repetition_penalty,
     apply_top_k,
     apply_top_p,
+    dense_logit_bias,
     encoder_no_repeat_ngram_mask,
     force_tokens,
     no_repeat_ngram_mask,
@@ -47,6 +50,14 @@ class TokenSelector:
         self.history: torch.Tensor | None = None
         self.sources: torch.Tensor | None = None
         self.generators: list[torch.Generator] | None = None  # one per row (sampling only)
+        self.counts: torch.Tensor | None = None  # [N, V] float: generated tokens (presence / frequency penalty)
+        self.bias: torch.Tensor | None = None  # [V] float: logit_bias
+        if config.logit_bias:
+            too_large = [t for t in config.logit_bias if t >= vocab_size]
+            if too_large:
+                raise InvalidOptionError(f"logit_bias names token id {too_large[0]}, past the vocabulary "
+                                         f"({vocab_size} tokens)")
+            self.bias = dense_logit_bias(config.logit_bias, vocab_size, device)
 
     def start(self, prompts: list[list[int]], device: torch.device,
               sources: list[list[int]] | None = None, row_seeds: list[int] | None = None) -> None:
@@ -64,6 +75,8 @@ class TokenSelector:
             self.history = pad_rows(prompts, device)
         if cfg.encoder_no_repeat_ngram_size > 0 and sources is not None:
             self.sources = pad_rows(sources, device)
+        if cfg.presence_penalty or cfg.frequency_penalty:
+            self.counts = torch.zeros(len(prompts), self.vocab_size, dtype=torch.float32, device=device)
         if cfg.repetition_penalty == 1.0:
             return
         self.seen = torch.zeros(len(prompts), self.vocab_size, dtype=torch.bool, device=device)
@@ -79,6 +92,8 @@ class TokenSelector:
             self.history = self.history.index_select(0, rows)
         if self.sources is not None:
             self.sources = self.sources.index_select(0, rows)
+        if self.counts is not None:
+            self.counts = self.counts.index_select(0, rows)
         if self.generators is not None:
             self.generators = [self.generators[row] for row in rows.tolist()]
 
@@ -88,6 +103,8 @@ class TokenSelector:
             self.seen[torch.arange(tokens.shape[0], device=tokens.device), tokens] = True
         if self.history is not None:
             self.history = torch.cat([self.history, tokens[:, None]], dim=1)  # [N, L+1]
+        if self.counts is not None:
+            self.counts[torch.arange(tokens.shape[0], device=tokens.device), tokens] += 1.0
 
     def process(self, logits: torch.Tensor, num_generated: int) -> torch.Tensor:
         """The processors shared by every strategy (transformers' order), on logits or, for beam
@@ -95,6 +112,11 @@ class TokenSelector:
         cfg = self.config
         if self.seen is not None:
             logits = apply_repetition_penalty(logits, self.seen, cfg.repetition_penalty)
+        if self.counts is not None:
+            logits = apply_presence_frequency_penalty(logits, self.counts, cfg.presence_penalty,
+                                                      cfg.frequency_penalty)
+        if self.bias is not None:
+            logits = logits + self.bias
         if cfg.no_repeat_ngram_size > 0:
             banned = no_repeat_ngram_mask(self.history, cfg.no_repeat_ngram_size, logits.shape[-1])
             logits = logits.masked_fill(banned, float("-inf"))
@@ -114,8 +136,8 @@ class TokenSelector:
         it does, else None: a processor that changes scores in another way is active (beam search's
         one-pass step, layers/beam_search.cpp, serves only the first case)."""
         cfg = self.config
-        if (self.seen is not None or cfg.no_repeat_ngram_size > 0 or self._forced(num_generated) is not None
-                or (cfg.encoder_no_repeat_ngram_size > 0 and self.sources is not None)):
+        if (self.seen is not None or self.counts is not None or self.bias is not None or cfg.no_repeat_ngram_size > 0
+                or self._forced(num_generated) is not None or (cfg.encoder_no_repeat_ngram_size > 0 and self.sources is not None)):
             return None
         return self.eos_ids if num_generated < cfg.min_new_tokens else self.eos_ids[:0]
 
@@ -138,6 +160,8 @@ class TokenSelector:
                 logits = apply_top_k(logits, cfg.top_k)
             if cfg.top_p < 1.0:
                 logits = apply_top_p(logits, cfg.top_p)
+            if cfg.min_p > 0.0:
+                logits = apply_min_p(logits, cfg.min_p)
             tokens = sample_rows(logits.softmax(dim=-1), self.generators)
         else:
             tokens = logits.argmax(dim=-1)
