@@ -53,15 +53,17 @@ CHAT_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
                  "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {})}
 
 
-def tiny_chat_generator(seed: int = 0, quantize: str | None = None, family: str = "llama"):
+def tiny_chat_generator(seed: int = 0, quantize: str | None = None, family: str = "llama",
+                        extra_specials: tuple[str, ...] = ()):
     """A fastdecode Generator: tiny random decoder (Llama, or another of ``CHAT_FAMILIES``) + trained
-    BPE with <|im_end|> as EOS and ChatML (``quantize``: as ``from_hf``'s)."""
+    BPE with <|im_end|> as EOS and ChatML (``quantize``: as ``from_hf``'s; ``extra_specials``: more
+    special tokens in the vocabulary, e.g. fill-in-the-middle ones)."""
     import torch
     import transformers as tf
 
     import fastdecode
 
-    backend = hf_tokenizer(320, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    backend = hf_tokenizer(320, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_specials])
     tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>",
                                            eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.chat_template = CHATML

@@ -44,7 +44,7 @@ def chat(**fields) -> dict:
     (dict(min_tokens=9), "min_tokens"),
     (dict(num_beams=2, n=3), "n"),
     (dict(num_beams=2, logprobs=True), "logprobs"),
-    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(messages=[]), "messages"),
     (dict(messages="Hi"), "messages"),
     (dict(messages=[{"role": "robot", "content": "beep"}]), "messages[0].role"),

@@ -40,6 +40,8 @@ from .options import load_settings, model_options
               help="Seconds an idle keep-alive connection stays open.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Open connections; a new one beyond it gets 503 + Retry-After and is closed.")
+@click.option("--lenient", is_flag=True, default=False,
+              help="Log and ignore request fields fastdecode does not know (default: a 400 naming the field).")
 @click.option("--model-name", default=None, help="The model id clients send (default: the file or folder name).")
 @model_options
 @handle_errors

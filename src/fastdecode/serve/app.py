@@ -19,6 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from .body import read_json_body, too_large
+from .echo import EchoedPrompt, echo_chunk, echoed_prompts, prepend_echo
+from .extras import apply_extras, best_choices, parse_extras
+from .fields import check_fields
 from .lifetime import ConnectionLifetime, lifetime_of
 from .metrics import ServerMetrics
 from .protocol import APIError, GenerationRequest, parse_request
@@ -88,32 +91,43 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
 
     async def _generate(request: Request, endpoint: str) -> Response:
         body = await read_json_body(request, settings.max_body_bytes)
+        check_fields(body, endpoint, settings.lenient)
+        body = apply_extras(body)
         parsed = parse_request(body, endpoint, settings.model_name)
+        parse_extras(body, parsed)
         prompts = service.encode(parsed)
+        echoed = await echoed_prompts(generator, prompts, parsed.logprobs) if parsed.echo else None
         running = await service.start_request(parsed, prompts)
         lifetime_of(request).on_disconnect(running.cancel)  # every route, streamed or not
         builder = ResponseBuilder(endpoint, settings.model_name, generator.tokenizer, parsed.logprobs)
         if parsed.stream:
-            return StreamingResponse(_sse(running, parsed, builder), media_type="text/event-stream",
+            return StreamingResponse(_sse(running, parsed, builder, echoed), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        choices = {i: ChoiceState(i) for i in range(len(running.prompt_lengths) * parsed.n)}
+        choices = {i: ChoiceState(i) for i in range(len(running.prompt_lengths) * parsed.candidates)}
         async for piece in running.pieces():
             choices[piece.index].add(piece)
         if running.cancelled:  # the client went away: nothing to answer
             return Response(status_code=499)
         ordered = [choices[i] for i in sorted(choices)]
+        if parsed.candidates > parsed.n:
+            ordered = best_choices(ordered, parsed.n, parsed.candidates)
+        if echoed is not None:
+            prepend_echo(ordered, echoed, parsed.n)
         return JSONResponse(builder.response(ordered, _prompt_counts(ordered, running, parsed.n)))
 
     return app
 
 
-async def _sse(running: RunningRequest, request: GenerationRequest, builder: ResponseBuilder) -> AsyncIterator[str]:
+async def _sse(running: RunningRequest, request: GenerationRequest, builder: ResponseBuilder,
+               echoed: list[EchoedPrompt] | None) -> AsyncIterator[str]:
     """Server-sent events: one ``data: {chunk}`` per piece, usage if asked, then ``data: [DONE]``.
-    An error after the stream started is sent as an ``error`` object, then the stream ends."""
+    An error after the stream started is sent as an ``error`` object, then the stream ends.
+    (A streamed request has as many candidates as choices: best_of > n is refused.)"""
     choices = {i: ChoiceState(i) for i in range(len(running.prompt_lengths) * request.n)}
     try:
         for index in sorted(choices):
-            first = builder.first_chunk(index)
+            first = builder.first_chunk(index) if echoed is None else echo_chunk(builder, index,
+                                                                                 echoed[index // request.n])
             if first is not None:
                 yield _event(first)
         async for piece in running.pieces():

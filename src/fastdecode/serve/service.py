@@ -22,6 +22,7 @@ from typing import Any
 from ..engine.sequence import public_finish_reason
 from ..errors import FastDecodeError, GenerationCancelledError, QueueFullError
 from .metrics import ServerMetrics
+from .extras import fill_in_middle_ids
 from .protocol import APIError, GenerationRequest, api_error_from
 from .sessions import LoopRunner
 from .worker import Admitted, EngineWorker, Failed, Piece, RequestSink, Submission
@@ -44,6 +45,7 @@ class ServeSettings:
     body_timeout: float = 10.0  # seconds its body may take after them
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open (uvicorn's own)
     max_connections: int = 1024  # open connections; beyond it a new one gets 503
+    lenient: bool = False  # unknown request fields: logged and ignored instead of a 400 (fields.py)
 
 
 _CANCELLED = object()  # put in a request's queue when it is cancelled: wakes whoever waits on it
@@ -137,6 +139,10 @@ class GenerationService:
     def encode(self, request: GenerationRequest) -> list[tuple[list[int], str | None]]:
         """-> (prompt ids, the text they encode or None for token prompts) per prompt."""
         gen = self.generator
+        too_large = [t for t in request.options.get("logit_bias", {}) if t >= gen.config.vocab_size]
+        if too_large:
+            raise APIError(400, f"logit_bias names token id {too_large[0]}, past the vocabulary "
+                                f"({gen.config.vocab_size} tokens)", param="logit_bias")
         if request.endpoint == "chat" and self.encoder_decoder:
             raise APIError(400, "this is an encoder-decoder model: it has no chat; send the source text to "
                                 "/v1/completions as the prompt", param="messages", code="unsupported_model")
@@ -144,6 +150,9 @@ class GenerationService:
             if request.endpoint == "chat":
                 text = gen._require_tokenizer().apply_chat_template(request.prompts[0], add_generation_prompt=True)
                 return [(gen.encode_prompt(request.prompts[0]), text)]
+            if request.suffix is not None:
+                return [(fill_in_middle_ids(gen._require_tokenizer(), p, request.suffix), None)
+                        for p in request.prompts]
             return [(gen.encode_prompt(p), p) if isinstance(p, str) else (list(p), None) for p in request.prompts]
         except FastDecodeError as exc:
             raise APIError(400, str(exc), param="messages" if request.endpoint == "chat" else "prompt") from exc
@@ -180,17 +189,20 @@ class GenerationService:
         if request.is_beam:
             return self._start_beam(request, prompts, [o for _, o in routes], sink)
         submissions = []
+        count = request.candidates
+        # best_of ranks its candidates by cumulative logprob: they need at least the chosen tokens'
+        logprobs = 0 if request.logprobs is None and count > request.n else request.logprobs
         for p, (prompt, (route, options)) in enumerate(zip(prompts, routes)):
-            for j in range(request.n):
+            for j in range(count):
                 choice = dict(options)
                 if choice.get("seed") is not None:
                     choice["seed"] += j  # choice j of a seeded request = an offline run with seed + j
                 if route == "engine":
-                    choice["logprobs"] = request.logprobs
-                elif request.logprobs is not None:
+                    choice["logprobs"] = logprobs
+                elif logprobs is not None:
                     raise APIError(400, "logprobs come from the engine: they are not available past the context "
                                         "(streaming cache)", param="logprobs")
-                submission = Submission(p * request.n + j, prompt, choice, sink, arrived)
+                submission = Submission(p * count + j, prompt, choice, sink, arrived)
                 submission.route, submission.prompt_text = route, encoded[p][1]
                 if route != "engine":
                     self._check_loop_options(submission)
