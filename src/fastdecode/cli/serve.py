@@ -42,16 +42,25 @@ from .options import load_settings, model_options
               help="Open connections; a new one beyond it gets 503 + Retry-After and is closed.")
 @click.option("--lenient", is_flag=True, default=False,
               help="Log and ignore request fields fastdecode does not know (default: a 400 naming the field).")
-@click.option("--model-name", default=None, help="The model id clients send (default: the file or folder name).")
+@click.option("--model-name", "--served-model-name", "model_names", multiple=True,
+              help="A name the model answers to (repeat for aliases; the first is the one responses carry; "
+                   "default: the file or folder name).")
+@click.option("--strict-model-name", is_flag=True, default=False,
+              help="Answer 404 to a request for another model name (default: one model answers any name).")
+@click.option("--allowed-origins", "allowed_origins", multiple=True,
+              help="Browser origins allowed to call the API across origins (CORS; repeat, or comma-separated; "
+                   "'*' for any). Default: none.")
 @model_options
 @handle_errors
-def serve(model: str | None, device: str, dtype: str, host: str, port: int, model_name: str | None,
-          context_overflow: str | None, **kwargs: Any) -> None:
+def serve(model: str | None, device: str, dtype: str, host: str, port: int, model_names: tuple[str, ...],
+          allowed_origins: tuple[str, ...], context_overflow: str | None, **kwargs: Any) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with a web chat page at /."""
     from ..api import default_model_path
     from ..serve.server import run
 
     overflow = context_overflow or ("shift" if kwargs["n_ctx"] is not None else "error")
-    name = model_name or Path(model or default_model_path()).name.removesuffix(".gguf")
+    names = list(model_names) or [Path(model or default_model_path()).name.removesuffix(".gguf")]
+    origins = tuple(o.strip() for value in allowed_origins for o in value.split(",") if o.strip())
     generator = load_settings(model, device, dtype, kwargs).load()
-    sys.exit(run(generator, host, port, model_name=name, context_overflow=overflow, **kwargs))
+    sys.exit(run(generator, host, port, model_name=names[0], model_aliases=tuple(names[1:]), allowed_origins=origins,
+                 context_overflow=overflow, **kwargs))

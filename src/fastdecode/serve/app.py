@@ -10,12 +10,12 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from .body import read_json_body, too_large
@@ -24,9 +24,12 @@ from .extras import apply_extras, best_choices, parse_extras
 from .fields import check_fields
 from .lifetime import ConnectionLifetime, lifetime_of
 from .metrics import ServerMetrics
+from .names import ModelNames
+from .request_id import RequestId
 from .protocol import APIError, GenerationRequest, parse_request
 from .responses import ChoiceState, ResponseBuilder
 from .service import GenerationService, RunningRequest, ServeSettings
+from .utility_routes import TOKEN_ROUTES, add_token_routes
 
 log = logging.getLogger("fastdecode.serve")
 
@@ -41,8 +44,14 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
                   lifespan=_lifespan(service), redirect_slashes=False)
     app.state.service, app.state.settings, app.state.metrics = service, settings, metrics
 
+    names = ModelNames([settings.model_name, *settings.model_aliases], settings.strict_model_name, service.context)
+    app.state.names = names
     app.add_middleware(ConnectionLifetime)
     app.add_middleware(_Guard, settings=settings, metrics=metrics)
+    if settings.allowed_origins:  # outside the key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id"], max_age=600)
+    app.add_middleware(RequestId)
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -67,6 +76,7 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
         return HTMLResponse(resources.files("fastdecode.serve").joinpath("static/chat.html").read_text("utf-8"))
 
     @app.get("/health")
+    @app.get("/v1/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": settings.model_name,
                 "running_sequences": service.active_sequences()}
@@ -77,9 +87,13 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        model = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "fastdecode",
-                 "max_model_len": service.context}
-        return {"object": "list", "data": [model]}
+        return names.listing()
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        return names.retrieve(name)
+
+    add_token_routes(app, generator, settings.max_body_bytes)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -93,13 +107,15 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
         body = await read_json_body(request, settings.max_body_bytes)
         check_fields(body, endpoint, settings.lenient)
         body = apply_extras(body)
-        parsed = parse_request(body, endpoint, settings.model_name)
+        served = names.resolve(body.get("model"))
+        parsed = parse_request({**body, "model": served} if isinstance(body.get("model"), str) else body, endpoint,
+                               served)
         parse_extras(body, parsed)
         prompts = service.encode(parsed)
         echoed = await echoed_prompts(generator, prompts, parsed.logprobs) if parsed.echo else None
         running = await service.start_request(parsed, prompts)
         lifetime_of(request).on_disconnect(running.cancel)  # every route, streamed or not
-        builder = ResponseBuilder(endpoint, settings.model_name, generator.tokenizer, parsed.logprobs)
+        builder = ResponseBuilder(endpoint, served, generator.tokenizer, parsed.logprobs)
         if parsed.stream:
             return StreamingResponse(_sse(running, parsed, builder, echoed), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -189,7 +205,8 @@ class _Guard:
 
         try:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-            if scope["path"].startswith("/v1/") and self.settings.api_key is not None:
+            keyed = scope["path"].startswith("/v1/") or scope["path"] in TOKEN_ROUTES
+            if keyed and self.settings.api_key is not None and scope["method"] != "OPTIONS":
                 _check_key(headers.get("authorization", ""), self.settings.api_key)
             if scope["method"] == "POST":
                 _check_declared_size(headers.get("content-length"), self.settings.max_body_bytes)
@@ -217,5 +234,6 @@ def _check_declared_size(declared: str | None, limit: int) -> None:
 
 
 def _endpoint_label(path: str) -> str:
-    known = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/")
+    known = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/v1/health", "/metrics", "/",
+             *TOKEN_ROUTES)
     return path if path in known else "other"

@@ -33,6 +33,9 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 @dataclass
 class ServeSettings:
     model_name: str = "fastdecode"
+    model_aliases: tuple[str, ...] = ()  # more names the model answers to (--served-model-name)
+    strict_model_name: bool = False  # another name is a 404 (default: a one-model server answers any)
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     max_batch_tokens: int = 2048
