@@ -68,7 +68,9 @@ def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "fl
         checkpoint = load_hf_folder(path, torch_dtype, torch_device)
     elif path.suffix.lower() == ".gguf":
         from .loading.gguf import load_gguf
+        from .loading.quantize import check_gguf_quantize
 
+        check_gguf_quantize(path, quantize)
         checkpoint = load_gguf(path, torch_dtype, torch_device, native=quantize != "dequantize")
     else:
         raise ModelNotFoundError(f"{path} is neither a Hugging Face model folder nor a .gguf file")
