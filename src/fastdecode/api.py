@@ -225,7 +225,8 @@ class Generator:
         search, streaming caches (n_ctx) and the naive reference (use_cache=False) keep their own loops."""
         return config.num_beams == 1 and config.n_ctx is None and config.use_cache
 
-    def _submit_all(self, prompts: list, config: GenerationConfig) -> tuple[Engine, list[EngineSequence]]:
+    def _submit_all(self, prompts: list, config: GenerationConfig,
+                    logprobs: int | None = None) -> tuple[Engine, list[EngineSequence]]:
         """One engine sized for this call, every request submitted ("submit everything, step until
         done"). Each sequence samples with its own seed (``sequence_seeds``: the same for a prompt
         alone or in a batch)."""
@@ -245,7 +246,7 @@ class Generator:
                                   self.config.kv_cache_bytes_per_token(itemsize))
         engine = Engine(self, max_queue=len(repeated), cache_tokens=cache_tokens, source_tokens=source_tokens)
         single = dataclasses.replace(config, num_return_sequences=1, seed=None)
-        sequences = [engine.add(p, single, seeds and seeds[i]) for i, p in enumerate(repeated)]
+        sequences = [engine.add(p, single, seeds and seeds[i], logprobs=logprobs) for i, p in enumerate(repeated)]
         return engine, sequences
 
     # -- token API ---------------------------------------------------------------------------
@@ -265,6 +266,10 @@ class Generator:
         stops = config.stop_strings()
         if stops:
             self._require_tokenizer()
+        if config.best_of is not None and config.is_sampling and config.best_of > config.num_return_sequences:
+            from .generation.best_of import best_of_results
+
+            return best_of_results(self, list(prompts), config, lambda: _check_stop(should_stop))
         if self._runs_in_engine(config):
             engine, sequences = self._submit_all(list(prompts), config)
             while engine.has_work():

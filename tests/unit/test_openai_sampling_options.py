@@ -92,3 +92,20 @@ def test_seed_minus_one_is_random(gen):
     assert config.seed is None
     draws = {tuple(gen.generate_ids([PROMPT], max_new_tokens=12, do_sample=True, seed=-1)[0]) for _ in range(3)}
     assert len(draws) > 1
+
+
+def test_best_of_keeps_the_most_likely_candidates(gen):
+    from fastdecode.generation.scoring import token_logprobs_of
+
+    candidates = gen.generate_ids([PROMPT], max_new_tokens=6, do_sample=True, seed=9, num_return_sequences=5)
+    totals = [sum(token_logprobs_of(gen.model, PROMPT + c, fastdecode.GenerationConfig())[0][len(PROMPT) - 1:])
+              for c in candidates]
+    ranked = [c for _, c in sorted(zip(totals, candidates), key=lambda pair: -pair[0])]
+    best = gen.generate_ids_with_details([PROMPT], max_new_tokens=6, do_sample=True, seed=9, best_of=5,
+                                         num_return_sequences=2)
+    assert [r.tokens for r in best] == ranked[:2]
+    assert [r.score for r in best] == pytest.approx(sorted(totals, reverse=True)[:2], abs=1e-4)
+    with pytest.raises(InvalidOptionError, match="best_of"):
+        gen.generate_ids([PROMPT], max_new_tokens=2, do_sample=True, best_of=1, num_return_sequences=2)
+    with pytest.raises(InvalidOptionError, match="best_of"):
+        gen.generate_ids([PROMPT], max_new_tokens=2, num_beams=2, best_of=2)

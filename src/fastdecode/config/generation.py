@@ -15,7 +15,7 @@ from ..validation import is_finite, is_int
 SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes 0 <= seed < 2**64
 INT_OPTION_LIMIT = 1 << 62  # any integer option past this would overflow a tensor index first
 INT_OPTIONS = ("max_new_tokens", "min_new_tokens", "top_k", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
-               "num_beams", "num_return_sequences", "n_ctx", "n_keep", "n_discard")
+               "num_beams", "num_return_sequences", "n_ctx", "n_keep", "n_discard", "best_of")
 
 
 @dataclass
@@ -35,6 +35,8 @@ class GenerationConfig:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's range -100..100)
     min_p: float = 0.0  # sampling: drop tokens less likely than min_p times the most likely one
     ignore_eos: bool = False  # EOS neither stops generation nor counts as special: max_new_tokens sets the length
+    # Sampling: best_of candidates per prompt, the num_return_sequences with the highest cumulative logprob returned
+    best_of: int | None = None
     no_repeat_ngram_size: int = 0
     encoder_no_repeat_ngram_size: int = 0  # encoder-decoder only: never copy an n-gram of the source
     num_beams: int = 1
@@ -149,6 +151,14 @@ class GenerationConfig:
             raise bad(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if not isinstance(self.ignore_eos, bool):
             raise bad(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.best_of is not None:
+            if not is_int(self.best_of) or self.best_of < 1:
+                raise bad(f"best_of must be an integer >= 1, got {self.best_of!r}")
+            if self.best_of < self.num_return_sequences:
+                raise bad(f"best_of ({self.best_of}) must be >= num_return_sequences ({self.num_return_sequences})")
+            if self.num_beams > 1 or self.n_ctx is not None or not self.use_cache:
+                raise bad("best_of ranks sampled candidates in the engine: not with beam search, n_ctx or "
+                          "use_cache=False")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
