@@ -40,6 +40,9 @@ from .options import load_settings, model_options
               help="Seconds an idle keep-alive connection stays open.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Open connections; a new one beyond it gets 503 + Retry-After and is closed.")
+@click.option("--embeddings", is_flag=True, default=False, help="Serve POST /v1/embeddings.")
+@click.option("--pooling", type=click.Choice(["mean", "last"]), default="mean", show_default=True,
+              help="Embeddings: the mean of the final hidden states, or the last token's.")
 @click.option("--lenient", is_flag=True, default=False,
               help="Log and ignore request fields fastdecode does not know (default: a 400 naming the field).")
 @click.option("--model-name", "--served-model-name", "model_names", multiple=True,
@@ -59,6 +62,7 @@ def serve(model: str | None, device: str, dtype: str, host: str, port: int, mode
     from ..serve.server import run
 
     overflow = context_overflow or ("shift" if kwargs["n_ctx"] is not None else "error")
+    kwargs["embeddings"] = kwargs.pop("pooling") if kwargs.pop("embeddings") else None
     names = list(model_names) or [Path(model or default_model_path()).name.removesuffix(".gguf")]
     origins = tuple(o.strip() for value in allowed_origins for o in value.split(",") if o.strip())
     generator = load_settings(model, device, dtype, kwargs).load()

@@ -20,6 +20,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from .body import read_json_body, too_large
 from .echo import EchoedPrompt, echo_chunk, echoed_prompts, prepend_echo
+from .embeddings import add_embeddings_route
 from .extras import apply_extras, best_choices, parse_extras
 from .fields import check_fields
 from .lifetime import ConnectionLifetime, lifetime_of
@@ -94,6 +95,7 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
         return names.retrieve(name)
 
     add_token_routes(app, generator, settings.max_body_bytes)
+    add_embeddings_route(app, generator, names, settings)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -234,6 +236,6 @@ def _check_declared_size(declared: str | None, limit: int) -> None:
 
 
 def _endpoint_label(path: str) -> str:
-    known = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/v1/health", "/metrics", "/",
+    known = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health", "/v1/health", "/metrics", "/",
              *TOKEN_ROUTES)
     return path if path in known else "other"

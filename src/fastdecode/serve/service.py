@@ -48,6 +48,7 @@ class ServeSettings:
     body_timeout: float = 10.0  # seconds its body may take after them
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open (uvicorn's own)
     max_connections: int = 1024  # open connections; beyond it a new one gets 503
+    embeddings: str | None = None  # "mean" or "last": serve /v1/embeddings with that pooling (--embeddings)
     lenient: bool = False  # unknown request fields: logged and ignored instead of a 400 (fields.py)
 
 
