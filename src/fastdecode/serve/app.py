@@ -18,6 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from .anthropic_api import PATH as MESSAGES_PATH
+from .anthropic_api import add_messages_route, anthropic_error
 from .body import read_json_body, too_large
 from .echo import EchoedPrompt, echo_chunk, echoed_prompts, prepend_echo
 from .embeddings import add_embeddings_route
@@ -55,7 +57,9 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
     app.add_middleware(RequestId)
 
     @app.exception_handler(APIError)
-    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        if request.url.path == MESSAGES_PATH:  # Anthropic's clients read Anthropic's error shape
+            return JSONResponse(anthropic_error(exc), status_code=exc.status, headers=exc.headers)
         return _error_response(exc)
 
     @app.exception_handler(404)
@@ -96,6 +100,7 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
 
     add_token_routes(app, generator, settings.max_body_bytes)
     add_embeddings_route(app, generator, names, settings)
+    add_messages_route(app, service, names, settings)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -209,7 +214,7 @@ class _Guard:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
             keyed = scope["path"].startswith("/v1/") or scope["path"] in TOKEN_ROUTES
             if keyed and self.settings.api_key is not None and scope["method"] != "OPTIONS":
-                _check_key(headers.get("authorization", ""), self.settings.api_key)
+                _check_key(headers.get("authorization", ""), headers.get("x-api-key"), self.settings.api_key)
             if scope["method"] == "POST":
                 _check_declared_size(headers.get("content-length"), self.settings.max_body_bytes)
         except APIError as exc:
@@ -224,10 +229,12 @@ def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def _check_key(authorization: str, key: str) -> None:
-    if not hmac.compare_digest(authorization.encode(), f"Bearer {key}".encode()):
-        raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                       "authentication_error", code="invalid_api_key")
+def _check_key(authorization: str, api_key_header: str | None, key: str) -> None:
+    """``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>`` (Anthropic's)."""
+    bearer = hmac.compare_digest(authorization.encode(), f"Bearer {key}".encode())
+    if not bearer and not hmac.compare_digest((api_key_header or "").encode(), key.encode()):
+        raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                            "(or 'x-api-key: <key>')", "authentication_error", code="invalid_api_key")
 
 
 def _check_declared_size(declared: str | None, limit: int) -> None:
@@ -236,6 +243,6 @@ def _check_declared_size(declared: str | None, limit: int) -> None:
 
 
 def _endpoint_label(path: str) -> str:
-    known = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health", "/v1/health", "/metrics", "/",
+    known = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/messages", "/v1/responses", "/v1/models", "/health", "/v1/health", "/metrics", "/",
              *TOKEN_ROUTES)
     return path if path in known else "other"

@@ -56,20 +56,28 @@ NOT_SERVED = {
 def check_fields(body: dict[str, Any], endpoint: str, lenient: bool) -> None:
     """Raise APIError (400, ``param`` = the field) for the first field the endpoint cannot honour;
     with ``lenient``, fields fastdecode does not know are logged instead."""
-    for name, value in body.items():
-        if value is None or name in SERVED[endpoint] or name in NO_EFFECT:
-            continue
-        if name in NEUTRAL_VALUES:
-            accepts, why = NEUTRAL_VALUES[name]
-            if not accepts(value):
-                raise APIError(400, f"{name}={value!r} is not supported: {why}", param=name, code="unsupported_field")
-            continue
-        if name in NOT_SERVED:
-            raise APIError(400, f"{name} is not supported: {NOT_SERVED[name]}", param=name, code="unsupported_field")
-        if lenient:
-            log.warning("ignoring the unknown field %r of a %s request (--lenient)", name, endpoint)
-            continue
+    for name, (accepts, why) in NEUTRAL_VALUES.items():
+        if body.get(name) is not None and not accepts(body[name]):
+            raise APIError(400, f"{name}={body[name]!r} is not supported: {why}", param=name, code="unsupported_field")
+
+    def hint(name: str) -> str:
         other = [e for e in SERVED if e != endpoint and name in SERVED[e]]
-        where = f" (it is a field of the {other[0]} endpoint)" if other else ""
-        raise APIError(400, f"unknown field {name!r}{where}: fastdecode does not implement it (start the server "
-                            "with --lenient to ignore unknown fields)", param=name, code="unknown_field")
+        return f" (it is a field of the {other[0]} endpoint)" if other else ""
+
+    check_known(body, SERVED[endpoint] | NO_EFFECT | set(NEUTRAL_VALUES), NOT_SERVED, lenient, f"{endpoint} API", hint)
+
+
+def check_known(body: dict[str, Any], served: set[str], refused: dict[str, str], lenient: bool, api: str,
+                hint: Callable[[str], str] = lambda name: "") -> None:
+    """A 400 naming the first non-null field that is not ``served``: ``refused`` ones always (with
+    why), unknown ones unless ``lenient`` (then logged and ignored)."""
+    for name, value in body.items():
+        if value is None or name in served:
+            continue
+        if name in refused:
+            raise APIError(400, f"{name} is not supported: {refused[name]}", param=name, code="unsupported_field")
+        if lenient:
+            log.warning("ignoring the unknown field %r of a %s request (--lenient)", name, api)
+            continue
+        raise APIError(400, f"unknown field {name!r}{hint(name)}: fastdecode's {api} does not implement it (start "
+                            "the server with --lenient to ignore unknown fields)", param=name, code="unknown_field")
