@@ -29,6 +29,7 @@ from .lifetime import ConnectionLifetime, lifetime_of
 from .metrics import ServerMetrics
 from .names import ModelNames
 from .request_id import RequestId
+from .responses_api import add_responses_route
 from .protocol import APIError, GenerationRequest, parse_request
 from .responses import ChoiceState, ResponseBuilder
 from .service import GenerationService, RunningRequest, ServeSettings
@@ -101,6 +102,7 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
     add_token_routes(app, generator, settings.max_body_bytes)
     add_embeddings_route(app, generator, names, settings)
     add_messages_route(app, service, names, settings)
+    add_responses_route(app, service, names, settings)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -1,0 +1,170 @@
+"""``POST /v1/responses``: the stateless core of OpenAI's Responses API, text only: ``input`` (a
+string, or message items with text parts), ``instructions``, ``max_output_tokens``, ``temperature``,
+``top_p``, ``text.format`` of type text, ``metadata`` / ``user`` / ``safety_identifier`` /
+``prompt_cache_key``, and ``stream`` with the typed ``response.*`` events. Nothing is stored:
+``store: true``, ``previous_response_id``, conversations, background runs, tools, reasoning and
+structured formats are a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .adapters import Outcome, collect, deltas, start_chat, text_of
+from .body import read_json_body
+from .fields import check_known
+from .names import ModelNames
+from .protocol import APIError
+from .service import GenerationService, ServeSettings
+
+SERVED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "store",
+          "text", "truncation", "metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier",
+          "include", "parallel_tool_calls", "background",  # these last ones only with their neutral values (below)
+          "seed"}  # fastdecode's extra: samples as offline generate(seed=...)
+REFUSED = {
+    "previous_response_id": "responses are not stored (stateless server): send the whole conversation as input",
+    "conversation": "conversations are not stored (stateless server)", "tools": "tool calling is not implemented yet",
+    "tool_choice": "tool calling is not implemented yet", "max_tool_calls": "tool calling is not implemented yet",
+    "reasoning": "this server runs no reasoning control", "prompt": "stored prompt templates are not available",
+    "top_logprobs": "logprobs are not available on this route (use /v1/chat/completions)",
+    "stream_options": "no stream options are implemented", "moderation": "moderation is not available",
+    "image": "image generation is not available", "context_management": "context management is not available",
+    "background_options": "background runs are not available", "access_programs": "not available",
+    "prompt_cache_options": "the prefix cache has no options to set",
+    "prompt_cache_retention": "the prefix cache has no retention policy to choose",
+}
+NEUTRAL = {"store": (False,), "truncation": ("disabled",), "service_tier": ("auto", "default"), "include": ([],),
+           "parallel_tool_calls": (False,), "background": (False,)}
+ROLES = {"user": ("input_text",), "system": ("input_text",), "developer": ("input_text",),
+         "assistant": ("output_text", "input_text")}
+
+
+def add_responses_route(app: FastAPI, service: GenerationService, names: ModelNames, settings: ServeSettings) -> None:
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = await read_json_body(request, settings.max_body_bytes)
+        check_known(body, SERVED, REFUSED, settings.lenient, "Responses API")
+        for name, allowed in NEUTRAL.items():
+            if body.get(name) is not None and body[name] not in allowed:
+                raise APIError(400, f"{name}={body[name]!r} is not supported (a stateless, text-only server): "
+                                    f"use {allowed[0]!r} or leave it out", param=name, code="unsupported_field")
+        _check_format(body.get("text"))
+        model = names.resolve(body.get("model"))
+        running = await start_chat(service, request, _chat_body(body, model), model)
+        shell = _Shell(body, model)
+        if body.get("stream"):
+            return StreamingResponse(_events(running, shell), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        outcome = await collect(running)
+        if running.cancelled:
+            return Response(status_code=499)
+        return JSONResponse(shell.response(outcome))
+
+
+def _check_format(text: Any) -> None:
+    if text is None:
+        return
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or text.get("verbosity") is not None or (
+            fmt is not None and fmt != {"type": "text"}):
+        raise APIError(400, "text.format: only {'type': 'text'} is supported (structured output is not implemented "
+                            "yet), and no text.verbosity", param="text.format")
+
+
+def _chat_body(body: dict[str, Any], model: str) -> dict[str, Any]:
+    chat = []
+    if body.get("instructions") is not None:
+        if not isinstance(body["instructions"], str):
+            raise APIError(400, "instructions must be a string", param="instructions")
+        chat.append({"role": "system", "content": body["instructions"]})
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise APIError(400, "input must be a non-empty string or a list of message items", param="input")
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        if not isinstance(item, dict) or item.get("type", "message") != "message" or item.get("role") not in ROLES:
+            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+            raise APIError(400, f"{where} must be a message item with role user, system, developer or assistant "
+                                f"({kind!r} items are not supported)", param=where)
+        role = "system" if item["role"] == "developer" else item["role"]
+        chat.append({"role": role, "content": text_of(item.get("content"), f"{where}.content", ROLES[item["role"]])})
+    return {"model": model, "messages": chat, "max_completion_tokens": body.get("max_output_tokens"),
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "stream": body.get("stream"),
+            "seed": body.get("seed")}
+
+
+class _Shell:
+    """The response object around the generated text, as OpenAI shapes it."""
+
+    def __init__(self, body: dict[str, Any], model: str):
+        self.body, self.model = body, model
+        self.id, self.message_id = "resp_" + uuid.uuid4().hex[:24], "msg_" + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def response(self, outcome: Outcome | None) -> dict[str, Any]:
+        body = self.body
+        incomplete = outcome is not None and outcome.finish_reason == "length"
+        status = "in_progress" if outcome is None else "incomplete" if incomplete else "completed"
+        return {"id": self.id, "object": "response", "created_at": self.created, "model": self.model,
+                "status": status, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+                "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+                "metadata": body.get("metadata") or {}, "user": body.get("user"), "store": False,
+                "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "truncation": "disabled",
+                "text": {"format": {"type": "text"}}, "previous_response_id": None, "reasoning": None,
+                "output": [] if outcome is None else [self.item(outcome)],
+                "usage": None if outcome is None else self.usage(outcome)}
+
+    def part(self, text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def item(self, outcome: Outcome | None) -> dict[str, Any]:
+        done = outcome is not None
+        return {"type": "message", "id": self.message_id, "role": "assistant",
+                "status": "completed" if done else "in_progress", "content": [self.part(outcome.text)] if done else []}
+
+    @staticmethod
+    def usage(outcome: Outcome) -> dict[str, Any]:
+        return {"input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens,
+                "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+                "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
+                "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+async def _events(running: Any, shell: _Shell) -> AsyncIterator[str]:
+    number = 0
+
+    def event(kind: str, **data: Any) -> str:
+        nonlocal number
+        number += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': number - 1, **data})}\n\n"
+
+    where = {"item_id": shell.message_id, "output_index": 0, "content_index": 0}
+    yield event("response.created", response=shell.response(None))
+    yield event("response.in_progress", response=shell.response(None))
+    yield event("response.output_item.added", output_index=0, item=shell.item(None))
+    yield event("response.content_part.added", part=shell.part(""), **where)
+    try:
+        async for item in deltas(running):
+            if isinstance(item, Outcome):
+                yield event("response.output_text.done", text=item.text, logprobs=[], **where)
+                yield event("response.content_part.done", part=shell.part(item.text), **where)
+                yield event("response.output_item.done", output_index=0, item=shell.item(item))
+                final = shell.response(item)
+                yield event("response.completed" if final["status"] == "completed" else "response.incomplete",
+                            response=final)
+            else:
+                yield event("response.output_text.delta", delta=item, logprobs=[], **where)
+    except APIError as exc:
+        yield event("error", code=exc.code, message=exc.message, param=exc.param)
+    finally:
+        running.cancel()
