@@ -62,7 +62,8 @@ def serve(model: str | None, device: str, dtype: str, host: str, port: int, mode
     from ..serve.server import run
 
     overflow = context_overflow or ("shift" if kwargs["n_ctx"] is not None else "error")
-    kwargs["embeddings"] = kwargs.pop("pooling") if kwargs.pop("embeddings") else None
+    pooling = kwargs.pop("pooling")
+    kwargs["embeddings"] = pooling if kwargs.pop("embeddings") else None
     names = list(model_names) or [Path(model or default_model_path()).name.removesuffix(".gguf")]
     origins = tuple(o.strip() for value in allowed_origins for o in value.split(",") if o.strip())
     generator = load_settings(model, device, dtype, kwargs).load()
