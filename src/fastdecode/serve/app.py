@@ -36,6 +36,8 @@ from .service import GenerationService, RunningRequest, ServeSettings
 from .utility_routes import TOKEN_ROUTES, add_token_routes
 
 log = logging.getLogger("fastdecode.serve")
+VENDORED = {"marked.umd.js": "text/javascript", "purify.min.js": "text/javascript",
+            "marked.LICENSE.txt": "text/plain", "dompurify.LICENSE.txt": "text/plain"}
 
 
 def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI:
@@ -80,6 +82,13 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
     @app.get("/", response_class=HTMLResponse)
     async def chat_page() -> HTMLResponse:
         return HTMLResponse(resources.files("fastdecode.serve").joinpath("static/chat.html").read_text("utf-8"))
+
+    @app.get("/static/vendor/{name}")
+    async def vendored(name: str) -> Response:  # the page's libraries (static/vendor/README.md), a fixed list
+        if name not in VENDORED:
+            raise APIError(404, f"no route GET /static/vendor/{name}", code="not_found")
+        text = resources.files("fastdecode.serve").joinpath(f"static/vendor/{name}").read_text("utf-8")
+        return Response(text, media_type=VENDORED[name], headers={"Cache-Control": "public, max-age=86400"})
 
     @app.get("/health")
     @app.get("/v1/health")
