@@ -101,3 +101,15 @@ def test_cors_for_allowed_origins_only(chat_generator, server):
                                    json={"model": "tiny", "messages": QUESTION, "max_tokens": 2})
         assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == allowed
         assert "access-control-allow-origin" not in running.http.get("/health", headers={"Origin": other}).headers
+
+
+def test_request_id_on_internal_errors(chat_generator, monkeypatch):
+    with serve(chat_generator) as running:
+        def broken(_request):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(running.service, "encode", broken)
+        answer = running.http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 1},
+                                   headers={"x-request-id": "trace-7"})
+        assert answer.status_code == 500 and answer.json()["error"]["code"] == "internal_error"
+        assert answer.headers["x-request-id"] == "trace-7"

@@ -75,9 +75,12 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
                                         code="method_not_allowed"))
 
     @app.exception_handler(Exception)
-    async def internal(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return _error_response(APIError(500, f"internal error: {exc}", "server_error", code="internal_error"))
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        # answered outside the middleware stack (Starlette's outermost layer): the request id is added here
+        request_id = request.scope.get("state", {}).get("request_id", "")
+        log.exception("unhandled error (request %s)", request_id)
+        return _error_response(APIError(500, f"internal error: {exc}", "server_error", code="internal_error",
+                                        headers={"x-request-id": request_id} if request_id else None))
 
     @app.get("/", response_class=HTMLResponse)
     async def chat_page() -> HTMLResponse:
