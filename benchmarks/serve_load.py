@@ -13,6 +13,13 @@ rotates per level and repetition), so a noisy machine slows them alike; medians 
     python benchmarks/serve_load.py                              # every server it can start
     python benchmarks/serve_load.py --servers fastdecode --levels 1,4 --requests 2
     python benchmarks/serve_load.py --llama-cpp-bin /path/to/llama.cpp/build/bin   # or LLAMA_CPP_BIN
+    python benchmarks/serve_load.py --servers fastdecode,ray-1,ray-2,ray-2-random --levels 16 --multi-turn 8
+
+Ray Serve (``fastdecode serve --ray``, each on its own private Ray): ``ray-N`` is N replicas of one
+CPU each with prefix-aware routing, ``ray-N-random`` the same with Serve's power-of-two routing
+(the less loaded of two random replicas). ``--multi-turn C`` adds C concurrent conversations of
+``--turns`` turns and reports the routing hit rate: the share of prompt tokens served from a
+replica's prefix cache.
 
 Weights: fastdecode and llama-server run the embedded GGUF's Q4_1 blocks natively; transformers
 dequantizes them to float32. A server that cannot be started (missing binary or package) is
@@ -95,6 +102,14 @@ def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]
                        "--model-name", "smollm2", "--max-queue", "512"]
             servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF blocks, natively (load's default)",
                                   env={"OMP_NUM_THREADS": threads}))
+        elif name.startswith("ray-"):
+            replicas, _, routing = name.removeprefix("ray-").partition("-")
+            command = [sys.executable, "-m", "fastdecode.cli", "serve", "-m", str(gguf), "--port", str(port),
+                       "--model-name", "smollm2", "--max-queue", "512", "--ray", "local", "--replicas", replicas,
+                       "--cpus-per-replica", "1", "--routing", "power-of-two" if routing == "random" else "prefix"]
+            servers.append(Server(name, command, port, "smollm2",
+                                  f"Ray Serve, {replicas} replica(s) x 1 CPU, "
+                                  f"{'power-of-two' if routing == 'random' else 'prefix-aware'} routing"))
         elif name == "transformers":
             exe = shutil.which("transformers") or str(Path(sys.executable).parent / "transformers")
             if not Path(exe).exists():
@@ -191,6 +206,29 @@ async def conversation(server: Server, turns: int) -> list[float]:
     return ttfts
 
 
+async def multi_turn(server: Server, conversations: int, turns: int) -> dict:
+    """``conversations`` clients each hold a conversation of ``turns`` turns at once (the whole
+    history sent every turn): the share of all prompt tokens the server reported as cached."""
+    async def one(index: int, client: httpx.AsyncClient) -> tuple[int, int]:
+        messages: list[dict] = []
+        prompt = cached = 0
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"Conversation {index}, turn {turn + 1}: tell me about "
+                                                        f"{TOPICS[(index + turn) % len(TOPICS)]}. {FILLER}"})
+            body = {"model": server.model, "messages": messages, "max_tokens": 32, "temperature": 0}
+            response = await client.post(server.base + "/v1/chat/completions", json=body)
+            usage = response.json()["usage"]
+            prompt += usage["prompt_tokens"]
+            cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            messages.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+        return prompt, cached
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=conversations + 4)) as client:
+        counts = await asyncio.gather(*(one(i, client) for i in range(conversations)))
+    prompt, cached = sum(p for p, _ in counts), sum(c for _, c in counts)
+    return {"prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default="fastdecode,transformers,llama.cpp")
@@ -205,6 +243,8 @@ def main() -> None:
     parser.add_argument("--transformers-cb", action="store_true", help="transformers serve --continuous-batching")
     parser.add_argument("--start-timeout", type=float, default=300)
     parser.add_argument("--hf-cache", default="/tmp/fastdecode-bench", help="where the HF folder for transformers goes")
+    parser.add_argument("--multi-turn", type=int, default=0,
+                        help="concurrent conversations for the routing hit rate (0: not measured)")
     parser.add_argument("--json", default=None, help="also write every number here")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -212,6 +252,7 @@ def main() -> None:
     servers, skipped = start_servers(args.servers.split(","), args)
     results: dict[str, dict[int, list[dict]]] = {s.name: {c: [] for c in levels} for s in servers}
     turns: dict[str, list[float]] = {}
+    hits: dict[str, dict] = {}
     try:
         for server in servers:  # warm-up (first-request costs), not measured
             asyncio.run(run_level(server, 1, 1, requests))
@@ -225,12 +266,22 @@ def main() -> None:
         for server in servers:
             print(f"{server.name}: {args.turns}-turn conversation", file=sys.stderr, flush=True)
             turns[server.name] = asyncio.run(conversation(server, args.turns))
+        for server in servers if args.multi_turn else []:
+            print(f"{server.name}: {args.multi_turn} conversations of {args.turns} turns", file=sys.stderr, flush=True)
+            hits[server.name] = asyncio.run(multi_turn(server, args.multi_turn, args.turns))
     finally:
         for server in servers:
             server.stop()
     report(servers, skipped, levels, results, turns, args)
+    if hits:
+        print(f"\nRouting hit rate: {args.multi_turn} concurrent conversations of {args.turns} turns "
+              f"(share of prompt tokens served from the prefix cache):\n")
+        print(table(["server", "prompt tokens", "cached", "hit rate"],
+                    [[name, h["prompt_tokens"], h["cached_tokens"], f"{100 * h['hit_rate']:.1f}%"]
+                     for name, h in hits.items()]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "turns": turns, "skipped": skipped}, indent=2))
+        Path(args.json).write_text(json.dumps({"results": results, "turns": turns, "hits": hits, "skipped": skipped},
+                                              indent=2))
 
 
 def _median(runs: list[dict], key: str) -> float:

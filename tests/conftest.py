@@ -1,4 +1,5 @@
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,38 @@ import torch
 # else is also using, every op waits for the other thread and tests slow down tenfold. Speed is
 # measured by benchmarks/, never by tests.
 torch.set_num_threads(1)
+
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default=os.environ.get("FASTDECODE_TEST_DEVICE", "cpu"), choices=("cpu", "cuda"),
+                     help="where the parity suite runs fastdecode and transformers (also FASTDECODE_TEST_DEVICE): "
+                          "pytest tests/parity --device cuda runs it on the GPU in float32")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def test_device(request):
+    """``--device cuda``: transformers' models and every tensor a test makes land on the GPU (torch's
+    default device) and fastdecode loads onto it (``load``'s default device), so the parity suite runs
+    there with unchanged assertions; its prompts are still drawn on the CPU (the same ids)."""
+    device = request.config.getoption("--device")
+    if device == "cpu":
+        yield device
+        return
+    if not torch.cuda.is_available():
+        pytest.skip("--device cuda: no CUDA device on this machine")
+    import functools
+
+    import fastdecode
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fastdecode, "load", functools.partial(fastdecode.load, device=device))
+        torch.set_default_device(device)
+        try:
+            yield device
+        finally:
+            torch.set_default_device(None)
+
 
 SEEDS = Path(__file__).resolve().parents[1].parent / "shared" / "seeds"
 

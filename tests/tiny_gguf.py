@@ -7,6 +7,7 @@ test_load_path.py and test_quantized.py."""
 from __future__ import annotations
 
 import copy
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter, LlamaFileType
 from gguf.quants import dequantize, quantize
 
-from tiny_models import _rope
+from tiny_models import _rope, build_phi3
 
 
 # --- a tiny byte-level BPE vocabulary (GPT-2 style) ------------------------------------------
@@ -45,7 +46,8 @@ FILE_TYPES = {QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16, Q
               QT.Q8_0: LlamaFileType.MOSTLY_Q8_0, QT.Q4_0: LlamaFileType.MOSTLY_Q4_0,
               QT.Q4_1: LlamaFileType.MOSTLY_Q4_1}
 GGUF_ARCH = {"llama-gqa": "llama", "llama-mqa": "llama", "llama-tied": "llama", "qwen2": "qwen2", "gpt2": "gpt2",
-             "llama3": "llama", "qwen3": "qwen3", "granite": "granite", "smollm3": "smollm3", "olmo2": "olmo2"}
+             "llama3": "llama", "qwen3": "qwen3", "granite": "granite", "smollm3": "smollm3", "olmo2": "olmo2",
+             "phi3-longrope": "phi3", "phi3-swa": "phi3"}
 PERMUTED = ("llama", "granite", "smollm3")  # archs whose converter (LlamaModel) permutes Q/K rows
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 32}
@@ -88,6 +90,9 @@ def hf_model(kind: str, seed: int = 0):
                                layer_norm_epsilon=1e-5, bos_token_id=EOT, eos_token_id=EOT,
                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = tf.GPT2LMHeadModel(config)
+    elif kind.startswith("phi3"):  # fused qkv and gate_up; LongRoPE or a sliding window (tiny_models.build_phi3)
+        model = build_phi3(kind, seed, **{k: common[k] for k in ("vocab_size", "intermediate_size", "rms_norm_eps",
+                                                                 "max_position_embeddings", "bos_token_id")})
     else:
         raise ValueError(kind)
     generator = torch.Generator().manual_seed(seed)
@@ -148,6 +153,8 @@ def gguf_tensors(kind: str) -> dict[str, np.ndarray]:
         out["output_norm.bias"] = sd["transformer.ln_f.bias"]
         return out  # tied: the converter writes no output.weight for GPT-2
 
+    if GGUF_ARCH[kind] == "phi3":
+        return _phi3_tensors(model, sd)
     permute = GGUF_ARCH[kind] in PERMUTED
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     out["token_embd.weight"] = sd["model.embed_tokens.weight"]
@@ -198,6 +205,38 @@ def llama3_rope_factors(cfg) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+def _phi3_tensors(model, sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Phi3MiniModel's tensors: qkv_proj and gate_up_proj written fused (attn_qkv, ffn_up), rows as
+    HF has them; the LongRoPE factors as the F32 tensors rope_factors_long / rope_factors_short."""
+    cfg = model.config
+    parts = {"input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["output.weight"] = sd["lm_head.weight"]
+    rope = cfg.rope_parameters
+    if rope.get("long_factor"):
+        out["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
+        out["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
+    for i in range(cfg.num_hidden_layers):
+        for hf_part, part in parts.items():
+            out[f"blk.{i}.{part}.weight"] = sd[f"model.layers.{i}.{hf_part}.weight"]
+    return out
+
+
+def _phi3_metadata(writer: GGUFWriter, cfg) -> None:
+    """What Phi3MiniModel.set_gguf_parameters adds: the rotary dims, the sliding window (0: none),
+    the original context and, for LongRoPE, its attention factor."""
+    rope = cfg.rope_parameters
+    original = rope.get("original_max_position_embeddings", cfg.max_position_embeddings)
+    writer.add_rope_dimension_count(int(rope["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(cfg.sliding_window or 0)
+    if rope.get("long_factor"):
+        scale = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+
+
 def rope_theta(config) -> float:
     parameters = getattr(config, "rope_parameters", None)  # transformers 5.x; 4.x: rope_theta
     return parameters["rope_theta"] if parameters else config.rope_theta
@@ -242,6 +281,8 @@ def write_gguf(path: Path, kind: str, qtype: QT = QT.F32, *, arch: str | None = 
             writer.add_embedding_scale(cfg.embedding_multiplier)
             writer.add_residual_scale(cfg.residual_multiplier)
             writer.add_logit_scale(cfg.logits_scaling)
+        if arch == "phi3":
+            _phi3_metadata(writer, cfg)
     writer.add_file_type(FILE_TYPES[qtype])
     # SpecialVocab / get_vocab_base: byte-level BPE vocabulary
     writer.add_tokenizer_model("gpt2")

@@ -98,6 +98,10 @@ def build(kind: str, seed: int = 0, **overrides):
         model = _with_random_norms(tf.Olmo2ForCausalLM(config), seed)
     elif kind == "gemma3":
         return build_gemma3(seed)
+    elif kind.startswith("phi3"):
+        return build_phi3(kind, seed, **overrides)
+    elif kind.startswith("gemma2"):
+        return build_gemma2(kind, seed, **overrides)
     elif kind == "bloom":
         return build_bloom(seed)
     elif kind == "gpt2":
@@ -114,7 +118,8 @@ def build(kind: str, seed: int = 0, **overrides):
 
 DECODER_KINDS = ["llama-mha", "llama-gqa", "llama-mqa", "llama-rope-linear", "llama-rope-llama3", "llama-rope-yarn",
                  "mistral", "qwen2", "qwen2-swa", "gemma3", "gpt2", "bloom", "qwen3", "qwen3-tied-mqa", "granite",
-                 "smollm3", "smollm3-nope-list", "olmo2"]
+                 "smollm3", "smollm3-nope-list", "olmo2", "phi3-longrope", "phi3-swa",
+                 "gemma2", "gemma2-mha"]
 
 
 def _with_random_norms(model, seed: int):
@@ -153,7 +158,7 @@ def build_gemma3(seed: int = 0, **overrides):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator, device="cpu"))
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -192,6 +197,67 @@ def save_tiny_folder(folder, kind: str = "llama-gqa", with_tokenizer: bool = Tru
     return model
 
 
+PHI3_SHORT_FACTORS, PHI3_LONG_FACTORS = [1.0, 1.3, 2.0, 3.5], [1.5, 4.0, 9.0, 20.0]
+
+
+def build_phi3(kind: str, seed: int = 0, **overrides):
+    """Tiny Phi-3. ``phi3-longrope``: GQA, half the head dims rotated (partial_rotary_factor 0.5),
+    LongRoPE with distinct short and long factors switching at 64 tokens (max 256: the attention
+    factor is sqrt(1 + ln 4 / ln 64)), tied. ``phi3-swa``: MQA, a sliding window of 8 on every
+    layer, no scaling, untied. Weights re-drawn at std 0.1 so attention is far from uniform and the
+    rotation (and its factors) moves the logits."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if kind == "phi3-longrope":
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "short_factor": PHI3_SHORT_FACTORS, "long_factor": PHI3_LONG_FACTORS}
+        options = dict(num_key_value_heads=2, partial_rotary_factor=0.5, original_max_position_embeddings=64,
+                       tie_word_embeddings=True, rope_parameters=rope)
+    elif kind == "phi3-swa":
+        options = dict(num_key_value_heads=1, sliding_window=8, **_rope())
+    else:
+        raise ValueError(kind)
+    config = tf.Phi3Config(**_shared_sizes(**{**options, **overrides}))
+    model = tf.Phi3ForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def build_gemma2(kind: str = "gemma2", seed: int = 0, **overrides):
+    """Tiny Gemma 2: sliding (window 8) and full layers alternating, attention soft-capped at 5 and
+    logits at 3 (low caps, so that tanh bends the scores and logits of these random weights), a
+    query scale that is not head_dim, RoPE base 20,000, non-zero (1 + w) norm weights and the other
+    weights re-drawn at std 0.15 (scores large enough for the cap to bend them). ``gemma2``:
+    GQA (4 query heads on 2), head_dim 32, tied; ``gemma2-mha``: 4 heads of 16, untied."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    heads = dict(num_key_value_heads=2, head_dim=32) if kind == "gemma2" else dict(
+        num_key_value_heads=4, head_dim=16, tie_word_embeddings=False)
+    options = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
+                   num_attention_heads=4, query_pre_attn_scalar=24, sliding_window=8, max_position_embeddings=256,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0, bos_token_id=1, eos_token_id=None,
+                   pad_token_id=0, tie_word_embeddings=True, **_rope(20000.0))
+    options.update(heads)
+    options.update(overrides)
+    model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**options)).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(0.3 * noise if name.endswith("norm.weight") else 0.15 * noise)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
 def build_bloom(seed: int = 0, **overrides):
     import transformers as tf
 
@@ -207,7 +273,8 @@ def build_bloom(seed: int = 0, **overrides):
 def hf_greedy(hf, ids: list[int], new_tokens: int) -> list[int]:
     """transformers' greedy continuation of ``ids``: exactly ``new_tokens`` new token ids."""
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        out = hf.generate(torch.tensor([ids], device=hf.device),
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=hf.device),
                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     return out[0, len(ids):].tolist()
 

@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "load",
+    "load_speech",
     "from_hf",
     "Generator",
     "GenerationConfig",
@@ -41,6 +42,7 @@ __all__ = [
 if TYPE_CHECKING:  # pragma: no cover
     from .api import Generator
     from .config import GenerationConfig
+    from .speech.transcribe import Transcriber
 
 
 def load(source: str | None = None, device: str = "cpu", dtype: str = "float32",
@@ -62,6 +64,16 @@ def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None) -
     from .api import from_hf as _from_hf
 
     return _from_hf(hf_model, tokenizer=tokenizer, quantize=quantize)
+
+
+def load_speech(path: str, quantize: str | None = None) -> "Transcriber":
+    """Load a Whisper folder (CTranslate2 ``model.bin`` or Hugging Face safetensors) into a
+    ``Transcriber``: ``transcribe(audio, language=None, beam_size=5, ...)`` -> segments with times.
+    ``quantize``: None (float32) or "int8" / "int4" (quantized at load)."""
+    from .speech.loading import load_whisper
+    from .speech.transcribe import Transcriber
+
+    return Transcriber(load_whisper(path, quantize=quantize))
 
 
 def __getattr__(name: str) -> Any:

@@ -29,6 +29,7 @@ from .loading.checkpoint import Checkpoint, resolve_device, resolve_dtype
 from . import validation
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .constraints import CompiledGrammar
     from .generation.chat import ChatSession
     from .pipeline import BatchRun
 
@@ -108,6 +109,7 @@ class Generator:
         self.tokenizer = checkpoint.tokenizer
         self.model = checkpoint.family.build(checkpoint.config, checkpoint.weights)
         self.defaults = defaults or GenerationConfig()
+        self._grammars: Any = None  # constraints.ModelGrammars, made at the first constraint
 
     @property
     def device(self) -> torch.device:
@@ -127,6 +129,23 @@ class Generator:
         if self.tokenizer is not None:
             ids += [i for i in self.tokenizer.eos_token_ids if i not in ids]
         return ids
+
+    def compile_constraint(self, response_format: Any, name: str = "response_format",
+                           eos_ids: list[int] | None = None) -> "CompiledGrammar | None":
+        """A ``response_format`` (constraints/forms.py) compiled for this model, cached by grammar text
+        (servers compile on request threads, the engine thread finds it), or None; InvalidOptionError
+        naming ``name``."""
+        from .constraints import ModelGrammars
+
+        if response_format is None:  # no constraint: nothing to build (a model without a tokenizer is fine)
+            return None
+        self._grammars = self._grammars or ModelGrammars(self._require_tokenizer(), self.config.vocab_size)
+        eos = self._eos_ids(self.defaults) if eos_ids is None else eos_ids
+        return self._grammars.compile(response_format, name, eos)
+
+    def grammar_for(self, config: GenerationConfig) -> "CompiledGrammar | None":
+        """The compiled constraint of a generation config (its ``response_format``), or None."""
+        return self.compile_constraint(config.response_format, eos_ids=self._eos_ids(config))
 
     def _require_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -203,22 +222,26 @@ class Generator:
         if config.num_beams > 1:
             from .generation.beam import BeamSearch
 
-            return [BeamSearch(self.model, prompts, config, eos)]  # R results per prompt, best first
+            # R results per prompt, best first
+            return [BeamSearch(self.model, prompts, config, eos, self.grammar_for(config))]
         seeds = sequence_seeds(config, len(prompts)) if config.is_sampling else None
         if config.n_ctx is not None:
-            return [DecodeLoop(self.model, [p], config, eos, row_seeds=seeds and [seeds[i]])
-                    for i, p in enumerate(repeated)]
-        return [DecodeLoop(self.model, repeated, config, eos, row_seeds=seeds)]
+            return [DecodeLoop(self.model, [p], config, eos, row_seeds=seeds and [seeds[i]],
+                               grammar=self.grammar_for(config)) for i, p in enumerate(repeated)]
+        return [DecodeLoop(self.model, repeated, config, eos, row_seeds=seeds, grammar=self.grammar_for(config))]
 
     # -- the engine ----------------------------------------------------------------------------
     def engine(self, max_batch_tokens: int = 2048, max_queue: int = 256, cache_tokens: int | None = None,
-               prefill_chunk: int = 256, source_tokens: int | None = None, compile_decode: bool = False) -> Engine:
+               prefill_chunk: int = 256, source_tokens: int | None = None, compile_decode: bool = False,
+               cuda_graphs: bool | None = None) -> Engine:
         """A continuous-batching engine over this model (``submit`` / ``step``; see fastdecode.engine).
         ``prefill_chunk``: prompt tokens per step while other sequences are decoding;
         ``source_tokens``: an encoder-decoder model's cross-attention slots (default: by memory);
-        ``compile_decode``: pure-decode steps through the compiled fixed-shape step (engine/compiled.py)."""
+        ``compile_decode``: pure-decode steps through the compiled fixed-shape step (engine/compiled.py);
+        ``cuda_graphs``: those steps replayed from CUDA graphs (engine/cuda_graphs.py; default on CUDA)."""
         return Engine(self, max_batch_tokens=max_batch_tokens, max_queue=max_queue, cache_tokens=cache_tokens,
-                      prefill_chunk=prefill_chunk, source_tokens=source_tokens, compile_decode=compile_decode)
+                      prefill_chunk=prefill_chunk, source_tokens=source_tokens, compile_decode=compile_decode,
+                      cuda_graphs=cuda_graphs)
 
     def _runs_in_engine(self, config: GenerationConfig) -> bool:
         """Greedy and sampling run in the engine (decoder-only and encoder-decoder models); beam

@@ -71,3 +71,7 @@ class InvalidPromptError(InvalidOptionError):
 
 class RayUnavailableError(FastDecodeError):
     """``--ray`` / ``fastdecode.integrations.ray``: Ray is not installed, or the cluster cannot be reached."""
+
+
+class AudioError(FastDecodeError):
+    """An audio input that cannot be decoded: not audio, no audio stream, a corrupt file."""

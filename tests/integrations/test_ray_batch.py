@@ -61,9 +61,10 @@ def test_encoded_rows_carry_items_exactly():
 
     items = [InputItem(line=1, id=0, prompt="plain"), InputItem(line=3, id="x", prompt="lone \ud800 surrogate"),
              InputItem(line=4, id=[1, {"a": None}], prompt=[{"role": "user", "content": "hi"}]),
-             InputItem(line=7, error="invalid JSON: ...")]
+             InputItem(line=7, error="invalid JSON: ..."),
+             InputItem(line=8, id=8, prompt="json", response_format={"type": "json_object"})]
     table = encode_items(items, first_seq=10)
-    assert table.column("seq").to_pylist() == [10, 11, 12, 13]
+    assert table.column("seq").to_pylist() == [10, 11, 12, 13, 14]
     assert [decode_item(row) for row in table.to_pylist()] == items
 
 

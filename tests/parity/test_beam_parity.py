@@ -19,7 +19,8 @@ NEW = 12
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama-gqa", "llama-mqa", "mistral", "gemma3", "bloom", "qwen3", "granite",
-                                        "smollm3-nope-list", "olmo2"])
+                                        "smollm3-nope-list", "olmo2",
+                                        "phi3-longrope", "phi3-swa", "gemma2"])
 def pair(request, tmp_path_factory):
     hf = build(request.param)
     with torch.no_grad():
@@ -31,7 +32,7 @@ def pair(request, tmp_path_factory):
 
 def _prompts(lengths, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+    return [torch.randint(2, VOCAB, (n,), generator=generator, device="cpu").tolist() for n in lengths]
 
 
 def _eos_for(gen, prompts):
@@ -147,5 +148,5 @@ def test_settled_samples_leave_the_batch_without_changing_results(pair, early_st
     prompts = _prompts((5, 11, 3, 8, 2), seed=2)
     _check(hf, gen, prompts, num_beams=2, length_penalty=0.5, early_stopping=early_stopping, max_new_tokens=24,
            eos_token_id=_eos_for(gen, prompts))
-    if kind not in ("llama-mqa", "mistral", "granite"):  # with these prompts their samples all settle at the same step
+    if kind not in ("llama-mqa", "mistral", "granite", "phi3-longrope"):  # with these prompts their samples all settle at the same step
         assert dropped, "no sample settled early: the test does not exercise dropping"

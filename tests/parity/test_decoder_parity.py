@@ -27,7 +27,7 @@ def pair(request, tmp_path_factory):
 
 def _prompt(length: int, seed: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(2, VOCAB, (length,), generator=generator).tolist()
+    return torch.randint(2, VOCAB, (length,), generator=generator, device="cpu").tolist()
 
 
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:

@@ -27,7 +27,7 @@ def pair(request, tmp_path_factory):
 
 def _sources(lengths, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB - 1, (n,), generator=generator).tolist() for n in lengths]
+    return [torch.randint(3, VOCAB - 1, (n,), generator=generator, device="cpu").tolist() for n in lengths]
 
 
 def _hf_beam(hf, sources, **options):

@@ -26,7 +26,7 @@ def pair(request, tmp_path_factory):
 
 def _source(length: int, seed: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB - 1, (length,), generator=generator).tolist()
+    return torch.randint(3, VOCAB - 1, (length,), generator=generator, device="cpu").tolist()
 
 
 def _start_token(hf) -> int:

@@ -1,5 +1,6 @@
 """Every strategy on sliding-window models: Mistral (every layer windowed), Qwen2 with per-layer windows
-(max_window_layers) and Gemma 3 (sliding layers around a full one, each kind with its RoPE base).
+(max_window_layers), Gemma 3 (sliding layers around a full one, each kind with its RoPE base), Phi-3 with
+a window on every layer and Gemma 2 (sliding and full layers alternating, attention soft-capped).
 Each model's window (8) is far shorter than the sequences, against transformers or an explicit
 reference. (Greedy, padded batch, cached == naive and beam parity for these kinds run in
 test_decoder_parity.py and test_beam_parity.py.)"""
@@ -16,7 +17,7 @@ from tiny_models import VOCAB, build
 
 pytest.importorskip("transformers")
 ATOL = 1e-4
-WINDOWED = ["mistral", "qwen2-swa", "gemma3"]
+WINDOWED = ["mistral", "qwen2-swa", "gemma3", "phi3-swa", "gemma2"]
 
 
 @pytest.fixture(scope="module", params=WINDOWED)
@@ -26,7 +27,7 @@ def pair(request):
 
 
 def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed), device="cpu").tolist()
 
 
 def _hf_nll(hf, ids: list[int]) -> torch.Tensor:

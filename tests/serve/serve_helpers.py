@@ -79,6 +79,21 @@ def tiny_chat_generator(seed: int = 0, quantize: str | None = None, family: str 
     return fastdecode.from_hf(model, tokenizer, quantize=quantize)
 
 
+def tiny_family_generator(kind: str):
+    """A fastdecode Generator: tests/tiny_models.py's ``kind`` (e.g. "phi3-longrope", "gemma2") with
+    the chat tokenizer of ``tiny_chat_generator``."""
+    import transformers as tf
+    from tiny_models import build
+
+    import fastdecode
+
+    backend = hf_tokenizer(320, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>",
+                                           eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    return fastdecode.from_hf(build(kind, vocab_size=len(tokenizer), bos_token_id=1), tokenizer)
+
+
 def tiny_bart_generator():
     """tests/tiny_encdec.py's tiny BART with a vocabulary as large as the byte-level tokenizer's."""
     import torch

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from serve_helpers import chat_generator, serve, server, tiny_bart_generator, tiny_chat_generator  # noqa: F401
+from serve_helpers import (chat_generator, serve, server, tiny_bart_generator, tiny_chat_generator,  # noqa: F401
+                           tiny_family_generator)
 
 openai = pytest.importorskip("openai")
 
@@ -156,7 +157,7 @@ def test_quantized_model_served_equals_offline():
         assert response.choices[0].message.content == quantized.generate(QUESTION, max_new_tokens=6, num_beams=2)
 
 
-def test_new_families_served_equal_offline():
+def test_qwen3_granite_smollm3_olmo2_served_equal_offline():
     """Qwen3, Granite, SmolLM3 and OLMo 2 behind the server answer as offline (greedy, whole and streamed)."""
     for family in ("qwen3", "granite", "smollm3", "olmo2"):
         generator = tiny_chat_generator(seed=3, family=family)
@@ -166,3 +167,17 @@ def test_new_families_served_equal_offline():
             for stream in (False, True):
                 served = completion_texts(client, stream, prompt="Hello there", max_tokens=10, temperature=0)
                 assert served == [offline], family
+
+
+@pytest.mark.parametrize("kind", ["phi3-longrope", "gemma2"])
+def test_new_families_served_equal_offline(kind):
+    """Phi-3 (fused products, LongRoPE) and Gemma 2 (soft-capped attention) behind the server:
+    completions streamed and whole, and a chat answer, equal offline generation."""
+    generator = tiny_family_generator(kind)
+    with serve(generator) as running:
+        client = running.client()
+        for stream in (False, True):
+            assert completion_texts(client, stream, prompt="Hello there", max_tokens=10, temperature=0) == [
+                generator.generate("Hello there", max_new_tokens=10)]
+        assert chat_texts(client, False, messages=QUESTION, max_tokens=8, temperature=0) == [
+            generator.generate(QUESTION, max_new_tokens=8)]

@@ -136,13 +136,15 @@ SERVED = {
     "model", "stream", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
     "logprobs", "top_logprobs", "stream_options", "messages", "prompt", "logit_bias", "presence_penalty",
     "frequency_penalty", "best_of", "echo", "suffix",
+    # structured outputs and tool calls (issue 31's tests: test_structured_outputs.py, test_tool_calls.py)
+    "response_format", "tools", "tool_choice", "parallel_tool_calls",
 }
 # Accepted because they carry no instruction about the output (identifiers, cache hints).
 NO_EFFECT = {"user", "metadata", "safety_identifier", "prompt_cache_key"}
 # Accepted only with the neutral value: (neutral, refused).
 NEUTRAL = {"store": (False, True), "service_tier": ("auto", "flex"), "modalities": (["text"], ["text", "audio"])}
-# Owned by the structured-outputs / tool-calling work: refused until it lands.
-LATER = {"response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"}
+# The deprecated function-calling fields (tools replaced them): refused.
+LATER = {"functions", "function_call"}
 
 
 def schema_fields(module) -> set[str]:

@@ -102,3 +102,14 @@ def test_the_engine_decodes_through_the_compiled_step_with_unchanged_tokens(kind
     assert run_arrivals(engine, dict(arrivals)) == expected
     assert 1 <= len(graphs) <= 8  # one per (rows, blocks) bucket met, not one per step
     assert engine.cache.pool.num_free == engine.cache.pool.num_blocks - 1  # only the scratch block stays
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-swa"])
+def test_fixed_shape_step_keeps_its_scratch_block_beside_the_capacity_asked(kind):
+    """The padding rows' scratch block comes on top of ``cache_tokens``: a cache sized for exactly one
+    request (as generate sizes it) still admits that request (it used to wait for ever)."""
+    gen = fastdecode.from_hf(build(kind))
+    engine = gen.engine(cache_tokens=32, compile_decode=True)  # 2 blocks of 16 for 19 + 12 tokens
+    sequence = engine.submit(list(range(3, 22)), {"max_new_tokens": 12})
+    engine.step()  # the prompt (eager: compiling happens at the first pure decode step)
+    assert sequence in engine.running and sequence.num_computed == 19 and len(sequence.output_ids) == 1

@@ -117,6 +117,7 @@ PARITY_CASES = [
     ("llama-tied", QT.F32), ("llama-tied", QT.Q8_0),
     ("qwen2", QT.F32), ("qwen2", QT.Q4_1),
     ("gpt2", QT.F32), ("gpt2", QT.Q8_0),
+    ("phi3-longrope", QT.F32), ("phi3-longrope", QT.Q8_0), ("phi3-swa", QT.F32), ("phi3-swa", QT.Q4_0),
 ]
 
 
@@ -132,7 +133,7 @@ def test_logits_and_greedy_tokens_match_hf(kind, qtype, loaded):
     assert _our_greedy(gen, prompt, NEW_TOKENS) == _hf_greedy(reference, prompt, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "llama-mqa", "llama-tied", "qwen2", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "llama-mqa", "llama-tied", "qwen2", "gpt2", "phi3-longrope", "phi3-swa"])
 def test_config_from_metadata_matches_hf_config(kind, loaded):
     cfg, hf = loaded(kind).config, hf_model(kind).config
     if kind == "gpt2":
@@ -148,6 +149,25 @@ def test_config_from_metadata_matches_hf_config(kind, loaded):
     assert cfg.rope_theta == rope_theta(hf)
     assert cfg.norm_eps == pytest.approx(1e-5)
     assert cfg.bos_token_id == EOT and EOT in cfg.eos_token_ids
+    if kind.startswith("phi3"):  # the knobs the folder's config.json gives: rotary share, window, capped context
+        from fastdecode.models.phi3 import config_from_hf
+
+        folder = config_from_hf(hf.to_dict())
+        assert (cfg.partial_rotary_factor, cfg.sliding_window, cfg.max_position_embeddings) == (
+            folder.partial_rotary_factor, folder.sliding_window, folder.max_position_embeddings)
+        assert loaded(kind).model.rope.attention_factor == pytest.approx(
+            fastdecode.from_hf(hf_model(kind)).model.rope.attention_factor, abs=1e-7)
+
+
+def test_phi3_rope_factors_stay_float32_in_a_bfloat16_load(gguf_file):
+    """The LongRoPE factors are values, not weights: a bfloat16 load must not round them (0.4% on a
+    frequency is radians of error a few thousand positions on)."""
+    path = str(gguf_file("phi3-longrope"))
+    half, full = fastdecode.load(path, dtype="bfloat16").model, fastdecode.load(path).model
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.rope.inv_freq, full.rope.inv_freq, atol=0, rtol=0)
+    folder = fastdecode.from_hf(hf_model("phi3-longrope")).model.rope.inv_freq  # factors from config.json
+    torch.testing.assert_close(full.rope.inv_freq, folder, atol=0, rtol=1e-7)  # the file's are float32
 
 
 def test_qk_unpermutation_is_what_makes_llama_match(loaded, gguf_file, monkeypatch):

@@ -17,7 +17,8 @@ pytest.importorskip("transformers")
 # llama-gqa: test_streaming.py. Every RoPE variant shifts: llama3 and YaRN scaled frequencies, SmolLM3's
 # NoPE layers (no rotation to shift) between scaled ones, Qwen3's normed keys, Granite, OLMo 2.
 SHIFTABLE = ["llama-mha", "llama-mqa", "mistral", "qwen2-swa", "gemma3", "bloom", "llama-rope-llama3",
-             "llama-rope-yarn", "qwen3-tied-mqa", "granite", "smollm3-nope-list", "olmo2"]
+             "llama-rope-yarn", "qwen3-tied-mqa", "granite", "smollm3-nope-list", "olmo2",
+             "phi3-longrope", "phi3-swa", "gemma2"]
 STREAM = {"n_ctx": 20, "n_keep": 3}
 
 
@@ -74,7 +75,8 @@ def test_beam_search_cannot_stream(kind_gen):
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 @pytest.mark.parametrize("kind", ["llama-mqa", "qwen2-swa", "gemma3", "bloom", "gpt2", "qwen3-tied-mqa", "smollm3-nope-list",
-                                  "olmo2"])
+                                  "olmo2", "gemma2",
+                                  "phi3-longrope"])
 def test_quantized_weights_stream_batched_as_each_alone(kind, quantize):
     """Quantized weights (prompt rows exact, generated rows the int8 kernel) through both policies: a prompt
     past n_ctx and one crossing it while generating, batched, give each prompt's tokens alone."""

@@ -63,11 +63,11 @@ class KVCache:
         return start
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float) -> torch.Tensor:
+               scale: float, softcap: float | None = None) -> torch.Tensor:
         """Write this forward's k, v [B, Hkv, T, D] into the layer's slots, then attend over every
-        filled slot. q [B, H, T, D] -> [B, H, T, D]."""
+        filled slot (``softcap``: attention logit soft-capping or None). q [B, H, T, D] -> [B, H, T, D]."""
         keys, values = self.update(layer, self.write_start, k, v)
-        return attention(q, keys, values, mask, scale)
+        return attention(q, keys, values, mask, scale, softcap)
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, Hkv, T, D] at slot ``start``; return the layer's K, V up to their end."""
@@ -99,8 +99,8 @@ class NoCache:
     """The naive path (``use_cache=False``): attend within the tokens of this forward only."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float) -> torch.Tensor:
-        return attention(q, k, v, mask, scale)
+               scale: float, softcap: float | None = None) -> torch.Tensor:
+        return attention(q, k, v, mask, scale, softcap)
 
     def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
         return query_positions[:, None, :] - query_positions[:, :, None]  # the keys are these tokens

@@ -12,6 +12,8 @@ from .generate import generate
 from .inspect import inspect
 from .perplexity import perplexity
 from .serve import serve
+from .serve_speech import serve_speech
+from .transcribe import transcribe
 
 
 SUPPORTED = (f"Supported architectures: {supported_architectures()}.\n\n"
@@ -24,7 +26,7 @@ def main() -> None:
     """fastdecode: fast autoregressive decoding for transformer language models."""
 
 
-for command in (generate, inspect, chat, perplexity, batch, serve):
+for command in (generate, inspect, chat, perplexity, batch, serve, serve_speech, transcribe):
     main.add_command(command)
 
 __all__ = ["main"]

@@ -4,10 +4,13 @@ options ``Generator`` methods take."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import click
 
+from ..errors import InvalidOptionError
 from ..pipeline.settings import LoadSettings
 
 
@@ -36,6 +39,10 @@ def generation_options(command):
         click.option("--encoder-no-repeat-ngram-size", type=int, default=0, show_default=True,
                      help="Encoder-decoder: never copy an n-gram of this size from the source (0: off)."),
         click.option("--no-cache", "no_cache", is_flag=True, help="Recompute everything each step (slow reference)."),
+        click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="Constrain the output to this JSON schema file."),
+        click.option("--grammar", "grammar", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="Constrain the output to this grammar file (GBNF, or llguidance's Lark)."),
         max_memory_option,
     ]
     for option in reversed(options):
@@ -93,7 +100,25 @@ def collect_options(kwargs: dict[str, Any]) -> dict[str, Any]:
         options["eos_token_id"] = list(kwargs["eos_token_id"])
     if kwargs["stop"]:
         options["stop"] = list(kwargs["stop"])
+    constraint = file_constraint(kwargs.get("json_schema"), kwargs.get("grammar"))
+    if constraint is not None:
+        options["response_format"] = constraint
     return options
+
+
+def file_constraint(schema_path: str | None, grammar_path: str | None) -> dict | None:
+    """--json-schema / --grammar -> a response_format dict (constraints/forms.py), or None."""
+    if schema_path and grammar_path:
+        raise InvalidOptionError("give --json-schema or --grammar, not both")
+    if grammar_path:
+        return {"type": "grammar", "grammar": Path(grammar_path).read_text(encoding="utf-8")}
+    if not schema_path:
+        return None
+    try:
+        schema = json.loads(Path(schema_path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidOptionError(f"--json-schema {schema_path} is not valid JSON: {exc}") from None
+    return {"type": "json_schema", "json_schema": {"name": Path(schema_path).stem, "schema": schema}}
 
 
 def load_settings(model: str | None, device: str, dtype: str, kwargs: dict[str, Any]) -> LoadSettings:

@@ -55,6 +55,9 @@ class GenerationConfig:
     n_keep: int = 4
     n_discard: int | None = None  # default: 1 for shift (a true ring), half the window for reevaluate
     policy: str = "shift"  # "shift" (no recomputation) or "reevaluate"
+    # The output's constraint (constraints/forms.py): a dict form ({"type": "json_schema", ...},
+    # "json_object", "regex", "choice", "grammar") or a Pydantic model class; None: free text.
+    response_format: Any = None
 
     @classmethod
     def from_options(cls, base: "GenerationConfig | None" = None, **options: Any) -> "GenerationConfig":
@@ -141,6 +144,10 @@ class GenerationConfig:
 
             parse_size(self.max_memory)
         self._validate_streaming(bad)
+        if self.response_format is not None:
+            from ..constraints.forms import response_format_from
+
+            response_format_from(self.response_format)
 
     def _validate_openai_processors(self, bad) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

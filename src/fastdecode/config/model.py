@@ -55,6 +55,7 @@ class ModelConfig:
     embedding_multiplier: float = 1.0  # Granite: token embeddings times this
     residual_multiplier: float = 1.0  # Granite: each block's attention and MLP outputs times this
     logits_divisor: float = 1.0  # Granite's logits_scaling: logits divided by this
+    attention_softcapping: float | None = None  # scores = cap * tanh(scores / cap) before the mask (Gemma 2)
     position_kind: str = "rope"  # "rope", "alibi" or "learned" (absolute, cannot be shifted)
     residual_after_norm: bool = False  # BLOOM's apply_residual_connection_post_layernorm
     bos_token_id: int | None = None

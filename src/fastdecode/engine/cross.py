@@ -165,9 +165,15 @@ class EncodedSources:
     def from_padded(cls, model, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> "EncodedSources":
         """Right-padded sources: tokens, valid [B, S], positions [1, S] (``right_pad``). K/V are made
         contiguous here, once: a strided view would be copied by every step's attention."""
-        keys, values = [], []
         with prompt_rows(True):  # source rows (layers/quantized.py)
-            memory = model.encode(tokens, positions, valid)  # [B, S, C]
+            return cls.from_memory(model, model.encode(tokens, positions, valid), valid)  # memory [B, S, C]
+
+    @classmethod
+    def from_memory(cls, model, memory: torch.Tensor, valid: torch.Tensor) -> "EncodedSources":
+        """An encoder output [B, S, C] (a speech encoder's, say) -> each decoder layer's cross K/V,
+        projected once; ``valid`` [B, S] marks its real rows."""
+        keys, values = [], []
+        with prompt_rows(True):
             for layer in range(model.config.num_layers):
                 k, v = model.cross_kv(layer, memory)  # [B, H, S, D]
                 keys.append(k.contiguous())

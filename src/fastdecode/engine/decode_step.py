@@ -48,14 +48,14 @@ class DecodePlan:
         return no_distances(query_positions)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float) -> torch.Tensor:
+               scale: float, softcap: float | None = None) -> torch.Tensor:
         """q [B, H, 1, D]; k, v [B, Hkv, 1, D] -> [B, H, 1, D] over each row's slots of the layer's
         kind (``mask`` unused: the plan builds its own). The C++ paged attention where it is built
-        (float32 on the CPU), else gather + mask + SDPA."""
+        (float32 on the CPU, no ``softcap``), else gather + mask + ``attention``."""
         kind, window = self.cache.layer_windows[layer], self.windows[layer]  # storage kind, mask window
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
         table, key_starts = self.tables[kind]
-        op = paged_attention_op(q, keys)
+        op = paged_attention_op(q, keys) if softcap is None else None
         if op is not None:  # the C++ op: write and attend in place, reading only each row's visible keys
             if kind not in self._bias and self.score_bias is not None:
                 self._bias[kind] = self.score_bias(self.distance[kind])[:, :, 0].float().contiguous()  # [B, 1|H, S]
@@ -69,7 +69,7 @@ class DecodePlan:
         vg = self.cache.gather(values, table)  # [B, Hkv, S, D]
         if (kind, window) not in self._masks:
             self._masks[kind, window] = position_mask(self.distance[kind], window, self.score_bias, self.dtype)
-        return attention(q, kg, vg, self._masks[kind, window], scale)
+        return attention(q, kg, vg, self._masks[kind, window], scale, softcap)
 
 
 def decode_step(model, cache: SlotCache, windows: list[int | None], score_bias, block_table: torch.Tensor,
@@ -84,9 +84,12 @@ def decode_step(model, cache: SlotCache, windows: list[int | None], score_bias, 
     return logits, logits.argmax(dim=-1)
 
 
-def decode_window_tables(cache: SlotCache, tables: list, positions: list[int]) -> tuple:
+def decode_window_tables(cache: SlotCache, tables: list, positions: list[int], device: torch.device | None = None
+                         ) -> tuple:
     """Each sliding kind's fixed-shape view for rows decoding at ``positions`` (``decode_step``'s
-    ``window_tables``)."""
+    ``window_tables``), made on ``device`` (default: the cache's; a CUDA graph's inputs are made on
+    the host and copied into its static buffers)."""
     size = cache.block_size
-    return tuple(cache.window_tables(tables, positions, [p + 1 for p in positions], w, (w - 1) // size + 2)
+    return tuple(cache.window_tables(tables, positions, [p + 1 for p in positions], w, (w - 1) // size + 2,
+                                     device=device)
                  for w in cache.windows)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import torch
 
+from ..layers.attention import soft_cap
+
 
 def shared_prefix_attention(q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor,
-                            k_own: torch.Tensor, v_own: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+                            k_own: torch.Tensor, v_own: torch.Tensor, mask: torch.Tensor, scale: float,
+                            softcap: float | None = None) -> torch.Tensor:
     """q [N, H, T, D] for N = B*K rows (K consecutive rows per sample); k_shared, v_shared
     [B, Hkv, S_shared, D] (keys 0..S_shared-1 of every row of the sample); k_own, v_own
     [N, Hkv, S_own, D] (each row's keys after those); mask additive [N, 1|H, T, S_shared + S_own]
-    -> [N, H, T, D]."""
+    ``softcap``: attention logit soft-capping (``soft_cap``) or None -> [N, H, T, D]."""
     N, H, T, D = q.shape
     B, Hkv, S_shared, _ = k_shared.shape
     K, G = N // B, H // Hkv
@@ -26,7 +29,7 @@ def shared_prefix_attention(q: torch.Tensor, k_shared: torch.Tensor, v_shared: t
     shared = q_sample @ k_shared.transpose(-1, -2)  # [B, Hkv, K*G*T, S_shared]
     shared = shared.view(B, Hkv, K, G * T, S_shared).transpose(1, 2).reshape(N, Hkv, G * T, S_shared)  # per row
     own = q_row @ k_own.transpose(-1, -2)  # [N, Hkv, G*T, S_own]
-    scores = torch.cat((shared, own), dim=-1) * scale + _fold_mask(mask, Hkv, G)  # [N, Hkv, G*T, S]
+    scores = soft_cap(torch.cat((shared, own), dim=-1) * scale, softcap) + _fold_mask(mask, Hkv, G)  # [N, Hkv, G*T, S]
     probs = scores.float().softmax(dim=-1).to(q.dtype)
     p_shared = probs[..., :S_shared].reshape(B, K, Hkv, G * T, S_shared).transpose(1, 2)  # [B, Hkv, K, G*T, S_sh]
     out_shared = p_shared.reshape(B, Hkv, K * G * T, S_shared) @ v_shared  # [B, Hkv, K*G*T, D]

@@ -102,16 +102,17 @@ class StepPlan:
         return no_distances(query_positions)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float) -> torch.Tensor:
+               scale: float, softcap: float | None = None) -> torch.Tensor:
         """q [1, H, N, D]; k, v [1, Hkv, N, D]: write k, v into the sequences' slots of the layer's
         kind, then attend each group over its own slots -> [1, H, N, D]. ``mask`` is unused (the
         plan builds its own). One-query groups (decodes) run the C++ paged attention where it is
-        built (``layers/attention.py``): the whole step in one op when every group is one."""
+        built (``layers/attention.py``): the whole step in one op when every group is one. The op
+        has no soft-capping: with ``softcap`` every group gathers and runs ``attention``."""
         # The layer's kind in the cache (None: stored in full) and the window its attention masks with
         # (a cache built without kinds stores a sliding layer in full and masks it all the same).
         kind, window = self.cache.layer_windows[layer], self.windows[layer]
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
-        op = paged_attention_op(q, keys)
+        op = paged_attention_op(q, keys) if softcap is None else None
         paged = [op is not None and self._pageable(group, kind) for group in self.groups]
         if len(paged) == 1 and paged[0]:  # a pure decode step: write and attend in one op
             table, key_start, positions = self._paged_rows(0, kind)
@@ -136,11 +137,11 @@ class StepPlan:
             shared_blocks = group.shared_blocks if kind is None else group.window_shared.get(kind, 0)
             table = group.block_table if kind is None else group.window_tables[kind][0]
             if shared_blocks:
-                out = self._attend_shared(group, table, shared_blocks, keys, values, qg, mask, scale)
+                out = self._attend_shared(group, table, shared_blocks, keys, values, qg, mask, scale, softcap)
             else:
                 kg = self.cache.gather(keys, table)  # [B, Hkv, S, D]
                 vg = self.cache.gather(values, table)  # [B, Hkv, S, D]
-                out = attention(qg, kg, vg, mask, scale)  # [B, H, T, D]
+                out = attention(qg, kg, vg, mask, scale, softcap)  # [B, H, T, D]
             outputs.append(out.transpose(0, 1).flatten(1, 2))  # [H, B*T, D]
         return torch.cat(outputs, dim=1)[None] if len(outputs) > 1 else outputs[0][None]  # [1, H, N, D]
 
@@ -185,14 +186,15 @@ class StepPlan:
         return self._masks[key]
 
     def _attend_shared(self, group: AttentionGroup, table: torch.Tensor, m: int, keys: torch.Tensor,
-                       values: torch.Tensor, q: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+                       values: torch.Tensor, q: torch.Tensor, mask: torch.Tensor, scale: float,
+                       softcap: float | None) -> torch.Tensor:
         """A group whose runs of ``fold`` rows share the first ``m`` blocks of their tables [B, n]
         in this kind: those keys once per run."""
         shared_table = table[:: group.fold, :m]  # [B / fold, m]: the first row of each run
         own_table = table[:, m:]  # [B, n - m]
         gather = self.cache.gather
         return shared_prefix_attention(q, gather(keys, shared_table), gather(values, shared_table),
-                                       gather(keys, own_table), gather(values, own_table), mask, scale)
+                                       gather(keys, own_table), gather(values, own_table), mask, scale, softcap)
 
     def _mask(self, index: int, kind: int | None, window: int | None) -> torch.Tensor:
         """Additive mask (plus position bias) [B, 1 or H, T, S] of a group over the keys of a cache

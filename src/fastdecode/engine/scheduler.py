@@ -53,11 +53,12 @@ WINDOW_SEQUENCES = 16  # sequences a sliding kind's pool serves at their peak at
 class Engine:
     def __init__(self, generator: Any, max_batch_tokens: int = 2048, max_queue: int = 256,
                  cache_tokens: int | None = None, block_size: int = 16, prefill_chunk: int = 256,
-                 source_tokens: int | None = None, compile_decode: bool = False):
+                 source_tokens: int | None = None, compile_decode: bool = False, cuda_graphs: bool | None = None):
         """``cache_tokens``: self-attention slots; ``source_tokens``: cross-attention slots of an
         encoder-decoder model (source tokens of the sequences admitted at once); ``compile_decode``:
         run steps where every row decodes one token through the compiled fixed-shape decode step
-        (decoder-only models; see engine/compiled.py)."""
+        (decoder-only models; see engine/compiled.py); ``cuda_graphs``: replay those steps from CUDA
+        graphs (engine/cuda_graphs.py; default: on for a decoder-only model on a CUDA device)."""
         model = generator.model
         cfg = model.config
         for name, value in (("max_batch_tokens", max_batch_tokens), ("max_queue", max_queue),
@@ -68,14 +69,24 @@ class Engine:
         if cache_tokens is None:
             per_token = cfg.kv_cache_bytes_per_token(model.dtype.itemsize)
             cache_tokens = min(DEFAULT_CACHE_BYTES // per_token, 64 * cfg.max_position_embeddings)
-        num_blocks = max(1, -(-cache_tokens // block_size))
+        if cuda_graphs is None:
+            cuda_graphs = model.device.type == "cuda" and not cfg.is_encoder_decoder
+        if cuda_graphs and (model.device.type != "cuda" or cfg.is_encoder_decoder):
+            raise InvalidOptionError("cuda_graphs needs a decoder-only model on a CUDA device")
+        if compile_decode and cfg.is_encoder_decoder:
+            raise InvalidOptionError("compile_decode is for decoder-only models (the fixed-shape decode step has "
+                                     "no cross attention)")
+        # a fixed-shape decode step's padding rows write into a scratch block of every kind, on top of
+        # the capacity asked for (without it, a cache sized for one request could never admit it)
+        scratch = 1 if cuda_graphs or compile_decode else 0
+        num_blocks = max(1, -(-cache_tokens // block_size)) + scratch
         self.windows = layer_windows(cfg)
         # A sliding layer needs its window plus one chunk per sequence, not the context: prompt chunks
         # of a model with sliding layers stay within prefill_chunk, which bounds that.
         sliding = [w for w in self.windows if w is not None]
         self.max_chunk = min(max_batch_tokens, prefill_chunk) if sliding else max_batch_tokens
-        window_blocks = min(num_blocks, WINDOW_SEQUENCES * (-(-(max(sliding, default=0) + self.max_chunk - 1)
-                                                              // block_size) + 1))
+        window_blocks = scratch + min(num_blocks - scratch, WINDOW_SEQUENCES * (
+            -(-(max(sliding, default=0) + self.max_chunk - 1) // block_size) + 1))
         self.cache = SlotCache(cfg.num_layers, num_blocks, cfg.num_kv_heads, cfg.head_dim, model.dtype,
                                model.device, block_size, self.windows, window_blocks)
         self.score_bias = model.alibi_bias if cfg.position_kind == "alibi" else None
@@ -86,10 +97,11 @@ class Engine:
                 source_tokens = min(DEFAULT_CACHE_BYTES // per_token, 64 * cfg.max_position_embeddings)
             self.cross = CrossStore(model, source_tokens, block_size)
             self.score_bias = decoder_score_bias(model)
-        if compile_decode and cfg.is_encoder_decoder:
-            raise InvalidOptionError("compile_decode is for decoder-only models (the fixed-shape decode step has "
-                                     "no cross attention)")
-        self.compiled = CompiledDecode(self) if compile_decode else None
+        self.compiled = CompiledDecode(self) if compile_decode and not cuda_graphs else None
+        if cuda_graphs:  # the fixed-shape step replayed from CUDA graphs, compiled first if asked
+            from .cuda_graphs import CapturedDecode
+
+            self.compiled = CapturedDecode(self, compile_step=compile_decode)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.tokens_run = 0  # tokens the model has run (prefix-cache hits are not run)
@@ -178,7 +190,8 @@ class Engine:
         eos = gen._eos_ids(config)
         selector = TokenSelector(config, eos, model.config.vocab_size, model.device,
                                  forced_bos=getattr(model.config, "forced_bos_token_id", None),
-                                 forced_eos=getattr(model.config, "forced_eos_token_id", ()))
+                                 forced_eos=getattr(model.config, "forced_eos_token_id", ()),
+                                 grammar=gen.grammar_for(config))
         # The processors' history: the decoder's tokens (an encoder-decoder's start token, as
         # transformers penalizes it), and the source for encoder n-gram blocking.
         history = history if history is not None else decoder_prompt or prompt
@@ -334,7 +347,10 @@ class Engine:
     def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
         if not sampled:
             return []
-        chosen = torch.cat([s.selector.select(logits[i : i + 1], len(s.output_ids)) for i, s in enumerate(sampled)])
+        if all(s.selector.plain_greedy(len(s.output_ids)) for s in sampled):
+            chosen = logits.argmax(dim=-1)  # [K]: one op for a step of plain greedy rows (select's result)
+        else:
+            chosen = torch.cat([s.selector.select(logits[i : i + 1], len(s.output_ids)) for i, s in enumerate(sampled)])
         token_ids = chosen.tolist()  # the one host sync of the step
         wanted = [i for i, s in enumerate(sampled) if s.logprobs is not None]
         details: dict[int, tuple[float, list]] = {}

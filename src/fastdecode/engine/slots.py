@@ -123,11 +123,13 @@ class SlotCache:
         return torch.tensor(rows, dtype=torch.long, device=self.keys.device)
 
     def window_tables(self, tables: list[list[int]], starts: list[int], ends: list[int], window: int,
-                      num_blocks: int | None = None, common_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      num_blocks: int | None = None, common_first: bool = False,
+                      device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What queries at [start, end) of each row read in sliding kind ``window``: its blocks from
         the first visible one (``common_first``: the rows' earliest, for every row) -> (tables
         [B, n], position of each row's first key [B, 1]). Past a row's blocks, or slid out: block
-        0, whose slots the position mask hides. ``num_blocks``: a fixed n."""
+        0, whose slots the position mask hides. ``num_blocks``: a fixed n; ``device``: where the two
+        tensors are made (default: the cache's)."""
         size = self.block_size
         firsts = [first_visible_block(window, start, size) for start in starts]
         if common_first:
@@ -135,7 +137,7 @@ class SlotCache:
         rows = [t.windows[window][first : -(-end // size)] for t, first, end in zip(tables, firsts, ends)]
         n = num_blocks if num_blocks is not None else max(len(row) for row in rows)
         padded = [[max(b, 0) for b in row[:n]] + [0] * (n - len(row[:n])) for row in rows]  # NO_BLOCK -> 0
-        device = self.keys.device
+        device = self.keys.device if device is None else device
         key_starts = torch.tensor(firsts, dtype=torch.long, device=device)[:, None] * size  # [B, 1]
         return torch.tensor(padded, dtype=torch.long, device=device), key_starts
 

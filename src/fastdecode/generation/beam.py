@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from ..config import GenerationConfig
+from ..constraints import CompiledGrammar
 from ..engine.plan import StepPlan, attention_terms
 from ..engine.slots import BLOCK_SIZE, SlotCache
 from ..layers.kernels import beam_candidates_op
@@ -163,12 +164,14 @@ class BeamSearch:
     """Iterate to run (one empty event list per step: beams are only final at the end); then
     ``results`` holds ``num_return_sequences`` results per prompt, best first, each with its score."""
 
-    def __init__(self, model, prompts: list[list[int]], config: GenerationConfig, eos_ids: list[int]):
+    def __init__(self, model, prompts: list[list[int]], config: GenerationConfig, eos_ids: list[int],
+                 grammar: CompiledGrammar | None = None):
         self.model, self.prompts, self.config, self.eos_list = model, prompts, config, list(eos_ids)
         self.results: list[SequenceResult] = []
         self.selector = TokenSelector(config, eos_ids, model.config.vocab_size, model.device,
                                       forced_bos=getattr(model.config, "forced_bos_token_id", None),
-                                      forced_eos=getattr(model.config, "forced_eos_token_id", ()))
+                                      forced_eos=getattr(model.config, "forced_eos_token_id", ()),
+                                      grammar=grammar)
         self.steps = 0
         self.engine = None  # kept after the search, so its cache sizes can be reported
 

@@ -157,7 +157,7 @@ class ChatSession:
 
     def _streaming_turn(self, new_ids: list[int], generated: list[int]) -> Iterator[str]:
         loop = DecodeLoop(self.generator.model, [new_ids], self.config, self.generator._eos_ids(self.config),
-                          engine=self.engine)
+                          engine=self.engine, grammar=self.generator.grammar_for(self.config))
         watcher = TextWatcher(self.tokenizer, self.config.stop_strings())
         for events in loop:
             generated.append(events[0][1])

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import GenerationConfig
+from ..constraints import CompiledGrammar
 from .sampling import TokenSelector
 from .step import CachedEngine, RecomputeEngine, Started
 
@@ -72,7 +73,7 @@ class DecodeLoop:
     """
 
     def __init__(self, model, prompts: list[list[int]], config: GenerationConfig, eos_ids: list[int],
-                 engine=None, row_seeds: list[int] | None = None):
+                 engine=None, row_seeds: list[int] | None = None, grammar: CompiledGrammar | None = None):
         self.model = model
         self.row_seeds = row_seeds  # each row's sampling seed (see sampling.py), or None
         self.engine = engine  # a streaming engine that already holds a conversation, or None
@@ -82,7 +83,8 @@ class DecodeLoop:
         self.results = [SequenceResult() for _ in prompts]
         self.selector = TokenSelector(config, eos_ids, model.config.vocab_size, model.device,
                                       forced_bos=getattr(model.config, "forced_bos_token_id", None),
-                                      forced_eos=getattr(model.config, "forced_eos_token_id", ()))
+                                      forced_eos=getattr(model.config, "forced_eos_token_id", ()),
+                                      grammar=grammar)
 
     def stop(self, index: int, reason: str = "stop") -> None:
         if self.results[index].finish_reason is None:

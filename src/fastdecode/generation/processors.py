@@ -42,9 +42,7 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 def suppress_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Set the given token ids [K] to -inf in every row of logits [B, V] (e.g. EOS before min length)."""
-    logits = logits.clone()
-    logits[:, token_ids] = float("-inf")
-    return logits
+    return logits.index_fill(1, token_ids, float("-inf"))  # (a fill, not an indexed store: no host copy on a GPU)
 
 
 def force_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -52,9 +50,7 @@ def force_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 
     transformers' forced BOS (first target token) and forced EOS (last one before max length).
     """
-    forced = torch.full_like(logits, float("-inf"))
-    forced[:, token_ids] = 0.0
-    return forced
+    return torch.full_like(logits, float("-inf")).index_fill_(1, token_ids, 0.0)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:

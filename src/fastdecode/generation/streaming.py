@@ -48,6 +48,7 @@ from ..engine.plan import layer_windows, no_distances, position_mask
 from ..engine.slots import BLOCK_SIZE, SlotCache
 from ..errors import InvalidOptionError
 from ..layers.attention import attention, two_segment_attention
+from ..layers.positions import longrope_switches
 from ..layers.quantized import prompt_rows
 
 MAX_CHUNK = 512  # tokens per forward when feeding long inputs (the shift policy's headroom)
@@ -73,6 +74,10 @@ class StreamEngine:
             raise InvalidOptionError(
                 f"n_ctx={n_ctx} exceeds the {cfg.max_position_embeddings} learned positions of {cfg.architecture}"
             )
+        if longrope_switches(cfg.rope_scaling) and n_ctx > cfg.max_position_embeddings:
+            raise InvalidOptionError(
+                f"n_ctx={n_ctx} exceeds the {cfg.max_position_embeddings} positions {cfg.architecture}'s LongRoPE "
+                "runs with its short factors (past them transformers switches factors and recomputes the cache)")
         self.model, self.policy = model, policy
         self.n_ctx, self.n_keep, self.n_discard = n_ctx, n_keep, n_discard
         self.window = n_ctx - n_keep
@@ -269,7 +274,7 @@ class StreamPlan:
         return no_distances(query_positions)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float) -> torch.Tensor:
+               scale: float, softcap: float | None = None) -> torch.Tensor:
         """q [1, H, T, D]; k, v [1, Hkv, T, D] -> [1, H, T, D] (``mask`` unused: the plan builds its own)."""
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
         keys.index_copy_(0, self.write_slots, k[0].transpose(0, 1))  # [T, Hkv, D]
@@ -277,10 +282,11 @@ class StreamPlan:
         kg, vg = self._read(keys), self._read(values)  # [1, Hkv, S, D]
         mask = self._mask(self.stream.windows[layer])
         if not self.split:
-            return attention(q, kg, vg, mask, scale)
+            return attention(q, kg, vg, mask, scale, softcap)
         n = self.sinks
         q_sinks = self.stream.ropes[layer].rotate_by(q, self.corrections.neg())  # sinks seen c_t closer
-        return two_segment_attention(q_sinks, kg[:, :, :n], vg[:, :, :n], q, kg[:, :, n:], vg[:, :, n:], mask, scale)
+        return two_segment_attention(q_sinks, kg[:, :, :n], vg[:, :, :n], q, kg[:, :, n:], vg[:, :, n:], mask, scale,
+                                     softcap)
 
     def _read(self, buffer: torch.Tensor) -> torch.Tensor:
         """A layer's K or V [slots, Hkv, D] -> the stream's keys [1, Hkv, S, D]."""

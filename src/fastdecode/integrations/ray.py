@@ -43,7 +43,8 @@ def encode_items(items: Sequence[InputItem], first_seq: int) -> "pyarrow.Table":
     import pyarrow
 
     # ASCII JSON: a lone surrogate from a "\ud800" escape survives the trip (Arrow strings are UTF-8).
-    payloads = [json.dumps({"id": item.id, "prompt": item.prompt, "error": item.error}) for item in items]
+    payloads = [json.dumps({"id": item.id, "prompt": item.prompt, "error": item.error,
+                            "response_format": item.response_format}) for item in items]
     return pyarrow.table({
         "seq": pyarrow.array(range(first_seq, first_seq + len(items)), pyarrow.int64()),
         "line": pyarrow.array([item.line for item in items], pyarrow.int64()),
@@ -52,9 +53,10 @@ def encode_items(items: Sequence[InputItem], first_seq: int) -> "pyarrow.Table":
 
 
 def decode_item(row: dict[str, Any]) -> InputItem:
-    """An encoded row -> the InputItem the driver parsed (same id, prompt, error and line)."""
+    """An encoded row -> the InputItem the driver parsed (same id, prompt, error, line and constraint)."""
     fields = json.loads(row["item"])
-    return InputItem(line=row["line"], id=fields["id"], prompt=fields["prompt"], error=fields["error"])
+    return InputItem(line=row["line"], id=fields["id"], prompt=fields["prompt"], error=fields["error"],
+                     response_format=fields.get("response_format"))
 
 
 def item_from_row(row: dict[str, Any], field: str) -> InputItem:

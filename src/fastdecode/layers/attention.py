@@ -13,20 +13,41 @@ import torch.nn.functional as F
 from .threads import pool_threads_for, threads_for
 
 
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Attention logit soft-capping (Gemma 2): cap * tanh(scores / cap), before the mask; None: as is."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention with K/V heads shared by groups of query heads.
 
     q: [B, H, T, D]; k, v: [B, Hkv, S, D] with H a multiple of Hkv;
     mask: additive [B, 1, T, S] (0 or -inf) or None (every key visible). Without grouping
     (H == Hkv) it may be any bias broadcastable to [B, H, T, S] (ALiBi, T5's relative bias).
+    ``softcap``: scores soft-capped before the mask (``soft_cap``; SDPA has no such step, so the
+    scores are then formed explicitly, query heads of a group folded as ``two_segment_attention``).
     Returns [B, H, T, D].
     """
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     if mask is not None and mask.shape[1] != 1 and H != Hkv:
         raise ValueError("a per-head attention bias needs one KV head per query head")
+    if softcap is not None:
+        folded, folded_mask = _fold_groups(q, mask, Hkv)  # [B, Hkv, G*T, D], [B, 1|H, G*T, S]
+        scores = soft_cap(folded @ k.transpose(-1, -2) * scale, softcap)  # [B, Hkv, G*T, S]
+        if folded_mask is not None:
+            scores = scores + folded_mask
+        out = scores.float().softmax(dim=-1).to(v.dtype) @ v  # [B, Hkv, G*T, D]
+        return out.reshape(B, H, T, D)  # [B, Hkv, G*T, D] -> [B, H, T, D]
+    if q.is_cuda and T == 1 and H != Hkv and (mask is None or mask.shape[1] == 1):
+        # one query per row (a decode step): the group's query heads become the query axis of their
+        # KV head, so the GPU's fused kernels (which lack native GQA) read each K/V head once
+        q = q.reshape(B, Hkv, H // Hkv, D)  # [B, H, 1, D] -> [B, Hkv, G, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # mask [B, 1, 1, S] broadcasts
+        return out.reshape(B, H, 1, D)  # [B, Hkv, G, D] -> [B, H, 1, D]
     with threads_for(q.numel() * k.shape[2]):  # B*H*T*D * S multiply-adds
         # SDPA's native GQA: each KV head serves its group of query heads as it is (PyTorch's CPU
         # flash kernel indexes head h // G; no K/V copy), one op with no per-layer mask folding.
@@ -64,7 +85,7 @@ def paged_attention(op, q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 def two_segment_attention(
     q_first: torch.Tensor, k_first: torch.Tensor, v_first: torch.Tensor,
     q_rest: torch.Tensor, k_rest: torch.Tensor, v_rest: torch.Tensor,
-    mask: torch.Tensor | None, scale: float,
+    mask: torch.Tensor | None, scale: float, softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention over two key segments, each scored with its own version of the queries, under
     one softmax over both.
@@ -73,13 +94,14 @@ def two_segment_attention(
     attention sinks keep their positions while the window has been shifted, so the queries are
     rotated once per segment instead of rewriting cached keys.
     q_*: [B, H, T, D]; k_*, v_*: [B, Hkv, S_*, D]; mask additive [B, 1, T, S_first + S_rest] or None
-    -> [B, H, T, D].
+    ``softcap``: as ``attention``'s. -> [B, H, T, D].
     """
     B, H, T, D = q_first.shape
     Hkv = k_first.shape[1]
     q_first, mask = _fold_groups(q_first, mask, Hkv)  # [B, Hkv, G*T, D]
     q_rest, _ = _fold_groups(q_rest, None, Hkv)  # [B, Hkv, G*T, D]
     scores = torch.cat((q_first @ k_first.transpose(-1, -2), q_rest @ k_rest.transpose(-1, -2)), dim=-1) * scale
+    scores = soft_cap(scores, softcap)
     if mask is not None:  # scores: [B, Hkv, G*T, S_first + S_rest]
         scores = scores + mask
     probs = scores.float().softmax(dim=-1).to(v_first.dtype)

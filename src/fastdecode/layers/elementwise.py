@@ -32,8 +32,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """x [..., C] normalized over C, times weight [C] (None: no scale) -> [..., C]."""
     ops = _kernels(x)
     if ops is None:
+        if x.dtype in HALF:
+            return _half_rms_norm(x, weight, eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return ops.rms_norm(x, weight, eps)
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _half_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """A half-precision RMSNorm, computed in float32 (PyTorch's fused op does so) and rounded once; a
+    float32 weight (Gemma's 1 + w, which transformers adds and applies in float32) scales it before
+    that rounding, as transformers does. (Llama's transformers norm rounds twice, before and after its
+    half-precision weight: the single rounding is as close to float32 and one kernel.)"""
+    if weight is None or weight.dtype != torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -43,9 +58,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     post-attention and post-MLP norms)."""
     ops = _kernels(x)
     if ops is None or delta.dtype != x.dtype:
-        C = x.shape[-1]
-        s = x + (delta if delta_weight is None else F.rms_norm(delta, (C,), delta_weight, eps))
-        return s, F.rms_norm(s, (C,), weight, eps)
+        s = x + (delta if delta_weight is None else rms_norm(delta, delta_weight, eps))
+        return s, rms_norm(s, weight, eps)
     return ops.add_rms_norm(x, delta, delta_weight, weight, eps)
 
 
@@ -62,7 +76,9 @@ def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.T
     H, Hkv = num_heads, num_kv_heads
     heads = qkv.view(B, T, H + 2 * Hkv, width // (H + 2 * Hkv))  # [B, T, H + 2*Hkv, D]: q, k, v heads
     qk = heads[:, :, : H + Hkv]  # [B, T, H + Hkv, D]
-    if norm_weight is not None:
+    if norm_weight is not None and qk.dtype in HALF:
+        qk = (F.rms_norm(qk.float(), (qk.shape[-1],), None, eps) * norm_weight.float()).to(qk.dtype)
+    elif norm_weight is not None:
         qk = F.rms_norm(qk, (qk.shape[-1],), None, eps) * norm_weight
     qk = rotate_heads(qk, cos, signed_sin)  # q and k at once
     return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), heads[:, :, H + Hkv :].transpose(1, 2)

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
@@ -38,6 +38,8 @@ def rope_inverse_frequencies(
     kind = rope_type(scaling)
     if kind == "default":
         return inv_freq, 1.0
+    if kind in ("longrope", "su"):
+        return _longrope_inv_freq(inv_freq, scaling, max_position_embeddings)
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor, 1.0
@@ -59,6 +61,44 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, scaling: dict[str, A
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def longrope_switches(scaling: dict[str, Any] | None) -> bool:
+    """Whether a LongRoPE config has distinct short and long factors (transformers then picks the
+    set by the sequence's length, and recomputes a cache that crosses the switch)."""
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if rope_type not in ("longrope", "su"):
+        return False
+    missing = [key for key in ("short_factor", "long_factor", "original_max_position_embeddings") if key not in scaling]
+    if missing:
+        raise UnsupportedModelError(f"{rope_type!r} rope scaling needs {', '.join(missing)}")
+    return list(scaling["short_factor"]) != list(scaling["long_factor"])
+
+
+def _longrope_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any], max_position_embeddings: int
+                       ) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 "su"/"longrope"): each frequency divided by its own factor, and cos, sin
+    scaled by ``attention_factor`` (default sqrt(1 + ln(factor) / ln(original)), factor the
+    context growth). transformers uses ``short_factor`` for sequences of at most
+    ``original_max_position_embeddings`` tokens and ``long_factor`` past that, rebuilding the
+    whole cache at the switch; one table cannot do both, so a context that reaches past the switch
+    with distinct factors is refused here (Phi-3's loader caps the context at the switch instead)."""
+    switches = longrope_switches(scaling)  # first: it names any missing key
+    original = int(scaling["original_max_position_embeddings"])
+    if switches and max_position_embeddings > original:
+        raise UnsupportedModelError(
+            f"LongRoPE with distinct short and long factors runs only up to original_max_position_embeddings "
+            f"({original}); this context is {max_position_embeddings}")
+    factors = scaling["short_factor"] if max_position_embeddings <= original else scaling["long_factor"]
+    factors = torch.tensor([float(f) for f in factors], dtype=torch.float64)
+    if factors.shape != inv_freq.shape:
+        raise UnsupportedModelError(f"LongRoPE needs {inv_freq.shape[0]} factors (half the rotary dims), "
+                                    f"got {factors.shape[0]}")
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:  # the context growth; transformers' default: max positions / original
+        factor = float(scaling.get("factor") or max_position_embeddings / original)
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq / factors, float(attention_factor)
 
 
 def _yarn_inv_freq(
@@ -101,6 +141,9 @@ class RotaryEmbedding:
         self.rotary_dim = rotary_dim
         self.inv_freq = inv_freq.to(torch.float64)
         self.attention_factor = attention_factor
+        # inv_freq on each device it was used on: a forward on a GPU copies nothing from the host (a
+        # captured CUDA graph cannot), the first (warm-up) call copies it once
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, scaled: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,11 +169,18 @@ class RotaryEmbedding:
     def _half_cos_sin(self, positions: torch.Tensor, scaled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> float64 cos, sin [B, T, rotary_dim/2] of each frequency's angle, times
         YaRN's attention factor when ``scaled`` (one rounding to the dtype comes after)."""
-        angles = positions.to(torch.float64)[..., None] * self.inv_freq.to(positions.device)  # [B, T, rot/2]
+        angles = positions.to(torch.float64)[..., None] * self._inv_freq(positions.device)  # [B, T, rot/2]
         cos, sin = angles.cos(), angles.sin()
         if scaled and self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos, sin
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self.inv_freq
+        if device not in self._inv_freq_on:
+            self._inv_freq_on[device] = self.inv_freq.to(device)
+        return self._inv_freq_on[device]
 
     def rotate_by(self, x: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
         """Rotate already-rotated vectors x [B, H, T, D] by ``delta`` more positions (an int, or

@@ -76,12 +76,13 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, native: bool
             array = np.array(array, order="C")  # a copy: F32 tensors are read-only views of the mmap
         return torch.from_numpy(array)  # HF layout, float32
 
+    kept_float32 = set(getattr(module, "FLOAT32_WEIGHTS", ()))  # values, not matrices: never rounded to dtype
+
+    def fetch(name: str) -> torch.Tensor | QuantizedWeight:
+        return decode(name).to(device=device, dtype=torch.float32 if canonical_of[name] in kept_float32 else dtype)
+
     try:
-        # a family's KEEP_FLOAT32 tensors (RoPE frequency divisors) keep their precision in any dtype
-        kept = {mapping[c] for c in getattr(module, "KEEP_FLOAT32", ()) if c in mapping}
-        weights = canonical_weights(
-            mapping, lambda name: decode(name).to(device=device, dtype=torch.float32 if name in kept else dtype),
-            module.OUT_IN_WEIGHTS, config)
+        weights = canonical_weights(mapping, fetch, module.OUT_IN_WEIGHTS, config)
     except FastDecodeError:
         raise
     except (ValueError, RuntimeError) as exc:

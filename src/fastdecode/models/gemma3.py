@@ -78,7 +78,8 @@ def weight_names(config: ModelConfig) -> tuple[list[str], list[str]]:
     required = ["embed.weight", "norm.weight"]
     optional = []
     (optional if config.tie_word_embeddings else required).append("lm_head.weight")
-    required += [f"layers.{{layer}}.{name}.weight" for name in _NORMS + _PROJECTIONS]
+    norms = _NORMS if config.family == "gemma3" else _NORMS[:4]  # Gemma 2: no q/k norms
+    required += [f"layers.{{layer}}.{name}.weight" for name in norms + _PROJECTIONS]
     return required, optional
 
 
@@ -93,7 +94,7 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             **{f"layers.{{layer}}.{name}": shape for name, shape in layer.items()}}
 
 
-def _pattern_layer_types(num_layers: int, pattern: int) -> list[str]:
+def pattern_layer_types(num_layers: int, pattern: int) -> list[str]:
     return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
 
 
@@ -106,69 +107,46 @@ def _refuse_unsupported(attn_softcap: Any, bidirectional: Any, attention_bias: A
         raise UnsupportedModelError("bidirectional attention (use_bidirectional_attention) is not supported")
 
 
-def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """Map a HF ``gemma3_text`` config (transformers 4.x ``rope_theta`` / ``rope_local_base_freq`` /
-    ``rope_scaling``, or 5.x ``rope_parameters`` keyed by layer type)."""
-    _refuse_unsupported(hf.get("attn_logit_softcapping"), hf.get("use_bidirectional_attention"),
-                        hf.get("attention_bias"))
-    num_layers = hf["num_hidden_layers"]
-    rope = hf.get("rope_parameters") or {}
-    full_rope = dict(rope.get(FULL) or {})
-    local_rope = dict(rope.get(SLIDING) or {})
-    if local_rope.get("rope_type", "default") != "default":
-        raise UnsupportedModelError("scaled RoPE on sliding-window layers is not supported")
-    scaling = hf.get("rope_scaling") or (full_rope if full_rope.get("rope_type", "default") != "default" else None)
-    layer_types = hf.get("layer_types") or _pattern_layer_types(
-        num_layers, hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or SLIDING_WINDOW_PATTERN)
-    return ModelConfig(
-        family="gemma3",
-        architecture=(hf.get("architectures") or ["Gemma3ForCausalLM"])[0],
+def hf_fields(hf: dict[str, Any], default_context: int) -> dict[str, Any]:
+    """The ``ModelConfig`` fields Gemma 2 and Gemma 3 configs name alike (their RoPE and layer
+    pattern differ; each family's ``config_from_hf`` adds those)."""
+    return dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
-        num_layers=num_layers,
+        num_layers=hf["num_hidden_layers"],
         num_heads=hf["num_attention_heads"],
         num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim") or 256,
         intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 131_072),
+        max_position_embeddings=hf.get("max_position_embeddings", default_context),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        rope_theta=float(full_rope.get("rope_theta", hf.get("rope_theta", GLOBAL_ROPE_THETA))),
-        rope_scaling=scaling,
-        rope_local_theta=float(local_rope.get("rope_theta", hf.get("rope_local_base_freq", LOCAL_ROPE_THETA))),
         sliding_window=hf.get("sliding_window"),
-        layer_types=list(layer_types),
         attention_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-        final_logit_softcapping=hf.get("final_logit_softcapping"),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=token_id_list(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
     )
 
 
-def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
-    """GGUF ``gemma3``. llama.cpp keeps the local RoPE base (10,000) and the 5:1 layer pattern in its
-    code, not in the file, and derives the query scale from the model size (only the 27B, 62
-    layers, scales by hidden / heads instead of head_dim)."""
+def gguf_fields(meta: dict[str, Any], tensor_names: set[str], default_context: int) -> dict[str, Any]:
+    """The ``ModelConfig`` fields Gemma 2 and Gemma 3 GGUF files name alike (keys under the file's
+    architecture). llama.cpp derives the query scale from the model size: its largest model (Gemma 2
+    27B, 46 layers; Gemma 3 27B, 62 layers) scales by hidden / heads instead of head_dim."""
+    arch = meta["general.architecture"]
 
     def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"gemma3.{key}", default)
+        return meta.get(f"{arch}.{key}", default)
 
     def require(key: str) -> Any:
-        return meta[f"gemma3.{key}"]  # KeyError: the loader reports the missing key
+        return meta[f"{arch}.{key}"]  # KeyError: the loader reports the missing key
 
-    _refuse_unsupported(get("attn_logit_softcapping"), False)
     hidden, num_heads, num_layers = require("embedding_length"), require("attention.head_count"), require("block_count")
     head_dim = get("attention.key_length") or 256
-    scaling = None
-    if get("rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
-    pattern = get("attention.sliding_window_pattern") or SLIDING_WINDOW_PATTERN
-    query_pre_attn_scalar = hidden // num_heads if num_layers == 62 else head_dim
-    return ModelConfig(
-        family="gemma3",
-        architecture="gemma3",
+    query_pre_attn_scalar = hidden // num_heads if (arch, num_layers) in (("gemma2", 46), ("gemma3", 62)) else head_dim
+    return dict(
+        architecture=arch,
         vocab_size=get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])),
         hidden_size=hidden,
         num_layers=num_layers,
@@ -176,20 +154,60 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         num_kv_heads=get("attention.head_count_kv") or num_heads,
         head_dim=head_dim,
         intermediate_size=require("feed_forward_length"),
-        max_position_embeddings=get("context_length", 131_072),
+        max_position_embeddings=get("context_length", default_context),
         norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
         hidden_act="gelu_pytorch_tanh",
         tie_word_embeddings="output.weight" not in tensor_names,
-        rope_theta=float(get("rope.freq_base", GLOBAL_ROPE_THETA)),
-        rope_scaling=scaling,
-        rope_local_theta=LOCAL_ROPE_THETA,
-        sliding_window=get("attention.sliding_window"),
-        layer_types=_pattern_layer_types(num_layers, pattern),
         attention_scale=float(query_pre_attn_scalar) ** -0.5,
         final_logit_softcapping=get("final_logit_softcapping"),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=token_id_list(meta.get("tokenizer.ggml.eos_token_id")),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+    )
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Map a HF ``gemma3_text`` config (transformers 4.x ``rope_theta`` / ``rope_local_base_freq`` /
+    ``rope_scaling``, or 5.x ``rope_parameters`` keyed by layer type)."""
+    _refuse_unsupported(hf.get("attn_logit_softcapping"), hf.get("use_bidirectional_attention"),
+                        hf.get("attention_bias"))
+    rope = hf.get("rope_parameters") or {}
+    full_rope = dict(rope.get(FULL) or {})
+    local_rope = dict(rope.get(SLIDING) or {})
+    if local_rope.get("rope_type", "default") != "default":
+        raise UnsupportedModelError("scaled RoPE on sliding-window layers is not supported")
+    scaling = hf.get("rope_scaling") or (full_rope if full_rope.get("rope_type", "default") != "default" else None)
+    layer_types = hf.get("layer_types") or pattern_layer_types(
+        hf["num_hidden_layers"],
+        hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or SLIDING_WINDOW_PATTERN)
+    return ModelConfig(
+        family="gemma3",
+        architecture=(hf.get("architectures") or ["Gemma3ForCausalLM"])[0],
+        rope_theta=float(full_rope.get("rope_theta", hf.get("rope_theta", GLOBAL_ROPE_THETA))),
+        rope_scaling=scaling,
+        rope_local_theta=float(local_rope.get("rope_theta", hf.get("rope_local_base_freq", LOCAL_ROPE_THETA))),
+        layer_types=list(layer_types),
+        final_logit_softcapping=hf.get("final_logit_softcapping"),
+        **hf_fields(hf, 131_072),
+    )
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    """GGUF ``gemma3``. llama.cpp keeps the local RoPE base (10,000) and the 5:1 layer pattern in its
+    code, not in the file (the query scale: ``gguf_fields``)."""
+    _refuse_unsupported(meta.get("gemma3.attn_logit_softcapping"), False)
+    scaling = None
+    if meta.get("gemma3.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": meta.get("gemma3.rope.scaling.factor")}
+    pattern = meta.get("gemma3.attention.sliding_window_pattern") or SLIDING_WINDOW_PATTERN
+    return ModelConfig(
+        family="gemma3",
+        rope_theta=float(meta.get("gemma3.rope.freq_base", GLOBAL_ROPE_THETA)),
+        rope_scaling=scaling,
+        rope_local_theta=LOCAL_ROPE_THETA,
+        sliding_window=meta.get("gemma3.attention.sliding_window"),
+        layer_types=pattern_layer_types(meta["gemma3.block_count"], pattern),
+        **gguf_fields(meta, tensor_names, 131_072),
     )
 
 
@@ -205,7 +223,8 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
 @dataclass(frozen=True, slots=True, eq=False)
 class Gemma3Block:
     """One decoder block's weights: the (1 + w) norm scales ([C]; the q and k norms [D] repeated
-    over their heads: [H + Hkv, D], so one multiply scales every query and key head), Q, K, V as
+    over their heads: [H + Hkv, D], so one multiply scales every query and key head; None for
+    Gemma 2, which has none), Q, K, V as
     one fused product and gate, up as another (``FusedProjection``), o and down as [out, in]
     views of [in, out] buffers. No biases."""
 
@@ -213,7 +232,7 @@ class Gemma3Block:
     post_attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
     post_mlp_norm: torch.Tensor
-    qk_norm: torch.Tensor
+    qk_norm: torch.Tensor | None
     qkv: FusedProjection
     o: Weight
     gate_up: FusedProjection
@@ -221,7 +240,9 @@ class Gemma3Block:
 
 
 class Gemma3Model(ModelBase):
-    """Decoder-only Gemma 3 text model over canonical weights (HF's norm weights w; scale 1 + w)."""
+    """Decoder-only Gemma 3 text model over canonical weights (HF's norm weights w; scale 1 + w).
+    Also Gemma 2 (models/gemma2.py): no q/k norm weights, one RoPE base for both attention kinds
+    (``rope_local_theta`` equal to ``rope_theta``) and ``attention_softcapping`` set."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         if config.hidden_act not in ACTIVATIONS:
@@ -230,13 +251,16 @@ class Gemma3Model(ModelBase):
         self.embed = weights["embed.weight"]
         # sqrt(hidden) rounded to the weight dtype, as transformers multiplies (bf16: 55.4256 -> 55.5)
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5).to(self.embed.dtype))
-        self.norm = 1.0 + weights["norm.weight"]
+        # the (1 + w) scales in float32 whatever the model's dtype: transformers adds the 1 in float32 and
+        # scales before rounding (layers/elementwise.py's half-precision norm reads a float32 weight so)
+        self.norm = 1.0 + weights["norm.weight"].float()
         self.lm_head = weights["lm_head.weight"].t()  # [C, V] buffer seen as [V, C] for linear()
         self.layers = [
             Gemma3Block(
-                **{name: 1.0 + weights[f"layers.{i}.{name}.weight"] for name in _NORMS[:4]},  # the (1 + w) scales
-                qk_norm=torch.cat((1.0 + weights[f"layers.{i}.q_norm.weight"].expand(config.num_heads, -1),
-                                   1.0 + weights[f"layers.{i}.k_norm.weight"].expand(config.num_kv_heads, -1))),
+                **{name: 1.0 + weights[f"layers.{i}.{name}.weight"].float() for name in _NORMS[:4]},  # (1 + w)
+                qk_norm=torch.cat((1.0 + weights[f"layers.{i}.q_norm.weight"].float().expand(config.num_heads, -1),
+                                   1.0 + weights[f"layers.{i}.k_norm.weight"].float().expand(config.num_kv_heads, -1)))
+                if f"layers.{i}.q_norm.weight" in weights else None,
                 qkv=fuse_projections(weights, [f"layers.{i}.{name}" for name in ("q", "k", "v")]),
                 gate_up=fuse_projections(weights, [f"layers.{i}.{name}" for name in ("gate", "up")]),
                 # [in, out] buffers seen as [out, in]: linear() then runs x @ buffer (the fast layout)
@@ -283,9 +307,10 @@ class Gemma3Model(ModelBase):
         # h: the normed input of the next sub-block; each residual add is fused with the norm after it
         h = rms_norm(x, self.layers[0].attn_norm, eps)
         for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
-            # q [B, H, T, D], k, v [B, Hkv, T, D]; q and k RMS-normed per head, scaled and rotated
+            # q [B, H, T, D], k, v [B, Hkv, T, D]; q and k RMS-normed per head (Gemma 3), scaled and rotated
             q, k, v = qkv_heads(layer.qkv(h), H, Hkv, *rotations[self.layer_types[index]], layer.qk_norm, eps)
-            o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
+            o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale,
+                             cfg.attention_softcapping)  # [B, H, T, D]
             x, h = add_rms_norm(x, linear(merge_heads(o), layer.o), layer.mlp_norm, eps, layer.post_attn_norm)
             mlp = linear(gated(layer.gate_up(h), cfg.hidden_act), layer.down)  # [B, T, C]
             # the last block's output goes through the final norm (row-wise, so before output_rows)

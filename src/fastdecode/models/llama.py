@@ -77,7 +77,7 @@ OUT_IN_WEIGHTS = ("q.weight", "k.weight", "v.weight", "o.weight", "gate.weight",
                   "lm_head.weight")
 # Buffers some checkpoints carry that are not weights.
 IGNORED_NAME_PATTERNS = (r".*rotary_emb\.inv_freq$",)
-KEEP_FLOAT32 = ("rope_freqs.weight",)  # divisors of the float64 frequencies: not rounded to bf16 / fp16
+FLOAT32_WEIGHTS = ("rope_freqs.weight",)  # divisors of the float64 frequencies: not rounded to bf16 / fp16
 # GGUF architectures whose converter permutes Q/K rows for interleaved RoPE (llama.cpp's ROPE_TYPE_NORM)
 PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "granite", "smollm3")
 
@@ -163,8 +163,7 @@ class LlamaModel(ModelBase):
             LlamaBlock(
                 attn_norm=weights[f"layers.{i}.attn_norm.weight"],
                 mlp_norm=weights[f"layers.{i}.mlp_norm.weight"],
-                qkv=fuse_projections(weights, [f"layers.{i}.{name}" for name in ("q", "k", "v")]),
-                gate_up=fuse_projections(weights, [f"layers.{i}.{name}" for name in ("gate", "up")]),
+                **self.fused_products(weights, i),
                 # [in, out] buffers seen as [out, in]: linear() then runs x @ buffer (the fast layout)
                 **{name: weights[f"layers.{i}.{name}.weight"].t() for name in ("o", "down")},
                 **{f"{name}_bias": weights.get(f"layers.{i}.{name}.bias") for name in ("o", "down")},
@@ -196,6 +195,12 @@ class LlamaModel(ModelBase):
         if q_norm is None:
             return None
         return torch.cat((q_norm.expand(self.config.num_heads, -1), k_norm.expand(self.config.num_kv_heads, -1)))
+
+    def fused_products(self, weights: dict[str, torch.Tensor], i: int) -> dict[str, FusedProjection]:
+        """Block i's ``qkv`` and ``gate_up`` products from the checkpoint's separate matrices
+        (Phi-3, whose checkpoints hold them fused already, overrides this)."""
+        return {"qkv": fuse_projections(weights, [f"layers.{i}.{name}" for name in ("q", "k", "v")]),
+                "gate_up": fuse_projections(weights, [f"layers.{i}.{name}" for name in ("gate", "up")])}
 
     @one_thread_except_big_ops
     def forward(

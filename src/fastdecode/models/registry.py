@@ -4,7 +4,8 @@ One registration per family. A family module provides: ``HF_NAMES`` and ``GGUF_N
 (canonical weight name -> checkpoint name), ``IGNORED_NAME_PATTERNS``, ``weight_names(config)``,
 ``weight_shapes(config)`` (expected shapes, HF layout; checked at load), ``config_from_hf(dict)``,
 ``config_from_gguf(metadata, tensor_names)``, optionally ``gguf_shape_to_hf(name, shape)``,
-``gguf_to_hf_layout(name, array, config)`` and the model class named here. Encoder-decoder
+``gguf_to_hf_layout(name, array, config)``, ``FLOAT32_WEIGHTS`` (GGUF tensors that are values, such
+as RoPE factors, kept float32 whatever the dtype) and the model class named here. Encoder-decoder
 families (``is_encoder_decoder``) have no GGUF form: their model class provides ``encode``,
 ``cross_kv`` and ``decode`` instead of ``forward`` (see generation/encdec.py).
 """
@@ -52,6 +53,16 @@ FAMILIES = (
            hf_architectures=("Gemma3ForCausalLM",),
            hf_model_types=("gemma3_text",),
            gguf_architectures=("gemma3",)),
+    # --- issue 34 (second half): Phi-3 / Phi-3.5 / Phi-4-mini and Gemma 2 ---
+    Family("phi3", "phi3", "Phi3Model",
+           hf_architectures=("Phi3ForCausalLM",),
+           hf_model_types=("phi3",),
+           gguf_architectures=("phi3",)),
+    Family("gemma2", "gemma2", "Gemma2Model",
+           hf_architectures=("Gemma2ForCausalLM",),
+           hf_model_types=("gemma2",),
+           gguf_architectures=("gemma2",)),
+    # --- end of issue 34 (second half) ---
     Family("bloom", "bloom", "BloomModel",
            hf_architectures=("BloomForCausalLM",),
            hf_model_types=("bloom",),
@@ -101,6 +112,9 @@ def family_for_hf_config(hf_config: dict[str, Any]) -> Family:
             not architectures and model_type in family.hf_model_types
         ):
             return family
+    if model_type == "whisper" or any(a.startswith("Whisper") for a in architectures) or "suppress_ids" in hf_config:
+        raise UnsupportedModelError("this is a Whisper speech-to-text model (a Hugging Face or CTranslate2 folder): "
+                                    "load it with fastdecode.load_speech(path), or run `fastdecode transcribe`")
     named = ", ".join(architectures) or repr(model_type)
     raise UnsupportedModelError(
         f"unsupported architecture {named}; supported architectures: {supported_architectures()}"

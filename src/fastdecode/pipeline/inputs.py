@@ -38,6 +38,7 @@ class InputItem:
     error: str | None = None  # why this input cannot be generated
     ids: list[int] | None = None  # prompt token ids (filled by the tokenize stage)
     seq: int = 0  # 0-based position among this run's inputs: the output order
+    response_format: Any = None  # the input's own output constraint (constraints/forms.py), or None
 
 
 def format_for(path: str, first_line: str) -> str:
@@ -126,6 +127,7 @@ def item_from_object(value: Any, line: int, field: str = "prompt") -> InputItem:
             item.error = f"missing field {field!r}"
             return item
         item.prompt = value[field]
+        item.response_format = value.get("response_format")
     else:
         item = InputItem(line=line, id=line - 1, prompt=value)
     try:

@@ -31,6 +31,8 @@ every record before it is written, it is not (so a rerun after fixing the line r
 
 from __future__ import annotations
 
+import json
+
 import queue
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -278,8 +280,7 @@ class BatchRun:
                 started = time.perf_counter()
                 seeds = None if self.config.seed is None or not self.config.is_sampling else \
                     [derive_seed(self.config.seed, item.line) for item in batch.items]
-                outcomes = generate_batch(self.engine, [item.ids for item in batch.items], self.options, r, seeds) \
-                    if batch.items else []
+                outcomes = self._generate(batch.items, seeds) if batch.items else []
                 stats.generate_s += time.perf_counter() - started
                 stats.generated += len(batch.items)
                 stats.batches += bool(batch.items)
@@ -288,6 +289,22 @@ class BatchRun:
         control.put(self._post, END)
         while (record := control.get(self._out)) is not END:
             yield record
+
+    def _generate(self, items: list[InputItem], seeds: list[int] | None) -> list[list[Any] | FastDecodeError]:
+        """generate_batch per group of inputs that share a ``response_format`` (their own, or none),
+        outcomes back in the items' order."""
+        groups: dict[str, list[int]] = {}
+        for index, item in enumerate(items):
+            groups.setdefault(json.dumps(item.response_format, sort_keys=True, default=repr), []).append(index)
+        outcomes: list[Any] = [None] * len(items)
+        for indexes in groups.values():
+            constraint = items[indexes[0]].response_format
+            options = self.options if constraint is None else {**self.options, "response_format": constraint}
+            got = generate_batch(self.engine, [items[i].ids for i in indexes], options,
+                                 self.config.num_return_sequences, seeds and [seeds[i] for i in indexes])
+            for index, outcome in zip(indexes, got):
+                outcomes[index] = outcome
+        return outcomes
 
     def __iter__(self) -> Iterator[dict]:
         if self._started:

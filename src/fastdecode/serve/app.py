@@ -34,6 +34,8 @@ from .protocol import APIError, GenerationRequest, parse_request
 from .responses import ChoiceState, ResponseBuilder
 from .service import GenerationService, RunningRequest, ServeSettings
 from .utility_routes import TOKEN_ROUTES, add_token_routes
+from .structured import attach_constraints
+from .tool_calls import ToolStream, parse_tool_calls, tool_call_deltas
 
 log = logging.getLogger("fastdecode.serve")
 VENDORED = {"marked.umd.js": "text/javascript", "purify.min.js": "text/javascript",
@@ -59,28 +61,7 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
                            allow_headers=["*"], expose_headers=["x-request-id"], max_age=600)
     app.add_middleware(RequestId)
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        if request.url.path == MESSAGES_PATH:  # Anthropic's clients read Anthropic's error shape
-            return JSONResponse(anthropic_error(exc), status_code=exc.status, headers=exc.headers)
-        return _error_response(exc)
-
-    @app.exception_handler(404)
-    async def not_found(request: Request, _exc: Exception) -> JSONResponse:
-        return _error_response(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
-
-    @app.exception_handler(405)
-    async def not_allowed(request: Request, _exc: Exception) -> JSONResponse:
-        return _error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}",
-                                        code="method_not_allowed"))
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception) -> JSONResponse:
-        # answered outside the middleware stack (Starlette's outermost layer): the request id is added here
-        request_id = request.scope.get("state", {}).get("request_id", "")
-        log.exception("unhandled error (request %s)", request_id)
-        return _error_response(APIError(500, f"internal error: {exc}", "server_error", code="internal_error",
-                                        headers={"x-request-id": request_id} if request_id else None))
+    add_error_handlers(app)
 
     @app.get("/", response_class=HTMLResponse)
     async def chat_page() -> HTMLResponse:
@@ -132,6 +113,7 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
         parsed = parse_request({**body, "model": served} if isinstance(body.get("model"), str) else body, endpoint,
                                served)
         parse_extras(body, parsed)
+        attach_constraints(parsed, body)
         prompts = service.encode(parsed)
         echoed = await echoed_prompts(generator, prompts, parsed.logprobs) if parsed.echo else None
         running = await service.start_request(parsed, prompts)
@@ -150,9 +132,41 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
             ordered = best_choices(ordered, parsed.n, parsed.candidates)
         if echoed is not None:
             prepend_echo(ordered, echoed, parsed.n)
+        if parsed.tools is not None and parsed.tools.parses_output:
+            for choice in ordered:
+                content, calls, _ = parse_tool_calls(choice.text, parsed.tools.names)
+                if calls:
+                    choice.text, choice.tool_calls, choice.finish_reason = content or "", calls, "tool_calls"
         return JSONResponse(builder.response(ordered, _prompt_counts(ordered, running, parsed.n)))
 
     return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error answered as an OpenAI error object (also used by the speech app, audio.py)."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        if request.url.path == MESSAGES_PATH:  # Anthropic's clients read Anthropic's error shape
+            return JSONResponse(anthropic_error(exc), status_code=exc.status, headers=exc.headers)
+        return _error_response(exc)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _exc: Exception) -> JSONResponse:
+        return _error_response(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, _exc: Exception) -> JSONResponse:
+        return _error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                        code="method_not_allowed"))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        # answered outside the middleware stack (Starlette's outermost layer): the request id is added here
+        request_id = request.scope.get("state", {}).get("request_id", "")
+        log.exception("unhandled error (request %s)", request_id)
+        return _error_response(APIError(500, f"internal error: {exc}", "server_error", code="internal_error",
+                                        headers={"x-request-id": request_id} if request_id else None))
 
 
 async def _sse(running: RunningRequest, request: GenerationRequest, builder: ResponseBuilder,
@@ -167,9 +181,14 @@ async def _sse(running: RunningRequest, request: GenerationRequest, builder: Res
                                                                                  echoed[index // request.n])
             if first is not None:
                 yield _event(first)
+        tool_streams = ({i: ToolStream(request.tools.names) for i in choices}
+                        if request.tools is not None and request.tools.parses_output else None)
         async for piece in running.pieces():
             choices[piece.index].add(piece)
-            if piece.text or piece.finish_reason is not None or request.logprobs is not None:
+            if tool_streams is not None:
+                for chunk in _tool_chunks(builder, choices[piece.index], tool_streams[piece.index], piece):
+                    yield _event(chunk)
+            elif piece.text or piece.finish_reason is not None or request.logprobs is not None:
                 yield _event(builder.piece_chunk(piece))
     except APIError as exc:
         yield _event(exc.body())
@@ -180,6 +199,19 @@ async def _sse(running: RunningRequest, request: GenerationRequest, builder: Res
         ordered = [choices[i] for i in sorted(choices)]
         yield _event(builder.usage_chunk(ordered, _prompt_counts(ordered, running, request.n)))
     yield "data: [DONE]\n\n"
+
+
+def _tool_chunks(builder: ResponseBuilder, choice: ChoiceState, stream: ToolStream, piece: Any) -> list[dict]:
+    """A streamed choice of a request with tools: content while no call may be starting, then at
+    its end the calls as OpenAI streams them (header, then argument fragments) and "tool_calls"."""
+    if piece.finish_reason is None:
+        text = stream.content(choice.text)
+        return [builder.text_chunk(piece.index, text, None)] if text else []
+    rest, calls = stream.finish(choice.text)
+    chunks = [builder.text_chunk(piece.index, rest, None)] if rest else []
+    chunks += [builder.delta_chunk(piece.index, delta) for delta in tool_call_deltas(calls)]
+    chunks.append(builder.text_chunk(piece.index, "", "tool_calls" if calls else piece.finish_reason))
+    return chunks
 
 
 def _event(body: dict[str, Any]) -> str:

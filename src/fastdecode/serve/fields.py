@@ -26,9 +26,11 @@ SAMPLING = {"model", "n", "stream", "stream_options", "user", "max_tokens", "tem
             # vLLM / llama.cpp / Hugging Face extensions
             "top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "no_repeat_ngram_size",
             "num_beams", "length_penalty", "use_beam_search"}
+STRUCTURED = {"response_format", "structured_outputs", "json_schema", "grammar"}  # serve/structured.py
 SERVED = {
-    "completion": SAMPLING | {"prompt", "echo", "suffix"},
-    "chat": SAMPLING | {"messages", "max_completion_tokens", "top_logprobs"},
+    "completion": SAMPLING | STRUCTURED | {"prompt", "echo", "suffix"},
+    "chat": SAMPLING | STRUCTURED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                     "parallel_tool_calls"},  # tools: serve/tools.py
 }
 # Fields that say nothing about the output: identifiers and hints (the prefix cache is automatic).
 NO_EFFECT = {"metadata", "safety_identifier", "prompt_cache_key"}
@@ -46,10 +48,8 @@ NOT_SERVED = {
     "verbosity": "verbosity control is not implemented", "web_search_options": "web search is not available",
     "moderation": "moderation is not available", "prompt_cache_retention": "the prefix cache has no retention "
     "policy to choose", "prompt_cache_options": "the prefix cache has no options to set",
-    "response_format": "structured output (response_format) is not implemented yet",
-    "tools": "tool calling is not implemented yet", "tool_choice": "tool calling is not implemented yet",
-    "parallel_tool_calls": "tool calling is not implemented yet",
-    "functions": "function calling is not implemented", "function_call": "function calling is not implemented",
+    "functions": "the deprecated functions are not implemented: use tools",
+    "function_call": "the deprecated function_call is not implemented: use tool_choice",
 }
 
 

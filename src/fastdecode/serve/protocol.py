@@ -55,6 +55,8 @@ class GenerationRequest:
     options: dict[str, Any] = field(default_factory=dict)  # GenerationConfig options (HF names)
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the k best
     user: str | None = None
+    tools: Any = None  # serve/tools.py ToolRequest (chat with tools), or None
+    constraint_field: str | None = None  # the body field that set options["response_format"]
     best_of: int | None = None  # sampled candidates per choice (the n best by cumulative logprob are answered)
     echo: bool = False  # completions: the prompt is part of each choice (and of its logprobs)
     suffix: str | None = None  # completions: fill in the middle between the prompt and this
@@ -169,7 +171,9 @@ def _completion_prompts(fields: "_Fields") -> list[Any]:
     return prompts
 
 
-def _messages(fields: "_Fields") -> list[dict[str, str]]:
+def _messages(fields: "_Fields") -> list[dict[str, Any]]:
+    """{role, content} messages; also the tool round trip's forms: an assistant message with
+    ``tool_calls`` (content null) and a ``tool`` message with ``tool_call_id``."""
     messages = fields.body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
@@ -178,12 +182,40 @@ def _messages(fields: "_Fields") -> list[dict[str, str]]:
         where = f"messages[{index}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise APIError(400, f"{where} must be an object with a string role", param=where)
-        if message["role"] not in ("system", "developer", "user", "assistant"):
-            raise APIError(400, f"{where}.role must be system, user or assistant, got {message['role']!r}",
+        if message["role"] not in ("system", "developer", "user", "assistant", "tool"):
+            raise APIError(400, f"{where}.role must be system, user, assistant or tool, got {message['role']!r}",
                            param=f"{where}.role")
         role = "system" if message["role"] == "developer" else message["role"]
-        parsed.append({"role": role, "content": _content(message.get("content"), where)})
+        calls = message.get("tool_calls") if role == "assistant" else None
+        content = message.get("content")
+        entry: dict[str, Any] = {"role": role, "content": "" if content is None and calls else _content(content, where)}
+        if calls:
+            entry["tool_calls"] = _tool_calls(calls, where)
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise APIError(400, f"{where}.tool_call_id must be the id of the call this answers",
+                               param=f"{where}.tool_call_id")
+            entry["tool_call_id"] = call_id
+        parsed.append(entry)
     return parsed
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier calls: [{id, type: function, function: {name, arguments}}]."""
+    bad = APIError(400, f"{where}.tool_calls must be a list of {{id, type: function, function: {{name, arguments}}}}",
+                   param=f"{where}.tool_calls")
+    if not isinstance(calls, list):
+        raise bad
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments", "{}"), (str, dict)):
+            raise bad
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": function["name"], "arguments": function.get("arguments", "{}")}})
+    return out
 
 
 def _content(content: Any, where: str) -> str:

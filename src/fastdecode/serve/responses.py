@@ -22,6 +22,7 @@ class ChoiceState:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    tool_calls: list[dict[str, Any]] | None = None  # set from the finished text (serve/tool_calls.py)
 
     def add(self, piece: Piece) -> None:
         self.text += piece.text
@@ -58,8 +59,10 @@ class ResponseBuilder:
         if self.endpoint == "completion":
             return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
                     "finish_reason": choice.finish_reason}
-        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": logprobs, "finish_reason": choice.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        if choice.tool_calls:
+            message = {"role": "assistant", "content": choice.text or None, "tool_calls": choice.tool_calls}
+        return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
     @staticmethod
     def usage(choices: list[ChoiceState], prompt_counts: list[tuple[int, int]]) -> dict[str, Any]:
@@ -84,6 +87,10 @@ class ResponseBuilder:
 
     def text_chunk(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         return self.chunk(index, text, None, finish_reason)
+
+    def delta_chunk(self, index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        """A chat chunk with a given delta (tool-call deltas)."""
+        return self.chunk(index, delta, None, finish_reason)
 
     def chunk(self, index: int, content: Any, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
         body = self._envelope(chunk=True)

@@ -20,11 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.sequence import public_finish_reason
+from .. import validation
 from ..errors import FastDecodeError, GenerationCancelledError, QueueFullError
 from .metrics import ServerMetrics
 from .extras import fill_in_middle_ids
 from .protocol import APIError, GenerationRequest, api_error_from
 from .sessions import LoopRunner
+from .structured import compile_off_thread
+from .tools import render_messages
 from .worker import Admitted, EngineWorker, Failed, Piece, RequestSink, Submission
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -152,8 +155,11 @@ class GenerationService:
                                 "/v1/completions as the prompt", param="messages", code="unsupported_model")
         try:
             if request.endpoint == "chat":
-                text = gen._require_tokenizer().apply_chat_template(request.prompts[0], add_generation_prompt=True)
-                return [(gen.encode_prompt(request.prompts[0]), text)]
+                tokenizer = gen._require_tokenizer()
+                messages, extra = render_messages(request.prompts[0], request.tools, tokenizer.chat_template)
+                text = tokenizer.apply_chat_template(validation.check_chat(messages), add_generation_prompt=True,
+                                                     **extra)
+                return [(tokenizer.encode(text, add_special_tokens=False), text)]
             if request.suffix is not None:
                 return [(fill_in_middle_ids(gen._require_tokenizer(), p, request.suffix), None)
                         for p in request.prompts]
@@ -187,6 +193,7 @@ class GenerationService:
                             encoded: list[tuple[list[int], str | None]]) -> RunningRequest:
         """Submit every choice of every prompt; return once all are accepted (else raise APIError)."""
         arrived = time.perf_counter()
+        await compile_off_thread(self.generator, request)  # the engine thread then finds it cached
         prompts = [ids for ids, _ in encoded]
         sink = RequestSink(asyncio.get_running_loop())
         routes = [self._route(request, p) for p in prompts]

@@ -111,7 +111,8 @@ class LoopRunner:
         gen, prompt = self.generator, submission.prompt_ids
         config = self._config(submission)
         conversation, new_ids, cached = self._take(prompt, submission.prompt_text, config)
-        loop = DecodeLoop(gen.model, [new_ids], config, gen._eos_ids(config), engine=conversation.engine)
+        loop = DecodeLoop(gen.model, [new_ids], config, gen._eos_ids(config), engine=conversation.engine,
+                          grammar=gen.grammar_for(config))
         watcher = TextWatcher(gen._require_tokenizer(), config.stop_strings())
         submission.sink.put(Admitted(submission.index))
         generated: list[int] = []

@@ -1,0 +1,28 @@
+"""A tiny seeded random `transformers` Whisper, saved as a Hugging Face folder."""
+
+from __future__ import annotations
+
+import torch
+
+MELS, FRAMES = 16, 60  # 60 feature frames -> 30 encoder positions
+
+
+def build(seed: int = 0, **overrides):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = dict(vocab_size=120, num_mel_bins=MELS, d_model=32, encoder_layers=2, decoder_layers=3,
+                  encoder_attention_heads=4, decoder_attention_heads=2, encoder_ffn_dim=48, decoder_ffn_dim=56,
+                  max_source_positions=FRAMES // 2, max_target_positions=40, decoder_start_token_id=100,
+                  eos_token_id=99, pad_token_id=99, bos_token_id=99, suppress_tokens=[], begin_suppress_tokens=[])
+    config.update(overrides)
+    model = tf.WhisperForConditionalGeneration(tf.WhisperConfig(**config)).eval()
+    with torch.no_grad():  # random biases everywhere a checkpoint has one (zeros at init hide layout bugs)
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "layer_norm" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    return model
+
+
+def save(model, folder) -> None:
+    model.save_pretrained(folder, safe_serialization=True)
