@@ -46,8 +46,8 @@ def test_responses_create_streamed(server, chat_generator):
 
 def test_unsupported_parts_are_refused_by_name(server):
     client = server.client()
-    schema = {"type": "json_schema", "name": "city", "schema": {"type": "object", "properties": {}}}
-    cases = [(dict(text={"format": schema}), "text.format"), (dict(previous_response_id="resp_1"), "previous_response_id"),
+    cases = [(dict(text={"format": {"type": "xml"}}), "text.format"),
+             (dict(previous_response_id="resp_1"), "previous_response_id"),
              (dict(store=True), "store"), (dict(tools=[{"type": "web_search"}]), "tools"),
              (dict(reasoning={"effort": "high"}), "reasoning"), (dict(unknown_thing=1), "unknown_thing")]
     for fields, param in cases:
@@ -59,3 +59,15 @@ def test_unsupported_parts_are_refused_by_name(server):
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model="tiny", input=item, max_output_tokens=4)
     assert caught.value.body["param"] == "input[0]"
+
+
+def test_responses_with_a_json_schema_text_format(server):
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Berlin"]}}, "required": ["city"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}
+    response = server.client().responses.create(model="tiny", input=QUESTION, max_output_tokens=40, temperature=0,
+                                                text={"format": fmt})
+    assert json.loads(response.output_text)["city"] in ("Paris", "Rome", "Berlin")
+    assert response.text.format.type == "json_schema"

@@ -14,6 +14,7 @@ from .extras import parse_extras
 from .lifetime import lifetime_of
 from .protocol import APIError, parse_request
 from .service import GenerationService, RunningRequest
+from .structured import attach_constraints
 
 
 @dataclass
@@ -30,6 +31,7 @@ async def start_chat(service: GenerationService, request: Request, chat_body: di
                      model: str) -> RunningRequest:
     parsed = parse_request(chat_body, "chat", model)
     parse_extras(chat_body, parsed)
+    attach_constraints(parsed, chat_body)  # a response_format the route translated (structured.py)
     running = await service.start_request(parsed, service.encode(parsed))
     lifetime_of(request).on_disconnect(running.cancel)
     return running

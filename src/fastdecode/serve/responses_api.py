@@ -1,9 +1,10 @@
 """``POST /v1/responses``: the stateless core of OpenAI's Responses API, text only: ``input`` (a
 string, or message items with text parts), ``instructions``, ``max_output_tokens``, ``temperature``,
-``top_p``, ``text.format`` of type text, ``metadata`` / ``user`` / ``safety_identifier`` /
+``top_p``, ``text.format`` (text, json_object, or json_schema: the output then follows the schema,
+constrained as ``response_format`` is on chat), ``metadata`` / ``user`` / ``safety_identifier`` /
 ``prompt_cache_key``, and ``stream`` with the typed ``response.*`` events. Nothing is stored:
-``store: true``, ``previous_response_id``, conversations, background runs, tools, reasoning and
-structured formats are a 400 naming the field."""
+``store: true``, ``previous_response_id``, conversations, background runs, tools and reasoning are a 400
+naming the field."""
 
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ def add_responses_route(app: FastAPI, service: GenerationService, names: ModelNa
             if body.get(name) is not None and body[name] not in allowed:
                 raise APIError(400, f"{name}={body[name]!r} is not supported (a stateless, text-only server): "
                                     f"use {allowed[0]!r} or leave it out", param=name, code="unsupported_field")
-        _check_format(body.get("text"))
         model = names.resolve(body.get("model"))
-        running = await start_chat(service, request, _chat_body(body, model), model)
+        chat_body = {**_chat_body(body, model), "response_format": _response_format(body.get("text"))}
+        running = await start_chat(service, request, chat_body, model)
         shell = _Shell(body, model)
         if body.get("stream"):
             return StreamingResponse(_events(running, shell), media_type="text/event-stream",
@@ -67,14 +68,24 @@ def add_responses_route(app: FastAPI, service: GenerationService, names: ModelNa
         return JSONResponse(shell.response(outcome))
 
 
-def _check_format(text: Any) -> None:
+def _response_format(text: Any) -> dict[str, Any] | None:
+    """``text.format`` -> the chat ``response_format`` it means (None for plain text): ``json_object``,
+    or ``json_schema`` with ``name``, ``schema`` (and ``strict``, ``description``) flat in the format."""
     if text is None:
-        return
+        return None
     fmt = text.get("format") if isinstance(text, dict) else None
-    if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or text.get("verbosity") is not None or (
-            fmt is not None and fmt != {"type": "text"}):
-        raise APIError(400, "text.format: only {'type': 'text'} is supported (structured output is not implemented "
-                            "yet), and no text.verbosity", param="text.format")
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or text.get("verbosity") is not None:
+        raise APIError(400, "text takes a format ({'type': 'text' | 'json_object' | 'json_schema', ...}); "
+                            "text.verbosity is not supported", param="text")
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    if fmt == {"type": "json_object"}:
+        return fmt
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
+        inner = {k: fmt[k] for k in ("name", "schema", "strict", "description") if fmt.get(k) is not None}
+        return {"type": "json_schema", "json_schema": inner}
+    raise APIError(400, "text.format must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
+                        "'name', 'schema'}", param="text.format")
 
 
 def _chat_body(body: dict[str, Any], model: str) -> dict[str, Any]:
@@ -120,7 +131,8 @@ class _Shell:
                 "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
                 "metadata": body.get("metadata") or {}, "user": body.get("user"), "store": False,
                 "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "truncation": "disabled",
-                "text": {"format": {"type": "text"}}, "previous_response_id": None, "reasoning": None,
+                "text": body.get("text") or {"format": {"type": "text"}}, "previous_response_id": None,
+                "reasoning": None,
                 "output": [] if outcome is None else [self.item(outcome)],
                 "usage": None if outcome is None else self.usage(outcome)}
 
