@@ -12,7 +12,7 @@ from fastapi import Request
 
 from .extras import parse_extras
 from .lifetime import lifetime_of
-from .protocol import APIError, parse_request
+from .protocol import APIError, GenerationRequest, parse_request
 from .service import GenerationService, RunningRequest
 from .structured import attach_constraints
 
@@ -28,13 +28,13 @@ class Outcome:
 
 
 async def start_chat(service: GenerationService, request: Request, chat_body: dict[str, Any],
-                     model: str) -> RunningRequest:
+                     model: str) -> tuple[GenerationRequest, RunningRequest]:
     parsed = parse_request(chat_body, "chat", model)
     parse_extras(chat_body, parsed)
     attach_constraints(parsed, chat_body)  # a response_format the route translated (structured.py)
     running = await service.start_request(parsed, service.encode(parsed))
     lifetime_of(request).on_disconnect(running.cancel)
-    return running
+    return parsed, running
 
 
 async def deltas(running: RunningRequest) -> AsyncIterator[str | Outcome]:

@@ -44,7 +44,7 @@ def add_messages_route(app: FastAPI, service: GenerationService, names: ModelNam
         body = await read_json_body(request, settings.max_body_bytes)
         check_known(body, SERVED, REFUSED, settings.lenient, "Messages API")
         model = names.resolve(body.get("model"))
-        running = await start_chat(service, request, _chat_body(body, model), model)
+        _, running = await start_chat(service, request, _chat_body(body, model), model)
         message_id = "msg_" + uuid.uuid4().hex[:24]
         if body.get("stream"):
             return StreamingResponse(_events(running, message_id, model), media_type="text/event-stream",
