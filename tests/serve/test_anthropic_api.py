@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_helpers import chat_generator, serve, server  # noqa: F401 (fixtures)
+from serve_helpers import chat_generator, serve, server, tiny_chat_generator  # noqa: F401 (fixtures)
 
 anthropic = pytest.importorskip("anthropic")
 SYSTEM = "You are terse."
@@ -53,7 +53,7 @@ def test_stop_sequences_and_sampling_options(server, chat_generator):
 
 def test_unsupported_parts_are_refused_by_name(server):
     messages = [{"role": "user", "content": QUESTION}]
-    tools = [{"name": "get_weather", "description": "w", "input_schema": {"type": "object", "properties": {}}}]
+    tools = [{"type": "web_search_20250305", "name": "web_search"}]
     with pytest.raises(anthropic.BadRequestError, match="tools"):
         client(server).messages.create(model="tiny", max_tokens=4, messages=messages, tools=tools)
     image = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]
@@ -75,3 +75,30 @@ def test_x_api_key_is_accepted(chat_generator):
         with pytest.raises(anthropic.AuthenticationError):
             client(running, "wrong").messages.create(model="tiny", max_tokens=2, messages=messages)
         assert client(running, "sekret").messages.create(model="tiny", max_tokens=2, messages=messages).content
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+                            "additionalProperties": False}}
+
+
+def test_tool_use_round_trip():
+    with serve(tiny_chat_generator(max_positions=1024)) as running:  # the tools' description lengthens the prompt
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        answer = client(running).messages.create(model="tiny", max_tokens=150, messages=messages, tools=[WEATHER],
+                                                 tool_choice={"type": "any"}, extra_body=GREEDY)
+        uses = [block for block in answer.content if block.type == "tool_use"]
+        assert answer.stop_reason == "tool_use" and uses[0].name == "get_weather"
+        assert uses[0].input["city"] in ("Paris", "Rome")
+        with client(running).messages.stream(model="tiny", max_tokens=150, messages=messages, tools=[WEATHER],
+                                             tool_choice={"type": "tool", "name": "get_weather"},
+                                             extra_body=GREEDY) as stream:
+            final = stream.get_final_message()
+        assert final.stop_reason == "tool_use" and final.content[-1].input["city"] in ("Paris", "Rome")
+        follow = messages + [{"role": "assistant", "content": [{"type": "tool_use", "id": uses[0].id,
+                                                                "name": "get_weather", "input": uses[0].input}]},
+                             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                                           "content": "sunny"}]}]
+        reply = client(running).messages.create(model="tiny", max_tokens=5, messages=follow, tools=[WEATHER],
+                                                tool_choice={"type": "none"}, extra_body=GREEDY)
+        assert reply.content[0].type == "text" and reply.stop_reason == "max_tokens"
