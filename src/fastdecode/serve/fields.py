@@ -4,7 +4,7 @@ Three kinds of field:
 * served: fastdecode implements it (OpenAI's fields and the vLLM / llama.cpp extensions below);
 * accepted only with the value that means "nothing special" (``store: false``, ``modalities:
   ["text"]``, ...), or carrying no instruction for the output (``user``, ``metadata``, ...);
-* known but not served (audio, tools, reasoning effort, ...): always a 400 naming the field.
+* known but not served (audio, reasoning effort, the deprecated functions, ...): always a 400 naming the field.
 
 A field fastdecode does not know at all is a 400 naming it too, unless the server runs with
 ``--lenient``: then it is logged and ignored (for clients that send vendor extras).
