@@ -110,3 +110,14 @@ def test_cli_passes_the_api_surface_flags(model_folder, monkeypatch):
     assert (seen["embeddings"], seen["lenient"]) == ("last", True)
     result = CliRunner().invoke(main, ["serve", "-m", str(model_folder)])
     assert seen["embeddings"] is None and seen["model_name"] == model_folder.name and not seen["lenient"]
+
+
+def test_ray_refuses_the_options_its_ingress_does_not_serve(model_folder):
+    from click.testing import CliRunner
+
+    from fastdecode.cli import main
+
+    result = CliRunner().invoke(main, ["serve", "-m", str(model_folder), "--ray", "--embeddings", "--lenient",
+                                       "--allowed-origins", "http://x.test"])
+    assert result.exit_code == 2
+    assert "--embeddings, --lenient, --allowed-origins: not available with --ray" in result.output
