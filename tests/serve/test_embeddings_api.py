@@ -47,3 +47,26 @@ def test_embeddings_create(chat_generator, pooling):
 def test_embeddings_need_the_flag(server):
     with pytest.raises(openai.BadRequestError, match="--embeddings"):
         server.client().embeddings.create(model="tiny", input="Hi")
+
+
+def test_concurrent_requests_each_get_their_own_vectors(chat_generator):
+    import asyncio
+
+    import httpx
+    import torch
+
+    from fastdecode.generation.embedding import embed_token_lists
+
+    texts = [f"{word} is a word number {i}" for i, word in enumerate(["cat", "dog", "moon", "sun", "tree", "sea"])]
+    expected = [embed_token_lists(chat_generator.model, [chat_generator.tokenizer.encode(t)])[0] for t in texts]
+
+    async def ask(base: str) -> list:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            answers = await asyncio.gather(*(client.post("/v1/embeddings", json={"model": "tiny", "input": [t]})
+                                             for t in texts))
+        return [answer.json()["data"][0]["embedding"] for answer in answers]
+
+    with serve(chat_generator, embeddings="mean") as running:
+        got = asyncio.run(ask(running.base))
+    for vector, reference in zip(got, expected):
+        assert torch.allclose(torch.tensor(vector), reference, atol=1e-5)

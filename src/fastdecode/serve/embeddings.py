@@ -3,15 +3,17 @@ strings, token ids or lists of token ids; ``encoding_format`` "float" or "base64
 only as the model's own size) -> one unit-length vector per input, pooled over the final hidden
 states (``--pooling mean|last``).
 
-The inputs of each request run as prefill-only forwards (``generation.embedding``), longest first
-in batches of at most ``max_batch_tokens`` padded tokens, on one embedding thread beside the
-engine's (a second request waits for it: embedding work is bounded as generation is)."""
+Inputs run as prefill-only forwards (``generation.embedding``) on one embedding thread beside the
+engine's: each time it is free it takes every request waiting, and runs all their inputs together,
+longest first, in batches of at most ``max_batch_tokens`` padded tokens (concurrent requests share
+batches, as sequences share engine steps)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,7 +30,7 @@ FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
 def add_embeddings_route(app: FastAPI, generator: Any, names: ModelNames, settings: Any) -> None:
     if settings.embeddings is not None and generator.config.is_encoder_decoder:
         raise APIError(400, "--embeddings needs a decoder-only model (this one is an encoder-decoder)")
-    pool = ThreadPoolExecutor(1, thread_name_prefix="fastdecode-embed")
+    batcher = EmbeddingBatcher(generator.model, settings.embeddings, settings.max_batch_tokens)
     context = names.context
 
     @app.post("/v1/embeddings")
@@ -52,14 +54,69 @@ def add_embeddings_route(app: FastAPI, generator: Any, names: ModelNames, settin
             raise APIError(400, f"dimensions: this model's embeddings have {width} dimensions; other sizes "
                                 "are not available", param="dimensions")
         inputs = _inputs(generator, body.get("input"), context)
-        vectors = await asyncio.get_running_loop().run_in_executor(
-            pool, _embed_all, generator.model, inputs, settings.embeddings, settings.max_batch_tokens)
+        vectors = await batcher.embed(inputs)
         data = [{"object": "embedding", "index": i, "embedding": _encode(v, encoding)} for i, v in enumerate(vectors)]
         tokens = sum(len(i) for i in inputs)
         return {"object": "list", "data": data, "model": model,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    app.router.on_shutdown.append(lambda: pool.shutdown(wait=False, cancel_futures=True))
+    app.router.on_shutdown.append(batcher.close)
+
+
+class EmbeddingBatcher:
+    """The embedding thread: requests queue their inputs; each round embeds everything waiting."""
+
+    def __init__(self, model: Any, pooling: str | None, max_batch_tokens: int):
+        self.model, self.pooling, self.max_batch_tokens = model, pooling or "mean", max_batch_tokens
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    async def embed(self, inputs: list[list[int]]) -> list[Any]:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="fastdecode-embed", daemon=True)
+            self._thread.start()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put((inputs, future, loop))
+        return await future
+
+    def close(self) -> None:
+        self._inbox.put(None)
+
+    def _run(self) -> None:
+        while True:
+            waiting = [self._inbox.get()]
+            while True:
+                try:
+                    waiting.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            requests = [item for item in waiting if item is not None]
+            if requests:
+                self._round(requests)
+            if len(requests) < len(waiting):  # closed
+                return
+
+    def _round(self, requests: list[tuple]) -> None:
+        every = [ids for inputs, _, _ in requests for ids in inputs]
+        try:
+            vectors, error = _embed_all(self.model, every, self.pooling, self.max_batch_tokens), None
+        except Exception as exc:  # a bug, not bad input (checked before): every waiting request fails
+            vectors, error = [], exc
+        start = 0
+        for inputs, future, loop in requests:
+            part = vectors[start : start + len(inputs)]
+            start += len(inputs)
+            loop.call_soon_threadsafe(_settle, future, part, error)
+
+
+def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
+    if future.done():  # the client went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _inputs(generator: Any, value: Any, context: int) -> list[list[int]]:
