@@ -3,10 +3,13 @@ load time, then greedy decode tokens/s at batch 1 and batch 8 on the native path
 kept, the int8-activation kernels).
 
     python benchmarks/qwen_coder_speed.py [--new-tokens 64] [--reps 2] [--threads 0]
+    python benchmarks/qwen_coder_speed.py --llama-cpp-bin DIR --threads 2   # side by side with llama-server
 
 Decode tokens/s counts generated tokens only, over the time after the first token (prompt and first
-step excluded), median over the repetitions. llama.cpp is not run here: the issue's side-by-side needs
-a ``llama-bench`` binary on the same machine (benchmarks/peers has the harness for one).
+step excluded), median over the repetitions. With ``--llama-cpp-bin`` (llama.cpp's binaries, built by
+benchmarks/peers/build_llama_cpp.sh) the same jobs also run on llama-server (8 slots, continuous
+batching) on the same file, alternating with fastdecode in every repetition: whole jobs (the prompts
+and exactly ``--new-tokens`` greedy tokens each, EOS ignored) timed end to end, and the ratio.
 """
 
 from __future__ import annotations
@@ -39,11 +42,42 @@ def decode_rate(gen, prompts: list[str], new_tokens: int, reps: int) -> float:
     return statistics.median(rates)
 
 
+def side_by_side(gen, path, bin_dir: str, threads: int, new_tokens: int, reps: int) -> None:
+    """fastdecode and llama-server on the same whole jobs, alternating; a markdown table."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import harness
+    from peers.llama_cpp import ServerPeer, find_binary
+
+    binary, missing = find_binary("llama-server", Path(bin_dir))
+    if binary is None:
+        raise SystemExit(missing)
+    prompts = [gen.tokenizer.encode(p) for p in PROMPTS]
+    peer = ServerPeer(binary, path, threads, prompts[0])
+    try:
+        rows = []
+        for batch in (1, 8):
+            jobs = prompts[:batch]
+            calls = {"fastdecode": lambda: gen.generate_ids(jobs, max_new_tokens=new_tokens,
+                                                            min_new_tokens=new_tokens),
+                     "llama.cpp": lambda: peer.call("generate", jobs, new_tokens)}
+            times, _ = harness.alternate(calls, reps, f"batch {batch}")
+            ours, theirs = harness.median(times["fastdecode"]), harness.median(times["llama.cpp"])
+            tokens = batch * new_tokens
+            rows.append([f"batch {batch}, {new_tokens} new tokens", f"{tokens / ours:.1f}", f"{tokens / theirs:.1f}",
+                         harness.fmt_ratio(theirs / ours)])
+        print(f"llama-server ready {peer.ready['load_s']:.2f} s after its start, RSS {peer.ready['rss_kib'] / 1024:.0f} MB")
+        print(harness.table(["job (whole, prompt included)", "fastdecode tok/s", "llama.cpp tok/s",
+                             "fastdecode / llama.cpp"], rows))
+    finally:
+        peer.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: all CPUs)")
+    parser.add_argument("--llama-cpp-bin", default=None, help="llama.cpp's binaries: also run llama-server")
     args = parser.parse_args(argv)
 
     import torch
@@ -62,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     for batch in (1, 8):
         rate = decode_rate(gen, PROMPTS[:batch], args.new_tokens, args.reps)
         print(f"batch {batch}: {rate:.1f} tok/s")
+    if args.llama_cpp_bin:
+        side_by_side(gen, path, args.llama_cpp_bin, args.threads or torch.get_num_threads(), args.new_tokens,
+                     args.reps)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "fl
         checkpoint = load_hf_folder(path, torch_dtype, torch_device)
     elif path.suffix.lower() == ".gguf":
         from .loading.gguf import load_gguf
+        from .loading.quantize import check_gguf_quantize
 
+        check_gguf_quantize(path, quantize)
         checkpoint = load_gguf(path, torch_dtype, torch_device, native=quantize != "dequantize",
                                cached=quantize is None)
     else:
@@ -126,6 +128,8 @@ class Generator:
         return GenerationConfig.from_options(self.defaults, **options)
 
     def _eos_ids(self, config: GenerationConfig) -> list[int]:
+        if config.ignore_eos:  # nothing stops the sequence but max_new_tokens (and stop strings)
+            return []
         explicit = config.eos_token_ids_or_none()
         if explicit is not None:
             return explicit
@@ -252,7 +256,8 @@ class Generator:
         search, streaming caches (n_ctx) and the naive reference (use_cache=False) keep their own loops."""
         return config.num_beams == 1 and config.n_ctx is None and config.use_cache
 
-    def _submit_all(self, prompts: list, config: GenerationConfig) -> tuple[Engine, list[EngineSequence]]:
+    def _submit_all(self, prompts: list, config: GenerationConfig,
+                    logprobs: int | None = None) -> tuple[Engine, list[EngineSequence]]:
         """One engine sized for this call, every request submitted ("submit everything, step until
         done"). Each sequence samples with its own seed (``sequence_seeds``: the same for a prompt
         alone or in a batch)."""
@@ -272,7 +277,7 @@ class Generator:
                                   self.config.kv_cache_bytes_per_token(itemsize))
         engine = Engine(self, max_queue=len(repeated), cache_tokens=cache_tokens, source_tokens=source_tokens)
         single = dataclasses.replace(config, num_return_sequences=1, seed=None)
-        sequences = [engine.add(p, single, seeds and seeds[i]) for i, p in enumerate(repeated)]
+        sequences = [engine.add(p, single, seeds and seeds[i], logprobs=logprobs) for i, p in enumerate(repeated)]
         return engine, sequences
 
     # -- token API ---------------------------------------------------------------------------
@@ -292,6 +297,10 @@ class Generator:
         stops = config.stop_strings()
         if stops:
             self._require_tokenizer()
+        if config.best_of is not None and config.is_sampling and config.best_of > config.num_return_sequences:
+            from .generation.best_of import best_of_results
+
+            return best_of_results(self, list(prompts), config, lambda: _check_stop(should_stop))
         if self._runs_in_engine(config):
             engine, sequences = self._submit_all(list(prompts), config)
             while engine.has_work():

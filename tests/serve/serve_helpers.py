@@ -54,15 +54,18 @@ CHAT_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
 
 
 def tiny_chat_generator(seed: int = 0, quantize: str | None = None, family: str = "llama",
-                        chat_template: str = CHATML):
+                        chat_template: str = CHATML, extra_specials: tuple[str, ...] = (),
+                        max_positions: int = 256):
     """A fastdecode Generator: tiny random decoder (Llama, or another of ``CHAT_FAMILIES``) + trained
-    BPE with <|im_end|> as EOS and ChatML, or ``chat_template`` (``quantize``: as ``from_hf``'s)."""
+    BPE with <|im_end|> as EOS and ChatML, or ``chat_template`` (``quantize``: as ``from_hf``'s;
+    ``extra_specials``: more special tokens in the vocabulary, e.g. fill-in-the-middle ones;
+    ``max_positions``: its context)."""
     import torch
     import transformers as tf
 
     import fastdecode
 
-    backend = hf_tokenizer(320, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    backend = hf_tokenizer(320, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_specials])
     tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>",
                                            eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.chat_template = chat_template
@@ -70,7 +73,7 @@ def tiny_chat_generator(seed: int = 0, quantize: str | None = None, family: str 
     config_class, model_class, options = CHAT_FAMILIES[family]
     config = getattr(tf, config_class)(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=112,
                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                       max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+                                       max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, pad_token_id=None,
                                        tie_word_embeddings=False, **options)
     model = getattr(tf, model_class)(config).eval()
     with torch.no_grad():  # a peaked output layer: varied, not uniform, token choices

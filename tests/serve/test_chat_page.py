@@ -65,8 +65,7 @@ def test_chat_page_streams_an_answer_keeps_the_conversation_and_stops(server, ch
     browser.find_element(By.ID, "input").send_keys(question)
     browser.find_element(By.ID, "send").click()
     wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".message.assistant[data-done]"))
-    answer = browser.execute_script(
-        "return document.querySelector('.message.assistant .content').textContent")
+    answer = browser.execute_script("return document.querySelector('.message.assistant').raw")  # the text as sent
     conversation = [{"role": "user", "content": question}]
     assert answer == chat_generator.generate(conversation, max_new_tokens=12)
     assert "tokens/s" in browser.find_element(By.ID, "stats").text
@@ -76,8 +75,7 @@ def test_chat_page_streams_an_answer_keeps_the_conversation_and_stops(server, ch
     browser.find_element(By.ID, "input").send_keys("And Germany?")
     browser.find_element(By.ID, "send").click()
     wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".message.assistant[data-done]")) == 2)
-    second = browser.execute_script(
-        "return document.querySelectorAll('.message.assistant .content')[1].textContent")
+    second = browser.execute_script("return document.querySelectorAll('.message.assistant')[1].raw")
     conversation += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And Germany?"}]
     assert second == chat_generator.generate(conversation, max_new_tokens=12)
 
@@ -90,11 +88,64 @@ def test_chat_page_streams_an_answer_keeps_the_conversation_and_stops(server, ch
     generated = server.service.metrics.generated_tokens._value.get()
     browser.find_element(By.ID, "input").send_keys("Tell me a long story")
     browser.find_element(By.ID, "send").click()
-    wait_for(lambda: browser.execute_script("return document.body.dataset.state") == "streaming")
-    browser.find_element(By.ID, "stop").click()
+    # Stop as soon as the reply streams (in the page itself: a tiny model's 200 tokens take ~0.3 s)
+    wait_for(lambda: browser.execute_script(
+        "if (document.body.dataset.state !== 'streaming') return false;"
+        "document.getElementById('stop').click(); return true;"))
     wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".message.assistant[data-done]"))
     assert "stopped" in browser.find_element(By.ID, "stats").text
     wait_for(lambda: server.service.active_sequences() == 0, timeout=10)
     assert server.service.metrics.generated_tokens._value.get() - generated < 200  # cancelled, not finished
     browser.save_screenshot(str(tmp_path / "chat-stopped.png"))
     print(f"screenshots: {tmp_path / 'chat.png'}, {tmp_path / 'chat-stopped.png'}")
+
+
+FENCED = "Here is the function:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nIt **adds**. <img src=x onerror=alert(1)>"
+
+
+def test_chat_page_renders_markdown_keeps_chats_and_uses_the_system_prompt(server, chat_generator, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    browser.get(server.base + "/")
+    wait_for(lambda: browser.find_element(By.ID, "model").text)
+    browser.find_element(By.ID, "system").send_keys("You are terse.")
+    max_tokens = browser.find_element(By.ID, "max-tokens")
+    max_tokens.clear()
+    max_tokens.send_keys("10")
+    temperature = browser.find_element(By.ID, "temperature")
+    temperature.clear()
+    temperature.send_keys("0")
+    browser.find_element(By.ID, "input").send_keys("Hello there")
+    browser.find_element(By.ID, "send").click()
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".message.assistant[data-done]"))
+    answer = browser.execute_script("return document.querySelector('.message.assistant').raw")
+    conversation = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}]
+    assert answer == chat_generator.generate(conversation, max_new_tokens=10)  # the system prompt was sent
+
+    # A reload finds the conversation (localStorage) and lists it among the chats.
+    browser.refresh()
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".message.assistant[data-done]"))
+    assert browser.execute_script("return document.querySelector('.message.assistant').raw") == answer
+    assert browser.find_element(By.ID, "system").get_attribute("value") == "You are terse."
+    assert [b.text for b in browser.find_elements(By.CSS_SELECTOR, "#history button")] == ["Hello there"]
+
+    # A stored reply with a code fence renders as <pre><code> (monospace, with a copy button), sanitized.
+    browser.execute_script("""
+        const store = JSON.parse(localStorage.getItem("fastdecode.chats"));
+        store.chats["fenced"] = {title: "code", system: "", updated: Date.now(),
+                                 messages: [{role: "user", content: "Write add"}, {role: "assistant", content: arguments[0]}]};
+        store.current = "fenced";
+        localStorage.setItem("fastdecode.chats", JSON.stringify(store));""", FENCED)
+    browser.refresh()
+    code = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".message.assistant pre > code"))[0]
+    assert code.text == "def add(a, b):\n    return a + b"
+    assert "monospace" in code.value_of_css_property("font-family")
+    assert browser.find_elements(By.CSS_SELECTOR, ".message.assistant pre > button.copy")
+    assert browser.find_element(By.CSS_SELECTOR, ".message.assistant strong").text == "adds"
+    assert not browser.find_elements(By.CSS_SELECTOR, ".message.assistant img[onerror]")  # DOMPurify
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#history button")) == 2
+    browser.save_screenshot(str(tmp_path / "chat-markdown.png"))
+    print(f"screenshot: {tmp_path / 'chat-markdown.png'}")
+    # the older chat opens again from the list
+    browser.find_elements(By.CSS_SELECTOR, "#history button")[1].click()
+    assert browser.execute_script("return document.querySelector('.message.assistant').raw") == answer

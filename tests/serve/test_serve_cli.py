@@ -91,3 +91,33 @@ def test_cli_rejects_bad_settings_in_one_line(model_folder):
     assert result.exit_code == 2
     assert result.output.strip().startswith("error:") and "n_ctx" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_cli_passes_the_api_surface_flags(model_folder, monkeypatch):
+    from click.testing import CliRunner
+
+    import fastdecode.serve.server as server_module
+    from fastdecode.cli import main
+
+    seen = {}
+    monkeypatch.setattr(server_module, "run", lambda generator, host, port, **settings: seen.update(settings) or 0)
+    result = CliRunner().invoke(main, ["serve", "-m", str(model_folder), "--served-model-name", "a",
+                                       "--served-model-name", "b", "--strict-model-name", "--allowed-origins",
+                                       "http://x.test,http://y.test", "--embeddings", "--pooling", "last", "--lenient"])
+    assert result.exit_code == 0, result.output
+    assert (seen["model_name"], seen["model_aliases"], seen["strict_model_name"]) == ("a", ("b",), True)
+    assert seen["allowed_origins"] == ("http://x.test", "http://y.test")
+    assert (seen["embeddings"], seen["lenient"]) == ("last", True)
+    result = CliRunner().invoke(main, ["serve", "-m", str(model_folder)])
+    assert seen["embeddings"] is None and seen["model_name"] == model_folder.name and not seen["lenient"]
+
+
+def test_ray_refuses_the_options_its_ingress_does_not_serve(model_folder):
+    from click.testing import CliRunner
+
+    from fastdecode.cli import main
+
+    result = CliRunner().invoke(main, ["serve", "-m", str(model_folder), "--ray", "--embeddings", "--lenient",
+                                       "--allowed-origins", "http://x.test"])
+    assert result.exit_code == 2
+    assert "--embeddings, --lenient, --allowed-origins: not available with --ray" in result.output

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from ..errors import InvalidOptionError
 from .errors import handle_errors
 from .options import load_settings, model_options
 from .serve_ray import ray_serve_options, ray_serve_values, run_on_ray
@@ -41,12 +42,24 @@ from .serve_ray import ray_serve_options, ray_serve_values, run_on_ray
               help="Seconds an idle keep-alive connection stays open.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Open connections; a new one beyond it gets 503 + Retry-After and is closed.")
-@click.option("--model-name", default=None, help="The model id clients send (default: the file or folder name).")
+@click.option("--embeddings", is_flag=True, default=False, help="Serve POST /v1/embeddings.")
+@click.option("--pooling", type=click.Choice(["mean", "last"]), default="mean", show_default=True,
+              help="Embeddings: the mean of the final hidden states, or the last token's.")
+@click.option("--lenient", is_flag=True, default=False,
+              help="Log and ignore request fields fastdecode does not know (default: a 400 naming the field).")
+@click.option("--model-name", "--served-model-name", "model_names", multiple=True,
+              help="A name the model answers to (repeat for aliases; the first is the one responses carry; "
+                   "default: the file or folder name).")
+@click.option("--strict-model-name", is_flag=True, default=False,
+              help="Answer 404 to a request for another model name (default: one model answers any name).")
+@click.option("--allowed-origins", "allowed_origins", multiple=True,
+              help="Browser origins allowed to call the API across origins (CORS; repeat, or comma-separated; "
+                   "'*' for any). Default: none.")
 @ray_serve_options
 @model_options
 @handle_errors
-def serve(model: str | None, device: str, dtype: str, host: str, port: int, model_name: str | None,
-          context_overflow: str | None, **kwargs: Any) -> None:
+def serve(model: str | None, device: str, dtype: str, host: str, port: int, model_names: tuple[str, ...],
+          allowed_origins: tuple[str, ...], context_overflow: str | None, **kwargs: Any) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with a web chat page at /.
 
     With --ray, the same API on Ray Serve: an ingress in front of model replicas (one engine each).
@@ -56,10 +69,22 @@ def serve(model: str | None, device: str, dtype: str, host: str, port: int, mode
 
     ray_address, replica_options = ray_serve_values(kwargs)
     overflow = context_overflow or ("shift" if kwargs["n_ctx"] is not None else "error")
-    name = model_name or Path(model or default_model_path()).name.removesuffix(".gguf")
+    pooling = kwargs.pop("pooling")
+    kwargs["embeddings"] = pooling if kwargs.pop("embeddings") else None
+    names = list(model_names) or [Path(model or default_model_path()).name.removesuffix(".gguf")]
+    origins = tuple(o.strip() for value in allowed_origins for o in value.split(",") if o.strip())
     if ray_address is not None:
+        extras = {"--embeddings": kwargs["embeddings"], "--lenient": kwargs["lenient"], "--allowed-origins": origins,
+                  "--strict-model-name": kwargs["strict_model_name"], "several --served-model-name": names[1:]}
+        used = [flag for flag, value in extras.items() if value]
+        if used:
+            raise InvalidOptionError(f"{', '.join(used)}: not available with --ray yet (its ingress serves the "
+                                     "completion and chat routes)")
         load = load_settings(model, device, dtype, kwargs)
-        sys.exit(run_on_ray(load, ray_address, replica_options, host, port, model_name=name,
+        for name in ("embeddings", "lenient", "strict_model_name"):
+            kwargs.pop(name)
+        sys.exit(run_on_ray(load, ray_address, replica_options, host, port, model_name=names[0],
                             context_overflow=overflow, **kwargs))
     generator = load_settings(model, device, dtype, kwargs).load()
-    sys.exit(run(generator, host, port, model_name=name, context_overflow=overflow, **kwargs))
+    sys.exit(run(generator, host, port, model_name=names[0], model_aliases=tuple(names[1:]), allowed_origins=origins,
+                 context_overflow=overflow, **kwargs))

@@ -15,7 +15,7 @@ from ..validation import is_finite, is_int
 SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes 0 <= seed < 2**64
 INT_OPTION_LIMIT = 1 << 62  # any integer option past this would overflow a tensor index first
 INT_OPTIONS = ("max_new_tokens", "min_new_tokens", "top_k", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
-               "num_beams", "num_return_sequences", "n_ctx", "n_keep", "n_discard")
+               "num_beams", "num_return_sequences", "n_ctx", "n_keep", "n_discard", "best_of")
 
 
 @dataclass
@@ -29,6 +29,14 @@ class GenerationConfig:
     top_k: int | None = None
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    # OpenAI's additive penalties on the tokens generated so far: logit -= frequency * count + presence * (count > 0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's range -100..100)
+    min_p: float = 0.0  # sampling: drop tokens less likely than min_p times the most likely one
+    ignore_eos: bool = False  # EOS neither stops generation nor counts as special: max_new_tokens sets the length
+    # Sampling: best_of candidates per prompt, the num_return_sequences with the highest cumulative logprob returned
+    best_of: int | None = None
     no_repeat_ngram_size: int = 0
     encoder_no_repeat_ngram_size: int = 0  # encoder-decoder only: never copy an n-gram of the source
     num_beams: int = 1
@@ -64,6 +72,8 @@ class GenerationConfig:
         # None means "the default" except where None is itself a meaningful value.
         nullable = {f.name for f in dataclasses.fields(cls) if f.default is None} | {"max_new_tokens"}
         values.update({k: v for k, v in options.items() if v is not None or k in nullable})
+        if values.get("seed") == -1:  # OpenAI / vLLM clients send -1 for "random"
+            values["seed"] = None
         config = cls(**values)
         config.validate()
         return config
@@ -97,6 +107,7 @@ class GenerationConfig:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        self._validate_openai_processors(bad)
         if not is_int(self.no_repeat_ngram_size) or self.no_repeat_ngram_size < 0:
             raise bad(f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
         if not is_int(self.encoder_no_repeat_ngram_size) or self.encoder_no_repeat_ngram_size < 0:
@@ -137,6 +148,32 @@ class GenerationConfig:
             from ..constraints.forms import response_format_from
 
             response_format_from(self.response_format)
+
+    def _validate_openai_processors(self, bad) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_finite(value) or not -2.0 <= value <= 2.0:
+                raise bad(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not is_finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.best_of is not None:
+            if not is_int(self.best_of) or self.best_of < 1:
+                raise bad(f"best_of must be an integer >= 1, got {self.best_of!r}")
+            if self.best_of < self.num_return_sequences:
+                raise bad(f"best_of ({self.best_of}) must be >= num_return_sequences ({self.num_return_sequences})")
+            if self.num_beams > 1 or self.n_ctx is not None or not self.use_cache:
+                raise bad("best_of ranks sampled candidates in the engine: not with beam search, n_ctx or "
+                          "use_cache=False")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                if not is_int(token) or not 0 <= token <= INT_OPTION_LIMIT:
+                    raise bad(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                if not is_finite(bias) or not -100.0 <= bias <= 100.0:
+                    raise bad(f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}")
 
     def _validate_beams(self, bad) -> None:
         if self.num_return_sequences > self.num_beams:

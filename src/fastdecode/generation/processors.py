@@ -1,7 +1,8 @@
 """Logits processors and warpers: pure tensor -> tensor functions, batched, no host sync.
 
-Semantics and order follow Hugging Face ``generate()``: repetition penalty, min-new-tokens EOS
-suppression, forced BOS / EOS (encoder-decoder configs), then (sampling only) temperature, top-k, top-p.
+Semantics and order follow Hugging Face ``generate()``: repetition penalty, OpenAI's presence /
+frequency penalties and logit bias, min-new-tokens EOS suppression, forced BOS / EOS (encoder-decoder
+configs), then (sampling only) temperature, top-k, top-p, min-p.
 """
 
 from __future__ import annotations
@@ -16,6 +17,27 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     """
     penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
     return torch.where(seen, penalized, logits)
+
+
+def apply_presence_frequency_penalty(logits: torch.Tensor, counts: torch.Tensor, presence: float,
+                                     frequency: float) -> torch.Tensor:
+    """OpenAI's additive penalties: logits [B, V] minus ``frequency * count + presence * (count > 0)``,
+    counts [B, V] float (how often each token was generated so far)."""
+    return logits - counts * frequency - (counts > 0).to(logits.dtype) * presence
+
+
+def dense_logit_bias(bias: dict[int, float], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """{token id: bias} -> a [V] float tensor added to every row's logits."""
+    dense = torch.zeros(vocab_size, dtype=torch.float32)
+    dense[torch.tensor(list(bias), dtype=torch.long)] = torch.tensor(list(bias.values()), dtype=torch.float32)
+    return dense.to(device)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's most likely token's
+    (logits [B, V]; compared in log space: logit < max + log(min_p))."""
+    threshold = logits.max(dim=-1, keepdim=True).values + torch.log(torch.tensor(min_p))  # [B, 1]
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def suppress_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,12 @@ from ..constraints import CompiledGrammar, GrammarState
 from ..errors import InvalidOptionError
 from .processors import (
     PAD,
+    apply_min_p,
+    apply_presence_frequency_penalty,
     apply_repetition_penalty,
     apply_top_k,
     apply_top_p,
+    dense_logit_bias,
     encoder_no_repeat_ngram_mask,
     force_tokens,
     no_repeat_ngram_mask,
@@ -50,6 +53,14 @@ class TokenSelector:
         self.history: torch.Tensor | None = None
         self.sources: torch.Tensor | None = None
         self.generators: list[torch.Generator] | None = None  # one per row (sampling only)
+        self.counts: torch.Tensor | None = None  # [N, V] float: generated tokens (presence / frequency penalty)
+        self.bias: torch.Tensor | None = None  # [V] float: logit_bias
+        if config.logit_bias:
+            too_large = [t for t in config.logit_bias if t >= vocab_size]
+            if too_large:
+                raise InvalidOptionError(f"logit_bias names token id {too_large[0]}, past the vocabulary "
+                                         f"({vocab_size} tokens)")
+            self.bias = dense_logit_bias(config.logit_bias, vocab_size, device)
         # A constrained generation: one grammar state per row (None: unconstrained, no work at all).
         self.grammar = grammar
         self.grammar_states: list[GrammarState] | None = None
@@ -72,6 +83,8 @@ class TokenSelector:
             self.history = pad_rows(prompts, device)
         if cfg.encoder_no_repeat_ngram_size > 0 and sources is not None:
             self.sources = pad_rows(sources, device)
+        if cfg.presence_penalty or cfg.frequency_penalty:
+            self.counts = torch.zeros(len(prompts), self.vocab_size, dtype=torch.float32, device=device)
         if cfg.repetition_penalty == 1.0:
             return
         self.seen = torch.zeros(len(prompts), self.vocab_size, dtype=torch.bool, device=device)
@@ -87,6 +100,8 @@ class TokenSelector:
             self.history = self.history.index_select(0, rows)
         if self.sources is not None:
             self.sources = self.sources.index_select(0, rows)
+        if self.counts is not None:
+            self.counts = self.counts.index_select(0, rows)
         if self.generators is not None:
             self.generators = [self.generators[row] for row in rows.tolist()]
         if self.grammar_states is not None:  # a row taken twice (two beams from one) forks its state
@@ -104,6 +119,8 @@ class TokenSelector:
             self.seen.scatter_(1, tokens[:, None], True)  # row i's token seen (no host copy of the value on a GPU)
         if self.history is not None:
             self.history = torch.cat([self.history, tokens[:, None]], dim=1)  # [N, L+1]
+        if self.counts is not None:
+            self.counts[torch.arange(tokens.shape[0], device=tokens.device), tokens] += 1.0
         if self.grammar_states is not None:
             for state, token in zip(self.grammar_states, tokens.tolist()):
                 state.advance(token)
@@ -116,6 +133,11 @@ class TokenSelector:
             logits = self._grammar_masked(logits)
         if self.seen is not None:
             logits = apply_repetition_penalty(logits, self.seen, cfg.repetition_penalty)
+        if self.counts is not None:
+            logits = apply_presence_frequency_penalty(logits, self.counts, cfg.presence_penalty,
+                                                      cfg.frequency_penalty)
+        if self.bias is not None:
+            logits = logits + self.bias
         if cfg.no_repeat_ngram_size > 0:
             banned = no_repeat_ngram_mask(self.history, cfg.no_repeat_ngram_size, logits.shape[-1])
             logits = logits.masked_fill(banned, float("-inf"))
@@ -135,7 +157,8 @@ class TokenSelector:
         it does, else None: a processor that changes scores in another way is active (beam search's
         one-pass step, layers/beam_search.cpp, serves only the first case)."""
         cfg = self.config
-        if (self.seen is not None or self.grammar_states is not None or cfg.no_repeat_ngram_size > 0
+        if (self.seen is not None or self.counts is not None or self.bias is not None
+                or self.grammar_states is not None or cfg.no_repeat_ngram_size > 0
                 or self._forced(num_generated) is not None
                 or (cfg.encoder_no_repeat_ngram_size > 0 and self.sources is not None)):
             return None
@@ -146,6 +169,7 @@ class TokenSelector:
         active), so an engine may pick many such rows with one argmax."""
         cfg = self.config
         return (not cfg.is_sampling and self.seen is None and self.history is None
+                and self.counts is None and self.bias is None
                 and not (num_generated < cfg.min_new_tokens and self.eos_ids.numel())
                 and self.grammar_states is None and self._forced(num_generated) is None)
 
@@ -185,6 +209,8 @@ class TokenSelector:
                 logits = apply_top_k(logits, cfg.top_k)
             if cfg.top_p < 1.0:
                 logits = apply_top_p(logits, cfg.top_p)
+            if cfg.min_p > 0.0:
+                logits = apply_min_p(logits, cfg.min_p)
             tokens = sample_rows(logits.softmax(dim=-1), self.generators)
         else:
             tokens = logits.argmax(dim=-1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import torch
 
@@ -29,6 +30,29 @@ INT8_SEQ2SEQ_ACTIVATIONS = True
 def check_quantize(quantize: str | None) -> None:
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise InvalidOptionError(f"quantize must be None or one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
+
+
+FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def check_gguf_quantize(path, quantize: str | None) -> None:
+    """``quantize="int8" | "int4"`` on a GGUF whose matrices are already quantized blocks is refused
+    (read from the header only, before loading): those blocks run natively and would stay as they
+    are, so the option would change nothing but the few float matrices."""
+    if quantize not in ("int8", "int4"):
+        return
+    from .gguf_file import GGUFFile
+
+    matrices = [info.type_name for info in GGUFFile(path).tensors.values() if len(info.shape) == 2]
+    quantized = sorted({t for t in matrices if t not in FLOAT_GGUF_TYPES})
+    if not quantized:
+        return
+    counts = ", ".join(f"{matrices.count(t)} {t}" for t in sorted(set(matrices)))
+    raise InvalidOptionError(
+        f"{Path(path).name} is already quantized: its {len(matrices)} matrices are {counts}; quantize={quantize!r} "
+        f"would leave the {', '.join(quantized)} blocks as they are (they run natively) and change nothing that "
+        "matters. Leave quantize out to run the file's blocks, use quantize='dequantize' to decode them to the "
+        f"dtype, or give a float (F16 / BF16 / F32) GGUF or a Hugging Face folder to quantize to {quantize}")
 
 
 def apply_quantize(checkpoint, quantize: str | None):

@@ -125,7 +125,7 @@ class BloomModel(ModelBase):
     @one_thread_except_big_ops
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | NoCache,
                 mask: torch.Tensor | None, all_logits: bool = False,
-                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                logits_at: torch.Tensor | None = None, hidden: bool = False) -> torch.Tensor:
         """Same contract as ``LlamaModel.forward``: logits [B, T or 1, V]."""
         cfg = self.config
         B, T = tokens.shape
@@ -148,4 +148,6 @@ class BloomModel(ModelBase):
             x = residual + linear(up, layer.down, layer.down_bias)
         x = self.output_rows(x, all_logits, logits_at)
         x = F.layer_norm(x, (C,), *self.norm, cfg.norm_eps)
+        if hidden:  # the final-normed hidden states [B, T or K or 1, C] (embeddings)
+            return x
         return linear(x, self.lm_head)  # [B, T or 1, V]

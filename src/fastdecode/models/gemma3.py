@@ -290,6 +290,7 @@ class Gemma3Model(ModelBase):
         mask: torch.Tensor | None,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """tokens, positions [B, T]; mask: additive causal/padding [B, 1, T, S] or None (sliding
         layers add their window). Returns logits [B, T, V] if ``all_logits``, [B, K, V] at the token
@@ -314,6 +315,8 @@ class Gemma3Model(ModelBase):
             mlp = linear(gated(layer.gate_up(h), cfg.hidden_act), layer.down)  # [B, T, C]
             # the last block's output goes through the final norm (row-wise, so before output_rows)
             x, h = add_rms_norm(x, mlp, next_norm, eps, layer.post_mlp_norm)
+        if hidden:  # the final-normed hidden states [B, T or K or 1, C] (embeddings)
+            return self.output_rows(h, all_logits, logits_at)
         logits = linear(self.output_rows(h, all_logits, logits_at), self.lm_head)  # [B, T or 1, V]
         cap = cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -174,6 +174,7 @@ class GPT2Model(ModelBase):
         mask: torch.Tensor | None,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """Same contract as ``LlamaModel.forward``: logits [B, T or 1, V]."""
         cfg = self.config
@@ -192,4 +193,6 @@ class GPT2Model(ModelBase):
             x = x + linear(up, layer.down, layer.down_bias)
         x = self.output_rows(x, all_logits, logits_at)
         x = F.layer_norm(x, (C,), self.norm[0], self.norm[1], cfg.norm_eps)
+        if hidden:  # the final-normed hidden states [B, T or K or 1, C] (embeddings)
+            return x
         return linear(x, self.lm_head)  # [B, T or 1, V]

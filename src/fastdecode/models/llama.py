@@ -211,6 +211,7 @@ class LlamaModel(ModelBase):
         mask: torch.Tensor | None,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """tokens, positions [B, T]; the cache stores this forward's K/V and attends over its slots
         (``NoCache``: within these tokens only). mask: additive [B, 1, T, S] or None.
@@ -247,5 +248,7 @@ class LlamaModel(ModelBase):
                 mlp = mlp * residual_scale
             # the last block's output goes through the final norm (row-wise, so before output_rows)
             x, h = add_rms_norm(x, mlp, next_norm, cfg.norm_eps)
+        if hidden:  # the final-normed hidden states [B, T or K or 1, C] (embeddings)
+            return self.output_rows(h, all_logits, logits_at)
         logits = linear(self.output_rows(h, all_logits, logits_at), self.lm_head)  # [B, T or 1, V]
         return logits if cfg.logits_divisor == 1.0 else logits / cfg.logits_divisor  # Granite's logits_scaling

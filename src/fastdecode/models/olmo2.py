@@ -186,6 +186,7 @@ class Olmo2Model(ModelBase):
         mask: torch.Tensor | None,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """tokens, positions [B, T]; mask: additive [B, 1, T, S] or None. Returns logits [B, T, V] if
         ``all_logits``, [B, K, V] at the token indices ``logits_at`` [K], else [B, 1, V].
@@ -208,4 +209,6 @@ class Olmo2Model(ModelBase):
             mlp = linear(gated(layer.gate_up(x), cfg.hidden_act), layer.down)  # [B, T, C]
             x = x + rms_norm(mlp, layer.post_mlp_norm, eps)
         h = rms_norm(self.output_rows(x, all_logits, logits_at), self.norm, eps)  # [B, T or K or 1, C]
+        if hidden:  # the final-normed hidden states (embeddings)
+            return h
         return linear(h, self.lm_head)  # [B, T or K or 1, V]

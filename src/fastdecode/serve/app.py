@@ -10,24 +10,36 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from .anthropic_api import PATH as MESSAGES_PATH
+from .anthropic_api import add_messages_route, anthropic_error
 from .body import read_json_body, too_large
+from .echo import EchoedPrompt, echo_chunk, echoed_prompts, prepend_echo
+from .embeddings import add_embeddings_route
+from .extras import apply_extras, best_choices, parse_extras
+from .fields import check_fields
 from .lifetime import ConnectionLifetime, lifetime_of
 from .metrics import ServerMetrics
+from .names import ModelNames
+from .request_id import RequestId
+from .responses_api import add_responses_route
 from .protocol import APIError, GenerationRequest, parse_request
 from .responses import ChoiceState, ResponseBuilder
 from .service import GenerationService, RunningRequest, ServeSettings
+from .utility_routes import TOKEN_ROUTES, add_token_routes
 from .structured import attach_constraints
 from .tool_calls import ToolCallParser, parse_tool_calls
 
 log = logging.getLogger("fastdecode.serve")
+VENDORED = {"marked.umd.js": "text/javascript", "purify.min.js": "text/javascript",
+            "marked.LICENSE.txt": "text/plain", "dompurify.LICENSE.txt": "text/plain"}
 
 
 def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI:
@@ -40,8 +52,14 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
                   lifespan=_lifespan(service), redirect_slashes=False)
     app.state.service, app.state.settings, app.state.metrics = service, settings, metrics
 
+    names = ModelNames([settings.model_name, *settings.model_aliases], settings.strict_model_name, service.context)
+    app.state.names = names
     app.add_middleware(ConnectionLifetime)
     app.add_middleware(_Guard, settings=settings, metrics=metrics)
+    if settings.allowed_origins:  # outside the key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id"], max_age=600)
+    app.add_middleware(RequestId)
 
     add_error_handlers(app)
 
@@ -49,7 +67,15 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
     async def chat_page() -> HTMLResponse:
         return HTMLResponse(resources.files("fastdecode.serve").joinpath("static/chat.html").read_text("utf-8"))
 
+    @app.get("/static/vendor/{name}")
+    async def vendored(name: str) -> Response:  # the page's libraries (static/vendor/README.md), a fixed list
+        if name not in VENDORED:
+            raise APIError(404, f"no route GET /static/vendor/{name}", code="not_found")
+        text = resources.files("fastdecode.serve").joinpath(f"static/vendor/{name}").read_text("utf-8")
+        return Response(text, media_type=VENDORED[name], headers={"Cache-Control": "public, max-age=86400"})
+
     @app.get("/health")
+    @app.get("/v1/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": settings.model_name,
                 "running_sequences": service.active_sequences()}
@@ -60,9 +86,16 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        model = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "fastdecode",
-                 "max_model_len": service.context}
-        return {"object": "list", "data": [model]}
+        return names.listing()
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        return names.retrieve(name)
+
+    add_token_routes(app, generator, settings.max_body_bytes)
+    add_embeddings_route(app, generator, names, settings)
+    add_messages_route(app, service, names, settings)
+    add_responses_route(app, service, names, settings)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -74,21 +107,31 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
 
     async def _generate(request: Request, endpoint: str) -> Response:
         body = await read_json_body(request, settings.max_body_bytes)
-        parsed = parse_request(body, endpoint, settings.model_name)
+        check_fields(body, endpoint, settings.lenient)
+        body = apply_extras(body)
+        served = names.resolve(body.get("model"))
+        parsed = parse_request({**body, "model": served} if isinstance(body.get("model"), str) else body, endpoint,
+                               served)
+        parse_extras(body, parsed)
         attach_constraints(parsed, body)
         prompts = service.encode(parsed)
+        echoed = await echoed_prompts(generator, prompts, parsed.logprobs) if parsed.echo else None
         running = await service.start_request(parsed, prompts)
         lifetime_of(request).on_disconnect(running.cancel)  # every route, streamed or not
-        builder = ResponseBuilder(endpoint, settings.model_name, generator.tokenizer, parsed.logprobs)
+        builder = ResponseBuilder(endpoint, served, generator.tokenizer, parsed.logprobs)
         if parsed.stream:
-            return StreamingResponse(_sse(running, parsed, builder), media_type="text/event-stream",
+            return StreamingResponse(_sse(running, parsed, builder, echoed), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        choices = {i: ChoiceState(i) for i in range(len(running.prompt_lengths) * parsed.n)}
+        choices = {i: ChoiceState(i) for i in range(len(running.prompt_lengths) * parsed.candidates)}
         async for piece in running.pieces():
             choices[piece.index].add(piece)
         if running.cancelled:  # the client went away: nothing to answer
             return Response(status_code=499)
         ordered = [choices[i] for i in sorted(choices)]
+        if parsed.candidates > parsed.n:
+            ordered = best_choices(ordered, parsed.n, parsed.candidates)
+        if echoed is not None:
+            prepend_echo(ordered, echoed, parsed.n)
         if parsed.tools is not None and parsed.tools.parses_output:
             for choice in ordered:
                 content, calls = parse_tool_calls(choice.text, parsed.tools.names)
@@ -103,7 +146,9 @@ def add_error_handlers(app: FastAPI) -> None:
     """Every error answered as an OpenAI error object (also used by the speech app, audio.py)."""
 
     @app.exception_handler(APIError)
-    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        if request.url.path == MESSAGES_PATH:  # Anthropic's clients read Anthropic's error shape
+            return JSONResponse(anthropic_error(exc), status_code=exc.status, headers=exc.headers)
         return _error_response(exc)
 
     @app.exception_handler(404)
@@ -116,18 +161,24 @@ def add_error_handlers(app: FastAPI) -> None:
                                         code="method_not_allowed"))
 
     @app.exception_handler(Exception)
-    async def internal(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return _error_response(APIError(500, f"internal error: {exc}", "server_error", code="internal_error"))
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        # answered outside the middleware stack (Starlette's outermost layer): the request id is added here
+        request_id = request.scope.get("state", {}).get("request_id", "")
+        log.exception("unhandled error (request %s)", request_id)
+        return _error_response(APIError(500, f"internal error: {exc}", "server_error", code="internal_error",
+                                        headers={"x-request-id": request_id} if request_id else None))
 
 
-async def _sse(running: RunningRequest, request: GenerationRequest, builder: ResponseBuilder) -> AsyncIterator[str]:
+async def _sse(running: RunningRequest, request: GenerationRequest, builder: ResponseBuilder,
+               echoed: list[EchoedPrompt] | None) -> AsyncIterator[str]:
     """Server-sent events: one ``data: {chunk}`` per piece, usage if asked, then ``data: [DONE]``.
-    An error after the stream started is sent as an ``error`` object, then the stream ends."""
+    An error after the stream started is sent as an ``error`` object, then the stream ends.
+    (A streamed request has as many candidates as choices: best_of > n is refused.)"""
     choices = {i: ChoiceState(i) for i in range(len(running.prompt_lengths) * request.n)}
     try:
         for index in sorted(choices):
-            first = builder.first_chunk(index)
+            first = builder.first_chunk(index) if echoed is None else echo_chunk(builder, index,
+                                                                                 echoed[index // request.n])
             if first is not None:
                 yield _event(first)
         tool_parsers = ({i: ToolCallParser(request.tools.names) for i in choices}
@@ -206,8 +257,9 @@ class _Guard:
 
         try:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-            if scope["path"].startswith("/v1/") and self.settings.api_key is not None:
-                _check_key(headers.get("authorization", ""), self.settings.api_key)
+            keyed = scope["path"].startswith("/v1/") or scope["path"] in TOKEN_ROUTES
+            if keyed and self.settings.api_key is not None and scope["method"] != "OPTIONS":
+                _check_key(headers.get("authorization", ""), headers.get("x-api-key"), self.settings.api_key)
             if scope["method"] == "POST":
                 _check_declared_size(headers.get("content-length"), self.settings.max_body_bytes)
         except APIError as exc:
@@ -222,10 +274,12 @@ def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def _check_key(authorization: str, key: str) -> None:
-    if not hmac.compare_digest(authorization.encode(), f"Bearer {key}".encode()):
-        raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                       "authentication_error", code="invalid_api_key")
+def _check_key(authorization: str, api_key_header: str | None, key: str) -> None:
+    """``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>`` (Anthropic's)."""
+    bearer = hmac.compare_digest(authorization.encode(), f"Bearer {key}".encode())
+    if not bearer and not hmac.compare_digest((api_key_header or "").encode(), key.encode()):
+        raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                            "(or 'x-api-key: <key>')", "authentication_error", code="invalid_api_key")
 
 
 def _check_declared_size(declared: str | None, limit: int) -> None:
@@ -234,5 +288,6 @@ def _check_declared_size(declared: str | None, limit: int) -> None:
 
 
 def _endpoint_label(path: str) -> str:
-    known = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/")
+    known = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/messages", "/v1/responses", "/v1/models", "/health", "/v1/health", "/metrics", "/",
+             *TOKEN_ROUTES)
     return path if path in known else "other"

@@ -1,8 +1,9 @@
 """OpenAI request bodies -> validated generation requests, and OpenAI error objects.
 
 Bodies are checked by hand (not by a schema library) so that every bad field gives a 400 whose
-``param`` names the field and whose message says what was expected. Unknown fields are ignored,
-as OpenAI's own API does for fields it does not use.
+``param`` names the field and whose message says what was expected. Which fields an endpoint
+accepts at all is fields.py's concern; the vLLM-style extras (best_of, echo, suffix, ...) are
+parsed in extras.py.
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ class GenerationRequest:
     user: str | None = None
     tools: Any = None  # serve/tools.py ToolRequest (chat with tools), or None
     constraint_field: str | None = None  # the body field that set options["response_format"]
+    best_of: int | None = None  # sampled candidates per choice (the n best by cumulative logprob are answered)
+    echo: bool = False  # completions: the prompt is part of each choice (and of its logprobs)
+    suffix: str | None = None  # completions: fill in the middle between the prompt and this
+
+    @property
+    def candidates(self) -> int:
+        """Sequences generated per prompt: best_of when it samples more than n, else n."""
+        return self.best_of if self.best_of and not self.is_beam else self.n
 
     @property
     def is_beam(self) -> bool:
@@ -86,7 +95,7 @@ def parse_request(body: dict[str, Any], endpoint: str, served_model: str) -> Gen
 def _options(fields: "_Fields", n: int) -> dict[str, Any]:
     """OpenAI and fastdecode fields -> GenerationConfig options (validated again by the engine)."""
     max_tokens = fields.integer("max_completion_tokens", None, low=1)  # the newer name wins
-    legacy_max_tokens = fields.integer("max_tokens", None, low=1)
+    legacy_max_tokens = fields.integer("max_tokens", None, low=0)  # 0: echo only (extras.py checks)
     if max_tokens is None:
         max_tokens = legacy_max_tokens
     temperature = fields.number("temperature", 1.0, low=0.0, high=2.0)
@@ -103,9 +112,6 @@ def _options(fields: "_Fields", n: int) -> dict[str, Any]:
         "length_penalty": fields.number("length_penalty", 1.0),
         "seed": fields.integer("seed", None),
     }
-    for name in ("presence_penalty", "frequency_penalty"):
-        if fields.number(name, 0.0) != 0.0:
-            raise APIError(400, f"{name} is not supported: use repetition_penalty", param=name)
     stop = body_stop(fields)
     if stop:
         options["stop"] = stop

@@ -55,7 +55,7 @@ class ResponseBuilder:
         return body
 
     def _choice(self, choice: ChoiceState) -> dict[str, Any]:
-        logprobs = self._logprobs(choice.logprobs) if self.logprobs is not None else None
+        logprobs = self.logprobs_object(choice.logprobs) if self.logprobs is not None else None
         if self.endpoint == "completion":
             return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
                     "finish_reason": choice.finish_reason}
@@ -77,22 +77,22 @@ class ResponseBuilder:
         """Chat streams open each choice with the assistant role (as OpenAI does)."""
         if self.endpoint != "chat":
             return None
-        return self._chunk(index, {"role": "assistant", "content": ""}, None, None)
+        return self.chunk(index, {"role": "assistant", "content": ""}, None, None)
 
     def piece_chunk(self, piece: Piece) -> dict[str, Any]:
         logprobs = None
         if self.logprobs is not None and piece.token_id is not None and piece.token_id >= 0:
-            logprobs = self._logprobs([(piece.token_id, piece.logprob, piece.top_logprobs)])
-        return self._chunk(piece.index, piece.text, logprobs, piece.finish_reason)
+            logprobs = self.logprobs_object([(piece.token_id, piece.logprob, piece.top_logprobs)])
+        return self.chunk(piece.index, piece.text, logprobs, piece.finish_reason)
 
     def text_chunk(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return self._chunk(index, text, None, finish_reason)
+        return self.chunk(index, text, None, finish_reason)
 
     def delta_chunk(self, index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
         """A chat chunk with a given delta (tool-call deltas)."""
-        return self._chunk(index, delta, None, finish_reason)
+        return self.chunk(index, delta, None, finish_reason)
 
-    def _chunk(self, index: int, content: Any, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, index: int, content: Any, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
         body = self._envelope(chunk=True)
         if self.endpoint == "completion":
             choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -112,7 +112,8 @@ class ResponseBuilder:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, entries: list[tuple[int, float | None, list[tuple[int, float]] | None]]) -> dict[str, Any]:
+    def logprobs_object(self, entries: list[tuple[int, float | None, list[tuple[int, float]] | None]]
+                        ) -> dict[str, Any]:
         if self.endpoint == "completion":
             tokens = [self._token(t) for t, _, _ in entries]
             offsets, at = [], 0

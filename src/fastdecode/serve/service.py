@@ -23,6 +23,7 @@ from ..engine.sequence import public_finish_reason
 from .. import validation
 from ..errors import FastDecodeError, GenerationCancelledError, QueueFullError
 from .metrics import ServerMetrics
+from .extras import fill_in_middle_ids
 from .protocol import APIError, GenerationRequest, api_error_from
 from .sessions import LoopRunner
 from .structured import compile_off_thread
@@ -35,6 +36,9 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 @dataclass
 class ServeSettings:
     model_name: str = "fastdecode"
+    model_aliases: tuple[str, ...] = ()  # more names the model answers to (--served-model-name)
+    strict_model_name: bool = False  # another name is a 404 (default: a one-model server answers any)
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     max_batch_tokens: int = 2048
@@ -47,6 +51,8 @@ class ServeSettings:
     body_timeout: float = 10.0  # seconds its body may take after them
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open (uvicorn's own)
     max_connections: int = 1024  # open connections; beyond it a new one gets 503
+    embeddings: str | None = None  # "mean" or "last": serve /v1/embeddings with that pooling (--embeddings)
+    lenient: bool = False  # unknown request fields: logged and ignored instead of a 400 (fields.py)
 
 
 _CANCELLED = object()  # put in a request's queue when it is cancelled: wakes whoever waits on it
@@ -140,6 +146,10 @@ class GenerationService:
     def encode(self, request: GenerationRequest) -> list[tuple[list[int], str | None]]:
         """-> (prompt ids, the text they encode or None for token prompts) per prompt."""
         gen = self.generator
+        too_large = [t for t in request.options.get("logit_bias", {}) if t >= gen.config.vocab_size]
+        if too_large:
+            raise APIError(400, f"logit_bias names token id {too_large[0]}, past the vocabulary "
+                                f"({gen.config.vocab_size} tokens)", param="logit_bias")
         if request.endpoint == "chat" and self.encoder_decoder:
             raise APIError(400, "this is an encoder-decoder model: it has no chat; send the source text to "
                                 "/v1/completions as the prompt", param="messages", code="unsupported_model")
@@ -150,6 +160,9 @@ class GenerationService:
                 text = tokenizer.apply_chat_template(validation.check_chat(messages), add_generation_prompt=True,
                                                      **extra)
                 return [(tokenizer.encode(text, add_special_tokens=False), text)]
+            if request.suffix is not None:
+                return [(fill_in_middle_ids(gen._require_tokenizer(), p, request.suffix), None)
+                        for p in request.prompts]
             return [(gen.encode_prompt(p), p) if isinstance(p, str) else (list(p), None) for p in request.prompts]
         except FastDecodeError as exc:
             raise APIError(400, str(exc), param="messages" if request.endpoint == "chat" else "prompt") from exc
@@ -187,17 +200,20 @@ class GenerationService:
         if request.is_beam:
             return self._start_beam(request, prompts, [o for _, o in routes], sink)
         submissions = []
+        count = request.candidates
+        # best_of ranks its candidates by cumulative logprob: they need at least the chosen tokens'
+        logprobs = 0 if request.logprobs is None and count > request.n else request.logprobs
         for p, (prompt, (route, options)) in enumerate(zip(prompts, routes)):
-            for j in range(request.n):
+            for j in range(count):
                 choice = dict(options)
                 if choice.get("seed") is not None:
                     choice["seed"] += j  # choice j of a seeded request = an offline run with seed + j
                 if route == "engine":
-                    choice["logprobs"] = request.logprobs
-                elif request.logprobs is not None:
+                    choice["logprobs"] = logprobs
+                elif logprobs is not None:
                     raise APIError(400, "logprobs come from the engine: they are not available past the context "
                                         "(streaming cache)", param="logprobs")
-                submission = Submission(p * request.n + j, prompt, choice, sink, arrived)
+                submission = Submission(p * count + j, prompt, choice, sink, arrived)
                 submission.route, submission.prompt_text = route, encoded[p][1]
                 if route != "engine":
                     self._check_loop_options(submission)

@@ -37,6 +37,7 @@ class Piece:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    stop_sequence: str | None = None  # the stop string that ended the choice (finish_reason "stop"), if one did
 
 
 @dataclass
@@ -170,6 +171,7 @@ class EngineWorker:
                           event.finish_reason if event.finished else None, sequence.num_prompt_tokens,
                           sequence.num_cached_prompt_tokens, len(sequence.output_ids))
             if event.finished:
+                piece.stop_sequence = matched_stop(sequence)
                 self._finish(submission, piece)
             else:
                 submission.sink.put(piece)
@@ -195,3 +197,12 @@ class EngineWorker:
         self.metrics.cached_prompt_tokens.inc(sequence.num_cached_prompt_tokens)
         if last is not None:
             submission.sink.put(last)
+
+
+def matched_stop(sequence: Any) -> str | None:
+    """The stop string that ended ``sequence`` (its text stops where that string starts), or None."""
+    matcher = getattr(sequence.watcher, "matcher", None)
+    if sequence.stop_kind != "stop" or not hasattr(matcher, "stops"):
+        return None
+    rest = matcher.text[len(matcher.output):]
+    return next((stop for stop in matcher.stops if rest.startswith(stop)), None)

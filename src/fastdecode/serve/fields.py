@@ -1,0 +1,83 @@
+"""Which request fields each endpoint honours: every other field is refused, never silently dropped.
+
+Three kinds of field:
+* served: fastdecode implements it (OpenAI's fields and the vLLM / llama.cpp extensions below);
+* accepted only with the value that means "nothing special" (``store: false``, ``modalities:
+  ["text"]``, ...), or carrying no instruction for the output (``user``, ``metadata``, ...);
+* known but not served (audio, reasoning effort, the deprecated functions, ...): always a 400 naming the field.
+
+A field fastdecode does not know at all is a 400 naming it too, unless the server runs with
+``--lenient``: then it is logged and ignored (for clients that send vendor extras).
+A null value is the same as an absent field (as OpenAI treats it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from .protocol import APIError
+
+log = logging.getLogger("fastdecode.serve")
+
+SAMPLING = {"model", "n", "stream", "stream_options", "user", "max_tokens", "temperature", "top_p", "seed", "stop",
+            "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "best_of",
+            # vLLM / llama.cpp / Hugging Face extensions
+            "top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "no_repeat_ngram_size",
+            "num_beams", "length_penalty", "use_beam_search"}
+STRUCTURED = {"response_format", "structured_outputs", "json_schema", "grammar"}  # serve/structured.py
+SERVED = {
+    "completion": SAMPLING | STRUCTURED | {"prompt", "echo", "suffix"},
+    "chat": SAMPLING | STRUCTURED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                     "parallel_tool_calls"},  # tools: serve/tools.py
+}
+# Fields that say nothing about the output: identifiers and hints (the prefix cache is automatic).
+NO_EFFECT = {"metadata", "safety_identifier", "prompt_cache_key"}
+# Fields accepted only with the value that asks for nothing fastdecode lacks.
+NEUTRAL_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "store": (lambda v: v is False, "stored completions are not kept: send store: false or leave it out"),
+    "service_tier": (lambda v: v in ("auto", "default"), "there is one service tier: 'auto' or 'default'"),
+    "modalities": (lambda v: v == ["text"], "the only output modality is text: ['text']"),
+}
+# OpenAI fields fastdecode knows and does not serve: a 400 even with --lenient (dropping them would
+# change what the client gets).
+NOT_SERVED = {
+    "audio": "audio output is not available", "prediction": "predicted outputs are not implemented",
+    "reasoning_effort": "this server runs no reasoning-effort control",
+    "verbosity": "verbosity control is not implemented", "web_search_options": "web search is not available",
+    "moderation": "moderation is not available", "prompt_cache_retention": "the prefix cache has no retention "
+    "policy to choose", "prompt_cache_options": "the prefix cache has no options to set",
+    "functions": "the deprecated functions are not implemented: use tools",
+    "function_call": "the deprecated function_call is not implemented: use tool_choice",
+}
+
+
+def check_fields(body: dict[str, Any], endpoint: str, lenient: bool) -> None:
+    """Raise APIError (400, ``param`` = the field) for the first field the endpoint cannot honour;
+    with ``lenient``, fields fastdecode does not know are logged instead."""
+    for name, (accepts, why) in NEUTRAL_VALUES.items():
+        if body.get(name) is not None and not accepts(body[name]):
+            raise APIError(400, f"{name}={body[name]!r} is not supported: {why}", param=name, code="unsupported_field")
+
+    def hint(name: str) -> str:
+        other = [e for e in SERVED if e != endpoint and name in SERVED[e]]
+        return f" (it is a field of the {other[0]} endpoint)" if other else ""
+
+    check_known(body, SERVED[endpoint] | NO_EFFECT | set(NEUTRAL_VALUES), NOT_SERVED, lenient, f"{endpoint} API", hint)
+
+
+def check_known(body: dict[str, Any], served: set[str], refused: dict[str, str], lenient: bool, api: str,
+                hint: Callable[[str], str] = lambda name: "") -> None:
+    """A 400 naming the first non-null field that is not ``served``: ``refused`` ones always (with
+    why), unknown ones unless ``lenient`` (then logged and ignored)."""
+    for name, value in body.items():
+        if value is None or name in served:
+            continue
+        if name in refused:
+            raise APIError(400, f"{name} is not supported: {refused[name]}", param=name, code="unsupported_field")
+        if lenient:
+            log.warning("ignoring the unknown field %r of a %s request (--lenient)", name, api)
+            continue
+        raise APIError(400, f"unknown field {name!r}{hint(name)}: fastdecode's {api} does not implement it (start "
+                            "the server with --lenient to ignore unknown fields)", param=name, code="unknown_field")
