@@ -15,7 +15,6 @@ from .errors import (
     GenerationCancelledError,
     InvalidOptionError,
     ModelNotFoundError,
-    PromptTooLongError,
     TokenizerError,
 )
 from .engine import Engine, Sequence as EngineSequence
@@ -27,6 +26,7 @@ from .generation.sampling import sequence_seeds
 from .generation.stopping import StopStringMatcher
 from .loading.checkpoint import Checkpoint, resolve_device, resolve_dtype
 from . import validation
+from .prompt_checks import check_prompts
 
 if TYPE_CHECKING:  # pragma: no cover
     from .constraints import CompiledGrammar
@@ -179,41 +179,7 @@ class Generator:
         return tokenizer.encode(prompt, add_special_tokens=True)
 
     def _check_prompts(self, prompts: list[list[int]], config: GenerationConfig) -> None:
-        if not prompts:
-            raise InvalidOptionError("no prompts given")
-        limit = self.config.max_position_embeddings
-        if config.encoder_no_repeat_ngram_size > 0 and not self.config.is_encoder_decoder:
-            raise InvalidOptionError("encoder_no_repeat_ngram_size is for encoder-decoder models (there is no source)")
-        for index, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise InvalidOptionError(f"prompt {index} is empty: give at least one token")
-            bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise InvalidOptionError(
-                    f"prompt {index} has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}"
-                )
-            if self.config.is_encoder_decoder:
-                if config.n_ctx is not None:
-                    raise InvalidOptionError("streaming (n_ctx) is for decoder-only models")
-                self._check_source_length(index, prompt, config)
-            elif config.n_ctx is None and len(prompt) + config.max_new_tokens > limit:
-                raise PromptTooLongError(
-                    f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={config.max_new_tokens} it "
-                    f"needs {len(prompt) + config.max_new_tokens} positions but the model's context is {limit}"
-                )
-
-    def _check_source_length(self, index: int, source: list[int], config: GenerationConfig) -> None:
-        """Encoder and decoder each have their own positions: the source must fit the encoder's,
-        the target (start token + all new tokens but the last) the decoder's. T5 has no limit."""
-        source_limit, target_limit = self.config.max_source_positions, self.config.max_target_positions
-        if source_limit is not None and len(source) > source_limit:
-            raise PromptTooLongError(
-                f"source {index} has {len(source)} tokens but the model's encoder has only {source_limit} positions"
-            )
-        if target_limit is not None and config.max_new_tokens > target_limit:
-            raise PromptTooLongError(
-                f"max_new_tokens={config.max_new_tokens} exceeds the {target_limit} positions of the model's decoder"
-            )
+        check_prompts(self.config, prompts, config)
 
     def _check_memory(self, prompts: list[list[int]], config: GenerationConfig) -> None:
         from .memory import check_request_memory

@@ -83,7 +83,7 @@ def tool_use_blocks(text: str, tools: Any) -> tuple[str, list[dict[str, Any]]]:
     """The generated text -> (its text, the calls as tool_use blocks)."""
     if tools is None or not tools.parses_output:
         return text, []
-    content, calls, _ = parse_tool_calls(text, tools.names)
+    content, calls = parse_tool_calls(text, tools.names)
     blocks = [{"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
                "input": json.loads(call["function"]["arguments"])} for call in calls]
     return (content or "", blocks) if blocks else (text, [])

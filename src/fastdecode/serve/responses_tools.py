@@ -78,7 +78,7 @@ def split_calls(text: str, tools: Any) -> tuple[str, list[dict[str, Any]]]:
     """The generated text -> (its content, the calls as function_call output items)."""
     if tools is None or not tools.parses_output:
         return text, []
-    content, calls, _ = parse_tool_calls(text, tools.names)
+    content, calls = parse_tool_calls(text, tools.names)
     if not calls:
         return text, []
     items = [{"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
