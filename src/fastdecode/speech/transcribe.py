@@ -1,7 +1,8 @@
 """Long-form transcription: 30-second windows in sequence, each seeking from the last timestamp.
 
 Per window (Whisper's algorithm, as faster-whisper runs it): the log-mel features of the 30 s
-from ``seek`` (zero-padded), the encoder once and each decoder layer's cross K/V once
+from ``seek`` (a partial window's missing frames are 0.0, as faster-whisper pads them: speech/features.py's
+``long_form_window_features``), the encoder once and each decoder layer's cross K/V once
 (speech/engine.py), the language detected from the first window when none is given, then the
 search (speech/search.py) under the prompt ``<|startofprev|>`` + previous text (the last 223
 tokens, starting with ``initial_prompt``) + the special-token prompt. The temperature fallback
@@ -26,7 +27,7 @@ import torch
 from ..errors import InvalidOptionError
 from .audio import AudioInput, SampleBuffer, stream_samples
 from .batching import run_alone
-from .features import HOP_LENGTH, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, window_features
+from .features import HOP_LENGTH, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, long_form_window_features
 from .loading import WhisperCheckpoint
 from .requests import Detect, Encode, Search, Segment, Steps, Transcription
 from .search import SearchOptions, WindowResult
@@ -123,7 +124,7 @@ class Transcriber:
             window_frames = min(WINDOW_FRAMES, samples.shape[0] // HOP_LENGTH)
             if window_frames == 0:
                 break
-            sources = yield Encode(window_features(samples, n_mels))
+            sources = yield Encode(long_form_window_features(samples, n_mels))
             if language is None:
                 language, language_probability = (yield Detect(sources)) if vocab.multilingual else ("en", 1.0)
             prompt = ([vocab.sot_prev, *history[-PREVIOUS_TEXT_TOKENS:]] if history else [])
