@@ -23,7 +23,8 @@ from ..engine.cross import EncodedSources
 from ..errors import GenerationCancelledError
 from .engine import WhisperEngine, encode_windows
 from .search import search
-from .requests import Detect, Encode, Search, Steps, Transcription
+from .alignment import align_words
+from .requests import Align, Detect, Encode, Search, Steps, Transcription
 from .vocabulary import WhisperVocabulary
 
 
@@ -51,7 +52,7 @@ def stack_sources(parts: list[EncodedSources]) -> EncodedSources:
 @dataclass
 class _Open:
     steps: Steps
-    request: Encode | Detect | Search
+    request: Encode | Detect | Search | Align
     done: Callable[[Transcription | BaseException], None]
     cancelled: Callable[[], bool] | None = None
 
@@ -113,6 +114,11 @@ class WindowBatcher:
                 engine = WhisperEngine(model, sources, rows, options.max_length)
                 results = search(engine, vocab, [r.prompt for r in requests], [r.sot_index for r in requests], options)
                 answers.update(zip(members, results))
+            for i, o in enumerate(asking):  # word alignments: one forward each
+                if isinstance(o.request, Align):
+                    r = o.request
+                    answers[i] = align_words(model, vocab, r.sources, r.sot_sequence, r.text_tokens, r.num_frames,
+                                             list(r.heads), r.language)
         for i, o in enumerate(asking):
             self._advance(o.steps, answers[i], o.done, o.cancelled)
 
