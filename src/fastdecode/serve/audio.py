@@ -42,9 +42,9 @@ class SpeechServeSettings:
     api_key: str | None = None
     max_body_bytes: int = 25 << 20  # OpenAI's upload limit
     grace_seconds: float = 30.0
-    # connections.py's limits, as the text server's ServeSettings (server.uvicorn_config reads them)
+    # slow clients and open connections, as the text server's (serve/connections.py via server.uvicorn_config)
     header_timeout: float = 5.0
-    body_timeout: float = 60.0  # an upload of up to 25 MB
+    body_timeout: float = 60.0  # an upload of 25 MB on a slow link
     keep_alive_timeout: float = 5.0
     max_connections: int = 1024
 
