@@ -11,6 +11,9 @@ above ``compression_ratio_threshold``) or too unlikely (average log-probability 
 ``log_prob_threshold``); a window whose no-speech probability is above ``no_speech_threshold``
 and whose text is unlikely is silence and skipped. Segments are the text between timestamp
 pairs; ``seek`` moves to the last closed timestamp (the whole window when it ends on one).
+With ``word_timestamps`` the window's text is aligned once more (an ``Align`` request:
+speech/alignment.py, speech/words.py) and, unless the window ends on a single timestamp, ``seek``
+moves to the end of its last word instead.
 
 Feature normalization (the 8-decade floor below the maximum) is per window: the audio is streamed
 (speech/audio.py) and a 3-hour file is never whole in memory.
