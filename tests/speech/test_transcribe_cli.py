@@ -26,11 +26,13 @@ def test_transcribe_writes_srt_and_a_folder_of_json(tiny_en, tmp_path):  # noqa:
     second.write_bytes(audio.read_bytes())
     result = runner.invoke(main, ["transcribe", str(audio), str(second), "-m", str(tiny_en), "-o",
                                   str(tmp_path / "outs"), "--format", "verbose_json", "--beam-size", "1",
-                                  "--no-progress"])
+                                  "--word-timestamps", "--no-progress"])
     assert result.exit_code == 0, result.output
     for path in (audio, second):
         data = json.loads((tmp_path / "outs" / (path.stem + ".json")).read_text())
         assert data["language"] == "en" and data["segments"][0]["start"] == 0.0
+        assert "".join(w["word"] for w in data["words"]) == data["text"].replace(" ", "")  # every word, once
+        assert data["words"][-1]["end"] <= data["duration"] + 0.5
 
 
 def test_transcribe_errors_exit_2(tmp_path):

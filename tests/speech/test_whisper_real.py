@@ -242,4 +242,6 @@ def test_int8_weights_transcribe_as_float(tiny_en, tmp_path):
         path = speak(tmp_path, voice, speed, text)
         expected, got = float32.transcribe(path).text, int8.transcribe(path).text
         assert word_error_rate(expected, got) <= 0.1, (expected, got)
-        assert word_error_rate(text, got) < 0.2, got
+        # float32 too (ours and faster-whisper's, same samples and features) hears "The quick brown fox
+        # jump over the lazy nog": 2 words of 9
+        assert word_error_rate(text, got) < 0.25, got

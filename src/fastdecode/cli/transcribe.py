@@ -28,13 +28,16 @@ FORMAT_SUFFIXES = {"srt": ".srt", "vtt": ".vtt", "text": ".txt", "verbose_json":
               help="Temperature(s) to fall back through (default 0 0.2 0.4 0.6 0.8 1).")
 @click.option("--initial-prompt", default=None, help="Text that the first window continues (names, spelling).")
 @click.option("--without-timestamps", is_flag=True, help="One segment per 30 s window, no timestamp tokens.")
+@click.option("--word-timestamps", is_flag=True,
+              help="Each word's start and end (verbose_json: 'words'), from the alignment heads.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="A progress bar on stderr.")
 @click.option("--quantize", type=click.Choice(["int8", "int4"]), default=None,
               help="Quantize the weights at load (default: float32).")
 @handle_errors
 def transcribe(files: tuple[str, ...], model: str, output: str | None, response_format: str | None,
                language: str | None, task: str, beam_size: int, temperature: tuple[float, ...],
-               initial_prompt: str | None, without_timestamps: bool, progress: bool, quantize: str | None) -> None:
+               initial_prompt: str | None, without_timestamps: bool, word_timestamps: bool, progress: bool,
+               quantize: str | None) -> None:
     """Transcribe (or translate into English) speech files with a Whisper model."""
     from .. import load_speech
     from ..speech.formats import render
@@ -46,7 +49,8 @@ def transcribe(files: tuple[str, ...], model: str, output: str | None, response_
     if output is None:
         require_stream("stdout")
     speech = load_speech(model, quantize=quantize)
-    options = {"initial_prompt": initial_prompt, "without_timestamps": without_timestamps}
+    options = {"initial_prompt": initial_prompt, "without_timestamps": without_timestamps,
+               "word_timestamps": word_timestamps}
     if temperature:
         options["temperature"] = tuple(temperature)
     for file, (target, fmt) in zip(files, targets):

@@ -6,7 +6,9 @@ multipart form (``file``, ``model``, ``language``, ``prompt``, ``temperature``,
 upload is decoded as it streams from its spooled file. Every request's transcription runs on one
 engine thread (``SpeechWorker``), side by side with the others: each round answers every open
 transcription's next request in shared encoder batches and searches (speech/batching.py).
-Errors are OpenAI error objects, as in app.py.
+Errors are OpenAI error objects, as in app.py. The body is read up to ``max_body_bytes`` whether or
+not it declares a Content-Length (body.py); a client that disconnects cancels its transcription
+(lifetime.py: it leaves the engine before the next round).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from ..errors import FastDecodeError
+from ..errors import FastDecodeError, GenerationCancelledError
 from .app import _Guard, add_error_handlers
+from .body import read_body
+from .lifetime import ConnectionLifetime, lifetime_of
 from .metrics import ServerMetrics
 from .protocol import APIError
 
@@ -64,15 +68,16 @@ class SpeechWorker:
         self.incoming.put(None)
         self.thread.join(10)
 
-    async def run(self, steps) -> Any:
-        """The transcription's result (or its error raised), computed on the engine thread."""
+    async def run(self, steps, cancelled=None) -> Any:
+        """The transcription's result (or its error raised), computed on the engine thread; it
+        stops (``GenerationCancelledError``) once ``cancelled()`` is true."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
         def done(result) -> None:
             loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
 
-        self.incoming.put((steps, done))
+        self.incoming.put((steps, done, cancelled))
         result = await future
         if isinstance(result, BaseException):
             raise result
@@ -85,8 +90,8 @@ class SpeechWorker:
             except queue.Empty:
                 item = ()
             while item:  # everything that arrived joins this round
-                steps, done = item
-                self.batcher.add(steps, done)
+                steps, done, cancelled = item
+                self.batcher.add(steps, done, cancelled)
                 try:
                     item = self.incoming.get_nowait()
                 except queue.Empty:
@@ -134,6 +139,7 @@ def create_speech_app(transcriber, settings: SpeechServeSettings | None = None) 
 
     app = FastAPI(title="fastdecode speech", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.worker, app.state.settings = worker, settings
+    app.add_middleware(ConnectionLifetime)
     app.add_middleware(_Guard, settings=settings, metrics=metrics)
 
     add_error_handlers(app)
@@ -156,6 +162,9 @@ def create_speech_app(transcriber, settings: SpeechServeSettings | None = None) 
         return await _answer(request, "translate")
 
     async def _answer(request: Request, task: str) -> Response:
+        # the whole body within the limit (a chunked upload declares no length: _Guard cannot check it);
+        # Starlette's form parser then reads it from request._body, the cache of request.body()
+        request._body = await read_body(request, settings.max_body_bytes)
         try:
             form = await request.form()
         except Exception as exc:  # noqa: BLE001 - starlette's multipart errors have several types
@@ -182,7 +191,11 @@ def create_speech_app(transcriber, settings: SpeechServeSettings | None = None) 
                    "temperature": FALLBACK_TEMPERATURES if temperature == 0 else (temperature,)}
         try:
             opts = transcriber.options(**options)
-            result = await worker.run(transcriber.steps(upload.file, opts))
+            cancelled = threading.Event()
+            lifetime_of(request).on_disconnect(cancelled.set)
+            result = await worker.run(transcriber.steps(upload.file, opts), cancelled.is_set)
+        except GenerationCancelledError:
+            return Response(status_code=499)  # the client went away: nothing to answer
         except FastDecodeError as exc:
             raise APIError(400, str(exc), param="file" if "audio" in str(exc) else None, code="invalid_value") from exc
         finally:
@@ -203,9 +216,10 @@ def run_speech_server(transcriber, host: str, port: int, settings: SpeechServeSe
 
     import uvicorn
 
+    from .server import uvicorn_config
+
     app = create_speech_app(transcriber, settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                                           timeout_graceful_shutdown=settings.grace_seconds))
+    server = uvicorn.Server(uvicorn_config(app, host, port))
     restore = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         server.run()

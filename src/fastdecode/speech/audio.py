@@ -1,5 +1,6 @@
 """Audio in: any file FFmpeg decodes (WAV, FLAC, MP3, OGG, M4A, ...) through PyAV, converted to
-mono float32 at 16 kHz as it is decoded, and yielded in chunks (a 3-hour file is never whole in
+mono 16-bit at 16 kHz as it is decoded (as openai-whisper's ffmpeg call and faster-whisper do: the
+same samples, so the same features), then float32 / 32768, and yielded in chunks (a 3-hour file is never whole in
 memory). Arrays and tensors are taken as 16 kHz mono samples already.
 """
 
@@ -45,15 +46,20 @@ def _decode(audio) -> Iterator[torch.Tensor]:
     with container:
         if not container.streams.audio:
             raise AudioError(f"{name} has no audio stream")
-        resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+        resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
         try:
             for frame in container.decode(container.streams.audio[0]):
                 for out in resampler.resample(frame):
-                    yield torch.from_numpy(out.to_ndarray().reshape(-1).copy())  # [1, n] planar -> [n]
+                    yield _float_samples(out)
             for out in resampler.resample(None):  # what the resampler still holds
-                yield torch.from_numpy(out.to_ndarray().reshape(-1).copy())
+                yield _float_samples(out)
         except av.FFmpegError as exc:
             raise AudioError(f"{name}: decoding failed: {exc}") from exc
+
+
+def _float_samples(frame) -> torch.Tensor:
+    """A mono s16 frame -> float32 samples [n] in [-1, 1)."""
+    return torch.from_numpy(frame.to_ndarray().reshape(-1).astype(np.float32) / 32768.0)  # [1, n] -> [n]
 
 
 class SampleBuffer:

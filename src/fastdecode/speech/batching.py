@@ -6,7 +6,9 @@ request in as few model calls as possible: the windows to encode in one encoder 
 language detections in one decoder step, and the searches with the same options in one search
 (their windows' cross K/V side by side, each window's beams folded on its own K/V). A
 transcription that fails (an audio file that turns out corrupt) ends with its error; the others
-go on.
+go on. One whose ``cancelled()`` turns true (the server's client went away) leaves before the next
+round: its generator is closed and it ends with ``GenerationCancelledError`` (a round in progress, one
+window's search, finishes first).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.cross import EncodedSources
+from ..errors import GenerationCancelledError
 from .engine import WhisperEngine, encode_windows
 from .search import search
-from .requests import Detect, Encode, Search, Steps, Transcription
+from .alignment import align_words
+from .requests import Align, Detect, Encode, Search, Steps, Transcription
 from .vocabulary import WhisperVocabulary
 
 
@@ -48,8 +52,9 @@ def stack_sources(parts: list[EncodedSources]) -> EncodedSources:
 @dataclass
 class _Open:
     steps: Steps
-    request: Encode | Detect | Search
+    request: Encode | Detect | Search | Align
     done: Callable[[Transcription | BaseException], None]
+    cancelled: Callable[[], bool] | None = None
 
 
 class WindowBatcher:
@@ -57,11 +62,13 @@ class WindowBatcher:
         self.model, self.vocabulary = model, vocabulary
         self.open: list[_Open] = []
 
-    def add(self, steps: Steps, done: Callable[[Transcription | BaseException], None]) -> None:
-        """Start a transcription; ``done`` gets its result (or its error) when it ends."""
-        self._advance(steps, None, done, first=True)
+    def add(self, steps: Steps, done: Callable[[Transcription | BaseException], None],
+            cancelled: Callable[[], bool] | None = None) -> None:
+        """Start a transcription; ``done`` gets its result (or its error) when it ends; it is
+        dropped once ``cancelled()`` is true."""
+        self._advance(steps, None, done, cancelled, first=True)
 
-    def _advance(self, steps: Steps, answer, done, first: bool = False) -> None:
+    def _advance(self, steps: Steps, answer, done, cancelled=None, first: bool = False) -> None:
         try:
             request = next(steps) if first else steps.send(answer)
         except StopIteration as stop:
@@ -69,10 +76,22 @@ class WindowBatcher:
         except Exception as exc:  # noqa: BLE001 - this transcription ends with its error, the others go on
             done(exc)
         else:
-            self.open.append(_Open(steps, request, done))
+            self.open.append(_Open(steps, request, done, cancelled))
+
+    def drop_cancelled(self) -> None:
+        """End the open transcriptions whose ``cancelled()`` is true (their generators closed)."""
+        keep = []
+        for o in self.open:
+            if o.cancelled is not None and o.cancelled():
+                o.steps.close()
+                o.done(GenerationCancelledError("the transcription was cancelled"))
+            else:
+                keep.append(o)
+        self.open = keep
 
     def round(self) -> None:
         """Answer every open transcription's request once."""
+        self.drop_cancelled()
         model, vocab = self.model, self.vocabulary
         asking, self.open = self.open, []
         answers: dict[int, object] = {}
@@ -95,8 +114,13 @@ class WindowBatcher:
                 engine = WhisperEngine(model, sources, rows, options.max_length)
                 results = search(engine, vocab, [r.prompt for r in requests], [r.sot_index for r in requests], options)
                 answers.update(zip(members, results))
+            for i, o in enumerate(asking):  # word alignments: one forward each
+                if isinstance(o.request, Align):
+                    r = o.request
+                    answers[i] = align_words(model, vocab, r.sources, r.sot_sequence, r.text_tokens, r.num_frames,
+                                             list(r.heads), r.language)
         for i, o in enumerate(asking):
-            self._advance(o.steps, answers[i], o.done)
+            self._advance(o.steps, answers[i], o.done, o.cancelled)
 
     def _detect(self, windows: list[EncodedSources]) -> list[tuple[str, float]]:
         """The most likely language token after ``<|startoftranscript|>``, per window."""

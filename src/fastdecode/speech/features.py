@@ -66,3 +66,21 @@ def window_features(samples: torch.Tensor, n_mels: int = 80) -> torch.Tensor:
         raise ValueError(f"a window holds at most {WINDOW_SAMPLES} samples, got {samples.shape[0]}")
     padded = torch.nn.functional.pad(samples.to(torch.float32), (0, WINDOW_SAMPLES - samples.shape[0]))
     return log_mel(padded, n_mels)
+
+
+def long_form_window_features(samples: torch.Tensor, n_mels: int = 80) -> torch.Tensor:
+    """One long-form window as faster-whisper feeds it: the features of the samples themselves
+    (followed by one hop of zeros, normalized on their own maximum), their ``len // 160`` frames,
+    then 0.0 up to 3000 frames (its ``pad_or_trim`` of the features, not of the audio).
+
+    A partial window (the end of a file) differs from ``window_features`` in its padding: there the
+    frames of padded zero audio sit at the 8-decade floor (about -0.7 after scaling), here at 0.0.
+    The floor, under a prompt of previous text, sent tiny.en into a repetition loop on an espeak-ng
+    recording's last 8 s (223 tokens, compression ratio 15.9: three temperature-fallback searches of
+    5 sampled rows, 58 of the transcription's 80 s) where 0.0 padding decodes the speech."""
+    if samples.shape[0] > WINDOW_SAMPLES:
+        raise ValueError(f"a window holds at most {WINDOW_SAMPLES} samples, got {samples.shape[0]}")
+    frames = samples.shape[0] // HOP_LENGTH
+    padded = torch.nn.functional.pad(samples.to(torch.float32), (0, max(HOP_LENGTH, N_FFT - samples.shape[0])))
+    features = log_mel(padded, n_mels)[:, :frames]  # [n_mels, frames]
+    return torch.nn.functional.pad(features, (0, WINDOW_FRAMES - frames))  # [n_mels, 3000]

@@ -31,13 +31,18 @@ def to_vtt(result: Transcription) -> str:
 
 
 def verbose(result: Transcription) -> dict[str, Any]:
-    """OpenAI's ``verbose_json``: task, language, duration, text and the segments."""
-    return {"task": result.task, "language": result.language, "duration": round(result.duration, 3),
-            "text": result.text,
-            "segments": [{"id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
-                          "tokens": s.tokens, "temperature": s.temperature, "avg_logprob": s.avg_logprob,
-                          "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob}
-                         for s in result.segments]}
+    """OpenAI's ``verbose_json``: task, language, duration, text and the segments (and, from a
+    transcription with word timestamps, ``words``: each word's text, start and end)."""
+    answer = {"task": result.task, "language": result.language, "duration": round(result.duration, 3),
+              "text": result.text,
+              "segments": [{"id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
+                            "tokens": s.tokens, "temperature": s.temperature, "avg_logprob": s.avg_logprob,
+                            "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob}
+                           for s in result.segments]}
+    if any(s.words is not None for s in result.segments):
+        answer["words"] = [{"word": w.word.strip(), "start": w.start, "end": w.end}
+                           for s in result.segments for w in s.words or []]
+    return answer
 
 
 def render(result: Transcription, response_format: str) -> str:

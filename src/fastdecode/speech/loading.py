@@ -19,6 +19,7 @@ from ..errors import CheckpointError, InvalidOptionError, ModelNotFoundError
 from ..loading.jsonfile import read_json_object
 from ..models.whisper import (WhisperConfig, WhisperModel, canonical, config_from_ctranslate2, config_from_hf,
                               ctranslate2_weights, hf_names)
+from .alignment import default_alignment_heads
 from .vocabulary import WhisperVocabulary
 
 
@@ -31,6 +32,7 @@ class WhisperCheckpoint:
     suppress_at_begin: list[int] = field(default_factory=list)  # also at the first sampled step
     source: str = ""
     file_format: str = ""
+    alignment_heads: list[tuple[int, int]] = field(default_factory=list)  # (decoder layer, head): word timings
 
 
 def load_whisper(path: str | Path, need_vocabulary: bool = True, quantize: str | None = None) -> WhisperCheckpoint:
@@ -59,8 +61,10 @@ def load_whisper(path: str | Path, need_vocabulary: bool = True, quantize: str |
     vocabulary = None
     if need_vocabulary or (folder / "tokenizer.json").is_file():
         vocabulary = WhisperVocabulary.from_folder(folder, config.vocab_size)
+    heads = [(int(layer), int(head)) for layer, head in extra.get("alignment_heads") or []]
     return WhisperCheckpoint(config, model, vocabulary, _ids(extra, "suppress_ids", "suppress_tokens"),
-                             _ids(extra, "suppress_ids_begin", "begin_suppress_tokens"), str(folder), file_format)
+                             _ids(extra, "suppress_ids_begin", "begin_suppress_tokens"), str(folder), file_format,
+                             heads or default_alignment_heads(config.num_layers, config.num_heads))
 
 
 def _ids(extra: dict[str, Any], *keys: str) -> list[int]:

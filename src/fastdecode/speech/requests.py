@@ -15,6 +15,14 @@ from .search import SearchOptions
 
 
 @dataclass
+class Word:
+    word: str
+    start: float
+    end: float
+    probability: float
+
+
+@dataclass
 class Segment:
     id: int
     start: float
@@ -26,6 +34,7 @@ class Segment:
     no_speech_prob: float
     temperature: float
     seek: int
+    words: list[Word] | None = None  # with word_timestamps
 
 
 @dataclass
@@ -62,4 +71,15 @@ class Search:
     options: SearchOptions
 
 
-Steps = Generator[Encode | Detect | Search, object, Transcription]
+@dataclass(frozen=True)
+class Align:
+    """-> the WordTimings of ``text_tokens`` in the window (speech/alignment.py's ``align_words``)."""
+    sources: object
+    sot_sequence: list[int]
+    text_tokens: list[int]
+    num_frames: int
+    heads: tuple[tuple[int, int], ...]
+    language: str | None
+
+
+Steps = Generator[Encode | Detect | Search | Align, object, Transcription]

@@ -1,7 +1,8 @@
 """Long-form transcription: 30-second windows in sequence, each seeking from the last timestamp.
 
 Per window (Whisper's algorithm, as faster-whisper runs it): the log-mel features of the 30 s
-from ``seek`` (zero-padded), the encoder once and each decoder layer's cross K/V once
+from ``seek`` (a partial window's missing frames are 0.0, as faster-whisper pads them: speech/features.py's
+``long_form_window_features``), the encoder once and each decoder layer's cross K/V once
 (speech/engine.py), the language detected from the first window when none is given, then the
 search (speech/search.py) under the prompt ``<|startofprev|>`` + previous text (the last 223
 tokens, starting with ``initial_prompt``) + the special-token prompt. The temperature fallback
@@ -10,6 +11,9 @@ above ``compression_ratio_threshold``) or too unlikely (average log-probability 
 ``log_prob_threshold``); a window whose no-speech probability is above ``no_speech_threshold``
 and whose text is unlikely is silence and skipped. Segments are the text between timestamp
 pairs; ``seek`` moves to the last closed timestamp (the whole window when it ends on one).
+With ``word_timestamps`` the window's text is aligned once more (an ``Align`` request:
+speech/alignment.py, speech/words.py) and, unless the window ends on a single timestamp, ``seek``
+moves to the end of its last word instead.
 
 Feature normalization (the 8-decade floor below the maximum) is per window: the audio is streamed
 (speech/audio.py) and a 3-hour file is never whole in memory.
@@ -26,11 +30,12 @@ import torch
 from ..errors import InvalidOptionError
 from .audio import AudioInput, SampleBuffer, stream_samples
 from .batching import run_alone
-from .features import HOP_LENGTH, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, window_features
+from .features import HOP_LENGTH, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES, long_form_window_features
 from .loading import WhisperCheckpoint
-from .requests import Detect, Encode, Search, Segment, Steps, Transcription
+from .requests import Align, Detect, Encode, Search, Segment, Steps, Transcription
 from .search import SearchOptions, WindowResult
 from .vocabulary import TIME_PRECISION
+from .words import add_words
 
 FRAME_SECONDS = HOP_LENGTH / SAMPLE_RATE  # 0.01
 FRAMES_PER_TIMESTAMP = round(TIME_PRECISION / FRAME_SECONDS)  # 2
@@ -53,6 +58,7 @@ class TranscribeOptions:
     initial_prompt: str | None = None
     without_timestamps: bool = False
     max_initial_timestamp: float = 1.0
+    word_timestamps: bool = False
     seed: int | None = None
 
     def check(self) -> None:
@@ -88,12 +94,11 @@ class Transcriber:
     def options(self, language: str | None = None, task: str = "transcribe", beam_size: int = 5,
                 word_timestamps: bool = False, **options) -> TranscribeOptions:
         """The options of a transcription, checked (typed errors) before any audio is read."""
-        if word_timestamps:
-            raise InvalidOptionError("word_timestamps is not supported yet (segment timestamps only)")
         if isinstance(options.get("temperature"), (int, float)):
             options["temperature"] = (float(options["temperature"]),)
         try:
-            opts = TranscribeOptions(language=language, task=task, beam_size=beam_size, **options)
+            opts = TranscribeOptions(language=language, task=task, beam_size=beam_size,
+                                     word_timestamps=word_timestamps, **options)
         except TypeError as exc:
             raise InvalidOptionError(f"transcribe: {exc}") from exc
         opts.check()
@@ -118,12 +123,13 @@ class Transcriber:
         history: list[int] = vocab.encode(" " + opts.initial_prompt.strip()) if opts.initial_prompt else []
         segments: list[Segment] = []
         seek = 0  # frames
+        last_speech = 0.0  # seconds: the end of the last word (word timestamps)
         while True:
             samples = buffer.window(seek * HOP_LENGTH, WINDOW_SAMPLES)
             window_frames = min(WINDOW_FRAMES, samples.shape[0] // HOP_LENGTH)
             if window_frames == 0:
                 break
-            sources = yield Encode(window_features(samples, n_mels))
+            sources = yield Encode(long_form_window_features(samples, n_mels))
             if language is None:
                 language, language_probability = (yield Detect(sources)) if vocab.multilingual else ("en", 1.0)
             prompt = ([vocab.sot_prev, *history[-PREVIOUS_TEXT_TOKENS:]] if history else [])
@@ -136,6 +142,16 @@ class Transcriber:
             else:
                 new, advance, consumed = self._segments(result, seek, window_frames, temperature, len(segments))
                 segments += new
+                if opts.word_timestamps and new:
+                    text = [t for segment in new for t in segment.tokens]
+                    timings = yield Align(sources, vocab.sot_sequence(language, opts.task, True), text,
+                                          window_frames, tuple(self.checkpoint.alignment_heads), language)
+                    last_speech = add_words(new, timings, seek * FRAME_SECONDS, last_speech)
+                    tokens, begin = result.tokens, vocab.timestamp_begin
+                    single_ending = len(tokens) >= 2 and tokens[-2] < begin <= tokens[-1]
+                    ends = [w.end for segment in new for w in segment.words or []]
+                    if not single_ending and ends and ends[-1] > seek * FRAME_SECONDS:  # seek to the last word
+                        advance = max(1, round(ends[-1] / FRAME_SECONDS) - seek)
                 seek += advance
                 if opts.condition_on_previous_text and temperature <= PROMPT_RESET_TEMPERATURE:
                     history += consumed
