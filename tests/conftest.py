@@ -11,6 +11,17 @@ import torch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """A test that sets torch's thread count (a real-model comparison on two threads) gives it back:
+    the next tests keep one thread, and a process forked later (GNU OpenMP is not fork-safe after a
+    parallel region of several threads) does not hang."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 
 def pytest_addoption(parser):
     parser.addoption("--device", default=os.environ.get("FASTDECODE_TEST_DEVICE", "cpu"), choices=("cpu", "cuda"),

@@ -6,10 +6,14 @@ the same for any thread count, any interleaving and any caller thread. Speed is 
 
 from __future__ import annotations
 
+import ast
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,7 +68,24 @@ def test_two_caller_threads_at_once_get_the_same_results():
 
 
 def in_forked_child(target, timeout=120):
-    """What target(queue) put in its queue, run in a forked child (which must exit within timeout: no hang)."""
+    """What target(queue) put in its queue, run in a forked child (which must exit within timeout: no
+    hang) of a fresh interpreter whose kernel pool has made its helper threads. The parent is fresh
+    because what the rest of a test session leaves in this process (other libraries' thread pools and
+    fork handlers: Ray, gRPC, CTranslate2, uvicorn) is not what these tests are about."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_kernel_threads as t; "
+            f"print(repr(t.fork_and_run(t.{target.__name__}, {timeout})))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout + 120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return ast.literal_eval(result.stdout.strip().splitlines()[-1])
+
+
+def fork_and_run(target, timeout: int):
+    """(In the fresh parent) make the kernel pool's helpers, then run target(queue) in a forked child.
+    torch's own ops on one thread, as in the test session (conftest.py): GNU OpenMP is not fork-safe, and a
+    child forked after a parallel region of several OpenMP threads hangs in its next one."""
+    torch.set_num_threads(1)
+    torch.manual_seed(2)
+    product(quantize_matrix(torch.randn(1024, 128), "int8"), torch.randn(1, 128), 2)  # helpers, not in the child
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     child = context.Process(target=target, args=(queue,))
@@ -72,7 +93,7 @@ def in_forked_child(target, timeout=120):
     child.join(timeout=timeout)
     if child.is_alive():  # hung
         child.kill()
-    assert child.exitcode == 0
+    assert child.exitcode == 0, f"the forked child exited with {child.exitcode} (None: hung for {timeout} s)"
     return queue.get(timeout=1)
 
 
@@ -84,10 +105,7 @@ def _child_product(queue):
 
 
 def test_a_forked_child_makes_its_own_helper_threads():
-    torch.manual_seed(2)
-    weight = quantize_matrix(torch.randn(1024, 128), "int8")
-    product(weight, torch.randn(1, 128), 2)  # the parent's helpers exist (they are not in the child)
-    assert in_forked_child(_child_product) is True
+    assert in_forked_child(_child_product) is True  # the parent's helpers exist (they are not in the child)
 
 
 def test_products_are_the_same_after_the_helpers_went_to_sleep():

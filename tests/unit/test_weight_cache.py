@@ -96,6 +96,14 @@ def test_cached_load_gives_the_same_logits_as_repacking(tmp_path, cache_dir, mon
     assert torch.equal(prefill_logits(missed, IDS), expected)
     assert torch.equal(prefill_logits(hit, IDS), expected)
     assert hit.generate("the sea", max_new_tokens=6) == plain.generate("the sea", max_new_tokens=6)
+    # what was one tensor under two names (a tied head's codes and its table's) is one tensor again
+    def held(gen):
+        return {name: getattr(w, "codes", w) for name, w in gen.checkpoint.weights.items()}
+
+    plain_held, hit_held = held(plain), held(hit)
+    shared = [(a, b) for a in plain_held for b in plain_held if a < b and plain_held[a] is plain_held[b]]
+    assert all(hit_held[a] is hit_held[b] for a, b in shared), shared
+    assert len({id(t) for t in hit_held.values()}) == len({id(t) for t in plain_held.values()})
 
 
 def test_a_changed_gguf_is_repacked_and_a_truncated_one_refused(tmp_path, cache_dir):

@@ -217,24 +217,36 @@ def load(where: Path, identity: dict) -> tuple[dict[str, torch.Tensor | Quantize
         base = _mapping(where, handle, stat)
     storage = base.untyped_storage()
 
+    views: dict[str, torch.Tensor] = {}  # a description's text -> its tensor: what was one tensor (a tied
+    # table's codes under two names) is one tensor again
+
     def view(description: list | None) -> torch.Tensor | None:
         if description is None:
             return None
-        index, dtype_name, element_offset, shape, stride = description
-        dtype = getattr(torch, dtype_name)
-        start = data_start + header["storages"][index][0]
-        item = dtype.itemsize
-        return torch.empty(0, dtype=dtype).set_(storage, start // item + element_offset, shape, stride)
+        key = json.dumps(description)
+        if key not in views:
+            index, dtype_name, element_offset, shape, stride = description
+            dtype = getattr(torch, dtype_name)
+            start = data_start + header["storages"][index][0]
+            views[key] = torch.empty(0, dtype=dtype).set_(storage, start // dtype.itemsize + element_offset, shape,
+                                                          stride)
+        return views[key]
 
-    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
-    for name, entry in header["weights"].items():
+    def weight(entry: dict) -> torch.Tensor | QuantizedWeight:
         if "tensor" in entry:
-            weights[name] = view(entry["tensor"])
-            continue
+            return view(entry["tensor"])
         fields = dict(entry["quantized"])
         fields["dtype"] = getattr(torch, fields["dtype"])
         tensors = {part: view(fields.pop(part)) for part in ("codes", "scale", "mins")}
-        weights[name] = QuantizedWeight(**fields, **tensors)
+        return QuantizedWeight(**fields, **tensors)
+
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    made: dict[str, torch.Tensor | QuantizedWeight] = {}  # an entry's text -> its object: tied names stay one object
+    for name, entry in header["weights"].items():
+        key = json.dumps(entry, sort_keys=True)
+        if key not in made:
+            made[key] = weight(entry)
+        weights[name] = made[key]
     return weights, {int(start): end for start, end in header["string_array_ends"].items()}
 
 
