@@ -225,3 +225,19 @@ def test_every_error_is_a_fastdecode_error():
     for error in (CheckpointError, InvalidOptionError, ModelNotFoundError, PromptTooLongError, TokenizerError,
                   UnsupportedModelError):
         assert issubclass(error, FastDecodeError)
+
+
+@pytest.mark.parametrize("kind, key, value", [
+    ("phi3-swa", "attn_logit_softcapping", 50.0), ("phi3-swa", "clip_qkv", 8.0),
+    ("gemma2", "residual_multiplier", 0.2), ("gemma2", "no_rope_layers", [1, 0]),
+])
+def test_phi3_and_gemma2_refuse_a_key_they_do_not_implement(tmp_path, kind, key, value):
+    """Phi-3 and Gemma 2 go through the same refusal as the Llama-shaped families: another family's
+    knob in their config is named, not ignored (Gemma 2's own soft-caps and query scale are its math)."""
+    from tiny_models import build
+
+    folder = tmp_path / kind
+    build(kind).save_pretrained(folder)
+    copy_folder(folder, tmp_path / "m", **{key: value})
+    with pytest.raises(UnsupportedModelError, match=key):
+        fastdecode.load(str(tmp_path / "m"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ModelConfig
+from ..config.unsupported import refuse_unimplemented, refuse_unimplemented_gguf
 from ..errors import UnsupportedModelError
 from .gemma3 import (GGUF_NAMES, HF_NAMES, IGNORED_NAME_PATTERNS, OUT_IN_WEIGHTS, pattern_layer_types,  # noqa: F401
                      gguf_fields, gguf_to_hf_layout, hf_fields, weight_names, weight_shapes)
@@ -24,11 +25,14 @@ ROPE_THETA = 10_000.0
 SLIDING_WINDOW = 4096  # transformers' and llama.cpp's default
 ATTENTION_SOFTCAP, FINAL_SOFTCAP = 50.0, 30.0  # transformers' Gemma2Config defaults
 PATTERN = 2  # sliding, full, sliding, ...
+# the math keys Gemma 2 implements (config/unsupported.py refuses the others by name)
+IMPLEMENTED = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Map a HF ``gemma2`` config (transformers 4.x ``rope_theta`` / ``rope_scaling`` or 5.x
     ``rope_parameters``); an absent cap takes transformers' default, an explicit null turns it off."""
+    refuse_unimplemented(hf, IMPLEMENTED, (hf.get("architectures") or ["Gemma2ForCausalLM"])[0])
     if hf.get("attention_bias"):
         raise UnsupportedModelError("Gemma 2 with attention_bias=True is not supported")
     rope = dict(hf.get("rope_parameters") or {})
@@ -51,6 +55,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
     """GGUF ``gemma2`` (llama.cpp's keys and defaults: the caps and window when absent, pattern 2)."""
+    refuse_unimplemented_gguf(meta, ("attn_logit_softcapping", "final_logit_softcapping"))
     theta = float(meta.get("gemma2.rope.freq_base", ROPE_THETA))
     return ModelConfig(
         family="gemma2",

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig, derived_head_dim
+from ..config.unsupported import refuse_unimplemented, refuse_unimplemented_gguf
 from ..errors import UnsupportedModelError
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.positions import longrope_switches
@@ -111,6 +112,7 @@ def _context(max_positions: int, scaling: dict[str, Any] | None) -> int:
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Map a HF ``phi3`` config (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
+    refuse_unimplemented(hf, (), (hf.get("architectures") or ["Phi3ForCausalLM"])[0])
     num_heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     rope = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or rope)
@@ -152,6 +154,8 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
     """GGUF ``phi3`` (llama.cpp's keys). The LongRoPE factors are tensors, read with the weights:
     a file that has them is capped at its original context (128k Phi-3 files always carry two
     distinct lists; the cap keeps the short ones exact)."""
+
+    refuse_unimplemented_gguf(meta, ())
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"phi3.{key}", default)
