@@ -210,19 +210,8 @@ def create_speech_app(transcriber, settings: SpeechServeSettings | None = None) 
 
 
 def run_speech_server(transcriber, host: str, port: int, settings: SpeechServeSettings) -> int:
-    """Serve until SIGTERM / Ctrl-C (in-flight requests get ``grace_seconds``) -> the exit code: 0
-    once drained (uvicorn's re-raised SIGTERM is made a no-op, as server.py does)."""
-    import signal
+    """Serve until SIGTERM / Ctrl-C (in-flight requests get ``grace_seconds``) -> the exit code, as
+    ``fastdecode serve`` (server.serve_until_drained)."""
+    from .server import serve_until_drained
 
-    import uvicorn
-
-    from .server import uvicorn_config
-
-    app = create_speech_app(transcriber, settings)
-    server = uvicorn.Server(uvicorn_config(app, host, port))
-    restore = signal.signal(signal.SIGTERM, lambda *_: None)
-    try:
-        server.run()
-    finally:
-        signal.signal(signal.SIGTERM, restore)
-    return 0 if server.started else 1
+    return serve_until_drained(create_speech_app(transcriber, settings), host, port)

@@ -11,7 +11,7 @@ from ..errors import InvalidOptionError
 
 def run(generator: Any, host: str, port: int, **settings: Any) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the serve extra is installed (serve_until_drained runs it)
 
         from .app import create_app
         from .protocol import APIError
@@ -22,6 +22,14 @@ def run(generator: Any, host: str, port: int, **settings: Any) -> int:
         app = create_app(generator, ServeSettings(**settings))
     except APIError as exc:
         raise InvalidOptionError(exc.message) from exc
+    return serve_until_drained(app, host, port)
+
+
+def serve_until_drained(app: Any, host: str, port: int) -> int:
+    """Serve ``app`` (its ``state.settings``: see ``uvicorn_config``) until SIGTERM / Ctrl-C, in-flight
+    requests drained -> the exit code: 0 once drained, 1 if it never started."""
+    import uvicorn
+
     server = uvicorn.Server(uvicorn_config(app, host, port, log_level="info"))
     # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: make that
     # one a no-op so that a drained server exits 0.
