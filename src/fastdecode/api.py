@@ -53,9 +53,11 @@ def default_model_path() -> Path:
 
 
 def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "float32",
-         quantize: str | None = None) -> "Generator":
+         quantize: str | None = None, speculative: Any = None) -> "Generator":
     """quantize: None (GGUF blocks run as they are, float checkpoints stay float), "int8" / "int4"
-    (float matrices quantized at load), "dequantize" (GGUF blocks decoded to ``dtype`` at load)."""
+    (float matrices quantized at load), "dequantize" (GGUF blocks decoded to ``dtype`` at load).
+    speculative: the default of the ``speculative`` generation option (e.g. "ngram"), used by
+    greedy and sampling calls that do not set it (config/speculative.py)."""
     from .loading.quantize import apply_quantize, check_quantize
 
     check_quantize(quantize)
@@ -77,7 +79,7 @@ def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "fl
     else:
         raise ModelNotFoundError(f"{path} is neither a Hugging Face model folder nor a .gguf file")
     loaded = dict(checkpoint.weights)  # building may take entries out (Phi-3's LongRoPE factors)
-    generator = Generator(apply_quantize(checkpoint, quantize))
+    generator = Generator(apply_quantize(checkpoint, quantize), GenerationConfig.from_options(speculative=speculative))
     if checkpoint.weight_cache is not None:  # a cache miss: the built model's weights (fused), for the next load
         from .loading import weight_cache
 

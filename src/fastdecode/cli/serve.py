@@ -10,7 +10,7 @@ import click
 
 from ..errors import InvalidOptionError
 from .errors import handle_errors
-from .options import load_settings, model_options
+from .options import load_settings, model_options, speculative_flags, speculative_value
 from .serve_ray import ray_serve_options, ray_serve_values, run_on_ray
 
 
@@ -57,6 +57,8 @@ from .serve_ray import ray_serve_options, ray_serve_values, run_on_ray
                    "'*' for any). Default: none.")
 @ray_serve_options
 @model_options
+@speculative_flags[0]
+@speculative_flags[1]
 @handle_errors
 def serve(model: str | None, device: str, dtype: str, host: str, port: int, model_names: tuple[str, ...],
           allowed_origins: tuple[str, ...], context_overflow: str | None, **kwargs: Any) -> None:
@@ -68,6 +70,7 @@ def serve(model: str | None, device: str, dtype: str, host: str, port: int, mode
     from ..serve.server import run
 
     ray_address, replica_options = ray_serve_values(kwargs)
+    kwargs["speculative"] = speculative_value(kwargs)
     overflow = context_overflow or ("shift" if kwargs["n_ctx"] is not None else "error")
     pooling = kwargs.pop("pooling")
     kwargs["embeddings"] = pooling if kwargs.pop("embeddings") else None
@@ -75,13 +78,14 @@ def serve(model: str | None, device: str, dtype: str, host: str, port: int, mode
     origins = tuple(o.strip() for value in allowed_origins for o in value.split(",") if o.strip())
     if ray_address is not None:
         extras = {"--embeddings": kwargs["embeddings"], "--lenient": kwargs["lenient"], "--allowed-origins": origins,
-                  "--strict-model-name": kwargs["strict_model_name"], "several --served-model-name": names[1:]}
+                  "--strict-model-name": kwargs["strict_model_name"], "several --served-model-name": names[1:],
+                  "--speculative": kwargs["speculative"]}
         used = [flag for flag, value in extras.items() if value]
         if used:
             raise InvalidOptionError(f"{', '.join(used)}: not available with --ray yet (its ingress serves the "
                                      "completion and chat routes)")
         load = load_settings(model, device, dtype, kwargs)
-        for name in ("embeddings", "lenient", "strict_model_name"):
+        for name in ("embeddings", "lenient", "strict_model_name", "speculative"):
             kwargs.pop(name)
         sys.exit(run_on_ray(load, ray_address, replica_options, host, port, model_name=names[0],
                             context_overflow=overflow, **kwargs))

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
+from ..config.speculative import speculative_settings
 from ..errors import InvalidOptionError, QueueFullError
 from ..generation.sampling import TokenSelector, sequence_seeds
 from ..layers.quantized import prompt_rows
@@ -45,6 +46,7 @@ from .cross import CrossStore, RowGroup, decoder_score_bias
 from .plan import StepPlan, layer_windows
 from .sequence import Sequence, TokenEvent, token_logprobs
 from .slots import SlotCache, check_fits
+from .speculative import new_speculation, verify_draft
 
 DEFAULT_CACHE_BYTES = 1 << 30
 WINDOW_SEQUENCES = 16  # sequences a sliding kind's pool serves at their peak at once (shorter ones take less)
@@ -203,6 +205,9 @@ class Engine:
 
             watcher = TextWatcher(gen._require_tokenizer(), config.stop_strings())
         sequence = Sequence(self._next_id, prompt, config, selector, eos, watcher, logprobs, decoder_prompt)
+        settings = speculative_settings(config.speculative)
+        if settings is not None:  # prompt lookup over what the sequence holds (and its source)
+            sequence.speculation = new_speculation(settings, sequence.tokens(0, sequence.num_tokens), sequence.source)
         self._next_id += 1
         return sequence
 
@@ -237,8 +242,13 @@ class Engine:
         """(sequence, tokens to run) for this step: decodes first, then prompt chunks, then admissions."""
         decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
         reading = [s for s in self.running if s.num_tokens - s.num_computed > 1]
-        work = [(sequence, 1) for sequence in decoding[: self.max_batch_tokens]]
-        budget = self.max_batch_tokens - len(work)
+        work, budget = [], self.max_batch_tokens
+        for sequence in decoding:  # one token each, plus a draft to verify for a speculating sequence
+            if budget == 0:
+                break
+            count = 1 + self._draft(sequence, budget - 1)
+            work.append((sequence, count))
+            budget -= count
         if work:
             budget = min(budget, self.prefill_chunk)  # prompt tokens this step (see the module docstring)
         for sequence in reading:
@@ -257,6 +267,16 @@ class Engine:
             work.append((sequence, count))
             budget -= count
         return work
+
+    def _draft(self, sequence: Sequence, room: int) -> int:
+        """Draft tokens for a decoding sequence to verify this step (engine/speculative.py) -> how many.
+        A draft never outruns the sequence's reservation (its max_new_tokens) or a chunk."""
+        sequence.draft = []
+        if sequence.speculation is None:
+            return 0
+        room = min(room, self.max_chunk - 1, sequence.config.max_new_tokens - len(sequence.output_ids) - 1)
+        sequence.draft = sequence.speculation.draft(room)
+        return len(sequence.draft)
 
     def _admit(self, sequence: Sequence) -> bool:
         """Reserve the blocks a waiting sequence needs -> False (nothing reserved) if they are not free.
@@ -283,7 +303,6 @@ class Engine:
         return True
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[TokenEvent]:
-        work = [w for w in work if w[1] == 1] + [w for w in work if w[1] > 1]  # one-query rows first
         for sequence, count in work:  # sliding kinds: drop what slid out, take the blocks written now
             self.cache.prepare(sequence.block_table, sequence.num_computed, sequence.num_computed + count)
         if self.compiled is not None and all(count == 1 and s.num_computed >= len(s.context) for s, count in work):
@@ -293,24 +312,36 @@ class Engine:
             logits, sampled = self._forward(work)
         self.tokens_run += sum(count for _, count in work)
         for sequence, count in work:
-            self._computed(sequence, sequence.num_computed + count)
+            if not sequence.draft:  # a verified draft advances by what is accepted (_verify)
+                self._computed(sequence, sequence.num_computed + count)
         return self._sample(sampled, logits)
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """One flat varlen forward over ``work`` -> (logits [K, V], the K sequences that reached
-        their last token, in logits order)."""
+        """One flat varlen forward over ``work`` -> (logits [K, V], the sequences that reached their
+        last token, in logits order: one row each, 1 + its draft's length for a verifying one).
+
+        A verifying sequence's last token and draft run as that many one-token rows over its block
+        table, positions p..p+k (each sees the K/V the earlier ones write in the same op): the very
+        rows, and arithmetic, of the decode steps they stand for."""
         device = self.model.device
+        rows = [(s, s.num_computed + j, 1) for s, count in work if s.draft for j in range(count)]
+        rows = [(s, s.num_computed, count) for s, count in work if count == 1 and not s.draft] + rows
+        rows += [(s, s.num_computed, count) for s, count in work if count > 1 and not s.draft]
         tokens, positions, logit_rows, sampled, is_prompt = [], [], [], [], []
-        for sequence, count in work:
-            start = sequence.num_computed
-            tokens += sequence.tokens(start, start + count)
+        for sequence, start, count in rows:
+            if sequence.draft:  # its last token, then the draft
+                offset = start - sequence.num_computed
+                tokens.append(sequence.draft[offset - 1] if offset else sequence.tokens(start, start + 1)[0])
+            else:
+                tokens += sequence.tokens(start, start + count)
             positions += range(start, start + count)
             is_prompt += (index < len(sequence.context) for index in range(start, start + count))
-            if start + count == sequence.num_tokens:
+            if sequence.draft or start + count == sequence.num_tokens:
                 logit_rows.append(len(tokens) - 1)
-                sampled.append(sequence)
-        rows = self._row_groups(work)
-        plan = StepPlan.for_rows(self.cache, [(s.block_table, s.num_computed, count) for s, count in work],
+                if not sampled or sampled[-1] is not sequence:
+                    sampled.append(sequence)
+        groups = self._row_groups([(s, count) for s, _, count in rows])
+        plan = StepPlan.for_rows(self.cache, [(s.block_table, start, count) for s, start, count in rows],
                                  self.windows, self.score_bias, self.model.dtype)
         token_tensor = torch.tensor([tokens], device=device)  # [1, N]
         position_tensor = torch.tensor([positions], device=device)  # [1, N]
@@ -319,7 +350,7 @@ class Engine:
             if self.cross is None:
                 logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
             else:
-                logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(rows),
+                logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(groups),
                                            logits_at=logits_at)[0]  # [K, V]
         return logits, sampled
 
@@ -345,6 +376,36 @@ class Engine:
                                done_now)
 
     def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+        if not any(s.draft for s in sampled):
+            return self._sample_rows(sampled, logits)
+        plain, plain_rows, events, first = [], [], [], 0
+        verifying: list[tuple[Sequence, int]] = []
+        for sequence in sampled:
+            if sequence.draft:
+                verifying.append((sequence, first))
+                first += 1 + len(sequence.draft)
+            else:
+                plain.append(sequence)
+                plain_rows.append(first)
+                first += 1
+        if plain:
+            events += self._sample_rows(plain, logits[plain_rows])  # [P, V]
+        for sequence, first in verifying:
+            events += self._verify(sequence, logits[first:first + 1 + len(sequence.draft)])  # [1 + k, V]
+        return events
+
+    def _verify(self, sequence: Sequence, logits: torch.Tensor) -> list[TokenEvent]:
+        """Keep a verified draft's accepted prefix and the first token chosen past it (engine/speculative.py)."""
+        draft, sequence.draft = sequence.draft, []
+        start = sequence.num_computed
+        events, accepted = verify_draft(sequence, draft, logits)
+        sequence.speculation.settle(len(draft), accepted)
+        self._computed(sequence, start + 1 + accepted)  # the last token and the accepted draft: in the cache
+        if sequence.finished:
+            self._release(sequence)
+        return events
+
+    def _sample_rows(self, sampled: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
         if not sampled:
             return []
         if all(s.selector.plain_greedy(len(s.output_ids)) for s in sampled):

@@ -74,6 +74,8 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop" | "length" | "cancelled"
         self.stop_kind: str | None = None  # finer: "eos" | "stop" (a stop string) | "length" | "cancelled"
         self.cancel_requested = False
+        self.speculation: Any = None  # engine/speculative.py's Speculation for a speculating sequence
+        self.draft: list[int] = []  # the draft tokens it verifies in the current step
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -111,6 +113,8 @@ class Sequence:
                top_logprobs: list[tuple[int, float]] | None = None) -> TokenEvent:
         """Append a chosen token, check EOS / length / stop strings -> its event."""
         self.output_ids.append(token)
+        if self.speculation is not None:
+            self.speculation.drafter.extend([token])
         text = self.watcher.push(token) if self.watcher is not None else ""
         if token in self.eos_ids:
             self.finish("eos")

@@ -6,6 +6,8 @@
 * ``best_of``: that many sampled candidates per choice, the ``n`` with the highest cumulative
   logprob answered (not with ``stream``, as OpenAI);
 * ``use_beam_search`` (vLLM): beam search with width ``best_of`` (default ``n``), at least 2;
+* ``speculative`` (fastdecode): ``false`` opts out of the server's ``--speculative`` default,
+  ``"ngram"`` or ``{"method": "ngram", "num_tokens": k}`` opts in (config/speculative.py);
 * completions only: ``echo`` (the prompt leads each choice's text, and its tokens' logprobs its
   logprobs; ``max_tokens: 0`` scores a prompt without generating) and ``suffix`` (fill in the
   middle, with the model's FIM tokens).
@@ -52,6 +54,7 @@ def parse_extras(body: dict[str, Any], request: GenerationRequest) -> None:
         raise APIError(400, f"seed must be an integer >= 0 (or -1 for a random one), got {options['seed']}",
                        param="seed")
     _best_of(fields, request)
+    _speculative(body, options)
     if request.endpoint == "completion":
         request.echo = fields.get("echo", bool, default=False)
         request.suffix = fields.get("suffix", str, default=None)
@@ -122,3 +125,17 @@ def fill_in_middle_ids(tokenizer: Any, prefix: str | list[int], suffix: str) -> 
     lead = tokenizer.encode("", add_special_tokens=True)
     prefix_ids = list(prefix) if isinstance(prefix, list) else tokenizer.encode(prefix, add_special_tokens=False)
     return lead + [ids[0]] + prefix_ids + [ids[1]] + tokenizer.encode(suffix, add_special_tokens=False) + [ids[2]]
+
+
+def _speculative(body: dict[str, Any], options: dict[str, Any]) -> None:
+    """``speculative``: validated here so that a bad value is a 400 naming the field."""
+    if body.get("speculative") is None:
+        return
+    from ..config.speculative import speculative_settings
+    from ..errors import InvalidOptionError
+
+    try:
+        speculative_settings(body["speculative"])
+    except InvalidOptionError as exc:
+        raise APIError(400, str(exc), param="speculative") from None
+    options["speculative"] = body["speculative"] or False

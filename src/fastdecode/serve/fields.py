@@ -25,7 +25,7 @@ SAMPLING = {"model", "n", "stream", "stream_options", "user", "max_tokens", "tem
             "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "best_of",
             # vLLM / llama.cpp / Hugging Face extensions
             "top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "no_repeat_ngram_size",
-            "num_beams", "length_penalty", "use_beam_search"}
+            "num_beams", "length_penalty", "use_beam_search", "speculative"}
 STRUCTURED = {"response_format", "structured_outputs", "json_schema", "grammar"}  # serve/structured.py
 SERVED = {
     "completion": SAMPLING | STRUCTURED | {"prompt", "echo", "suffix"},

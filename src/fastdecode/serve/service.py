@@ -53,6 +53,7 @@ class ServeSettings:
     max_connections: int = 1024  # open connections; beyond it a new one gets 503
     embeddings: str | None = None  # "mean" or "last": serve /v1/embeddings with that pooling (--embeddings)
     lenient: bool = False  # unknown request fields: logged and ignored instead of a 400 (fields.py)
+    speculative: Any = None  # the default ``speculative`` option of greedy / sampling requests (--speculative)
 
 
 _CANCELLED = object()  # put in a request's queue when it is cancelled: wakes whoever waits on it
@@ -186,6 +187,8 @@ class GenerationService:
                                     f"positions but the context is {self.context} ({why})",
                                param="max_tokens", code="context_length_exceeded")
             route = "stream"
+        if self.settings.speculative is not None and "speculative" not in options and route == "engine":
+            options["speculative"] = self.settings.speculative  # the server's default, where speculation runs
         return route, options
 
     # -- running ---------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ class Piece:
     cached_tokens: int
     completion_tokens: int
     stop_sequence: str | None = None  # the stop string that ended the choice (finish_reason "stop"), if one did
+    drafted_tokens: int = 0  # speculative decoding, set on the last piece: tokens drafted and verified
+    accepted_tokens: int = 0  # ... and of those, accepted
 
 
 @dataclass
@@ -172,6 +174,9 @@ class EngineWorker:
                           sequence.num_cached_prompt_tokens, len(sequence.output_ids))
             if event.finished:
                 piece.stop_sequence = matched_stop(sequence)
+                if sequence.speculation is not None:
+                    piece.drafted_tokens = sequence.speculation.drafted
+                    piece.accepted_tokens = sequence.speculation.accepted
                 self._finish(submission, piece)
             else:
                 submission.sink.put(piece)

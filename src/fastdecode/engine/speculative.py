@@ -1,0 +1,171 @@
+"""Speculative decoding in the engine: a drafter proposes tokens, one forward verifies them all.
+
+A decoding sequence with a draft d1..dk runs k + 1 query rows in the step's plan (its last token and
+the draft, like a short prompt chunk), beside every other sequence's rows. Its rows' logits are then
+checked in order: row j is processed and chosen exactly as a normal decode step would choose the
+token after d1..dj (the sequence's own processors, penalties, grammar and seeded generator); the
+draft token d(j+1) is accepted when it is that choice, and the first choice that differs is kept as
+the step's last token. So greedy output equals greedy without speculation token for token, and a
+seeded sampled output equals the unspeculated one for the same seed: each kept token is drawn from
+the same processed distribution with the same uniform number. (For a point-mass draft, as an n-gram
+draft is, this is the standard rejection rule: the draft is accepted with probability p(d), and a
+rejected row's token follows p restricted to the other tokens, the normalized residual.)
+
+The K/V the rows wrote for rejected draft tokens lie past the sequence's computed length: the next
+step overwrites them (the cache's ``seq_rm`` in effect), and the prefix cache only ever names blocks
+of accepted tokens.
+
+Each sequence adapts its draft length to what is accepted: a fully accepted draft grows it, a
+rejected one shrinks it, and after repeated misses speculation pauses for a while before probing
+again, so open-ended text costs next to nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from ..config.speculative import SpeculativeSettings
+from .sequence import TokenEvent, token_logprobs
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
+
+PAUSE_AFTER_MISSES = 3  # drafts in a row with nothing accepted before speculation pauses
+PAUSE_STEPS = 16  # decode steps without drafting during a pause
+
+
+class Drafter(Protocol):
+    """Proposes the tokens likely to follow a sequence; told every token the sequence gains."""
+
+    def extend(self, tokens: list[int]) -> None: ...
+
+    def propose(self, count: int) -> list[int]: ...
+
+
+class NgramDrafter:
+    """Prompt lookup: the last n tokens (n from ``ngram_max`` down to ``ngram_min``) looked up among
+    the earlier n-grams of the sequence (prompt and output) and of its source documents (an
+    encoder-decoder model's source); the tokens that followed the most recent match are the draft.
+
+    An index from each n-gram to the position after its latest occurrence is updated as tokens
+    arrive (``ngram_max`` dict writes per token), so proposing costs O(n + count), never a scan."""
+
+    def __init__(self, tokens: list[int], ngram_min: int, ngram_max: int, documents: tuple[list[int], ...] = ()):
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.tokens: list[int] = []
+        # n-gram -> (the token list it occurs in, the position after that occurrence)
+        self.index: dict[tuple[int, ...], tuple[list[int], int]] = {}
+        for document in documents:
+            for end in range(1, len(document)):  # occurrences ending before the document's last token
+                self._index_ending(document, end)
+        self.extend(tokens)
+
+    def _index_ending(self, tokens: list[int], end: int) -> None:
+        """Name every n-gram that ends just before position ``end`` (so that tokens[end] follows it)."""
+        for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
+            self.index[tuple(tokens[end - n:end])] = (tokens, end)
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            if self.tokens:
+                self._index_ending(self.tokens, len(self.tokens))  # the n-grams the new token follows
+            self.tokens.append(token)
+
+    def propose(self, count: int) -> list[int]:
+        """Up to ``count`` tokens. A match near the end of the sequence has few followers (a loop of
+        period 3 has 3): the lookup then continues from the draft's own end, up to ``count``."""
+        draft: list[int] = []
+        while len(draft) < count:
+            following = self._following(draft, count - len(draft))
+            if not following:
+                break
+            draft += following
+        return draft
+
+    def _following(self, draft: list[int], count: int) -> list[int]:
+        """What followed the latest earlier occurrence of the longest suffix of tokens + draft."""
+        tokens = self.tokens
+        for n in range(min(self.ngram_max, len(tokens) + len(draft)), self.ngram_min - 1, -1):
+            suffix = (tokens[len(tokens) - max(0, n - len(draft)):] + draft)[-n:]
+            found = self.index.get(tuple(suffix))
+            if found is not None:
+                source, start = found
+                return source[start:start + count]
+        return []
+
+
+class Speculation:
+    """A sequence's drafter, its adaptive draft length and its counts (drafted, accepted)."""
+
+    def __init__(self, drafter: Drafter, settings: SpeculativeSettings):
+        self.drafter = drafter
+        self.max_tokens = settings.num_tokens
+        self.length = settings.num_tokens
+        self.misses = 0  # drafts in a row with nothing accepted
+        self.paused = 0  # decode steps left without drafting
+        self.drafted = 0
+        self.accepted = 0
+        self.verify_steps = 0
+
+    def draft(self, room: int) -> list[int]:
+        """At most ``room`` tokens to verify this step (none while paused)."""
+        if self.paused:
+            self.paused -= 1
+            return []
+        if room <= 0:
+            return []
+        return self.drafter.propose(min(self.length, room))
+
+    def settle(self, drafted: int, accepted: int) -> None:
+        """Count a verified draft and adapt the next draft's length."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verify_steps += 1
+        if accepted == drafted:
+            self.length = min(self.max_tokens, self.length * 2)
+            self.misses = 0
+        elif accepted == 0:
+            self.length = max(1, self.length // 2)
+            self.misses += 1
+            if self.misses >= PAUSE_AFTER_MISSES:
+                self.paused, self.misses = PAUSE_STEPS, 0
+        else:
+            self.length = max(1, min(self.max_tokens, accepted + 1))
+            self.misses = 0
+
+
+def new_speculation(settings: SpeculativeSettings, context: list[int], source: list[int] | None) -> Speculation:
+    """A sequence's speculation state: prompt lookup over its context (and its source, if any)."""
+    documents = (source,) if source else ()
+    return Speculation(NgramDrafter(context, settings.ngram_min, settings.ngram_max, documents), settings)
+
+
+def verify_draft(sequence: "Sequence", draft: list[int], logits: torch.Tensor) -> tuple[list[TokenEvent], int]:
+    """A verifying sequence's rows of logits [1 + k, V] (row j: after its last token and d1..dj) ->
+    (the events of the tokens kept, how many draft tokens were accepted). Each row is chosen as a
+    decode step would choose it; the loop stops at the first choice that differs from the draft or
+    when the sequence finishes (EOS, a stop string, its length)."""
+    selector, generated = sequence.selector, len(sequence.output_ids)
+    greedy = all(selector.plain_greedy(generated + j) for j in range(len(draft) + 1))
+    argmax = logits.argmax(dim=-1).tolist() if greedy else None  # one host sync for a plain greedy draft
+    events, accepted = [], 0
+    for j in range(len(draft) + 1):
+        if argmax is not None:
+            token = argmax[j]
+        else:
+            token = int(selector.select(logits[j : j + 1], len(sequence.output_ids))[0])
+        logprob = top = None
+        if sequence.logprobs is not None:
+            chosen_lp, tops = token_logprobs(logits[j : j + 1], torch.tensor([token], device=logits.device),
+                                             sequence.logprobs)
+            logprob, top = chosen_lp[0], tops[0] if sequence.logprobs else None
+        events.append(sequence.accept(token, logprob, top))
+        if j < len(draft) and token == draft[j]:
+            accepted += 1
+        else:
+            break
+        if sequence.finished:
+            break
+    return events, accepted
