@@ -164,9 +164,16 @@ def test_adaptive_length_pauses_after_misses():
     assert spec.length == 8
     spec.settle(8, 2)
     assert spec.length == 3
-    for _ in range(3):
-        spec.settle(3, 0)
-    assert spec.paused > 0 and spec.draft(5) == []
+    spec.settle(3, 0)
+    spec.settle(1, 0)
+    assert spec.paused == 8 and spec.draft(5) == []
+    spec.paused = 0
+    spec.settle(1, 0)
+    spec.settle(1, 0)
+    assert spec.paused == 16  # a pause right after a pause is longer
+    spec.paused = 0
+    spec.settle(2, 1)
+    assert spec.pause_steps == 8 and spec.length == 2
 
 
 @pytest.mark.parametrize("value, message", [

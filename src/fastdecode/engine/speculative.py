@@ -32,8 +32,9 @@ from .sequence import TokenEvent, token_logprobs
 if TYPE_CHECKING:
     from .sequence import Sequence
 
-PAUSE_AFTER_MISSES = 3  # drafts in a row with nothing accepted before speculation pauses
-PAUSE_STEPS = 16  # decode steps without drafting during a pause
+PAUSE_AFTER_MISSES = 2  # drafts in a row with nothing accepted before speculation pauses
+PAUSE_STEPS = 8  # decode steps without drafting in a first pause; each pause in a row doubles it
+MAX_PAUSE_STEPS = 256
 
 
 class Drafter(Protocol):
@@ -105,6 +106,7 @@ class Speculation:
         self.length = settings.num_tokens
         self.misses = 0  # drafts in a row with nothing accepted
         self.paused = 0  # decode steps left without drafting
+        self.pause_steps = PAUSE_STEPS  # the next pause's length (doubles while drafts keep missing)
         self.drafted = 0
         self.accepted = 0
         self.verify_steps = 0
@@ -123,17 +125,18 @@ class Speculation:
         self.drafted += drafted
         self.accepted += accepted
         self.verify_steps += 1
-        if accepted == drafted:
-            self.length = min(self.max_tokens, self.length * 2)
-            self.misses = 0
-        elif accepted == 0:
+        if accepted == 0:
             self.length = max(1, self.length // 2)
             self.misses += 1
-            if self.misses >= PAUSE_AFTER_MISSES:
-                self.paused, self.misses = PAUSE_STEPS, 0
+            if self.misses >= PAUSE_AFTER_MISSES:  # probe again after the pause, then pause longer
+                self.paused, self.misses = self.pause_steps, 0
+                self.pause_steps = min(MAX_PAUSE_STEPS, self.pause_steps * 2)
+            return
+        self.misses, self.pause_steps = 0, PAUSE_STEPS
+        if accepted == drafted:
+            self.length = min(self.max_tokens, self.length * 2)
         else:
             self.length = max(1, min(self.max_tokens, accepted + 1))
-            self.misses = 0
 
 
 def new_speculation(settings: SpeculativeSettings, context: list[int], source: list[int] | None) -> Speculation:
