@@ -50,3 +50,38 @@ def test_per_request_opt_in_and_bad_values(chat_generator):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
                                       extra_body={"speculative": "ngram", "num_beams": 2})
+
+
+def test_predicted_outputs_draft_from_the_prediction(speculating_server, chat_generator):
+    """OpenAI's ``prediction`` field: drafts come from the expected output; the text is the model's own."""
+    question = [{"role": "user", "content": "Repeat: a cat sat on the mat"}]
+    expected = chat_generator.generate(question, max_new_tokens=20)
+    client = speculating_server.client()
+    wrong = client.chat.completions.create(model="tiny", messages=question, max_tokens=20, temperature=0,
+                                           prediction={"type": "content", "content": "something else entirely"})
+    assert wrong.choices[0].message.content == expected
+    for prediction in (expected, [{"type": "text", "text": expected[:10]}, {"type": "text", "text": expected[10:]}]):
+        response = client.chat.completions.create(model="tiny", messages=question, max_tokens=20, temperature=0,
+                                                  prediction={"type": "content", "content": prediction})
+        assert response.choices[0].message.content == expected
+        # the prediction is the output (re-tokenized: a random model's token splits differ in places)
+        accepted = response.usage.completion_tokens_details.accepted_prediction_tokens
+        assert accepted >= 8 and accepted > wrong.usage.completion_tokens_details.accepted_prediction_tokens
+    for bad, extra in (({"type": "content", "content": 5}, {}), ({"type": "content", "content": "x"},
+                                                                {"speculative": False})):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="tiny", messages=question, max_tokens=4, prediction=bad,
+                                           extra_body=extra)
+        assert caught.value.body["param"] == "prediction"
+
+
+def test_constrained_and_stopped_outputs_with_speculation(speculating_server, chat_generator):
+    client = speculating_server.client()
+    expected = chat_generator.generate(PROMPT, max_new_tokens=30, stop=[" moon"])
+    response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, stop=[" moon"])
+    assert response.choices[0].text == expected
+    question = [{"role": "user", "content": "Give a JSON object"}]
+    expected = chat_generator.generate(question, max_new_tokens=24, response_format={"type": "json_object"})
+    response = client.chat.completions.create(model="tiny", messages=question, max_tokens=24, temperature=0,
+                                              response_format={"type": "json_object"})
+    assert response.choices[0].message.content == expected

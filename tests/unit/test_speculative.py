@@ -196,3 +196,23 @@ def test_strategies_that_cannot_speculate_refuse_it():
     assert gen._options({}).speculative == "ngram"
     beams = gen.generate_ids([LOOPY], max_new_tokens=4, num_beams=2)
     assert len(beams) == 1
+
+
+def test_drafts_keep_copying_from_where_they_matched():
+    # "x *" occurs after every function name: once copying function 3's line, the draft stays there
+    text = [10, 3, 20, 21, 30, 10, 4, 20, 21, 31, 10, 5, 20, 21, 32]
+    drafter = NgramDrafter([], 2, 2, documents=(text,))
+    drafter.extend([10, 3])
+    assert drafter.propose(3) == [20, 21, 30]
+    drafter.extend([20, 21])  # accepted: the next draft continues after them, not after "20 21" of function 5
+    assert drafter.propose(2) == [30, 10]
+    drafter.extend([99])  # a token the document does not have there: back to lookups
+    assert drafter.cursor is None
+
+
+def test_a_prediction_is_drafted_from_its_start():
+    gen = fastdecode.from_hf(build("llama-gqa"))
+    plain = _run(gen, LOOPY, {"max_new_tokens": 20}).output_ids
+    predicted = _run(gen, LOOPY, {"max_new_tokens": 20, "speculative": {"prediction": plain[:12] + [1, 2, 3]}})
+    assert predicted.output_ids == plain
+    assert predicted.speculation.accepted >= 11  # the first draft is the prediction's start

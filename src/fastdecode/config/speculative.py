@@ -2,7 +2,8 @@
 
 Accepted forms (validated once, here): ``None`` / ``False`` (off), ``"ngram"`` / ``True`` (prompt
 lookup with the defaults below), or a dict ``{"method": "ngram", "num_tokens": k, "ngram_min": a,
-"ngram_max": b}``. Verification is exact (engine/speculative.py): speculation changes how fast
+"ngram_max": b, "prediction": [token ids]}`` (a prediction of the output, searched before the
+prompt: OpenAI's predicted outputs). Verification is exact (engine/speculative.py): speculation changes how fast
 tokens come, never which tokens come.
 """
 
@@ -28,6 +29,7 @@ class SpeculativeSettings:
     num_tokens: int = DEFAULT_NUM_TOKENS
     ngram_min: int = DEFAULT_NGRAM_MIN
     ngram_max: int = DEFAULT_NGRAM_MAX
+    prediction: tuple[int, ...] = ()  # token ids the output is expected to resemble (OpenAI's predicted outputs)
 
 
 def speculative_settings(value: Any) -> SpeculativeSettings | None:
@@ -44,7 +46,7 @@ def speculative_settings(value: Any) -> SpeculativeSettings | None:
     if "draft_model" in value:
         raise InvalidOptionError("speculative: draft models are not supported yet; use {'method': 'ngram'} "
                                  "(prompt lookup)")
-    known = {"method", "num_tokens", "ngram_min", "ngram_max"}
+    known = {"method", "num_tokens", "ngram_min", "ngram_max", "prediction"}
     unknown = sorted(set(value) - known)
     if unknown:
         raise InvalidOptionError(f"speculative: unknown key(s) {', '.join(map(repr, unknown))}; known: "
@@ -52,8 +54,12 @@ def speculative_settings(value: Any) -> SpeculativeSettings | None:
     method = value.get("method", "ngram")
     if method not in METHODS:
         raise InvalidOptionError(f"speculative method must be one of {', '.join(METHODS)}, got {method!r}")
+    prediction = value.get("prediction", ())
+    if not isinstance(prediction, (list, tuple)) or not all(is_int(t) and t >= 0 for t in prediction):
+        raise InvalidOptionError("speculative prediction must be a list of token ids (integers >= 0)")
     settings = SpeculativeSettings(method, value.get("num_tokens", DEFAULT_NUM_TOKENS),
-                                   value.get("ngram_min", DEFAULT_NGRAM_MIN), value.get("ngram_max", DEFAULT_NGRAM_MAX))
+                                   value.get("ngram_min", DEFAULT_NGRAM_MIN), value.get("ngram_max", DEFAULT_NGRAM_MAX),
+                                   tuple(prediction))
     if not is_int(settings.num_tokens) or not 1 <= settings.num_tokens <= MAX_NUM_TOKENS:
         raise InvalidOptionError(f"speculative num_tokens must be an integer in [1, {MAX_NUM_TOKENS}], "
                                  f"got {settings.num_tokens!r}")

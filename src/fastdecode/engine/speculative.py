@@ -47,8 +47,9 @@ class Drafter(Protocol):
 
 class NgramDrafter:
     """Prompt lookup: the last n tokens (n from ``ngram_max`` down to ``ngram_min``) looked up among
-    the earlier n-grams of the sequence (prompt and output) and of its source documents (an
-    encoder-decoder model's source); the tokens that followed the most recent match are the draft.
+    the earlier n-grams of the sequence (prompt and output) and of its documents (an encoder-decoder
+    model's source, a predicted output); the tokens that followed the match are the draft. A match in
+    the generated output wins over one in a document, which wins over one in the prompt.
 
     An index from each n-gram to the position after its latest occurrence is updated as tokens
     arrive (``ngram_max`` dict writes per token), so proposing costs O(n + count), never a scan."""
@@ -58,10 +59,11 @@ class NgramDrafter:
         self.tokens: list[int] = []
         # n-gram -> (the token list it occurs in, the position after that occurrence)
         self.index: dict[tuple[int, ...], tuple[list[int], int]] = {}
-        for document in documents:
+        self.cursor: tuple[list[int], int] | None = None  # (token list, position) the next token should copy
+        self.extend(tokens)
+        for document in documents:  # indexed after the prompt: a match in a document wins over one in it
             for end in range(1, len(document)):  # occurrences ending before the document's last token
                 self._index_ending(document, end)
-        self.extend(tokens)
 
     def _index_ending(self, tokens: list[int], end: int) -> None:
         """Name every n-gram that ends just before position ``end`` (so that tokens[end] follows it)."""
@@ -73,11 +75,20 @@ class NgramDrafter:
             if self.tokens:
                 self._index_ending(self.tokens, len(self.tokens))  # the n-grams the new token follows
             self.tokens.append(token)
+            if self.cursor is not None:  # still copying from where the last draft came from?
+                source, position = self.cursor
+                matched = position < len(source) and source[position] == token
+                self.cursor = (source, position + 1) if matched else None
 
     def propose(self, count: int) -> list[int]:
-        """Up to ``count`` tokens. A match near the end of the sequence has few followers (a loop of
-        period 3 has 3): the lookup then continues from the draft's own end, up to ``count``."""
+        """Up to ``count`` tokens. While the sequence keeps copying from where the last draft came
+        from, the draft continues there (a repeated n-gram elsewhere cannot pull it away); else the
+        longest suffix is looked up. A match near the end of the sequence has few followers (a loop
+        of period 3 has 3): the lookup then continues from the draft's own end, up to ``count``."""
         draft: list[int] = []
+        if self.cursor is not None:
+            source, position = self.cursor
+            draft = source[position:position + count]
         while len(draft) < count:
             following = self._following(draft, count - len(draft))
             if not following:
@@ -93,6 +104,8 @@ class NgramDrafter:
             found = self.index.get(tuple(suffix))
             if found is not None:
                 source, start = found
+                if not draft:
+                    self.cursor = (source, start)
                 return source[start:start + count]
         return []
 
@@ -140,9 +153,13 @@ class Speculation:
 
 
 def new_speculation(settings: SpeculativeSettings, context: list[int], source: list[int] | None) -> Speculation:
-    """A sequence's speculation state: prompt lookup over its context (and its source, if any)."""
-    documents = (source,) if source else ()
-    return Speculation(NgramDrafter(context, settings.ngram_min, settings.ngram_max, documents), settings)
+    """A sequence's speculation state: prompt lookup over its context, its source (an encoder-decoder
+    request's) and the request's prediction of its output."""
+    prediction = list(settings.prediction)
+    drafter = NgramDrafter(context, settings.ngram_min, settings.ngram_max, tuple(d for d in (source, prediction) if d))
+    if prediction:  # the output is expected to start as the prediction does
+        drafter.cursor = (prediction, 0)
+    return Speculation(drafter, settings)
 
 
 def verify_draft(sequence: "Sequence", draft: list[int], logits: torch.Tensor) -> tuple[list[TokenEvent], int]:

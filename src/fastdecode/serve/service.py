@@ -23,7 +23,7 @@ from ..engine.sequence import public_finish_reason
 from .. import validation
 from ..errors import FastDecodeError, GenerationCancelledError, QueueFullError
 from .metrics import ServerMetrics
-from .extras import fill_in_middle_ids
+from .extras import fill_in_middle_ids, predicted_speculation
 from .protocol import APIError, GenerationRequest, api_error_from
 from .sessions import LoopRunner
 from .structured import compile_off_thread
@@ -189,6 +189,9 @@ class GenerationService:
             route = "stream"
         if self.settings.speculative is not None and "speculative" not in options and route == "engine":
             options["speculative"] = self.settings.speculative  # the server's default, where speculation runs
+        if request.prediction is not None:  # drafts from the predicted output (OpenAI's predicted outputs)
+            options["speculative"] = predicted_speculation(options.get("speculative"), self.generator.tokenizer,
+                                                           request.prediction)
         return route, options
 
     # -- running ---------------------------------------------------------------------------------
