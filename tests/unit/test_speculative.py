@@ -99,14 +99,14 @@ def test_cache_holds_exactly_the_accepted_tokens():
     gen = fastdecode.from_hf(build("llama-gqa"))
     plain = _run(gen, LOOPY, {"max_new_tokens": 30}).output_ids
     engine = gen.engine(max_batch_tokens=64)
-    kept = engine.add(LOOPY, gen._options({"max_new_tokens": 30, "speculative": {"num_tokens": 6}}), None, keep=True)
+    kept = engine.add(gen.requests.build(LOOPY, {"max_new_tokens": 30, "speculative": {"num_tokens": 6}}), keep=True)
     kept.speculation.drafter = ReferenceDrafter(plain, wrong=2)
     while engine.has_work():
         engine.step()
     assert kept.output_ids == plain and kept.speculation.drafted > kept.speculation.accepted
     cold = gen.engine(max_batch_tokens=64)
     tokens = kept.tokens(0, kept.num_computed)
-    prefilled = cold.add(tokens, gen._options({"max_new_tokens": 1}), None, keep=True)
+    prefilled = cold.add(gen.requests.build(tokens, {"max_new_tokens": 1}), keep=True)
     while cold.has_work():
         cold.step()
     for engine_, sequence in ((engine, kept), (cold, prefilled)):
@@ -191,9 +191,9 @@ def test_strategies_that_cannot_speculate_refuse_it():
         with pytest.raises(InvalidOptionError, match="speculative"):
             gen.generate_ids([LOOPY], max_new_tokens=4, speculative="ngram", **options)
     # a default speculation (load / serve) applies where it can run and stays out of beam search
-    gen.defaults = gen._options({"speculative": "ngram"})
-    assert gen._options({"num_beams": 2}).speculative is None
-    assert gen._options({}).speculative == "ngram"
+    gen.defaults = gen.requests.generation_config({"speculative": "ngram"})
+    assert gen.requests.generation_config({"num_beams": 2}).speculative is None
+    assert gen.requests.generation_config({}).speculative == "ngram"
     beams = gen.generate_ids([LOOPY], max_new_tokens=4, num_beams=2)
     assert len(beams) == 1
 
