@@ -31,6 +31,8 @@ def test_speculative_flag_gives_the_same_text(tiny_folder):
 
 @pytest.mark.parametrize("flags, message", [
     (["--speculative-tokens", "3"], "--speculative ngram"),
+    (["--speculative", "ngram", "--draft-model", "x.gguf"], "not both"),
+    (["--draft-model", "/no/such/model"], "does not exist"),
     (["--speculative", "ngram", "--num-beams", "2"], "beam search"),
     (["--speculative", "ngram", "--speculative-tokens", "0"], "num_tokens"),
     (["--speculative", "ngram", "--no-cache"], "use_cache"),

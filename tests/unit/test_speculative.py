@@ -178,7 +178,8 @@ def test_adaptive_length_pauses_after_misses():
 
 @pytest.mark.parametrize("value, message", [
     ("medusa", "speculative must be"), ({"method": "eagle"}, "method"), ({"num_tokens": 0}, "num_tokens"),
-    ({"ngram_min": 4, "ngram_max": 2}, "exceeds"), ({"draft_model": "x.gguf"}, "draft models"),
+    ({"ngram_min": 4, "ngram_max": 2}, "exceeds"), ({"draft_model": 5}, "model path"),
+    ({"method": "draft_model"}, "goes with"),
     ({"k": 3}, "unknown key"), (3, "speculative must be")])
 def test_bad_speculative_values_are_refused(value, message):
     with pytest.raises(InvalidOptionError, match=message):

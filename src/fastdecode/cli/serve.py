@@ -59,6 +59,7 @@ from .serve_ray import ray_serve_options, ray_serve_values, run_on_ray
 @model_options
 @speculative_flags[0]
 @speculative_flags[1]
+@speculative_flags[2]
 @handle_errors
 def serve(model: str | None, device: str, dtype: str, host: str, port: int, model_names: tuple[str, ...],
           allowed_origins: tuple[str, ...], context_overflow: str | None, **kwargs: Any) -> None:
@@ -90,5 +91,16 @@ def serve(model: str | None, device: str, dtype: str, host: str, port: int, mode
         sys.exit(run_on_ray(load, ray_address, replica_options, host, port, model_name=names[0],
                             context_overflow=overflow, **kwargs))
     generator = load_settings(model, device, dtype, kwargs).load()
+    preload_draft_model(generator, kwargs["speculative"])
     sys.exit(run(generator, host, port, model_name=names[0], model_aliases=tuple(names[1:]), allowed_origins=origins,
                  context_overflow=overflow, **kwargs))
+
+
+def preload_draft_model(generator, speculative) -> None:
+    """Load and check --draft-model before serving: a bad one stops the server at start (exit 2),
+    and the first request does not wait for the load."""
+    from ..config.speculative import speculative_settings
+
+    settings = speculative_settings(speculative)
+    if settings is not None and settings.draft_model is not None:
+        generator.requests.draft_model(settings.draft_model)

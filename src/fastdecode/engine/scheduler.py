@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from ..config.speculative import speculative_settings
 from ..errors import InvalidOptionError, QueueFullError
 from ..generation.sampling import TokenSelector
 from ..layers.quantized import prompt_rows
@@ -46,7 +45,7 @@ from .plan import StepPlan, layer_windows
 from .requests import Request, RequestFactory
 from .sequence import Sequence, TokenEvent, token_logprobs
 from .slots import SlotCache, check_fits
-from .speculative import new_speculation, verify_draft
+from .speculative import Speculator
 
 DEFAULT_CACHE_BYTES = 1 << 30
 WINDOW_SEQUENCES = 16  # sequences a sliding kind's pool serves at their peak at once (shorter ones take less)
@@ -109,6 +108,7 @@ class Engine:
         self.tokens_run = 0  # tokens the model has run (prefix-cache hits are not run)
         self._ended: list[TokenEvent] = []  # events of sequences that ended outside a forward
         self._next_id = 0
+        self.speculator = Speculator(self)
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], options: dict[str, Any] | None = None) -> Sequence:
@@ -188,9 +188,7 @@ class Engine:
                        row_seeds=None if request.seed is None else [request.seed])
         sequence = Sequence(self._next_id, prompt, config, selector, request.eos_ids, request.text_watcher(),
                             request.logprobs, decoder_prompt)
-        settings = speculative_settings(config.speculative)
-        if settings is not None:  # prompt lookup over what the sequence holds (and its source)
-            sequence.speculation = new_speculation(settings, sequence.tokens(0, sequence.num_tokens), sequence.source)
+        self.speculator.attach(sequence)
         self._next_id += 1
         return sequence
 
@@ -225,13 +223,14 @@ class Engine:
         """(sequence, tokens to run) for this step: decodes first, then prompt chunks, then admissions."""
         decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
         reading = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        self.speculator.draft(decoding[: self.max_batch_tokens])  # engine/speculative.py
         work, budget = [], self.max_batch_tokens
         for sequence in decoding:  # one token each, plus a draft to verify for a speculating sequence
+            sequence.draft = sequence.draft[: max(0, budget - 1)]
             if budget == 0:
-                break
-            count = 1 + self._draft(sequence, budget - 1)
-            work.append((sequence, count))
-            budget -= count
+                continue
+            work.append((sequence, 1 + len(sequence.draft)))
+            budget -= 1 + len(sequence.draft)
         if work:
             budget = min(budget, self.prefill_chunk)  # prompt tokens this step (see the module docstring)
         for sequence in reading:
@@ -250,16 +249,6 @@ class Engine:
             work.append((sequence, count))
             budget -= count
         return work
-
-    def _draft(self, sequence: Sequence, room: int) -> int:
-        """Draft tokens for a decoding sequence to verify this step (engine/speculative.py) -> how many.
-        A draft never outruns the sequence's reservation (its max_new_tokens) or a chunk."""
-        sequence.draft = []
-        if sequence.speculation is None:
-            return 0
-        room = min(room, self.max_chunk - 1, sequence.config.max_new_tokens - len(sequence.output_ids) - 1)
-        sequence.draft = sequence.speculation.draft(room)
-        return len(sequence.draft)
 
     def _admit(self, sequence: Sequence) -> bool:
         """Reserve the blocks a waiting sequence needs -> False (nothing reserved) if they are not free.
@@ -359,34 +348,9 @@ class Engine:
                                done_now)
 
     def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
-        if not any(s.draft for s in sampled):
-            return self._sample_rows(sampled, logits)
-        plain, plain_rows, events, first = [], [], [], 0
-        verifying: list[tuple[Sequence, int]] = []
-        for sequence in sampled:
-            if sequence.draft:
-                verifying.append((sequence, first))
-                first += 1 + len(sequence.draft)
-            else:
-                plain.append(sequence)
-                plain_rows.append(first)
-                first += 1
-        if plain:
-            events += self._sample_rows(plain, logits[plain_rows])  # [P, V]
-        for sequence, first in verifying:
-            events += self._verify(sequence, logits[first:first + 1 + len(sequence.draft)])  # [1 + k, V]
-        return events
-
-    def _verify(self, sequence: Sequence, logits: torch.Tensor) -> list[TokenEvent]:
-        """Keep a verified draft's accepted prefix and the first token chosen past it (engine/speculative.py)."""
-        draft, sequence.draft = sequence.draft, []
-        start = sequence.num_computed
-        events, accepted = verify_draft(sequence, draft, logits)
-        sequence.speculation.settle(len(draft), accepted)
-        self._computed(sequence, start + 1 + accepted)  # the last token and the accepted draft: in the cache
-        if sequence.finished:
-            self._release(sequence)
-        return events
+        if any(s.draft for s in sampled):  # verifying sequences keep what their rows confirm
+            return self.speculator.sample(sampled, logits)
+        return self._sample_rows(sampled, logits)
 
     def _sample_rows(self, sampled: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
         if not sampled:
@@ -413,6 +377,7 @@ class Engine:
         return events
 
     def _release(self, sequence: Sequence) -> None:
+        self.speculator.release(sequence)
         if self.cross is not None:
             self.cross.release(sequence)
         if sequence.block_table and not sequence.keep_cache:

@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..config.speculative import SpeculativeSettings
+from ..config.speculative import SpeculativeSettings, speculative_settings
 from .sequence import TokenEvent, token_logprobs
 
 if TYPE_CHECKING:
+    from .draft_model import DraftRunner
+    from .scheduler import Engine
     from .sequence import Sequence
 
 PAUSE_AFTER_MISSES = 2  # drafts in a row with nothing accepted before speculation pauses
@@ -110,10 +112,24 @@ class NgramDrafter:
         return []
 
 
+class ModelDrafter:
+    """A draft model's place in a sequence's speculation: drafting runs batched over every sequence
+    of the step (``DraftRunner.propose``); the runner aligns with the sequence's tokens itself."""
+
+    def __init__(self, runner: "DraftRunner"):
+        self.runner = runner
+
+    def extend(self, tokens: list[int]) -> None:
+        pass
+
+    def propose(self, count: int) -> list[int]:
+        raise NotImplementedError("a draft model drafts for a whole step at once (DraftRunner.propose)")
+
+
 class Speculation:
     """A sequence's drafter, its adaptive draft length and its counts (drafted, accepted)."""
 
-    def __init__(self, drafter: Drafter, settings: SpeculativeSettings):
+    def __init__(self, drafter: "Drafter | ModelDrafter", settings: SpeculativeSettings):
         self.drafter = drafter
         self.max_tokens = settings.num_tokens
         self.length = settings.num_tokens
@@ -124,14 +140,17 @@ class Speculation:
         self.accepted = 0
         self.verify_steps = 0
 
-    def draft(self, room: int) -> list[int]:
-        """At most ``room`` tokens to verify this step (none while paused)."""
+    def wanted(self, room: int) -> int:
+        """How many tokens to draft this step, at most ``room`` (0 while paused)."""
         if self.paused:
             self.paused -= 1
-            return []
-        if room <= 0:
-            return []
-        return self.drafter.propose(min(self.length, room))
+            return 0
+        return max(0, min(self.length, room))
+
+    def draft(self, room: int) -> list[int]:
+        """At most ``room`` tokens to verify this step (none while paused), from a token-level drafter."""
+        count = self.wanted(room)
+        return self.drafter.propose(count) if count else []
 
     def settle(self, drafted: int, accepted: int) -> None:
         """Count a verified draft and adapt the next draft's length."""
@@ -150,6 +169,83 @@ class Speculation:
             self.length = min(self.max_tokens, self.length * 2)
         else:
             self.length = max(1, min(self.max_tokens, accepted + 1))
+
+
+class Speculator:
+    """An engine's speculative decoding: gives new sequences their speculation, drafts for the
+    decoding ones before a step (a draft model's drafts batched over all of them) and keeps what
+    their verified rows confirm after it."""
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        self.runners: dict[str, DraftRunner] = {}  # draft model path -> its sequences beside this engine
+
+    def attach(self, sequence: "Sequence") -> None:
+        settings = speculative_settings(sequence.config.speculative)
+        if settings is None:
+            return
+        if settings.draft_model is None:  # prompt lookup over what the sequence holds (and its source)
+            sequence.speculation = new_speculation(settings, sequence.tokens(0, sequence.num_tokens), sequence.source)
+            return
+        runner = self.runners.get(settings.draft_model)
+        if runner is None:
+            from .draft_model import DraftRunner
+
+            engine = self.engine
+            draft = engine.requests.draft_model(settings.draft_model)
+            runner = self.runners[settings.draft_model] = DraftRunner(draft, engine.cache.capacity_tokens,
+                                                                      engine.model.config.vocab_size)
+        sequence.speculation = Speculation(ModelDrafter(runner), settings)
+
+    def draft(self, decoding: list["Sequence"]) -> None:
+        """Set ``draft`` on every decoding sequence: none, or tokens to verify this step. A draft never
+        outruns the sequence's reservation (its max_new_tokens) or a chunk."""
+        batched: dict[int, tuple[DraftRunner, list[tuple[Sequence, int]]]] = {}
+        for sequence in decoding:
+            sequence.draft = []
+            spec = sequence.speculation
+            if spec is None:
+                continue
+            room = min(self.engine.max_chunk - 1, sequence.config.max_new_tokens - len(sequence.output_ids) - 1)
+            count = spec.wanted(room)
+            if not count:
+                continue
+            if isinstance(spec.drafter, ModelDrafter):
+                runner = spec.drafter.runner
+                batched.setdefault(id(runner), (runner, []))[1].append((sequence, count))
+            else:
+                sequence.draft = spec.drafter.propose(count)
+        for runner, wanted in batched.values():
+            runner.propose(wanted)
+
+    def sample(self, sampled: list["Sequence"], logits: torch.Tensor) -> list[TokenEvent]:
+        """A step's tokens when some sequences verify drafts: plain rows as usual, then each verifying
+        sequence's 1 + k rows (in ``sampled`` order, as the forward laid them out)."""
+        engine = self.engine
+        plain, plain_rows, verifying, first = [], [], [], 0
+        for sequence in sampled:
+            if sequence.draft:
+                verifying.append((sequence, first))
+                first += 1 + len(sequence.draft)
+            else:
+                plain.append(sequence)
+                plain_rows.append(first)
+                first += 1
+        events = engine._sample_rows(plain, logits[plain_rows]) if plain else []  # [P, V]
+        for sequence, first in verifying:
+            draft, sequence.draft = sequence.draft, []
+            start = sequence.num_computed
+            kept, accepted = verify_draft(sequence, draft, logits[first:first + 1 + len(draft)])  # [1 + k, V]
+            sequence.speculation.settle(len(draft), accepted)
+            engine._computed(sequence, start + 1 + accepted)  # its last token and the accepted draft: cached
+            if sequence.finished:
+                engine._release(sequence)
+            events += kept
+        return events
+
+    def release(self, sequence: "Sequence") -> None:
+        if sequence.speculation is not None and isinstance(sequence.speculation.drafter, ModelDrafter):
+            sequence.speculation.drafter.runner.release(sequence)
 
 
 def new_speculation(settings: SpeculativeSettings, context: list[int], source: list[int] | None) -> Speculation:
