@@ -1,10 +1,12 @@
 """Speculative decoding (prompt lookup) against plain decoding, side by side in one process.
 
-    python benchmarks/speculative.py [--model PATH] [--new-tokens 256] [--reps 2] [--threads 2] [--batch 1 8]
+    python benchmarks/speculative.py [--model PATH] [--draft-model PATH] [--new-tokens 256] [--reps 2]
+                                     [--threads 2] [--batch 1 8]
 
 Workloads (chat prompts on the model's template): (a) summarize a ~1,000-token document, (b) apply a
 small edit to a 60-line code file and return the whole file, (c) open-ended chat. Each job runs
-greedy with ``speculative=None`` and ``speculative="ngram"``, alternating in every repetition;
+greedy with ``speculative=None``, ``speculative="ngram"`` and, with ``--draft-model``, the draft
+model, alternating in every repetition;
 outputs must be identical (the script fails otherwise). Decode tokens/s counts the tokens after
 the first one over the time after the first step (the prompt excluded); "accepted / verify" is the
 mean number of draft tokens accepted per verifying step, "acceptance" the share of drafted tokens
@@ -76,6 +78,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--draft-model", default=None, help="a smaller model with the same tokenizer")
+    parser.add_argument("--workloads", nargs="+", default=["a", "b", "c"])
     args = parser.parse_args()
     import torch
 
@@ -85,31 +89,39 @@ def main() -> None:
     gen = fastdecode.load(args.model)
     print(harness.machine_line(args.threads))
     print(f"model: {args.model or 'embedded SmolLM2-135M-Instruct Q4_1'}; greedy, {args.new_tokens} new tokens at most\n")
+    engines = {"plain": None, "ngram": "ngram"}
+    if args.draft_model:
+        engines["draft"] = {"draft_model": args.draft_model}
+        gen.requests.draft_model(args.draft_model)  # loaded before timing
     rows = []
     for batch in args.batch:
         for name in workloads(0):
+            if name[1] not in args.workloads:
+                continue
             prompts = [gen.encode_prompt(workloads(v)[name], chat=True) for v in range(batch)]
-            calls = {"plain": lambda: run_batch(gen, prompts, args.new_tokens, None),
-                     "ngram": lambda: run_batch(gen, prompts, args.new_tokens, "ngram")}
-            rates: dict[str, list[float]] = {"plain": [], "ngram": []}
+            rates: dict[str, list[float]] = {engine: [] for engine in engines}
             results = {}
             for _ in range(args.reps):
-                for engine_name, call in calls.items():
-                    results[engine_name] = call()
-                    r = results[engine_name]
-                    rates[engine_name].append(r["decode_tokens"] / max(r["decode_s"], 1e-9))
-                    print(f"  batch {batch} {name} {engine_name}: {rates[engine_name][-1]:.1f} tok/s", file=sys.stderr)
-            if results["plain"]["outputs"] != results["ngram"]["outputs"]:
-                raise SystemExit(f"outputs differ on {name} (batch {batch}): speculation must not change them")
-            spec = results["ngram"]
-            plain_rate, spec_rate = harness.median(rates["plain"]), harness.median(rates["ngram"])
-            rows.append([batch, name, len(prompts[0]), round(spec["decode_tokens"] / batch + 1),
-                         harness.spread(rates["plain"]), harness.spread(rates["ngram"]),
-                         harness.fmt_ratio(harness.ratio(spec_rate, plain_rate)),
-                         f"{spec['accepted'] / max(spec['verify_steps'], 1):.2f}",
-                         f"{spec['accepted'] / max(spec['drafted'], 1):.0%}"])
-    print(harness.table(["batch", "workload", "prompt tokens", "new tokens", "plain decode tok/s",
-                         "ngram decode tok/s", "speed-up", "accepted / verify", "acceptance"], rows))
+                for engine, speculative in engines.items():
+                    results[engine] = run_batch(gen, prompts, args.new_tokens, speculative)
+                    r = results[engine]
+                    rates[engine].append(r["decode_tokens"] / max(r["decode_s"], 1e-9))
+                    print(f"  batch {batch} {name} {engine}: {rates[engine][-1]:.1f} tok/s", file=sys.stderr)
+            for engine in engines:
+                if results[engine]["outputs"] != results["plain"]["outputs"]:
+                    raise SystemExit(f"{engine} outputs differ on {name} (batch {batch}): speculation must not "
+                                     "change them")
+                if engine == "plain":
+                    continue
+                spec = results[engine]
+                rows.append([batch, name, engine, len(prompts[0]), round(spec["decode_tokens"] / batch + 1),
+                             harness.spread(rates["plain"]), harness.spread(rates[engine]),
+                             harness.fmt_ratio(harness.ratio(harness.median(rates[engine]),
+                                                             harness.median(rates["plain"]))),
+                             f"{spec['accepted'] / max(spec['verify_steps'], 1):.2f}",
+                             f"{spec['accepted'] / max(spec['drafted'], 1):.0%}"])
+    print(harness.table(["batch", "workload", "drafter", "prompt tokens", "new tokens", "plain decode tok/s",
+                         "speculative decode tok/s", "speed-up", "accepted / verify", "acceptance"], rows))
 
 
 if __name__ == "__main__":
