@@ -340,7 +340,9 @@ class Generator:
         bad input gives an error record (``fail_fast=True`` raises instead). In the background
         writer thread, ``postprocess(record) -> record`` runs per record as it finishes (for
         expensive work) and ``on_records(records)`` with each run of records now in order (for
-        cheap appends). See ``fastdecode.pipeline.runner`` for how the stages overlap.
+        cheap appends). ``batch_size``: inputs generating at once in one long-lived engine (or
+        ``max_batch_tokens``: their cache tokens); ``lookahead``: the reorder bound. See
+        ``fastdecode.pipeline.runner`` for how the stages overlap.
         """
         from .pipeline import BatchRun, BatchSettings, items_from_objects
 

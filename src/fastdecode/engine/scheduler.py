@@ -122,6 +122,19 @@ class Engine:
         return self.add(prompt, dataclasses.replace(config, seed=None), seeds and seeds[0],
                         detokenize=self.generator.tokenizer is not None, logprobs=logprobs)
 
+    def submit_choices(self, prompt_ids: list[int], options: dict[str, Any] | None = None) -> list[Sequence]:
+        """Queue ``num_return_sequences`` sequences of one prompt, seeded as ``generate`` seeds a
+        prompt's choices (so a batch run gives ``generate``'s results); nothing is queued unless
+        the queue holds them all. Their text is left to the caller (no detokenizing in the step)."""
+        config = self.generator._options(dict(options or {}))
+        prompt = list(prompt_ids)
+        self.generator._check_prompts([prompt], config)
+        if len(self.waiting) + config.num_return_sequences > self.max_queue:
+            raise QueueFullError(f"the engine's queue is full ({self.max_queue} waiting requests)")
+        seeds = sequence_seeds(config, 1) if config.is_sampling else None
+        single = dataclasses.replace(config, num_return_sequences=1, seed=None)
+        return [self.add(prompt, single, seeds and seeds[j]) for j in range(config.num_return_sequences)]
+
     def add(self, prompt: list[int], config: GenerationConfig, seed: int | None, detokenize: bool = False,
             logprobs: int | None = None, keep: bool = False) -> Sequence:
         """Queue a validated request (the Generator validates a whole call at once). ``seed``: the
