@@ -400,6 +400,10 @@ class Generator:
         config = GenerationConfig.from_options(config, max_new_tokens=0)
         self._check_prompts([ids], config)
         self._check_memory([ids if config.n_ctx is None else ids[:1]], config)
+        if config.n_ctx is None:  # a scoring sequence of the engine (engine/scoring.py)
+            from .engine.scoring import score_alone
+
+            return [-logprob for logprob in score_alone(self, ids).logprobs]
         from .generation.scoring import score_tokens
 
         return score_tokens(self.model, ids, config)
