@@ -19,8 +19,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..errors import InvalidOptionError, QueueFullError
-from ..generation.scoring import position_logprobs
-from .sequence import Sequence, TokenEvent
+from .sequence import Sequence, TokenEvent, token_logprobs
 from .slots import check_fits
 
 SCORE_CHUNK = 512  # positions a scoring sequence runs per step: its logits [SCORE_CHUNK, V] exist at once
@@ -44,7 +43,7 @@ class ScoringSequence(Sequence):
         """logits [T, V] of the next T positions (raw)."""
         done, size = len(self.logprobs), logits.shape[0]
         targets = torch.tensor(self.prompt_ids[done + 1 : done + 1 + size], device=logits.device)  # [T]
-        chosen, best = position_logprobs(logits, targets, self.top_logprobs)
+        chosen, best = token_logprobs(logits, targets, self.top_logprobs)
         self.logprobs += chosen
         self.top += best
 

@@ -40,31 +40,25 @@ def _chunk_logits(model, inputs: torch.Tensor, config: GenerationConfig):
         yield engine.prefill(chunk, torch.ones_like(chunk, dtype=torch.bool), positions, all_logits=True)[0]
 
 
-def position_logprobs(logits: torch.Tensor, targets: torch.Tensor,
-                      top: int = 0) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """logits [T, V] (raw), the tokens that follow [T] -> each one's log-probability and, with
-    ``top`` > 0, the ``top`` most likely (token id, log-probability) pairs per position."""
-    logprobs = logits.float().log_softmax(dim=-1)  # [T, V]
-    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-    if top <= 0:
-        return chosen, [[] for _ in chosen]
-    values, index = logprobs.topk(top, dim=-1)  # [T, top]
-    return chosen, [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
-
-
 def token_logprobs_of(model, ids: list[int], config: GenerationConfig,
                       top: int = 0) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """Log-probability of each of ids[1:] given the tokens before it (``-score_tokens``), and with
     ``top`` > 0 the ``top`` most likely (token id, log-probability) pairs at each position; chunked
-    as ``score_tokens``."""
+    as ``score_tokens``. What echo with logprobs reports for a prompt."""
     tokens = torch.tensor(ids, dtype=torch.long)  # [N]
     inputs, targets = tokens[:-1], tokens[1:].to(model.device)
     chosen: list[float] = []
     best: list[list[tuple[int, float]]] = []
+    done = 0
     with torch.inference_mode():
         for logits in _chunk_logits(model, inputs, config):  # [T, V] per chunk
-            done = len(chosen)
-            more_chosen, more_best = position_logprobs(logits, targets[done : done + logits.shape[0]], top)
-            chosen += more_chosen
-            best += more_best
+            size = logits.shape[0]
+            logprobs = logits.float().log_softmax(dim=-1)  # [T, V]
+            chosen += logprobs.gather(1, targets[done : done + size, None])[:, 0].tolist()
+            if top > 0:
+                values, index = logprobs.topk(top, dim=-1)  # [T, top]
+                best += [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
+            else:
+                best += [[] for _ in range(size)]
+            done += size
     return chosen, best
