@@ -263,11 +263,10 @@ class BatchRun:
             if control.stop.is_set():  # another stage failed (or fail_fast stopped the run)
                 raise Stopped
             finished: list[tuple[InputItem, Outcome | None]] = []
-            started = time.perf_counter()
+            started, starved = time.perf_counter(), stats.starve_s
             while reading or held is not None:
-                if held is None:
-                    held = self._next_input(wait=not feeder.has_work() and not finished)
-                    started = time.perf_counter() if held is not None else started
+                if held is None:  # a call feeder fills up before it runs; the engine steps meanwhile
+                    held = self._next_input(wait=(feeder.fills_up or not feeder.has_work()) and not finished)
                     if held is END:
                         held, reading = None, False
                 if held is None:
@@ -288,7 +287,7 @@ class BatchRun:
                 for item, outcome in feeder.step():
                     room.leave(item)
                     finished.append((item, outcome))
-            stats.generate_s += time.perf_counter() - started
+            stats.generate_s += time.perf_counter() - started - (stats.starve_s - starved)
             if finished:
                 stats.generated += len(finished)
                 control.put(self._post, finished)
