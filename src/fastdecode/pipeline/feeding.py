@@ -40,6 +40,18 @@ def runs_in_engine(config: GenerationConfig) -> bool:
     return config.num_beams == 1 and config.n_ctx is None and config.use_cache and not best_of
 
 
+def cache_tokens_for(model: Any, max_new_tokens: int) -> int:
+    """The engine's default cache, but room for one input of the model's whole context at least:
+    a batch run takes every input ``generate`` takes (the default budget holds fewer tokens than
+    the context of a large model). On the CPU the slots cost memory only once used."""
+    from ..engine.scheduler import DEFAULT_CACHE_BYTES
+
+    cfg = model.config
+    default = min(DEFAULT_CACHE_BYTES // cfg.kv_cache_bytes_per_token(model.model.dtype.itemsize),
+                  64 * cfg.max_position_embeddings)
+    return max(default, cfg.max_position_embeddings, 1 + max_new_tokens)
+
+
 class InFlight:
     """Which inputs may enter generation now (see the module docstring)."""
 
@@ -88,8 +100,9 @@ class EngineFeeder:
 
     fills_up = False  # the engine takes new inputs at every step
 
-    def __init__(self, model: Any, max_inputs: int, rows_per_input: int):
-        self.engine = model.engine(max_queue=max(1, max_inputs * rows_per_input))
+    def __init__(self, model: Any, max_inputs: int, rows_per_input: int, max_new_tokens: int):
+        self.engine = model.engine(max_queue=max(1, max_inputs * rows_per_input),
+                                   cache_tokens=cache_tokens_for(model, max_new_tokens))
         self.pending: dict[int, tuple[InputItem, list[Any]]] = {}  # sequence id -> (input, its sequences)
 
     def submit(self, item: InputItem, options: dict[str, Any]) -> Outcome | None:

@@ -229,7 +229,8 @@ class BatchRun:
     def _feeder(self) -> Feeder:
         seeded = self.config.seed is not None and self.config.is_sampling
         if runs_in_engine(self.config):
-            return EngineFeeder(self.model, self.settings.window, self.config.num_return_sequences)
+            return EngineFeeder(self.model, self.settings.window, self.config.num_return_sequences,
+                                self.config.max_new_tokens)
         return CallFeeder(self.model, seeded)
 
     def _item_options(self, item: InputItem) -> dict[str, Any]:
