@@ -90,7 +90,7 @@ def finish_scored(work: list[tuple[Sequence, int]], release: Callable[[Sequence]
 
 def score_alone(generator: Any, ids: Seq[int], top_logprobs: int = 0) -> ScoringSequence:
     """Score one text in an engine of its own, sized for it (``Generator.score``)."""
-    engine = generator.engine(cache_tokens=len(ids), max_queue=1)
+    engine = generator.engine(cache_tokens=len(ids), max_queue=1, cuda_graphs=False)  # nothing decodes
     sequence = engine.submit_scoring(ids, top_logprobs)
     while engine.has_work():
         engine.step()
