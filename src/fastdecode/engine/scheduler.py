@@ -36,13 +36,14 @@ from typing import Any
 import torch
 
 from ..errors import InvalidOptionError, QueueFullError
-from ..generation.sampling import TokenSelector
+from ..generation.sampling import TokenSelector, sequence_seeds
 from ..layers.quantized import prompt_rows
 from ..validation import positive_int
 from .compiled import CompiledDecode
 from .cross import CrossStore, RowGroup, decoder_score_bias
 from .plan import StepPlan, layer_windows
 from .requests import Request, RequestFactory
+from .scoring import finish_scored, keep_logits, scoring_sequence
 from .sequence import Sequence, TokenEvent, token_logprobs
 from .slots import SlotCache, check_fits
 
@@ -112,6 +113,27 @@ class Engine:
     def submit(self, prompt_ids: list[int], options: dict[str, Any] | None = None) -> Sequence:
         """Queue a request; raises at once if it can never run or the queue is full."""
         return self.add(self.requests.build(prompt_ids, options))
+
+    def submit_choices(self, prompt_ids: list[int], options: dict[str, Any] | None = None) -> list[Sequence]:
+        """``num_return_sequences`` sequences of one prompt, seeded as ``generate`` seeds a prompt's
+        choices; all queued or none. No text: the caller detokenizes (the batch pipeline)."""
+        options = dict(options or {})
+        logprobs = options.pop("logprobs", None)
+        config = self.requests.generation_config(options)
+        self.requests.check_prompts([list(prompt_ids)], config)
+        if len(self.waiting) + config.num_return_sequences > self.max_queue:
+            raise QueueFullError(f"the engine's queue is full ({self.max_queue} waiting requests)")
+        seeds = sequence_seeds(config, 1) if config.is_sampling else None
+        single = dataclasses.replace(config, num_return_sequences=1)
+        grammar = self.requests.grammar(config)
+        return [self.add(self.requests.request(list(prompt_ids), single, seeds and seeds[j], logprobs, grammar=grammar))
+                for j in range(config.num_return_sequences)]
+
+    def submit_scoring(self, token_ids: list[int], top_logprobs: int = 0) -> Sequence:
+        """Queue a text to score (engine/scoring.py): every position's log-probability, no new token."""
+        self.waiting.append(scoring_sequence(self, token_ids, top_logprobs, self._next_id))
+        self._next_id += 1
+        return self.waiting[-1]
 
     def add(self, request: Request, keep: bool = False) -> Sequence:
         """Queue a validated request (``RequestFactory.build`` / ``build_call``). ``keep``: its blocks
@@ -225,7 +247,7 @@ class Engine:
         if work:
             budget = min(budget, self.prefill_chunk)  # prompt tokens this step (see the module docstring)
         for sequence in reading:
-            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk)
+            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk, sequence.chunk_limit)
             if count == 0:
                 break
             work.append((sequence, count))
@@ -236,7 +258,7 @@ class Engine:
                 break  # FIFO: the head waits for room, nobody overtakes it
             self.waiting.popleft()
             self.running.append(sequence)
-            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk)
+            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk, sequence.chunk_limit)
             work.append((sequence, count))
             budget -= count
         return work
@@ -256,13 +278,14 @@ class Engine:
             sequence.block_table, _ = cache.allocate([], total, chunk)
             self.cross.admit(sequence)
             return True
-        if not cache.can_allocate(sequence.prompt_ids, total, chunk):
+        shared = [] if sequence.keeps_logits else sequence.prompt_ids  # scoring wants every position's logits
+        if not cache.can_allocate(shared, total, chunk):
             return False
-        table, cached = cache.allocate(sequence.prompt_ids, total, chunk)
+        table, cached = cache.allocate(shared, total, chunk)
         pool = cache.pool
         sequence.block_table, sequence.num_computed = table, cached
         sequence.num_cached_prompt_tokens = cached
-        sequence.block_hashes = pool.chain(sequence.prompt_ids, cached // pool.block_size)
+        sequence.block_hashes = pool.chain(shared, cached // pool.block_size)
         return True
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[TokenEvent]:
@@ -277,19 +300,22 @@ class Engine:
         self.tokens_run += sum(count for _, count in work)
         for sequence, count in work:
             self._computed(sequence, sequence.num_computed + count)
-        return self._sample(sampled, logits)
+        return self._sample(sampled, logits) + finish_scored(work, self._release)
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """One flat varlen forward over ``work`` -> (logits [K, V], the K sequences that reached
         their last token, in logits order)."""
         device = self.model.device
-        tokens, positions, logit_rows, sampled, is_prompt = [], [], [], [], []
+        tokens, positions, logit_rows, sampled, is_prompt, kept_rows, scored = [], [], [], [], [], [], []
         for sequence, count in work:
             start = sequence.num_computed
             tokens += sequence.tokens(start, start + count)
             positions += range(start, start + count)
             is_prompt += (index < len(sequence.context) for index in range(start, start + count))
-            if start + count == sequence.num_tokens:
+            if sequence.keeps_logits:  # scoring: every position's logits (engine/scoring.py)
+                kept_rows += range(len(tokens) - count, len(tokens))
+                scored.append((sequence, count))
+            elif start + count == sequence.num_tokens:
                 logit_rows.append(len(tokens) - 1)
                 sampled.append(sequence)
         rows = self._row_groups(work)
@@ -297,14 +323,14 @@ class Engine:
                                  self.windows, self.score_bias, self.model.dtype)
         token_tensor = torch.tensor([tokens], device=device)  # [1, N]
         position_tensor = torch.tensor([positions], device=device)  # [1, N]
-        logits_at = torch.tensor(logit_rows, dtype=torch.long, device=device)
+        logits_at = torch.tensor(logit_rows + kept_rows, dtype=torch.long, device=device)
         with prompt_rows(is_prompt, device):  # a row's arithmetic follows its role (layers/quantized.py)
             if self.cross is None:
                 logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
             else:
                 logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(rows),
                                            logits_at=logits_at)[0]  # [K, V]
-        return logits, sampled
+        return keep_logits(scored, logits, len(sampled)), sampled  # scoring rows handed over: [K, V]
 
     @staticmethod
     def _row_groups(work: list[tuple[Sequence, int]]) -> list[RowGroup]:
