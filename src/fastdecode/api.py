@@ -186,7 +186,9 @@ class Generator:
         bad input gives an error record (``fail_fast=True`` raises instead). In the background
         writer thread, ``postprocess(record) -> record`` runs per record as it finishes (for
         expensive work) and ``on_records(records)`` with each run of records now in order (for
-        cheap appends). See ``fastdecode.pipeline.runner`` for how the stages overlap.
+        cheap appends). ``batch_size``: inputs generating at once in one long-lived engine (or
+        ``max_batch_tokens``: their cache tokens); ``lookahead``: the reorder bound. See
+        ``fastdecode.pipeline.runner`` for how the stages overlap.
         """
         from .pipeline import BatchRun, BatchSettings, items_from_objects
 
@@ -225,9 +227,13 @@ class Generator:
         streaming cache of that size, in chunks, as StreamingLLM is evaluated; otherwise the
         whole text must fit in the model's context.
         """
+        ids, config = self.requests.build_score(text_or_ids, options)
+        if config.n_ctx is None:  # a scoring sequence of the engine (engine/scoring.py)
+            from .engine.scoring import score_alone
+
+            return [-logprob for logprob in score_alone(self, ids).logprobs]
         from .generation.scoring import score_tokens
 
-        ids, config = self.requests.build_score(text_or_ids, options)
         return score_tokens(self.model, ids, config)
 
     def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":

@@ -36,13 +36,14 @@ from typing import Any
 import torch
 
 from ..errors import InvalidOptionError, QueueFullError
-from ..generation.sampling import TokenSelector
+from ..generation.sampling import TokenSelector, sequence_seeds
 from ..layers.quantized import prompt_rows
 from ..validation import positive_int
 from .compiled import CompiledDecode
-from .cross import CrossStore, RowGroup, decoder_score_bias
+from .cross import CrossStore, decoder_score_bias, row_groups
 from .plan import StepPlan, layer_windows
 from .requests import Request, RequestFactory
+from .scoring import finish_scored, keep_logits, scoring_sequence
 from .sequence import Sequence, TokenEvent, token_logprobs
 from .slots import SlotCache, check_fits
 from .speculative import Speculator
@@ -114,6 +115,27 @@ class Engine:
     def submit(self, prompt_ids: list[int], options: dict[str, Any] | None = None) -> Sequence:
         """Queue a request; raises at once if it can never run or the queue is full."""
         return self.add(self.requests.build(prompt_ids, options))
+
+    def submit_choices(self, prompt_ids: list[int], options: dict[str, Any] | None = None) -> list[Sequence]:
+        """``num_return_sequences`` sequences of one prompt, seeded as ``generate`` seeds a prompt's
+        choices; all queued or none. No text: the caller detokenizes (the batch pipeline)."""
+        options = dict(options or {})
+        logprobs = options.pop("logprobs", None)
+        config = self.requests.generation_config(options)
+        self.requests.check_prompts([list(prompt_ids)], config)
+        if len(self.waiting) + config.num_return_sequences > self.max_queue:
+            raise QueueFullError(f"the engine's queue is full ({self.max_queue} waiting requests)")
+        seeds = sequence_seeds(config, 1) if config.is_sampling else None
+        single = dataclasses.replace(config, num_return_sequences=1)
+        grammar = self.requests.grammar(config)
+        return [self.add(self.requests.request(list(prompt_ids), single, seeds and seeds[j], logprobs, grammar=grammar))
+                for j in range(config.num_return_sequences)]
+
+    def submit_scoring(self, token_ids: list[int], top_logprobs: int = 0) -> Sequence:
+        """Queue a text to score (engine/scoring.py): every position's log-probability, no new token."""
+        self.waiting.append(scoring_sequence(self, token_ids, top_logprobs, self._next_id))
+        self._next_id += 1
+        return self.waiting[-1]
 
     def add(self, request: Request, keep: bool = False) -> Sequence:
         """Queue a validated request (``RequestFactory.build`` / ``build_call``). ``keep``: its blocks
@@ -234,7 +256,7 @@ class Engine:
         if work:
             budget = min(budget, self.prefill_chunk)  # prompt tokens this step (see the module docstring)
         for sequence in reading:
-            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk)
+            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk, sequence.chunk_limit)
             if count == 0:
                 break
             work.append((sequence, count))
@@ -245,7 +267,7 @@ class Engine:
                 break  # FIFO: the head waits for room, nobody overtakes it
             self.waiting.popleft()
             self.running.append(sequence)
-            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk)
+            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk, sequence.chunk_limit)
             work.append((sequence, count))
             budget -= count
         return work
@@ -265,13 +287,14 @@ class Engine:
             sequence.block_table, _ = cache.allocate([], total, chunk)
             self.cross.admit(sequence)
             return True
-        if not cache.can_allocate(sequence.prompt_ids, total, chunk):
+        shared = [] if sequence.keeps_logits else sequence.prompt_ids  # scoring wants every position's logits
+        if not cache.can_allocate(shared, total, chunk):
             return False
-        table, cached = cache.allocate(sequence.prompt_ids, total, chunk)
+        table, cached = cache.allocate(shared, total, chunk)
         pool = cache.pool
         sequence.block_table, sequence.num_computed = table, cached
         sequence.num_cached_prompt_tokens = cached
-        sequence.block_hashes = pool.chain(sequence.prompt_ids, cached // pool.block_size)
+        sequence.block_hashes = pool.chain(shared, cached // pool.block_size)
         return True
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[TokenEvent]:
@@ -284,9 +307,9 @@ class Engine:
             logits, sampled = self._forward(work)
         self.tokens_run += sum(count for _, count in work)
         for sequence, count in work:
-            if not sequence.draft:  # a verified draft advances by what is accepted (_verify)
+            if not sequence.draft:  # a verified draft advances by what is accepted (Speculator.sample)
                 self._computed(sequence, sequence.num_computed + count)
-        return self._sample(sampled, logits)
+        return self._sample(sampled, logits) + finish_scored(work, self._release)
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """One flat varlen forward over ``work`` -> (logits [K, V], the sequences that reached their
@@ -299,7 +322,7 @@ class Engine:
         rows = [(s, s.num_computed + j, 1) for s, count in work if s.draft for j in range(count)]
         rows = [(s, s.num_computed, count) for s, count in work if count == 1 and not s.draft] + rows
         rows += [(s, s.num_computed, count) for s, count in work if count > 1 and not s.draft]
-        tokens, positions, logit_rows, sampled, is_prompt = [], [], [], [], []
+        tokens, positions, logit_rows, sampled, is_prompt, kept_rows, scored = [], [], [], [], [], [], []
         for sequence, start, count in rows:
             if sequence.draft:  # its last token, then the draft
                 offset = start - sequence.num_computed
@@ -308,35 +331,26 @@ class Engine:
                 tokens += sequence.tokens(start, start + count)
             positions += range(start, start + count)
             is_prompt += (index < len(sequence.context) for index in range(start, start + count))
-            if sequence.draft or start + count == sequence.num_tokens:
+            if sequence.keeps_logits:  # scoring: every position's logits (engine/scoring.py)
+                kept_rows += range(len(tokens) - count, len(tokens))
+                scored.append((sequence, count))
+            elif sequence.draft or start + count == sequence.num_tokens:
                 logit_rows.append(len(tokens) - 1)
                 if not sampled or sampled[-1] is not sequence:
                     sampled.append(sequence)
-        groups = self._row_groups([(s, count) for s, _, count in rows])
+        groups = row_groups([(s, count) for s, _, count in rows])
         plan = StepPlan.for_rows(self.cache, [(s.block_table, start, count) for s, start, count in rows],
                                  self.windows, self.score_bias, self.model.dtype)
         token_tensor = torch.tensor([tokens], device=device)  # [1, N]
         position_tensor = torch.tensor([positions], device=device)  # [1, N]
-        logits_at = torch.tensor(logit_rows, dtype=torch.long, device=device)
+        logits_at = torch.tensor(logit_rows + kept_rows, dtype=torch.long, device=device)
         with prompt_rows(is_prompt, device):  # a row's arithmetic follows its role (layers/quantized.py)
             if self.cross is None:
                 logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
             else:
                 logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(groups),
                                            logits_at=logits_at)[0]  # [K, V]
-        return logits, sampled
-
-    @staticmethod
-    def _row_groups(work: list[tuple[Sequence, int]]) -> list[RowGroup]:
-        """(first flat token, sequences, queries each): one group for all one-query rows, one per
-        longer chunk (``work`` is in that order)."""
-        singles = [s for s, count in work if count == 1]
-        groups = [(0, singles, 1)] if singles else []
-        first = len(singles)
-        for sequence, count in work[len(singles):]:
-            groups.append((first, [sequence], count))
-            first += count
-        return groups
+        return keep_logits(scored, logits, len(logit_rows)), sampled  # scoring rows handed over: [K, V]
 
     def _computed(self, sequence: Sequence, num_computed: int) -> None:
         """Advance a sequence and name its newly completed blocks for the prefix cache."""
