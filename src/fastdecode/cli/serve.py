@@ -8,7 +8,6 @@ from typing import Any
 
 import click
 
-from ..errors import InvalidOptionError
 from .errors import handle_errors
 from .options import load_settings, model_options
 from .serve_ray import ray_serve_options, ray_serve_values, run_on_ray
@@ -73,18 +72,9 @@ def serve(model: str | None, device: str, dtype: str, host: str, port: int, mode
     kwargs["embeddings"] = pooling if kwargs.pop("embeddings") else None
     names = list(model_names) or [Path(model or default_model_path()).name.removesuffix(".gguf")]
     origins = tuple(o.strip() for value in allowed_origins for o in value.split(",") if o.strip())
+    load = load_settings(model, device, dtype, kwargs)  # takes the model flags out of kwargs
+    settings = dict(model_name=names[0], model_aliases=tuple(names[1:]), allowed_origins=origins,
+                    context_overflow=overflow, **kwargs)
     if ray_address is not None:
-        extras = {"--embeddings": kwargs["embeddings"], "--lenient": kwargs["lenient"], "--allowed-origins": origins,
-                  "--strict-model-name": kwargs["strict_model_name"], "several --served-model-name": names[1:]}
-        used = [flag for flag, value in extras.items() if value]
-        if used:
-            raise InvalidOptionError(f"{', '.join(used)}: not available with --ray yet (its ingress serves the "
-                                     "completion and chat routes)")
-        load = load_settings(model, device, dtype, kwargs)
-        for name in ("embeddings", "lenient", "strict_model_name"):
-            kwargs.pop(name)
-        sys.exit(run_on_ray(load, ray_address, replica_options, host, port, model_name=names[0],
-                            context_overflow=overflow, **kwargs))
-    generator = load_settings(model, device, dtype, kwargs).load()
-    sys.exit(run(generator, host, port, model_name=names[0], model_aliases=tuple(names[1:]), allowed_origins=origins,
-                 context_overflow=overflow, **kwargs))
+        sys.exit(run_on_ray(load, ray_address, replica_options, host, port, **settings))
+    sys.exit(run(load.load(), host, port, **settings))

@@ -44,9 +44,8 @@ def add_messages_route(app: FastAPI, service: GenerationService, names: ModelNam
     @app.post(PATH)
     async def messages(request: Request) -> Response:
         body = await read_json_body(request, settings.max_body_bytes)
-        check_known(body, SERVED, REFUSED, settings.lenient, "Messages API")
-        model = names.resolve(body.get("model"))
-        parsed, running = await start_chat(service, request, _chat_body(body, model), model)
+        chat_body, model = messages_chat_body(body, names, settings.lenient)
+        parsed, running = await start_chat(service, request, chat_body, model)
         message_id = "msg_" + uuid.uuid4().hex[:24]
         if body.get("stream"):
             return StreamingResponse(_events(running, message_id, model, parsed.tools), media_type="text/event-stream",
@@ -58,6 +57,14 @@ def add_messages_route(app: FastAPI, service: GenerationService, names: ModelNam
         message = _message(message_id, model, outcome, used_tools=bool(calls))
         message["content"] = ([{"type": "text", "text": text}] if text or not calls else []) + calls
         return JSONResponse(message)
+
+
+def messages_chat_body(body: dict[str, Any], names: ModelNames, lenient: bool) -> tuple[dict[str, Any], str]:
+    """A Messages API body -> (the chat body it means, the model name it is answered as); a 400
+    naming what is not served (also the Ray Serve ingress's check, before it forwards)."""
+    check_known(body, SERVED, REFUSED, lenient, "Messages API")
+    model = names.resolve(body.get("model"))
+    return _chat_body(body, model), model
 
 
 def _chat_body(body: dict[str, Any], model: str) -> dict[str, Any]:

@@ -53,14 +53,7 @@ def add_responses_route(app: FastAPI, service: GenerationService, names: ModelNa
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         body = await read_json_body(request, settings.max_body_bytes)
-        check_known(body, SERVED, REFUSED, settings.lenient, "Responses API")
-        for name, allowed in NEUTRAL.items():
-            if body.get(name) is not None and body[name] not in allowed:
-                raise APIError(400, f"{name}={body[name]!r} is not supported (a stateless, text-only server): "
-                                    f"use {allowed[0]!r} or leave it out", param=name, code="unsupported_field")
-        model = names.resolve(body.get("model"))
-        chat_body = {**_chat_body(body, model), "response_format": _response_format(body.get("text")),
-                     **chat_tool_fields(body)}
+        chat_body, model = responses_chat_body(body, names, settings.lenient)
         parsed, running = await start_chat(service, request, chat_body, model)
         shell = _Shell(body, model, parsed.tools)
         if body.get("stream"):
@@ -70,6 +63,19 @@ def add_responses_route(app: FastAPI, service: GenerationService, names: ModelNa
         if running.cancelled:
             return Response(status_code=499)
         return JSONResponse(shell.response(outcome))
+
+
+def responses_chat_body(body: dict[str, Any], names: ModelNames, lenient: bool) -> tuple[dict[str, Any], str]:
+    """A Responses API body -> (the chat body it means, the model name it is answered as); a 400
+    naming what is not served (also the Ray Serve ingress's check, before it forwards)."""
+    check_known(body, SERVED, REFUSED, lenient, "Responses API")
+    for name, allowed in NEUTRAL.items():
+        if body.get(name) is not None and body[name] not in allowed:
+            raise APIError(400, f"{name}={body[name]!r} is not supported (a stateless, text-only server): "
+                                f"use {allowed[0]!r} or leave it out", param=name, code="unsupported_field")
+    model = names.resolve(body.get("model"))
+    return {**_chat_body(body, model), "response_format": _response_format(body.get("text")),
+            **chat_tool_fields(body)}, model
 
 
 def _response_format(text: Any) -> dict[str, Any] | None:
