@@ -354,3 +354,20 @@ def test_the_ingress_refuses_bad_requests_before_a_replica(chat_generator):
         assert (await http.get("/v1/models/other")).status_code == 404  # the replica's answer, strict too
 
     run_through_ingress(chat_generator, {"strict_model_name": True}, talk)
+
+
+def test_a_stream_cut_by_a_lost_replica_ends_in_its_api_s_error_event():
+    pytest.importorskip("ray.serve")
+    from fastdecode.integrations.ray_serve.ingress import _event, replica_lost
+
+    lost = replica_lost(RuntimeError("gone"))
+
+    def data(event: bytes) -> dict:
+        return json.loads(event.decode().split("data: ", 1)[1])
+
+    messages, responses, chat = (_event(lost, path) for path in ("/v1/messages", "/v1/responses",
+                                                                 "/v1/chat/completions"))
+    assert messages.startswith(b"event: error\n") and data(messages) == {
+        "type": "error", "error": {"type": "overloaded_error", "message": lost.message}}  # Anthropic's shape
+    assert responses.startswith(b"event: error\n") and data(responses)["code"] == "replica_unavailable"
+    assert data(chat)["error"]["code"] == "replica_unavailable"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ...serve.anthropic_api import PATH as MESSAGES_PATH
 from ...serve.anthropic_api import messages_chat_body
 from ...serve.body import parse_json_object
 from ...serve.names import ModelNames
@@ -22,7 +23,8 @@ from ...serve.service import ServeSettings
 from .forwarding import GENERATION_PATHS, routing_text
 
 Translator = Callable[[dict[str, Any], ModelNames, bool], tuple[dict[str, Any], str]]
-TRANSLATED_PATHS: dict[str, Translator] = {"/v1/responses": responses_chat_body, "/v1/messages": messages_chat_body}
+RESPONSES_PATH = "/v1/responses"
+TRANSLATED_PATHS: dict[str, Translator] = {RESPONSES_PATH: responses_chat_body, MESSAGES_PATH: messages_chat_body}
 
 
 class RequestChecks:

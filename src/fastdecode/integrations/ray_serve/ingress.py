@@ -28,12 +28,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
 
+from ...serve.anthropic_api import PATH as MESSAGES_PATH
+from ...serve.anthropic_api import anthropic_error
 from ...serve.app import _Guard, add_error_handlers
 from ...serve.body import read_body
 from ...serve.protocol import APIError
 from ...serve.request_id import RequestId
 from ...serve.service import ServeSettings
-from .checks import RequestChecks
+from .checks import RESPONSES_PATH, RequestChecks
 from .forwarding import REPLICA_HEADER, ForwardedRequest, ReplicaIdentity, ResponseHead
 from .metrics import IngressMetrics
 from .registry import live_replicas
@@ -85,7 +87,7 @@ class Ingress:
             try:
                 head: ResponseHead = await responses.__anext__()
                 if stream and head.status == 200:
-                    return _relay(head, responses, self.metrics)
+                    return _relay(head, responses, self.metrics, forwarded.path)
                 body = b"".join([chunk async for chunk in responses])
             except RayActorError as exc:
                 responses.cancel()
@@ -136,7 +138,14 @@ def _whole(head: ResponseHead, body: bytes) -> Response:
     return response
 
 
-def _event(error: APIError) -> bytes:
+def _event(error: APIError, path: str) -> bytes:
+    """The event that ends a stream with ``error``, in the stream's API: Anthropic's on /v1/messages,
+    the Responses API's ``error`` event on /v1/responses, else an OpenAI error object."""
+    if path == MESSAGES_PATH:
+        return f"event: error\ndata: {json.dumps(anthropic_error(error))}\n\n".encode()
+    if path == RESPONSES_PATH:
+        data = {"type": "error", "code": error.code, "message": error.message, "param": error.param}
+        return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
     return f"data: {json.dumps(error.body())}\n\n".encode()
 
 
@@ -144,7 +153,7 @@ def _internal(exc: Exception) -> APIError:
     return APIError(500, f"internal error: {exc}", "server_error", code="internal_error")
 
 
-def _relay(head: ResponseHead, responses: Any, metrics: IngressMetrics) -> StreamingResponse:
+def _relay(head: ResponseHead, responses: Any, metrics: IngressMetrics, path: str) -> StreamingResponse:
     """The replica's stream, chunk by chunk; if the replica dies mid-stream, an ``error`` event ends it."""
 
     async def chunks() -> AsyncIterator[bytes]:
@@ -155,9 +164,9 @@ def _relay(head: ResponseHead, responses: Any, metrics: IngressMetrics) -> Strea
             finished = True
         except RayActorError as exc:
             metrics.replica_failures.inc()
-            yield _event(replica_lost(exc))
+            yield _event(replica_lost(exc), path)
         except Exception as exc:  # a bug on the replica's side: answered, as the app answers its own
-            yield _event(_internal(exc))
+            yield _event(_internal(exc), path)
         finally:
             if not finished:
                 responses.cancel()  # the client went away or the replica failed: stop generating
