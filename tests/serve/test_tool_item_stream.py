@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from serve_helpers import serve, tiny_chat_generator
 
 from fastdecode.serve.output_items import OutputItems

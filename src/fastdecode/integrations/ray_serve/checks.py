@@ -10,7 +10,8 @@ nothing at all to check: the replica answers it, by load. Importing this module 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ...serve.anthropic_api import PATH as MESSAGES_PATH
 from ...serve.anthropic_api import messages_chat_body
