@@ -8,7 +8,6 @@ from typing import Any
 
 import click
 
-from ..errors import InvalidOptionError
 from .errors import handle_errors
 from .options import load_settings, model_options, speculative_flags, speculative_value
 from .serve_ray import ray_serve_options, ray_serve_values, run_on_ray
@@ -77,23 +76,14 @@ def serve(model: str | None, device: str, dtype: str, host: str, port: int, mode
     kwargs["embeddings"] = pooling if kwargs.pop("embeddings") else None
     names = list(model_names) or [Path(model or default_model_path()).name.removesuffix(".gguf")]
     origins = tuple(o.strip() for value in allowed_origins for o in value.split(",") if o.strip())
+    load = load_settings(model, device, dtype, kwargs)  # takes the model flags out of kwargs
+    settings = dict(model_name=names[0], model_aliases=tuple(names[1:]), allowed_origins=origins,
+                    context_overflow=overflow, **kwargs)
     if ray_address is not None:
-        extras = {"--embeddings": kwargs["embeddings"], "--lenient": kwargs["lenient"], "--allowed-origins": origins,
-                  "--strict-model-name": kwargs["strict_model_name"], "several --served-model-name": names[1:],
-                  "--speculative": kwargs["speculative"]}
-        used = [flag for flag, value in extras.items() if value]
-        if used:
-            raise InvalidOptionError(f"{', '.join(used)}: not available with --ray yet (its ingress serves the "
-                                     "completion and chat routes)")
-        load = load_settings(model, device, dtype, kwargs)
-        for name in ("embeddings", "lenient", "strict_model_name", "speculative"):
-            kwargs.pop(name)
-        sys.exit(run_on_ray(load, ray_address, replica_options, host, port, model_name=names[0],
-                            context_overflow=overflow, **kwargs))
-    generator = load_settings(model, device, dtype, kwargs).load()
+        sys.exit(run_on_ray(load, ray_address, replica_options, host, port, **settings))
+    generator = load.load()
     preload_draft_model(generator, kwargs["speculative"])
-    sys.exit(run(generator, host, port, model_name=names[0], model_aliases=tuple(names[1:]), allowed_origins=origins,
-                 context_overflow=overflow, **kwargs))
+    sys.exit(run(generator, host, port, **settings))
 
 
 def preload_draft_model(generator, speculative) -> None:
