@@ -20,6 +20,7 @@ from .errors import (
 from .engine import Engine, Sequence as EngineSequence
 from .engine.scheduler import DEFAULT_CACHE_BYTES
 from .engine.slots import BLOCK_SIZE
+from .engine.streaming_policy import stream_capacity
 from .generation.stopping import TextWatcher
 from .generation.decode import DecodeLoop, SequenceResult
 from .generation.sampling import sequence_seeds
@@ -199,9 +200,6 @@ class Generator:
             # R results per prompt, best first
             return [BeamSearch(self.model, prompts, config, eos, self.grammar_for(config))]
         seeds = sequence_seeds(config, len(prompts)) if config.is_sampling else None
-        if config.n_ctx is not None:
-            return [DecodeLoop(self.model, [p], config, eos, row_seeds=seeds and [seeds[i]],
-                               grammar=self.grammar_for(config)) for i, p in enumerate(repeated)]
         return [DecodeLoop(self.model, repeated, config, eos, row_seeds=seeds, grammar=self.grammar_for(config))]
 
     # -- the engine ----------------------------------------------------------------------------
@@ -218,9 +216,9 @@ class Generator:
                       cuda_graphs=cuda_graphs)
 
     def _runs_in_engine(self, config: GenerationConfig) -> bool:
-        """Greedy and sampling run in the engine (decoder-only and encoder-decoder models); beam
-        search, streaming caches (n_ctx) and the naive reference (use_cache=False) keep their own loops."""
-        return config.num_beams == 1 and config.n_ctx is None and config.use_cache
+        """Greedy, sampling and streams past n_ctx run in the engine (decoder-only and encoder-decoder
+        models); beam search and the naive reference (use_cache=False) keep their own loops."""
+        return config.num_beams == 1 and (config.use_cache or config.n_ctx is not None)
 
     def _submit_all(self, prompts: list, config: GenerationConfig,
                     logprobs: int | None = None) -> tuple[Engine, list[EngineSequence]]:
@@ -239,8 +237,9 @@ class Generator:
             contexts = [1] * len(repeated)
         else:
             contexts = [len(p) for p in repeated]
-        cache_tokens = _slots_for([n + config.max_new_tokens for n in contexts],
-                                  self.config.kv_cache_bytes_per_token(itemsize))
+        needed = [stream_capacity(config)] * len(contexts) if config.n_ctx is not None else [
+            n + config.max_new_tokens for n in contexts]
+        cache_tokens = _slots_for(needed, self.config.kv_cache_bytes_per_token(itemsize))
         engine = Engine(self, max_queue=len(repeated), cache_tokens=cache_tokens, source_tokens=source_tokens)
         single = dataclasses.replace(config, num_return_sequences=1, seed=None)
         sequences = [engine.add(p, single, seeds and seeds[i], logprobs=logprobs) for i, p in enumerate(repeated)]

@@ -24,6 +24,10 @@ decoder's self-attention uses the slot cache like a decoder-only model's.
 A sequence submitted with ``keep=True`` (a chat session) keeps its blocks when it finishes;
 ``resume`` continues it with new tokens (only they run), ``drop`` frees it.
 
+A sequence submitted with ``n_ctx`` is a stream: its policy (sinks + shift or re-evaluate) runs
+before each of its chunks, on its own blocks, in the same steps as everything else
+(engine/stream_steps.py).
+
 One thread owns an Engine (it is not thread-safe); ``Sequence.cancel()`` only sets a flag.
 """
 
@@ -43,8 +47,9 @@ from ..validation import positive_int
 from .compiled import CompiledDecode
 from .cross import CrossStore, RowGroup, decoder_score_bias
 from .plan import StepPlan, layer_windows
-from .sequence import Sequence, TokenEvent, token_logprobs
+from .sequence import Sequence, TokenEvent, flat_layout, token_logprobs
 from .slots import SlotCache, check_fits
+from .stream_steps import chunk_tokens, mixed_forward, new_stream
 
 DEFAULT_CACHE_BYTES = 1 << 30
 WINDOW_SEQUENCES = 16  # sequences a sliding kind's pool serves at their peak at once (shorter ones take less)
@@ -130,9 +135,9 @@ class Engine:
         if config.num_beams > 1:
             raise InvalidOptionError("beam search (num_beams > 1) does not run in the engine: use "
                                      "Generator.generate_ids_with_details")
-        if config.n_ctx is not None or not config.use_cache:
-            raise InvalidOptionError("the engine runs cached generation: streaming (n_ctx) and use_cache=False "
-                                     "run through Generator.generate")
+        if not config.use_cache and config.n_ctx is None:  # (a stream has its cache whatever use_cache says)
+            raise InvalidOptionError("the engine runs cached generation: use_cache=False runs through "
+                                     "Generator.generate")
         if config.num_return_sequences != 1:
             raise InvalidOptionError("submit one request per wanted sequence (num_return_sequences must be 1)")
         if logprobs is not None and logprobs > self.model.config.vocab_size:
@@ -146,9 +151,12 @@ class Engine:
             self.cross.check_fits(prompt)
             decoder_prompt = [self.model.config.decoder_start_token_id]
         context = decoder_prompt or prompt
-        check_fits(len(context) + config.max_new_tokens, self.cache, f"a request of {len(context)} prompt tokens",
-                   self.max_chunk)
+        stream = new_stream(self, config) if config.n_ctx is not None else None  # a stream past n_ctx
+        if stream is None:
+            check_fits(len(context) + config.max_new_tokens, self.cache,
+                       f"a request of {len(context)} prompt tokens", self.max_chunk)
         sequence = self._new_sequence(prompt, config, seed, detokenize, logprobs, decoder_prompt=decoder_prompt)
+        sequence.stream = stream
         sequence.keep_cache = keep
         self._queue(sequence)
         return sequence
@@ -168,11 +176,15 @@ class Engine:
         if not (kept.keep_cache and kept.finished and kept.source is None):
             raise InvalidOptionError("only a finished sequence submitted with keep=True can be resumed")
         prompt = kept.tokens(0, kept.num_tokens) + list(new_tokens)
-        check_fits(len(prompt) + config.max_new_tokens, self.cache, f"a conversation of {len(prompt)} tokens",
-                   self.max_chunk)
+        if config.n_ctx is None and kept.stream is None:
+            check_fits(len(prompt) + config.max_new_tokens, self.cache, f"a conversation of {len(prompt)} tokens",
+                       self.max_chunk)
+        elif kept.stream is None:
+            raise InvalidOptionError("a conversation kept without n_ctx cannot go on as a stream")
         fed = prompt[kept.num_computed:]
         sequence = self._new_sequence(prompt, config, seed, detokenize, None, history=fed)
         sequence.keep_cache = True
+        sequence.stream, kept.stream = kept.stream, None
         sequence.block_table, kept.block_table = kept.block_table, []
         sequence.block_hashes, sequence.num_computed = kept.block_hashes, kept.num_computed
         sequence.num_cached_prompt_tokens = kept.num_computed
@@ -241,21 +253,25 @@ class Engine:
         budget = self.max_batch_tokens - len(work)
         if work:
             budget = min(budget, self.prefill_chunk)  # prompt tokens this step (see the module docstring)
+        untouched = True  # no prompt chunk taken yet: a stream's whole chunk may pass the budget
         for sequence in reading:
-            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk)
+            count = chunk_tokens(sequence, budget, untouched, self.max_chunk)
             if count == 0:
-                break
+                if sequence.stream is None:
+                    break
+                continue  # a stream's chunk waits for a step with room for it whole
             work.append((sequence, count))
-            budget -= count
+            budget, untouched = max(0, budget - count), False
         while self.waiting and budget > 0:
             sequence = self.waiting[0]
             if not self._admit(sequence):
                 break  # FIFO: the head waits for room, nobody overtakes it
             self.waiting.popleft()
             self.running.append(sequence)
-            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk)
-            work.append((sequence, count))
-            budget -= count
+            count = chunk_tokens(sequence, budget, untouched, self.max_chunk)
+            if count:
+                work.append((sequence, count))
+                budget, untouched = max(0, budget - count), False
         return work
 
     def _admit(self, sequence: Sequence) -> bool:
@@ -264,6 +280,12 @@ class Engine:
         A new decoder-only sequence shares its prompt's cached prefix; a resumed one grows the
         blocks it kept; an encoder-decoder one also reserves its cross-attention blocks and never
         shares (its decoder's K/V depend on its source, not only on its tokens)."""
+        if sequence.stream is not None:  # a stream holds blocks for all its positions
+            if not sequence.stream.table:
+                if not sequence.stream.can_admit():
+                    return False
+                sequence.stream.admit()
+            return True
         cache, total, chunk = self.cache, sequence.total_tokens, self.max_chunk
         if sequence.block_table:  # resumed: it holds its computed tokens already
             return cache.grow(sequence.block_table, total, chunk)
@@ -285,8 +307,11 @@ class Engine:
     def _run(self, work: list[tuple[Sequence, int]]) -> list[TokenEvent]:
         work = [w for w in work if w[1] == 1] + [w for w in work if w[1] > 1]  # one-query rows first
         for sequence, count in work:  # sliding kinds: drop what slid out, take the blocks written now
-            self.cache.prepare(sequence.block_table, sequence.num_computed, sequence.num_computed + count)
-        if self.compiled is not None and all(count == 1 and s.num_computed >= len(s.context) for s, count in work):
+            if sequence.stream is None:
+                self.cache.prepare(sequence.block_table, sequence.num_computed, sequence.num_computed + count)
+        if any(sequence.stream is not None for sequence, _ in work):
+            logits, sampled = mixed_forward(self, work)
+        elif self.compiled is not None and all(count == 1 and s.num_computed >= len(s.context) for s, count in work):
             sampled = [sequence for sequence, _ in work]  # every row decodes its last token
             logits = self.compiled.logits(sampled)  # [B, V]
         else:
@@ -300,15 +325,7 @@ class Engine:
         """One flat varlen forward over ``work`` -> (logits [K, V], the K sequences that reached
         their last token, in logits order)."""
         device = self.model.device
-        tokens, positions, logit_rows, sampled, is_prompt = [], [], [], [], []
-        for sequence, count in work:
-            start = sequence.num_computed
-            tokens += sequence.tokens(start, start + count)
-            positions += range(start, start + count)
-            is_prompt += (index < len(sequence.context) for index in range(start, start + count))
-            if start + count == sequence.num_tokens:
-                logit_rows.append(len(tokens) - 1)
-                sampled.append(sequence)
+        tokens, positions, logit_rows, sampled, is_prompt = flat_layout(work)
         rows = self._row_groups(work)
         plan = StepPlan.for_rows(self.cache, [(s.block_table, s.num_computed, count) for s, count in work],
                                  self.windows, self.score_bias, self.model.dtype)
@@ -340,7 +357,7 @@ class Engine:
         pool = self.cache.pool
         done_before, sequence.num_computed = sequence.num_computed // pool.block_size, num_computed
         done_now = num_computed // pool.block_size
-        if done_now > done_before and sequence.source is None:  # no naming: decoder K/V depend on the source
+        if done_now > done_before and sequence.source is None and sequence.stream is None:  # no naming: decoder K/V depend on the source
             self.cache.publish(sequence.block_table, sequence.tokens(0, num_computed), sequence.block_hashes,
                                done_now)
 
@@ -371,6 +388,8 @@ class Engine:
     def _release(self, sequence: Sequence) -> None:
         if self.cross is not None:
             self.cross.release(sequence)
+        if sequence.stream is not None and not sequence.keep_cache:
+            sequence.stream.release()
         if sequence.block_table and not sequence.keep_cache:
             self.cache.release(sequence.block_table)
             sequence.block_table = []

@@ -74,6 +74,7 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop" | "length" | "cancelled"
         self.stop_kind: str | None = None  # finer: "eos" | "stop" (a stop string) | "length" | "cancelled"
         self.cancel_requested = False
+        self.stream: Any = None  # a stream past n_ctx: its StreamingPolicy (engine/streaming_policy.py)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -116,7 +117,7 @@ class Sequence:
             self.finish("eos")
         elif self.watcher is not None and self.watcher.matcher.stopped:
             self.finish("stop")
-        elif len(self.output_ids) >= self.config.max_new_tokens:
+        elif self.config.max_new_tokens is not None and len(self.output_ids) >= self.config.max_new_tokens:
             self.finish("length")
         if self.finished and self.watcher is not None:
             text += self.watcher.finish()
@@ -126,6 +127,21 @@ class Sequence:
         """Finish without a token (cancelled, or nothing to generate)."""
         self.finish(kind)
         return TokenEvent(self, None, "", None, None, True, self.finish_reason)
+
+
+def flat_layout(work: list[tuple["Sequence", int]]) -> tuple[list[int], list[int], list[int], list, list[bool]]:
+    """The flat tokens of ``work`` -> (tokens, positions, flat rows whose logits are sampled,
+    the sequences sampled, whether each token is a prompt token)."""
+    tokens, positions, logit_rows, sampled, is_prompt = [], [], [], [], []
+    for sequence, count in work:
+        start = sequence.num_computed
+        tokens += sequence.tokens(start, start + count)
+        positions += range(start, start + count)
+        is_prompt += (index < len(sequence.context) for index in range(start, start + count))
+        if start + count == sequence.num_tokens:
+            logit_rows.append(len(tokens) - 1)
+            sampled.append(sequence)
+    return tokens, positions, logit_rows, sampled, is_prompt
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[list[float], list[list]]:

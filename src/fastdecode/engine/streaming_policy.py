@@ -48,6 +48,11 @@ MAX_CHUNK = 512  # tokens per forward when feeding long inputs (the shift policy
 Forward = Callable[[list[int], StreamPlan], object]
 
 
+def stream_capacity(config) -> int:
+    """Cache slots a stream of a GenerationConfig holds: n_ctx, plus the shift policy's headroom."""
+    return config.n_ctx + (min(config.n_ctx, MAX_CHUNK) if config.policy == "shift" else 0)
+
+
 def check_streamable(cfg, n_ctx: int, policy: str) -> None:
     """The typed refusals of a policy the model cannot stream with."""
     if policy == "shift" and cfg.position_kind == "learned":
