@@ -114,8 +114,8 @@ class Engine:
         self._next_id = 0
 
     # -- requests --------------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], options: dict[str, Any] | None = None) -> Sequence:
-        """Queue a request; raises at once if it can never run or the queue is full."""
+    def submit(self, prompt_ids: list[int], options: dict[str, Any] | None = None, keep: bool = False) -> Sequence:
+        """Queue a request; raises at once if it can never run or the queue is full (``keep``: see ``add``)."""
         options = dict(options or {})
         logprobs = options.pop("logprobs", None)
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
@@ -125,7 +125,7 @@ class Engine:
         self.generator._check_prompts([prompt], config)
         seeds = sequence_seeds(config, 1) if config.is_sampling else None  # as generate([prompt], seed=...)
         return self.add(prompt, dataclasses.replace(config, seed=None), seeds and seeds[0],
-                        detokenize=self.generator.tokenizer is not None, logprobs=logprobs)
+                        detokenize=self.generator.tokenizer is not None, logprobs=logprobs, keep=keep)
 
     def add(self, prompt: list[int], config: GenerationConfig, seed: int | None, detokenize: bool = False,
             logprobs: int | None = None, keep: bool = False) -> Sequence:
