@@ -31,6 +31,17 @@ def new_stream(engine, config: GenerationConfig) -> StreamingPolicy:
     return stream
 
 
+def switch_to_stream(engine, kept: Sequence, config: GenerationConfig) -> None:
+    """A kept sequence goes on as a stream (a chat past its context): its policy adopts the blocks
+    it holds; when it cannot (engine/streaming_policy.py ``adopt``), they are freed and its
+    resume feeds every token through the policy."""
+    stream = new_stream(engine, config)
+    if not stream.adopt(kept.block_table, kept.tokens(0, kept.num_computed)):
+        engine.cache.release(kept.block_table)
+        kept.num_computed = 0
+    kept.block_table, kept.stream = [], stream
+
+
 def chunk_tokens(sequence: Sequence, budget: int, untouched: bool, limit: int) -> int:
     """Tokens ``sequence`` runs this step with ``budget`` prompt tokens left (``untouched``: no
     chunk taken yet this step; ``limit``: the engine's longest chunk); 0: it waits."""

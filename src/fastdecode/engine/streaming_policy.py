@@ -39,7 +39,7 @@ import torch
 from ..errors import InvalidOptionError, PromptTooLongError
 from ..layers.positions import longrope_switches
 from .plan import layer_windows
-from .slots import SlotCache
+from .slots import NO_BLOCK, SlotCache
 from .stream_plan import StreamPlan
 
 MAX_CHUNK = 512  # tokens per forward when feeding long inputs (the shift policy's headroom)
@@ -130,6 +130,29 @@ class StreamingPolicy:
         for w, pool in self.cache.window_pools.items():
             self.table.reserved[w] = self.num_blocks
             pool.reserved += self.num_blocks
+
+    def adopt(self, table, tokens: list[int]) -> bool:
+        """Go on from a plain sequence holding ``tokens`` (at most ``n_ctx``) at positions 0.. in
+        ``table`` (a chat past its context: a policy switch, nothing recomputed) -> False, changing
+        nothing, when it cannot: a sliding kind already handed some of them back, or no room."""
+        cache, need = self.cache, self.num_blocks
+        if len(tokens) > self.n_ctx or any(NO_BLOCK in blocks[: cache.pool.blocks_for(len(tokens))]
+                                           for blocks in getattr(table, "windows", {}).values()):
+            return False
+        if cache.pool.num_free < need - len(table) or any(
+                pool.reserved - table.reserved.get(w, 0) + need > pool.num_blocks
+                for w, pool in cache.window_pools.items()):
+            return False
+        for w, pool in cache.window_pools.items():
+            pool.reserved += need - table.reserved.get(w, 0)
+            table.reserved[w] = need
+        cache.unname(table)  # its blocks will be rewritten in place: no later request may share them
+        self.table, self.end = table, len(tokens)
+        self._hold_all()
+        self.next_position, self.sinks = len(tokens), min(len(tokens), self.n_keep)
+        self.window_count = len(tokens) - self.sinks
+        self.tokens = list(tokens) if self.policy == "reevaluate" else []
+        return True
 
     def release(self) -> None:
         if self.table:
