@@ -16,8 +16,6 @@ from ..config import GenerationConfig
 from ..engine.slots import BLOCK_SIZE, SlotCache
 from ..engine.stream_plan import StreamPlan
 from ..engine.streaming_policy import MAX_CHUNK, StreamingPolicy, check_streamable
-from ..errors import InvalidOptionError
-from ..layers.quantized import prompt_rows
 
 __all__ = ["MAX_CHUNK", "StreamEngine", "streaming_engine"]
 
@@ -56,18 +54,6 @@ class StreamEngine:
         for logits in self.feed_chunks(tokens, all_logits=False):
             pass
         return logits[-1]
-
-    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if tokens.shape[0] != 1:
-            raise InvalidOptionError("streaming generation runs one sequence at a time")
-        with prompt_rows(True):
-            return self.feed(tokens[0][valid[0]])[None]  # [1, V]
-
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.feed(tokens)[None]  # [1, V]
-
-    def drop_rows(self, rows: torch.Tensor) -> None:
-        pass  # a single sequence: when it finishes, the loop ends
 
     def feed_chunks(self, tokens: torch.Tensor, all_logits: bool) -> Iterator[torch.Tensor]:
         """Feed tokens [N] through the policy; yield logits per chunk ([T, V], or [1, V] for the
