@@ -66,11 +66,15 @@ class StreamPlan:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float, softcap: float | None = None) -> torch.Tensor:
         """q [1, H, T, D]; k, v [1, Hkv, T, D] -> [1, H, T, D] (``mask`` unused: the plan builds its own)."""
-        kind = self.cache.layer_windows[layer]
-        slot_range, block_table, write_slots = self.kinds[kind]
+        write_slots = self.kinds[self.cache.layer_windows[layer]][2]
+        self.cache.layer_keys[layer].index_copy_(0, write_slots, k[0].transpose(0, 1))  # [T, Hkv, D]
+        self.cache.layer_values[layer].index_copy_(0, write_slots, v[0].transpose(0, 1))
+        return self.attend_written(layer, q, scale, softcap)
+
+    def attend_written(self, layer: int, q: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
+        """``attend`` once this forward's K/V of the layer are in their slots."""
+        slot_range, block_table, _ = self.kinds[self.cache.layer_windows[layer]]
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
-        keys.index_copy_(0, write_slots, k[0].transpose(0, 1))  # [T, Hkv, D]
-        values.index_copy_(0, write_slots, v[0].transpose(0, 1))
         kg, vg = self._read(keys, slot_range, block_table), self._read(values, slot_range, block_table)  # [1, Hkv, S, D]
         mask = self._mask(self.stream.windows[layer])
         if not self.split:
@@ -113,8 +117,13 @@ class MixedPlan:
     (StreamPlans, each over its own tokens, in order)."""
 
     def __init__(self, rows, row_tokens: int, streams: list[StreamPlan]):
-        self.parts = ([(rows, row_tokens)] if rows is not None else []) + [
-            (plan, plan.positions.shape[0]) for plan in streams]
+        self.rows, self.row_tokens, self.streams = rows, row_tokens, streams
+        self.sizes = [plan.positions.shape[0] for plan in streams]
+        cache = streams[0].cache
+        # Every stream's write slots per kind, in flat order: one write per layer for all of them.
+        self.write_slots = {kind: torch.cat([plan.kinds[kind][2] for plan in streams])
+                            for kind in [None, *cache.windows]}
+        self.cache = cache
 
     def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
         return no_distances(query_positions)
@@ -122,9 +131,14 @@ class MixedPlan:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float, softcap: float | None = None) -> torch.Tensor:
         """q [1, H, N, D]; k, v [1, Hkv, N, D] -> [1, H, N, D]: each part attends over its tokens."""
-        outputs, first = [], 0
-        for plan, count in self.parts:
-            part = slice(first, first + count)
-            outputs.append(plan.attend(layer, q[:, :, part], k[:, :, part], v[:, :, part], None, scale, softcap))
+        first, outputs = self.row_tokens, []
+        if self.rows is not None:
+            outputs.append(self.rows.attend(layer, q[:, :, :first], k[:, :, :first], v[:, :, :first], None, scale,
+                                            softcap))
+        slots = self.write_slots[self.cache.layer_windows[layer]]
+        self.cache.layer_keys[layer].index_copy_(0, slots, k[0, :, first:].transpose(0, 1))  # [N', Hkv, D]
+        self.cache.layer_values[layer].index_copy_(0, slots, v[0, :, first:].transpose(0, 1))
+        for plan, count in zip(self.streams, self.sizes):
+            outputs.append(plan.attend_written(layer, q[:, :, first : first + count], scale, softcap))
             first += count
         return torch.cat(outputs, dim=2)  # [1, H, N, D]
