@@ -29,7 +29,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _stream_alone(gen, prompt: list[int], options: dict) -> list[int]:
     """Greedy on a stream of its own cache, token by token after the prompt."""
-    config = gen._options(options)
+    config = gen.requests.generation_config(options)
     stream, out = streaming_engine(gen.model, config), []
     with torch.inference_mode():
         logits = stream.feed(torch.tensor(prompt))

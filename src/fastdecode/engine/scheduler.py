@@ -39,14 +39,14 @@ from typing import Any
 
 import torch
 
-from ..config import GenerationConfig
 from ..errors import InvalidOptionError, QueueFullError
-from ..generation.sampling import TokenSelector, sequence_seeds
+from ..generation.sampling import TokenSelector
 from ..layers.quantized import prompt_rows
 from ..validation import positive_int
 from .compiled import CompiledDecode
 from .cross import CrossStore, RowGroup, decoder_score_bias
 from .plan import StepPlan, layer_windows
+from .requests import Request, RequestFactory
 from .sequence import Sequence, TokenEvent, flat_layout, token_logprobs
 from .slots import SlotCache, check_fits
 from .stream_steps import chunk_tokens, mixed_forward, new_stream
@@ -56,20 +56,20 @@ WINDOW_SEQUENCES = 16  # sequences a sliding kind's pool serves at their peak at
 
 
 class Engine:
-    def __init__(self, generator: Any, max_batch_tokens: int = 2048, max_queue: int = 256,
+    def __init__(self, model: Any, requests: RequestFactory, max_batch_tokens: int = 2048, max_queue: int = 256,
                  cache_tokens: int | None = None, block_size: int = 16, prefill_chunk: int = 256,
                  source_tokens: int | None = None, compile_decode: bool = False, cuda_graphs: bool | None = None):
         """``cache_tokens``: self-attention slots; ``source_tokens``: cross-attention slots of an
         encoder-decoder model (source tokens of the sequences admitted at once); ``compile_decode``:
         run steps where every row decodes one token through the compiled fixed-shape decode step
         (decoder-only models; see engine/compiled.py); ``cuda_graphs``: replay those steps from CUDA
-        graphs (engine/cuda_graphs.py; default: on for a decoder-only model on a CUDA device)."""
-        model = generator.model
+        graphs (engine/cuda_graphs.py; default: on for a decoder-only model on a CUDA device).
+        ``requests``: the model's request factory (``submit`` builds its requests)."""
         cfg = model.config
         for name, value in (("max_batch_tokens", max_batch_tokens), ("max_queue", max_queue),
                             ("prefill_chunk", prefill_chunk)):
             positive_int(value, name)
-        self.generator, self.model = generator, model
+        self.requests, self.model = requests, model
         self.max_batch_tokens, self.max_queue, self.prefill_chunk = max_batch_tokens, max_queue, prefill_chunk
         if cache_tokens is None:
             per_token = cfg.kv_cache_bytes_per_token(model.dtype.itemsize)
@@ -116,22 +116,12 @@ class Engine:
     # -- requests --------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], options: dict[str, Any] | None = None, keep: bool = False) -> Sequence:
         """Queue a request; raises at once if it can never run or the queue is full (``keep``: see ``add``)."""
-        options = dict(options or {})
-        logprobs = options.pop("logprobs", None)
-        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
-            raise InvalidOptionError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
-        config = self.generator._options(options)
-        prompt = list(prompt_ids)
-        self.generator._check_prompts([prompt], config)
-        seeds = sequence_seeds(config, 1) if config.is_sampling else None  # as generate([prompt], seed=...)
-        return self.add(prompt, dataclasses.replace(config, seed=None), seeds and seeds[0],
-                        detokenize=self.generator.tokenizer is not None, logprobs=logprobs, keep=keep)
+        return self.add(self.requests.build(prompt_ids, options), keep)
 
-    def add(self, prompt: list[int], config: GenerationConfig, seed: int | None, detokenize: bool = False,
-            logprobs: int | None = None, keep: bool = False) -> Sequence:
-        """Queue a validated request (the Generator validates a whole call at once). ``seed``: the
-        sequence's own sampling seed (None: fresh entropy). ``keep``: its blocks outlive its end
-        (``resume`` / ``drop``)."""
+    def add(self, request: Request, keep: bool = False) -> Sequence:
+        """Queue a validated request (``RequestFactory.build`` / ``build_call``). ``keep``: its blocks
+        outlive its end (``resume`` / ``drop``)."""
+        config, prompt = request.config, request.prompt
         if config.num_beams > 1:
             raise InvalidOptionError("beam search (num_beams > 1) does not run in the engine: use "
                                      "Generator.generate_ids_with_details")
@@ -140,8 +130,6 @@ class Engine:
                                      "Generator.generate")
         if config.num_return_sequences != 1:
             raise InvalidOptionError("submit one request per wanted sequence (num_return_sequences must be 1)")
-        if logprobs is not None and logprobs > self.model.config.vocab_size:
-            raise InvalidOptionError(f"logprobs={logprobs} exceeds the vocabulary size {self.model.config.vocab_size}")
         if len(self.waiting) >= self.max_queue:
             raise QueueFullError(f"the engine's queue is full ({self.max_queue} waiting requests)")
         decoder_prompt = None
@@ -155,7 +143,7 @@ class Engine:
         if stream is None:
             check_fits(len(context) + config.max_new_tokens, self.cache,
                        f"a request of {len(context)} prompt tokens", self.max_chunk)
-        sequence = self._new_sequence(prompt, config, seed, detokenize, logprobs, decoder_prompt=decoder_prompt)
+        sequence = self._new_sequence(request, decoder_prompt=decoder_prompt)
         sequence.stream = stream
         sequence.keep_cache = keep
         self._queue(sequence)
@@ -167,22 +155,22 @@ class Engine:
         else:
             self.waiting.append(sequence)
 
-    def resume(self, kept: Sequence, new_tokens: list[int], config: GenerationConfig, seed: int | None,
-               detokenize: bool = False) -> Sequence:
-        """Continue a finished kept sequence (a chat session's next turn): its tokens plus
-        ``new_tokens`` are the new request's prompt, the K/V already computed stay in its blocks and
-        only the rest runs. The processors see the tokens this turn feeds (the old last token and
-        ``new_tokens``), as a streaming cache continuing a conversation does. ``kept`` is spent."""
+    def resume(self, kept: Sequence, request: Request) -> Sequence:
+        """Continue a finished kept sequence (a chat session's next turn) with ``request``, whose
+        prompt is the turn's new tokens: the kept tokens plus those are the new sequence's prompt,
+        the K/V already computed stay in its blocks and only the rest runs. The processors see the
+        tokens this turn feeds (the old last token and the new ones), as a streaming cache
+        continuing a conversation does. ``kept`` is spent."""
         if not (kept.keep_cache and kept.finished and kept.source is None):
             raise InvalidOptionError("only a finished sequence submitted with keep=True can be resumed")
-        prompt = kept.tokens(0, kept.num_tokens) + list(new_tokens)
-        if config.n_ctx is None and kept.stream is None:
-            check_fits(len(prompt) + config.max_new_tokens, self.cache, f"a conversation of {len(prompt)} tokens",
-                       self.max_chunk)
+        prompt = kept.tokens(0, kept.num_tokens) + list(request.prompt)
+        if request.config.n_ctx is None and kept.stream is None:
+            check_fits(len(prompt) + request.config.max_new_tokens, self.cache,
+                       f"a conversation of {len(prompt)} tokens", self.max_chunk)
         elif kept.stream is None:
             raise InvalidOptionError("a conversation kept without n_ctx cannot go on as a stream")
         fed = prompt[kept.num_computed:]
-        sequence = self._new_sequence(prompt, config, seed, detokenize, None, history=fed)
+        sequence = self._new_sequence(dataclasses.replace(request, prompt=prompt), history=fed)
         sequence.keep_cache = True
         sequence.stream, kept.stream = kept.stream, None
         sequence.block_table, kept.block_table = kept.block_table, []
@@ -196,25 +184,20 @@ class Engine:
         sequence.keep_cache = False
         self._release(sequence)
 
-    def _new_sequence(self, prompt, config, seed, detokenize, logprobs, decoder_prompt=None,
-                      history=None) -> Sequence:
-        gen, model = self.generator, self.model
-        eos = gen._eos_ids(config)
-        selector = TokenSelector(config, eos, model.config.vocab_size, model.device,
+    def _new_sequence(self, request: Request, decoder_prompt: list[int] | None = None,
+                      history: list[int] | None = None) -> Sequence:
+        model, config, prompt = self.model, request.config, request.prompt
+        selector = TokenSelector(config, request.eos_ids, model.config.vocab_size, model.device,
                                  forced_bos=getattr(model.config, "forced_bos_token_id", None),
                                  forced_eos=getattr(model.config, "forced_eos_token_id", ()),
-                                 grammar=gen.grammar_for(config))
+                                 grammar=request.grammar)
         # The processors' history: the decoder's tokens (an encoder-decoder's start token, as
         # transformers penalizes it), and the source for encoder n-gram blocking.
         history = history if history is not None else decoder_prompt or prompt
         selector.start([history], model.device, sources=None if decoder_prompt is None else [prompt],
-                       row_seeds=None if seed is None else [seed])
-        watcher = None
-        if detokenize or config.stop_strings():
-            from ..generation.stopping import TextWatcher
-
-            watcher = TextWatcher(gen._require_tokenizer(), config.stop_strings())
-        sequence = Sequence(self._next_id, prompt, config, selector, eos, watcher, logprobs, decoder_prompt)
+                       row_seeds=None if request.seed is None else [request.seed])
+        sequence = Sequence(self._next_id, prompt, config, selector, request.eos_ids, request.text_watcher(),
+                            request.logprobs, decoder_prompt)
         self._next_id += 1
         return sequence
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..config import GenerationConfig
 from ..engine import Engine, Sequence, TokenEvent
+from ..engine.requests import RequestFactory
 from ..errors import TokenizerError
 from ..generation.sampling import sequence_seeds
 from ..engine.stream_steps import switch_to_stream
@@ -33,10 +34,10 @@ class EngineConversation:
     """A conversation in an engine of its own (room for one stream of ``n_ctx``): the kept
     sequence between turns, a plain one until it switches to the streaming policy."""
 
-    def __init__(self, generator: Any, config: GenerationConfig):
-        self.generator = generator
-        self.n_ctx = min(config.n_ctx, generator.config.max_position_embeddings)
-        self.engine = Engine(generator, max_queue=1, cache_tokens=stream_capacity(config))
+    def __init__(self, model: Any, factory: RequestFactory, config: GenerationConfig):
+        self.model, self.factory = model, factory
+        self.n_ctx = min(config.n_ctx, model.config.max_position_embeddings)
+        self.engine = Engine(model, factory, max_queue=1, cache_tokens=stream_capacity(config))
         self.sequence: Sequence | None = None
         self.streaming = False  # switched to the streaming policy
 
@@ -65,11 +66,11 @@ class EngineConversation:
         iterator) cancels the reply but keeps what it computed."""
         engine_config = dataclasses.replace(config, n_ctx=config.n_ctx if self.streaming else None, seed=None)
         seeds = sequence_seeds(config, 1) if config.is_sampling else None
-        seed = seeds and seeds[0]
+        request = self.factory.request(new_ids, engine_config, seeds and seeds[0], detokenize=True)
         if self.sequence is None:
-            sequence = self.engine.add(new_ids, engine_config, seed, detokenize=True, keep=True)
+            sequence = self.engine.add(request, keep=True)
         else:
-            sequence = self.engine.resume(self.sequence, new_ids, engine_config, seed, detokenize=True)
+            sequence = self.engine.resume(self.sequence, request)
         self.sequence = sequence
         try:
             while self.engine.has_work():
@@ -88,22 +89,22 @@ class EngineConversation:
 class ChatSession:
     """A conversation kept between turns: in the engine, then (past ``n_ctx``) in a streaming cache."""
 
-    def __init__(self, generator: Any, config: GenerationConfig, system: str | None = None):
-        self.generator = generator
+    def __init__(self, model: Any, factory: RequestFactory, config: GenerationConfig, system: str | None = None):
+        self.model, self.factory = model, factory
         self.config = config
-        self.tokenizer = generator._require_tokenizer()
+        self.tokenizer = factory.require_tokenizer()
         if not self.tokenizer.chat_template:  # refused here, before a first turn could fail
             raise TokenizerError("this model's tokenizer has no chat template, which a chat renders every turn "
                                  "with: load a chat model (--model), or generate from a plain prompt "
                                  "(fastdecode generate --no-chat)")
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-        check_streamable(generator.model.config, config.n_ctx, config.policy)  # refused here, as before
+        check_streamable(model.config, config.n_ctx, config.policy)  # refused here, as before
         self.engine = self._fresh_conversation()
         self.fed_text = ""  # the rendering the conversation holds (plus the pending token's text)
         self.full_rebuilds = 0
 
     def _fresh_conversation(self) -> EngineConversation:
-        conversation = EngineConversation(self.generator, self.config)
+        conversation = EngineConversation(self.model, self.factory, self.config)
         if not self.config.use_cache:  # (a stream has its cache whatever use_cache says)
             conversation.switch_to_stream(self.config)
         return conversation

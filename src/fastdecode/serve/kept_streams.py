@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..generation.sampling import sequence_seeds
-
 
 class _Kept:
     def __init__(self, sequence: Any, text: str | None):
@@ -48,11 +46,7 @@ class KeptStreams:
             new = self._continuation(kept, prompt, text)
             if new is not None:
                 self._kept.remove(kept)
-                config = self.generator._options({k: v for k, v in options.items() if k != "logprobs"})
-                seeds = sequence_seeds(config, 1) if config.is_sampling else None
-                sequence = engine.resume(kept.sequence, new, config, seeds and seeds[0], detokenize=True)
-                sequence.logprobs = options.get("logprobs")
-                return sequence
+                return engine.resume(kept.sequence, self.generator.requests.build(new, options))
         return engine.submit(prompt, options, keep=True)
 
     def _continuation(self, kept: _Kept, prompt: list[int], text: str | None) -> list[int] | None:
