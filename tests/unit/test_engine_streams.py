@@ -99,3 +99,33 @@ def test_a_stream_the_cache_can_never_hold_is_refused(gen):
     engine = gen.engine(cache_tokens=64)
     with pytest.raises(PromptTooLongError, match="n_ctx=100"):
         engine.submit(_prompt(5, 1), {"n_ctx": 100, "max_new_tokens": 4})
+
+
+def test_kept_streams_resume_a_continued_conversation_and_give_way_to_waiting_requests(gen):
+    """The server's conversations past the context (serve/kept_streams.py): a request continuing a
+    kept stream resumes it (only the new tokens run); a request that waits for the blocks the kept
+    streams hold gets them."""
+    from fastdecode.serve.kept_streams import KeptStreams
+
+    engine = gen.engine(cache_tokens=64)  # 4 blocks: one stream of n_ctx 20 (40 slots with headroom) takes 3
+    streams = KeptStreams(gen, {"n_ctx": 20, "n_keep": 3, "policy": "shift"})
+    first = streams.submit(engine, _prompt(30, 1), None, {"max_new_tokens": 5})
+    while engine.has_work():
+        engine.step()
+    streams.finished(engine, first, None)
+    held = first.tokens(0, first.num_tokens)
+    second = streams.submit(engine, held + [5, 6, 7], None, {"max_new_tokens": 5})
+    run_before = engine.tokens_run
+    while engine.has_work():
+        engine.step()
+    assert second.num_cached_prompt_tokens == first.num_computed == len(held) - 1
+    assert engine.tokens_run - run_before == 1 + 3 + 4  # the last reply token, the new ones, the reply
+    streams.finished(engine, second, None)
+    waiting = engine.submit(_prompt(8, 2), {"max_new_tokens": 40})  # 3 blocks: only 1 is free
+    engine.step()
+    assert waiting.num_computed == 0
+    streams.make_room(engine)
+    while engine.has_work():
+        engine.step()
+    assert waiting.finish_reason == "length"
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks

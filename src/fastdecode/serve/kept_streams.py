@@ -74,6 +74,12 @@ class KeptStreams:
             engine.drop(old.sequence)
         del self._kept[: -self.max_conversations]
 
+    def make_room(self, engine: Any) -> None:
+        """After a step: requests still wait and nothing runs (the step could admit none of them),
+        so the kept streams' blocks are what they wait for: the least recently used one goes."""
+        if self._kept and engine.waiting and not engine.running:
+            engine.drop(self._kept.pop(0).sequence)
+
     def forget(self) -> None:
         """The engine was replaced (after a failed step): its kept streams are gone with it."""
         self._kept = []

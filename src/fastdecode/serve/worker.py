@@ -186,6 +186,8 @@ class EngineWorker:
         for sequence_id, submission in list(self._active.items()):  # cancelled without an event
             if submission.sequence.finished and submission.sequence.finish_reason == "cancelled":
                 self._finish(submission, None)
+        if self.streams is not None:
+            self.streams.make_room(self.engine)
 
     def _record_latency(self, submission: Submission, now: float) -> None:
         if submission.last_token_at is None:
