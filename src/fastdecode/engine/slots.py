@@ -265,13 +265,6 @@ class SlotCache:
             for i in range(done, min(end_block, len(blocks))):
                 pool.name(blocks[i], hashes[i], tuple(tokens[i * size : (i + 1) * size]))
 
-    def unname(self, table: list[int]) -> None:
-        """Forget the prefix-cache names of the blocks only this sequence holds, in every kind: it
-        is about to rewrite them in place (a shared block is copied before any write)."""
-        self.pool.unname(table)
-        for w, blocks in _windows(table).items():
-            self.window_pools[w].unname(blocks)
-
     def release(self, table: list[int]) -> None:
         """The sequence is done with its blocks and its reservations (``seq_rm`` of all its slots)."""
         self.pool.release(table)

@@ -146,7 +146,11 @@ class StreamingPolicy:
         for w, pool in cache.window_pools.items():
             pool.reserved += need - table.reserved.get(w, 0)
             table.reserved[w] = need
-        cache.unname(table)  # its blocks will be rewritten in place: no later request may share them
+        # Its blocks will be rewritten in place: no later request may share them (a block shared
+        # already is copied before any write).
+        cache.pool.unname(table)
+        for w, pool in cache.window_pools.items():
+            pool.unname(table.windows[w])
         self.table, self.end = table, len(tokens)
         self._hold_all()
         self.next_position, self.sinks = len(tokens), min(len(tokens), self.n_keep)
