@@ -79,6 +79,7 @@ class Sequence:
         self.cancel_requested = False
         self.speculation: Any = None  # engine/speculative.py's Speculation for a speculating sequence
         self.draft: list[int] = []  # the draft tokens it verifies in the current step
+        self.stream: Any = None  # a stream past n_ctx: its StreamingPolicy (engine/streaming_policy.py)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -123,7 +124,7 @@ class Sequence:
             self.finish("eos")
         elif self.watcher is not None and self.watcher.matcher.stopped:
             self.finish("stop")
-        elif len(self.output_ids) >= self.config.max_new_tokens:
+        elif self.config.max_new_tokens is not None and len(self.output_ids) >= self.config.max_new_tokens:
             self.finish("length")
         if self.finished and self.watcher is not None:
             text += self.watcher.finish()
