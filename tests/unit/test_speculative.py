@@ -217,3 +217,15 @@ def test_a_prediction_is_drafted_from_its_start():
     predicted = _run(gen, LOOPY, {"max_new_tokens": 20, "speculative": {"prediction": plain[:12] + [1, 2, 3]}})
     assert predicted.output_ids == plain
     assert predicted.speculation.accepted >= 11  # the first draft is the prediction's start
+
+
+def test_batched_sequences_draft_only_while_drafts_pay():
+    spec = Speculation(NgramDrafter([1, 2, 1, 2, 1], 1, 2), SpeculativeSettings(num_tokens=4))
+    assert spec.wanted(4, batched=True) == 4  # optimistic at first
+    for _ in range(3):
+        spec.settle(4, 1)
+    assert spec.rate < 0.6 and spec.wanted(4, batched=True) == 0 and spec.wanted(4) > 0
+    steps = 0
+    while spec.wanted(4, batched=True) == 0:  # probes again after a while
+        steps += 1
+    assert 2 < steps < 40

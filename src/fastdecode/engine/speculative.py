@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 PAUSE_AFTER_MISSES = 2  # drafts in a row with nothing accepted before speculation pauses
 PAUSE_STEPS = 8  # decode steps without drafting in a first pause; each pause in a row doubles it
 MAX_PAUSE_STEPS = 256
+# Beside other decoding sequences a draft's rows cost real compute (a batched step is no longer bound
+# by reading the weights alone): a sequence drafts there only while its recent acceptance rate is at
+# least this; while it is not, the rate creeps back up by RATE_RECOVERY a step, so it probes again.
+BATCHED_MIN_RATE = 0.6
+RATE_RECOVERY = 0.02
 
 
 class Drafter(Protocol):
@@ -139,11 +144,16 @@ class Speculation:
         self.drafted = 0
         self.accepted = 0
         self.verify_steps = 0
+        self.rate = 1.0  # recent share of drafted tokens accepted (moving average; optimistic at first)
 
-    def wanted(self, room: int) -> int:
-        """How many tokens to draft this step, at most ``room`` (0 while paused)."""
+    def wanted(self, room: int, batched: bool = False) -> int:
+        """How many tokens to draft this step, at most ``room`` (0 while paused; ``batched``: other
+        sequences decode in the step too, and this one's recent acceptance is too low to pay there)."""
         if self.paused:
             self.paused -= 1
+            return 0
+        if batched and self.rate < BATCHED_MIN_RATE:
+            self.rate += RATE_RECOVERY
             return 0
         return max(0, min(self.length, room))
 
@@ -157,6 +167,7 @@ class Speculation:
         self.drafted += drafted
         self.accepted += accepted
         self.verify_steps += 1
+        self.rate = 0.7 * self.rate + 0.3 * accepted / max(drafted, 1)
         if accepted == 0:
             self.length = max(1, self.length // 2)
             self.misses += 1
@@ -207,7 +218,7 @@ class Speculator:
             if spec is None:
                 continue
             room = min(self.engine.max_chunk - 1, sequence.config.max_new_tokens - len(sequence.output_ids) - 1)
-            count = spec.wanted(room)
+            count = spec.wanted(room, batched=len(decoding) > 1)
             if not count:
                 continue
             if isinstance(spec.drafter, ModelDrafter):
