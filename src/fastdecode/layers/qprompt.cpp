@@ -30,24 +30,30 @@ namespace {
 
 using quant::QuantizedRows;
 
-// Outputs [n0, n0 + 16) of the rows-layout weight (codes [N, K] int8, scale [N, K/16]) into `tile`.
+// Outputs [n0, n0 + 16) of the rows-layout weight (codes [N, K] int8, scale [N, K/16]) into `tile`: per
+// 8 outputs and block, their 8 x 32 code bytes transposed as 8 x 8 dwords in registers; wide: the code sums
+// too (only the VNNI kernel reads them).
 template <typename S>
-void pack_pair(const int8_t* codes, const S* scale, int64_t N, int64_t K, int64_t n0, PairTile& tile) {
-  const int64_t blocks = K / 32;
-  tile.codes.assign(blocks * 8 * PAIR * 4, 0);
-  tile.scale.assign(blocks * 2 * PAIR, 0.0f);
-  tile.code_sum.assign(blocks * 2 * PAIR, 0);
-  int32_t* packed = reinterpret_cast<int32_t*>(tile.codes.data());  // [blocks * 8, 16] groups of 4 codes
-  for (int64_t o = 0; o < PAIR && n0 + o < N; ++o) {
-    const int8_t* row = codes + (n0 + o) * K;
-    for (int64_t q = 0; q < K / 4; ++q) std::memcpy(packed + q * PAIR + o, row + 4 * q, 4);
-    for (int64_t g = 0; g < 2 * blocks; ++g) {
-      int32_t sum = 0;
-      for (int i = 0; i < 16; ++i) sum += row[16 * g + i];
-      tile.code_sum[g * PAIR + o] = 128 * sum;
-      tile.scale[g * PAIR + o] = quant::load_scale(scale + (n0 + o) * 2 * blocks + g);
+void pack_pair(const int8_t* codes, const S* scale, int64_t N, int64_t K, int64_t n0, bool wide, PairTile& tile) {
+  const int64_t blocks = K / 32, valid = std::min<int64_t>(PAIR, N - n0);
+  tile.codes.resize(blocks * 8 * PAIR * 4);
+  tile.scale.resize(blocks * 2 * PAIR);
+  for (int half = 0; half < 2; ++half) {
+    const int8_t* rows[8];
+    for (int o = 0; o < 8; ++o) rows[o] = 8 * half + o < valid ? codes + (n0 + 8 * half + o) * K : nullptr;
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256 v[8];  // dwords as float lanes: moved, never computed on
+      for (int o = 0; o < 8; ++o)
+        v[o] = rows[o] != nullptr ? _mm256_loadu_ps(reinterpret_cast<const float*>(rows[o] + 32 * b)) : _mm256_setzero_ps();
+      quant::transpose8(v);  // v[c]: inputs 4c..4c+3 of the 8 outputs
+      for (int c = 0; c < 8; ++c)
+        _mm256_storeu_ps(reinterpret_cast<float*>(tile.codes.data() + (b * 8 + c) * PAIR * 4 + 32 * half), v[c]);
     }
   }
+  for (int64_t o = 0; o < PAIR; ++o)
+    for (int64_t g = 0; g < 2 * blocks; ++g)
+      tile.scale[g * PAIR + o] = o < valid ? quant::load_scale(scale + (n0 + o) * 2 * blocks + g) : 0.0f;
+  if (wide) avx512::pair_code_sums(tile, blocks);
 }
 
 inline __m256i broadcast4(const int8_t* p) {
@@ -117,7 +123,7 @@ at::Tensor prompt_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
     PairTile tile;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * PAIR, valid = std::min<int64_t>(PAIR, N - n0);
-      pack_pair<S>(cp, sp, N, K, n0, tile);
+      pack_pair<S>(cp, sp, N, K, n0, wide, tile);
       if (wide)
         avx512::prompt_pair_rows(tile, q, offset.data(), M, yp, N, n0, valid);
       else

@@ -24,7 +24,8 @@ constexpr int PAIR = 16;  // outputs per pair tile: 16 int32 lanes of an AVX-512
 // One pair tile of a [N, K] weight (outputs n0 .. n0 + 16, rows past N zero):
 //   codes[b][c][o][i] = code[n0 + o, 32 b + 4 c + i]   (blocks b of 32 inputs, chunks c of 4 inputs)
 //   scale[b][h][o]    = scale[n0 + o, 2 b + h]          (h: inputs 0-15, 16-31 of the block)
-//   code_sum[b][h][o] = 128 * sum of those 16 codes     (the VNNI kernel's correction for offset activations)
+//   code_sum[b][h][o] = 128 * sum of those 16 codes     (the VNNI kernel's correction for offset activations;
+//                                                        made by avx512::pair_code_sums, for that kernel only)
 struct PairTile {
   std::vector<int8_t> codes;     // [blocks, 8, 16, 4]
   std::vector<float> scale;      // [blocks, 2, 16]
@@ -34,6 +35,9 @@ struct PairTile {
 }  // namespace prompt
 
 namespace avx512 {
+// The pair tile's code_sum from its codes (dpbusd of ones with the codes).
+void pair_code_sums(prompt::PairTile& tile, int64_t blocks);
+
 // Rows [0, M) x the pair tile's 16 outputs -> y[m, n0 + o] for o < valid (y rows N apart); offset: the
 // activation codes + 128 as unsigned bytes [M, K] (avx512::offset_rows).
 void prompt_pair_rows(const prompt::PairTile& tile, const quant::QuantizedRows& q, const uint8_t* offset, int64_t M,

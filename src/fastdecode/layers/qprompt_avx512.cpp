@@ -58,6 +58,16 @@ void pair_block(const prompt::PairTile& tile, const quant::QuantizedRows& q, con
 
 }  // namespace
 
+void pair_code_sums(prompt::PairTile& tile, int64_t blocks) {
+  tile.code_sum.resize(blocks * 2 * PAIR);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t g = 0; g < 2 * blocks; ++g) {  // group g: chunks 4g .. 4g + 3 of the tile
+    __m512i sum = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(tile.codes.data() + (4 * g + c) * PAIR * 4));
+    _mm512_storeu_si512(tile.code_sum.data() + g * PAIR, _mm512_slli_epi32(sum, 7));
+  }
+}
+
 void prompt_pair_rows(const prompt::PairTile& tile, const quant::QuantizedRows& q, const uint8_t* offset, int64_t M,
                       float* y, int64_t N, int64_t n0, int64_t valid) {
   const __mmask16 mask = valid >= PAIR ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
