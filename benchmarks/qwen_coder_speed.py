@@ -54,11 +54,11 @@ def prompt_rates(gen, tokens: int, reps: int) -> dict[str, float]:
     seconds: dict[str, list[float]] = {"exact": [], "int8": []}
     try:
         for _ in range(reps):
-            for mode in seconds:
+            for mode, times in seconds.items():
                 quantized.PROMPT_ROWS_EXACT = mode == "exact"
                 start = time.perf_counter()
                 gen.generate_ids([ids], max_new_tokens=1)
-                seconds[mode].append(time.perf_counter() - start)
+                times.append(time.perf_counter() - start)
     finally:
         quantized.PROMPT_ROWS_EXACT = True
     return {mode: tokens / statistics.median(times) for mode, times in seconds.items()}
