@@ -1,6 +1,8 @@
 """Qwen2.5-Coder-1.5B-Instruct Q4_K_M (the ``qwen`` extra's GGUF, joined by tests/qwen_coder.py):
 load time, then greedy decode tokens/s at batch 1 and batch 8 on the native path (Q4_K / Q6_K blocks
-kept, the int8-activation kernels).
+kept, the int8-activation kernels), and prompt processing (a ``--prompt-tokens`` prompt and one new token)
+with exact prompt rows (the default) and with int8 prompt rows (``quantized.PROMPT_ROWS_EXACT`` off: the
+tiled kernel and the Q6_K prompt GEMM, layers/qprompt.cpp), alternating, medians.
 
     python benchmarks/qwen_coder_speed.py [--new-tokens 64] [--reps 2] [--threads 0]
     python benchmarks/qwen_coder_speed.py --llama-cpp-bin DIR --threads 2   # side by side with llama-server
@@ -42,6 +44,26 @@ def decode_rate(gen, prompts: list[str], new_tokens: int, reps: int) -> float:
     return statistics.median(rates)
 
 
+def prompt_rates(gen, tokens: int, reps: int) -> dict[str, float]:
+    """Prompt tokens per second (the prompt and one new token), exact and int8 prompt rows alternating,
+    medians of ``reps``; the prompt is this file's text, repeated to ``tokens`` tokens."""
+    from fastdecode.layers import quantized
+
+    ids = gen.tokenizer.encode(Path(__file__).read_text())
+    ids = (ids * (tokens // len(ids) + 1))[:tokens]
+    seconds: dict[str, list[float]] = {"exact": [], "int8": []}
+    try:
+        for _ in range(reps):
+            for mode, times in seconds.items():
+                quantized.PROMPT_ROWS_EXACT = mode == "exact"
+                start = time.perf_counter()
+                gen.generate_ids([ids], max_new_tokens=1)
+                times.append(time.perf_counter() - start)
+    finally:
+        quantized.PROMPT_ROWS_EXACT = True
+    return {mode: tokens / statistics.median(times) for mode, times in seconds.items()}
+
+
 def side_by_side(gen, path, bin_dir: str, threads: int, new_tokens: int, reps: int) -> None:
     """fastdecode and llama-server on the same whole jobs, alternating; a markdown table."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: all CPUs)")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--llama-cpp-bin", default=None, help="llama.cpp's binaries: also run llama-server")
     args = parser.parse_args(argv)
 
@@ -96,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     for batch in (1, 8):
         rate = decode_rate(gen, PROMPTS[:batch], args.new_tokens, args.reps)
         print(f"batch {batch}: {rate:.1f} tok/s")
+    rates = prompt_rates(gen, args.prompt_tokens, args.reps)
+    print(f"prompt {args.prompt_tokens}: exact prompt rows {rates['exact']:.1f} tok/s, int8 prompt rows "
+          f"{rates['int8']:.1f} tok/s ({rates['int8'] / rates['exact']:.2f}x)")
     if args.llama_cpp_bin:
         side_by_side(gen, path, args.llama_cpp_bin, args.threads or torch.get_num_threads(), args.new_tokens,
                      args.reps)

@@ -107,6 +107,13 @@ def exact_qmatmul_op():
     return None if ops is None else ops.exact_qmatmul
 
 
+def prompt_qmatmul_op():
+    """torch.ops.fastdecode_kernels.prompt_qmatmul (int8 prompt rows times rows-layout 8-bit codes in groups
+    of 16, Q6_K: layers/qprompt.cpp), or None like ``qmatmul_op``."""
+    ops = _ops()
+    return None if ops is None else ops.prompt_qmatmul
+
+
 def paged_attention_op():
     """torch.ops.fastdecode_kernels.paged_attention (one-query decode attention over a block pool,
     layers/attention.cpp), or None like ``qmatmul_op``."""
@@ -209,6 +216,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("fastdecode_kernels::exact_qmatmul")
     def _exact_qmatmul_fake(x, codes, scale, mins, bits, group, threads, outputs=-1):  # x [M, K] -> [M, N]
         return x.new_empty((x.shape[0], _outputs(codes, scale, outputs)))
+
+    @torch.library.register_fake("fastdecode_kernels::prompt_qmatmul")
+    def _prompt_qmatmul_fake(x, codes, scale, threads):  # x [M, K] -> [M, N]
+        return x.new_empty((x.shape[0], codes.shape[0]))
 
     @torch.library.register_fake("fastdecode_kernels::dequantize")
     def _dequantize_fake(codes, scale, mins, bits, group, threads, outputs=-1):  # -> float32 [N, K]

@@ -312,25 +312,6 @@ at::Tensor tiled_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const
   return y;
 }
 
-// An 8 x 8 float block transposed in registers (v[i][j] -> v[j][i]).
-inline void transpose8(__m256 v[8]) {
-  __m256 t[8], s[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-  }
-  for (int h = 0; h < 2; ++h) {  // rows 0-3, then 4-7
-    s[4 * h + 0] = _mm256_shuffle_ps(t[4 * h + 0], t[4 * h + 2], 0x44);
-    s[4 * h + 1] = _mm256_shuffle_ps(t[4 * h + 0], t[4 * h + 2], 0xEE);
-    s[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
-    s[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
-  }
-  for (int j = 0; j < 4; ++j) {
-    v[j] = _mm256_permute2f128_ps(s[j], s[4 + j], 0x20);
-    v[4 + j] = _mm256_permute2f128_ps(s[j], s[4 + j], 0x31);
-  }
-}
-
 template <int BITS, typename S>
 at::Tensor tiled_dequantize_impl(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
                                  int64_t N, int64_t threads) {

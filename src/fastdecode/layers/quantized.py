@@ -35,6 +35,10 @@ Which arithmetic a row gets depends on its role, never on what else is in the st
 - weights marked by ``int8_prompt_rows`` (encoder-decoder models quantized at load, as CTranslate2 runs
   them): every row the int8 kernel, whatever its role.
 
+Prompt rows on int8 (``PROMPT_ROWS_EXACT`` off, or ``int8_prompt_rows``) take the decode kernel, except on
+the rows layout's 8-bit codes in groups of 16 (Q6_K), whose prompt rows take the int8 prompt GEMM
+(layers/qprompt.cpp: 16 outputs repacked per pass, VNNI or AVX2; ``has_prompt_kernel``).
+
 Each kernel's row result is bitwise the same whatever else is in its product: a row's products never
 depend on its batch or on how its prompt was chunked (attention over prompt chunks is SDPA, whose
 sums may still differ in the last bit between chunkings). Without the extension (no AVX2, no compiler, CUDA),
@@ -49,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import dequantize_op, exact_qmatmul_op, qmatmul_op
+from .kernels import dequantize_op, exact_qmatmul_op, prompt_qmatmul_op, qmatmul_op
 from .threads import kernel_threads
 
 TILE = 8  # outputs per tile of the tiled layout
@@ -255,11 +259,14 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         rows = rows.float()
     op = qmatmul_op() if USE_KERNEL and rows.is_cpu else None
     roles = None  # compiled graphs are decode steps (engine/decode_step.py): every row generated
-    if (PROMPT_ROWS_EXACT and weight.activation_bits == 8 and weight.exact_prompt_rows
+    exact_prompts = PROMPT_ROWS_EXACT and weight.exact_prompt_rows
+    if (weight.activation_bits == 8 and (exact_prompts or has_prompt_kernel(weight))
             and not torch.compiler.is_compiling()):
         roles = _ROLES.get()
-    if op is None or roles is ALL_PROMPT:
+    if op is None or (roles is ALL_PROMPT and exact_prompts):
         out = _exact_product(rows, weight)
+    elif roles is ALL_PROMPT:
+        out = _int8_prompt_product(rows, weight)
     elif (roles is None and bias is not None and bias.dtype == torch.float32 and bias.dim() == 1
           and bias.is_contiguous()):
         out, bias = _kernel_product(op, rows, weight, bias), None  # added inside, while the outputs are in cache
@@ -270,7 +277,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
             raise RuntimeError(f"row roles were given for {roles.rows} rows, the product has {rows.shape[0]}")
         out = rows.new_empty(rows.shape[0], N)
         out[roles.generated] = _kernel_product(op, rows[roles.generated], weight)
-        out[roles.prompt] = _exact_product(rows[roles.prompt], weight)
+        prompt = rows[roles.prompt]
+        out[roles.prompt] = _exact_product(prompt, weight) if exact_prompts else _int8_prompt_product(prompt, weight)
     if bias is not None:
         out += bias  # (a fresh tensor: in place saves a pass over it; the same float addition as the kernel's)
     if x.dim() != 2:
@@ -283,6 +291,23 @@ def _kernel_product(op, rows: torch.Tensor, weight: QuantizedWeight, bias: torch
     M, K, N = rows.shape[0], weight.inputs, weight.outputs
     return op(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
               weight.bits, weight.group, kernel_threads(M * K * N), weight.activation_bits, weight.outputs, bias)
+
+
+def has_prompt_kernel(weight: QuantizedWeight) -> bool:
+    """Whether int8 prompt rows of ``weight`` take a kernel of their own (layers/qprompt.cpp: the rows
+    layout's 8-bit codes in groups of 16, Q6_K, whose decode kernel is slow at many rows); every other
+    format's int8 prompt rows take the decode kernel (the tiled one: VNNI, 8 rows at a time)."""
+    return weight.bits == 8 and weight.group == 16 and weight.mins is None and not weight.is_tiled
+
+
+def _int8_prompt_product(rows: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """Prompt rows [M, K] float32 -> [M, N] on int8-rounded activations (``PROMPT_ROWS_EXACT`` off or
+    ``int8_prompt_rows``): each row the same bits at any row count (tests/unit/test_prompt_gemm.py)."""
+    op = prompt_qmatmul_op() if has_prompt_kernel(weight) and rows.is_cpu else None
+    rows = rows if rows.is_contiguous() else rows.contiguous()
+    if op is None:
+        return _kernel_product(qmatmul_op(), rows, weight)
+    return op(rows, weight.codes, weight.scale, kernel_threads(rows.shape[0] * weight.inputs * weight.outputs))
 
 
 def _exact_product(rows: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
