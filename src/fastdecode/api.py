@@ -19,6 +19,7 @@ from .errors import (
 )
 from .engine import Engine, Sequence as EngineSequence
 from .engine.scheduler import DEFAULT_CACHE_BYTES
+from .engine.beam_group import group_blocks
 from .engine.slots import BLOCK_SIZE
 from .generation.stopping import TextWatcher
 from .generation.decode import DecodeLoop, SequenceResult
@@ -193,11 +194,6 @@ class Generator:
         self._check_memory(prompts, config)
         repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
         eos = self._eos_ids(config)
-        if config.num_beams > 1:
-            from .generation.beam import BeamSearch
-
-            # R results per prompt, best first
-            return [BeamSearch(self.model, prompts, config, eos, self.grammar_for(config))]
         seeds = sequence_seeds(config, len(prompts)) if config.is_sampling else None
         if config.n_ctx is not None:
             return [DecodeLoop(self.model, [p], config, eos, row_seeds=seeds and [seeds[i]],
@@ -218,9 +214,9 @@ class Generator:
                       cuda_graphs=cuda_graphs)
 
     def _runs_in_engine(self, config: GenerationConfig) -> bool:
-        """Greedy and sampling run in the engine (decoder-only and encoder-decoder models); beam
-        search, streaming caches (n_ctx) and the naive reference (use_cache=False) keep their own loops."""
-        return config.num_beams == 1 and config.n_ctx is None and config.use_cache
+        """Greedy, sampling and beam search run in the engine (decoder-only and encoder-decoder
+        models); streaming caches (n_ctx) and the naive reference (use_cache=False) keep their own loops."""
+        return config.n_ctx is None and config.use_cache
 
     def _submit_all(self, prompts: list, config: GenerationConfig,
                     logprobs: int | None = None) -> tuple[Engine, list[EngineSequence]]:
@@ -230,7 +226,8 @@ class Generator:
         prompts = [list(p) for p in prompts]
         self._check_prompts(prompts, config)
         self._check_memory(prompts, config)
-        repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
+        beams = config.num_beams > 1  # one beam group per prompt gives its num_return_sequences results
+        repeated = [p for p in prompts for _ in range(1 if beams else config.num_return_sequences)]
         seeds = sequence_seeds(config, len(prompts)) if config.is_sampling else None
         itemsize = self.model.dtype.itemsize
         source_tokens = None
@@ -239,10 +236,12 @@ class Generator:
             contexts = [1] * len(repeated)
         else:
             contexts = [len(p) for p in repeated]
-        cache_tokens = _slots_for([n + config.max_new_tokens for n in contexts],
-                                  self.config.kv_cache_bytes_per_token(itemsize))
+        needs = [group_blocks(n, config.max_new_tokens, config.num_beams, BLOCK_SIZE) * BLOCK_SIZE if beams
+                 else n + config.max_new_tokens for n in contexts]
+        cache_tokens = _slots_for(needs, self.config.kv_cache_bytes_per_token(itemsize))
         engine = Engine(self, max_queue=len(repeated), cache_tokens=cache_tokens, source_tokens=source_tokens)
-        single = dataclasses.replace(config, num_return_sequences=1, seed=None)
+        single = dataclasses.replace(config, num_return_sequences=config.num_return_sequences if beams else 1,
+                                     seed=None)
         sequences = [engine.add(p, single, seeds and seeds[i], logprobs=logprobs) for i, p in enumerate(repeated)]
         return engine, sequences
 
@@ -272,7 +271,8 @@ class Generator:
             while engine.has_work():
                 _check_stop(should_stop)
                 engine.step()
-            return [SequenceResult(s.output_ids, s.stop_kind) for s in sequences]
+            return [r for s in sequences for r in (s.group.results if s.group is not None
+                                                   else [SequenceResult(s.output_ids, s.stop_kind)])]
         results: list[SequenceResult] = []
         for loop in self._loops(list(prompts), config):
             watchers = [TextWatcher(self.tokenizer, stops) for _ in loop.results] if stops else None

@@ -40,6 +40,7 @@ from ..errors import InvalidOptionError, QueueFullError
 from ..generation.sampling import TokenSelector, sequence_seeds
 from ..layers.quantized import prompt_rows
 from ..validation import positive_int
+from .beam_group import BeamGroup, advance_groups, check_beam_options, fold_runs, is_beam, lent_spares, whole_groups
 from .compiled import CompiledDecode
 from .cross import CrossStore, RowGroup, decoder_score_bias
 from .plan import StepPlan, layer_windows
@@ -128,12 +129,11 @@ class Engine:
         sequence's own sampling seed (None: fresh entropy). ``keep``: its blocks outlive its end
         (``resume`` / ``drop``)."""
         if config.num_beams > 1:
-            raise InvalidOptionError("beam search (num_beams > 1) does not run in the engine: use "
-                                     "Generator.generate_ids_with_details")
+            check_beam_options(logprobs, keep)
         if config.n_ctx is not None or not config.use_cache:
             raise InvalidOptionError("the engine runs cached generation: streaming (n_ctx) and use_cache=False "
                                      "run through Generator.generate")
-        if config.num_return_sequences != 1:
+        if config.num_return_sequences != 1 and config.num_beams == 1:
             raise InvalidOptionError("submit one request per wanted sequence (num_return_sequences must be 1)")
         if logprobs is not None and logprobs > self.model.config.vocab_size:
             raise InvalidOptionError(f"logprobs={logprobs} exceeds the vocabulary size {self.model.config.vocab_size}")
@@ -149,6 +149,9 @@ class Engine:
         check_fits(len(context) + config.max_new_tokens, self.cache, f"a request of {len(context)} prompt tokens",
                    self.max_chunk)
         sequence = self._new_sequence(prompt, config, seed, detokenize, logprobs, decoder_prompt=decoder_prompt)
+        if config.num_beams > 1:  # a beam search: a group of sequences (engine/beam_group.py)
+            group = BeamGroup(sequence, list(sequence.eos_ids), self.generator.tokenizer if detokenize else None)
+            group.check_fits(self.cache, self.max_chunk)
         sequence.keep_cache = keep
         self._queue(sequence)
         return sequence
@@ -237,7 +240,7 @@ class Engine:
         """(sequence, tokens to run) for this step: decodes first, then prompt chunks, then admissions."""
         decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
         reading = [s for s in self.running if s.num_tokens - s.num_computed > 1]
-        work = [(sequence, 1) for sequence in decoding[: self.max_batch_tokens]]
+        work = [(sequence, 1) for sequence in whole_groups(decoding, self.max_batch_tokens)]
         budget = self.max_batch_tokens - len(work)
         if work:
             budget = min(budget, self.prefill_chunk)  # prompt tokens this step (see the module docstring)
@@ -265,6 +268,8 @@ class Engine:
         blocks it kept; an encoder-decoder one also reserves its cross-attention blocks and never
         shares (its decoder's K/V depend on its source, not only on its tokens)."""
         cache, total, chunk = self.cache, sequence.total_tokens, self.max_chunk
+        if sequence.group is not None:
+            return sequence.group.admit(cache, self.cross, chunk)
         if sequence.block_table:  # resumed: it holds its computed tokens already
             return cache.grow(sequence.block_table, total, chunk)
         if sequence.source is not None:
@@ -284,8 +289,9 @@ class Engine:
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[TokenEvent]:
         work = [w for w in work if w[1] == 1] + [w for w in work if w[1] > 1]  # one-query rows first
-        for sequence, count in work:  # sliding kinds: drop what slid out, take the blocks written now
-            self.cache.prepare(sequence.block_table, sequence.num_computed, sequence.num_computed + count)
+        with lent_spares(work):  # beam groups write within the blocks they hold in reserve
+            for sequence, count in work:  # sliding kinds: drop what slid out, take the blocks written now
+                self.cache.prepare(sequence.block_table, sequence.num_computed, sequence.num_computed + count)
         if self.compiled is not None and all(count == 1 and s.num_computed >= len(s.context) for s, count in work):
             sampled = [sequence for sequence, _ in work]  # every row decodes its last token
             logits = self.compiled.logits(sampled)  # [B, V]
@@ -311,7 +317,7 @@ class Engine:
                 sampled.append(sequence)
         rows = self._row_groups(work)
         plan = StepPlan.for_rows(self.cache, [(s.block_table, s.num_computed, count) for s, count in work],
-                                 self.windows, self.score_bias, self.model.dtype)
+                                 self.windows, self.score_bias, self.model.dtype, runs=fold_runs(work))
         token_tensor = torch.tensor([tokens], device=device)  # [1, N]
         position_tensor = torch.tensor([positions], device=device)  # [1, N]
         logits_at = torch.tensor(logit_rows, dtype=torch.long, device=device)
@@ -340,13 +346,16 @@ class Engine:
         pool = self.cache.pool
         done_before, sequence.num_computed = sequence.num_computed // pool.block_size, num_computed
         done_now = num_computed // pool.block_size
-        if done_now > done_before and sequence.source is None:  # no naming: decoder K/V depend on the source
+        if done_now > done_before and sequence.source is None and not is_beam(sequence):  # no naming: decoder K/V depend on the source
             self.cache.publish(sequence.block_table, sequence.tokens(0, num_computed), sequence.block_hashes,
                                done_now)
 
     def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+        events = []
+        if any(s.group is not None for s in sampled):  # beam groups' rows go to their policy
+            sampled, logits, events = advance_groups(sampled, logits, self.running, self._release)
         if not sampled:
-            return []
+            return events
         if all(s.selector.plain_greedy(len(s.output_ids)) for s in sampled):
             chosen = logits.argmax(dim=-1)  # [K]: one op for a step of plain greedy rows (select's result)
         else:
@@ -360,7 +369,6 @@ class Engine:
             chosen_lp, tops = token_logprobs(logits[rows], chosen[rows], top)
             for j, i in enumerate(wanted):
                 details[i] = (chosen_lp[j], tops[j][: sampled[i].logprobs] if sampled[i].logprobs else None)
-        events = []
         for i, (sequence, token) in enumerate(zip(sampled, token_ids)):
             logprob, top_logprobs = details.get(i, (None, None))
             events.append(sequence.accept(token, logprob, top_logprobs))
@@ -369,6 +377,8 @@ class Engine:
         return events
 
     def _release(self, sequence: Sequence) -> None:
+        if sequence.group is not None:
+            sequence.group.release()  # its beams, spare blocks and reservations
         if self.cross is not None:
             self.cross.release(sequence)
         if sequence.block_table and not sequence.keep_cache:

@@ -74,6 +74,7 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop" | "length" | "cancelled"
         self.stop_kind: str | None = None  # finer: "eos" | "stop" (a stop string) | "length" | "cancelled"
         self.cancel_requested = False
+        self.group: Any = None  # engine/beam_group.py's BeamGroup of a beam search's root and beams
 
     @property
     def num_prompt_tokens(self) -> int:
