@@ -168,14 +168,14 @@ class BeamGroup:
         if not go_on:
             return self._finish()
         sources, token_ids = origin.tolist(), tokens.tolist()
-        if not self.beams:
+        if not self.beams:  # every beam is the root so far (a constraint may pick more than beam 0's tokens)
             self.beams = [self._new_beam() for _ in range(K)]
-            tables, outputs = [self.root.block_table], [[]]
+            tables, outputs, table_sources = [self.root.block_table], [[]] * K, [0] * K
             self.root.block_table = []
             running += self.beams
         else:
-            tables, outputs = [b.block_table for b in self.beams], [b.output_ids for b in self.beams]
-        for beam, table, source, token in zip(self.beams, self.cache.seq_keep(tables, sources), sources, token_ids):
+            tables, outputs, table_sources = [b.block_table for b in self.beams], [b.output_ids for b in self.beams], sources
+        for beam, table, source, token in zip(self.beams, self.cache.seq_keep(tables, table_sources), sources, token_ids):
             beam.block_table, beam.output_ids = table, outputs[source] + [token]
         self.settle()
         self.selector.select_rows(origin)
