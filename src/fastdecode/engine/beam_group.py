@@ -70,11 +70,14 @@ class BeamGroup:
 
     # -- admission ---------------------------------------------------------------------------------
     def _needs(self, cache: SlotCache, chunk: int) -> tuple[int, dict[int, int]]:
-        """(full-kind blocks at most, blocks reserved in each sliding kind) of the whole group."""
+        """(full-kind blocks at most, blocks reserved in each sliding kind) of the whole group. A
+        sliding kind holds the blocks of a subset of the same logical blocks, shared and copied as
+        the full kind's are, so never more than the full kind's bound."""
         context, max_new, K = len(self.root.context), self.config.max_new_tokens, self.num_beams
-        windows = {w: cache.reservation(w, context, chunk) + K * cache.reservation(w, context + max_new, chunk)
+        full = group_blocks(context, max_new, K, cache.block_size)
+        windows = {w: min(full, cache.reservation(w, context, chunk) + K * cache.reservation(w, context + max_new, chunk))
                    for w in cache.window_pools}
-        return group_blocks(context, max_new, K, cache.block_size), windows
+        return full, windows
 
     def check_fits(self, cache: SlotCache, chunk: int) -> None:
         """A group that could never fit the pools is refused before it waits for room."""
@@ -233,7 +236,10 @@ def lent_spares(work: list[tuple[Sequence, int]]):
 
 def fold_runs(work: list[tuple[Sequence, int]]) -> dict[int, tuple[int, int]]:
     """First row -> (beams, shared blocks) of each group whose beams sit side by side in ``work``
-    and share full prompt blocks: one attention group each, folded against those blocks."""
+    and share full prompt blocks: one attention group each, folded against those blocks. Only when
+    every one-token row of the step is such a beam (as the beam engine folded a batch only when
+    every sample shared a block): otherwise the step's decodes stay one paged group, which the
+    fused C++ decode block serves (models/llama_decode.py)."""
     runs, index = {}, 0
     while index < len(work):
         sequence, count = work[index]
@@ -245,6 +251,8 @@ def fold_runs(work: list[tuple[Sequence, int]]) -> dict[int, tuple[int, int]]:
                 runs[index] = (K, shared)
                 index += K
                 continue
+        if count == 1:
+            return {}
         index += 1
     return runs
 
