@@ -25,8 +25,8 @@ is cancelled, every block (root, beams, spare) and every reservation goes back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable
 
 import torch
 
@@ -40,7 +40,9 @@ from .slots import SlotCache
 def group_blocks(context: int, max_new_tokens: int, num_beams: int, block_size: int) -> int:
     """Full-kind blocks a group holds at most: the context's once, and per beam its copy of the
     context's partial block and its new tokens' blocks."""
-    blocks = lambda tokens: -(-tokens // block_size)  # noqa: E731
+    def blocks(tokens: int) -> int:
+        return -(-tokens // block_size)
+
     return blocks(context) + num_beams * (blocks(context + max_new_tokens) - context // block_size)
 
 
