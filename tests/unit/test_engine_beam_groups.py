@@ -8,17 +8,11 @@ import pytest
 import torch
 
 import fastdecode
+from engine_helpers import run_arrival_sequences
 from fastdecode.errors import PromptTooLongError
+from tiny_encdec import single_thread  # noqa: F401 (autouse fixture: one torch thread)
 
 BEAM = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 7, "length_penalty": 0.7}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +53,6 @@ def _outcome(sequence):
     return [(sequence.output_ids, sequence.stop_kind, None)]
 
 
-def _run(engine, arrivals: dict[int, list]) -> list:
-    sequences, step = [], 0
-    while arrivals or engine.has_work():
-        for prompt, options in arrivals.pop(step, []):
-            sequences.append(engine.submit(prompt, options))
-        engine.step()
-        step += 1
-    return sequences
-
-
 def _all_free(engine) -> bool:
     pools = [engine.cache.pool, *engine.cache.window_pools.values()]
     if engine.cross is not None:
@@ -85,14 +69,14 @@ def test_beam_groups_mixed_with_other_requests_equal_each_alone(model, request):
     alone = []
     for prompt, options in requests:
         engine = gen.engine()
-        (sequence,) = _run(engine, {0: [(prompt, options)]})
+        (sequence,) = run_arrival_sequences(engine, {0: [(prompt, options)]})
         alone.append(_outcome(sequence))
         assert _all_free(engine)
     engine = gen.engine(max_batch_tokens=24, prefill_chunk=16)  # prompt chunks beside decoding beams
     arrivals: dict[int, list] = {}
     for index, item in enumerate(requests):
         arrivals.setdefault(index // 2 * 3, []).append(item)  # two requests every third step
-    together = [_outcome(s) for s in _run(engine, arrivals)]
+    together = [_outcome(s) for s in run_arrival_sequences(engine, arrivals)]
     assert together == alone
     assert sum(len(o) for o in together if o[0][2] is not None) == 5 * 2  # five beam requests, two results each
     assert _all_free(engine)
