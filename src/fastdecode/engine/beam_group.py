@@ -242,21 +242,48 @@ def fold_runs(work: list[tuple[Sequence, int]]) -> dict[int, tuple[int, int]]:
     every one-token row of the step is such a beam (as the beam engine folded a batch only when
     every sample shared a block): otherwise the step's decodes stay one paged group, which the
     fused C++ decode block serves (models/llama_decode.py)."""
+    rows = [s for s, _ in work]
     runs, index = {}, 0
     while index < len(work):
         sequence, count = work[index]
-        group = sequence.group
-        if count == 1 and is_beam(sequence) and group.beams[0] is sequence:
-            K = group.num_beams
-            shared = len(group.root.context) // group.cache.block_size
-            if shared and [s for s, _ in work[index : index + K]] == group.beams:
-                runs[index] = (K, shared)
-                index += K
-                continue
+        K = _beam_run(rows, index) if count == 1 else 0
+        shared = len(sequence.group.root.context) // sequence.group.cache.block_size if K else 0
+        if shared:
+            runs[index] = (K, shared)
+            index += K
+            continue
         if count == 1:
             return {}
         index += 1
     return runs
+
+
+def _beam_run(rows: list[Sequence], index: int) -> int:
+    """The number of beams of one group that start at ``rows[index]``, side by side, else 0."""
+    sequence = rows[index]
+    if not is_beam(sequence) or sequence.group.beams[0] is not sequence:
+        return 0
+    beams = sequence.group.beams
+    return len(beams) if rows[index : index + len(beams)] == beams else 0
+
+
+def cross_row_groups(singles: list[Sequence]) -> list[tuple[int, list[Sequence], int]]:
+    """The cross-attention row groups (engine/cross.py) of a step's one-query rows, which lead its
+    flat tokens: a group's beams are the K queries of its root's one source (its K/V gathered once
+    for them, no mask among them: cross-attention has none), runs of other rows one row each."""
+    groups, index, start = [], 0, 0
+    while index < len(singles):
+        K = _beam_run(singles, index)
+        if not K:
+            index += 1
+            continue
+        if start < index:
+            groups.append((start, singles[start:index], 1))
+        groups.append((index, [singles[index].group.root], K))
+        index = start = index + K
+    if start < len(singles):
+        groups.append((start, singles[start:], 1))
+    return groups
 
 
 def advance_groups(sampled: list[Sequence], logits: torch.Tensor, running: list[Sequence],

@@ -40,7 +40,8 @@ from ..errors import InvalidOptionError, QueueFullError
 from ..generation.sampling import TokenSelector, sequence_seeds
 from ..layers.quantized import prompt_rows
 from ..validation import positive_int
-from .beam_group import BeamGroup, advance_groups, check_beam_options, fold_runs, is_beam, lent_spares, whole_groups
+from .beam_group import (BeamGroup, advance_groups, check_beam_options, cross_row_groups, fold_runs, is_beam, lent_spares,
+                         whole_groups)
 from .compiled import CompiledDecode
 from .cross import CrossStore, RowGroup, decoder_score_bias
 from .plan import StepPlan, layer_windows
@@ -331,10 +332,11 @@ class Engine:
 
     @staticmethod
     def _row_groups(work: list[tuple[Sequence, int]]) -> list[RowGroup]:
-        """(first flat token, sequences, queries each): one group for all one-query rows, one per
-        longer chunk (``work`` is in that order)."""
+        """(first flat token, sequences, queries each): one group for the one-query rows (a beam
+        group's beams: the queries of their one source, engine/beam_group.py), one per longer chunk
+        (``work`` is in that order)."""
         singles = [s for s, count in work if count == 1]
-        groups = [(0, singles, 1)] if singles else []
+        groups = cross_row_groups(singles)
         first = len(singles)
         for sequence, count in work[len(singles):]:
             groups.append((first, [sequence], count))
