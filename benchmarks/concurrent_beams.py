@@ -124,7 +124,7 @@ def run_serve(args, baseline: Path) -> list[list]:
         for process in servers.values():
             harness.stop_process(process)
     offline = offline_texts(prompts, options, args.threads)
-    return rows_for("embedded SmolLM2-135M Q4_1, serve", rates, {n: a == offline for n, a in answers.items()})
+    return rows_for("embedded SmolLM2-135M Q4_1, serve", rates, {n: same_count(a, offline) for n, a in answers.items()})
 
 
 # -- bart --------------------------------------------------------------------------------------------
@@ -182,14 +182,18 @@ def run_bart(args, baseline: Path) -> list[list]:
             answers.setdefault(name, out["results"])
             print(f"  bart rep {rep}: {name}: {tokens} tokens in {out['seconds']:.1f} s", file=sys.stderr)
     offline = answers[f"one at a time ({baseline})"]
-    return rows_for("bart-base-size random BART, Engine", rates, {n: a == offline for n, a in answers.items()})
+    return rows_for("bart-base-size random BART, Engine", rates, {n: same_count(a, offline) for n, a in answers.items()})
 
 
-def rows_for(model: str, rates: dict[str, list[float]], same: dict[str, bool]) -> list[list]:
+def same_count(answers: list, offline: list) -> str:
+    """How many requests answered exactly as offline (every choice), of all."""
+    return f"{sum(a == b for a, b in zip(answers, offline))}/{len(offline)}"
+
+
+def rows_for(model: str, rates: dict[str, list[float]], same: dict[str, str]) -> list[list]:
     names = list(rates)
     base = median(rates[names[1]])
-    return [[model, name, f"{median(r):.1f} ({spread(r)})", f"{median(r) / base:.2f}x", "yes" if same[name] else "NO"]
-            for name, r in rates.items()]
+    return [[model, name, spread(r), f"{median(r) / base:.2f}x", same[name]] for name, r in rates.items()]
 
 
 def main() -> None:
@@ -213,7 +217,7 @@ def main() -> None:
     print(harness.machine_line(args.threads))
     print(f"{args.clients} concurrent requests, beam {args.beams}, {args.new_tokens} new tokens each "
           f"(min_tokens = max_tokens), 2 choices each; {args.reps} alternating repetitions")
-    print(table(["model", "engine", "aggregate tokens/s (min-max)", "vs baseline", "same as offline"], rows))
+    print(table(["model", "engine", "aggregate tokens/s, median (min-max)", "vs baseline", "requests as offline"], rows))
     print(f"other processes (and the servers) kept {contention.other_cores():.1f} cores busy on average")
 
 
