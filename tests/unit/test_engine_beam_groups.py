@@ -123,3 +123,19 @@ def test_admission_reserves_the_whole_group(decoder):
     assert first.finished and second.finished and _all_free(engine)
     with pytest.raises(PromptTooLongError, match="beam search with 4 beams"):
         decoder.engine(cache_tokens=13 * 16).submit(prompt, options)
+
+
+def test_quantized_beams_never_fold_so_neighbours_never_change_them(tmp_path):
+    """A quantized model's decode rows are int8-rounded: a folded step and a paged one would give
+    different beams, so its groups never fold and a request beside a short prompt equals it alone."""
+    from fastdecode.engine.beam_group import folds_beams
+    from tiny_models import save_tiny_folder
+
+    save_tiny_folder(tmp_path, "llama-gqa", with_tokenizer=False, intermediate_size=96)
+    gen = fastdecode.load(str(tmp_path), quantize="int8")
+    assert gen.model.fused_decode is not None and not folds_beams(gen.model)
+    long, short = _prompts((16, 5), seed=6)
+    options = {"num_beams": 4, "num_return_sequences": 2, "max_new_tokens": 10, "min_new_tokens": 10}
+    alone = [_outcome(run_arrival_sequences(gen.engine(), {0: [(p, options)]})[0]) for p in (long, short)]
+    together = [_outcome(s) for s in run_arrival_sequences(gen.engine(), {0: [(long, options), (short, options)]})]
+    assert together == alone

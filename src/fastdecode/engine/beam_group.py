@@ -50,9 +50,10 @@ class BeamGroup:
     """The beams of one request and their policy. ``results``: the request's
     ``num_return_sequences`` hypotheses, best first, once it has finished."""
 
-    def __init__(self, root: Sequence, eos_ids: list[int], tokenizer=None):
+    def __init__(self, root: Sequence, eos_ids: list[int], tokenizer=None, folds: bool = True):
         config = root.config
         self.root, self.config, self.num_beams = root, config, config.num_beams
+        self.folds = folds  # its beams attend folded against their shared prompt blocks (``fold_runs``)
         self.eos_ids, self.tokenizer = list(eos_ids), tokenizer
         root.group = self
         device = root.selector.eos_ids.device
@@ -239,15 +240,18 @@ def lent_spares(work: list[tuple[Sequence, int]]):
 def fold_runs(work: list[tuple[Sequence, int]]) -> dict[int, tuple[int, int]]:
     """First row -> (beams, shared blocks) of each group whose beams sit side by side in ``work``
     and share full prompt blocks: one attention group each, folded against those blocks. Only when
-    every one-token row of the step is such a beam (as the beam engine folded a batch only when
-    every sample shared a block): otherwise the step's decodes stay one paged group, which the
-    fused C++ decode block serves (models/llama_decode.py)."""
+    every one-token row of the step is such a beam of a folding group (as the beam engine folded a
+    batch only when every sample shared a block): otherwise the step's decodes stay one paged
+    group, which the fused C++ decode block serves (models/llama_decode.py). On a float model a
+    beam's attention can then run folded alone and paged beside a short prompt (equal to float
+    rounding); a quantized model's groups never fold (``folds_beams``), so its results never
+    depend on their neighbours."""
     rows = [s for s, _ in work]
     runs, index = {}, 0
     while index < len(work):
         sequence, count = work[index]
         K = _beam_run(rows, index) if count == 1 else 0
-        shared = len(sequence.group.root.context) // sequence.group.cache.block_size if K else 0
+        shared = len(sequence.group.root.context) // sequence.group.cache.block_size if K and sequence.group.folds else 0
         if shared:
             runs[index] = (K, shared)
             index += K
@@ -256,6 +260,17 @@ def fold_runs(work: list[tuple[Sequence, int]]) -> dict[int, tuple[int, int]]:
             return {}
         index += 1
     return runs
+
+
+def folds_beams(model) -> bool:
+    """Whether the beams of this model's groups may fold (FastSeq). Not where the fused C++ decode
+    block runs quantized products (models/llama_decode.py): a fold takes every row of its step off
+    that block, and the int8 rounding of a quantized model's decode rows turns the float-rounding
+    difference between a folded and a paged step into different beams (measured on the embedded
+    SmolLM2 Q4_1: a 16-token prompt's beams differ from the first token), so that a request's
+    answer would depend on what runs beside it."""
+    fused = getattr(model, "fused_decode", None)
+    return fused is None or not any(ints[0] for ints in fused.product_ints)  # ints[0]: the product's bits
 
 
 def _beam_run(rows: list[Sequence], index: int) -> int:

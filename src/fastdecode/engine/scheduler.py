@@ -40,8 +40,8 @@ from ..errors import InvalidOptionError, QueueFullError
 from ..generation.sampling import TokenSelector, sequence_seeds
 from ..layers.quantized import prompt_rows
 from ..validation import positive_int
-from .beam_group import (BeamGroup, advance_groups, check_beam_options, cross_row_groups, fold_runs, is_beam, lent_spares,
-                         whole_groups)
+from .beam_group import (BeamGroup, advance_groups, check_beam_options, cross_row_groups, fold_runs, folds_beams,
+                         is_beam, lent_spares, whole_groups)
 from .compiled import CompiledDecode
 from .cross import CrossStore, RowGroup, decoder_score_bias
 from .plan import StepPlan, layer_windows
@@ -151,7 +151,8 @@ class Engine:
                    self.max_chunk)
         sequence = self._new_sequence(prompt, config, seed, detokenize, logprobs, decoder_prompt=decoder_prompt)
         if config.num_beams > 1:  # a beam search: a group of sequences (engine/beam_group.py)
-            group = BeamGroup(sequence, list(sequence.eos_ids), self.generator.tokenizer if detokenize else None)
+            group = BeamGroup(sequence, list(sequence.eos_ids), self.generator.tokenizer if detokenize else None,
+                              folds_beams(self.model))
             group.check_fits(self.cache, self.max_chunk)
         sequence.keep_cache = keep
         self._queue(sequence)
