@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import run_arrival_sequences
+from tiny_encdec import single_thread  # noqa: F401 (autouse fixture: one torch thread)
 
 import fastdecode
-from engine_helpers import run_arrival_sequences
 from fastdecode.errors import PromptTooLongError
-from tiny_encdec import single_thread  # noqa: F401 (autouse fixture: one torch thread)
 
 BEAM = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 7, "length_penalty": 0.7}
 
@@ -128,8 +128,9 @@ def test_admission_reserves_the_whole_group(decoder):
 def test_quantized_beams_never_fold_so_neighbours_never_change_them(tmp_path):
     """A quantized model's decode rows are int8-rounded: a folded step and a paged one would give
     different beams, so its groups never fold and a request beside a short prompt equals it alone."""
-    from fastdecode.engine.beam_group import folds_beams
     from tiny_models import save_tiny_folder
+
+    from fastdecode.engine.beam_group import folds_beams
 
     save_tiny_folder(tmp_path, "llama-gqa", with_tokenizer=False, intermediate_size=96)
     gen = fastdecode.load(str(tmp_path), quantize="int8")
