@@ -8,7 +8,8 @@ answer), median with min-max over ``--reps``, and whether every answer equals th
 * ``serve``: the embedded model behind ``fastdecode serve`` (text completions, n=2 choices each).
   Two servers run side by side, one from this tree, one from ``--baseline`` (e.g. /work/main, where
   beam requests run one at a time on a side thread), and take turns (A, B, A, B...). The offline
-  answer is ``Generator.generate`` of this tree, one request at a time.
+  answer is ``Generator.generate`` of this tree, one request at a time (a baseline whose offline
+  arithmetic differs, e.g. one that folds a quantized model's beams, can differ from it).
 * ``bart``: a bart-base-size random BART (``random_models.build_bart``) over sources of 64 tokens,
   in worker processes (token ids, no server: its random folder has no tokenizer). This tree: the 8
   requests submitted to one engine together. Baseline tree: the 8 requests one after the other
