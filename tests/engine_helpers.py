@@ -5,6 +5,11 @@ from __future__ import annotations
 
 def run_arrivals(engine, arrivals: dict[int, list[tuple[list[int], dict]]]) -> list[list[int]]:
     """Submit each request at its arrival step, step until done -> output ids in submission order."""
+    return [s.output_ids for s in run_arrival_sequences(engine, arrivals)]
+
+
+def run_arrival_sequences(engine, arrivals: dict[int, list[tuple[list[int], dict]]]) -> list:
+    """``run_arrivals`` -> the finished sequences themselves (a beam group's results are on its root)."""
     sequences, step = [], 0
     while arrivals or engine.has_work():
         for prompt, options in arrivals.pop(step, []):
@@ -12,7 +17,7 @@ def run_arrivals(engine, arrivals: dict[int, list[tuple[list[int], dict]]]) -> l
         engine.step()
         step += 1
     assert all(s.finished for s in sequences)
-    return [s.output_ids for s in sequences]
+    return sequences
 
 
 def run_short_requests(engine, count: int, tokens: range, max_prompt: int) -> list:

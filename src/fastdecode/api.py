@@ -137,7 +137,8 @@ class Generator:
         while engine.has_work():
             check()
             engine.step()
-        return [SequenceResult(s.output_ids, s.stop_kind) for s in sequences]
+        return [r for s in sequences for r in (s.group.results if s.group is not None  # a beam search's R results
+                                               else [SequenceResult(s.output_ids, s.stop_kind)])]
 
     def stream_ids(self, token_ids: Sequence[int], **options: Any) -> Iterator[int]:
         token_ids = validation.token_ids(token_ids, "the prompt")

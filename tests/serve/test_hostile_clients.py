@@ -1,6 +1,6 @@
 """Issue 28 (hardening, round two), the server rows, through real servers on loopback with raw
 sockets where a client library would hide the behaviour: a client that leaves a whole (not
-streamed) answer or a beam search, bodies the JSON parser cannot take, slow or incomplete
+streamed) answer or a beam search (run beside others in the engine), bodies the JSON parser cannot take, slow or incomplete
 requests and too many connections, and a trailing slash with a forged Host header.
 
 The model is the tiny chat model made slow (10 ms per forward), so that a request of 200 tokens
@@ -84,25 +84,28 @@ def test_a_whole_answer_is_cancelled_when_its_client_leaves(slow_generator):
         assert server.http.get("/health").json()["running_sequences"] == 0
 
 
-def test_beam_search_is_bounded_by_the_queue_and_cancelled_on_disconnect(slow_generator):
-    """Row 2: with --max-queue 1 a second beam request gets 503 + Retry-After while one runs; when
-    the running one's client leaves, its search stops at once and a 2-token beam request is answered."""
+def test_beam_search_runs_beside_others_and_is_cancelled_on_disconnect(slow_generator):
+    """Row 2: beam requests are engine submissions: while a long beam search runs, a second one is
+    answered beside it (no beam thread serializes them), as offline; when the long one's client
+    leaves, its group stops within a few steps and every block of the cache is free again."""
     with serve(slow_generator, max_queue=1) as server:
+        pool = server.service.worker.engine.cache.pool
         long_beam = {"prompt": "hello", "max_tokens": 240, "min_tokens": 240, "num_beams": 4}
         short_beam = {"prompt": "hi", "max_tokens": 2, "num_beams": 2}
-        before = generated(server)
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
             sock.sendall(request_bytes("/v1/completions", long_beam))
-            time.sleep(0.3)  # the search is running (240 steps, no end of text before: over 2.4 s)
-            busy = server.http.post("/v1/completions", json=short_beam)
-            assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
-            assert busy.json()["error"]["code"] == "queue_full"
-        left = time.monotonic()
-        while (response := server.http.post("/v1/completions", json=short_beam)).status_code == 503:
-            assert time.monotonic() - left < 1.5, "the abandoned beam search still holds the queue"
-            time.sleep(0.01)
-        assert response.status_code == 200 and time.monotonic() - left < 1.5, response.text
-        assert generated(server) - before <= 2 * 2  # the abandoned search produced nothing
+            wait_for(lambda: server.service.active_sequences() == 1, 5, "the long search never started")
+            time.sleep(0.1)  # it is running (240 steps, no end of text before: over 2.4 s)
+            started = time.monotonic()
+            response = server.http.post("/v1/completions", json=short_beam)
+            assert response.status_code == 200, response.text
+            assert time.monotonic() - started < 1.5, "the short search waited for the long one"
+            assert server.service.active_sequences() == 1  # the long search still runs
+            assert response.json()["choices"][0]["text"] == slow_generator.generate("hi", max_new_tokens=2,
+                                                                                    num_beams=2)
+        freed_in = wait_for(lambda: server.service.active_sequences() == 0, 2, "the abandoned search still runs")
+        assert freed_in < 0.5
+        wait_for(lambda: pool.num_free == pool.num_blocks, 1, "the abandoned search still holds blocks")
 
 
 def test_should_stop_ends_a_generation_between_steps(slow_generator):

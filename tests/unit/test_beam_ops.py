@@ -17,7 +17,7 @@ import torch
 
 import fastdecode
 from fastdecode.engine.cross import EncodedSources, source_lengths
-from fastdecode.generation import beam as beam_module
+from fastdecode.engine import beam_scores as beam_module  # the beam policy of the engine's groups
 from fastdecode.layers.attention import attention
 from fastdecode.layers.kernels import beam_candidates_op, cross_attention_op
 from fastdecode.models.seq2seq import padding_bias

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .beam_group import group_blocks
 from .requests import Request, RequestFactory
 from .scheduler import DEFAULT_CACHE_BYTES, Engine
 from .sequence import Sequence
@@ -23,6 +24,16 @@ def slots_for(lengths: list[int], bytes_per_token: int) -> int:
     return max(max(blocks), min(sum(blocks), DEFAULT_CACHE_BYTES // bytes_per_token))
 
 
+def _needed(context: int, config: Any) -> int:
+    """Cache slots one request may hold: a stream its n_ctx plus headroom, a beam group its shared
+    prompt and every beam's tokens, anything else its context and new tokens."""
+    if config.n_ctx is not None:
+        return stream_capacity(config)
+    if config.num_beams > 1:
+        return group_blocks(context, config.max_new_tokens, config.num_beams, BLOCK_SIZE) * BLOCK_SIZE
+    return context + config.max_new_tokens
+
+
 def submit_call(model: Any, factory: RequestFactory, requests: list[Request]) -> tuple[Engine, list[Sequence]]:
     """An engine sized for ``requests`` (one call's, ``RequestFactory.build_call``), each submitted,
     in order."""
@@ -33,8 +44,7 @@ def submit_call(model: Any, factory: RequestFactory, requests: list[Request]) ->
         contexts = [1] * len(requests)
     else:
         contexts = [len(r.prompt) for r in requests]
-    needed = [stream_capacity(r.config) if r.config.n_ctx is not None else n + r.config.max_new_tokens
-              for n, r in zip(contexts, requests)]  # a stream holds n_ctx plus its headroom
+    needed = [_needed(n, r.config) for n, r in zip(contexts, requests)]
     cache_tokens = slots_for(needed, config.kv_cache_bytes_per_token(itemsize))
     engine = Engine(model, factory, max_queue=len(requests), cache_tokens=cache_tokens, source_tokens=source_tokens)
     return engine, [engine.add(request) for request in requests]

@@ -40,8 +40,10 @@ RowGroup = tuple[int, list[Sequence], int]  # (first flat token, its sequences, 
 def row_groups(work: list[tuple[Sequence, int]]) -> list[RowGroup]:
     """A step's cross-attention groups, (first flat token, sequences, queries each): one group for
     all one-query rows, one per longer chunk (``work`` is in that order)."""
+    from .beam_group import cross_row_groups  # a beam group's beams: the queries of their one source
+
     singles = [s for s, count in work if count == 1]
-    groups = [(0, singles, 1)] if singles else []
+    groups = cross_row_groups(singles)
     first = len(singles)
     for sequence, count in work[len(singles):]:
         groups.append((first, [sequence], count))

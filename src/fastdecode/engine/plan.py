@@ -75,24 +75,35 @@ class StepPlan:
 
     @classmethod
     def for_rows(cls, cache: SlotCache, rows: list[tuple[list[int], int, int]], windows: list[int | None],
-                 score_bias: Callable | None, dtype: torch.dtype, shared: tuple[int, int] = (1, 0)) -> "StepPlan":
+                 score_bias: Callable | None, dtype: torch.dtype, shared: tuple[int, int] = (1, 0),
+                 runs: dict[int, tuple[int, int]] | None = None) -> "StepPlan":
         """The plan of one forward over ``rows``: (block table, first position, token count) per
         sequence, in the order its tokens are laid out flat (the caller made the tokens writable:
         ``SlotCache.prepare``). Consecutive one-token rows attend as one group; every longer chunk
         is a group of its own. ``shared`` (fold, blocks): in the one-token groups, each run of
         ``fold`` rows holds the same first ``blocks`` full-kind blocks (the caller guarantees it:
-        beams of a sample over its prompt)."""
+        beams of a sample over its prompt). ``runs``: first row -> (fold, blocks) of one-token rows
+        that form a group of their own, folded the same way (a beam group among other rows)."""
         device = cache.keys.device
         kinds = [None, *cache.windows]
         slots: dict[int | None, list[int]] = {kind: [] for kind in kinds}
-        groups, first = [], 0
+        runs = runs or {}
+        groups, first, end = [], 0, 0
         for index, (table, start, count) in enumerate(rows):
             for kind in kinds:
                 slots[kind] += cache.slot_ids(table, start, start + count, kind)
-            if count == 1 and index > 0 and rows[index - 1][2] == 1:
-                continue  # already in the group of the one-token run it belongs to
-            run = list(itertools.takewhile(lambda row: row[2] == 1, rows[index:])) if count == 1 else [rows[index]]
-            fold, shared_blocks = shared if count == 1 and len(run) % shared[0] == 0 else (1, 0)
+            if index < end:
+                continue  # already in the group it belongs to
+            if index in runs:
+                fold, shared_blocks = runs[index]
+                run = rows[index : index + fold]
+            elif count == 1:
+                run = [row for i, row in itertools.takewhile(lambda item: item[1][2] == 1 and item[0] not in runs,
+                                                             enumerate(rows[index:], index))]
+                fold, shared_blocks = shared if len(run) % shared[0] == 0 else (1, 0)
+            else:
+                run, fold, shared_blocks = [rows[index]], 1, 0
+            end = index + len(run)
             groups.append(attention_group(cache, first, run, fold, shared_blocks))
             first += sum(row[2] for row in run)
         write_slots = {kind: torch.tensor(s, dtype=torch.long, device=device) for kind, s in slots.items()}

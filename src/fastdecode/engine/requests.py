@@ -197,8 +197,10 @@ class RequestFactory:
         prompt alone or in a batch)."""
         prompts = self.check_call(prompts, config)
         seeds = sequence_seeds(config, len(prompts)) if config.is_sampling else None
-        single = dataclasses.replace(config, num_return_sequences=1)
         grammar = self.grammar(config)
+        if config.num_beams > 1:  # one beam group per prompt gives its num_return_sequences results
+            return [self.request(p, config, None, logprobs, grammar=grammar) for p in prompts]
+        single = dataclasses.replace(config, num_return_sequences=1)
         repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
         return [self.request(p, single, seeds and seeds[i], logprobs, grammar=grammar) for i, p in enumerate(repeated)]
 

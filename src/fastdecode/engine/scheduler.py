@@ -43,6 +43,8 @@ from ..errors import InvalidOptionError, QueueFullError
 from ..generation.sampling import TokenSelector, sequence_seeds
 from ..layers.quantized import prompt_rows
 from ..validation import positive_int
+from .beam_group import (BeamGroup, advance_groups, check_beam_options, fold_runs, folds_beams, is_beam, lent_spares,
+                         whole_groups)
 from .compiled import CompiledDecode
 from .cross import CrossStore, decoder_score_bias, row_groups
 from .plan import StepPlan, layer_windows
@@ -149,12 +151,11 @@ class Engine:
         outlive its end (``resume`` / ``drop``)."""
         config, prompt = request.config, request.prompt
         if config.num_beams > 1:
-            raise InvalidOptionError("beam search (num_beams > 1) does not run in the engine: use "
-                                     "Generator.generate_ids_with_details")
+            check_beam_options(request.logprobs, keep)
         if not config.use_cache and config.n_ctx is None:  # (a stream has its cache whatever use_cache says)
             raise InvalidOptionError("the engine runs cached generation: use_cache=False runs through "
                                      "Generator.generate")
-        if config.num_return_sequences != 1:
+        if config.num_return_sequences != 1 and config.num_beams == 1:
             raise InvalidOptionError("submit one request per wanted sequence (num_return_sequences must be 1)")
         if len(self.waiting) >= self.max_queue:
             raise QueueFullError(f"the engine's queue is full ({self.max_queue} waiting requests)")
@@ -171,6 +172,9 @@ class Engine:
                        f"a request of {len(context)} prompt tokens", self.max_chunk)
         sequence = self._new_sequence(request, decoder_prompt=decoder_prompt)
         sequence.stream = stream
+        if config.num_beams > 1:  # a beam search: a group of sequences (engine/beam_group.py)
+            group = BeamGroup(sequence, list(sequence.eos_ids), request.tokenizer, folds_beams(self.model))
+            group.check_fits(self.cache, self.max_chunk)
         sequence.keep_cache = keep
         self._queue(sequence)
         return sequence
@@ -259,14 +263,14 @@ class Engine:
         """(sequence, tokens to run) for this step: decodes first, then prompt chunks, then admissions."""
         decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
         reading = [s for s in self.running if s.num_tokens - s.num_computed > 1]
-        self.speculator.draft(decoding[: self.max_batch_tokens])  # engine/speculative.py
-        work, budget = [], self.max_batch_tokens
-        for sequence in decoding:  # one token each, plus a draft to verify for a speculating sequence
-            sequence.draft = sequence.draft[: max(0, budget - 1)]
-            if budget == 0:
-                continue
+        decoding = whole_groups(decoding, self.max_batch_tokens)  # a beam group's beams run together
+        self.speculator.draft(decoding)  # engine/speculative.py
+        spare, work = self.max_batch_tokens - len(decoding), []
+        for sequence in decoding:  # one token each, plus a draft to verify within what the decodes leave
+            sequence.draft = sequence.draft[:spare]
+            spare -= len(sequence.draft)
             work.append((sequence, 1 + len(sequence.draft)))
-            budget -= 1 + len(sequence.draft)
+        budget = spare
         if work:
             budget = min(budget, self.prefill_chunk)  # prompt tokens this step (see the module docstring)
         untouched = True  # no prompt chunk taken yet: a stream's whole chunk may pass the budget
@@ -303,6 +307,8 @@ class Engine:
                 sequence.stream.admit()
             return True
         cache, total, chunk = self.cache, sequence.total_tokens, self.max_chunk
+        if sequence.group is not None:
+            return sequence.group.admit(cache, self.cross, chunk)
         if sequence.block_table:  # resumed: it holds its computed tokens already
             return cache.grow(sequence.block_table, total, chunk)
         if sequence.source is not None:
@@ -322,9 +328,10 @@ class Engine:
         return True
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[TokenEvent]:
-        for sequence, count in work:  # sliding kinds: drop what slid out, take the blocks written now
-            if sequence.stream is None:
-                self.cache.prepare(sequence.block_table, sequence.num_computed, sequence.num_computed + count)
+        with lent_spares(work):  # beam groups write within the blocks they hold in reserve
+            for sequence, count in work:  # sliding kinds: drop what slid out, take the blocks written now
+                if sequence.stream is None:
+                    self.cache.prepare(sequence.block_table, sequence.num_computed, sequence.num_computed + count)
         if any(sequence.stream is not None for sequence, _ in work):
             logits, sampled = mixed_forward(self, work)
         elif self.compiled is not None and all(count == 1 and s.num_computed >= len(s.context) for s, count in work):
@@ -344,8 +351,9 @@ class Engine:
         device = self.model.device
         layout = flat_layout(work)  # engine/layout.py
         groups = row_groups([(s, count) for s, _, count in layout.rows])
+        runs = fold_runs([(s, count) for s, _, count in layout.rows])  # FastSeq: beams folded on their prompt
         plan = StepPlan.for_rows(self.cache, [(s.block_table, start, count) for s, start, count in layout.rows],
-                                 self.windows, self.score_bias, self.model.dtype)
+                                 self.windows, self.score_bias, self.model.dtype, runs=runs)
         token_tensor = torch.tensor([layout.tokens], device=device)  # [1, N]
         position_tensor = torch.tensor([layout.positions], device=device)  # [1, N]
         logits_at = torch.tensor(layout.logits_at, dtype=torch.long, device=device)
@@ -362,19 +370,26 @@ class Engine:
         pool = self.cache.pool
         done_before, sequence.num_computed = sequence.num_computed // pool.block_size, num_computed
         done_now = num_computed // pool.block_size
-        if done_now > done_before and sequence.source is None and sequence.stream is None:  # no naming: decoder K/V depend on the source
+        # no naming: an encoder-decoder's decoder K/V depend on the source; a stream's positions move;
+        # a beam's blocks change hands at a reorder
+        if done_now > done_before and sequence.source is None and sequence.stream is None and not is_beam(sequence):
             self.cache.publish(sequence.block_table, sequence.tokens(0, num_computed), sequence.block_hashes,
                                done_now)
 
     def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+        events = []
+        if any(s.group is not None for s in sampled):  # beam groups' rows go to their policy (beam_group.py)
+            sampled, logits, events = advance_groups(sampled, logits, self.running, self._release)
         if any(s.draft for s in sampled):  # verifying sequences keep what their rows confirm
-            return self.speculator.sample(sampled, logits)
-        return self._sample_rows(sampled, logits)
+            return events + self.speculator.sample(sampled, logits)
+        return events + self._sample_rows(sampled, logits)
 
     def _sample_rows(self, sampled: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
         return sample_rows(sampled, logits, self._release)  # engine/sampler.py
 
     def _release(self, sequence: Sequence) -> None:
+        if sequence.group is not None:
+            sequence.group.release()  # its beams, spare blocks and reservations
         self.speculator.release(sequence)
         if self.cross is not None:
             self.cross.release(sequence)

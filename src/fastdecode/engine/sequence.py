@@ -80,6 +80,7 @@ class Sequence:
         self.speculation: Any = None  # engine/speculative.py's Speculation for a speculating sequence
         self.draft: list[int] = []  # the draft tokens it verifies in the current step
         self.stream: Any = None  # a stream past n_ctx: its StreamingPolicy (engine/streaming_policy.py)
+        self.group: Any = None  # engine/beam_group.py's BeamGroup of a beam search's root and beams
 
     @property
     def num_prompt_tokens(self) -> int:

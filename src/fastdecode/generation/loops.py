@@ -15,20 +15,16 @@ from .stopping import TextWatcher
 
 
 def runs_in_engine(config: GenerationConfig) -> bool:
-    """Greedy, sampling and streams past n_ctx run in the engine (decoder-only and encoder-decoder
-    models); beam search and the naive reference (use_cache=False) keep their own loops."""
-    return config.num_beams == 1 and (config.use_cache or config.n_ctx is not None)
+    """Greedy, sampling, beam search and streams past n_ctx run in the engine (decoder-only and
+    encoder-decoder models); the naive reference (use_cache=False) keeps its own loop."""
+    return config.use_cache or config.n_ctx is not None
 
 
 def decode_loops(model: Any, factory: RequestFactory, prompts: list[list[int]], config: GenerationConfig) -> list[Any]:
-    """One decode loop for the whole batch (beam search: R results per prompt, best first)."""
+    """One decode loop for the whole batch (the naive reference: greedy and sampling)."""
     prompts = factory.check_call(prompts, config)
     repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
     eos, grammar = factory.eos_ids(config), factory.grammar(config)
-    if config.num_beams > 1:
-        from .beam import BeamSearch
-
-        return [BeamSearch(model, prompts, config, eos, grammar)]
     seeds = sequence_seeds(config, len(prompts)) if config.is_sampling else None
     return [DecodeLoop(model, repeated, config, eos, row_seeds=seeds, grammar=grammar)]
 

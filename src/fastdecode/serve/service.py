@@ -1,10 +1,10 @@
 """From a validated request to a stream of pieces: tokenize, pick the route, submit, collect.
 
-Three routes:
-* the engine (continuous batching; every greedy / sampling request that fits the context, to a
-  decoder-only or an encoder-decoder model),
-* beam search (``num_beams > 1``): ``Generator.generate_ids_with_details`` on a worker thread, the
-  final text of each choice in one piece (bounded by ``max_queue`` and cancellable, as the engine),
+Two routes, both into the one engine:
+* the engine (continuous batching; every greedy / sampling / beam search request that fits the
+  context, to a decoder-only or an encoder-decoder model). A beam search (``num_beams > 1``) is one
+  submission per prompt whose group gives its ``n`` choices, each one final piece when the search
+  ends (engine/beam_group.py),
 * conversations longer than the context with ``--context-overflow shift|reevaluate``: engine
   streams (sinks + shift / re-evaluate), kept between turns (``kept_streams.py``).
 """
@@ -12,16 +12,13 @@ Three routes:
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.sequence import public_finish_reason
 from .. import validation
-from ..errors import FastDecodeError, GenerationCancelledError, QueueFullError
+from ..errors import FastDecodeError
 from .metrics import ServerMetrics
 from .extras import fill_in_middle_ids, predicted_speculation
 from .protocol import APIError, GenerationRequest, api_error_from
@@ -79,7 +76,7 @@ class RunningRequest:
 
     async def admitted(self) -> None:
         """Wait until every submission is accepted; raise the first rejection (after cancelling the rest)."""
-        waiting = {s.index for s in self.submissions}
+        waiting = {index for s in self.submissions for index in s.choice_indices}
         while waiting and not self.cancelled:
             item = await self.sink.queue.get()
             if isinstance(item, Failed):
@@ -93,7 +90,7 @@ class RunningRequest:
     async def pieces(self) -> AsyncIterator[Piece]:
         """Every piece until each choice has finished, or until the request is cancelled; cancels
         everything if the consumer stops early."""
-        open_choices = {s.index for s in self.submissions}
+        open_choices = {index for s in self.submissions for index in s.choice_indices}
         try:
             while open_choices and not self.cancelled:
                 item = self._buffer.pop(0) if self._buffer else await self.sink.queue.get()
@@ -128,16 +125,12 @@ class GenerationService:
                 generator.requests.generation_config(streaming)
             except FastDecodeError as exc:
                 raise APIError(400, f"bad streaming settings: {exc}") from exc
-        self._beam_pool = ThreadPoolExecutor(1, thread_name_prefix="fastdecode-beam")
-        self._beam_lock = threading.Lock()
-        self._beam_prompts = 0  # prompts of beam requests waiting for or running on the beam thread
 
     def start(self) -> None:
         self.worker.start()
 
     def stop(self) -> None:
         self.worker.stop()
-        self._beam_pool.shutdown(wait=False, cancel_futures=True)
 
     def active_sequences(self) -> int:
         return self.worker.active_sequences()
@@ -168,7 +161,7 @@ class GenerationService:
             raise APIError(400, str(exc), param="messages" if request.endpoint == "chat" else "prompt") from exc
 
     def _route(self, request: GenerationRequest, prompt: list[int]) -> tuple[str, dict[str, Any]]:
-        """-> ("engine" | "beam" | "stream", options with max_new_tokens filled in)."""
+        """-> ("engine" | "stream", options with max_new_tokens filled in)."""
         options = dict(request.options)
         room = self.context - len(prompt)
         if options["max_new_tokens"] is None:
@@ -176,7 +169,7 @@ class GenerationService:
                 options["max_new_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS
             else:
                 options["max_new_tokens"] = room if room > 0 else self.context // 2
-        route = "beam" if request.is_beam else "engine"
+        route = "engine"
         if not self.encoder_decoder and len(prompt) + options["max_new_tokens"] > self.context:
             if not self.overflow or request.is_beam:
                 why = "beam search cannot use a streaming cache" if request.is_beam and self.overflow else (
@@ -186,7 +179,8 @@ class GenerationService:
                                     f"positions but the context is {self.context} ({why})",
                                param="max_tokens", code="context_length_exceeded")
             route = "stream"
-        if self.settings.speculative is not None and "speculative" not in options and route == "engine":
+        if (self.settings.speculative is not None and "speculative" not in options and route == "engine"
+                and not request.is_beam):
             options["speculative"] = self.settings.speculative  # the server's default, where speculation runs
         if request.prediction is not None:  # drafts from the predicted output (OpenAI's predicted outputs)
             options["speculative"] = predicted_speculation(options.get("speculative"), self.generator.tokenizer,
@@ -202,19 +196,19 @@ class GenerationService:
         prompts = [ids for ids, _ in encoded]
         sink = RequestSink(asyncio.get_running_loop())
         routes = [self._route(request, p) for p in prompts]
-        if request.is_beam:
-            return self._start_beam(request, prompts, [o for _, o in routes], sink)
         submissions = []
         count = request.candidates
+        # a beam search is one submission per prompt: its group answers the prompt's n choices
+        per_prompt, choices = (1, count) if request.is_beam else (count, 1)
         # best_of ranks its candidates by cumulative logprob: they need at least the chosen tokens'
         logprobs = 0 if request.logprobs is None and count > request.n else request.logprobs
         for p, (prompt, (route, options)) in enumerate(zip(prompts, routes)):
-            for j in range(count):
+            for j in range(per_prompt):
                 choice = dict(options)
                 if choice.get("seed") is not None:
                     choice["seed"] += j  # choice j of a seeded request = an offline run with seed + j
                 choice["logprobs"] = logprobs
-                submission = Submission(p * count + j, prompt, choice, sink, arrived)
+                submission = Submission(p * count + j, prompt, choice, sink, arrived, choices)
                 submission.route, submission.prompt_text = route, encoded[p][1]
                 if route != "engine":
                     self._check_loop_options(submission)
@@ -238,57 +232,3 @@ class GenerationService:
             self.generator.requests.generation_config(options)  # GenerationConfig's rules, before anything is queued
         except FastDecodeError as exc:
             raise api_error_from(exc) from exc
-
-    def _start_beam(self, request: GenerationRequest, prompts: list[list[int]], options: list[dict[str, Any]],
-                    sink: RequestSink) -> RunningRequest:
-        """Beam search as one call on the beam thread; each choice arrives whole, as one final piece.
-        Its prompts count against ``max_queue`` while they wait or run (503 beyond it), and a
-        cancelled request stops its search before the next step (or is skipped if it still waits)."""
-        gen, n = self.generator, request.n
-        by_options: dict[int, list[int]] = {}  # prompts grouped by max_new_tokens (one call each)
-        for p, o in enumerate(options):
-            by_options.setdefault(o["max_new_tokens"], []).append(p)
-        for group in by_options.values():
-            try:
-                gen.requests.generation_config(options[group[0]])
-            except FastDecodeError as exc:
-                raise api_error_from(exc) from exc
-        self._take_beam_places(len(prompts))
-        stop = threading.Event()
-
-        def run() -> None:
-            try:
-                for group in by_options.values():
-                    if stop.is_set():
-                        return
-                    try:
-                        results = gen.generate_ids_with_details([prompts[p] for p in group], should_stop=stop.is_set,
-                                                                **options[group[0]])
-                    except GenerationCancelledError:
-                        return
-                    except FastDecodeError as exc:
-                        sink.put(Failed(group[0] * n, api_error_from(exc)))
-                        return
-                    texts = gen.decode_results(results, **options[group[0]])
-                    for k, (result, text) in enumerate(zip(results, texts)):
-                        p = group[k // n]
-                        reason = public_finish_reason(result.finish_reason)
-                        self.metrics.generated_tokens.inc(len(result.tokens))
-                        sink.put(Piece(p * n + k % n, None, text, None, None, reason, len(prompts[p]), 0,
-                                       len(result.tokens)))
-            finally:
-                with self._beam_lock:
-                    self._beam_prompts -= len(prompts)
-
-        submissions = [Submission(i, prompts[i // n], options[i // n], sink, time.perf_counter())
-                       for i in range(len(prompts) * n)]
-        self._beam_pool.submit(run)
-        return RunningRequest(sink, submissions, stop.set, [len(p) for p in prompts])
-
-    def _take_beam_places(self, count: int) -> None:
-        with self._beam_lock:
-            if self._beam_prompts + count > self.settings.max_queue:
-                raise api_error_from(QueueFullError(
-                    f"the beam-search queue is full ({self._beam_prompts} of {self.settings.max_queue} prompts "
-                    f"waiting or running; this request has {count})"))
-            self._beam_prompts += count

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.sequence import public_finish_reason
 from ..errors import FastDecodeError
 from .metrics import ServerMetrics
 from .protocol import APIError, api_error_from
@@ -71,8 +72,9 @@ class Submission:
     """One sequence a request asked for (a request with n choices makes n of them)."""
 
     def __init__(self, index: int, prompt_ids: list[int], options: dict[str, Any], sink: RequestSink,
-                 arrived: float):
+                 arrived: float, choices: int = 1):
         self.index, self.prompt_ids, self.options, self.sink, self.arrived = index, prompt_ids, options, sink, arrived
+        self.choice_indices = range(index, index + choices)  # a beam search answers n choices
         self.prompt_text: str | None = None  # the text the prompt was encoded from (chat rendering), if any
         self.route = "engine"  # "engine" or "stream" (a conversation past the context: a kept engine stream)
         self.sequence: Any = None
@@ -156,7 +158,8 @@ class EngineWorker:
             return
         self._active[submission.sequence.id] = submission
         self.metrics.waiting.inc()
-        submission.sink.put(Admitted(submission.index))
+        for index in submission.choice_indices:
+            submission.sink.put(Admitted(index))
 
     def _step(self) -> None:
         try:
@@ -184,7 +187,13 @@ class EngineWorker:
             piece = Piece(submission.index, event.token_id, event.text, event.logprob, event.top_logprobs,
                           event.finish_reason if event.finished else None, sequence.num_prompt_tokens,
                           sequence.num_cached_prompt_tokens, len(sequence.output_ids))
-            if event.finished:
+            if event.finished and sequence.group is not None:  # a beam search: its n choices at once
+                pieces = group_pieces(submission, sequence)
+                for piece in pieces[:-1]:
+                    submission.sink.put(piece)
+                self.metrics.generated_tokens.inc(sum(piece.completion_tokens for piece in pieces))
+                self._finish(submission, pieces[-1])
+            elif event.finished:
                 piece.stop_sequence = matched_stop(sequence)
                 if sequence.speculation is not None:
                     piece.drafted_tokens = sequence.speculation.drafted
@@ -218,6 +227,15 @@ class EngineWorker:
             self.streams.finished(self.engine, sequence, submission.prompt_text)
         if last is not None:
             submission.sink.put(last)
+
+
+def group_pieces(submission: Submission, root: Any) -> list[Piece]:
+    """A finished beam search's choices, one final piece each (engine/beam_group.py)."""
+    group = root.group
+    texts = group.texts or [""] * len(group.results)
+    return [Piece(index, None, text, None, None, public_finish_reason(result.finish_reason), root.num_prompt_tokens,
+                  root.num_cached_prompt_tokens, len(result.tokens))
+            for index, result, text in zip(submission.choice_indices, group.results, texts)]
 
 
 def matched_stop(sequence: Any) -> str | None:

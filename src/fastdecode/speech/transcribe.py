@@ -25,8 +25,6 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import InvalidOptionError
 from .audio import AudioInput, SampleBuffer, stream_samples
 from .batching import run_alone
