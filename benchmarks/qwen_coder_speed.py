@@ -13,7 +13,8 @@ prompt processing (``--prompt-tokens`` tokens of README.md, 1 new token: tok/s =
 wall time), greedy decoding of exactly ``--new-tokens`` tokens after a short code prompt at each of
 ``--batches`` (whole call, prompt included: tok/s = batch x new tokens / wall time), and the
 process's peak RSS (VmHWM) at the end. Both engines get the same token ids (fastdecode's tokenizer,
-sent to llama-server as ids), greedy, EOS ignored. Medians over the repetitions with their range;
+sent to llama-server as ids), greedy, EOS ignored. ``--wait-for-quiet S``: before each start and
+timed call, wait up to S seconds for the other processes to quiet down (a shared machine). Medians over the repetitions with their range;
 the ratio is fastdecode / llama.cpp (above 1: fastdecode faster, or slower / larger for the time and
 memory rows); "other cores busy": what other processes kept busy during the timed calls.
 Without ``--llama-cpp-bin`` (or $LLAMA_CPP_BIN, or the build script's cache) llama.cpp is NOT RUN.
@@ -126,7 +127,8 @@ class LlamaCppProcess:
         self.peer.close()
 
 
-def timed_call(process, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+def timed_call(process, prompts: list[list[int]], new_tokens: int, quiet_wait: float) -> dict[str, Any]:
+    harness.wait_for_quiet(quiet_wait)
     meter = Contention()
     reply = process.call(prompts, new_tokens)
     reply["other_cores"] = meter.other_cores(reply["cpu_s"])
@@ -137,10 +139,10 @@ def one_process(process, prompts: dict[str, Any], args, batches: list[int]) -> d
     """The measurements of one fresh process (its load and first token already taken)."""
     result = {"load_s": process.load_s, "first_token_s": process.first_token_s}
     process.call([prompts["long"][:WARMUP_PROMPT]], 4)
-    reply = timed_call(process, [prompts["long"]], 1)
+    reply = timed_call(process, [prompts["long"]], 1, args.wait_for_quiet)
     result["prompt_tok_s"], busy = len(prompts["long"]) / reply["seconds"], [reply["other_cores"]]
     for batch in batches:
-        reply = timed_call(process, prompts["short"][:batch], args.new_tokens)
+        reply = timed_call(process, prompts["short"][:batch], args.new_tokens, args.wait_for_quiet)
         result[f"batch{batch}_tok_s"] = batch * args.new_tokens / reply["seconds"]
         result[f"batch{batch}_row0"] = reply["rows"][0] if reply["rows"] else None
         busy.append(reply["other_cores"])
@@ -169,6 +171,7 @@ def run_model(model: str, threads: int, args, binary: Path | None, batches: list
             makers.append(lambda: LlamaCppProcess(binary, gguf, threads, prompts["short"][0], max(batches),
                                                   args.prompt_tokens + args.new_tokens + 64, extra))
         for make in makers:
+            harness.wait_for_quiet(args.wait_for_quiet)
             process = make()
             try:
                 result = one_process(process, prompts, args, batches)
@@ -233,6 +236,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--llama-cpp-bin", default=None,
                         help=f"llama.cpp's binaries (default: $LLAMA_CPP_BIN or {llama_cpp.DEFAULT_BIN})")
     parser.add_argument("--llama-cpp-args", default="", help="more llama-server flags, e.g. '--no-repack'")
+    parser.add_argument("--wait-for-quiet", type=float, default=0.0,
+                        help="before each start and timed call wait up to this many seconds for the other "
+                             "processes to use under 0.3 cores")
     parser.add_argument("--json", default=None, help="also write every raw number here")
     harness.add_worker_arguments(parser)
     args = parser.parse_args(argv)
