@@ -9,6 +9,7 @@
 # The binaries land in CACHE_DIR/build/bin (or $BUILD_DIR/bin); the benchmarks find them there, or where
 # --llama-cpp-bin or the LLAMA_CPP_BIN environment variable points. Running it again only rebuilds what
 # changed, including the CPU backend when the CPU's instruction sets differ from the last build's.
+# The benchmarked build: llama-cpp-python 0.3.36's vendored llama.cpp (libllama 0.5.0, ggml 0.25.3).
 set -euo pipefail
 
 CACHE_DIR="${1:-${XDG_CACHE_HOME:-$HOME/.cache}/fastdecode-bench/llama.cpp}"
@@ -26,10 +27,13 @@ fi
 
 BUILD="${BUILD_DIR:-$CACHE_DIR/build}"
 
-# The instruction sets of the CPU building it, named one by one rather than -march=native: a cache
-# built on another CPU then recompiles what the flags change (ggml's CPU backend) instead of keeping
-# objects that die with SIGILL here. Elsewhere than x86-64 Linux: -march=native.
+# The instruction sets of the CPU building it, named one by one rather than -march=native, but AMX
+# off: -march=native turns on ggml's AMX kernels on a CPU that lists amx_int8, and on the 2-core Xeon
+# of the benchmarks they die with SIGILL at their first `tilezero` (tinygemm_kernel_amx, while the
+# server warms up). LLAMA_CPP_AMX=ON builds them anyway. Naming the sets also makes a cache built on
+# another CPU recompile the CPU backend here. Elsewhere than x86-64 Linux: -march=native.
 CPU_FLAGS=(-DGGML_NATIVE=ON)
+AMX="${LLAMA_CPP_AMX:-OFF}"
 if [ "$(uname -m)" = x86_64 ] && [ -r /proc/cpuinfo ]; then
   FLAGS=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
   has() { case "$FLAGS" in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
@@ -37,7 +41,7 @@ if [ "$(uname -m)" = x86_64 ] && [ -r /proc/cpuinfo ]; then
              -DGGML_FMA="$(has fma)" -DGGML_F16C="$(has f16c)" -DGGML_BMI2="$(has bmi2)"
              -DGGML_AVX_VNNI="$(has avx_vnni)" -DGGML_AVX512="$(has avx512f)" -DGGML_AVX512_VBMI="$(has avx512vbmi)"
              -DGGML_AVX512_VNNI="$(has avx512_vnni)" -DGGML_AVX512_BF16="$(has avx512_bf16)"
-             -DGGML_AMX_TILE="$(has amx_tile)" -DGGML_AMX_INT8="$(has amx_int8)" -DGGML_AMX_BF16="$(has amx_bf16)")
+             -DGGML_AMX_TILE="$AMX" -DGGML_AMX_INT8="$AMX" -DGGML_AMX_BF16="$AMX")
 fi
 
 GENERATOR=(-G Ninja)
