@@ -112,9 +112,9 @@ class LlamaCppProcess:
     name = "llama.cpp"
 
     def __init__(self, binary: Path, gguf: Path, threads: int, first_prompt: list[int], parallel: int,
-                 context: int, extra: tuple[str, ...]):
+                 context: int, extra: tuple[str, ...], timeout: float = 300.0):
         self.peer = llama_cpp.ServerPeer(binary, gguf, threads, first_prompt, parallel=parallel,
-                                         context_per_slot=context, extra=extra)
+                                         context_per_slot=context, extra=extra, timeout=timeout)
         self.load_s, self.first_token_s = self.peer.ready["load_s"], self.peer.ready["first_token_s"]
 
     def call(self, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
@@ -169,7 +169,8 @@ def run_model(model: str, threads: int, args, binary: Path | None, batches: list
         makers = [lambda: FastdecodeProcess(source, threads, prompts["short"][0], log_dir)]
         if binary is not None:
             makers.append(lambda: LlamaCppProcess(binary, gguf, threads, prompts["short"][0], max(batches),
-                                                  args.prompt_tokens + args.new_tokens + 64, extra))
+                                                  args.prompt_tokens + args.new_tokens + 64, extra,
+                                                  args.request_timeout))
         for make in makers:
             harness.wait_for_quiet(args.wait_for_quiet)
             process = make()
@@ -239,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wait-for-quiet", type=float, default=0.0,
                         help="before each start and timed call wait up to this many seconds for the other "
                              "processes to use under 0.3 cores")
+    parser.add_argument("--request-timeout", type=float, default=300.0,
+                        help="seconds llama-server may take to start or to answer one request")
     parser.add_argument("--json", default=None, help="also write every raw number here")
     harness.add_worker_arguments(parser)
     args = parser.parse_args(argv)
