@@ -15,8 +15,8 @@ wall time), greedy decoding of exactly ``--new-tokens`` tokens after a short cod
 process's peak RSS (VmHWM) at the end. Both engines get the same token ids (fastdecode's tokenizer,
 sent to llama-server as ids), greedy, EOS ignored. ``--wait-for-quiet S``: before each start and
 timed call, wait up to S seconds for the other processes to quiet down (a shared machine). Medians over the repetitions with their range;
-the ratio is fastdecode / llama.cpp (above 1: fastdecode faster, or slower / larger for the time and
-memory rows); "other cores busy": what other processes kept busy during the timed calls.
+the ratio is fastdecode / llama.cpp within each repetition (the two processes ran back to back), its
+median and range (above 1: fastdecode faster, or slower / larger for the time and memory rows); "other cores busy": what other processes kept busy during the timed calls.
 Without ``--llama-cpp-bin`` (or $LLAMA_CPP_BIN, or the build script's cache) llama.cpp is NOT RUN.
 """
 
@@ -200,10 +200,11 @@ def report(model: str, threads: int, runs: dict[str, list[dict]], args, batches:
 
     def row(label: str, key: str, digits: int, faster_is_higher: bool) -> None:
         a, b = [r[key] for r in ours], [r[key] for r in theirs]
-        ratio = harness.ratio(median(a), median(b)) if b else None
+        paired = [x / y for x, y in zip(a, b) if y]  # each repetition's pair, run back to back
         missing = f"NOT RUN ({why_not})" if not rows else "-"
+        ratio = f"{spread(paired, 2)}x" if paired else "-"
         rows.append([label, spread(a, digits), spread(b, digits) if b else missing,
-                     harness.fmt_ratio(ratio) + ("" if faster_is_higher or not ratio else " (lower is better)")])
+                     ratio + ("" if faster_is_higher or not paired else " (lower is better)")])
 
     for batch in batches:
         row(f"batch {batch}, {args.new_tokens} new tokens (tok/s)", f"batch{batch}_tok_s", 1, True)
@@ -243,10 +244,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds llama-server may take to start or to answer one request")
     parser.add_argument("--json", default=None, help="also write every raw number here")
+    parser.add_argument("--report-json", default=None, help="print the tables of a --json file; run nothing")
     harness.add_worker_arguments(parser)
     args = parser.parse_args(argv)
     if args.worker:
         harness.serve_worker(FastdecodeEngine, json.loads(args.options))
+        return
+    if args.report_json:  # the tables again from a --json file, nothing run
+        for key, runs in json.loads(Path(args.report_json).read_text()).items():
+            model, threads = key.split("/")
+            print(report(model, int(threads), runs, args, [int(b) for b in args.batches.split(",")], "not run"))
         return
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
