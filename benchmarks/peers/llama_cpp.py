@@ -44,10 +44,10 @@ def free_port() -> int:
 
 
 def server_command(binary: Path, gguf: Path, port: int, threads: int, parallel: int,
-                   context_per_slot: int) -> list[str]:
-    """llama-server on ``gguf`` with ``parallel`` slots and continuous batching."""
+                   context_per_slot: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """llama-server on ``gguf`` with ``parallel`` slots and continuous batching (``extra``: more flags)."""
     return [str(binary), "-m", str(gguf), "--port", str(port), "-t", str(threads), "-tb", str(threads),
-            "-np", str(parallel), "-c", str(context_per_slot * parallel), "--cont-batching", "--no-webui"]
+            "-np", str(parallel), "-c", str(context_per_slot * parallel), "--cont-batching", "--no-webui", *extra]
 
 
 class ServerPeer:
@@ -57,15 +57,17 @@ class ServerPeer:
     1-token completion of ``first_prompt`` (first_token_s), and the RSS then (rss_kib).
     ``call("generate", prompts, new_tokens)`` sends every prompt at once as its own ``/completion``
     request (token ids, greedy, ``ignore_eos``, exactly ``new_tokens``, no prompt cache), so up to
-    ``parallel`` sequences are decoded together (continuous batching), and times until the last answer.
+    ``parallel`` sequences are decoded together (continuous batching), and times until the last answer;
+    its rows are the generated token ids. ``peak_rss_kib()``: the server's VmHWM so far.
     """
 
     def __init__(self, binary: Path, gguf: Path, threads: int, first_prompt: list[int], parallel: int = 8,
-                 context_per_slot: int = 1024, timeout: float = 300.0):
+                 context_per_slot: int = 1024, timeout: float = 300.0, extra: tuple[str, ...] = ()):
         self.name, self.timeout = "llama.cpp", timeout
         port = free_port()
         launched = time.time()
-        self.process = subprocess.Popen(server_command(binary, gguf, port, threads, parallel, context_per_slot),
+        self.process = subprocess.Popen(server_command(binary, gguf, port, threads, parallel, context_per_slot,
+                                                                       extra),
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.base = f"http://127.0.0.1:{port}"
         try:
@@ -89,13 +91,13 @@ class ServerPeer:
             except OSError:
                 time.sleep(0.05)
 
-    def _complete(self, prompt: list[int], new_tokens: int) -> int:
+    def _complete(self, prompt: list[int], new_tokens: int) -> dict[str, Any]:
         body = json.dumps({"prompt": prompt, "n_predict": new_tokens, "temperature": 0, "top_k": 1,
-                           "ignore_eos": True, "cache_prompt": False}).encode()
+                           "ignore_eos": True, "cache_prompt": False, "return_tokens": True}).encode()
         request = urllib.request.Request(self.base + "/completion", data=body,
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=self.timeout) as response:
-            return json.loads(response.read())["tokens_predicted"]
+            return json.loads(response.read())
 
     def _status(self, field: str) -> int:
         status = Path(f"/proc/{self.process.pid}/status")
@@ -113,11 +115,16 @@ class ServerPeer:
         assert op == "generate", op
         cpu_before, started = self._cpu_seconds(), time.perf_counter()
         with ThreadPoolExecutor(len(prompts)) as pool:
-            counts = list(pool.map(lambda prompt: self._complete(prompt, new_tokens), prompts))
+            answers = list(pool.map(lambda prompt: self._complete(prompt, new_tokens), prompts))
         seconds = time.perf_counter() - started
+        counts = [answer["tokens_predicted"] for answer in answers]
         if any(count != new_tokens for count in counts):
             raise RuntimeError(f"llama-server produced {counts} tokens, not {new_tokens} each")
-        return {"seconds": seconds, "cpu_s": self._cpu_seconds() - cpu_before, "rows": None}
+        return {"seconds": seconds, "cpu_s": self._cpu_seconds() - cpu_before,
+                "rows": [answer.get("tokens") for answer in answers]}
+
+    def peak_rss_kib(self) -> int:
+        return self._status("VmHWM")
 
     def close(self) -> None:
         stop_process(self.process)
