@@ -38,7 +38,7 @@ import torch
 from ..config import GenerationConfig
 from ..errors import InvalidOptionError, QueueFullError
 from ..generation.sampling import TokenSelector, sequence_seeds
-from ..layers.quantized import prompt_rows
+from ..layers.products import Products
 from ..validation import positive_int
 from .compiled import CompiledDecode
 from .cross import CrossStore, RowGroup, decoder_score_bias
@@ -310,17 +310,18 @@ class Engine:
                 logit_rows.append(len(tokens) - 1)
                 sampled.append(sequence)
         rows = self._row_groups(work)
+        # a row's arithmetic follows its role (layers/products.py); big ops get the caller's threads
+        products = Products.of_rows(is_prompt, torch.get_num_threads(), device)
         plan = StepPlan.for_rows(self.cache, [(s.block_table, s.num_computed, count) for s, count in work],
-                                 self.windows, self.score_bias, self.model.dtype)
+                                 self.windows, self.score_bias, self.model.dtype, products)
         token_tensor = torch.tensor([tokens], device=device)  # [1, N]
         position_tensor = torch.tensor([positions], device=device)  # [1, N]
         logits_at = torch.tensor(logit_rows, dtype=torch.long, device=device)
-        with prompt_rows(is_prompt, device):  # a row's arithmetic follows its role (layers/quantized.py)
-            if self.cross is None:
-                logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
-            else:
-                logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(rows),
-                                           logits_at=logits_at)[0]  # [K, V]
+        if self.cross is None:
+            logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
+        else:
+            logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(rows),
+                                       logits_at=logits_at)[0]  # [K, V]
         return logits, sampled
 
     @staticmethod

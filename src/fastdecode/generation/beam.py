@@ -23,9 +23,9 @@ from ..config import GenerationConfig
 from ..constraints import CompiledGrammar
 from ..engine.plan import StepPlan, attention_terms
 from ..engine.slots import BLOCK_SIZE, SlotCache
-from ..layers.kernels import beam_candidates_op
-from ..layers.quantized import prompt_rows
-from ..layers.threads import caller_threads, threads_for
+from ..layers import ops
+from ..layers.products import Products
+from ..layers.threads import one_thread
 from .decode import SequenceResult
 from .sampling import TokenSelector
 from .step import Started
@@ -78,8 +78,7 @@ class DecoderBeamEngine:
         flat = [token for p in prompts for token in p]
         positions = [position for p in prompts for position in range(len(p))]
         ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1  # [B] last token of each prompt
-        with prompt_rows(True):
-            logits = self._forward(flat, positions, [(t, 0, len(p)) for t, p in zip(tables, prompts)], ends)
+        logits = self._forward(flat, positions, [(t, 0, len(p)) for t, p in zip(tables, prompts)], ends, prompt=True)
         self.tables = [self.cache.seq_cp(table) for table in tables for _ in range(K)]
         for table in tables:
             self.cache.release(table)
@@ -92,7 +91,7 @@ class DecoderBeamEngine:
         # On one thread: a copy-on-write block copy (~74K floats) is above PyTorch's parallel threshold, and
         # its OpenMP barrier waits for a core that the kernels' helper threads hold (layers/parallel.h):
         # measured ~8 ms per copy at 2 threads on a busy machine, 40 us on one.
-        with threads_for(0):
+        with one_thread():
             for table, length in zip(self.tables, self.lengths):
                 self.cache.prepare(table, length, length + 1)  # sliding kinds hand back what left the window
         rows = [(table, length, 1) for table, length in zip(self.tables, self.lengths)]
@@ -111,9 +110,11 @@ class DecoderBeamEngine:
         return shared
 
     def _forward(self, tokens, positions, rows: list[tuple[list[int], int, int]], logits_at: torch.Tensor,
-                 shared: tuple[int, int] = (1, 0)):
+                 shared: tuple[int, int] = (1, 0), prompt: bool = False):
+        """``prompt``: the rows are prompts (exact products), else generated beam tokens."""
         device = self.model.device
-        plan = StepPlan.for_rows(self.cache, rows, self.windows, self.score_bias, self.model.dtype, shared)
+        products = Products.of_rows(prompt, torch.get_num_threads(), device)  # the caller's threads
+        plan = StepPlan.for_rows(self.cache, rows, self.windows, self.score_bias, self.model.dtype, products, shared)
         tokens = torch.as_tensor(tokens, device=device)[None]  # [1, N]
         positions = torch.as_tensor(positions, device=device)[None]  # [1, N]
         return self._run_model(tokens, positions, plan, logits_at.to(device), len(rows))[0]  # [rows, V]
@@ -216,7 +217,7 @@ class BeamSearch:
         alive = list(range(B))  # original sample index of each sample still searching
         final: list = [None] * B  # per original sample: (tokens [K, max_new], lengths [K], scores [K])
 
-        threads = caller_threads()  # the candidates op's (the loop's small ops run on one)
+        threads = torch.get_num_threads()  # the candidates op's (the loop's small ops run on one)
         running = torch.zeros(B, K, device=device)
         running[:, 1:] = NEG  # only one beam is real at the first step
         running_tokens = torch.zeros(B, K, max_new, dtype=torch.long, device=device)
@@ -227,7 +228,7 @@ class BeamSearch:
         improvable = torch.ones(B, 1, dtype=torch.bool, device=device)  # early-stop heuristic unsatisfied
         for step in range(max_new):
             self.steps = step + 1
-            with threads_for(0):  # small ops, on one thread (see ``decode``)
+            with one_thread():  # small ops, on one thread (see ``decode``)
                 top_lp, top_index = self._candidates(logits, running, step, n_keep, threads)  # [B, 2K]
                 top_beam, top_token = top_index // V, top_index % V
                 cand_tokens = _gather(running_tokens, top_beam)  # [B, 2K, max_new]
@@ -321,3 +322,8 @@ class BeamSearch:
                 reason = "eos" if seq and seq[-1] in eos else "length"
                 results.append(SequenceResult(seq, reason, score))
         return results
+
+
+def beam_candidates_op():
+    """``ops.beam_candidates`` where the extension is built, else None (the PyTorch step runs)."""
+    return ops.beam_candidates if ops.available() else None

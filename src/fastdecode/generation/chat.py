@@ -85,7 +85,8 @@ class EngineConversation:
         streaming = streaming_engine(self.generator.model, config)
         if self.sequence is not None and self.sequence.num_computed:
             with torch.inference_mode():
-                streaming.feed(torch.tensor(self.sequence.tokens(0, self.sequence.num_computed), dtype=torch.long))
+                streaming.feed(torch.tensor(self.sequence.tokens(0, self.sequence.num_computed), dtype=torch.long),
+                               prompt=False)  # (the rows the hand-over ran before issue 30)
         self.close()
         return streaming
 

@@ -49,7 +49,7 @@ from ..engine.slots import BLOCK_SIZE, SlotCache
 from ..errors import InvalidOptionError
 from ..layers.attention import attention, two_segment_attention
 from ..layers.positions import longrope_switches
-from ..layers.quantized import prompt_rows
+from ..layers.products import Products
 
 MAX_CHUNK = 512  # tokens per forward when feeding long inputs (the shift policy's headroom)
 
@@ -104,40 +104,40 @@ class StreamEngine:
         self.rebuilds = 0
 
     # -- feeding -----------------------------------------------------------------------------------
-    def feed_chunks(self, tokens: torch.Tensor, all_logits: bool) -> Iterator[torch.Tensor]:
+    def feed_chunks(self, tokens: torch.Tensor, all_logits: bool, prompt: bool) -> Iterator[torch.Tensor]:
         """Feed tokens [N] through the policy; yield logits per chunk ([T, V], or [1, V] for the
-        chunk's last token when not ``all_logits``)."""
+        chunk's last token when not ``all_logits``). ``prompt``: the tokens' rows take the prompt
+        rows' exact products (layers/products.py), else the generated rows' kernels."""
         done = 0
         while done < tokens.shape[0]:
             if self.policy == "shift":
                 limit = min(self.capacity, MAX_CHUNK) if self.end == 0 else self.headroom  # a fresh stream: all of it
                 size = min(tokens.shape[0] - done, limit)
-                yield self._shift_forward(tokens[done : done + size].tolist(), all_logits)
+                yield self._shift_forward(tokens[done : done + size].tolist(), all_logits, prompt)
             else:
                 if self.end == self.n_ctx:
-                    self._rebuild()
+                    self._rebuild(prompt)
                 size = min(tokens.shape[0] - done, self.n_ctx - self.end, MAX_CHUNK)
                 chunk = tokens[done : done + size].tolist()
                 self.tokens += chunk
-                yield self._forward(chunk, self._plan(len(chunk)), all_logits)
+                yield self._forward(chunk, self._plan(len(chunk), prompt), all_logits)
             self.next_position += size
             done += size
 
-    def feed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed tokens [N]; logits of the last one [V]."""
+    def feed(self, tokens: torch.Tensor, prompt: bool) -> torch.Tensor:
+        """Feed tokens [N] (``prompt``: as ``feed_chunks``); logits of the last one [V]."""
         logits = None
-        for logits in self.feed_chunks(tokens, all_logits=False):
+        for logits in self.feed_chunks(tokens, all_logits=False, prompt=prompt):
             pass
         return logits[-1]
 
     def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if tokens.shape[0] != 1:
             raise InvalidOptionError("streaming generation runs one sequence at a time")
-        with prompt_rows(True):
-            return self.feed(tokens[0][valid[0]])[None]  # [1, V]
+        return self.feed(tokens[0][valid[0]], prompt=True)[None]  # [1, V]
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.feed(tokens)[None]  # [1, V]
+        return self.feed(tokens, prompt=False)[None]  # [1, V]
 
     def drop_rows(self, rows: torch.Tensor) -> None:
         pass  # a single sequence: when it finishes, the loop ends
@@ -159,7 +159,7 @@ class StreamEngine:
             shifts.append(self.shift)
         return lowest, shifts
 
-    def _shift_forward(self, chunk: list[int], all_logits: bool) -> torch.Tensor:
+    def _shift_forward(self, chunk: list[int], all_logits: bool, prompt: bool) -> torch.Tensor:
         lowest, shifts = self._advance(len(chunk))
         first = shifts[0] - self.compacted  # where the first query's frame puts the sinks
         if self.sinks and first != self.sink_start:  # sinks up over the dropped tokens
@@ -171,7 +171,8 @@ class StreamEngine:
             self.table = self.cache.seq_rm(self.table, self.end - first)
             self.compacted, self.end, self.sink_start = self.compacted + first, self.end - first, 0
         base = self.compacted
-        plan = self._plan(len(chunk), lowest=[p - base for p in lowest], corrections=[s - shifts[0] for s in shifts])
+        plan = self._plan(len(chunk), prompt, lowest=[p - base for p in lowest],
+                          corrections=[s - shifts[0] for s in shifts])
         return self._forward(chunk, plan, all_logits)
 
     def _move_sinks(self, to: int) -> None:
@@ -206,7 +207,7 @@ class StreamEngine:
         return self.ropes[layer].rotate_by(keys, delta)
 
     # -- the re-evaluate policy --------------------------------------------------------------------
-    def _rebuild(self) -> None:
+    def _rebuild(self, prompt: bool) -> None:
         """Keep the sinks (their K/V depend on nothing else) and all but the ``n_discard`` oldest
         window tokens: seq_rm of the window, then prefill the kept ones at fresh positions."""
         kept = self.tokens[self.n_keep + self.n_discard :]
@@ -216,19 +217,21 @@ class StreamEngine:
         for begin in range(0, len(kept), MAX_CHUNK):
             piece = kept[begin : begin + MAX_CHUNK]
             self.tokens += piece
-            self._forward(piece, self._plan(len(piece)), all_logits=False)
+            self._forward(piece, self._plan(len(piece), prompt), all_logits=False)
 
     # -- one forward -------------------------------------------------------------------------------
-    def _plan(self, count: int, lowest: list[int] | None = None, corrections: list[int] | None = None) -> "StreamPlan":
+    def _plan(self, count: int, prompt: bool, lowest: list[int] | None = None,
+              corrections: list[int] | None = None) -> "StreamPlan":
         """The plan of ``count`` tokens at positions [end, end + count) (``lowest`` None: every key
-        held is visible, from the sinks on)."""
+        held is visible, from the sinks on), prompt rows or generated ones (``prompt``)."""
         device = self.model.device
         start = self.end
         self.table = self.cache.writable(self.table, start, start + count)
         positions = torch.arange(start, start + count, device=device)  # [T]
         if lowest is None or (count == 1 and not any(corrections)):
             lowest = corrections = None  # one frame, nothing dropped inside: plain causal attention
-        return StreamPlan(self, positions, lowest, corrections)
+        products = Products.of_rows(prompt, torch.get_num_threads(), device)  # big ops: the caller's threads
+        return StreamPlan(self, positions, lowest, corrections, products)
 
     def _forward(self, chunk: list[int], plan: "StreamPlan", all_logits: bool) -> torch.Tensor:
         device = self.model.device
@@ -247,8 +250,9 @@ class StreamPlan:
     how many positions query t sees its sinks closer than they sit (None: 0)."""
 
     def __init__(self, stream: StreamEngine, positions: torch.Tensor, lowest: list[int] | None,
-                 corrections: list[int] | None):
+                 corrections: list[int] | None, products: Products):
         self.stream, self.cache, self.positions = stream, stream.cache, positions
+        self.products = products  # the rows' roles and the thread budget
         device = positions.device
         self.key_start = stream.sink_start
         end = stream.end + positions.shape[0]
@@ -282,7 +286,7 @@ class StreamPlan:
         kg, vg = self._read(keys), self._read(values)  # [1, Hkv, S, D]
         mask = self._mask(self.stream.windows[layer])
         if not self.split:
-            return attention(q, kg, vg, mask, scale, softcap)
+            return attention(q, kg, vg, mask, scale, softcap, threads=self.products.threads)
         n = self.sinks
         q_sinks = self.stream.ropes[layer].rotate_by(q, self.corrections.neg())  # sinks seen c_t closer
         return two_segment_attention(q_sinks, kg[:, :, :n], vg[:, :, :n], q, kg[:, :, n:], vg[:, :, n:], mask, scale,
