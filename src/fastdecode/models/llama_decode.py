@@ -11,9 +11,10 @@ It allows it when (checked once per model, then once per forward):
   quantized (``quantized_linear``'s int8-activation kernel) or float32 on a contiguous [in, out]
   buffer (``linear``'s float_matmul); no unfused Q/K/V; the activation is SiLU or GELU (tanh);
   float32 on the CPU, the extension built;
-- the forward is an engine step (``StepPlan``) in which every row decodes one token with the paged
-  attention op and no position bias, and every row is a generated row (the plan's ``Products``:
-  prompt rows take the exact products, which this op does not do);
+- the forward is an engine step (a ``StepPlan``, engine/plan.py: the view with ``decode_operands``,
+  read by duck typing so that models never import the engine) in which every row decodes one token
+  with the paged attention op and no position bias, and every row is a generated row (the plan's
+  ``Products``: prompt rows take the exact products, which this op does not do);
 - torch.compile is not tracing (the compiled decode step traces the Python loop).
 Anything else runs the Python loop, which stays the reference.
 """
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.plan import StepPlan
 from ..layers import ops, quantized
 from ..layers.elementwise import GATED_KINDS
 from ..layers.linear import float_kernel_serves
@@ -100,7 +100,7 @@ class FusedDecode:
 
     def step(self, cache, x: torch.Tensor) -> "_Step | None":
         """This forward's per-block runner, or None when the step must take the Python loop."""
-        if (not isinstance(cache, StepPlan) or cache.score_bias is not None or x.shape[0] != 1 or not x.is_cpu
+        if (not hasattr(cache, "decode_operands") or cache.score_bias is not None or x.shape[0] != 1 or not x.is_cpu
                 or x.dtype != torch.float32 or torch.compiler.is_compiling() or torch.is_grad_enabled()
                 or cache.products.roles is not None):
             return None
@@ -116,7 +116,7 @@ class _Step:
 
     __slots__ = ("fused", "plan", "threads", "products", "args_by_window")
 
-    def __init__(self, fused: FusedDecode, plan: StepPlan, threads: int, products: tuple[BlockProduct, ...]):
+    def __init__(self, fused: FusedDecode, plan, threads: int, products: tuple[BlockProduct, ...]):
         self.fused = fused
         self.plan = plan
         self.threads = threads  # the forward's thread budget

@@ -1,5 +1,6 @@
-"""What a batch run is given: which model to load (``LoadSettings``) and how inputs are grouped
-(``BatchSettings``), each a frozen record checked when it is built."""
+"""What a batch run is given: how inputs are grouped (``BatchSettings``, a frozen record checked when
+it is built) and whether prompts are chat turns (``resolve_chat``). Which model to load is
+``load_settings.LoadSettings``, above the API it calls."""
 
 from __future__ import annotations
 
@@ -13,22 +14,6 @@ DEFAULT_BATCH_SIZE = 16
 WINDOW_BATCHES = 8  # default look-ahead: this many batches' worth of inputs are sorted together
 TOKEN_BUDGET_WINDOW = 256  # default look-ahead when batches are limited by max_batch_tokens
 POST_QUEUE = 2  # generated batches waiting for the writer thread
-
-
-@dataclass(frozen=True)
-class LoadSettings:
-    """Which model a run loads and how: the arguments of ``fastdecode.load``, passed as one record
-    from the CLI through the batch runner to this process or to each Ray actor."""
-
-    model: str | None = None  # HF folder or .gguf file; None: the embedded model
-    device: str = "cpu"
-    dtype: str = "float32"
-    quantize: str | None = None
-
-    def load(self) -> Any:
-        from .. import load
-
-        return load(self.model, device=self.device, dtype=self.dtype, quantize=self.quantize)
 
 
 @dataclass(frozen=True)
@@ -74,3 +59,10 @@ class BatchSettings:
         batches_per_window = self.window // self.rows if self.rows else 1
         earlier = 1 if batches_per_window >= POST_QUEUE + 1 else POST_QUEUE + 1
         return (3 + earlier) * self.window
+
+
+def resolve_chat(generator: Any, chat: bool | None) -> bool:
+    """--chat / --no-chat, or by default: on when the model's tokenizer has a chat template."""
+    if chat is not None:
+        return chat
+    return bool(generator.tokenizer is not None and generator.tokenizer.chat_template)
