@@ -120,9 +120,11 @@ def test_linear_gives_generated_rows_the_kernel_and_prompt_rows_the_gemm():
         for i in (1, 2, 38):  # generated rows: as alone
             assert torch.equal(linear(x[i : i + 1], weight, bias, activation="relu")[0], mixed[i]), i
         # prompt rows: as the same rows' GEMM
-        assert torch.equal(linear(x[prompt_rows], weight, bias, activation="relu", products=roles(True)), mixed[prompt_rows])
+        assert torch.equal(linear(x[prompt_rows], weight, bias, activation="relu", products=roles(True)),
+                           mixed[prompt_rows])
         # the logits layer: other rows than the roles'
-        assert torch.equal(linear(x[:3], weight, bias, products=roles(is_prompt[:39] + [False])), generated.reshape(40, 96)[:3])
+        assert torch.equal(linear(x[:3], weight, bias, products=roles(is_prompt[:39] + [False])),
+                           generated.reshape(40, 96)[:3])
 
 
 def test_without_the_extension_or_for_other_layouts_linear_is_f_linear(monkeypatch):

@@ -203,7 +203,8 @@ def test_a_big_activation_gets_the_callers_threads_and_the_same_bits(activation,
             for count in (1, 2):
                 torch.set_num_threads(count)
                 products = Products.generated(torch.get_num_threads())
-                results.append(thread_policy.on_one_thread(lambda: linear(x, weight, bias, activation, products=products))())
+                product = lambda: linear(x, weight, bias, activation, products=products)  # noqa: E731
+                results.append(thread_policy.on_one_thread(product)())
             assert torch.equal(results[0], results[1]), rows
             assert (seen[-1] >= thread_policy.PARALLEL_MIN_WORK) == big
     finally:

@@ -16,7 +16,8 @@ from fastdecode.layers.attention import attention, paged_attention
 
 BLOCK = 4
 POSITIONS = [0, 3, 4, 9, 15, 21]  # first slot, last of a block, first of the next, inside, long rows
-needs_kernel = pytest.mark.skipif(not ops.available(), reason="no AVX2 extension on this machine: the PyTorch path runs")
+needs_kernel = pytest.mark.skipif(not ops.available(),
+                                  reason="no AVX2 extension on this machine: the PyTorch path runs")
 
 
 def alibi(num_heads: int):

@@ -23,7 +23,7 @@ from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 import fastdecode  # noqa: E402
-from fastdecode.layers import kernels, ops, quantized  # noqa: E402
+from fastdecode.layers import ops, quantized  # noqa: E402
 from fastdecode.layers.products import Products  # noqa: E402
 from fastdecode.layers.quantized import QuantizedWeight, dequantize, quantize_matrix, rows_layout, tiled  # noqa: E402
 from fastdecode.loading.gguf_blocks import repack  # noqa: E402
@@ -60,7 +60,8 @@ def test_repacked_blocks_decode_exactly_as_the_gguf_package(qtype):
     weight = repack(qtype.name, raw, shape)
     reference = torch.from_numpy(gguf_dequantize(raw, qtype).reshape(shape))
     assert torch.equal(dequantize(weight), reference)  # bit-identical weights
-    assert torch.equal(quantized.dense_weight(weight, work=1 << 30, threads=torch.get_num_threads()), reference)  # the AVX2 decoder (prefill), too
+    # the AVX2 decoder (prefill), too
+    assert torch.equal(quantized.dense_weight(weight, work=1 << 30, threads=torch.get_num_threads()), reference)
     rows = torch.tensor([5, 0, 47, 5])
     assert torch.equal(dequantize(weight, rows), reference[rows])  # embedding lookups decode rows only
 
@@ -334,7 +335,8 @@ def test_the_tiled_layout_is_a_byte_shuffle_of_the_rows_layout():
         taken = weight.take_rows(order)
         assert taken.is_tiled and torch.equal(dequantize(taken), dequantize(rows)[order])
         if ops.available():
-            assert torch.equal(quantized.dense_weight(weight, work=1 << 30, threads=torch.get_num_threads()), dequantize(rows))
+            assert torch.equal(quantized.dense_weight(weight, work=1 << 30, threads=torch.get_num_threads()),
+                               dequantize(rows))
 
 
 @pytest.mark.parametrize("logits_layer", [False, True], ids=["int8-activations", "for_logits"])
@@ -361,7 +363,8 @@ def test_a_prompt_row_gets_the_same_bits_at_any_row_count(label):
     prompt = roles(True)
     together = quantized.quantized_linear(x, weight, None, prompt)
     for rows in [*range(1, 10), 17, 33, 40]:
-        assert torch.equal(quantized.quantized_linear(x[100 : 100 + rows], weight, None, prompt), together[100 : 100 + rows]), rows
+        assert torch.equal(quantized.quantized_linear(x[100 : 100 + rows], weight, None, prompt),
+                           together[100 : 100 + rows]), rows
     op = ops.exact_qmatmul
     for threads in (1, 2):
         alone = op(x[7:12].contiguous(), weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads,

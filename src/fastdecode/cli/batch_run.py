@@ -1,5 +1,5 @@
-"""The body of `fastdecode batch INPUT -o OUTPUT` (the command and its flags: cli/batch.py; the pipeline itself: pipeline/): the
-pipeline over a file, resumable, with a progress bar.
+"""The body of `fastdecode batch INPUT -o OUTPUT` (the command and its flags: cli/batch.py; the
+pipeline itself: pipeline/): the pipeline over a file, resumable, with a progress bar.
 
 Exit codes: 0 every input succeeded; 1 some inputs failed (error records in the output,
 counting those an earlier, resumed run wrote); 2 bad usage, an output that does not belong to

@@ -125,8 +125,9 @@ class StepPlan:
         if len(paged) == 1 and paged[0]:  # a pure decode step: write and attend in one op
             table, key_start, positions = self._paged_rows(0, kind)
             write = (k[0].transpose(0, 1), v[0].transpose(0, 1), self.write_slots[kind])  # [B, Hkv, D] x 2, [B]
-            out = paged_attention(q[0].transpose(0, 1), keys, values, table, key_start, positions, self.cache.block_size,
-                                  window, scale, self._bias(0, kind), write, threads=threads)  # [B, H, D]
+            out = paged_attention(q[0].transpose(0, 1), keys, values, table, key_start, positions,
+                                  self.cache.block_size, window, scale, self._bias(0, kind), write,
+                                  threads=threads)  # [B, H, D]
             return out.transpose(0, 1)[None]  # [1, H, B, D]
         keys.index_copy_(0, self.write_slots[kind], k[0].transpose(0, 1))  # [N, Hkv, D]
         values.index_copy_(0, self.write_slots[kind], v[0].transpose(0, 1))

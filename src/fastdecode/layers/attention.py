@@ -64,7 +64,8 @@ def paged_attention_runs(q: torch.Tensor, keys: torch.Tensor) -> bool:
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
                     key_start: torch.Tensor, positions: torch.Tensor, block_size: int, window: int | None,
                     scale: float, bias: torch.Tensor | None = None,
-                    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *, threads: int) -> torch.Tensor:
+                    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
+                    threads: int) -> torch.Tensor:
     """One query per row over the row's blocks, read in place: q [B, H, D] (D contiguous); a layer's
     keys, values [slots, Hkv, D]; table [B, n] block ids whose key i sits at position key_start + i
     (key_start [B]); positions [B] of the queries (a row sees its keys up to its own position, and

@@ -343,14 +343,17 @@ class BartModel(ModelBase):
 
     def _self_attention(self, h, layer, H: int, D: int, mask, p: Products) -> torch.Tensor:
         q, k, v = (split_heads(x, H, D) for x in layer.qkv.split(h, p))  # [B, H, T, D] each
-        return linear(merge_heads(attention(q, k, v, mask, D**-0.5, threads=p.threads)), layer.o, layer.o_bias, products=p)
+        o = attention(q, k, v, mask, D**-0.5, threads=p.threads)  # [B, H, T, D]
+        return linear(merge_heads(o), layer.o, layer.o_bias, products=p)
 
     def _target_self_attention(self, h, layer, index: int, plan, bias, p: Products) -> torch.Tensor:
         H, D = self.config.num_heads, self.config.head_dim
         q, k, v = (split_heads(x, H, D) for x in layer.qkv.split(h, p))  # [B, H, T, D] each
         if plan is not None:  # each sequence's own slots, the plan's masks
-            return linear(merge_heads(plan.attend(index, q, k, v, None, self.scale)), layer.o, layer.o_bias, products=p)
-        return linear(merge_heads(attention(q, k, v, bias, self.scale, threads=p.threads)), layer.o, layer.o_bias, products=p)
+            o = plan.attend(index, q, k, v, None, self.scale)  # [B, H, T, D]
+        else:
+            o = attention(q, k, v, bias, self.scale, threads=p.threads)  # [B, H, T, D]
+        return linear(merge_heads(o), layer.o, layer.o_bias, products=p)
 
     def _cross_attention(self, h, layer, index: int, cross, p: Products) -> torch.Tensor:
         H, D = self.config.num_heads, self.config.head_dim

@@ -144,7 +144,7 @@ class BloomModel(ModelBase):
             x = residual + linear(o, layer.o, layer.o_bias, products=p)
             h = F.layer_norm(x, (C,), layer.mlp_norm, layer.mlp_norm_bias, cfg.norm_eps)
             residual = h if cfg.residual_after_norm else x
-            up = linear(h, layer.up, layer.up_bias, activation="gelu_pytorch_tanh", products=p)  # GELU fused into the GEMM
+            up = linear(h, layer.up, layer.up_bias, activation="gelu_pytorch_tanh", products=p)  # GELU in the GEMM
             x = residual + linear(up, layer.down, layer.down_bias, products=p)
         x = self.output_rows(x, all_logits, logits_at)
         x = F.layer_norm(x, (C,), *self.norm, cfg.norm_eps)

@@ -311,7 +311,8 @@ class Gemma3Model(ModelBase):
             q, k, v = qkv_heads(layer.qkv(h, p), H, Hkv, *rotations[self.layer_types[index]], layer.qk_norm, eps)
             o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale,
                              cfg.attention_softcapping)  # [B, H, T, D]
-            x, h = add_rms_norm(x, linear(merge_heads(o), layer.o, products=p), layer.mlp_norm, eps, layer.post_attn_norm)
+            attended = linear(merge_heads(o), layer.o, products=p)  # [B, T, C]
+            x, h = add_rms_norm(x, attended, layer.mlp_norm, eps, layer.post_attn_norm)
             mlp = linear(gated(layer.gate_up(h, p), cfg.hidden_act), layer.down, products=p)  # [B, T, C]
             # the last block's output goes through the final norm (row-wise, so before output_rows)
             x, h = add_rms_norm(x, mlp, next_norm, eps, layer.post_mlp_norm)

@@ -243,7 +243,8 @@ class LlamaModel(ModelBase):
             if residual_scale != 1.0:
                 attended = attended * residual_scale  # Granite
             x, h = add_rms_norm(x, attended, layer.mlp_norm, cfg.norm_eps)
-            mlp = linear(gated(layer.gate_up(h, p), cfg.hidden_act), layer.down, layer.down_bias, products=p)  # [B, T, C]
+            mlp = linear(gated(layer.gate_up(h, p), cfg.hidden_act), layer.down, layer.down_bias,
+                         products=p)  # [B, T, C]
             if residual_scale != 1.0:
                 mlp = mlp * residual_scale
             # the last block's output goes through the final norm (row-wise, so before output_rows)

@@ -205,7 +205,8 @@ class Olmo2Model(ModelBase):
                             dim=-1)  # [B, T, (H + 2 Hkv) D]
             q, k, v = qkv_heads(qkv, H, Hkv, *rotary)  # q [B, H, T, D], k, v [B, Hkv, T, D]
             o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
-            x = x + rms_norm(linear(merge_heads(o), layer.o, layer.o_bias, products=p), layer.post_attn_norm, eps)  # [B, T, C]
+            attended = linear(merge_heads(o), layer.o, layer.o_bias, products=p)  # [B, T, C]
+            x = x + rms_norm(attended, layer.post_attn_norm, eps)
             mlp = linear(gated(layer.gate_up(x, p), cfg.hidden_act), layer.down, products=p)  # [B, T, C]
             x = x + rms_norm(mlp, layer.post_mlp_norm, eps)
         h = rms_norm(self.output_rows(x, all_logits, logits_at), self.norm, eps)  # [B, T or K or 1, C]

@@ -236,7 +236,8 @@ class T5Model(ModelBase):
         """Decoder layer ``index``'s cross-attention K, V [B, H, S, D] of the encoder output [B, S, C]."""
         layer = self.decoder.layers[index]
         H, D = self.config.num_heads, self.config.head_dim
-        return split_heads(linear(memory, layer.cross_k, products=p), H, D), split_heads(linear(memory, layer.cross_v, products=p), H, D)
+        k, v = linear(memory, layer.cross_k, products=p), linear(memory, layer.cross_v, products=p)  # [B, S, C]
+        return split_heads(k, H, D), split_heads(v, H, D)
 
     @on_one_thread
     def decode(
@@ -312,12 +313,13 @@ class T5Model(ModelBase):
     def _attention(self, h, memory, wq, wk, wv, wo, bias, p: Products) -> torch.Tensor:
         H, D = self.config.num_heads, self.config.head_dim
         q = split_heads(linear(h, wq, products=p), H, D)  # [B, H, T, D]
-        k, v = split_heads(linear(memory, wk, products=p), H, D), split_heads(linear(memory, wv, products=p), H, D)  # [B, H, S, D]
+        k = split_heads(linear(memory, wk, products=p), H, D)  # [B, H, S, D]
+        v = split_heads(linear(memory, wv, products=p), H, D)
         return linear(merge_heads(attention(q, k, v, bias, 1.0, threads=p.threads)), wo, products=p)
 
     def _ffn(self, h: torch.Tensor, layer, p: Products) -> torch.Tensor:
         act = self.config.hidden_act
         if self.config.gated_ffn:
-            return linear(linear(h, layer.wi_0, activation=act, products=p) * linear(h, layer.wi_1, products=p), layer.wo,
-                          products=p)
+            gate = linear(h, layer.wi_0, activation=act, products=p)
+            return linear(gate * linear(h, layer.wi_1, products=p), layer.wo, products=p)
         return linear(linear(h, layer.wi, activation=act, products=p), layer.wo, products=p)
