@@ -50,6 +50,11 @@ def _build_dir() -> Path:
     return root / f"kernels-{key}"
 
 
+def library_path() -> Path:
+    """Where this source tree's build of the extension lives (whether built yet or not)."""
+    return _build_dir() / "fastdecode_kernels.so"
+
+
 def build(verbose: bool = False) -> Path:
     """Compile the extension into the cache (a no-op when it is there); returns the library path."""
     from torch.utils import cpp_extension

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels import _build_dir, cpu_has_avx2, build
+from .kernels import build, cpu_has_avx2, library_path
 
 log = logging.getLogger("fastdecode")
 Tensor = torch.Tensor
@@ -194,7 +194,7 @@ def _load_ops():
         log.info("fastdecode: CPU without AVX2/FMA/F16C; quantized matmuls use the PyTorch fallback")
         return None
     try:
-        library = _build_dir() / "fastdecode_kernels.so"
+        library = library_path()
         if library.exists():
             torch.ops.load_library(str(library))
         else:
