@@ -1,13 +1,12 @@
 """Batch pipeline vs a synchronous loop, side by side on the embedded SmolLM2-135M-Instruct.
 
     python benchmarks/pipeline_speed.py            # 512 prompts, 2 alternating rounds (~4-5 min, idle 2 cores)
-    python benchmarks/pipeline_speed.py --quick    # 128 prompts, adds the no-bucketing ablation (~2 min)
-    python benchmarks/pipeline_speed.py --ablation --rounds 3   # the table in the branch report
+    python benchmarks/pipeline_speed.py --quick    # 128 prompts (~2 min)
 
 Times are for an idle 2-core machine; when other jobs share the cores, expect several times more
-(the 3-round ablation run took 24 minutes at a load average of 2-4).
+(a 3-round run took 24 minutes at a load average of 2-4).
 
-Both variants do the same work per batch of ``--batch-size`` prompts: tokenize, generate
+Both variants do the same work per input: tokenize, generate
 ``--max-new-tokens`` greedy tokens, detokenize, build the output record, run a per-record
 post-processing step of ``--post-ms`` milliseconds, and append the record to a .jsonl file
 (flushed).
@@ -15,9 +14,8 @@ post-processing step of ``--post-ms`` milliseconds, and append the record to a .
 * sync: one batch after the other, in input order (tokenize -> generate -> detokenize -> write).
 * pipeline: ``Generator.batch`` (FastSeq 4.3): reading/tokenizing, detokenizing and the
   ``postprocess`` hook (in completion order) overlap generation in background threads, the
-  ``on_records`` hook appends in input order; batches come from length-sorted windows.
-* pipeline-nobucket (with --ablation or --quick): the pipeline with lookahead = batch size, so
-  its batches are exactly the sync loop's: the overlap alone, without the bucketing gain.
+  ``on_records`` hook appends in input order; one long-lived engine generates ``--batch-size``
+  inputs at once, each finished one replaced at once (continuous batching).
 
 Why a post-processing cost: with Rust tokenizers, tokenizing and detokenizing 16 short prompts
 take well under a millisecond, so without real post-processing there is nothing to overlap on
@@ -64,9 +62,8 @@ WORDS = ("in a clear and friendly way for a curious reader who knows a little ab
 def make_prompts(n: int, seed: int = 0) -> list[str]:
     """Seeded short prompts whose lengths spread evenly over about 8 to 60 tokens.
 
-    Continuous lengths matter: with a handful of distinct lengths, length-sorted batches often
-    have none of padding at all, and the decode step then skips the attention mask (a faster
-    path), which would overstate what bucketing gives on real data.
+    Continuous lengths matter: with a handful of distinct lengths, every input of a batch would
+    finish its prompt in the same step, which flatters any batching scheme.
     """
     rng = random.Random(seed)
     return [f"Write one sentence about {rng.choice(TOPICS)} "
@@ -122,9 +119,9 @@ def run_sync(gen, prompts, args, post) -> dict:
     return times
 
 
-def run_pipeline(gen, prompts, args, post, lookahead=None) -> dict:
+def run_pipeline(gen, prompts, args, post) -> dict:
     started = time.perf_counter()
-    run = gen.batch(prompts, batch_size=args.batch_size, lookahead=lookahead, postprocess=post.postprocess,
+    run = gen.batch(prompts, batch_size=args.batch_size, postprocess=post.postprocess,
                     on_records=post.write, max_new_tokens=args.max_new_tokens)
     count = sum(1 for _ in run)
     assert count == len(prompts)
@@ -148,12 +145,11 @@ def main() -> None:
     parser.add_argument("--post-share", type=float, default=0.3,
                         help="calibrate --post-ms so post-processing is this share of the sync loop")
     parser.add_argument("--post-kind", choices=["sleep", "cpu"], default="sleep")
-    parser.add_argument("--ablation", action="store_true", help="add the pipeline without bucketing")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    parser.add_argument("--quick", action="store_true", help="128 prompts, with the ablation")
+    parser.add_argument("--quick", action="store_true", help="128 prompts")
     args = parser.parse_args()
     if args.quick:
-        args.prompts, args.ablation = min(args.prompts, 128), True
+        args.prompts = min(args.prompts, 128)
     if args.threads:
         torch.set_num_threads(args.threads)  # before any torch work
 
@@ -170,8 +166,6 @@ def main() -> None:
 
     variants = {"sync": lambda post: run_sync(gen, prompts, args, post),
                 "pipeline": lambda post: run_pipeline(gen, prompts, args, post)}
-    if args.ablation:
-        variants["pipeline-nobucket"] = lambda post: run_pipeline(gen, prompts, args, post, lookahead=args.batch_size)
     load_before = os.getloadavg()[0]
     print(f"{args.prompts} prompts ({min(lengths)}-{max(lengths)} tokens), batch {args.batch_size}, "
           f"{args.max_new_tokens} new tokens, post {args.post_ms:.1f} ms/record ({args.post_kind}); "

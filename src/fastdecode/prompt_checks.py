@@ -1,5 +1,6 @@
 """The checks every generation's token prompts pass before anything runs (the API, the engine's
-``submit``, chat sessions and the server all go through ``Generator._check_prompts``)."""
+``submit``, chat sessions and the server all go through ``RequestFactory.check_prompts``,
+engine/requests.py)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,8 @@ def run(*args: str, input: str | None = None):
 
 
 def test_batch_equals_generate_per_prompt(tiny_gen):
-    """Bucketed, padded, reordered: every output is exactly what generate() gives for that prompt alone."""
+    """One engine, refilled as rows finish, reordered: every output is exactly what generate() gives
+    for that prompt alone."""
     prompts = word_prompts(30, seed=1)
     free = tiny_gen.generate_ids([tiny_gen.encode_prompt(p) for p in prompts[:3]], max_new_tokens=10)
     options = dict(max_new_tokens=10, eos_token_id=sorted({free[0][1], free[2][1]}))  # some rows stop early
@@ -56,6 +57,21 @@ def test_batch_equals_generate_per_prompt(tiny_gen):
     assert [(r["num_tokens"], r["finish_reason"]) for r in records] == [(len(s.tokens), s.finish_reason)
                                                                        for s in singles]
     assert {r["finish_reason"] for r in records} == {"eos", "length"}  # both paths exercised
+
+
+def test_batch_of_seeded_samples_and_of_beams_equals_generate(tiny_gen):
+    """Seeded sampling with several choices (each line seeded from its number) and beam search
+    (which runs outside the engine) give what generate() gives for each prompt alone."""
+    from fastdecode.generation.sampling import derive_seed
+
+    prompts = word_prompts(7, seed=2)
+    sampled = dict(max_new_tokens=6, do_sample=True, num_return_sequences=2, top_k=20)
+    records = list(tiny_gen.batch(prompts, batch_size=3, seed=9, **sampled))
+    assert [r["output"] for r in records] == [tiny_gen.generate([p], seed=derive_seed(9, line), **sampled)
+                                              for line, p in enumerate(prompts, 1)]
+    beams = dict(max_new_tokens=5, num_beams=3)
+    records = list(tiny_gen.batch(prompts, batch_size=3, **beams))
+    assert [r["output"] for r in records] == [tiny_gen.generate(p, **beams) for p in prompts]
 
 
 def test_cli_jsonl_with_failures_exit_1_and_fail_fast_exit_2(tiny_folder, tiny_gen, tmp_path):

@@ -126,11 +126,11 @@ def test_pydantic_model_class_and_the_compile_cache(gen):
         x: int = pydantic.Field(ge=0, le=99)  # bounded: a random model would write digits forever
         y: int = pydantic.Field(ge=0, le=99)
 
-    gen.compile_constraint(Point)  # makes gen._grammars
-    before = gen._grammars.compiles
+    gen.compile_constraint(Point)  # makes gen.requests._grammars (the factory's grammar cache)
+    before = gen.requests._grammars.compiles
     for _ in range(3):
         Point.model_validate_json(gen.generate("Numbers like 12", max_new_tokens=40, response_format=Point))
-    assert gen._grammars.compiles == before  # compiled once (above), then found in the cache
+    assert gen.requests._grammars.compiles == before  # compiled once (above), then found in the cache
 
 
 @pytest.mark.parametrize("response_format, message", [

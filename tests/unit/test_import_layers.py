@@ -30,16 +30,17 @@ ALLOWED_CYCLES = [
     {"fastdecode.generation.beam", "fastdecode.generation.decode", "fastdecode.generation.encdec"},
 ]
 # Upward imports known today (importer -> imported), in code issue 30 is rewriting: the engine's
-# sampler and stop-string watcher still live in generation/ (the sampler moves into engine/).
+# sampler, seeds and stop-string watcher still live in generation/ (they move into engine/).
 ALLOWED_UPWARD = {
+    ("fastdecode.engine.requests", "fastdecode.generation.sampling"),
+    ("fastdecode.engine.requests", "fastdecode.generation.stopping"),
     ("fastdecode.engine.scheduler", "fastdecode.generation.sampling"),
-    ("fastdecode.engine.scheduler", "fastdecode.generation.stopping"),
     ("fastdecode.engine.sequence", "fastdecode.generation.sampling"),
 }
 MAX_LINES = 400
-# Files over MAX_LINES today: issue 30's Generator clean-up shrinks api.py (to about 200 lines), and
-# the beam/streaming work moving into the engine edits engine/slots.py's sequence verbs.
-ALLOWED_LONG = {"fastdecode/api.py", "fastdecode/engine/slots.py"}
+# Files over MAX_LINES today: the beam/streaming work of issue 30 moving into the engine edits
+# engine/slots.py's sequence verbs (split it once that has landed).
+ALLOWED_LONG = {"fastdecode/engine/slots.py"}
 
 
 def modules() -> dict[str, tuple[Path, bool]]:

@@ -32,7 +32,7 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 
 def _engine(gen, **options):
-    return Engine(gen, block_size=BLOCK, prefill_chunk=CHUNK, **options)
+    return Engine(gen.model, gen.requests, block_size=BLOCK, prefill_chunk=CHUNK, **options)
 
 
 def _cold(gen, prompt: list[int], new: int) -> list[int]:
@@ -135,11 +135,11 @@ def test_a_hit_is_cut_back_to_where_every_window_is_present():
 def test_a_chat_turn_keeps_its_window_and_equals_a_cold_run(gemma):
     _, gen = gemma
     engine = _engine(gen)
-    config = gen._options({"max_new_tokens": 14})
-    turn = engine.add(_prompt(30, 9), config, None, keep=True)
+    config = gen.requests.generation_config({"max_new_tokens": 14})
+    turn = engine.add(gen.requests.request(_prompt(30, 9), config, None), keep=True)
     while engine.has_work():
         engine.step()
-    reply = engine.resume(turn, [5, 6, 7], config, None)
+    reply = engine.resume(turn, gen.requests.request([5, 6, 7], config, None))
     while engine.has_work():
         engine.step()
     conversation = turn.prompt_ids + turn.output_ids + [5, 6, 7]
@@ -177,7 +177,7 @@ def test_inspect_and_memory_estimates_count_each_kind(gemma):
     sliding_tokens = WINDOW + 256 + 32  # window + the engine's chunk + two partial blocks
     assert long == per_kind["full_attention"] * 8192 + per_kind["sliding_attention"] * sliding_tokens
     assert sequence_kv_bytes(cfg, 8192, 4) - sequence_kv_bytes(cfg, 4096, 4) == per_kind["full_attention"] * 4096
-    config = gen._options({"max_new_tokens": 10})
+    config = gen.requests.generation_config({"max_new_tokens": 10})
     assert request_parts(cfg, config, [30], 4)["KV cache"] == sequence_kv_bytes(cfg, 40, 4)
     assert check_request_memory(cfg, config, [30], 4) > 0
 

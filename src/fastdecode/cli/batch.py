@@ -24,11 +24,14 @@ from .options import collect_options, generation_options, load_settings, model_o
               help="Output .jsonl (a regular file; - for stdout); if it exists, inputs already in it are "
                    "skipped (resume).")
 @click.option("--batch-size", type=int, default=None,
-              help="Prompts per batch (default 16). Excludes --max-batch-tokens.")
+              help="Inputs generating at once in the engine (default 16); each finished one is replaced "
+                   "at once. Excludes --max-batch-tokens.")
 @click.option("--max-batch-tokens", type=int, default=None,
-              help="Budget per batch: rows x (longest prompt + max new tokens).")
+              help="Instead of --batch-size: cache tokens of the inputs generating at once, "
+                   "sum of rows x (prompt + max new tokens).")
 @click.option("--lookahead", type=int, default=None,
-              help="Inputs sorted together by length (default 8 batches, or 256).")
+              help="An input starts only within this many inputs of the oldest one not yet written "
+                   "(the reorder bound; default 8 x batch size, or 256).")
 @click.option("--field", default="prompt", show_default=True, help="JSONL field that holds the prompt.")
 @click.option("--input-format", type=click.Choice(["auto", "jsonl", "txt"]), default="auto", show_default=True,
               help="auto: by suffix (.jsonl / .txt), else by the first line.")

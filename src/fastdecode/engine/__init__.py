@@ -1,6 +1,7 @@
 """The engine: sequences, a step scheduler with continuous batching, and the slot cache.
 
-``Generator.engine(...)`` builds one; ``Generator.generate`` / ``stream`` run through one.
+``Generator.engine(...)`` builds one (from the model and its ``RequestFactory``, engine/requests.py);
+``Generator.generate`` / ``stream`` run through one.
 """
 
 from .scheduler import Engine

@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from ..config import GenerationConfig
 from ..errors import InvalidOptionError, QueueFullError
 from ..generation.sampling import TokenSelector, sequence_seeds
 from ..layers.products import Products
@@ -43,6 +42,8 @@ from ..validation import positive_int
 from .compiled import CompiledDecode
 from .cross import CrossStore, RowGroup, decoder_score_bias
 from .plan import StepPlan, layer_windows
+from .requests import Request, RequestFactory
+from .scoring import finish_scored, keep_logits, scoring_sequence
 from .sequence import Sequence, TokenEvent, token_logprobs
 from .slots import SlotCache, check_fits
 
@@ -51,20 +52,20 @@ WINDOW_SEQUENCES = 16  # sequences a sliding kind's pool serves at their peak at
 
 
 class Engine:
-    def __init__(self, generator: Any, max_batch_tokens: int = 2048, max_queue: int = 256,
+    def __init__(self, model: Any, requests: RequestFactory, max_batch_tokens: int = 2048, max_queue: int = 256,
                  cache_tokens: int | None = None, block_size: int = 16, prefill_chunk: int = 256,
                  source_tokens: int | None = None, compile_decode: bool = False, cuda_graphs: bool | None = None):
         """``cache_tokens``: self-attention slots; ``source_tokens``: cross-attention slots of an
         encoder-decoder model (source tokens of the sequences admitted at once); ``compile_decode``:
         run steps where every row decodes one token through the compiled fixed-shape decode step
         (decoder-only models; see engine/compiled.py); ``cuda_graphs``: replay those steps from CUDA
-        graphs (engine/cuda_graphs.py; default: on for a decoder-only model on a CUDA device)."""
-        model = generator.model
+        graphs (engine/cuda_graphs.py; default: on for a decoder-only model on a CUDA device).
+        ``requests``: the model's request factory (``submit`` builds its requests)."""
         cfg = model.config
         for name, value in (("max_batch_tokens", max_batch_tokens), ("max_queue", max_queue),
                             ("prefill_chunk", prefill_chunk)):
             positive_int(value, name)
-        self.generator, self.model = generator, model
+        self.requests, self.model = requests, model
         self.max_batch_tokens, self.max_queue, self.prefill_chunk = max_batch_tokens, max_queue, prefill_chunk
         if cache_tokens is None:
             per_token = cfg.kv_cache_bytes_per_token(model.dtype.itemsize)
@@ -111,22 +112,33 @@ class Engine:
     # -- requests --------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], options: dict[str, Any] | None = None) -> Sequence:
         """Queue a request; raises at once if it can never run or the queue is full."""
+        return self.add(self.requests.build(prompt_ids, options))
+
+    def submit_choices(self, prompt_ids: list[int], options: dict[str, Any] | None = None) -> list[Sequence]:
+        """``num_return_sequences`` sequences of one prompt, seeded as ``generate`` seeds a prompt's
+        choices; all queued or none. No text: the caller detokenizes (the batch pipeline)."""
         options = dict(options or {})
         logprobs = options.pop("logprobs", None)
-        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
-            raise InvalidOptionError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
-        config = self.generator._options(options)
-        prompt = list(prompt_ids)
-        self.generator._check_prompts([prompt], config)
-        seeds = sequence_seeds(config, 1) if config.is_sampling else None  # as generate([prompt], seed=...)
-        return self.add(prompt, dataclasses.replace(config, seed=None), seeds and seeds[0],
-                        detokenize=self.generator.tokenizer is not None, logprobs=logprobs)
+        config = self.requests.generation_config(options)
+        self.requests.check_prompts([list(prompt_ids)], config)
+        if len(self.waiting) + config.num_return_sequences > self.max_queue:
+            raise QueueFullError(f"the engine's queue is full ({self.max_queue} waiting requests)")
+        seeds = sequence_seeds(config, 1) if config.is_sampling else None
+        single = dataclasses.replace(config, num_return_sequences=1)
+        grammar = self.requests.grammar(config)
+        return [self.add(self.requests.request(list(prompt_ids), single, seeds and seeds[j], logprobs, grammar=grammar))
+                for j in range(config.num_return_sequences)]
 
-    def add(self, prompt: list[int], config: GenerationConfig, seed: int | None, detokenize: bool = False,
-            logprobs: int | None = None, keep: bool = False) -> Sequence:
-        """Queue a validated request (the Generator validates a whole call at once). ``seed``: the
-        sequence's own sampling seed (None: fresh entropy). ``keep``: its blocks outlive its end
-        (``resume`` / ``drop``)."""
+    def submit_scoring(self, token_ids: list[int], top_logprobs: int = 0) -> Sequence:
+        """Queue a text to score (engine/scoring.py): every position's log-probability, no new token."""
+        self.waiting.append(scoring_sequence(self, token_ids, top_logprobs, self._next_id))
+        self._next_id += 1
+        return self.waiting[-1]
+
+    def add(self, request: Request, keep: bool = False) -> Sequence:
+        """Queue a validated request (``RequestFactory.build`` / ``build_call``). ``keep``: its blocks
+        outlive its end (``resume`` / ``drop``)."""
+        config, prompt = request.config, request.prompt
         if config.num_beams > 1:
             raise InvalidOptionError("beam search (num_beams > 1) does not run in the engine: use "
                                      "Generator.generate_ids_with_details")
@@ -135,8 +147,6 @@ class Engine:
                                      "run through Generator.generate")
         if config.num_return_sequences != 1:
             raise InvalidOptionError("submit one request per wanted sequence (num_return_sequences must be 1)")
-        if logprobs is not None and logprobs > self.model.config.vocab_size:
-            raise InvalidOptionError(f"logprobs={logprobs} exceeds the vocabulary size {self.model.config.vocab_size}")
         if len(self.waiting) >= self.max_queue:
             raise QueueFullError(f"the engine's queue is full ({self.max_queue} waiting requests)")
         decoder_prompt = None
@@ -148,7 +158,7 @@ class Engine:
         context = decoder_prompt or prompt
         check_fits(len(context) + config.max_new_tokens, self.cache, f"a request of {len(context)} prompt tokens",
                    self.max_chunk)
-        sequence = self._new_sequence(prompt, config, seed, detokenize, logprobs, decoder_prompt=decoder_prompt)
+        sequence = self._new_sequence(request, decoder_prompt=decoder_prompt)
         sequence.keep_cache = keep
         self._queue(sequence)
         return sequence
@@ -159,19 +169,19 @@ class Engine:
         else:
             self.waiting.append(sequence)
 
-    def resume(self, kept: Sequence, new_tokens: list[int], config: GenerationConfig, seed: int | None,
-               detokenize: bool = False) -> Sequence:
-        """Continue a finished kept sequence (a chat session's next turn): its tokens plus
-        ``new_tokens`` are the new request's prompt, the K/V already computed stay in its blocks and
-        only the rest runs. The processors see the tokens this turn feeds (the old last token and
-        ``new_tokens``), as a streaming cache continuing a conversation does. ``kept`` is spent."""
+    def resume(self, kept: Sequence, request: Request) -> Sequence:
+        """Continue a finished kept sequence (a chat session's next turn) with ``request``, whose
+        prompt is the turn's new tokens: the kept tokens plus those are the new sequence's prompt,
+        the K/V already computed stay in its blocks and only the rest runs. The processors see the
+        tokens this turn feeds (the old last token and the new ones), as a streaming cache
+        continuing a conversation does. ``kept`` is spent."""
         if not (kept.keep_cache and kept.finished and kept.source is None):
             raise InvalidOptionError("only a finished sequence submitted with keep=True can be resumed")
-        prompt = kept.tokens(0, kept.num_tokens) + list(new_tokens)
-        check_fits(len(prompt) + config.max_new_tokens, self.cache, f"a conversation of {len(prompt)} tokens",
-                   self.max_chunk)
+        prompt = kept.tokens(0, kept.num_tokens) + list(request.prompt)
+        check_fits(len(prompt) + request.config.max_new_tokens, self.cache,
+                   f"a conversation of {len(prompt)} tokens", self.max_chunk)
         fed = prompt[kept.num_computed:]
-        sequence = self._new_sequence(prompt, config, seed, detokenize, None, history=fed)
+        sequence = self._new_sequence(dataclasses.replace(request, prompt=prompt), history=fed)
         sequence.keep_cache = True
         sequence.block_table, kept.block_table = kept.block_table, []
         sequence.block_hashes, sequence.num_computed = kept.block_hashes, kept.num_computed
@@ -184,25 +194,20 @@ class Engine:
         sequence.keep_cache = False
         self._release(sequence)
 
-    def _new_sequence(self, prompt, config, seed, detokenize, logprobs, decoder_prompt=None,
-                      history=None) -> Sequence:
-        gen, model = self.generator, self.model
-        eos = gen._eos_ids(config)
-        selector = TokenSelector(config, eos, model.config.vocab_size, model.device,
+    def _new_sequence(self, request: Request, decoder_prompt: list[int] | None = None,
+                      history: list[int] | None = None) -> Sequence:
+        model, config, prompt = self.model, request.config, request.prompt
+        selector = TokenSelector(config, request.eos_ids, model.config.vocab_size, model.device,
                                  forced_bos=getattr(model.config, "forced_bos_token_id", None),
                                  forced_eos=getattr(model.config, "forced_eos_token_id", ()),
-                                 grammar=gen.grammar_for(config))
+                                 grammar=request.grammar)
         # The processors' history: the decoder's tokens (an encoder-decoder's start token, as
         # transformers penalizes it), and the source for encoder n-gram blocking.
         history = history if history is not None else decoder_prompt or prompt
         selector.start([history], model.device, sources=None if decoder_prompt is None else [prompt],
-                       row_seeds=None if seed is None else [seed])
-        watcher = None
-        if detokenize or config.stop_strings():
-            from ..generation.stopping import TextWatcher
-
-            watcher = TextWatcher(gen._require_tokenizer(), config.stop_strings())
-        sequence = Sequence(self._next_id, prompt, config, selector, eos, watcher, logprobs, decoder_prompt)
+                       row_seeds=None if request.seed is None else [request.seed])
+        sequence = Sequence(self._next_id, prompt, config, selector, request.eos_ids, request.text_watcher(),
+                            request.logprobs, decoder_prompt)
         self._next_id += 1
         return sequence
 
@@ -242,7 +247,7 @@ class Engine:
         if work:
             budget = min(budget, self.prefill_chunk)  # prompt tokens this step (see the module docstring)
         for sequence in reading:
-            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk)
+            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk, sequence.chunk_limit)
             if count == 0:
                 break
             work.append((sequence, count))
@@ -253,7 +258,7 @@ class Engine:
                 break  # FIFO: the head waits for room, nobody overtakes it
             self.waiting.popleft()
             self.running.append(sequence)
-            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk)
+            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk, sequence.chunk_limit)
             work.append((sequence, count))
             budget -= count
         return work
@@ -273,13 +278,14 @@ class Engine:
             sequence.block_table, _ = cache.allocate([], total, chunk)
             self.cross.admit(sequence)
             return True
-        if not cache.can_allocate(sequence.prompt_ids, total, chunk):
+        shared = [] if sequence.keeps_logits else sequence.prompt_ids  # scoring wants every position's logits
+        if not cache.can_allocate(shared, total, chunk):
             return False
-        table, cached = cache.allocate(sequence.prompt_ids, total, chunk)
+        table, cached = cache.allocate(shared, total, chunk)
         pool = cache.pool
         sequence.block_table, sequence.num_computed = table, cached
         sequence.num_cached_prompt_tokens = cached
-        sequence.block_hashes = pool.chain(sequence.prompt_ids, cached // pool.block_size)
+        sequence.block_hashes = pool.chain(shared, cached // pool.block_size)
         return True
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[TokenEvent]:
@@ -294,19 +300,22 @@ class Engine:
         self.tokens_run += sum(count for _, count in work)
         for sequence, count in work:
             self._computed(sequence, sequence.num_computed + count)
-        return self._sample(sampled, logits)
+        return self._sample(sampled, logits) + finish_scored(work, self._release)
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """One flat varlen forward over ``work`` -> (logits [K, V], the K sequences that reached
         their last token, in logits order)."""
         device = self.model.device
-        tokens, positions, logit_rows, sampled, is_prompt = [], [], [], [], []
+        tokens, positions, logit_rows, sampled, is_prompt, kept_rows, scored = [], [], [], [], [], [], []
         for sequence, count in work:
             start = sequence.num_computed
             tokens += sequence.tokens(start, start + count)
             positions += range(start, start + count)
             is_prompt += (index < len(sequence.context) for index in range(start, start + count))
-            if start + count == sequence.num_tokens:
+            if sequence.keeps_logits:  # scoring: every position's logits (engine/scoring.py)
+                kept_rows += range(len(tokens) - count, len(tokens))
+                scored.append((sequence, count))
+            elif start + count == sequence.num_tokens:
                 logit_rows.append(len(tokens) - 1)
                 sampled.append(sequence)
         rows = self._row_groups(work)
@@ -316,13 +325,13 @@ class Engine:
                                  self.windows, self.score_bias, self.model.dtype, products)
         token_tensor = torch.tensor([tokens], device=device)  # [1, N]
         position_tensor = torch.tensor([positions], device=device)  # [1, N]
-        logits_at = torch.tensor(logit_rows, dtype=torch.long, device=device)
+        logits_at = torch.tensor(logit_rows + kept_rows, dtype=torch.long, device=device)
         if self.cross is None:
             logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
         else:
             logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(rows),
                                        logits_at=logits_at)[0]  # [K, V]
-        return logits, sampled
+        return keep_logits(scored, logits, len(sampled)), sampled  # scoring rows handed over: [K, V]
 
     @staticmethod
     def _row_groups(work: list[tuple[Sequence, int]]) -> list[RowGroup]:

@@ -50,6 +50,9 @@ class Sequence:
     """A request: prompt ids, its own ``GenerationConfig`` and ``TokenSelector`` (seeded generator,
     repetition-penalty mask, n-gram history), stop watcher, and the cache blocks it owns."""
 
+    keeps_logits = False  # a scoring sequence (engine/scoring.py) keeps every position's logits
+    chunk_limit = 1 << 62  # the most tokens one step runs of it (scoring caps it: its logits are kept)
+
     def __init__(self, seq_id: int, prompt_ids: list[int], config: GenerationConfig, selector: TokenSelector,
                  eos_ids: list[int], watcher: Any = None, logprobs: int | None = None,
                  decoder_prompt: list[int] | None = None):

@@ -50,6 +50,7 @@ import torch
 
 from ..errors import PromptTooLongError
 from .blocks import BLOCK_SIZE, NO_BLOCK, BlockPool, BlockTable
+from .lazy_zeros import zeroed
 
 __all__ = ["BLOCK_SIZE", "NO_BLOCK", "BlockPool", "BlockTable", "SlotCache", "check_fits", "first_visible_block"]
 
@@ -78,7 +79,7 @@ class SlotCache:
         def buffers(layers: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
             shape = (layers, blocks * block_size, num_kv_heads, head_dim)
             # Zeros, not empty: a masked slot still meets a zero probability, and 0 * NaN would be NaN.
-            return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+            return zeroed(shape, dtype, device), zeroed(shape, dtype, device)
 
         self.layer_keys: list[torch.Tensor] = [None] * num_layers  # type: ignore[list-item]
         self.layer_values: list[torch.Tensor] = [None] * num_layers  # type: ignore[list-item]

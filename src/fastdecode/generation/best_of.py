@@ -10,15 +10,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import GenerationConfig
+from ..engine.call import submit_call
+from ..engine.requests import RequestFactory
 from .decode import SequenceResult
 
 
-def best_of_results(generator: Any, prompts: list[list[int]], config: GenerationConfig,
+def best_of_results(model: Any, factory: RequestFactory, prompts: list[list[int]], config: GenerationConfig,
                     check_stop: Callable[[], None]) -> list[SequenceResult]:
     """-> ``num_return_sequences`` results per prompt, each with its cumulative logprob as ``score``."""
     count, keep = config.best_of, config.num_return_sequences
     wide = dataclasses.replace(config, num_return_sequences=count, best_of=None)
-    engine, sequences = generator._submit_all(prompts, wide, logprobs=0)
+    engine, sequences = submit_call(model, factory, factory.build_call(prompts, wide, logprobs=0))
     totals = {sequence.id: 0.0 for sequence in sequences}
     while engine.has_work():
         check_stop()

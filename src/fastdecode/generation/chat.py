@@ -26,6 +26,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..engine import Engine, Sequence, TokenEvent
+from ..engine.requests import RequestFactory
 from ..errors import TokenizerError
 from ..generation.sampling import sequence_seeds
 from .decode import DecodeLoop
@@ -36,10 +37,10 @@ from .streaming import streaming_engine
 class EngineConversation:
     """A conversation in an engine of its own (``n_ctx`` slots): the kept sequence between turns."""
 
-    def __init__(self, generator: Any, n_ctx: int):
-        self.generator = generator
-        self.n_ctx = min(n_ctx, generator.config.max_position_embeddings)
-        self.engine = Engine(generator, max_queue=1, cache_tokens=self.n_ctx)
+    def __init__(self, model: Any, factory: RequestFactory, n_ctx: int):
+        self.model, self.factory = model, factory
+        self.n_ctx = min(n_ctx, model.config.max_position_embeddings)
+        self.engine = Engine(model, factory, max_queue=1, cache_tokens=self.n_ctx)
         self.sequence: Sequence | None = None
 
     @property
@@ -61,11 +62,11 @@ class EngineConversation:
         iterator) cancels the reply but keeps what it computed."""
         engine_config = dataclasses.replace(config, n_ctx=None, seed=None)
         seeds = sequence_seeds(config, 1) if config.is_sampling else None
-        seed = seeds and seeds[0]
+        request = self.factory.request(new_ids, engine_config, seeds and seeds[0], detokenize=True)
         if self.sequence is None:
-            sequence = self.engine.add(new_ids, engine_config, seed, detokenize=True, keep=True)
+            sequence = self.engine.add(request, keep=True)
         else:
-            sequence = self.engine.resume(self.sequence, new_ids, engine_config, seed, detokenize=True)
+            sequence = self.engine.resume(self.sequence, request)
         self.sequence = sequence
         try:
             while self.engine.has_work():
@@ -82,7 +83,7 @@ class EngineConversation:
 
     def hand_over(self, config: GenerationConfig):
         """A streaming cache holding what this conversation computed (fed once); frees the engine's."""
-        streaming = streaming_engine(self.generator.model, config)
+        streaming = streaming_engine(self.model, config)
         if self.sequence is not None and self.sequence.num_computed:
             with torch.inference_mode():
                 streaming.feed(torch.tensor(self.sequence.tokens(0, self.sequence.num_computed), dtype=torch.long),
@@ -99,16 +100,16 @@ class EngineConversation:
 class ChatSession:
     """A conversation kept between turns: in the engine, then (past ``n_ctx``) in a streaming cache."""
 
-    def __init__(self, generator: Any, config: GenerationConfig, system: str | None = None):
-        self.generator = generator
+    def __init__(self, model: Any, factory: RequestFactory, config: GenerationConfig, system: str | None = None):
+        self.model, self.factory = model, factory
         self.config = config
-        self.tokenizer = generator._require_tokenizer()
+        self.tokenizer = factory.require_tokenizer()
         if not self.tokenizer.chat_template:  # refused here, before a first turn could fail
             raise TokenizerError("this model's tokenizer has no chat template, which a chat renders every turn "
                                  "with: load a chat model (--model), or generate from a plain prompt "
                                  "(fastdecode generate --no-chat)")
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-        streaming_engine(generator.model, config)  # refuses a policy the model cannot stream with, as before
+        streaming_engine(model, config)  # refuses a policy the model cannot stream with, as before
         self.engine: Any = self._fresh_conversation()  # EngineConversation, or a streaming engine
         self.fed_text = ""  # the rendering the conversation holds (plus the pending token's text)
         self.pending: list[int] = []  # streaming cache: generated but not yet fed (the reply's last token)
@@ -116,8 +117,8 @@ class ChatSession:
 
     def _fresh_conversation(self) -> Any:
         if self.config.num_beams == 1 and self.config.use_cache:
-            return EngineConversation(self.generator, self.config.n_ctx)
-        return streaming_engine(self.generator.model, self.config)
+            return EngineConversation(self.model, self.factory, self.config.n_ctx)
+        return streaming_engine(self.model, self.config)
 
     def send(self, message: str) -> Iterator[str]:
         """Add a user message; stream the assistant's reply as text pieces."""
@@ -157,8 +158,8 @@ class ChatSession:
             self.pending = generated[-1:]
 
     def _streaming_turn(self, new_ids: list[int], generated: list[int]) -> Iterator[str]:
-        loop = DecodeLoop(self.generator.model, [new_ids], self.config, self.generator._eos_ids(self.config),
-                          engine=self.engine, grammar=self.generator.grammar_for(self.config))
+        loop = DecodeLoop(self.model, [new_ids], self.config, self.factory.eos_ids(self.config),
+                          engine=self.engine, grammar=self.factory.grammar(self.config))
         watcher = TextWatcher(self.tokenizer, self.config.stop_strings())
         for events in loop:
             generated.append(events[0][1])

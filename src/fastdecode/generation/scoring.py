@@ -1,4 +1,7 @@
-"""Per-token negative log-likelihood of a token sequence, in chunks (bounded memory)."""
+"""Per-token negative log-likelihood of a token sequence, in chunks (bounded memory), outside the
+engine: through a streaming cache (``score(..., n_ctx=...)``), and the plain cached pass the tests
+compare the engine's scoring sequences with (engine/scoring.py runs ``Generator.score``, perplexity
+and the server's echo)."""
 
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ def token_logprobs_of(model, ids: list[int], config: GenerationConfig,
                       top: int = 0) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """Log-probability of each of ids[1:] given the tokens before it (``-score_tokens``), and with
     ``top`` > 0 the ``top`` most likely (token id, log-probability) pairs at each position; chunked
-    as ``score_tokens``. What echo with logprobs reports for a prompt."""
+    as ``score_tokens``."""
     tokens = torch.tensor(ids, dtype=torch.long)  # [N]
     inputs, targets = tokens[:-1], tokens[1:].to(model.device)
     chosen: list[float] = []

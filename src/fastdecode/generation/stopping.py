@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class StopStringMatcher:
     """Feed text pieces; get back the part that can be shown, and whether a stop string ended it.
@@ -81,3 +83,14 @@ class _PassThrough:
 
     def finish(self) -> str:
         return ""
+
+
+def final_text(tokenizer: Any, tokens: list[int], stops: list[str]) -> str:
+    """A finished sequence's text (special tokens skipped), cut before the first stop string."""
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    if not stops:
+        return text
+    matcher = StopStringMatcher(stops)
+    matcher.feed(text)
+    matcher.finish()
+    return matcher.output

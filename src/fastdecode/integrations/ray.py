@@ -129,7 +129,7 @@ class FastDecodePredictor:
 
 
 def ray_batch_size(rows: int | None, actors: int, window: int) -> int:
-    """Rows per Ray batch: at most one bucketing window, and at least ~4 batches per actor when
+    """Rows per Ray batch: at most one lookahead window, and at least ~4 batches per actor when
     the input size is known, so that actors finish close together."""
     if rows is None:
         return window
@@ -144,7 +144,7 @@ def generate_dataset(ds: "ray.data.Dataset", model: str | None = None, *, actors
 
     ``model``: a path every worker can read, or None for the embedded model (each worker finds
     its own installed copy); ``quantize``: as for ``load``. ``options``: generation options (HF names), as for
-    ``Generator.generate``. ``rows_per_call``: rows per actor call (default: one bucketing window).
+    ``Generator.generate``. ``rows_per_call``: rows per actor call (default: one lookahead window).
     Output rows keep the input order when the DataContext preserves order.
     """
     from ..config import GenerationConfig

@@ -46,7 +46,7 @@ class ReorderBuffer:
     """Holds results that finished out of order until every earlier one has finished.
 
     ``push(seq, value)`` returns the values that are now ready, in ``seq`` order. Its size is
-    bounded by how far generation runs out of order: one bucketing window (see batching.py).
+    bounded by how far generation runs out of order: the run's ``lookahead`` window (feeding.py).
     """
 
     def __init__(self, start: int = 0):

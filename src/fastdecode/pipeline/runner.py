@@ -1,39 +1,41 @@
-"""The asynchronous batch pipeline (FastSeq section 4.3): post-process one batch while the next generates.
+"""The asynchronous batch pipeline (FastSeq section 4.3): post-process while the engine generates.
 
 Stages, threads and queues::
 
-    reader thread    next input -> parse -> tokenize -> window of `lookahead` items -> batches
-          |  windows queue, maxsize 1 (one planned window waits while the reader fills the next)
-    caller's thread  generate each batch: the device work, on the thread that owns the model
-          |  post queue, maxsize POST_QUEUE batches
+    reader thread    next input -> parse -> tokenize
+          |  inputs queue, maxsize ``window`` (the reader reads and tokenizes ahead of generation)
+    caller's thread  ONE long-lived engine: each input is submitted as it arrives while there is
+          |          room, every step runs all of them together, finished ones leave at once
+          |          (continuous batching, pipeline/feeding.py); no padding, no buckets
+          |  post queue, maxsize POST_QUEUE steps' worth of finished inputs
     writer thread    detokenize -> records -> postprocess -> reorder buffer -> on_records (write + flush)
-          |  out queue: records already delivered, fed only by batches the caller generated
-    caller's thread  yields the records, in input order, between two batches
+          |  out queue: records already delivered
+    caller's thread  yields the records, in input order, between two steps
 
 Torch kernels and tokenizers release the GIL, so the three threads genuinely overlap; waiting
-(I/O, a GPU) overlaps completely. Every queue is bounded, so the reader never runs more than
+(I/O, a GPU) overlaps completely. Every queue is bounded and an input enters generation only
+within ``window`` inputs of the oldest one not yet written, so the reader never runs more than
 ``max_items_in_flight`` inputs ahead of the writer: memory is flat whatever the input size.
 Generation stays in the caller's thread because a model (and a CUDA context) belongs there,
 and because a Python generator can only yield from the thread that iterates it.
 
 Per-record work that does not need input order (detokenizing, the ``postprocess`` hook: scoring,
 filtering, uploading by id) runs in completion order, before the reorder buffer. Only
-``on_records`` (appending to the output) waits for order: with length bucketing, records leave
-the reorder buffer in bursts, and an expensive in-order step would stall the writer thread,
-fill the post queue and so stall generation.
+``on_records`` (appending to the output) waits for order: short outputs finish before long ones
+started earlier, so records leave the reorder buffer in bursts, and an expensive in-order step
+would stall the writer thread, fill the post queue and so stall generation.
 
-Failure handling: a bad input becomes an error record; a batch whose generation raises a
-``FastDecodeError`` (e.g. one prompt too long) is retried one prompt at a time so that only the
-bad prompt fails. Any other exception in any thread stops every stage and is re-raised in the
-caller's thread. With ``fail_fast`` the first error record, in input order, stops the run:
-every record before it is written, it is not (so a rerun after fixing the line resumes there).
+Failure handling: a bad input becomes an error record; an input whose submission or generation
+raises a ``FastDecodeError`` (e.g. its prompt is too long) fails alone. Any other exception in
+any thread stops every stage and is re-raised in the caller's thread. With ``fail_fast`` the
+first error record, in input order, stops the run: every record before it is written, it is not
+(so a rerun after fixing the line resumes there).
 """
 
 from __future__ import annotations
 
-import json
-
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,16 +43,18 @@ from typing import Any, Protocol
 
 from ..config import GenerationConfig
 from ..errors import BatchFileError, FastDecodeError, InvalidOptionError
-from .batching import plan_window
+from .feeding import CallFeeder, EngineFeeder, Feeder, InFlight, Outcome, runs_in_engine
 from .inputs import InputItem
 from .records import ReorderBuffer, error_record, is_error, success_record
 from .settings import POST_QUEUE, BatchSettings
 from .stages import END, POLL_S, StageControl, Stopped
 
-class Engine(Protocol):
+class Model(Protocol):
     """What the pipeline needs from a model: ``fastdecode.Generator`` (or a test double)."""
 
     def encode_prompt(self, prompt: Any, chat: bool = False) -> list[int]: ...
+
+    def engine(self, **settings: Any) -> Any: ...  # a long-lived engine (pipeline/feeding.py)
 
     def generate_ids_with_details(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[Any]: ...
 
@@ -66,10 +70,10 @@ class PipelineStats:
     written: int = 0  # records delivered in order (writer)
     failed: int = 0  # error records delivered
     new_tokens: int = 0  # generated tokens in delivered records
-    batches: int = 0
+    steps: int = 0  # generation steps (engine steps, or generate calls for the strategies outside it)
     read_s: float = 0.0  # reading, parsing, tokenizing
-    generate_s: float = 0.0  # generate_ids_with_details
-    starve_s: float = 0.0  # caller's thread waiting for the reader
+    generate_s: float = 0.0  # submitting and stepping
+    starve_s: float = 0.0  # caller's thread waiting for the reader with nothing to generate
     post_s: float = 0.0  # detokenizing, building records, on_records (writing)
     max_ahead: int = 0  # the most inputs the reader was ahead of the writer
     reorder_peak: int = 0  # the most records the reorder buffer held
@@ -98,36 +102,11 @@ def split_at_first_error(ready: list[dict], fail_fast: bool) -> tuple[list[dict]
     return ready[:stop_at], BatchFileError(f"line {bad['line']}: {bad['error']}")
 
 
-@dataclass
-class _Batch:
-    items: list[InputItem]  # tokenized inputs to generate together
-    failed: list[InputItem]  # inputs that already failed (ride along so that order is kept)
-
-
-def generate_batch(engine: Engine, prompts: list[list[int]], options: dict[str, Any],
-                   rows_per_prompt: int, seeds: list[int] | None = None) -> list[list[Any] | FastDecodeError]:
-    """Per prompt: its ``rows_per_prompt`` results, or the FastDecodeError it alone causes.
-
-    The batch is tried whole first; only if it raises a FastDecodeError (a prompt too long...)
-    is every prompt retried alone, so one bad prompt costs its batch-mates nothing but a retry.
-    ``seeds``: one sampling seed per prompt (see ``BatchRun``), or None.
-    """
-    try:
-        flat = engine.generate_ids_with_details(prompts, **(options if seeds is None else {**options, "seed": seeds}))
-    except FastDecodeError as exc:
-        if len(prompts) == 1:
-            return [exc]
-        return [generate_batch(engine, [prompt], options, rows_per_prompt, None if seeds is None else [seeds[i]])[0]
-                for i, prompt in enumerate(prompts)]
-    r = rows_per_prompt
-    return [flat[index * r:(index + 1) * r] for index in range(len(prompts))]
-
-
 class BatchRun:
     """One run of the pipeline over ``items``; iterate (once) for records in input order.
 
-    Seeded sampling: input line n is sampled with seed ``derive_seed(seed, n)`` whatever batch it
-    lands in, so a resumed run or another batch size gives the same records.
+    Seeded sampling: input line n is sampled with seed ``derive_seed(seed, n)`` whatever runs
+    beside it, so a resumed run or another batch size gives the same records.
 
     Both hooks run in the writer thread: ``postprocess(record) -> record`` once per record in
     completion order (put expensive per-record work here), ``on_records(records)`` with each
@@ -135,14 +114,14 @@ class BatchRun:
     flushes there). ``stats`` can be read at any time, from any thread.
     """
 
-    def __init__(self, engine: Engine, items: Iterable[InputItem], settings: BatchSettings,
+    def __init__(self, model: Model, items: Iterable[InputItem], settings: BatchSettings,
                  options: dict[str, Any], on_records: Callable[[list[dict]], None] | None = None,
                  postprocess: Callable[[dict], dict] | None = None):
         # Validate now, in the caller's thread, before any thread starts.
-        self.config = GenerationConfig.from_options(getattr(engine, "defaults", None), **options)
+        self.config = GenerationConfig.from_options(getattr(model, "defaults", None), **options)
         if isinstance(self.config.seed, list):
             raise InvalidOptionError("a batch run takes one seed (each input's seed is derived from it and its line)")
-        self.engine = engine
+        self.model = model
         self.items = items
         self.settings = settings
         self.options = dict(options)
@@ -150,9 +129,10 @@ class BatchRun:
         self.postprocess = postprocess
         self.stats = PipelineStats()
         self._control = StageControl()
-        self._windows: queue.Queue = queue.Queue(maxsize=1)
+        self._inputs: queue.Queue = queue.Queue(maxsize=settings.window)
         self._post: queue.Queue = queue.Queue(maxsize=POST_QUEUE)
         self._out: queue.Queue = queue.Queue()
+        self._delivered = threading.Event()  # set by the writer after each delivery
         self._reorder = ReorderBuffer()
         self._started = False
 
@@ -161,28 +141,15 @@ class BatchRun:
         if item.error is not None:
             return
         try:
-            item.ids = self.engine.encode_prompt(item.prompt, chat=self.settings.chat)
+            item.ids = self.model.encode_prompt(item.prompt, chat=self.settings.chat)
         except FastDecodeError as exc:
             item.error = str(exc)
             return
         if not item.ids:
             item.error = "the prompt encodes to no tokens"
 
-    def _plan(self, window: list[InputItem]) -> list[_Batch]:
-        good = [item for item in window if item.error is None]
-        failed = [item for item in window if item.error is not None]
-        batches = [
-            _Batch(batch, [])
-            for batch in plan_window(good, self.settings.rows, self.settings.max_batch_tokens,
-                                     self.config.num_return_sequences, self.config.max_new_tokens)
-        ]
-        if not batches:
-            return [_Batch([], failed)]
-        batches[0].failed = failed
-        return batches
-
     def _read_stage(self) -> None:
-        stats, control, window = self.stats, self._control, []
+        stats, control = self.stats, self._control
         iterator = iter(self.items)
         while not control.stop.is_set():
             started = time.perf_counter()
@@ -193,34 +160,27 @@ class BatchRun:
             self._tokenize(item)
             stats.read += 1
             stats.max_ahead = max(stats.max_ahead, stats.read - stats.written)
-            window.append(item)
-            if len(window) >= self.settings.window:
-                batches = self._plan(window)
-                stats.read_s += time.perf_counter() - started
-                control.put(self._windows, batches)
-                window = []
-            else:
-                stats.read_s += time.perf_counter() - started
-        if window:
-            control.put(self._windows, self._plan(window))
-        control.put(self._windows, END)
+            stats.read_s += time.perf_counter() - started
+            control.put(self._inputs, item)
+        control.put(self._inputs, END)
 
     # -- writer thread ----------------------------------------------------------------------
-    def _records(self, batch: _Batch, outcomes: list[list[Any] | FastDecodeError]) -> list[tuple[int, dict]]:
-        good = [(item, results) for item, results in zip(batch.items, outcomes) if not isinstance(results, Exception)]
+    def _records(self, finished: list[tuple[InputItem, Outcome | None]]) -> list[tuple[int, dict]]:
+        """Records of inputs that finished (an outcome of None: the input had failed before generation)."""
+        good = [(item, results) for item, results in finished if isinstance(results, list)]
         flat = [result for _, results in good for result in results]
-        texts = self.engine.decode_results(flat, **self.options) if flat else []
+        texts = self.model.decode_results(flat, **self.options) if flat else []
         records, start = [], 0
         for item, results in good:
             r = len(results)
             records.append((item.seq, success_record(item, texts[start:start + r], [len(x.tokens) for x in results],
                                                      [x.finish_reason for x in results])))
             start += r
-        for item, outcome in zip(batch.items, outcomes):
-            if isinstance(outcome, Exception):
-                item.error = str(outcome)
+        for item, outcome in finished:
+            if not isinstance(outcome, list):
+                if outcome is not None:
+                    item.error = str(outcome)
                 records.append((item.seq, error_record(item)))
-        records += [(item.seq, error_record(item)) for item in batch.failed]
         if self.postprocess is not None:
             records = [(seq, self.postprocess(record)) for seq, record in records]
         return records
@@ -234,6 +194,7 @@ class BatchRun:
             for record in keep:
                 self._out.put(record)
             self.stats.count(keep)
+            self._delivered.set()
         if first_error is not None:
             raise first_error
 
@@ -244,7 +205,7 @@ class BatchRun:
                 break
             started = time.perf_counter()
             ready = []
-            for seq, record in self._records(*work):
+            for seq, record in self._records(work):
                 ready += self._reorder.push(seq, record)
             self.stats.reorder_peak = max(self.stats.reorder_peak, self._reorder.peak)
             self._deliver(ready)
@@ -265,46 +226,76 @@ class BatchRun:
                 return
             yield record
 
-    def _generate_stage(self) -> Iterator[dict]:
+    def _feeder(self) -> Feeder:
+        seeded = self.config.seed is not None and self.config.is_sampling
+        if runs_in_engine(self.config):
+            return EngineFeeder(self.model, self.settings.window, self.config.num_return_sequences,
+                                self.config.max_new_tokens)
+        return CallFeeder(self.model, seeded)
+
+    def _item_options(self, item: InputItem) -> dict[str, Any]:
+        """The run's options with the input's own ``response_format`` and seed."""
         from ..generation.sampling import derive_seed  # torch: imported when the run starts
 
+        options = self.options if item.response_format is None else {**self.options,
+                                                                     "response_format": item.response_format}
+        if self.config.seed is not None and self.config.is_sampling:
+            options = {**options, "seed": derive_seed(self.config.seed, item.line)}
+        return options
+
+    def _next_input(self, wait: bool) -> Any:
+        """The next tokenized input, END, or None when none is ready and ``wait`` is False."""
+        if not wait:
+            try:
+                return self._inputs.get_nowait()
+            except queue.Empty:
+                return None
+        waited = time.perf_counter()
+        item = self._control.get(self._inputs)
+        self.stats.starve_s += time.perf_counter() - waited
+        return item
+
+    def _generate_stage(self) -> Iterator[dict]:
         control, stats = self._control, self.stats
-        r = self.config.num_return_sequences
-        while True:
-            waited = time.perf_counter()
-            window = control.get(self._windows)
-            stats.starve_s += time.perf_counter() - waited
-            if window is END:
-                break
-            for batch in window:
-                started = time.perf_counter()
-                seeds = None if self.config.seed is None or not self.config.is_sampling else \
-                    [derive_seed(self.config.seed, item.line) for item in batch.items]
-                outcomes = self._generate(batch.items, seeds) if batch.items else []
-                stats.generate_s += time.perf_counter() - started
-                stats.generated += len(batch.items)
-                stats.batches += bool(batch.items)
-                control.put(self._post, (batch, outcomes))
-                yield from self._drain()
+        feeder = self._feeder()
+        room = InFlight(self.settings, self.config)
+        held, reading = None, True  # held: an input read but not yet let in
+        while reading or held is not None or feeder.has_work():
+            if control.stop.is_set():  # another stage failed (or fail_fast stopped the run)
+                raise Stopped
+            finished: list[tuple[InputItem, Outcome | None]] = []
+            started, starved = time.perf_counter(), stats.starve_s
+            while reading or held is not None:
+                if held is None:  # a call feeder fills up before it runs; the engine steps meanwhile
+                    held = self._next_input(wait=(feeder.fills_up or not feeder.has_work()) and not finished)
+                    if held is END:
+                        held, reading = None, False
+                if held is None:
+                    break
+                if not room.admits(held, stats.written):
+                    if not feeder.has_work() and not finished:  # everything in the window waits for the writer
+                        self._delivered.wait(POLL_S)
+                        self._delivered.clear()
+                    break
+                item, held = held, None
+                outcome = None if item.error is not None else feeder.submit(item, self._item_options(item))
+                if item.error is not None or outcome is not None:
+                    finished.append((item, outcome))
+                else:
+                    room.enter(item)
+            if feeder.has_work():
+                stats.steps += 1
+                for item, outcome in feeder.step():
+                    room.leave(item)
+                    finished.append((item, outcome))
+            stats.generate_s += time.perf_counter() - started - (stats.starve_s - starved)
+            if finished:
+                stats.generated += len(finished)
+                control.put(self._post, finished)
+            yield from self._drain()
         control.put(self._post, END)
         while (record := control.get(self._out)) is not END:
             yield record
-
-    def _generate(self, items: list[InputItem], seeds: list[int] | None) -> list[list[Any] | FastDecodeError]:
-        """generate_batch per group of inputs that share a ``response_format`` (their own, or none),
-        outcomes back in the items' order."""
-        groups: dict[str, list[int]] = {}
-        for index, item in enumerate(items):
-            groups.setdefault(json.dumps(item.response_format, sort_keys=True, default=repr), []).append(index)
-        outcomes: list[Any] = [None] * len(items)
-        for indexes in groups.values():
-            constraint = items[indexes[0]].response_format
-            options = self.options if constraint is None else {**self.options, "response_format": constraint}
-            got = generate_batch(self.engine, [items[i].ids for i in indexes], options,
-                                 self.config.num_return_sequences, seeds and [seeds[i] for i in indexes])
-            for index, outcome in zip(indexes, got):
-                outcomes[index] = outcome
-        return outcomes
 
     def __iter__(self) -> Iterator[dict]:
         if self._started:

@@ -1,6 +1,6 @@
-"""What a batch run is given: how inputs are grouped (``BatchSettings``, a frozen record checked when
-it is built) and whether prompts are chat turns (``resolve_chat``). Which model to load is
-``load_settings.LoadSettings``, above the API it calls."""
+"""What a batch run is given: how many inputs are in flight (``BatchSettings``, a frozen record
+checked when it is built) and whether prompts are chat turns (``resolve_chat``). Which model to load
+is ``load_settings.LoadSettings``, above the API it calls."""
 
 from __future__ import annotations
 
@@ -11,18 +11,21 @@ from ..errors import InvalidOptionError
 from ..validation import positive_int
 
 DEFAULT_BATCH_SIZE = 16
-WINDOW_BATCHES = 8  # default look-ahead: this many batches' worth of inputs are sorted together
-TOKEN_BUDGET_WINDOW = 256  # default look-ahead when batches are limited by max_batch_tokens
-POST_QUEUE = 2  # generated batches waiting for the writer thread
+WINDOW_BATCHES = 8  # default lookahead: this many times batch_size
+TOKEN_BUDGET_WINDOW = 256  # default lookahead when max_batch_tokens bounds what is in flight
+POST_QUEUE = 2  # steps' worth of finished inputs waiting for the writer thread
 
 
 @dataclass(frozen=True)
 class BatchSettings:
-    """How inputs are grouped; ``batch_size`` and ``max_batch_tokens`` exclude each other."""
+    """How many inputs generate at once; ``batch_size`` and ``max_batch_tokens`` exclude each other.
 
-    batch_size: int | None = None  # prompts per batch (default DEFAULT_BATCH_SIZE)
-    max_batch_tokens: int | None = None  # padded-token budget per batch (see batching.padded_tokens)
-    lookahead: int | None = None  # inputs sorted together by length (the reorder bound)
+    Nothing is padded or sorted: the engine batches whatever is in flight, continuously
+    (pipeline/feeding.py), and these only bound what is in flight."""
+
+    batch_size: int | None = None  # inputs generating at once (default DEFAULT_BATCH_SIZE)
+    max_batch_tokens: int | None = None  # or: their cache tokens, sum of rows x (prompt + max_new_tokens)
+    lookahead: int | None = None  # an input starts only within this many inputs of the oldest unwritten one
     chat: bool = False  # wrap each plain prompt as a user message with the chat template
     fail_fast: bool = False  # stop at the first failed input instead of recording it
 
@@ -35,13 +38,14 @@ class BatchSettings:
 
     @property
     def rows(self) -> int | None:
-        """Prompts per batch, or None when a token budget limits batches instead."""
+        """Inputs generating at once, or None when a token budget bounds them instead."""
         if self.max_batch_tokens is not None:
             return None
         return self.batch_size or DEFAULT_BATCH_SIZE
 
     @property
     def window(self) -> int:
+        """The reorder bound: inputs started but not yet written (also the reader's read-ahead)."""
         if self.lookahead is not None:
             return self.lookahead
         return self.rows * WINDOW_BATCHES if self.rows else TOKEN_BUDGET_WINDOW
@@ -49,16 +53,11 @@ class BatchSettings:
     def max_items_in_flight(self) -> int:
         """The most inputs read but not yet written: the memory bound, whatever the input size.
 
-        Three windows: one the reader fills (or holds, blocked on the full queue), one queued,
-        one in the caller's hands. Plus earlier windows not yet fully written: the writer takes
-        batches first in, first out, so those are the windows of the last POST_QUEUE + 1
-        generated batches, which span one earlier window when a window has that many batches
-        (its records wait in the reorder buffer for its oldest pending batch), else up to
-        POST_QUEUE + 1 of them.
+        One ``window`` of inputs started and not yet written (generating, waiting for the
+        writer, or in the reorder buffer), one ``window`` read ahead in the inputs queue, one
+        input the generation stage holds and one in the reader's hands.
         """
-        batches_per_window = self.window // self.rows if self.rows else 1
-        earlier = 1 if batches_per_window >= POST_QUEUE + 1 else POST_QUEUE + 1
-        return (3 + earlier) * self.window
+        return 2 * self.window + 2
 
 
 def resolve_chat(generator: Any, chat: bool | None) -> bool:

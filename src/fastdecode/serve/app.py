@@ -115,7 +115,7 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
         parse_extras(body, parsed)
         attach_constraints(parsed, body)
         prompts = service.encode(parsed)
-        echoed = await echoed_prompts(generator, prompts, parsed.logprobs) if parsed.echo else None
+        echoed = await echoed_prompts(service.worker, generator, prompts, parsed.logprobs) if parsed.echo else None
         running = await service.start_request(parsed, prompts)
         lifetime_of(request).on_disconnect(running.cancel)  # every route, streamed or not
         builder = ResponseBuilder(endpoint, served, generator.tokenizer, parsed.logprobs)

@@ -124,7 +124,7 @@ class GenerationService:
         self.loops = LoopRunner(generator, streaming if self.overflow else None, metrics)
         if self.overflow:
             try:
-                generator._options(streaming)
+                generator.requests.generation_config(streaming)
             except FastDecodeError as exc:
                 raise APIError(400, f"bad streaming settings: {exc}") from exc
         self._beam_pool = ThreadPoolExecutor(1, thread_name_prefix="fastdecode-beam")
@@ -155,13 +155,13 @@ class GenerationService:
                                 "/v1/completions as the prompt", param="messages", code="unsupported_model")
         try:
             if request.endpoint == "chat":
-                tokenizer = gen._require_tokenizer()
+                tokenizer = gen.requests.require_tokenizer()
                 messages, extra = render_messages(request.prompts[0], request.tools, tokenizer.chat_template)
                 text = tokenizer.apply_chat_template(validation.check_chat(messages), add_generation_prompt=True,
                                                      **extra)
                 return [(tokenizer.encode(text, add_special_tokens=False), text)]
             if request.suffix is not None:
-                return [(fill_in_middle_ids(gen._require_tokenizer(), p, request.suffix), None)
+                return [(fill_in_middle_ids(gen.requests.require_tokenizer(), p, request.suffix), None)
                         for p in request.prompts]
             return [(gen.encode_prompt(p), p) if isinstance(p, str) else (list(p), None) for p in request.prompts]
         except FastDecodeError as exc:
@@ -248,7 +248,7 @@ class GenerationService:
             by_options.setdefault(o["max_new_tokens"], []).append(p)
         for group in by_options.values():
             try:
-                gen._options(options[group[0]])
+                gen.requests.generation_config(options[group[0]])
             except FastDecodeError as exc:
                 raise api_error_from(exc) from exc
         self._take_beam_places(len(prompts))

@@ -58,7 +58,7 @@ class LoopRunner:
         self._config(submission)
 
     def _config(self, submission: Submission) -> Any:
-        return self.generator._options({**submission.options, **(self.streaming or {})})
+        return self.generator.requests.generation_config({**submission.options, **(self.streaming or {})})
 
     def submit(self, submission: Submission) -> None:
         self._executor.submit(self._run, submission)
@@ -111,9 +111,9 @@ class LoopRunner:
         gen, prompt = self.generator, submission.prompt_ids
         config = self._config(submission)
         conversation, new_ids, cached = self._take(prompt, submission.prompt_text, config)
-        loop = DecodeLoop(gen.model, [new_ids], config, gen._eos_ids(config), engine=conversation.engine,
+        loop = DecodeLoop(gen.model, [new_ids], config, gen.requests.eos_ids(config), engine=conversation.engine,
                           grammar=gen.grammar_for(config))
-        watcher = TextWatcher(gen._require_tokenizer(), config.stop_strings())
+        watcher = TextWatcher(gen.requests.require_tokenizer(), config.stop_strings())
         submission.sink.put(Admitted(submission.index))
         generated: list[int] = []
         last_at = None

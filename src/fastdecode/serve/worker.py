@@ -77,6 +77,10 @@ class Submission:
         self.last_token_at: float | None = None
         self.cancelled = False
 
+    def start(self, engine: Any) -> Any:
+        """Queue this submission's sequence in ``engine`` (on the engine thread) -> the sequence."""
+        return engine.submit(self.prompt_ids, self.options)
+
 
 class EngineWorker:
     def __init__(self, make_engine: Callable[[], Any], metrics: ServerMetrics):
@@ -138,7 +142,7 @@ class EngineWorker:
         if submission.cancelled:
             return
         try:
-            submission.sequence = self.engine.submit(submission.prompt_ids, submission.options)
+            submission.sequence = submission.start(self.engine)
         except FastDecodeError as exc:
             submission.sink.put(Failed(submission.index, api_error_from(exc)))
             return

@@ -1,0 +1,70 @@
+"""The calls the engine does not run yet: beam search, streaming caches (``n_ctx``) and the naive
+reference (``use_cache=False``), each through its own decode loop, with stop strings watched on
+the text as the engine watches them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..config import GenerationConfig
+from ..engine.requests import RequestFactory
+from .decode import DecodeLoop, SequenceResult
+from .sampling import sequence_seeds
+from .stopping import TextWatcher
+
+
+def runs_in_engine(config: GenerationConfig) -> bool:
+    """Greedy and sampling run in the engine (decoder-only and encoder-decoder models); beam
+    search, streaming caches (n_ctx) and the naive reference (use_cache=False) keep their own loops."""
+    return config.num_beams == 1 and config.n_ctx is None and config.use_cache
+
+
+def decode_loops(model: Any, factory: RequestFactory, prompts: list[list[int]], config: GenerationConfig) -> list[Any]:
+    """One decode loop for the whole batch (beam search: R results per prompt, best first); one per
+    sequence for streaming (a streaming cache is a batch of one)."""
+    prompts = factory.check_call(prompts, config)
+    repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
+    eos, grammar = factory.eos_ids(config), factory.grammar(config)
+    if config.num_beams > 1:
+        from .beam import BeamSearch
+
+        return [BeamSearch(model, prompts, config, eos, grammar)]
+    seeds = sequence_seeds(config, len(prompts)) if config.is_sampling else None
+    if config.n_ctx is not None:
+        return [DecodeLoop(model, [p], config, eos, row_seeds=seeds and [seeds[i]], grammar=grammar)
+                for i, p in enumerate(repeated)]
+    return [DecodeLoop(model, repeated, config, eos, row_seeds=seeds, grammar=grammar)]
+
+
+def loop_results(model: Any, factory: RequestFactory, prompts: list[list[int]], config: GenerationConfig,
+                 check_stop: Callable[[], None]) -> list[SequenceResult]:
+    """Every result of a call run through its decode loops; ``check_stop`` is called before each step."""
+    stops = config.stop_strings()
+    results: list[SequenceResult] = []
+    for loop in decode_loops(model, factory, prompts, config):
+        watchers = [TextWatcher(factory.require_tokenizer(), stops) for _ in loop.results] if stops else None
+        for events in loop:
+            check_stop()
+            for index, token in events if watchers else ():
+                watchers[index].push(token)
+                if watchers[index].matcher.stopped:
+                    loop.stop(index)
+        results += loop.results
+    return results
+
+
+def loop_tokens(model: Any, factory: RequestFactory, prompt: list[int], config: GenerationConfig) -> Iterator[int]:
+    """The tokens of one sequence as its decode loop produces them (up to a stop string's end)."""
+    (loop,) = decode_loops(model, factory, [prompt], config)
+    watcher = TextWatcher(factory.require_tokenizer(), config.stop_strings()) if config.stop_strings() else None
+    for events in loop:
+        for _, token in events:
+            yield token
+            if watcher is not None:
+                watcher.push(token)
+                if watcher.matcher.stopped:
+                    loop.stop(0)
+
+
+__all__ = ["decode_loops", "loop_results", "loop_tokens", "runs_in_engine"]
