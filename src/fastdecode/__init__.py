@@ -46,14 +46,17 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def load(source: str | None = None, device: str = "cpu", dtype: str = "float32",
-         quantize: str | None = None) -> "Generator":
+         quantize: str | None = None, speculative: Any = None) -> "Generator":
     """Load a model (HF folder, .gguf file, or the embedded default when None) into a Generator.
 
     quantize: None (a quantized GGUF runs on its own blocks; float checkpoints stay float), "int8" or
-    "int4" (float matrices quantized at load), "dequantize" (GGUF blocks decoded to ``dtype``)."""
+    "int4" (float matrices quantized at load), "dequantize" (GGUF blocks decoded to ``dtype``).
+    speculative: the default speculative decoding of greedy and sampling calls: "ngram" (prompt
+    lookup), ``{"draft_model": path}`` (a smaller model with the same tokenizer) or a dict of
+    settings (fastdecode/config/speculative.py); outputs are the same, only faster."""
     from .api import load as _load
 
-    return _load(source, device=device, dtype=dtype, quantize=quantize)
+    return _load(source, device=device, dtype=dtype, quantize=quantize, speculative=speculative)
 
 
 def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None) -> "Generator":

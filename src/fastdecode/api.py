@@ -26,13 +26,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from .pipeline import BatchRun
 
 def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "float32",
-         quantize: str | None = None) -> "Generator":
+         quantize: str | None = None, speculative: Any = None) -> "Generator":
     """quantize: None (GGUF blocks run as they are, float checkpoints stay float), "int8" / "int4"
-    (float matrices quantized at load), "dequantize" (GGUF blocks decoded to ``dtype`` at load)."""
+    (float matrices quantized at load), "dequantize" (GGUF blocks decoded to ``dtype`` at load).
+    speculative: the default of the ``speculative`` generation option (e.g. "ngram"), used by
+    greedy and sampling calls that do not set it (config/speculative.py)."""
     from .loading.open import open_checkpoint, save_weight_cache
 
     checkpoint, loaded = open_checkpoint(source, device, dtype, quantize)
-    generator = Generator(checkpoint)
+    generator = Generator(checkpoint, GenerationConfig.from_options(speculative=speculative))
     save_weight_cache(checkpoint, loaded)
     return generator
 

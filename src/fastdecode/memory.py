@@ -89,7 +89,7 @@ def request_parts(model_config: Any, config: Any, prompt_lengths: list[int], ele
     beams = config.num_beams
     rows = prompts * (beams if beams > 1 else config.num_return_sequences)
     parts: dict[str, int] = {}
-    if config.n_ctx is not None:  # one sequence at a time; the ring may get prefill headroom
+    if config.n_ctx is not None:  # what one stream needs at least (n_ctx + headroom); more wait for room
         rows = 1
         parts["streaming cache (n_ctx)"] = per_token * (config.n_ctx + min(config.n_ctx, PREFILL_CHUNK))
         longest = min(longest, PREFILL_CHUNK)

@@ -43,15 +43,22 @@ def test_logits_match_transformers_on_the_same_gguf(smollm_float, hf_gguf):
     torch.testing.assert_close(ours, reference, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("path", ["native", "float32"])
-def test_greedy_tokens_match_transformers(path, smollm, smollm_float, hf_gguf):
-    gen = smollm if path == "native" else smollm_float
-    ids = gen.encode_prompt("Name three colors.", chat=True)
-    ours = gen.generate_ids([ids], max_new_tokens=24)[0]
+@pytest.fixture(scope="module")
+def hf_colors(smollm, hf_gguf):
+    """(prompt ids, transformers' 24 greedy tokens): generated once, for both paths."""
+    ids = smollm.encode_prompt("Name three colors.", chat=True)
     with torch.no_grad():
         out = hf_gguf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                max_new_tokens=24, do_sample=False)
-    assert ours == out[0, len(ids):].tolist()
+    return ids, out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("path", ["native", "float32"])
+def test_greedy_tokens_match_transformers(path, smollm, smollm_float, hf_colors):
+    gen = smollm if path == "native" else smollm_float
+    ids, theirs = hf_colors
+    assert gen.encode_prompt("Name three colors.", chat=True) == ids
+    assert gen.generate_ids([ids], max_new_tokens=24)[0] == theirs
 
 
 def test_tokenizer_matches_transformers_gguf_tokenizer(smollm_path, smollm):

@@ -91,18 +91,27 @@ def hf_greedy(hf_gemma, ids: list[int], new_tokens: int) -> tuple[list[int], tor
     return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits)  # [new_tokens, V]
 
 
-def test_greedy_tokens_identical_to_transformers_on_the_exact_path(gemma_path, hf_gemma):
+GREEDY_PROMPT = "The history of the printing press"
+
+
+@pytest.fixture(scope="module")
+def hf_continuation(gemma, hf_gemma):
+    """(prompt ids, transformers' 20 greedy tokens, their logits): computed once, for both paths' tests."""
+    ids = gemma.tokenizer.encode(GREEDY_PROMPT)
+    return ids, *hf_greedy(hf_gemma, ids, 20)
+
+
+def test_greedy_tokens_identical_to_transformers_on_the_exact_path(gemma_path, hf_continuation):
     exact = fastdecode.load(str(gemma_path), quantize="dequantize")
-    ids = exact.tokenizer.encode("The history of the printing press")
-    theirs, _ = hf_greedy(hf_gemma, ids, 20)
+    ids, theirs, _ = hf_continuation
+    assert exact.tokenizer.encode(GREEDY_PROMPT) == ids
     assert exact.generate_ids([ids], max_new_tokens=20) == [theirs]
 
 
-def test_native_greedy_tokens_follow_transformers_up_to_near_ties(gemma, hf_gemma):
+def test_native_greedy_tokens_follow_transformers_up_to_near_ties(gemma, hf_continuation):
     """Identical until the first step where transformers itself nearly ties; there the native choice
     is within NEAR_TIE of transformers' best logit (and what follows depends on that choice)."""
-    ids = gemma.tokenizer.encode("The history of the printing press")
-    theirs, logits = hf_greedy(hf_gemma, ids, 20)
+    ids, theirs, logits = hf_continuation
     ours = gemma.generate_ids([ids], max_new_tokens=20)[0]
     first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
     if first is not None:

@@ -131,6 +131,16 @@ def test_streaming(service, offline):
     assert chunks[-1].usage.completion_tokens == 12
 
 
+def test_anthropic_messages_through_the_ingress(service, offline):
+    """Issue 32's routes answer through Serve too: Anthropic's Messages API, x-api-key as the key."""
+    messages = [{"role": "user", "content": words(8, 5)}]
+    answer = httpx.post(service.base + "/v1/messages", headers={"x-api-key": KEY}, timeout=60,
+                        json={"model": "tiny", "max_tokens": 6, "temperature": 0, "messages": messages})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["content"][0]["text"] == offline.generate(messages, max_new_tokens=6)
+    assert service.http.get("/v1/models/tiny").json()["id"] == "tiny"
+
+
 def test_a_conversation_stays_on_one_replica_and_reuses_its_cache(service):
     """Six turns, each sending the whole history: all land on the replica that holds the
     conversation's blocks, and every turn after the first has cached prompt tokens."""

@@ -209,3 +209,165 @@ def test_gathered_metrics_label_each_replica():
     assert 'fastdecode_requests_total{endpoint="/v1/completions",replica="b",status="200"} 1.0' in text
     assert "fastdecode_ingress_retries_total 1.0" in text
     assert text.count("# TYPE fastdecode_generated_tokens_total counter") == 1  # one family, both replicas
+
+
+# -- the ingress's own app, with its replica handle replaced by a hosted app in this process --------
+class LocalReplicas:
+    """Stands in for the model deployment's handle (``options``, ``handle.remote``): each call runs
+    through one hosted app; the requests that reached it are kept."""
+
+    def __init__(self, hosted: HostedApp):
+        self.hosted, self.received = hosted, []
+        self.handle = self
+
+    def options(self, stream: bool) -> "LocalReplicas":
+        return self
+
+    def remote(self, request: ForwardedRequest) -> "LocalResponses":
+        self.received.append(request)
+        return LocalResponses(self.hosted.handle(request, IDENTITY))
+
+
+class LocalResponses:
+    def __init__(self, items):
+        self.items = items
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.items.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self.items.aclose())
+
+
+def run_through_ingress(generator, settings: dict, talk) -> None:
+    """``talk(http, replicas)`` against the ingress's app (httpx in process) in front of ``generator``."""
+    pytest.importorskip("ray.serve")
+    import httpx
+
+    from fastdecode.integrations.ray_serve.ingress import Ingress, build_app
+    from fastdecode.serve import ServeSettings
+
+    async def run() -> None:
+        settings_ = ServeSettings(model_name="tiny", **settings)
+        replica_settings = ServeSettings(model_name="tiny", **{**settings, "allowed_origins": ()})
+        from fastdecode.serve import create_app
+
+        hosted = HostedApp(create_app(generator, replica_settings))
+        await hosted.start()
+        try:
+            replicas = LocalReplicas(hosted)
+            ingress = object.__new__(Ingress)
+            Ingress.__bases__[0].__init__(ingress, replicas, settings_)  # the class under Serve's wrapper
+            transport = httpx.ASGITransport(app=build_app(ingress))
+            async with httpx.AsyncClient(transport=transport, base_url="http://ingress", timeout=60) as http:
+                await talk(http, replicas)
+        finally:
+            await hosted.stop()
+
+    asyncio.run(run())
+
+
+def events_of(body: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+
+
+def test_the_ingress_forwards_issue_32_s_routes_and_options(chat_generator):
+    """/v1/responses, /v1/messages (plain and streamed), /v1/embeddings, /tokenize, /detokenize,
+    /v1/models/{id}, any model name, --lenient, CORS and x-request-id: answered through the ingress
+    as `fastdecode serve` answers them, the generation routes routed by their conversation's text."""
+    expected = chat_generator.generate(QUESTION, max_new_tokens=6)
+    settings = dict(model_aliases=("alias",), allowed_origins=("http://app.test",), lenient=True, embeddings="mean")
+
+    async def talk(http, replicas) -> None:
+        answer = await http.post("/v1/responses", json={"model": "gpt-4o", "input": QUESTION[0]["content"],
+                                                        "max_output_tokens": 6, "temperature": 0})
+        assert answer.status_code == 200 and answer.json()["output"][0]["content"][0]["text"] == expected
+        assert replicas.received[-1].prompt == routing_text("chat", [QUESTION])  # routed by its conversation
+        streamed = await http.post("/v1/responses", json={"input": QUESTION, "max_output_tokens": 6,
+                                                          "temperature": 0, "stream": True})
+        events = events_of(streamed.text)
+        assert events[-1]["type"] == "response.incomplete"  # max_output_tokens reached
+        assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == expected
+        message = {"model": "alias", "max_tokens": 6, "temperature": 0, "messages": QUESTION}
+        answer = await http.post("/v1/messages", json=message, headers={"x-api-key": "unused"})
+        assert answer.status_code == 200 and answer.json()["content"][0]["text"] == expected
+        assert answer.json()["model"] == "alias"
+        streamed = await http.post("/v1/messages", json={**message, "stream": True})
+        assert "".join(e["delta"]["text"] for e in events_of(streamed.text)
+                       if e["type"] == "content_block_delta") == expected
+        assert replicas.received[-1].prompt == routing_text("chat", [QUESTION])
+        # --lenient: an unknown field is ignored, at the ingress and on the replica
+        chat = await http.post("/v1/chat/completions", json={"model": "tiny", "messages": QUESTION, "max_tokens": 6,
+                                                             "temperature": 0, "vendor_extra": 1})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == expected
+        embedded = await http.post("/v1/embeddings", json={"input": ["a cat", "a dog"]})
+        assert embedded.status_code == 200 and len(embedded.json()["data"]) == 2
+        assert replicas.received[-1].prompt is None  # nothing to match: by load
+        tokens = (await http.post("/tokenize", json={"content": "Hello there"})).json()["tokens"]
+        assert tokens == chat_generator.tokenizer.encode("Hello there")
+        assert (await http.post("/detokenize", json={"tokens": tokens})).json() == {"content": "Hello there"}
+        assert (await http.get("/v1/models/alias")).json()["id"] == "alias"
+        assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == ["tiny", "alias"]
+        # CORS: a preflight from the allowed origin gets the headers, from another none; answered at the ingress
+        sent = len(replicas.received)
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+        allowed = await http.options("/v1/chat/completions", headers={"Origin": "http://app.test", **preflight})
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://app.test"
+        other = await http.options("/v1/chat/completions", headers={"Origin": "http://evil.test", **preflight})
+        assert "access-control-allow-origin" not in other.headers and len(replicas.received) == sent
+        simple = await http.post("/tokenize", json={"content": "x"}, headers={"Origin": "http://app.test"})
+        assert simple.headers["access-control-allow-origin"] == "http://app.test"
+        assert simple.headers.get_list("access-control-allow-origin") == ["http://app.test"]  # once, not per hop
+        # x-request-id: the client's own, sent on to the replica; else one the ingress made, the same on both
+        mine = await http.post("/tokenize", json={"content": "x"}, headers={"x-request-id": "req-42"})
+        assert mine.headers.get_list("x-request-id") == ["req-42"]
+        assert dict(replicas.received[-1].headers)[b"x-request-id"] == b"req-42"
+        made = await http.post("/tokenize", json={"content": "x"})
+        assert dict(replicas.received[-1].headers)[b"x-request-id"] == made.headers["x-request-id"].encode()
+
+    run_through_ingress(chat_generator, settings, talk)
+
+
+def test_the_ingress_refuses_bad_requests_before_a_replica(chat_generator):
+    """Strict model names and no --lenient: the new routes' bad requests are answered by the ingress
+    in their API's error shape (Anthropic's on /v1/messages), and never reach a replica."""
+
+    async def talk(http, replicas) -> None:
+        bad = [("/v1/messages", {"model": "other", "max_tokens": 4, "messages": QUESTION}, 404, None),
+               ("/v1/messages", {"model": "tiny", "messages": QUESTION}, 400, None),
+               ("/v1/responses", {"input": "Hi", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
+               ("/v1/responses", {"input": "Hi", "model": "other"}, 404, "model"),
+               ("/v1/chat/completions", {"messages": QUESTION, "vendor_extra": 1}, 400, "vendor_extra"),
+               ("/v1/completions", {"prompt": "Hi", "model": "gpt-3.5-turbo"}, 404, "model")]
+        for path, body, status, param in bad:
+            answer = await http.post(path, json=body)
+            assert answer.status_code == status, (path, answer.text)
+            if path == "/v1/messages":
+                assert answer.json()["type"] == "error" and answer.json()["error"]["type"] in (
+                    "not_found_error", "invalid_request_error")
+            else:
+                assert answer.json()["error"]["param"] == param
+        assert replicas.received == []
+        assert (await http.get("/v1/models/other")).status_code == 404  # the replica's answer, strict too
+
+    run_through_ingress(chat_generator, {"strict_model_name": True}, talk)
+
+
+def test_a_stream_cut_by_a_lost_replica_ends_in_its_api_s_error_event():
+    pytest.importorskip("ray.serve")
+    from fastdecode.integrations.ray_serve.ingress import _event, replica_lost
+
+    lost = replica_lost(RuntimeError("gone"))
+
+    def data(event: bytes) -> dict:
+        return json.loads(event.decode().split("data: ", 1)[1])
+
+    messages, responses, chat = (_event(lost, path) for path in ("/v1/messages", "/v1/responses",
+                                                                 "/v1/chat/completions"))
+    assert messages.startswith(b"event: error\n") and data(messages) == {
+        "type": "error", "error": {"type": "overloaded_error", "message": lost.message}}  # Anthropic's shape
+    assert responses.startswith(b"event: error\n") and data(responses)["code"] == "replica_unavailable"
+    assert data(chat)["error"]["code"] == "replica_unavailable"

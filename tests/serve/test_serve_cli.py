@@ -112,12 +112,24 @@ def test_cli_passes_the_api_surface_flags(model_folder, monkeypatch):
     assert seen["embeddings"] is None and seen["model_name"] == model_folder.name and not seen["lenient"]
 
 
-def test_ray_refuses_the_options_its_ingress_does_not_serve(model_folder):
+def test_ray_passes_the_api_surface_flags_to_its_service(model_folder, monkeypatch):
+    """`serve --ray` takes every flag `serve` takes (issue 32's too) into the Ray service's settings."""
+    pytest.importorskip("ray.serve")
     from click.testing import CliRunner
 
+    import fastdecode.integrations.ray_serve.app as ray_app
     from fastdecode.cli import main
 
-    result = CliRunner().invoke(main, ["serve", "-m", str(model_folder), "--ray", "--embeddings", "--lenient",
-                                       "--allowed-origins", "http://x.test"])
-    assert result.exit_code == 2
-    assert "--embeddings, --lenient, --allowed-origins: not available with --ray" in result.output
+    seen = {}
+    monkeypatch.setattr(ray_app, "run_service", lambda load, settings, options, *rest: seen.update(
+        load=load, settings=settings, options=options) or 0)
+    result = CliRunner().invoke(main, ["serve", "-m", str(model_folder), "--ray", "--replicas", "2",
+                                       "--served-model-name", "a", "--served-model-name", "b", "--strict-model-name",
+                                       "--allowed-origins", "http://x.test", "--embeddings", "--pooling", "last",
+                                       "--lenient", "--quantize", "int8"])
+    assert result.exit_code == 0, result.output
+    settings = seen["settings"]
+    assert (settings.model_name, settings.model_aliases, settings.strict_model_name) == ("a", ("b",), True)
+    assert settings.allowed_origins == ("http://x.test",)
+    assert (settings.embeddings, settings.lenient) == ("last", True)
+    assert seen["load"].quantize == "int8" and seen["options"].replicas == 2

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -75,6 +76,13 @@ def ask(client, **request):
     return client.chat.completions.create(model="smol", temperature=0, **request)
 
 
+def at_once(*calls):
+    """Each call's result, the calls sent together: the server batches them (and a batched answer
+    equals the answer alone, tests/engine), so the suite waits for the longest, not for the sum."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]
+
+
 def check_call(call, tool: dict) -> dict:
     assert call.type == "function" and call.id and call.function.name == tool["function"]["name"]
     arguments = json.loads(call.function.arguments)
@@ -83,39 +91,41 @@ def check_call(call, tool: dict) -> dict:
 
 
 def test_openai_parse_json_schema_and_json_object(client):
-    parsed = client.chat.completions.parse(model="smol", temperature=0, response_format=Person, max_tokens=60,
-                                           messages=[{"role": "user", "content": "Invent a person."}])
-    assert isinstance(parsed.choices[0].message.parsed, Person)
     schema = {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "blue"]},
                                                           "maxItems": 3}}, "required": ["colors"]}
-    answer = ask(
-        client, messages=[{"role": "user", "content": "Name colors."}], max_tokens=60,
-        response_format={"type": "json_schema", "json_schema": {"name": "colors", "schema": schema, "strict": True}})
-    jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
-    answer = ask(client, messages=[{"role": "user", "content": "A JSON object."}],
-                 max_tokens=60, response_format={"type": "json_object"})
+    parsed, colors, answer = at_once(
+        lambda: client.chat.completions.parse(model="smol", temperature=0, response_format=Person, max_tokens=60,
+                                              messages=[{"role": "user", "content": "Invent a person."}]),
+        lambda: ask(client, messages=[{"role": "user", "content": "Name colors."}], max_tokens=60,
+                    response_format={"type": "json_schema", "json_schema": {"name": "colors", "schema": schema,
+                                                                            "strict": True}}),
+        lambda: ask(client, messages=[{"role": "user", "content": "A JSON object."}],
+                    max_tokens=60, response_format={"type": "json_object"}))
+    assert isinstance(parsed.choices[0].message.parsed, Person)
+    jsonschema.validate(json.loads(colors.choices[0].message.content), schema)
     if answer.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(answer.choices[0].message.content), dict)
 
 
 def test_openai_tools_required_named_auto_and_a_round_trip(client):
-    required = ask(client, messages=QUESTION, tools=[WEATHER, TIME],
-                   tool_choice="required", parallel_tool_calls=False, max_tokens=60)
+    required, named, auto, forced = at_once(
+        lambda: ask(client, messages=QUESTION, tools=[WEATHER, TIME], tool_choice="required",
+                    parallel_tool_calls=False, max_tokens=60),
+        lambda: ask(client, messages=QUESTION, tools=[WEATHER, TIME], max_tokens=60,
+                    tool_choice={"type": "function", "function": {"name": "get_time"}}),
+        lambda: ask(client, messages=QUESTION, tools=[WEATHER], max_tokens=60),
+        lambda: ask(client, messages=QUESTION, tools=[WEATHER], max_tokens=60,
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     choice = required.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert len(choice.message.tool_calls) == 1
     call = choice.message.tool_calls[0]
     check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
-    named = ask(client, messages=QUESTION, tools=[WEATHER, TIME], max_tokens=60,
-                tool_choice={"type": "function", "function": {"name": "get_time"}})
     check_call(named.choices[0].message.tool_calls[0], TIME)
-    auto = ask(client, messages=QUESTION, tools=[WEATHER], max_tokens=60)
     message = auto.choices[0].message
     for call in message.tool_calls or []:
         check_call(call, WEATHER)
     assert message.tool_calls or isinstance(message.content, str)
-    forced = ask(client, messages=QUESTION, tools=[WEATHER], max_tokens=60,
-                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assistant = forced.choices[0].message
     history = QUESTION + [assistant.model_dump(exclude_none=True),
                           {"role": "tool", "tool_call_id": assistant.tool_calls[0].id,
@@ -159,12 +169,14 @@ def test_bad_structured_requests_are_openai_errors_naming_the_field(client):
 
 
 def test_vllm_and_llama_cpp_forms(client):
-    for extra, check in (({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
-                         ({"structured_outputs": {"regex": "[0-9]{4}"}}, lambda t: len(t) == 4 and t.isdigit()),
-                         ({"grammar": 'root ::= "A" | "B"'}, lambda t: t in ("A", "B")),
-                         ({"json_schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
-                                           "required": ["ok"]}}, lambda t: isinstance(json.loads(t)["ok"], bool))):
-        answer = ask(client, messages=QUESTION, max_tokens=20, extra_body=extra)
+    forms = (({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+             ({"structured_outputs": {"regex": "[0-9]{4}"}}, lambda t: len(t) == 4 and t.isdigit()),
+             ({"grammar": 'root ::= "A" | "B"'}, lambda t: t in ("A", "B")),
+             ({"json_schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                               "required": ["ok"]}}, lambda t: isinstance(json.loads(t)["ok"], bool)))
+    answers = at_once(*(lambda extra=extra: ask(client, messages=QUESTION, max_tokens=20, extra_body=extra)
+                        for extra, _ in forms))
+    for (extra, check), answer in zip(forms, answers):
         assert check(answer.choices[0].message.content), (extra, answer.choices[0].message.content)
 
 
@@ -172,21 +184,26 @@ def test_langchain_structured_output_and_bind_tools(base_url):
     langchain_openai = pytest.importorskip("langchain_openai")
     model = langchain_openai.ChatOpenAI(base_url=base_url, api_key="unused", model="smol", max_tokens=60,
                                         temperature=0, max_retries=0)
-    for method in ("json_schema", "function_calling"):
-        person = model.with_structured_output(Person, method=method).invoke("Invent a person.")
-        assert isinstance(person, Person), method
     weather = {"title": "get_weather", "description": "The current weather in a city",
                **WEATHER["function"]["parameters"]}
-    message = model.bind_tools([weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    *people, message = at_once(
+        *(lambda method=method: model.with_structured_output(Person, method=method).invoke("Invent a person.")
+          for method in ("json_schema", "function_calling")),
+        lambda: model.bind_tools([weather], tool_choice="get_weather").invoke("What is the weather in Paris?"))
+    for person, method in zip(people, ("json_schema", "function_calling")):
+        assert isinstance(person, Person), method
     assert message.tool_calls[0]["name"] == "get_weather"
     jsonschema.validate(message.tool_calls[0]["args"], WEATHER["function"]["parameters"])
 
 
 def test_instructor_tools_and_json_schema_modes(base_url):
     instructor = pytest.importorskip("instructor")
-    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+    modes = (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA)
+
+    def person(mode):
         client = instructor.from_openai(openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0), mode=mode)
-        person = client.chat.completions.create(model="smol", temperature=0, response_model=Person, max_tokens=80,
-                                                max_retries=0,
-                                                messages=[{"role": "user", "content": "Invent a person."}])
-        assert isinstance(person, Person), mode
+        return client.chat.completions.create(model="smol", temperature=0, response_model=Person, max_tokens=80,
+                                              max_retries=0, messages=[{"role": "user", "content": "Invent a person."}])
+
+    for answer, mode in zip(at_once(*(lambda mode=mode: person(mode) for mode in modes)), modes):
+        assert isinstance(answer, Person), mode

@@ -58,6 +58,21 @@ def base(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def tiny_en_speech(tiny_en):
+    """tiny.en loaded once for the module's transcriptions (a Transcriber keeps no state between them)."""
+    import fastdecode
+
+    return fastdecode.load_speech(str(tiny_en))
+
+
+@pytest.fixture(scope="module")
+def base_speech(base):
+    import fastdecode
+
+    return fastdecode.load_speech(str(base))
+
+
 def speak(tmp_path: Path, voice: str, speed: int, text: str) -> Path:
     if shutil.which("espeak-ng") is None:
         pytest.skip("espeak-ng is not installed (make test installs it as root)")
@@ -122,10 +137,8 @@ def test_base_matches_ctranslate2_in_three_languages(base, tmp_path):
     compare_with_ctranslate2(base, SENTENCES[:1] + OTHER_LANGUAGES, tmp_path)
 
 
-def test_transcribe_detects_language_and_times_segments(base, tmp_path):
-    import fastdecode
-
-    transcriber = fastdecode.load_speech(str(base))
+def test_transcribe_detects_language_and_times_segments(base_speech, tmp_path):
+    transcriber = base_speech
     for voice, speed, language, text in (SENTENCES[0], OTHER_LANGUAGES[0]):
         result = transcriber.transcribe(speak(tmp_path, voice, speed, text))
         assert result.language == language and result.language_probability > 0.5
@@ -166,11 +179,9 @@ def long_recording(tmp_path: Path, seconds_of_silence: float = 3.0) -> tuple[Pat
     return out, " ".join(LONG_SENTENCES)
 
 
-def test_long_audio_seeks_window_to_window(tiny_en, tmp_path):
-    import fastdecode
-
+def test_long_audio_seeks_window_to_window(tiny_en_speech, tmp_path):
     path, spoken = long_recording(tmp_path)
-    result = fastdecode.load_speech(str(tiny_en)).transcribe(path)
+    result = tiny_en_speech.transcribe(path)
     assert result.duration > 35  # about 39 s
     starts = [s.start for s in result.segments]
     assert starts == sorted(starts) and all(s.start < s.end for s in result.segments)
@@ -179,13 +190,12 @@ def test_long_audio_seeks_window_to_window(tiny_en, tmp_path):
     assert word_error_rate(spoken, result.text) < 0.2, result.text
 
 
-def test_transcriptions_batched_equal_each_alone(tiny_en, tmp_path):
+def test_transcriptions_batched_equal_each_alone(tiny_en_speech, tmp_path):
     """Two transcriptions answered side by side (one encoder batch, one search per round) give
     what each gives alone, greedy and beam."""
-    import fastdecode
     from fastdecode.speech.batching import WindowBatcher
 
-    speech = fastdecode.load_speech(str(tiny_en))
+    speech = tiny_en_speech
     files = [speak(tmp_path, "en-us", speed, text) for speed, text in ((140, LONG_SENTENCES[0]),
                                                                        (130, LONG_SENTENCES[1]))]
     for beam_size in (1, 5):
@@ -200,14 +210,12 @@ def test_transcriptions_batched_equal_each_alone(tiny_en, tmp_path):
                    [(s.start, s.end, s.tokens) for s in expected.segments]
 
 
-def test_empty_and_silent_audio(tiny_en, tmp_path):
+def test_empty_and_silent_audio(tiny_en_speech, tmp_path):
     import wave
 
     import numpy as np
 
-    import fastdecode
-
-    speech = fastdecode.load_speech(str(tiny_en))
+    speech = tiny_en_speech
     for name, seconds in (("empty", 0.0), ("silent", 5.0)):
         path = tmp_path / f"{name}.wav"
         with wave.open(str(path), "wb") as handle:
@@ -223,21 +231,19 @@ def test_empty_and_silent_audio(tiny_en, tmp_path):
             assert all(s.no_speech_prob > 0.6 for s in result.segments)
 
 
-def test_base_translates_french_into_english(base, tmp_path):
-    import fastdecode
-
+def test_base_translates_french_into_english(base_speech, tmp_path):
     voice, speed, _language, text = OTHER_LANGUAGES[0]
-    result = fastdecode.load_speech(str(base)).transcribe(speak(tmp_path, voice, speed, text), task="translate")
+    result = base_speech.transcribe(speak(tmp_path, voice, speed, text), task="translate")
     assert result.language == "fr" and result.task == "translate"
     words = result.text.lower()
     assert "coffee" in words and "café" not in words and "bonjour" not in words, result.text  # English, not French
 
 
-def test_int8_weights_transcribe_as_float(tiny_en, tmp_path):
+def test_int8_weights_transcribe_as_float(tiny_en, tiny_en_speech, tmp_path):
     """Weights quantized at load (int8, int8 activations as CTranslate2's int8): the same words."""
     import fastdecode
 
-    float32, int8 = fastdecode.load_speech(str(tiny_en)), fastdecode.load_speech(str(tiny_en), quantize="int8")
+    float32, int8 = tiny_en_speech, fastdecode.load_speech(str(tiny_en), quantize="int8")
     for voice, speed, _language, text in SENTENCES:
         path = speak(tmp_path, voice, speed, text)
         expected, got = float32.transcribe(path).text, int8.transcribe(path).text

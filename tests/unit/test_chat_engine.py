@@ -42,7 +42,7 @@ def _replies(session, messages) -> tuple[list[str], list[str]]:
     replies, kinds = [], []
     for message in messages:
         replies.append("".join(session.send(message)))
-        kinds.append(type(session.engine).__name__)
+        kinds.append("stream" if session.engine.streaming else "plain")
     return replies, kinds
 
 
@@ -52,15 +52,15 @@ def _replies(session, messages) -> tuple[list[str], list[str]]:
 @pytest.mark.parametrize("options", [{"do_sample": True, "seed": 3, "temperature": 0.9},
                                      {"do_sample": True, "seed": 11, "top_k": 30, "repetition_penalty": 1.3}])
 def test_replies_equal_the_streaming_cache_before_and_after_overflow(gen, policy, options):
-    """n_ctx=40: the first turns run in the engine, a later one hands the conversation over to the
-    streaming cache; a session on the streaming cache from the start gives the same replies."""
+    """n_ctx=40: the first turns run as a plain kept sequence, a later one switches it to the
+    streaming policy; a session streaming from the start gives the same replies."""
     session = gen.chat_session(n_ctx=40, max_new_tokens=6, policy=policy, **options)
     reference = gen.chat_session(n_ctx=40, max_new_tokens=6, policy=policy, **options)
-    reference.engine = reference.engine.hand_over(reference.config)  # the streaming cache from the start
+    reference.engine.switch_to_stream(reference.config)  # the streaming policy from the start
     replies, kinds = _replies(session, MESSAGES)
     expected, _ = _replies(reference, MESSAGES)
     assert replies == expected
-    assert kinds[0] == "EngineConversation" and kinds[-1] != "EngineConversation"  # it did overflow
+    assert kinds[0] == "plain" and kinds[-1] == "stream"  # it did overflow
     # (a reply holding a special token renders differently: both start over from the rendering)
     assert session.messages == reference.messages and session.full_rebuilds == reference.full_rebuilds
 

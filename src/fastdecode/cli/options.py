@@ -44,10 +44,40 @@ def generation_options(command):
         click.option("--grammar", "grammar", type=click.Path(exists=True, dir_okay=False), default=None,
                      help="Constrain the output to this grammar file (GBNF, or llguidance's Lark)."),
         max_memory_option,
+        *speculative_flags,
     ]
     for option in reversed(options):
         command = option(command)
     return command
+
+
+speculative_flags = [
+    click.option("--speculative", type=click.Choice(["ngram", "off"]), default="off", show_default=True,
+                 help="Speculative decoding: ngram drafts tokens by prompt lookup and verifies them in one step "
+                      "(the same output, faster where text repeats: edits, summaries, code)."),
+    click.option("--draft-model", default=None,
+                 help="Speculative decoding with this smaller model (GGUF or HF folder, the same tokenizer) "
+                      "drafting tokens for the model to verify."),
+    click.option("--speculative-tokens", type=int, default=None,
+                 help="Most tokens drafted per step (default 8 for ngram, 4 for a draft model; adapts to what "
+                      "is accepted)."),
+]
+
+
+def speculative_value(kwargs: dict[str, Any]) -> Any:
+    """--speculative / --draft-model / --speculative-tokens (taken out of ``kwargs``) -> the
+    ``speculative`` option."""
+    method, draft = kwargs.pop("speculative", "off"), kwargs.pop("draft_model", None)
+    tokens = kwargs.pop("speculative_tokens", None)
+    if draft is not None:
+        if method != "off":
+            raise InvalidOptionError("give --speculative ngram or --draft-model, not both")
+        return {"draft_model": draft} if tokens is None else {"draft_model": draft, "num_tokens": tokens}
+    if method == "off":
+        if tokens is not None:
+            raise InvalidOptionError("--speculative-tokens needs --speculative ngram or --draft-model")
+        return None
+    return method if tokens is None else {"method": method, "num_tokens": tokens}
 
 
 max_memory_option = click.option(
@@ -100,6 +130,7 @@ def collect_options(kwargs: dict[str, Any]) -> dict[str, Any]:
         options["eos_token_id"] = list(kwargs["eos_token_id"])
     if kwargs["stop"]:
         options["stop"] = list(kwargs["stop"])
+    options["speculative"] = speculative_value(kwargs)
     constraint = file_constraint(kwargs.get("json_schema"), kwargs.get("grammar"))
     if constraint is not None:
         options["response_format"] = constraint

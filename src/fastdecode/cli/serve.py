@@ -8,9 +8,8 @@ from typing import Any
 
 import click
 
-from ..errors import InvalidOptionError
 from .errors import handle_errors
-from .options import load_settings, model_options
+from .options import load_settings, model_options, speculative_flags, speculative_value
 from .serve_ray import ray_serve_options, ray_serve_values, run_on_ray
 
 
@@ -57,6 +56,9 @@ from .serve_ray import ray_serve_options, ray_serve_values, run_on_ray
                    "'*' for any). Default: none.")
 @ray_serve_options
 @model_options
+@speculative_flags[0]
+@speculative_flags[1]
+@speculative_flags[2]
 @handle_errors
 def serve(model: str | None, device: str, dtype: str, host: str, port: int, model_names: tuple[str, ...],
           allowed_origins: tuple[str, ...], context_overflow: str | None, **kwargs: Any) -> None:
@@ -68,23 +70,27 @@ def serve(model: str | None, device: str, dtype: str, host: str, port: int, mode
     from ..serve.server import run
 
     ray_address, replica_options = ray_serve_values(kwargs)
+    kwargs["speculative"] = speculative_value(kwargs)
     overflow = context_overflow or ("shift" if kwargs["n_ctx"] is not None else "error")
     pooling = kwargs.pop("pooling")
     kwargs["embeddings"] = pooling if kwargs.pop("embeddings") else None
     names = list(model_names) or [Path(model or default_model_path()).name.removesuffix(".gguf")]
     origins = tuple(o.strip() for value in allowed_origins for o in value.split(",") if o.strip())
+    load = load_settings(model, device, dtype, kwargs)  # takes the model flags out of kwargs
+    settings = dict(model_name=names[0], model_aliases=tuple(names[1:]), allowed_origins=origins,
+                    context_overflow=overflow, **kwargs)
     if ray_address is not None:
-        extras = {"--embeddings": kwargs["embeddings"], "--lenient": kwargs["lenient"], "--allowed-origins": origins,
-                  "--strict-model-name": kwargs["strict_model_name"], "several --served-model-name": names[1:]}
-        used = [flag for flag, value in extras.items() if value]
-        if used:
-            raise InvalidOptionError(f"{', '.join(used)}: not available with --ray yet (its ingress serves the "
-                                     "completion and chat routes)")
-        load = load_settings(model, device, dtype, kwargs)
-        for name in ("embeddings", "lenient", "strict_model_name"):
-            kwargs.pop(name)
-        sys.exit(run_on_ray(load, ray_address, replica_options, host, port, model_name=names[0],
-                            context_overflow=overflow, **kwargs))
-    generator = load_settings(model, device, dtype, kwargs).load()
-    sys.exit(run(generator, host, port, model_name=names[0], model_aliases=tuple(names[1:]), allowed_origins=origins,
-                 context_overflow=overflow, **kwargs))
+        sys.exit(run_on_ray(load, ray_address, replica_options, host, port, **settings))
+    generator = load.load()
+    preload_draft_model(generator, kwargs["speculative"])
+    sys.exit(run(generator, host, port, **settings))
+
+
+def preload_draft_model(generator, speculative) -> None:
+    """Load and check --draft-model before serving: a bad one stops the server at start (exit 2),
+    and the first request does not wait for the load."""
+    from ..config.speculative import speculative_settings
+
+    settings = speculative_settings(speculative)
+    if settings is not None and settings.draft_model is not None:
+        generator.requests.draft_model(settings.draft_model)

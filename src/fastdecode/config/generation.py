@@ -58,6 +58,8 @@ class GenerationConfig:
     # The output's constraint (constraints/forms.py): a dict form ({"type": "json_schema", ...},
     # "json_object", "regex", "choice", "grammar") or a Pydantic model class; None: free text.
     response_format: Any = None
+    # Speculative decoding (config/speculative.py): None / False off, "ngram" (prompt lookup) or a dict.
+    speculative: Any = None
 
     @classmethod
     def from_options(cls, base: "GenerationConfig | None" = None, **options: Any) -> "GenerationConfig":
@@ -74,6 +76,9 @@ class GenerationConfig:
         values.update({k: v for k, v in options.items() if v is not None or k in nullable})
         if values.get("seed") == -1:  # OpenAI / vLLM clients send -1 for "random"
             values["seed"] = None
+        if "speculative" not in options and (values.get("num_beams", 1) > 1 or values.get("n_ctx") is not None
+                                             or values.get("use_cache") is False):
+            values["speculative"] = None  # a default speculation applies where it can run (greedy, sampling)
         config = cls(**values)
         config.validate()
         return config
@@ -144,6 +149,7 @@ class GenerationConfig:
 
             parse_size(self.max_memory)
         self._validate_streaming(bad)
+        self._validate_speculative(bad)
         if self.response_format is not None:
             from ..constraints.forms import response_format_from
 
@@ -206,6 +212,18 @@ class GenerationConfig:
             raise bad(f"n_discard must be an integer in [1, {window - 1}] (n_ctx - n_keep - 1), got {self.n_discard!r}")
         if self.num_return_sequences != 1:
             raise bad("streaming generation (n_ctx) produces one sequence per prompt: num_return_sequences must be 1")
+
+    def _validate_speculative(self, bad) -> None:
+        from .speculative import speculative_settings
+
+        if speculative_settings(self.speculative) is None:
+            return
+        if self.num_beams > 1:
+            raise bad("speculative decoding drafts for one sequence: beam search (num_beams > 1) refuses it")
+        if not self.use_cache:
+            raise bad("speculative decoding verifies drafts against the cache: not with use_cache=False")
+        if self.n_ctx is not None:
+            raise bad("speculative decoding does not run on a streaming cache (n_ctx) yet: drop one of them")
 
     @property
     def discard_count(self) -> int:

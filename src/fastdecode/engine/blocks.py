@@ -137,6 +137,12 @@ class BlockPool:
                 if self.ref_counts[block] == 0:
                     self.free[block] = None
 
+    def unname(self, table: list[int]) -> None:
+        """Forget the names of the blocks of ``table`` no other sequence holds."""
+        for block in table:
+            if block != NO_BLOCK and self.ref_counts[block] == 1:
+                self._forget(block)
+
     def _forget(self, block: int) -> None:
         key = self.block_key.pop(block, None)
         if key is not None and self.by_hash.get(key[0]) == block:

@@ -13,6 +13,7 @@ from .requests import Request, RequestFactory
 from .scheduler import DEFAULT_CACHE_BYTES, Engine
 from .sequence import Sequence
 from .slots import BLOCK_SIZE
+from .streaming_policy import stream_capacity
 
 
 def slots_for(lengths: list[int], bytes_per_token: int) -> int:
@@ -32,8 +33,9 @@ def submit_call(model: Any, factory: RequestFactory, requests: list[Request]) ->
         contexts = [1] * len(requests)
     else:
         contexts = [len(r.prompt) for r in requests]
-    cache_tokens = slots_for([n + r.config.max_new_tokens for n, r in zip(contexts, requests)],
-                             config.kv_cache_bytes_per_token(itemsize))
+    needed = [stream_capacity(r.config) if r.config.n_ctx is not None else n + r.config.max_new_tokens
+              for n, r in zip(contexts, requests)]  # a stream holds n_ctx plus its headroom
+    cache_tokens = slots_for(needed, config.kv_cache_bytes_per_token(itemsize))
     engine = Engine(model, factory, max_queue=len(requests), cache_tokens=cache_tokens, source_tokens=source_tokens)
     return engine, [engine.add(request) for request in requests]
 

@@ -38,6 +38,18 @@ from .slots import SlotCache
 RowGroup = tuple[int, list[Sequence], int]  # (first flat token, its sequences, queries per sequence)
 
 
+def row_groups(work: list[tuple[Sequence, int]]) -> list[RowGroup]:
+    """A step's cross-attention groups, (first flat token, sequences, queries each): one group for
+    all one-query rows, one per longer chunk (``work`` is in that order)."""
+    singles = [s for s, count in work if count == 1]
+    groups = [(0, singles, 1)] if singles else []
+    first = len(singles)
+    for sequence, count in work[len(singles):]:
+        groups.append((first, [sequence], count))
+        first += count
+    return groups
+
+
 def right_pad(sources: list[list[int]], device: torch.device, pad_id: int = 0):
     """-> tokens [B, S], valid [B, S], positions [1, S] (the same 0..S-1 for every row).
 

@@ -74,6 +74,7 @@ class RequestFactory:
         self.defaults = defaults or GenerationConfig()
         self.dtype, self.device = dtype, torch.device(device)
         self._grammars: "ModelGrammars | None" = None  # made at the first constraint
+        self._draft_models: dict[str, Any] = {}  # path -> engine/draft_model.py's DraftModel, loaded once
 
     # -- options ---------------------------------------------------------------------------------
     def generation_config(self, options: dict[str, Any]) -> GenerationConfig:
@@ -115,6 +116,20 @@ class RequestFactory:
             self._grammars = ModelGrammars(self.require_tokenizer(), self.model_config.vocab_size)
         eos = self.eos_ids(self.defaults) if eos_ids is None else eos_ids
         return self._grammars.compile(response_format, name, eos)
+
+    def draft_model(self, path: str) -> Any:
+        """The draft model at ``path`` (loaded once, on this model's device and dtype), checked to share
+        this model's tokenizer (engine/draft_model.py)."""
+        if path not in self._draft_models:
+            from ..loading.open import open_checkpoint
+            from .draft_model import DraftModel, check_draft_compatible
+
+            checkpoint, _ = open_checkpoint(path, str(self.device), str(self.dtype).removeprefix("torch."), None)
+            model = checkpoint.family.build(checkpoint.config, checkpoint.weights)
+            requests = RequestFactory(checkpoint.config, checkpoint.tokenizer, dtype=self.dtype, device=self.device)
+            check_draft_compatible(path, self, requests)
+            self._draft_models[path] = DraftModel(model, requests, path)
+        return self._draft_models[path]
 
     def grammar(self, config: GenerationConfig) -> "CompiledGrammar | None":
         """The compiled constraint of a generation config (its ``response_format``), or None."""

@@ -24,6 +24,10 @@ decoder's self-attention uses the slot cache like a decoder-only model's.
 A sequence submitted with ``keep=True`` (a chat session) keeps its blocks when it finishes;
 ``resume`` continues it with new tokens (only they run), ``drop`` frees it.
 
+A sequence submitted with ``n_ctx`` is a stream: its policy (sinks + shift or re-evaluate) runs
+before each of its chunks, on its own blocks, in the same steps as everything else
+(engine/stream_steps.py).
+
 One thread owns an Engine (it is not thread-safe); ``Sequence.cancel()`` only sets a flag.
 """
 
@@ -40,12 +44,16 @@ from ..generation.sampling import TokenSelector, sequence_seeds
 from ..layers.products import Products
 from ..validation import positive_int
 from .compiled import CompiledDecode
-from .cross import CrossStore, RowGroup, decoder_score_bias
+from .cross import CrossStore, decoder_score_bias, row_groups
 from .plan import StepPlan, layer_windows
 from .requests import Request, RequestFactory
+from .layout import flat_layout
+from .sampler import sample_rows
 from .scoring import finish_scored, keep_logits, scoring_sequence
-from .sequence import Sequence, TokenEvent, token_logprobs
+from .sequence import Sequence, TokenEvent
 from .slots import SlotCache, check_fits
+from .speculative import Speculator
+from .stream_steps import chunk_tokens, mixed_forward, new_stream
 
 DEFAULT_CACHE_BYTES = 1 << 30
 WINDOW_SEQUENCES = 16  # sequences a sliding kind's pool serves at their peak at once (shorter ones take less)
@@ -108,11 +116,12 @@ class Engine:
         self.tokens_run = 0  # tokens the model has run (prefix-cache hits are not run)
         self._ended: list[TokenEvent] = []  # events of sequences that ended outside a forward
         self._next_id = 0
+        self.speculator = Speculator(self)
 
     # -- requests --------------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], options: dict[str, Any] | None = None) -> Sequence:
-        """Queue a request; raises at once if it can never run or the queue is full."""
-        return self.add(self.requests.build(prompt_ids, options))
+    def submit(self, prompt_ids: list[int], options: dict[str, Any] | None = None, keep: bool = False) -> Sequence:
+        """Queue a request; raises at once if it can never run or the queue is full (``keep``: see ``add``)."""
+        return self.add(self.requests.build(prompt_ids, options), keep)
 
     def submit_choices(self, prompt_ids: list[int], options: dict[str, Any] | None = None) -> list[Sequence]:
         """``num_return_sequences`` sequences of one prompt, seeded as ``generate`` seeds a prompt's
@@ -142,9 +151,9 @@ class Engine:
         if config.num_beams > 1:
             raise InvalidOptionError("beam search (num_beams > 1) does not run in the engine: use "
                                      "Generator.generate_ids_with_details")
-        if config.n_ctx is not None or not config.use_cache:
-            raise InvalidOptionError("the engine runs cached generation: streaming (n_ctx) and use_cache=False "
-                                     "run through Generator.generate")
+        if not config.use_cache and config.n_ctx is None:  # (a stream has its cache whatever use_cache says)
+            raise InvalidOptionError("the engine runs cached generation: use_cache=False runs through "
+                                     "Generator.generate")
         if config.num_return_sequences != 1:
             raise InvalidOptionError("submit one request per wanted sequence (num_return_sequences must be 1)")
         if len(self.waiting) >= self.max_queue:
@@ -156,9 +165,12 @@ class Engine:
             self.cross.check_fits(prompt)
             decoder_prompt = [self.model.config.decoder_start_token_id]
         context = decoder_prompt or prompt
-        check_fits(len(context) + config.max_new_tokens, self.cache, f"a request of {len(context)} prompt tokens",
-                   self.max_chunk)
+        stream = new_stream(self, config) if config.n_ctx is not None else None  # a stream past n_ctx
+        if stream is None:
+            check_fits(len(context) + config.max_new_tokens, self.cache,
+                       f"a request of {len(context)} prompt tokens", self.max_chunk)
         sequence = self._new_sequence(request, decoder_prompt=decoder_prompt)
+        sequence.stream = stream
         sequence.keep_cache = keep
         self._queue(sequence)
         return sequence
@@ -178,11 +190,15 @@ class Engine:
         if not (kept.keep_cache and kept.finished and kept.source is None):
             raise InvalidOptionError("only a finished sequence submitted with keep=True can be resumed")
         prompt = kept.tokens(0, kept.num_tokens) + list(request.prompt)
-        check_fits(len(prompt) + request.config.max_new_tokens, self.cache,
-                   f"a conversation of {len(prompt)} tokens", self.max_chunk)
+        if request.config.n_ctx is None and kept.stream is None:
+            check_fits(len(prompt) + request.config.max_new_tokens, self.cache,
+                       f"a conversation of {len(prompt)} tokens", self.max_chunk)
+        elif kept.stream is None:
+            raise InvalidOptionError("a conversation kept without n_ctx cannot go on as a stream")
         fed = prompt[kept.num_computed:]
         sequence = self._new_sequence(dataclasses.replace(request, prompt=prompt), history=fed)
         sequence.keep_cache = True
+        sequence.stream, kept.stream = kept.stream, None
         sequence.block_table, kept.block_table = kept.block_table, []
         sequence.block_hashes, sequence.num_computed = kept.block_hashes, kept.num_computed
         sequence.num_cached_prompt_tokens = kept.num_computed
@@ -208,6 +224,7 @@ class Engine:
                        row_seeds=None if request.seed is None else [request.seed])
         sequence = Sequence(self._next_id, prompt, config, selector, request.eos_ids, request.text_watcher(),
                             request.logprobs, decoder_prompt)
+        self.speculator.attach(sequence)
         self._next_id += 1
         return sequence
 
@@ -242,25 +259,35 @@ class Engine:
         """(sequence, tokens to run) for this step: decodes first, then prompt chunks, then admissions."""
         decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
         reading = [s for s in self.running if s.num_tokens - s.num_computed > 1]
-        work = [(sequence, 1) for sequence in decoding[: self.max_batch_tokens]]
-        budget = self.max_batch_tokens - len(work)
+        self.speculator.draft(decoding[: self.max_batch_tokens])  # engine/speculative.py
+        work, budget = [], self.max_batch_tokens
+        for sequence in decoding:  # one token each, plus a draft to verify for a speculating sequence
+            sequence.draft = sequence.draft[: max(0, budget - 1)]
+            if budget == 0:
+                continue
+            work.append((sequence, 1 + len(sequence.draft)))
+            budget -= 1 + len(sequence.draft)
         if work:
             budget = min(budget, self.prefill_chunk)  # prompt tokens this step (see the module docstring)
+        untouched = True  # no prompt chunk taken yet: a stream's whole chunk may pass the budget
         for sequence in reading:
-            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk, sequence.chunk_limit)
+            count = chunk_tokens(sequence, budget, untouched, self.max_chunk)
             if count == 0:
-                break
+                if sequence.stream is None:
+                    break
+                continue  # a stream's chunk waits for a step with room for it whole
             work.append((sequence, count))
-            budget -= count
+            budget, untouched = max(0, budget - count), False
         while self.waiting and budget > 0:
             sequence = self.waiting[0]
             if not self._admit(sequence):
                 break  # FIFO: the head waits for room, nobody overtakes it
             self.waiting.popleft()
             self.running.append(sequence)
-            count = min(sequence.num_tokens - sequence.num_computed, budget, self.max_chunk, sequence.chunk_limit)
-            work.append((sequence, count))
-            budget -= count
+            count = chunk_tokens(sequence, budget, untouched, self.max_chunk)
+            if count:
+                work.append((sequence, count))
+                budget, untouched = max(0, budget - count), False
         return work
 
     def _admit(self, sequence: Sequence) -> bool:
@@ -269,6 +296,12 @@ class Engine:
         A new decoder-only sequence shares its prompt's cached prefix; a resumed one grows the
         blocks it kept; an encoder-decoder one also reserves its cross-attention blocks and never
         shares (its decoder's K/V depend on its source, not only on its tokens)."""
+        if sequence.stream is not None:  # a stream holds blocks for all its positions
+            if not sequence.stream.table:
+                if not sequence.stream.can_admit():
+                    return False
+                sequence.stream.admit()
+            return True
         cache, total, chunk = self.cache, sequence.total_tokens, self.max_chunk
         if sequence.block_table:  # resumed: it holds its computed tokens already
             return cache.grow(sequence.block_table, total, chunk)
@@ -289,98 +322,65 @@ class Engine:
         return True
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[TokenEvent]:
-        work = [w for w in work if w[1] == 1] + [w for w in work if w[1] > 1]  # one-query rows first
         for sequence, count in work:  # sliding kinds: drop what slid out, take the blocks written now
-            self.cache.prepare(sequence.block_table, sequence.num_computed, sequence.num_computed + count)
-        if self.compiled is not None and all(count == 1 and s.num_computed >= len(s.context) for s, count in work):
+            if sequence.stream is None:
+                self.cache.prepare(sequence.block_table, sequence.num_computed, sequence.num_computed + count)
+        if any(sequence.stream is not None for sequence, _ in work):
+            logits, sampled = mixed_forward(self, work)
+        elif self.compiled is not None and all(count == 1 and s.num_computed >= len(s.context) for s, count in work):
             sampled = [sequence for sequence, _ in work]  # every row decodes its last token
             logits = self.compiled.logits(sampled)  # [B, V]
         else:
             logits, sampled = self._forward(work)
         self.tokens_run += sum(count for _, count in work)
         for sequence, count in work:
-            self._computed(sequence, sequence.num_computed + count)
+            if not sequence.draft:  # a verified draft advances by what is accepted (Speculator.sample)
+                self._computed(sequence, sequence.num_computed + count)
         return self._sample(sampled, logits) + finish_scored(work, self._release)
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """One flat varlen forward over ``work`` -> (logits [K, V], the K sequences that reached
-        their last token, in logits order)."""
+        """One flat varlen forward over ``work`` (engine/layout.py) -> (logits [K, V], the sequences that
+        reached their last token, in logits order: one row each, 1 + its draft's length for a verifying one)."""
         device = self.model.device
-        tokens, positions, logit_rows, sampled, is_prompt, kept_rows, scored = [], [], [], [], [], [], []
-        for sequence, count in work:
-            start = sequence.num_computed
-            tokens += sequence.tokens(start, start + count)
-            positions += range(start, start + count)
-            is_prompt += (index < len(sequence.context) for index in range(start, start + count))
-            if sequence.keeps_logits:  # scoring: every position's logits (engine/scoring.py)
-                kept_rows += range(len(tokens) - count, len(tokens))
-                scored.append((sequence, count))
-            elif start + count == sequence.num_tokens:
-                logit_rows.append(len(tokens) - 1)
-                sampled.append(sequence)
-        rows = self._row_groups(work)
+        layout = flat_layout(work)  # engine/layout.py
+        groups = row_groups([(s, count) for s, _, count in layout.rows])
         # a row's arithmetic follows its role (layers/products.py); big ops get the caller's threads
-        products = Products.of_rows(is_prompt, torch.get_num_threads(), device)
-        plan = StepPlan.for_rows(self.cache, [(s.block_table, s.num_computed, count) for s, count in work],
+        products = Products.of_rows(layout.is_prompt, torch.get_num_threads(), device)
+        plan = StepPlan.for_rows(self.cache, [(s.block_table, start, count) for s, start, count in layout.rows],
                                  self.windows, self.score_bias, self.model.dtype, products)
-        token_tensor = torch.tensor([tokens], device=device)  # [1, N]
-        position_tensor = torch.tensor([positions], device=device)  # [1, N]
-        logits_at = torch.tensor(logit_rows + kept_rows, dtype=torch.long, device=device)
+        token_tensor = torch.tensor([layout.tokens], device=device)  # [1, N]
+        position_tensor = torch.tensor([layout.positions], device=device)  # [1, N]
+        logits_at = torch.tensor(layout.logits_at, dtype=torch.long, device=device)
         if self.cross is None:
             logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
         else:
-            logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(rows),
+            logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(groups),
                                        logits_at=logits_at)[0]  # [K, V]
-        return keep_logits(scored, logits, len(sampled)), sampled  # scoring rows handed over: [K, V]
-
-    @staticmethod
-    def _row_groups(work: list[tuple[Sequence, int]]) -> list[RowGroup]:
-        """(first flat token, sequences, queries each): one group for all one-query rows, one per
-        longer chunk (``work`` is in that order)."""
-        singles = [s for s, count in work if count == 1]
-        groups = [(0, singles, 1)] if singles else []
-        first = len(singles)
-        for sequence, count in work[len(singles):]:
-            groups.append((first, [sequence], count))
-            first += count
-        return groups
+        return keep_logits(layout.scored, logits, len(layout.logit_rows)), layout.sampled  # scoring rows handed over
 
     def _computed(self, sequence: Sequence, num_computed: int) -> None:
         """Advance a sequence and name its newly completed blocks for the prefix cache."""
         pool = self.cache.pool
         done_before, sequence.num_computed = sequence.num_computed // pool.block_size, num_computed
         done_now = num_computed // pool.block_size
-        if done_now > done_before and sequence.source is None:  # no naming: decoder K/V depend on the source
+        if done_now > done_before and sequence.source is None and sequence.stream is None:  # no naming: decoder K/V depend on the source
             self.cache.publish(sequence.block_table, sequence.tokens(0, num_computed), sequence.block_hashes,
                                done_now)
 
     def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
-        if not sampled:
-            return []
-        if all(s.selector.plain_greedy(len(s.output_ids)) for s in sampled):
-            chosen = logits.argmax(dim=-1)  # [K]: one op for a step of plain greedy rows (select's result)
-        else:
-            chosen = torch.cat([s.selector.select(logits[i : i + 1], len(s.output_ids)) for i, s in enumerate(sampled)])
-        token_ids = chosen.tolist()  # the one host sync of the step
-        wanted = [i for i, s in enumerate(sampled) if s.logprobs is not None]
-        details: dict[int, tuple[float, list]] = {}
-        if wanted:
-            rows = torch.tensor(wanted, device=logits.device)
-            top = max(sampled[i].logprobs for i in wanted)
-            chosen_lp, tops = token_logprobs(logits[rows], chosen[rows], top)
-            for j, i in enumerate(wanted):
-                details[i] = (chosen_lp[j], tops[j][: sampled[i].logprobs] if sampled[i].logprobs else None)
-        events = []
-        for i, (sequence, token) in enumerate(zip(sampled, token_ids)):
-            logprob, top_logprobs = details.get(i, (None, None))
-            events.append(sequence.accept(token, logprob, top_logprobs))
-            if sequence.finished:
-                self._release(sequence)
-        return events
+        if any(s.draft for s in sampled):  # verifying sequences keep what their rows confirm
+            return self.speculator.sample(sampled, logits)
+        return self._sample_rows(sampled, logits)
+
+    def _sample_rows(self, sampled: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+        return sample_rows(sampled, logits, self._release)  # engine/sampler.py
 
     def _release(self, sequence: Sequence) -> None:
+        self.speculator.release(sequence)
         if self.cross is not None:
             self.cross.release(sequence)
+        if sequence.stream is not None and not sequence.keep_cache:
+            sequence.stream.release()
         if sequence.block_table and not sequence.keep_cache:
             self.cache.release(sequence.block_table)
             sequence.block_table = []

@@ -77,6 +77,9 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop" | "length" | "cancelled"
         self.stop_kind: str | None = None  # finer: "eos" | "stop" (a stop string) | "length" | "cancelled"
         self.cancel_requested = False
+        self.speculation: Any = None  # engine/speculative.py's Speculation for a speculating sequence
+        self.draft: list[int] = []  # the draft tokens it verifies in the current step
+        self.stream: Any = None  # a stream past n_ctx: its StreamingPolicy (engine/streaming_policy.py)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,12 +117,14 @@ class Sequence:
                top_logprobs: list[tuple[int, float]] | None = None) -> TokenEvent:
         """Append a chosen token, check EOS / length / stop strings -> its event."""
         self.output_ids.append(token)
+        if self.speculation is not None:
+            self.speculation.drafter.extend([token])
         text = self.watcher.push(token) if self.watcher is not None else ""
         if token in self.eos_ids:
             self.finish("eos")
         elif self.watcher is not None and self.watcher.matcher.stopped:
             self.finish("stop")
-        elif len(self.output_ids) >= self.config.max_new_tokens:
+        elif self.config.max_new_tokens is not None and len(self.output_ids) >= self.config.max_new_tokens:
             self.finish("length")
         if self.finished and self.watcher is not None:
             text += self.watcher.finish()

@@ -38,19 +38,14 @@ def left_pad(prompts: list[list[int]], device: torch.device, pad_id: int = 0):
     return tokens.to(device), valid.to(device), positions.to(device)
 
 
-def start_decoder_only(model, prompts: list[list[int]], config: GenerationConfig, engine=None) -> Started:
-    """Left-pad the prompts and prefill them in one forward (into ``engine`` when one is given:
-    a streaming engine that already holds a conversation)."""
+def start_decoder_only(model, prompts: list[list[int]], config: GenerationConfig) -> Started:
+    """Left-pad the prompts and prefill them in one forward."""
     tokens, valid, positions = left_pad(prompts, model.device)
-    engine = engine or _decoder_engine(model, config, *tokens.shape)
+    engine = _decoder_engine(model, config, *tokens.shape)
     return Started(engine, engine.prefill(tokens, valid, positions), positions[:, -1] + 1, prompts)
 
 
 def _decoder_engine(model, config: GenerationConfig, batch_size: int, prompt_length: int):
-    if config.n_ctx is not None:
-        from .streaming import streaming_engine
-
-        return streaming_engine(model, config)
     if not config.use_cache:
         return RecomputeEngine(model)
     return CachedEngine(model, batch_size, prompt_length + config.max_new_tokens)
@@ -73,10 +68,9 @@ class DecodeLoop:
     """
 
     def __init__(self, model, prompts: list[list[int]], config: GenerationConfig, eos_ids: list[int],
-                 engine=None, row_seeds: list[int] | None = None, grammar: CompiledGrammar | None = None):
+                 row_seeds: list[int] | None = None, grammar: CompiledGrammar | None = None):
         self.model = model
         self.row_seeds = row_seeds  # each row's sampling seed (see sampling.py), or None
-        self.engine = engine  # a streaming engine that already holds a conversation, or None
         self.prompts = prompts
         self.config = config
         self.eos_ids = set(eos_ids)
@@ -98,10 +92,7 @@ class DecodeLoop:
                 result.finish_reason = "length"
             return
         with torch.inference_mode():
-            if self.engine is not None:
-                started = start_decoder_only(model, self.prompts, cfg, self.engine)
-            else:
-                started = engine_starter(model)(model, self.prompts, cfg)
+            started = engine_starter(model)(model, self.prompts, cfg)
             engine, logits, next_positions, history = started
             sources = self.prompts if model.config.is_encoder_decoder else None
             self.selector.start(history, device, sources, self.row_seeds)

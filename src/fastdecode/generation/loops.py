@@ -1,5 +1,5 @@
-"""The calls the engine does not run yet: beam search, streaming caches (``n_ctx``) and the naive
-reference (``use_cache=False``), each through its own decode loop, with stop strings watched on
+"""The calls the engine does not run yet: beam search and the naive reference
+(``use_cache=False``), each through its own decode loop, with stop strings watched on
 the text as the engine watches them."""
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from .stopping import TextWatcher
 
 
 def runs_in_engine(config: GenerationConfig) -> bool:
-    """Greedy and sampling run in the engine (decoder-only and encoder-decoder models); beam
-    search, streaming caches (n_ctx) and the naive reference (use_cache=False) keep their own loops."""
-    return config.num_beams == 1 and config.n_ctx is None and config.use_cache
+    """Greedy, sampling and streams past n_ctx run in the engine (decoder-only and encoder-decoder
+    models); beam search and the naive reference (use_cache=False) keep their own loops."""
+    return config.num_beams == 1 and (config.use_cache or config.n_ctx is not None)
 
 
 def decode_loops(model: Any, factory: RequestFactory, prompts: list[list[int]], config: GenerationConfig) -> list[Any]:
-    """One decode loop for the whole batch (beam search: R results per prompt, best first); one per
-    sequence for streaming (a streaming cache is a batch of one)."""
+    """One decode loop for the whole batch (beam search: R results per prompt, best first)."""
     prompts = factory.check_call(prompts, config)
     repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
     eos, grammar = factory.eos_ids(config), factory.grammar(config)
@@ -31,9 +30,6 @@ def decode_loops(model: Any, factory: RequestFactory, prompts: list[list[int]], 
 
         return [BeamSearch(model, prompts, config, eos, grammar)]
     seeds = sequence_seeds(config, len(prompts)) if config.is_sampling else None
-    if config.n_ctx is not None:
-        return [DecodeLoop(model, [p], config, eos, row_seeds=seeds and [seeds[i]], grammar=grammar)
-                for i, p in enumerate(repeated)]
     return [DecodeLoop(model, repeated, config, eos, row_seeds=seeds, grammar=grammar)]
 
 

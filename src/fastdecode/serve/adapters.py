@@ -10,9 +10,9 @@ from typing import Any
 
 from fastapi import Request
 
-from .extras import parse_extras
 from .lifetime import lifetime_of
-from .protocol import APIError, GenerationRequest, parse_request
+from .parsing import parse_translated_chat
+from .protocol import APIError, GenerationRequest
 from .service import GenerationService, RunningRequest
 from .structured import attach_constraints
 
@@ -29,8 +29,7 @@ class Outcome:
 
 async def start_chat(service: GenerationService, request: Request, chat_body: dict[str, Any],
                      model: str) -> tuple[GenerationRequest, RunningRequest]:
-    parsed = parse_request(chat_body, "chat", model)
-    parse_extras(chat_body, parsed)
+    parsed = parse_translated_chat(chat_body, model)
     attach_constraints(parsed, chat_body)  # a response_format the route translated (structured.py)
     running = await service.start_request(parsed, service.encode(parsed))
     lifetime_of(request).on_disconnect(running.cancel)

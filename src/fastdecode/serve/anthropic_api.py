@@ -18,10 +18,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .adapters import Outcome, collect, deltas, start_chat, text_of
-from .anthropic_tools import block_messages, chat_tool_fields, tool_use_blocks
+from .anthropic_tools import block_messages, chat_tool_fields, tool_use_blocks, tool_use_id
 from .body import read_json_body
 from .fields import check_known
 from .names import ModelNames
+from .output_items import ItemEvent, OutputItems
 from .protocol import APIError
 from .service import GenerationService, ServeSettings
 
@@ -43,9 +44,8 @@ def add_messages_route(app: FastAPI, service: GenerationService, names: ModelNam
     @app.post(PATH)
     async def messages(request: Request) -> Response:
         body = await read_json_body(request, settings.max_body_bytes)
-        check_known(body, SERVED, REFUSED, settings.lenient, "Messages API")
-        model = names.resolve(body.get("model"))
-        parsed, running = await start_chat(service, request, _chat_body(body, model), model)
+        chat_body, model = messages_chat_body(body, names, settings.lenient)
+        parsed, running = await start_chat(service, request, chat_body, model)
         message_id = "msg_" + uuid.uuid4().hex[:24]
         if body.get("stream"):
             return StreamingResponse(_events(running, message_id, model, parsed.tools), media_type="text/event-stream",
@@ -57,6 +57,14 @@ def add_messages_route(app: FastAPI, service: GenerationService, names: ModelNam
         message = _message(message_id, model, outcome, used_tools=bool(calls))
         message["content"] = ([{"type": "text", "text": text}] if text or not calls else []) + calls
         return JSONResponse(message)
+
+
+def messages_chat_body(body: dict[str, Any], names: ModelNames, lenient: bool) -> tuple[dict[str, Any], str]:
+    """A Messages API body -> (the chat body it means, the model name it is answered as); a 400
+    naming what is not served (also the Ray Serve ingress's check, before it forwards)."""
+    check_known(body, SERVED, REFUSED, lenient, "Messages API")
+    model = names.resolve(body.get("model"))
+    return _chat_body(body, model), model
 
 
 def _chat_body(body: dict[str, Any], model: str) -> dict[str, Any]:
@@ -108,27 +116,24 @@ def _event(kind: str, data: dict[str, Any]) -> str:
 
 
 async def _events(running: Any, message_id: str, model: str, tools: Any) -> AsyncIterator[str]:
-    """Text streams as it comes; with tools (a call is known only at the end) the blocks are sent
-    whole once the reply has finished."""
-    whole_blocks = tools is not None and tools.parses_output
+    """Text streams as it comes. With tools, each block opens as it is generated: a tool_use block
+    once the call's name is read, its input JSON in ``input_json_delta`` fragments (output_items.py)."""
+    items = OutputItems(tools.names) if tools is not None and tools.parses_output else None
     yield _event("message_start", {"message": _message(message_id, model, None, running.prompt_lengths[0])})
-    if not whole_blocks:
+    if items is None:
         yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
     try:
         async for item in deltas(running):
             if not isinstance(item, Outcome):
-                if not whole_blocks:
-                    yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": item}})
+                for kind, data in (_block_events(items.feed(item)) if items is not None
+                                   else [("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
+                                                                                        "text": item}})]):
+                    yield _event(kind, data)
                 continue
-            calls: list[dict[str, Any]] = []
-            if whole_blocks:
-                text, calls = tool_use_blocks(item.text, tools)
-                for index, block in enumerate(([{"type": "text", "text": text}] if text or not calls else []) + calls):
-                    for kind, data in _block_events(index, block):
-                        yield _event(kind, data)
-            else:
-                yield _event("content_block_stop", {"index": 0})
-            yield _event("message_delta", {"delta": {"stop_reason": _stop_reason(item, bool(calls)),
+            for kind, data in (_block_events(items.finish()) if items is not None
+                               else [("content_block_stop", {"index": 0})]):
+                yield _event(kind, data)
+            yield _event("message_delta", {"delta": {"stop_reason": _stop_reason(item, items is not None and items.called),
                                                      "stop_sequence": item.stop_sequence},
                                            "usage": {"output_tokens": item.completion_tokens}})
             yield _event("message_stop", {})
@@ -138,12 +143,21 @@ async def _events(running: Any, message_id: str, model: str, tools: Any) -> Asyn
         running.cancel()
 
 
-def _block_events(index: int, block: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    if block["type"] == "text":
-        start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
-    else:
-        start = {**block, "input": {}}
-        delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
-    return [("content_block_start", {"index": index, "content_block": start}),
-            ("content_block_delta", {"index": index, "delta": delta}),
-            ("content_block_stop", {"index": index})]
+def _block_events(events: list[ItemEvent]) -> list[tuple[str, dict[str, Any]]]:
+    """Output item events -> content block events (a text block, or a tool_use block)."""
+    blocks = []
+    for event in events:
+        at = event.position
+        if event.kind == "text_start":
+            blocks.append(("content_block_start", {"index": at, "content_block": {"type": "text", "text": ""}}))
+        elif event.kind == "call_start":
+            block = {"type": "tool_use", "id": tool_use_id(event.call_id), "name": event.name, "input": {}}
+            blocks.append(("content_block_start", {"index": at, "content_block": block}))
+        elif event.kind == "text":
+            blocks.append(("content_block_delta", {"index": at, "delta": {"type": "text_delta", "text": event.text}}))
+        elif event.kind == "arguments":
+            blocks.append(("content_block_delta", {"index": at, "delta": {"type": "input_json_delta",
+                                                                          "partial_json": event.text}}))
+        else:
+            blocks.append(("content_block_stop", {"index": at}))
+    return blocks

@@ -84,6 +84,11 @@ def tool_use_blocks(text: str, tools: Any) -> tuple[str, list[dict[str, Any]]]:
     if tools is None or not tools.parses_output:
         return text, []
     content, calls = parse_tool_calls(text, tools.names)
-    blocks = [{"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
+    blocks = [{"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
                "input": json.loads(call["function"]["arguments"])} for call in calls]
     return (content or "", blocks) if blocks else (text, [])
+
+
+def tool_use_id(call_id: str) -> str:
+    """A chat call id ("call_...") as Anthropic spells a tool_use id ("toolu_...")."""
+    return "toolu_" + call_id.removeprefix("call_")

@@ -23,14 +23,14 @@ from .anthropic_api import add_messages_route, anthropic_error
 from .body import read_json_body, too_large
 from .echo import EchoedPrompt, echo_chunk, echoed_prompts, prepend_echo
 from .embeddings import add_embeddings_route
-from .extras import apply_extras, best_choices, parse_extras
-from .fields import check_fields
+from .extras import best_choices
 from .lifetime import ConnectionLifetime, lifetime_of
 from .metrics import ServerMetrics
 from .names import ModelNames
+from .parsing import parse_generation
 from .request_id import RequestId
 from .responses_api import add_responses_route
-from .protocol import APIError, GenerationRequest, parse_request
+from .protocol import APIError, GenerationRequest
 from .responses import ChoiceState, ResponseBuilder
 from .service import GenerationService, RunningRequest, ServeSettings
 from .utility_routes import TOKEN_ROUTES, add_token_routes
@@ -107,12 +107,7 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
 
     async def _generate(request: Request, endpoint: str) -> Response:
         body = await read_json_body(request, settings.max_body_bytes)
-        check_fields(body, endpoint, settings.lenient)
-        body = apply_extras(body)
-        served = names.resolve(body.get("model"))
-        parsed = parse_request({**body, "model": served} if isinstance(body.get("model"), str) else body, endpoint,
-                               served)
-        parse_extras(body, parsed)
+        parsed, served, body = parse_generation(body, endpoint, names, settings.lenient)
         attach_constraints(parsed, body)
         prompts = service.encode(parsed)
         echoed = await echoed_prompts(service.worker, generator, prompts, parsed.logprobs) if parsed.echo else None

@@ -6,6 +6,11 @@
 * ``best_of``: that many sampled candidates per choice, the ``n`` with the highest cumulative
   logprob answered (not with ``stream``, as OpenAI);
 * ``use_beam_search`` (vLLM): beam search with width ``best_of`` (default ``n``), at least 2;
+* ``prediction`` (OpenAI's predicted outputs, ``{"type": "content", "content": text}``): the expected
+  output, which speculative decoding drafts from (the output itself stays exactly what the model
+  generates; accepted and rejected draft tokens are reported in ``usage.completion_tokens_details``);
+* ``speculative`` (fastdecode): ``false`` opts out of the server's ``--speculative`` default,
+  ``"ngram"`` or ``{"method": "ngram", "num_tokens": k}`` opts in (config/speculative.py);
 * completions only: ``echo`` (the prompt leads each choice's text, and its tokens' logprobs its
   logprobs; ``max_tokens: 0`` scores a prompt without generating) and ``suffix`` (fill in the
   middle, with the model's FIM tokens).
@@ -52,6 +57,8 @@ def parse_extras(body: dict[str, Any], request: GenerationRequest) -> None:
         raise APIError(400, f"seed must be an integer >= 0 (or -1 for a random one), got {options['seed']}",
                        param="seed")
     _best_of(fields, request)
+    _speculative(body, options)
+    request.prediction = _prediction(body, request)
     if request.endpoint == "completion":
         request.echo = fields.get("echo", bool, default=False)
         request.suffix = fields.get("suffix", str, default=None)
@@ -122,3 +129,46 @@ def fill_in_middle_ids(tokenizer: Any, prefix: str | list[int], suffix: str) -> 
     lead = tokenizer.encode("", add_special_tokens=True)
     prefix_ids = list(prefix) if isinstance(prefix, list) else tokenizer.encode(prefix, add_special_tokens=False)
     return lead + [ids[0]] + prefix_ids + [ids[1]] + tokenizer.encode(suffix, add_special_tokens=False) + [ids[2]]
+
+
+def _speculative(body: dict[str, Any], options: dict[str, Any]) -> None:
+    """``speculative``: validated here so that a bad value is a 400 naming the field."""
+    if body.get("speculative") is None:
+        return
+    from ..config.speculative import speculative_settings
+    from ..errors import InvalidOptionError
+
+    try:
+        speculative_settings(body["speculative"])
+    except InvalidOptionError as exc:
+        raise APIError(400, str(exc), param="speculative") from None
+    options["speculative"] = body["speculative"] or False
+
+
+def _prediction(body: dict[str, Any], request: GenerationRequest) -> str | None:
+    prediction = body.get("prediction")
+    if prediction is None:
+        return None
+    content = prediction.get("content") if isinstance(prediction, dict) and prediction.get("type") == "content" \
+        else None
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                         for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise APIError(400, 'prediction must be {"type": "content", "content": a string or a list of text parts}',
+                       param="prediction")
+    if request.options.get("speculative") is False:
+        raise APIError(400, "prediction drafts tokens by speculative decoding: not with speculative: false",
+                       param="prediction")
+    if request.is_beam:
+        raise APIError(400, "prediction drafts tokens for one sequence: beam search cannot use it", param="prediction")
+    return content
+
+
+def predicted_speculation(speculative: Any, tokenizer: Any, prediction: str) -> dict[str, Any]:
+    """The request's ``speculative`` option (or the server's default) with the predicted output's
+    token ids as a document to draft from."""
+    if tokenizer is None:
+        raise APIError(400, "prediction needs the model's tokenizer, and this model has none", param="prediction")
+    settings = dict(speculative) if isinstance(speculative, dict) else {}
+    return {**settings, "method": "ngram", "prediction": tokenizer.encode(prediction, add_special_tokens=False)}

@@ -25,7 +25,8 @@ SAMPLING = {"model", "n", "stream", "stream_options", "user", "max_tokens", "tem
             "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "best_of",
             # vLLM / llama.cpp / Hugging Face extensions
             "top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "no_repeat_ngram_size",
-            "num_beams", "length_penalty", "use_beam_search"}
+            "num_beams", "length_penalty", "use_beam_search", "speculative",
+            "prediction"}  # speculative decoding: serve/extras.py
 STRUCTURED = {"response_format", "structured_outputs", "json_schema", "grammar"}  # serve/structured.py
 SERVED = {
     "completion": SAMPLING | STRUCTURED | {"prompt", "echo", "suffix"},
@@ -43,7 +44,7 @@ NEUTRAL_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
 # OpenAI fields fastdecode knows and does not serve: a 400 even with --lenient (dropping them would
 # change what the client gets).
 NOT_SERVED = {
-    "audio": "audio output is not available", "prediction": "predicted outputs are not implemented",
+    "audio": "audio output is not available",
     "reasoning_effort": "this server runs no reasoning-effort control",
     "verbosity": "verbosity control is not implemented", "web_search_options": "web search is not available",
     "moderation": "moderation is not available", "prompt_cache_retention": "the prefix cache has no retention "

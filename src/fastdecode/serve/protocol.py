@@ -60,6 +60,7 @@ class GenerationRequest:
     best_of: int | None = None  # sampled candidates per choice (the n best by cumulative logprob are answered)
     echo: bool = False  # completions: the prompt is part of each choice (and of its logprobs)
     suffix: str | None = None  # completions: fill in the middle between the prompt and this
+    prediction: str | None = None  # the expected output (OpenAI's predicted outputs): drafts tokens from it
 
     @property
     def candidates(self) -> int:

@@ -23,6 +23,8 @@ class ChoiceState:
     cached_tokens: int = 0
     completion_tokens: int = 0
     tool_calls: list[dict[str, Any]] | None = None  # set from the finished text (serve/tool_calls.py)
+    drafted_tokens: int = 0  # speculative decoding: draft tokens verified, and of those accepted
+    accepted_tokens: int = 0
 
     def add(self, piece: Piece) -> None:
         self.text += piece.text
@@ -32,6 +34,8 @@ class ChoiceState:
         self.finish_reason = piece.finish_reason or self.finish_reason
         self.prompt_tokens, self.cached_tokens = piece.prompt_tokens, piece.cached_tokens
         self.completion_tokens = max(self.completion_tokens, piece.completion_tokens)
+        self.drafted_tokens += piece.drafted_tokens
+        self.accepted_tokens += piece.accepted_tokens
 
 
 class ResponseBuilder:
@@ -69,8 +73,14 @@ class ResponseBuilder:
         """``prompt_counts``: (prompt tokens, of which cached) per distinct prompt of the request."""
         prompt = sum(p for p, _ in prompt_counts)
         completion = sum(c.completion_tokens for c in choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(c for _, c in prompt_counts)}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": sum(c for _, c in prompt_counts)}}
+        drafted = sum(c.drafted_tokens for c in choices)
+        if drafted:  # speculative decoding, in OpenAI's predicted-outputs terms
+            accepted = sum(c.accepted_tokens for c in choices)
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                                  "rejected_prediction_tokens": drafted - accepted}
+        return usage
 
     # -- stream chunks ---------------------------------------------------------------------------
     def first_chunk(self, index: int) -> dict[str, Any] | None:

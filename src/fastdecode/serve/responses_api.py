@@ -22,6 +22,7 @@ from .body import read_json_body
 from .fields import check_known
 from .names import ModelNames
 from .protocol import APIError
+from .responses_stream import ToolItems
 from .responses_tools import chat_tool_fields, merge_calls, split_calls, tool_item_message
 from .service import GenerationService, ServeSettings
 
@@ -52,14 +53,7 @@ def add_responses_route(app: FastAPI, service: GenerationService, names: ModelNa
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         body = await read_json_body(request, settings.max_body_bytes)
-        check_known(body, SERVED, REFUSED, settings.lenient, "Responses API")
-        for name, allowed in NEUTRAL.items():
-            if body.get(name) is not None and body[name] not in allowed:
-                raise APIError(400, f"{name}={body[name]!r} is not supported (a stateless, text-only server): "
-                                    f"use {allowed[0]!r} or leave it out", param=name, code="unsupported_field")
-        model = names.resolve(body.get("model"))
-        chat_body = {**_chat_body(body, model), "response_format": _response_format(body.get("text")),
-                     **chat_tool_fields(body)}
+        chat_body, model = responses_chat_body(body, names, settings.lenient)
         parsed, running = await start_chat(service, request, chat_body, model)
         shell = _Shell(body, model, parsed.tools)
         if body.get("stream"):
@@ -69,6 +63,19 @@ def add_responses_route(app: FastAPI, service: GenerationService, names: ModelNa
         if running.cancelled:
             return Response(status_code=499)
         return JSONResponse(shell.response(outcome))
+
+
+def responses_chat_body(body: dict[str, Any], names: ModelNames, lenient: bool) -> tuple[dict[str, Any], str]:
+    """A Responses API body -> (the chat body it means, the model name it is answered as); a 400
+    naming what is not served (also the Ray Serve ingress's check, before it forwards)."""
+    check_known(body, SERVED, REFUSED, lenient, "Responses API")
+    for name, allowed in NEUTRAL.items():
+        if body.get(name) is not None and body[name] not in allowed:
+            raise APIError(400, f"{name}={body[name]!r} is not supported (a stateless, text-only server): "
+                                f"use {allowed[0]!r} or leave it out", param=name, code="unsupported_field")
+    model = names.resolve(body.get("model"))
+    return {**_chat_body(body, model), "response_format": _response_format(body.get("text")),
+            **chat_tool_fields(body)}, model
 
 
 def _response_format(text: Any) -> dict[str, Any] | None:
@@ -127,7 +134,9 @@ class _Shell:
         self.id, self.message_id = "resp_" + uuid.uuid4().hex[:24], "msg_" + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
-    def response(self, outcome: Outcome | None) -> dict[str, Any]:
+    def response(self, outcome: Outcome | None, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The response object: in progress (no outcome), or finished with ``output`` (default: the
+        items read from the outcome's text)."""
         body = self.body
         incomplete = outcome is not None and outcome.finish_reason == "length"
         status = "in_progress" if outcome is None else "incomplete" if incomplete else "completed"
@@ -142,7 +151,7 @@ class _Shell:
                 "tools": body.get("tools") or [], "truncation": "disabled",
                 "text": body.get("text") or {"format": {"type": "text"}}, "previous_response_id": None,
                 "reasoning": None,
-                "output": [] if outcome is None else self.output(outcome),
+                "output": [] if outcome is None else output if output is not None else self.output(outcome),
                 "usage": None if outcome is None else self.usage(outcome)}
 
     def output(self, outcome: Outcome) -> list[dict[str, Any]]:
@@ -154,9 +163,9 @@ class _Shell:
     def part(self, text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def item(self, outcome: Outcome | None) -> dict[str, Any]:
+    def item(self, outcome: Outcome | None, item_id: str | None = None) -> dict[str, Any]:
         done = outcome is not None
-        return {"type": "message", "id": self.message_id, "role": "assistant",
+        return {"type": "message", "id": item_id or self.message_id, "role": "assistant",
                 "status": "completed" if done else "in_progress", "content": [self.part(outcome.text)] if done else []}
 
     @staticmethod
@@ -168,8 +177,9 @@ class _Shell:
 
 
 async def _events(running: Any, shell: _Shell) -> AsyncIterator[str]:
-    """The typed events. Text streams as it comes; with tools (a call is known only at the end) each
-    output item is sent whole once the reply has finished."""
+    """The typed events, text as it comes. With tools, each output item (text, or a function call
+    from its name on, its arguments in fragments) opens, grows and closes as it is generated
+    (responses_stream.py); the final response holds the items as streamed."""
     number = 0
 
     def event(kind: str, **data: Any) -> str:
@@ -178,46 +188,32 @@ async def _events(running: Any, shell: _Shell) -> AsyncIterator[str]:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': number - 1, **data})}\n\n"
 
     where = {"item_id": shell.message_id, "output_index": 0, "content_index": 0}
-    whole_items = shell.tools is not None and shell.tools.parses_output
+    items = ToolItems(shell) if shell.tools is not None and shell.tools.parses_output else None
     yield event("response.created", response=shell.response(None))
     yield event("response.in_progress", response=shell.response(None))
-    if not whole_items:
+    if items is None:
         yield event("response.output_item.added", output_index=0, item=shell.item(None))
         yield event("response.content_part.added", part=shell.part(""), **where)
     try:
         async for item in deltas(running):
             if isinstance(item, Outcome):
-                if whole_items:
-                    for index, output in enumerate(shell.output(item)):
-                        for kind, data in _item_events(index, output, shell):
-                            yield event(kind, **data)
+                if items is not None:
+                    for kind, data in items.finish():
+                        yield event(kind, **data)
+                    final = shell.response(item, items.output())
                 else:
                     yield event("response.output_text.done", text=item.text, logprobs=[], **where)
                     yield event("response.content_part.done", part=shell.part(item.text), **where)
                     yield event("response.output_item.done", output_index=0, item=shell.item(item))
-                final = shell.response(item)
+                    final = shell.response(item)
                 yield event("response.completed" if final["status"] == "completed" else "response.incomplete",
                             response=final)
-            elif not whole_items:
+            elif items is not None:
+                for kind, data in items.feed(item):
+                    yield event(kind, **data)
+            else:
                 yield event("response.output_text.delta", delta=item, logprobs=[], **where)
     except APIError as exc:
         yield event("error", code=exc.code, message=exc.message, param=exc.param)
     finally:
         running.cancel()
-
-
-def _item_events(index: int, output: dict[str, Any], shell: _Shell) -> list[tuple[str, dict[str, Any]]]:
-    """One finished output item as its events: added, its content (text or arguments), done."""
-    events = [("response.output_item.added", {"output_index": index, "item": {**output, "status": "in_progress"}})]
-    where = {"item_id": output["id"], "output_index": index}
-    if output["type"] == "function_call":
-        events += [("response.function_call_arguments.delta", {**where, "delta": output["arguments"]}),
-                   ("response.function_call_arguments.done", {**where, "arguments": output["arguments"]})]
-    else:
-        text = output["content"][0]["text"]
-        part = {**where, "content_index": 0}
-        events += [("response.content_part.added", {**part, "part": shell.part("")}),
-                   ("response.output_text.delta", {**part, "delta": text, "logprobs": []}),
-                   ("response.output_text.done", {**part, "text": text, "logprobs": []}),
-                   ("response.content_part.done", {**part, "part": shell.part(text)})]
-    return events + [("response.output_item.done", {"output_index": index, "item": output})]

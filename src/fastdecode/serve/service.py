@@ -5,8 +5,8 @@ Three routes:
   decoder-only or an encoder-decoder model),
 * beam search (``num_beams > 1``): ``Generator.generate_ids_with_details`` on a worker thread, the
   final text of each choice in one piece (bounded by ``max_queue`` and cancellable, as the engine),
-* conversations longer than the context with ``--context-overflow shift|reevaluate``: streaming
-  caches kept between turns (``sessions.py``).
+* conversations longer than the context with ``--context-overflow shift|reevaluate``: engine
+  streams (sinks + shift / re-evaluate), kept between turns (``kept_streams.py``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from ..engine.sequence import public_finish_reason
 from .. import validation
 from ..errors import FastDecodeError, GenerationCancelledError, QueueFullError
 from .metrics import ServerMetrics
-from .extras import fill_in_middle_ids
+from .extras import fill_in_middle_ids, predicted_speculation
 from .protocol import APIError, GenerationRequest, api_error_from
-from .sessions import LoopRunner
+from .kept_streams import KeptStreams
 from .structured import compile_off_thread
 from .tools import render_messages
 from .worker import Admitted, EngineWorker, Failed, Piece, RequestSink, Submission
@@ -53,6 +53,7 @@ class ServeSettings:
     max_connections: int = 1024  # open connections; beyond it a new one gets 503
     embeddings: str | None = None  # "mean" or "last": serve /v1/embeddings with that pooling (--embeddings)
     lenient: bool = False  # unknown request fields: logged and ignored instead of a 400 (fields.py)
+    speculative: Any = None  # the default ``speculative`` option of greedy / sampling requests (--speculative)
 
 
 _CANCELLED = object()  # put in a request's queue when it is cancelled: wakes whoever waits on it
@@ -116,12 +117,12 @@ class GenerationService:
         if settings.n_ctx is not None and settings.n_ctx > config.max_position_embeddings:
             raise APIError(400, f"n_ctx={settings.n_ctx} exceeds the model's context "
                                 f"({config.max_position_embeddings} positions)")
-        self.worker = EngineWorker(
-            lambda: generator.engine(max_batch_tokens=settings.max_batch_tokens, max_queue=settings.max_queue),
-            metrics)
         self.overflow = settings.context_overflow in ("shift", "reevaluate") and not self.encoder_decoder
         streaming = {"n_ctx": self.context, "n_keep": settings.n_keep, "policy": settings.context_overflow}
-        self.loops = LoopRunner(generator, streaming if self.overflow else None, metrics)
+        self.streams = KeptStreams(generator, streaming) if self.overflow else None
+        self.worker = EngineWorker(
+            lambda: generator.engine(max_batch_tokens=settings.max_batch_tokens, max_queue=settings.max_queue),
+            metrics, self.streams)
         if self.overflow:
             try:
                 generator.requests.generation_config(streaming)
@@ -136,7 +137,6 @@ class GenerationService:
 
     def stop(self) -> None:
         self.worker.stop()
-        self.loops.close()
         self._beam_pool.shutdown(wait=False, cancel_futures=True)
 
     def active_sequences(self) -> int:
@@ -186,6 +186,11 @@ class GenerationService:
                                     f"positions but the context is {self.context} ({why})",
                                param="max_tokens", code="context_length_exceeded")
             route = "stream"
+        if self.settings.speculative is not None and "speculative" not in options and route == "engine":
+            options["speculative"] = self.settings.speculative  # the server's default, where speculation runs
+        if request.prediction is not None:  # drafts from the predicted output (OpenAI's predicted outputs)
+            options["speculative"] = predicted_speculation(options.get("speculative"), self.generator.tokenizer,
+                                                           request.prediction)
         return route, options
 
     # -- running ---------------------------------------------------------------------------------
@@ -208,24 +213,19 @@ class GenerationService:
                 choice = dict(options)
                 if choice.get("seed") is not None:
                     choice["seed"] += j  # choice j of a seeded request = an offline run with seed + j
-                if route == "engine":
-                    choice["logprobs"] = logprobs
-                elif logprobs is not None:
-                    raise APIError(400, "logprobs come from the engine: they are not available past the context "
-                                        "(streaming cache)", param="logprobs")
+                choice["logprobs"] = logprobs
                 submission = Submission(p * count + j, prompt, choice, sink, arrived)
                 submission.route, submission.prompt_text = route, encoded[p][1]
                 if route != "engine":
                     self._check_loop_options(submission)
                 submissions.append(submission)
         for submission in submissions:
-            (self.worker if submission.route == "engine" else self.loops).submit(submission)
+            self.worker.submit(submission)
 
         def cancel() -> None:
             for submission in submissions:
                 submission.cancelled = True
-                if submission.route == "engine":
-                    self.worker.cancel(submission)
+                self.worker.cancel(submission)
 
         running = RunningRequest(sink, submissions, cancel, [len(p) for p in prompts])
         await running.admitted()
@@ -233,7 +233,9 @@ class GenerationService:
 
     def _check_loop_options(self, submission: Submission) -> None:
         try:
-            self.loops.check(submission)
+            options = dict(self.streams.options(submission.options))
+            options.pop("logprobs", None)
+            self.generator.requests.generation_config(options)  # GenerationConfig's rules, before anything is queued
         except FastDecodeError as exc:
             raise api_error_from(exc) from exc
 

@@ -139,6 +139,11 @@ class ToolCallParser:
     def valid_calls(self) -> list[dict[str, Any]]:
         return [call for call, ok in zip(self.calls, self.valid) if ok]
 
+    @property
+    def open_call(self) -> int | None:
+        """The index of the sent call still being read (its arguments may grow), else None."""
+        return self._block.index if self._block is not None else None
+
     def _read(self) -> None:
         """Read the input: plain text in runs, a possible tag or a call character by character."""
         while self._at < len(self._input):
@@ -240,6 +245,7 @@ class ToolCallParser:
                 self._arguments(block.index, block.arguments)
 
     def _send_call(self, block: CallBlock) -> None:
+        self._blank = ""  # blank text between two calls is not content
         block.index = len(self.calls)
         call = {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                 "function": {"name": block.name, "arguments": ""}}

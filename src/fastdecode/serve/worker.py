@@ -38,6 +38,8 @@ class Piece:
     cached_tokens: int
     completion_tokens: int
     stop_sequence: str | None = None  # the stop string that ended the choice (finish_reason "stop"), if one did
+    drafted_tokens: int = 0  # speculative decoding, set on the last piece: tokens drafted and verified
+    accepted_tokens: int = 0  # ... and of those, accepted
 
 
 @dataclass
@@ -72,7 +74,7 @@ class Submission:
                  arrived: float):
         self.index, self.prompt_ids, self.options, self.sink, self.arrived = index, prompt_ids, options, sink, arrived
         self.prompt_text: str | None = None  # the text the prompt was encoded from (chat rendering), if any
-        self.route = "engine"  # "engine" or "stream" (a streaming-cache conversation)
+        self.route = "engine"  # "engine" or "stream" (a conversation past the context: a kept engine stream)
         self.sequence: Any = None
         self.last_token_at: float | None = None
         self.cancelled = False
@@ -83,8 +85,10 @@ class Submission:
 
 
 class EngineWorker:
-    def __init__(self, make_engine: Callable[[], Any], metrics: ServerMetrics):
+    def __init__(self, make_engine: Callable[[], Any], metrics: ServerMetrics, streams: Any = None):
+        """``streams``: the kept conversations past the context (kept_streams.KeptStreams), or None."""
         self._make_engine = make_engine
+        self.streams = streams
         self.engine = make_engine()
         self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -142,7 +146,11 @@ class EngineWorker:
         if submission.cancelled:
             return
         try:
-            submission.sequence = submission.start(self.engine)
+            if submission.route == "stream":
+                submission.sequence = self.streams.submit(self.engine, submission.prompt_ids, submission.prompt_text,
+                                                          submission.options)
+            else:
+                submission.sequence = submission.start(self.engine)
         except FastDecodeError as exc:
             submission.sink.put(Failed(submission.index, api_error_from(exc)))
             return
@@ -159,6 +167,8 @@ class EngineWorker:
                 self._finish(submission, Failed(submission.index, APIError(
                     500, f"internal error while generating: {exc}", "server_error", code="internal_error")))
             self.engine = self._make_engine()
+            if self.streams is not None:
+                self.streams.forget()
             return
         now = time.perf_counter()
         for event in events:
@@ -176,12 +186,17 @@ class EngineWorker:
                           sequence.num_cached_prompt_tokens, len(sequence.output_ids))
             if event.finished:
                 piece.stop_sequence = matched_stop(sequence)
+                if sequence.speculation is not None:
+                    piece.drafted_tokens = sequence.speculation.drafted
+                    piece.accepted_tokens = sequence.speculation.accepted
                 self._finish(submission, piece)
             else:
                 submission.sink.put(piece)
         for sequence_id, submission in list(self._active.items()):  # cancelled without an event
             if submission.sequence.finished and submission.sequence.finish_reason == "cancelled":
                 self._finish(submission, None)
+        if self.streams is not None:
+            self.streams.make_room(self.engine)
 
     def _record_latency(self, submission: Submission, now: float) -> None:
         if submission.last_token_at is None:
@@ -199,6 +214,8 @@ class EngineWorker:
         (self.metrics.running if submission.last_token_at is not None else self.metrics.waiting).dec()
         self.metrics.prompt_tokens.inc(sequence.num_prompt_tokens)
         self.metrics.cached_prompt_tokens.inc(sequence.num_cached_prompt_tokens)
+        if submission.route == "stream" and sequence.finished:
+            self.streams.finished(self.engine, sequence, submission.prompt_text)
         if last is not None:
             submission.sink.put(last)
 

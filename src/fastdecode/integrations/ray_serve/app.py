@@ -68,7 +68,8 @@ def build_app(model: str | os.PathLike | Callable[[], Any] | None = None, *, dev
     ingress = serve.deployment(Ingress).options(
         name=INGRESS_DEPLOYMENT, num_replicas=options.ingress_replicas, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=INGRESS_MAX_ONGOING, graceful_shutdown_timeout_s=settings.grace_seconds)
-    replica_settings = dataclasses.replace(settings, api_key=None)  # checked by the ingress, the only way in
+    # the key and CORS are the ingress's, the only way in (a replica answering CORS too would double the headers)
+    replica_settings = dataclasses.replace(settings, api_key=None, allowed_origins=())
     return ingress.bind(model_deployment.bind(model_source(model, device, dtype, quantize), replica_settings,
                                               options.cpus_per_replica), settings)
 

@@ -1,10 +1,11 @@
 """The ingress deployment: the HTTP face of the service, in front of the model replicas.
 
-It checks the API key and the body size (the single server's own request guard), validates
-generation requests with the single server's parser (a bad request is answered here, as
-``fastdecode serve`` answers it, and never reaches a replica), and forwards every request to a
-replica, whose copy of the application answers it. /metrics and /health are the service's: each
-replica's answer, gathered.
+It checks the API key and the body size (the single server's own request guard), answers CORS
+(``allowed_origins``) and gives every response its ``x-request-id`` (sent on to the replica, so
+both logs name a request alike), validates generation requests with the single server's parsers
+(checks.py: a bad request is answered here, as ``fastdecode serve`` answers it, and never reaches
+a replica), and forwards every request to a replica, whose copy of the application answers it.
+/metrics and /health are the service's: each replica's answer, gathered.
 
 A replica that dies while it holds a request: a request whose response has not started (any
 non-streaming request, a streaming one before its first byte) is sent again, to another replica
@@ -22,16 +23,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
 
-from ...serve.app import _error_response, _Guard
-from ...serve.body import parse_json_object, read_body
-from ...serve.protocol import APIError, parse_request
+from ...serve.anthropic_api import PATH as MESSAGES_PATH
+from ...serve.anthropic_api import anthropic_error
+from ...serve.app import _Guard, add_error_handlers
+from ...serve.body import read_body
+from ...serve.protocol import APIError
+from ...serve.request_id import RequestId
 from ...serve.service import ServeSettings
-from .forwarding import (GENERATION_PATHS, REPLICA_HEADER, ForwardedRequest, ReplicaIdentity, ResponseHead,
-                         routing_text)
+from .checks import RESPONSES_PATH, RequestChecks
+from .forwarding import REPLICA_HEADER, ForwardedRequest, ReplicaIdentity, ResponseHead
 from .metrics import IngressMetrics
 from .registry import live_replicas
 
@@ -40,6 +45,7 @@ log = logging.getLogger("fastdecode.serve")
 RETRY_BACKOFF_S = (0.1, 0.5, 1.0, 2.0)  # before each new try; one more try than failures survived
 FAN_OUT_TIMEOUT_S = 5.0  # a replica that does not answer /metrics or /health in time is left out
 SKIPPED_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"host"}
+FORWARDED_SKIPPED = SKIPPED_HEADERS | {b"x-request-id"}  # the ingress's id is sent instead
 
 
 def replica_lost(exc: BaseException) -> APIError:
@@ -54,6 +60,7 @@ class Ingress:
     def __init__(self, model: Any, settings: ServeSettings, retries: int = len(RETRY_BACKOFF_S)):
         self.model = model.options(stream=True)
         self.settings, self.retries = settings, retries
+        self.checks = RequestChecks(settings)
         self.metrics = IngressMetrics()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -62,14 +69,12 @@ class Ingress:
     # -- forwarding ------------------------------------------------------------------------------
     async def forward(self, request: Request) -> Response:
         body = await read_body(request, self.settings.max_body_bytes)
-        headers = [(k, v) for k, v in request.scope["headers"] if k.lower() not in SKIPPED_HEADERS]
+        headers = [(k, v) for k, v in request.scope["headers"] if k.lower() not in FORWARDED_SKIPPED]
+        request_id = request.scope.get("state", {}).get("request_id")
+        headers += [(b"x-request-id", request_id.encode())] if request_id else []
         forwarded = ForwardedRequest(request.method, request.url.path, request.scope.get("query_string", b""),
                                      headers + [(b"content-length", str(len(body)).encode())], body)
-        endpoint = GENERATION_PATHS.get(forwarded.path)
-        stream = False
-        if endpoint is not None and request.method == "POST":
-            parsed = parse_request(parse_json_object(body), endpoint, self.settings.model_name)
-            forwarded.prompt, stream = routing_text(endpoint, parsed.prompts), parsed.stream
+        forwarded.prompt, stream = self.checks.inspect(request.method, forwarded.path, body)
         return await self.respond(forwarded, stream)
 
     async def respond(self, forwarded: ForwardedRequest, stream: bool) -> Response:
@@ -82,7 +87,7 @@ class Ingress:
             try:
                 head: ResponseHead = await responses.__anext__()
                 if stream and head.status == 200:
-                    return _relay(head, responses, self.metrics)
+                    return _relay(head, responses, self.metrics, forwarded.path)
                 body = b"".join([chunk async for chunk in responses])
             except RayActorError as exc:
                 responses.cancel()
@@ -133,7 +138,14 @@ def _whole(head: ResponseHead, body: bytes) -> Response:
     return response
 
 
-def _event(error: APIError) -> bytes:
+def _event(error: APIError, path: str) -> bytes:
+    """The event that ends a stream with ``error``, in the stream's API: Anthropic's on /v1/messages,
+    the Responses API's ``error`` event on /v1/responses, else an OpenAI error object."""
+    if path == MESSAGES_PATH:
+        return f"event: error\ndata: {json.dumps(anthropic_error(error))}\n\n".encode()
+    if path == RESPONSES_PATH:
+        data = {"type": "error", "code": error.code, "message": error.message, "param": error.param}
+        return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
     return f"data: {json.dumps(error.body())}\n\n".encode()
 
 
@@ -141,7 +153,7 @@ def _internal(exc: Exception) -> APIError:
     return APIError(500, f"internal error: {exc}", "server_error", code="internal_error")
 
 
-def _relay(head: ResponseHead, responses: Any, metrics: IngressMetrics) -> StreamingResponse:
+def _relay(head: ResponseHead, responses: Any, metrics: IngressMetrics, path: str) -> StreamingResponse:
     """The replica's stream, chunk by chunk; if the replica dies mid-stream, an ``error`` event ends it."""
 
     async def chunks() -> AsyncIterator[bytes]:
@@ -152,9 +164,9 @@ def _relay(head: ResponseHead, responses: Any, metrics: IngressMetrics) -> Strea
             finished = True
         except RayActorError as exc:
             metrics.replica_failures.inc()
-            yield _event(replica_lost(exc))
+            yield _event(replica_lost(exc), path)
         except Exception as exc:  # a bug on the replica's side: answered, as the app answers its own
-            yield _event(_internal(exc))
+            yield _event(_internal(exc), path)
         finally:
             if not finished:
                 responses.cancel()  # the client went away or the replica failed: stop generating
@@ -165,19 +177,16 @@ def _relay(head: ResponseHead, responses: Any, metrics: IngressMetrics) -> Strea
 
 
 def build_app(ingress: Ingress) -> FastAPI:
-    """The ingress's ASGI app: the single server's guard, the gathered routes, and forwarding."""
+    """The ingress's ASGI app: the single server's guard, CORS, request ids and error answers, the
+    gathered routes, and forwarding."""
     settings, metrics = ingress.settings, ingress.metrics
     app = FastAPI(title="fastdecode on Ray Serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Guard, settings=settings, metrics=metrics)
-
-    @app.exception_handler(APIError)
-    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
-
-    @app.exception_handler(Exception)
-    async def internal(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error in the ingress")
-        return _error_response(_internal(exc))
+    if settings.allowed_origins:  # outside the key check, as the single server: a preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id"], max_age=600)
+    app.add_middleware(RequestId)
+    add_error_handlers(app)  # OpenAI's error object (Anthropic's shape on /v1/messages)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -1,0 +1,41 @@
+"""Choosing a step's tokens: every sampled row with its own sequence's options and generator.
+
+A step of plain greedy rows (no processor active) is one argmax over all of them; otherwise each
+row goes through its sequence's ``TokenSelector`` (processors, penalties, grammar, seeded draw).
+The chosen ids come back to the host once per step; a finished sequence is released at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .sequence import Sequence, TokenEvent, token_logprobs
+
+
+def sample_rows(sampled: list[Sequence], logits: torch.Tensor,
+                release: Callable[[Sequence], None]) -> list[TokenEvent]:
+    """logits [K, V] of the K ``sampled`` sequences (one row each) -> their tokens' events."""
+    if not sampled:
+        return []
+    if all(s.selector.plain_greedy(len(s.output_ids)) for s in sampled):
+        chosen = logits.argmax(dim=-1)  # [K]: one op for a step of plain greedy rows (select's result)
+    else:
+        chosen = torch.cat([s.selector.select(logits[i : i + 1], len(s.output_ids)) for i, s in enumerate(sampled)])
+    token_ids = chosen.tolist()  # the one host sync of the step
+    wanted = [i for i, s in enumerate(sampled) if s.logprobs is not None]
+    details: dict[int, tuple[float, list]] = {}
+    if wanted:
+        rows = torch.tensor(wanted, device=logits.device)
+        top = max(sampled[i].logprobs for i in wanted)
+        chosen_lp, tops = token_logprobs(logits[rows], chosen[rows], top)
+        for j, i in enumerate(wanted):
+            details[i] = (chosen_lp[j], tops[j][: sampled[i].logprobs] if sampled[i].logprobs else None)
+    events = []
+    for i, (sequence, token) in enumerate(zip(sampled, token_ids)):
+        logprob, top_logprobs = details.get(i, (None, None))
+        events.append(sequence.accept(token, logprob, top_logprobs))
+        if sequence.finished:
+            release(sequence)
+    return events
