@@ -79,7 +79,11 @@ def run_model(name: str, build, settings: Settings, folder: Path) -> list[list[s
 
     def encode_ours():
         with torch.inference_mode():
-            return gen.model.encode(tokens, positions, valid)  # [B, S, C]
+            try:
+                from fastdecode.layers.products import Products
+            except ImportError:  # an older tree: row roles were a context variable
+                return gen.model.encode(tokens, positions, valid)  # [B, S, C]
+            return gen.model.encode(tokens, positions, valid, products=Products.prompt(torch.get_num_threads()))
 
     def encode_theirs():
         with torch.inference_mode():

@@ -31,11 +31,17 @@ def worker() -> dict[str, float]:
     import torch
 
     import fastdecode
-    from fastdecode.layers.kernels import qmatmul_op
     from fastdecode.layers.quantized import for_logits
 
-    op = qmatmul_op()
-    takes_threads = "threads" in str(op.default._schema)  # else the old op: grain + torch's OpenMP threads
+    try:
+        from fastdecode.layers import ops
+
+        op, takes_threads = ops.qmatmul, True
+    except ImportError:  # an older tree (--baseline-src)
+        from fastdecode.layers.kernels import qmatmul_op
+
+        op = qmatmul_op()
+        takes_threads = "threads" in str(op.default._schema)  # else the old op: grain + torch's OpenMP threads
     weights = fastdecode.load().checkpoint.weights
     results = {}
     for label, name in MATRICES.items():

@@ -15,7 +15,7 @@ in their own worker processes, alternating (base, new, base, new...), medians ov
   tiled layout (layers/qtiles.cpp) of the same weights, same library, M = 1, 8 and 512, 1 thread,
   alternating calls, medians: microseconds and the tiled / rows time ratio.
 * isa (one tree; a CPU with AVX-512 VNNI): the same ops on their AVX2 and AVX-512 kernels
-  (``kernels.set_avx512``, the same results), alternating calls, medians: the int8-activation product
+  (``ops.set_avx512``, the same results), alternating calls, medians: the int8-activation product
   on bart-base-size int8 matrices (3072x768, 768x3072, the 50265x768 head) at M = 1, 8, 32, 256, and
   the exact prompt-row product on the embedded model's Q4_1 gate at M = 64 and 512; 1 and 2 threads,
   multiply-adds per second.
@@ -43,12 +43,40 @@ MATRICES = {"576x1536 gate Q4_1": "layers.0.gate.weight", "1536x576 down Q4_1": 
 PROMPT = "The history of the printing press begins"
 
 
+def _ops():
+    """(qmatmul, exact_qmatmul, set_avx512) of the tree under test: layers/ops.py, or an older tree's
+    layers/kernels.py (``--baseline-src``)."""
+    try:
+        from fastdecode.layers import ops
+
+        return ops.qmatmul, ops.exact_qmatmul, ops.set_avx512
+    except ImportError:
+        from fastdecode.layers import kernels
+
+        return kernels.qmatmul_op(), kernels.exact_qmatmul_op(), kernels.set_avx512
+
+
+def _forward_product(x, weight):
+    """quantized_linear(x, weight) under a forward's thread rules (generated rows), in either tree."""
+    import torch
+
+    from fastdecode.layers.quantized import quantized_linear
+
+    try:
+        from fastdecode.layers.products import Products
+        from fastdecode.layers.threads import on_one_thread
+    except ImportError:  # an older tree: the thread budget and row roles were context variables
+        from fastdecode.layers.threads import one_thread_except_big_ops
+
+        return one_thread_except_big_ops(lambda: quantized_linear(x, weight, None))
+    products = Products.generated(torch.get_num_threads())
+    return on_one_thread(lambda: quantized_linear(x, weight, None, products))
+
+
 def kernel_job() -> dict[str, float]:
     import torch
 
     import fastdecode
-    from fastdecode.layers.quantized import quantized_linear
-    from fastdecode.layers.threads import one_thread_except_big_ops
 
     gen = fastdecode.load()
     results = {}
@@ -62,7 +90,7 @@ def kernel_job() -> dict[str, float]:
             x = torch.randn(rows, weight.shape[1])
             for threads in (1, 2):
                 torch.set_num_threads(threads)
-                call = one_thread_except_big_ops(lambda: quantized_linear(x, weight, None))  # a forward's rules
+                call = _forward_product(x, weight)  # a forward's rules
                 call()
                 times, started = [], time.perf_counter()
                 while time.perf_counter() - started < 0.3 or len(times) < 5:
@@ -77,10 +105,9 @@ def sweep_job(model: str | None) -> dict[str, float]:
     import torch
 
     import fastdecode
-    from fastdecode.layers.kernels import qmatmul_op
 
     torch.set_num_threads(1)
-    op, gen = qmatmul_op(), fastdecode.load(model)
+    op, gen = _ops()[0], fastdecode.load(model)
     weights = [w.t() if w.transposed else w for name, w in gen.checkpoint.weights.items()
                if hasattr(w, "codes") and not name.startswith("embed")]  # [out, in] each; lookups excluded
     results = {}
@@ -111,11 +138,10 @@ def layouts_job() -> None:
     import torch
 
     import fastdecode
-    from fastdecode.layers.kernels import qmatmul_op
     from fastdecode.layers.quantized import rows_layout, tiled
 
     torch.set_num_threads(1)
-    op, gen = qmatmul_op(), fastdecode.load()
+    op, gen = _ops()[0], fastdecode.load()
     print(f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} cores; 1 thread; medians of alternating calls")
     print("| matrix | activations | M | rows layout us | tiled us | rows / tiled |")
     print("|---|---|---|---|---|---|")
@@ -144,17 +170,16 @@ def isa_job() -> None:
     import torch
 
     import fastdecode
-    from fastdecode.layers import kernels
     from fastdecode.layers.quantized import quantize_matrix
 
-    if not kernels.set_avx512(True):
+    qmatmul, exact, set_avx512 = _ops()
+    if not set_avx512(True):
         print("this CPU has no AVX-512 VNNI (or the extension is not built): nothing to compare")
         return
     generator = torch.Generator().manual_seed(0)
     int8 = {f"{n}x{k} int8": quantize_matrix(0.05 * torch.randn(n, k, generator=generator), "int8")
             for n, k in ((3072, 768), (768, 3072), (50265, 768))}  # [out, in], tiled
     gate = fastdecode.load().checkpoint.weights["layers.0.gate.weight"].t()  # [out, in] Q4_1
-    qmatmul, exact = kernels.qmatmul_op(), kernels.exact_qmatmul_op()
     cases = [(label, w, M, lambda x, w, t: qmatmul(x, w.codes, w.scale, w.mins, w.bits, 32, t, 8, w.outputs))
              for label, w in int8.items() for M in (1, 8, 32, 256)]
     cases += [("1536x576 Q4_1 gate, exact prompt rows", gate, M,
@@ -169,13 +194,13 @@ def isa_job() -> None:
             times: dict[bool, list[float]] = {False: [], True: []}
             for _ in range(max(5, min(40, int(4e9 / work)))):
                 for wide in (False, True):
-                    kernels.set_avx512(wide)
+                    set_avx512(wide)
                     started = time.perf_counter()
                     call(x, weight, threads)
                     times[wide].append(time.perf_counter() - started)
             narrow, wide = (work / statistics.median(times[side]) / 1e9 for side in (False, True))
             print(f"| {label} | {M} | {threads} | {narrow:.0f} | {wide:.0f} | {wide / narrow:.2f} |", flush=True)
-    kernels.set_avx512(True)
+    set_avx512(True)
 
 
 def decode_job(threads: int, new_tokens: int) -> dict[str, float]:

@@ -60,9 +60,11 @@ class Fastdecode(Engine):
 
         super().__init__(options)
         if options.get("avx2_only"):  # the AVX2 kernels where the CPU has AVX-512 too (the same results)
-            from fastdecode.layers import kernels
-
-            kernels.set_avx512(False)
+            try:
+                from fastdecode.layers.ops import set_avx512
+            except ImportError:  # an older tree
+                from fastdecode.layers.kernels import set_avx512
+            set_avx512(False)
         self.gen = fastdecode.load(options.get("source"), quantize=options.get("quantize"))
         self.bytes_per_token = self.gen.inspect()["weight_bytes_read_per_token"]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from fastdecode.cache.static import KVCache
+from fastdecode.layers.products import Products
 
 
 class ExplicitShiftEngine:
@@ -29,14 +30,15 @@ class ExplicitShiftEngine:
             values[:, :, self.n_keep : n - d] = values[:, :, first:n].clone()
         cache.length = n - d  # slot i still holds position i
 
-    def feed(self, tokens):
+    def feed(self, tokens, prompt: bool = False):
         logits = None
         for token in tokens:
             if self.cache.length == self.n_ctx:
                 self._shift()
             position = self.cache.length
             positions = torch.tensor([[position]], device=self.model.device)
-            self.cache.append_slots(torch.ones(1, 1, dtype=torch.bool, device=self.model.device), positions)
+            self.cache.append_slots(torch.ones(1, 1, dtype=torch.bool, device=self.model.device), positions,
+                                    Products.of_rows(prompt, torch.get_num_threads()))
             logits = self.model.forward(token.view(1, 1).to(self.model.device), positions, self.cache, None)[0, -1]
         return logits
 
@@ -44,4 +46,4 @@ class ExplicitShiftEngine:
 def logit_trace(engine, tokens: torch.Tensor) -> torch.Tensor:
     """Feed tokens one at a time; logits after each [N, V]."""
     with torch.inference_mode():
-        return torch.stack([engine.feed(tokens[i : i + 1]) for i in range(tokens.shape[0])])
+        return torch.stack([engine.feed(tokens[i : i + 1], prompt=False) for i in range(tokens.shape[0])])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.engine.decode_step import decode_step, decode_window_tables
+from fastdecode.engine.decode_step import decode_products, decode_step, decode_window_tables
 from tiny_models import VOCAB, build, hf_greedy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -79,7 +79,8 @@ def test_replay_is_bitwise_the_eager_decode_step_and_never_syncs(cuda_pair):
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.inference_mode():
-            eager, _ = decode_step(gen.model, engine.cache, engine.windows, engine.score_bias, *static)
+            eager, _ = decode_step(gen.model, engine.cache, engine.windows, engine.score_bias, decode_products(),
+                                   *static)
             graphed = captured.logits(sequences)  # a replay of the captured graph
     finally:
         torch.cuda.set_sync_debug_mode("default")

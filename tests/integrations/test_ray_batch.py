@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import fastdecode.pipeline.cli as pipeline_cli
+import fastdecode.cli.batch_run as pipeline_cli
 from fastdecode.cli import main
 from fastdecode.pipeline.output import OutputFile
 

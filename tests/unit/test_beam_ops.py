@@ -19,12 +19,12 @@ import fastdecode
 from fastdecode.engine.cross import EncodedSources, source_lengths
 from fastdecode.engine import beam_scores as beam_module  # the beam policy of the engine's groups
 from fastdecode.layers.attention import attention
-from fastdecode.layers.kernels import beam_candidates_op, cross_attention_op
+from fastdecode.layers import ops
 from fastdecode.models.seq2seq import padding_bias
 from tiny_encdec import VOCAB, build, single_thread  # noqa: F401 (autouse fixture)
 
 NEG = beam_module.NEG
-needs_kernels = pytest.mark.skipif(beam_candidates_op() is None, reason="no AVX2 extension: PyTorch paths run")
+needs_kernels = pytest.mark.skipif(not ops.available(), reason="no AVX2 extension: PyTorch paths run")
 
 
 def torch_candidates(logits, running, banned, keep):
@@ -48,15 +48,15 @@ def test_beam_candidates_match_torch(V, banned, first_step):
         running[:, 1:] = NEG
     banned = torch.tensor(banned, dtype=torch.long)
     keep = 2 * K
-    scores, indices = beam_candidates_op()(logits, running.reshape(-1).contiguous(), banned, K, keep)
+    scores, indices = ops.beam_candidates(logits, running.reshape(-1).contiguous(), banned, K, keep)
     expected = torch_candidates(logits, running, banned, keep)
     assert torch.equal(indices, expected.indices)
     torch.testing.assert_close(scores, expected.values, atol=1e-5, rtol=0)
     for b in range(B):  # a sample alone: bitwise the same
-        alone = beam_candidates_op()(logits[b * K : (b + 1) * K].contiguous(), running[b].contiguous(), banned, K, keep)
+        alone = ops.beam_candidates(logits[b * K : (b + 1) * K].contiguous(), running[b].contiguous(), banned, K, keep)
         assert torch.equal(alone[0], scores[b : b + 1]) and torch.equal(alone[1], indices[b : b + 1])
     for _ in range(3):  # samples split over two threads (the kernel pool): the same bits
-        split = beam_candidates_op()(logits, running.reshape(-1).contiguous(), banned, K, keep, 2)
+        split = ops.beam_candidates(logits, running.reshape(-1).contiguous(), banned, K, keep, 2)
         assert torch.equal(split[0], scores) and torch.equal(split[1], indices)
 
 
@@ -66,13 +66,13 @@ def test_beam_candidates_keep_more_than_finite():
     best first, then -inf entries."""
     logits = torch.randn(1, 5, generator=torch.Generator().manual_seed(1)).repeat(2, 1)  # beam 1 scores 1 lower
     banned = torch.tensor([0, 1, 2, 3], dtype=torch.long)
-    scores, indices = beam_candidates_op()(logits, torch.tensor([0.0, -1.0]), banned, 2, 4)
+    scores, indices = ops.beam_candidates(logits, torch.tensor([0.0, -1.0]), banned, 2, 4)
     assert indices[0, :2].tolist() == [4, 9] and torch.isinf(scores[0, 2:]).all()
 
 
 @needs_kernels
 def test_beam_candidates_rejects_bad_input():
-    op = beam_candidates_op()
+    op = ops.beam_candidates
     with pytest.raises(RuntimeError, match="outside the vocabulary"):
         op(torch.zeros(4, 10), torch.zeros(4), torch.tensor([10]), 2, 2)
     with pytest.raises(RuntimeError, match="multiple of the beams"):
@@ -90,14 +90,14 @@ def test_cross_attention_matches_sdpa(D):
     values = torch.randn(B, H, S, D, generator=g)
     flat = torch.randn(1, H, B * fold, D, generator=g)  # a flat step's queries, beams side by side
     q = flat[0].unflatten(1, (B, fold)).transpose(0, 1)  # [B, H, fold, D], strided as FoldedCross passes it
-    out = cross_attention_op()(q, keys, values, source_lengths(valid), 0.3)
-    expected = attention(q, keys, values, padding_bias(valid, torch.float32), 0.3)
+    out = ops.cross_attention(q, keys, values, source_lengths(valid), 0.3)
+    expected = attention(q, keys, values, padding_bias(valid, torch.float32), 0.3, threads=1)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     for b in range(B):  # a row alone: bitwise the same
-        alone = cross_attention_op()(q[b : b + 1], keys[b : b + 1], values[b : b + 1], lengths[b : b + 1], 0.3)
+        alone = ops.cross_attention(q[b : b + 1], keys[b : b + 1], values[b : b + 1], lengths[b : b + 1], 0.3)
         assert torch.equal(alone, out[b : b + 1])
     for threads in (2, 3):  # the (row, head) items split between threads (parallel.h): bitwise the same
-        assert torch.equal(cross_attention_op()(q, keys, values, lengths, 0.3, threads), out)
+        assert torch.equal(ops.cross_attention(q, keys, values, lengths, 0.3, threads), out)
 
 
 def test_source_lengths_only_for_right_padding():
@@ -120,8 +120,8 @@ def test_beam_search_same_with_and_without_ops(tiny, monkeypatch):
     options = dict(num_beams=3, max_new_tokens=6, min_new_tokens=3, num_return_sequences=2)
     with_ops = tiny.generate_ids_with_details(sources, **options)
     monkeypatch.setattr(beam_module, "beam_candidates_op", lambda: None)
-    monkeypatch.setattr(EncodedSources, "attend", lambda self, index, q, scale: attention(
-        q, self.keys[index], self.values[index], self.bias, scale))
+    monkeypatch.setattr(EncodedSources, "attend", lambda self, index, q, scale, threads: attention(
+        q, self.keys[index], self.values[index], self.bias, scale, threads=threads))
     without = tiny.generate_ids_with_details(sources, **options)
     assert [r.tokens for r in with_ops] == [r.tokens for r in without]
     torch.testing.assert_close(torch.tensor([r.score for r in with_ops]), torch.tensor([r.score for r in without]),

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 import fastdecode  # noqa: E402
 from fastdecode.layers import linear  # noqa: E402
-from fastdecode.layers.kernels import elementwise_ops  # noqa: E402
+from fastdecode.layers.elementwise import elementwise_ops  # noqa: E402
 from fastdecode.models.llama_decode import FusedDecode  # noqa: E402
 from tiny_models import save_tiny_folder  # noqa: E402
 

@@ -10,9 +10,16 @@ import torch.nn.functional as F
 import fastdecode
 from fastdecode.cache.static import NoCache
 from fastdecode.layers import elementwise
-from fastdecode.layers.kernels import elementwise_ops
+from fastdecode.layers.elementwise import elementwise_ops
 from fastdecode.layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_heads
+from fastdecode.layers.products import Products
 from tiny_models import VOCAB, build, build_gemma3
+
+
+def generated_rows() -> Products:
+    """Every row generated, on this thread's thread count."""
+    return Products.generated(torch.get_num_threads())
+
 
 needs_kernels = pytest.mark.skipif(elementwise_ops() is None, reason="the AVX2 extension is not available here")
 
@@ -78,7 +85,7 @@ def test_other_dtypes_and_activations_take_the_pytorch_path():
 
 def _logits(gen, ids):
     with torch.inference_mode():
-        return gen.model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], NoCache(), None,
+        return gen.model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], NoCache(generated_rows()), None,
                                  all_logits=True)[0]  # [T, V]
 
 

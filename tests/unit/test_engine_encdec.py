@@ -89,8 +89,8 @@ def test_encoder_runs_once_per_admission_step(pair, monkeypatch):
     kind, hf, gen = pair
     calls = []
     original = gen.model.encode
-    monkeypatch.setattr(gen.model, "encode", lambda tokens, *rest: calls.append(tokens.shape[0]) or
-                        original(tokens, *rest))
+    monkeypatch.setattr(gen.model, "encode", lambda tokens, *rest, **named: calls.append(tokens.shape[0]) or
+                        original(tokens, *rest, **named))
     engine = gen.engine()
     run_arrivals(engine, {0: [(_source(5, 1), {"max_new_tokens": 6}), (_source(9, 2), {"max_new_tokens": 6})],
                   3: [(_source(4, 3), {"max_new_tokens": 6})]})

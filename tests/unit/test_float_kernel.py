@@ -12,11 +12,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastdecode.layers import kernels, linear as linear_module, quantized
-from fastdecode.layers.kernels import float_matmul_op
-from fastdecode.layers.linear import linear
+from fastdecode.layers import gemm, ops
+from fastdecode.layers.linear import linear as linear_with
+from fastdecode.layers.products import Products
 
-needs_kernel = pytest.mark.skipif("float_matmul_op() is None", reason="no AVX2 extension on this machine")
+needs_kernel = pytest.mark.skipif("not ops.available()", reason="no AVX2 extension on this machine")
+
+
+def roles(is_prompt: bool | list[bool]) -> Products:
+    return Products.of_rows(is_prompt, torch.get_num_threads())
+
+
+def linear(x, weight, bias=None, activation=None, products=None):
+    """``linear`` with generated rows unless ``products`` says otherwise."""
+    return linear_with(x, weight, bias, activation, products=products or roles(False))
 
 # (K, N): the decode shapes of a small Llama (Q/K/V, O, MLP), odd sizes (a masked last vector, K not a
 # multiple of 4, N below 8), a wide matrix split into many column chunks, and several segments of 64 inputs
@@ -38,7 +47,7 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> float:
 @pytest.mark.parametrize("K, N", SHAPES)
 def test_kernel_is_the_float_product_up_to_summation_order(K, N):
     w, bias, x = weights(K, N, seed=K + N)
-    op = float_matmul_op()
+    op = ops.float_matmul
     for M in (1, 2, 3, 5, 8, 9, 17, 40):
         exact = x[:M].double() @ w.double()
         torch.testing.assert_close(op(x[:M], w, None, 1).double(), exact, atol=bound(x[:M], w), rtol=0)
@@ -52,7 +61,7 @@ def test_a_row_gets_the_same_bits_at_every_row_count_thread_count_and_position(K
     """Rows are grouped by 8, 4, 2 and 1 and columns cut into chunks the threads claim: a row alone and the
     same row among others (any count, any position) must be the same bits, and the bias one more add."""
     w, bias, x = weights(K, N, seed=7)
-    op = float_matmul_op()
+    op = ops.float_matmul
     alone = torch.cat([op(x[m : m + 1], w, bias, 1) for m in range(40)])
     for M in (2, 3, 7, 8, 13, 40):
         for threads in (1, 2):
@@ -70,7 +79,7 @@ def test_one_row_partial_sums_added_while_the_pieces_run_are_the_in_order_additi
     varying order), a row is the bits of the serial run and of the several-rows path's in-order additions;
     24 segments in one column block, and 4 segments in two blocks (the second 8 columns wide)."""
     w, bias, x = weights(K, N, seed=11)
-    op = float_matmul_op()
+    op = ops.float_matmul
     row = x[:1].contiguous()
     serial = op(row, w, bias, 1)
     assert torch.equal(op(x[:2], w, bias, 1)[:1], serial)  # the several-rows path adds in the same order
@@ -81,7 +90,7 @@ def test_one_row_partial_sums_added_while_the_pieces_run_are_the_in_order_additi
 
 @needs_kernel
 def test_kernel_rejects_what_it_cannot_read():
-    op = float_matmul_op()
+    op = ops.float_matmul
     w = torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="inputs"):
         op(torch.randn(2, 9), w, None, 1)
@@ -95,34 +104,34 @@ def test_kernel_rejects_what_it_cannot_read():
 @needs_kernel
 def test_linear_gives_generated_rows_the_kernel_and_prompt_rows_the_gemm():
     """A canonical [in, out] buffer seen as [out, in] (what models hold): decode rows through the kernel,
-    rows under ``prompt_rows(True)`` through oneDNN's GEMM, and a mixed step each part as in its role alone."""
+    prompt rows (``Products.roles``) through oneDNN's GEMM, and a mixed step each part as in its role alone."""
     w, bias, x = weights(64, 96, seed=3)
     weight = w.t()  # [out, in] view of the [in, out] buffer
     with torch.no_grad():
         generated = linear(x.view(5, 8, 64), weight, bias)  # [5, 8, 96]
         assert generated.shape == (5, 8, 96)
-        assert torch.equal(generated.reshape(40, 96), float_matmul_op()(x, w, bias, 1))
-        with quantized.prompt_rows(True):
-            prompt = linear(x, weight, bias)
-        assert torch.equal(prompt, linear_module._gemm(x, weight, bias, None))
+        assert torch.equal(generated.reshape(40, 96), ops.float_matmul(x, w, bias, 1))
+        prompt = linear(x, weight, bias, products=roles(True))
+        assert torch.equal(prompt, gemm.gemm(x, weight, bias, None, torch.get_num_threads()))
         torch.testing.assert_close(prompt, generated.reshape(40, 96), atol=1e-4, rtol=0)
         is_prompt = [i % 3 == 0 for i in range(40)]
         prompt_rows = [i for i, p in enumerate(is_prompt) if p]
-        with quantized.prompt_rows(is_prompt):
-            mixed = linear(x, weight, bias, activation="relu")
+        mixed = linear(x, weight, bias, activation="relu", products=roles(is_prompt))
         for i in (1, 2, 38):  # generated rows: as alone
             assert torch.equal(linear(x[i : i + 1], weight, bias, activation="relu")[0], mixed[i]), i
-        with quantized.prompt_rows(True):  # prompt rows: as the same rows' GEMM
-            assert torch.equal(linear(x[prompt_rows], weight, bias, activation="relu"), mixed[prompt_rows])
-        with quantized.prompt_rows(is_prompt[:39] + [False]):  # the logits layer: other rows than the roles'
-            assert torch.equal(linear(x[:3], weight, bias), generated.reshape(40, 96)[:3])
+        # prompt rows: as the same rows' GEMM
+        assert torch.equal(linear(x[prompt_rows], weight, bias, activation="relu", products=roles(True)),
+                           mixed[prompt_rows])
+        # the logits layer: other rows than the roles'
+        assert torch.equal(linear(x[:3], weight, bias, products=roles(is_prompt[:39] + [False])),
+                           generated.reshape(40, 96)[:3])
 
 
 def test_without_the_extension_or_for_other_layouts_linear_is_f_linear(monkeypatch):
     """No extension (forced), an [out, in] buffer, or autograd on: the PyTorch path, as before."""
     w, bias, x = weights(64, 96, seed=4)
     expected = F.linear(x, w.t(), bias)
-    monkeypatch.setitem(kernels._LOADED, "ops", None)
+    monkeypatch.setitem(ops._LOADED, "ops", None)
     with torch.no_grad():
         torch.testing.assert_close(linear(x, w.t(), bias), expected, atol=1e-4, rtol=0)
     monkeypatch.undo()

@@ -10,8 +10,14 @@ import fastdecode
 from fastdecode.cache.static import NoCache
 from fastdecode.layers.fused import concat_outputs, fuse_projections
 from fastdecode.layers.linear import linear
+from fastdecode.layers.products import Products
 from fastdecode.layers.quantized import QuantizedWeight, quantize_matrix
 from tiny_models import VOCAB, build, build_gemma3
+
+
+def generated_rows() -> Products:
+    """Every row generated, on this thread's thread count."""
+    return Products.generated(torch.get_num_threads())
 
 pytest.importorskip("transformers")
 
@@ -23,7 +29,7 @@ def _built(kind: str):
 def _logits(gen, ids: list[int]) -> torch.Tensor:
     """All positions' logits [T, V] of one forward without a cache."""
     with torch.inference_mode():
-        return gen.model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], NoCache(), None,
+        return gen.model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], NoCache(generated_rows()), None,
                                  all_logits=True)[0]
 
 
@@ -62,8 +68,8 @@ def test_quantized_rows_concatenate_exactly():
             assert view.shape == part.shape and torch.equal(view.codes, part.codes)
             assert view.codes.untyped_storage().data_ptr() == fused.codes.untyped_storage().data_ptr()
         x = torch.randn(3, 64)
-        expected = torch.cat([linear(x, part.t()) for part in parts], dim=-1)
-        assert torch.equal(linear(x, fused.t()), expected)
+        expected = torch.cat([linear(x, part.t(), products=generated_rows()) for part in parts], dim=-1)
+        assert torch.equal(linear(x, fused.t(), products=generated_rows()), expected)
 
 
 def test_quantized_model_fuses_only_matching_formats(tmp_path):
@@ -86,5 +92,5 @@ def test_quantized_model_fuses_only_matching_formats(tmp_path):
     weights["layers.0.v.weight"] = quantize_matrix(torch.randn(kv, C), "int4").t()
     projection = fuse_projections(weights, ["layers.0.q", "layers.0.k", "layers.0.v"])
     assert [weight.kind for weight, _ in projection.parts] == ["int8", "int4"]
-    q, k, v = projection.split(torch.randn(2, C))
+    q, k, v = projection.split(torch.randn(2, C), generated_rows())
     assert (q.shape[-1], k.shape[-1], v.shape[-1]) == projection.sizes and v.shape[-1] == kv

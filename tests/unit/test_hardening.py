@@ -204,14 +204,15 @@ def test_long_prompt_is_chunked_through_the_shift_policy_with_the_same_logits():
     original = model.forward
     with torch.inference_mode():
         model.forward = lambda tokens, *args: forwards.append(tokens.shape[1]) or original(tokens, *args)
-        last = chunked.feed(prompt)
+        last = chunked.feed(prompt, prompt=False)
         model.forward = original
-        one_by_one = [reference.feed(prompt[i:i + 1]) for i in range(prompt.shape[0])][-1]
+        one_by_one = [reference.feed(prompt[i:i + 1], prompt=False) for i in range(prompt.shape[0])][-1]
         assert len(forwards) < 20 and max(forwards) > 1  # chunks, not 300 single-token forwards
         torch.testing.assert_close(last, one_by_one, atol=1e-4, rtol=0)
         for token in follow:  # decoding after the chunked prompt equals decoding after one by one
-            torch.testing.assert_close(chunked.feed(token[None]), reference.feed(token[None]), atol=1e-4, rtol=0)
-        assert chunked._plan(1)._mask(None) is None  # decode stays unmasked
+            torch.testing.assert_close(chunked.feed(token[None], prompt=False),
+                                       reference.feed(token[None], prompt=False), atol=1e-4, rtol=0)
+        assert chunked._plan(1, prompt=False)._mask(None) is None  # decode stays unmasked
         assert chunked.cache.pool.num_free == 0 and chunked.end <= 32 + 32  # n_ctx + headroom, never more
 
 

@@ -18,17 +18,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastdecode.layers import ops
 from fastdecode.layers import threads as thread_policy
-from fastdecode.layers.kernels import dequantize_op, qmatmul_op
 from fastdecode.layers.linear import linear
+from fastdecode.layers.products import Products
 from fastdecode.layers.quantized import for_logits, quantize_matrix
 
-pytestmark = pytest.mark.skipif("qmatmul_op() is None", reason="no AVX2 kernel on this machine")
+pytestmark = pytest.mark.skipif("not ops.available()", reason="no AVX2 kernel on this machine")
 
 
 def product(weight, x, threads):
-    return qmatmul_op()(x, weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads,
-                        weight.activation_bits)
+    return ops.qmatmul(x, weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads,
+                       weight.activation_bits)
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
@@ -42,8 +43,8 @@ def test_products_are_bitwise_the_same_on_any_number_of_threads(kind, logits_lay
         alone = product(weight, x, 1)
         for threads in (2, 3, 2, 8):
             assert torch.equal(product(weight, x, threads), alone), (outputs, inputs, rows, threads)
-        assert torch.equal(dequantize_op()(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, 2),
-                           dequantize_op()(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, 1))
+        assert torch.equal(ops.dequantize(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, 2),
+                           ops.dequantize(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, 1))
 
 
 def test_two_caller_threads_at_once_get_the_same_results():
@@ -140,19 +141,19 @@ def test_kernels_get_the_callers_threads_inside_a_one_thread_forward():
     previous = torch.get_num_threads()
     seen = {}
 
-    @thread_policy.one_thread_except_big_ops
-    def forward():
+    @thread_policy.on_one_thread
+    def forward(budget: int):  # the budget travels explicitly (Products.threads)
         seen["torch"] = torch.get_num_threads()
-        seen["small"] = thread_policy.kernel_threads(thread_policy.KERNEL_PARALLEL_MIN_WORK - 1)
-        seen["kernel"] = thread_policy.kernel_threads(thread_policy.KERNEL_PARALLEL_MIN_WORK)
-        seen["logits"] = thread_policy.kernel_threads(49152 * 576)
-        with thread_policy.threads_for(thread_policy.PARALLEL_MIN_WORK):
+        seen["small"] = thread_policy.kernel_threads(thread_policy.KERNEL_PARALLEL_MIN_WORK - 1, budget)
+        seen["kernel"] = thread_policy.kernel_threads(thread_policy.KERNEL_PARALLEL_MIN_WORK, budget)
+        seen["logits"] = thread_policy.kernel_threads(49152 * 576, budget)
+        with thread_policy.threads_for(thread_policy.PARALLEL_MIN_WORK, budget):
             seen["big OpenMP op"] = torch.get_num_threads()
         seen["after"] = torch.get_num_threads()
 
     try:
         torch.set_num_threads(2)
-        forward()
+        forward(torch.get_num_threads())
         assert seen == {"torch": 1, "small": 1, "kernel": 2, "logits": 2, "big OpenMP op": 2, "after": 1}
         assert torch.get_num_threads() == 2
     finally:
@@ -171,7 +172,8 @@ def test_linear_on_two_threads_equals_one_thread_for_every_row_count(kind):
             results = []
             for count in (1, 2):
                 torch.set_num_threads(count)
-                results.append(thread_policy.one_thread_except_big_ops(lambda: linear(x, weight))())
+                products = Products.generated(torch.get_num_threads())
+                results.append(thread_policy.on_one_thread(lambda: linear(x, weight, products=products))())
             assert results[0].shape == (1, rows, 768)
             assert torch.equal(results[0], results[1]), rows
     finally:
@@ -188,11 +190,11 @@ def test_a_big_activation_gets_the_callers_threads_and_the_same_bits(activation,
     seen = []
     real = thread_policy.threads_for
 
-    def recording(work):
+    def recording(work, budget):
         seen.append(work)
-        return real(work)
+        return real(work, budget)
 
-    monkeypatch.setattr("fastdecode.layers.linear.threads_for", recording)
+    monkeypatch.setattr("fastdecode.layers.gemm.threads_for", recording)
     previous = torch.get_num_threads()
     try:
         for rows, big in ((256, True), (8, False)):
@@ -200,7 +202,9 @@ def test_a_big_activation_gets_the_callers_threads_and_the_same_bits(activation,
             results = []
             for count in (1, 2):
                 torch.set_num_threads(count)
-                results.append(thread_policy.one_thread_except_big_ops(lambda: linear(x, weight, bias, activation))())
+                products = Products.generated(torch.get_num_threads())
+                product = lambda: linear(x, weight, bias, activation, products=products)  # noqa: E731
+                results.append(thread_policy.on_one_thread(product)())
             assert torch.equal(results[0], results[1]), rows
             assert (seen[-1] >= thread_policy.PARALLEL_MIN_WORK) == big
     finally:

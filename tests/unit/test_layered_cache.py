@@ -186,6 +186,7 @@ def test_a_cache_without_kinds_still_masks_each_layers_window(gemma):
     """A strategy may keep every layer in full (a cache built without ``layer_windows``): the plan
     stores by the cache's kinds and masks by the model's windows."""
     from fastdecode.engine.plan import StepPlan, attention_terms
+    from fastdecode.layers.products import Products
 
     hf, gen = gemma
     model, prompt = gen.model, _prompt(30, 12)
@@ -193,7 +194,8 @@ def test_a_cache_without_kinds_still_masks_each_layers_window(gemma):
     cache = SlotCache(cfg.num_layers, 8, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"), BLOCK)
     windows, bias = attention_terms(model)
     table = cache.take(len(prompt))
-    plan = StepPlan.for_rows(cache, [(table, 0, len(prompt))], windows, bias, torch.float32)
+    plan = StepPlan.for_rows(cache, [(table, 0, len(prompt))], windows, bias, torch.float32,
+                             Products.generated(torch.get_num_threads()))
     with torch.inference_mode():
         ours = model.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], plan, None, all_logits=True)
         expected = hf(torch.tensor([prompt])).logits

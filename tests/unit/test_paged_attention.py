@@ -11,12 +11,13 @@ import torch
 
 from fastdecode.engine.plan import position_mask
 from fastdecode.engine.slots import SlotCache
-from fastdecode.layers.attention import attention, paged_attention, paged_attention_op
+from fastdecode.layers import ops
+from fastdecode.layers.attention import attention, paged_attention
 
 BLOCK = 4
 POSITIONS = [0, 3, 4, 9, 15, 21]  # first slot, last of a block, first of the next, inside, long rows
-op = paged_attention_op(torch.zeros(1), torch.zeros(1))
-needs_kernel = pytest.mark.skipif(op is None, reason="no AVX2 extension on this machine: the PyTorch path runs")
+needs_kernel = pytest.mark.skipif(not ops.available(),
+                                  reason="no AVX2 extension on this machine: the PyTorch path runs")
 
 
 def alibi(num_heads: int):
@@ -51,7 +52,7 @@ def reference(q, keys, values, table, key_start, positions, window, scale, score
     distance = (key_positions - positions[:, None])[:, None]  # [B, 1, S]
     mask = position_mask(distance, window, score_bias, torch.float32)  # [B, 1|H, 1, S]
     if score_bias is None or H == Hkv:
-        return attention(q[:, :, None], kg, vg, mask, scale)[:, :, 0]
+        return attention(q[:, :, None], kg, vg, mask, scale, threads=torch.get_num_threads())[:, :, 0]
     kg, vg = (x.double().repeat_interleave(H // Hkv, dim=1) for x in (kg, vg))  # [B, H, S, D]
     scores = (q.double()[:, :, None] @ kg.transpose(-1, -2)) * scale + mask.double()  # [B, H, 1, S]
     return (scores.softmax(-1) @ vg)[:, :, 0].float()
@@ -84,12 +85,14 @@ def test_paged_attention_matches_gather_mask_sdpa(name):
     if biased:
         distance = (key_start[:, None] + torch.arange(table.shape[1] * BLOCK) - positions[:, None])[:, None]
         bias = score_bias(distance)[:, :, 0].contiguous()  # [B, H, S]
-    out = paged_attention(op, q, keys, values, table, key_start, positions, BLOCK, window, scale, bias)
+    out = paged_attention(q, keys, values, table, key_start, positions, BLOCK, window, scale, bias,
+                          threads=torch.get_num_threads())
     expected = reference(q, keys, values, table, key_start, positions, window, scale, score_bias)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
     for b in range(B):  # each row alone: bitwise its batched result
-        alone = paged_attention(op, q[b : b + 1], keys, values, table[b : b + 1], key_start[b : b + 1],
-                                positions[b : b + 1], BLOCK, window, scale, None if bias is None else bias[b : b + 1])
+        alone = paged_attention(q[b : b + 1], keys, values, table[b : b + 1], key_start[b : b + 1],
+                                positions[b : b + 1], BLOCK, window, scale, None if bias is None else bias[b : b + 1],
+                                threads=torch.get_num_threads())
         assert torch.equal(alone, out[b : b + 1])
 
 
@@ -105,8 +108,8 @@ def test_paged_attention_writes_the_new_keys_first():
     expected_keys.index_copy_(0, slots, k_new)
     expected_values.index_copy_(0, slots, v_new)
     expected = reference(q, expected_keys, expected_values, table, key_start, positions, None, 0.125, None)
-    out = paged_attention(op, q, keys, values, table, key_start, positions, BLOCK, None, 0.125, None,
-                          (k_new, v_new, slots))
+    out = paged_attention(q, keys, values, table, key_start, positions, BLOCK, None, 0.125, None,
+                          (k_new, v_new, slots), threads=torch.get_num_threads())
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
 
@@ -115,8 +118,8 @@ def test_paged_attention_writes_the_new_keys_first():
 def test_paged_attention_refuses_a_table_too_short_for_the_position():
     keys, values, table, key_start, positions = random_rows(2, 1, 64, None, seed=0)
     with pytest.raises(RuntimeError, match="outside its table"):
-        paged_attention(op, torch.randn(2, 2, 64), keys, values, table[:, :1].contiguous(), key_start, positions + 8, BLOCK,
-                        None, 0.125)
+        paged_attention(torch.randn(2, 2, 64), keys, values, table[:, :1].contiguous(), key_start, positions + 8, BLOCK,
+                        None, 0.125, threads=torch.get_num_threads())
 
 
 @needs_kernel
@@ -128,7 +131,6 @@ def test_engine_decodes_the_same_with_the_op_as_with_the_pytorch_path(kind, monk
     pytest.importorskip("transformers")
     import fastdecode
     from fastdecode.engine import plan
-    from fastdecode.layers import kernels
     from tiny_models import VOCAB, build
 
     gen = fastdecode.from_hf(build(kind))
@@ -146,7 +148,7 @@ def test_engine_decodes_the_same_with_the_op_as_with_the_pytorch_path(kind, monk
     monkeypatch.setattr(plan, "paged_attention", lambda *a, **k: calls.append(1) or paged_attention(*a, **k))
     tokens, logprobs = decode()
     assert len(calls) >= 11 * gen.model.config.num_layers  # every pure decode step, every layer
-    monkeypatch.setitem(kernels._LOADED, "ops", None)  # the extension missing: the PyTorch path
+    monkeypatch.setitem(ops._LOADED, "ops", None)  # the extension missing: the PyTorch path
     fallback_tokens, fallback_logprobs = decode()
     assert tokens == fallback_tokens
     torch.testing.assert_close(logprobs, fallback_logprobs, rtol=0, atol=1e-5)

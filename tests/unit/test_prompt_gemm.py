@@ -13,12 +13,13 @@ import dataclasses
 import pytest
 import torch
 
-from fastdecode.layers import kernels, quantized
-from fastdecode.layers.quantized import QuantizedWeight, prompt_rows, quantized_linear
+from fastdecode.layers import ops, quantized
+from fastdecode.layers.products import Products
+from fastdecode.layers.quantized import QuantizedWeight, quantized_linear
 
-op = kernels.prompt_qmatmul_op()
+op = ops.prompt_qmatmul if ops.available() else None
 pytestmark = pytest.mark.skipif(op is None, reason="no AVX2 kernel on this machine")
-HAS_AVX512 = op is not None and kernels.set_avx512()
+HAS_AVX512 = op is not None and ops.set_avx512()
 ISAS = ["avx2", pytest.param("avx512", marks=pytest.mark.skipif(not HAS_AVX512, reason="no AVX-512 VNNI here"))]
 ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 17, 30)
 
@@ -26,9 +27,9 @@ ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 17, 30)
 @pytest.fixture(params=ISAS)
 def isa(request):
     """Runs the test on one ISA's kernels (the AVX-512 ones switched back on after, where the CPU has them)."""
-    kernels.set_avx512(request.param == "avx512")
+    ops.set_avx512(request.param == "avx512")
     yield request.param
-    kernels.set_avx512(True)
+    ops.set_avx512(True)
 
 
 def q6k_like(N: int, K: int, seed: int, extremes: bool = False, half: bool = False) -> QuantizedWeight:
@@ -94,12 +95,12 @@ def test_the_avx512_kernel_gives_the_avx2_bits():
     x = torch.randn(37, 1024, generator=torch.Generator().manual_seed(8))
     try:
         for M in (1, 2, 3, 8, 9, 37):
-            assert kernels.set_avx512(True)
+            assert ops.set_avx512(True)
             fast = run(x[:M], weight)
-            assert not kernels.set_avx512(False)
+            assert not ops.set_avx512(False)
             assert torch.equal(fast, run(x[:M], weight)), M
     finally:
-        kernels.set_avx512(True)
+        ops.set_avx512(True)
 
 
 def test_int8_prompt_rows_of_a_q6k_weight_take_the_prompt_gemm(monkeypatch):
@@ -109,20 +110,17 @@ def test_int8_prompt_rows_of_a_q6k_weight_take_the_prompt_gemm(monkeypatch):
     bias = torch.randn(40)
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(10))
     monkeypatch.setattr(quantized, "PROMPT_ROWS_EXACT", False)
-    with prompt_rows(True):
-        prompt = quantized_linear(x, weight, bias)
+    prompt = quantized_linear(x, weight, bias, products=Products.prompt(1))
     assert torch.equal(prompt, run(x, weight) + bias)
-    generated = quantized_linear(x, weight, bias)
+    generated = quantized_linear(x, weight, bias, products=Products.generated(1))
     assert not torch.equal(generated, prompt)  # the decode kernel: another summation order
     roles = [True, False, True, True, False, False]
-    with prompt_rows(roles):
-        mixed = quantized_linear(x, weight, bias)
+    mixed = quantized_linear(x, weight, bias, products=Products.of_rows(roles, 1))
     want = torch.stack([prompt[i] if role else generated[i] for i, role in enumerate(roles)])
     assert torch.equal(mixed, want)
     # with exact prompt rows (the default) the prompt GEMM is not used
     monkeypatch.setattr(quantized, "PROMPT_ROWS_EXACT", True)
-    with prompt_rows(True):
-        exact = quantized_linear(x, weight, bias)
+    exact = quantized_linear(x, weight, bias, products=Products.prompt(1))
     assert not torch.equal(exact, prompt)
     # a weight with mins, or a tiled one, keeps the decode kernel for int8 prompt rows
     assert not quantized.has_prompt_kernel(dataclasses.replace(weight, mins=weight.scale))

@@ -23,8 +23,8 @@ from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 import fastdecode  # noqa: E402
-from fastdecode.layers import kernels, quantized  # noqa: E402
-from fastdecode.layers.kernels import qmatmul_op  # noqa: E402
+from fastdecode.layers import ops, quantized  # noqa: E402
+from fastdecode.layers.products import Products  # noqa: E402
 from fastdecode.layers.quantized import QuantizedWeight, dequantize, quantize_matrix, rows_layout, tiled  # noqa: E402
 from fastdecode.loading.gguf_blocks import repack  # noqa: E402
 from tiny_gguf import EOT, MERGES, TOKEN_TYPES, TOKENS  # noqa: E402
@@ -60,7 +60,8 @@ def test_repacked_blocks_decode_exactly_as_the_gguf_package(qtype):
     weight = repack(qtype.name, raw, shape)
     reference = torch.from_numpy(gguf_dequantize(raw, qtype).reshape(shape))
     assert torch.equal(dequantize(weight), reference)  # bit-identical weights
-    assert torch.equal(quantized.dense_weight(weight, work=1 << 30), reference)  # the AVX2 decoder (prefill), too
+    # the AVX2 decoder (prefill), too
+    assert torch.equal(quantized.dense_weight(weight, work=1 << 30, threads=torch.get_num_threads()), reference)
     rows = torch.tensor([5, 0, 47, 5])
     assert torch.equal(dequantize(weight, rows), reference[rows])  # embedding lookups decode rows only
 
@@ -116,11 +117,20 @@ def _activation_rounding(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _kernel(x: torch.Tensor, weight: QuantizedWeight, activation_bits: int = 8) -> torch.Tensor:
-    return qmatmul_op()(x, weight.codes, weight.scale, weight.mins, weight.bits, weight.group, 1 << 40,
-                        activation_bits, weight.outputs)
+    return ops.qmatmul(x, weight.codes, weight.scale, weight.mins, weight.bits, weight.group, 1 << 40,
+                       activation_bits, weight.outputs)
 
 
-needs_kernel = pytest.mark.skipif("qmatmul_op() is None", reason="no AVX2 kernel on this machine")
+needs_kernel = pytest.mark.skipif("not ops.available()", reason="no AVX2 kernel on this machine")
+
+
+def roles(is_prompt: bool | list[bool]) -> Products:
+    """A forward's products with these row roles, on this thread's thread count."""
+    return Products.of_rows(is_prompt, torch.get_num_threads())
+
+
+def generated() -> Products:
+    return roles(False)
 
 
 @needs_kernel
@@ -228,7 +238,7 @@ def test_tiled_rows_are_the_same_bits_at_every_row_count_and_thread_count(label,
     the thread count, and a partial last tile must give its real outputs only."""
     weight = WEIGHTS[label]
     x = torch.randn(800, weight.shape[1], generator=torch.Generator().manual_seed(10))
-    op = qmatmul_op()
+    op = ops.qmatmul
     alone = torch.cat([op(x[m : m + 1], weight.codes, weight.scale, weight.mins, weight.bits, 32, 1, activation_bits,
                           weight.outputs) for m in range(0, 800, 23)])  # rows 0, 23, ... one at a time
     for M in (1, 3, 8, 33, 300, 800):
@@ -248,7 +258,7 @@ def test_a_bias_added_inside_the_kernel_is_the_same_addition(label):
     generator = torch.Generator().manual_seed(11)
     x = torch.randn(800, weight.shape[1], generator=generator)
     bias = torch.randn(weight.outputs, generator=generator)
-    op = qmatmul_op()
+    op = ops.qmatmul
     for M in (1, 8, 800):
         for threads in (1, 2):
             args = (x[:M], weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads, 8,
@@ -256,8 +266,8 @@ def test_a_bias_added_inside_the_kernel_is_the_same_addition(label):
             assert torch.equal(op(*args, bias), op(*args) + bias), (M, threads)
     with pytest.raises(RuntimeError, match=f"bias has {weight.outputs - 1} values for {weight.outputs} outputs"):
         op(*args, bias[:-1])
-    fused = quantized.quantized_linear(x[:8], weight, bias)
-    assert torch.equal(fused, quantized.quantized_linear(x[:8], weight, None) + bias)
+    fused = quantized.quantized_linear(x[:8], weight, bias, generated())
+    assert torch.equal(fused, quantized.quantized_linear(x[:8], weight, None, generated()) + bias)
 
 
 def _avx512_gives_the_avx2_bits(product, rows) -> None:
@@ -266,15 +276,15 @@ def _avx512_gives_the_avx2_bits(product, rows) -> None:
     try:
         for M in rows:
             for threads in (1, 2):
-                assert kernels.set_avx512(True)
+                assert ops.set_avx512(True)
                 fast = product(M, threads)
-                assert not kernels.set_avx512(False)
+                assert not ops.set_avx512(False)
                 assert torch.equal(fast, product(M, threads)), (M, threads)
     finally:
-        kernels.set_avx512(True)
+        ops.set_avx512(True)
 
 
-needs_avx512 = pytest.mark.skipif("not kernels.set_avx512()",
+needs_avx512 = pytest.mark.skipif("not ops.set_avx512()",
                                   reason="this CPU has no AVX-512 VNNI (the AVX2 kernels serve it)")
 
 
@@ -288,7 +298,7 @@ def test_the_avx512_kernels_give_the_avx2_bits(label):
     leftovers), odd tile counts (an AVX2 tile beside the pairs) and padded last tiles, both thread counts."""
     weight = WEIGHTS[label]
     x = torch.randn(45, weight.shape[1], generator=torch.Generator().manual_seed(11))
-    op = qmatmul_op()
+    op = ops.qmatmul
     _avx512_gives_the_avx2_bits(
         lambda M, threads: op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, 32, threads, 8,
                               weight.outputs), (1, 2, 3, 4, 5, 8, 13, 45))
@@ -302,7 +312,7 @@ def test_the_avx512_exact_prompt_kernel_gives_the_avx2_bits(label):
     bit for bit the AVX2 kernel's, at every row blocking (6 rows, leftovers) and odd output counts."""
     weight = WEIGHTS[label]
     x = torch.randn(61, weight.shape[1], generator=torch.Generator().manual_seed(12))
-    op = kernels.exact_qmatmul_op()
+    op = ops.exact_qmatmul
     _avx512_gives_the_avx2_bits(
         lambda M, threads: op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads,
                               weight.outputs), (1, 5, 6, 13, 61))
@@ -324,8 +334,9 @@ def test_the_tiled_layout_is_a_byte_shuffle_of_the_rows_layout():
         order = torch.randperm(13, generator=torch.Generator().manual_seed(1))
         taken = weight.take_rows(order)
         assert taken.is_tiled and torch.equal(dequantize(taken), dequantize(rows)[order])
-        if kernels.dequantize_op() is not None:
-            assert torch.equal(quantized.dense_weight(weight, work=1 << 30), dequantize(rows))
+        if ops.available():
+            assert torch.equal(quantized.dense_weight(weight, work=1 << 30, threads=torch.get_num_threads()),
+                               dequantize(rows))
 
 
 @pytest.mark.parametrize("logits_layer", [False, True], ids=["int8-activations", "for_logits"])
@@ -336,9 +347,9 @@ def test_a_row_gets_the_same_bits_whatever_it_is_batched_with(label, logits_laye
     position)."""
     weight = quantized.for_logits(WEIGHTS[label]) if logits_layer else WEIGHTS[label]
     x = torch.randn(300, weight.shape[1], generator=torch.Generator().manual_seed(9))
-    together = quantized.quantized_linear(x, weight, None)
+    together = quantized.quantized_linear(x, weight, None, generated())
     for rows in ([0], [3, 7], [12, 0, 5], list(range(8)), list(range(33)), list(range(299, -1, -2))):
-        assert torch.equal(quantized.quantized_linear(x[rows], weight, None), together[rows])
+        assert torch.equal(quantized.quantized_linear(x[rows], weight, None, generated()), together[rows])
 
 
 @pytest.mark.parametrize("label", WEIGHTS)
@@ -349,11 +360,12 @@ def test_a_prompt_row_gets_the_same_bits_at_any_row_count(label):
     different tokens)."""
     weight = WEIGHTS[label]
     x = torch.randn(300, weight.shape[1], generator=torch.Generator().manual_seed(2))
-    with quantized.prompt_rows(True):
-        together = quantized.quantized_linear(x, weight, None)
-        for rows in [*range(1, 10), 17, 33, 40]:
-            assert torch.equal(quantized.quantized_linear(x[100 : 100 + rows], weight, None), together[100 : 100 + rows]), rows
-    op = kernels.exact_qmatmul_op()
+    prompt = roles(True)
+    together = quantized.quantized_linear(x, weight, None, prompt)
+    for rows in [*range(1, 10), 17, 33, 40]:
+        assert torch.equal(quantized.quantized_linear(x[100 : 100 + rows], weight, None, prompt),
+                           together[100 : 100 + rows]), rows
+    op = ops.exact_qmatmul
     for threads in (1, 2):
         alone = op(x[7:12].contiguous(), weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads,
                    weight.outputs)
@@ -367,36 +379,33 @@ def test_a_step_mixing_prompt_and_generated_rows_gives_each_row_its_alone_result
     weight = WEIGHTS[label]
     x = torch.randn(40, weight.shape[1], generator=torch.Generator().manual_seed(5))
     is_prompt = [i % 3 == 1 or i > 30 for i in range(40)]
-    with quantized.prompt_rows(is_prompt):
-        mixed = quantized.quantized_linear(x, weight, None)
+    mixed = quantized.quantized_linear(x, weight, None, roles(is_prompt))
     for i in (0, 1, 2, 31, 39):
-        with quantized.prompt_rows(is_prompt[i]):
-            assert torch.equal(quantized.quantized_linear(x[i : i + 1], weight, None)[0], mixed[i]), i
+        assert torch.equal(quantized.quantized_linear(x[i : i + 1], weight, None, roles(is_prompt[i]))[0], mixed[i]), i
     dense = dequantize(weight)
     prompt = [i for i, p in enumerate(is_prompt) if p]
     torch.testing.assert_close(mixed[prompt], x[prompt] @ dense.T, atol=1e-4, rtol=1e-4)
-    with quantized.prompt_rows(is_prompt[:39]), pytest.raises(RuntimeError, match="40"):
-        quantized.quantized_linear(x, weight, None)
+    with pytest.raises(RuntimeError, match="40"):
+        quantized.quantized_linear(x, weight, None, roles(is_prompt[:39]))
 
 
 @pytest.mark.parametrize("label", WEIGHTS)
 @pytest.mark.parametrize("path", ["prompt", "no-kernel", "for_logits"])
 def test_prompt_rows_the_fallback_and_the_logits_layer_are_the_exact_float_product(label, path, monkeypatch):
-    """Prompt rows (``prompt_rows``), at any row count, are the product with the exactly decoded weights
+    """Prompt rows (``Products.roles``), at any row count, are the product with the exactly decoded weights
     (the exact kernel); without the AVX2 extension (forced here) every row runs the float GEMM on them;
     the logits layer's kernel
     (for_logits: float32 activations, 8-, 4- and 1-row blocks) too: only summation order differs."""
     if path == "no-kernel":
-        monkeypatch.setitem(kernels._LOADED, "ops", None)
+        monkeypatch.setitem(ops._LOADED, "ops", None)
     weight = quantized.for_logits(WEIGHTS[label]) if path == "for_logits" else WEIGHTS[label]
     for rows in {"prompt": [1, 33, 512], "no-kernel": [1, 8, 33], "for_logits": [1, 3, 5, 13]}[path]:
         x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(3))
         bias = torch.randn(weight.shape[0])
         dense = dequantize(weight)
         bound = 1e-5 * (x.abs() @ dense.abs().T).max()
-        with quantized.prompt_rows(path == "prompt"):
-            torch.testing.assert_close(quantized.quantized_linear(x, weight, bias), x @ dense.T + bias,
-                                       atol=float(bound), rtol=0)
+        torch.testing.assert_close(quantized.quantized_linear(x, weight, bias, roles(path == "prompt")),
+                                   x @ dense.T + bias, atol=float(bound), rtol=0)
 
 
 def test_the_avx2_kernel_is_built_on_this_machine():
@@ -404,7 +413,7 @@ def test_the_avx2_kernel_is_built_on_this_machine():
     flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
     if " avx2" not in flags:
         pytest.skip("no AVX2 on this CPU: the PyTorch fallback is what runs")
-    assert qmatmul_op() is not None
+    assert ops.available()
 
 
 # --- 2: a tiny GGUF model of each type runs natively, matching its dequantized float32 path ----------
@@ -516,9 +525,10 @@ def test_embedded_model_runs_on_its_own_blocks_with_no_float_copy(smollm, smollm
     # decode steps take the int8 kernel, the prompt the exact kernel (64 outputs decoded at a time, in
     # cache): no whole matrix is ever decoded
     real_dense, decoded = quantized.dense_weight, []
-    monkeypatch.setattr(quantized, "dense_weight", lambda weight, work: decoded.append(True) or real_dense(weight, work))
-    real_exact, exact = quantized.exact_qmatmul_op(), []
-    monkeypatch.setattr(quantized, "exact_qmatmul_op", lambda: lambda *args: exact.append(True) or real_exact(*args))
+    monkeypatch.setattr(quantized, "dense_weight",
+                        lambda weight, work, threads: decoded.append(True) or real_dense(weight, work, threads))
+    real_exact, exact = ops.exact_qmatmul, []
+    monkeypatch.setattr(ops, "exact_qmatmul", lambda *args: exact.append(True) or real_exact(*args))
     ids = smollm.encode_prompt("What is the capital of France?", chat=True)
     answer = smollm.tokenizer.decode(smollm.generate_ids([ids], max_new_tokens=12)[0])
     assert "Paris" in answer
@@ -555,9 +565,9 @@ def test_compiled_quantized_decode_step_is_one_graph_with_equal_logits(tmp_path)
     """fullgraph=True fails on any op without a fake kernel: the quantized products must trace."""
     import functools
 
-    from fastdecode.engine.decode_step import decode_step
+    from fastdecode.engine.decode_step import decode_products, decode_step
 
-    if qmatmul_op() is None:
+    if not ops.available():
         pytest.skip("no AVX2 kernel on this machine: the PyTorch fallback traces as it is")
     gen = fastdecode.load(write_tiny_llama(tmp_path / "q4.gguf", QT.Q4_1, tied=False))
     engine = gen.engine(cache_tokens=256)
@@ -570,7 +580,8 @@ def test_compiled_quantized_decode_step_is_one_graph_with_equal_logits(tmp_path)
         graphs.append(graph_module)
         return graph_module.forward
 
-    bound = functools.partial(decode_step, gen.model, engine.cache, engine.windows, engine.score_bias)
+    bound = functools.partial(decode_step, gen.model, engine.cache, engine.windows, engine.score_bias,
+                              decode_products())
     torch._dynamo.reset()  # earlier tests compiled decode_step too: start below dynamo's recompile limit
     compiled = torch.compile(bound, backend=counting_backend, fullgraph=True, dynamic=False)
     with torch.inference_mode():

@@ -168,4 +168,5 @@ def test_shared_prefix_attention_equals_attention_over_each_rows_keys(heads, kv_
     ours = shared_prefix_attention(q, k_shared, v_shared, k_own, v_own, mask, 0.3)
     full_k = torch.cat((k_shared.repeat_interleave(K, 0), k_own), 2)  # [B*K, Hkv, S, D]
     full_v = torch.cat((v_shared.repeat_interleave(K, 0), v_own), 2)
-    torch.testing.assert_close(ours, attention(q, full_k, full_v, mask, 0.3), atol=1e-5, rtol=1e-5)
+    expected = attention(q, full_k, full_v, mask, 0.3, threads=torch.get_num_threads())
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)

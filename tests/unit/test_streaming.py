@@ -11,6 +11,7 @@ from fastdecode.errors import InvalidOptionError
 from fastdecode.generation.streaming import StreamEngine
 from fastdecode.layers.positions import (NoRotation, RotaryEmbedding, rope_inverse_frequencies, rotate_half_split,
                                          rotate_heads)
+from fastdecode.layers.products import Products
 from streaming_reference import ExplicitShiftEngine, logit_trace
 from tiny_models import VOCAB, build, build_bloom
 
@@ -109,7 +110,7 @@ def test_shift_chunked_feed_equals_token_by_token(model_name, n_discard, headroo
     tokens = _tokens(90, seed=2)
     engine = StreamEngine(model, 32, 4, n_discard, headroom=headroom)
     with torch.inference_mode():
-        chunks = list(engine.feed_chunks(tokens, all_logits=True))
+        chunks = list(engine.feed_chunks(tokens, all_logits=True, prompt=False))
     assert chunks[0].shape[0] == 32 + headroom  # a fresh stream takes n_ctx + headroom at once
     assert max(c.shape[0] for c in chunks[1:]) <= headroom and engine.compacted > 0
     one_by_one = logit_trace(StreamEngine(model, 32, 4, n_discard), tokens)
@@ -122,14 +123,14 @@ def test_a_ring_of_one_moves_only_the_sinks(llama):
     decode step needs no mask; once the headroom is used up, one compaction moves everything back."""
     engine = StreamEngine(llama.model, 16, 4, 1, headroom=8)
     with torch.inference_mode():
-        engine.feed(_tokens(17, 3))
+        engine.feed(_tokens(17, 3), prompt=False)
         before = engine.cache.keys.clone()
-        engine.feed(_tokens(1, 4))
+        engine.feed(_tokens(1, 4), prompt=False)
         changed = (engine.cache.keys != before).flatten(2).any(dim=-1).any(dim=0)  # [slots] written
         assert changed.sum().item() == 4 + 1 and engine.shift == 2 and engine.sink_start == 2
-        plan = engine._plan(1)
+        plan = engine._plan(1, prompt=False)
         assert plan._mask(None) is None and plan.slot_range is not None  # one view, no mask, no gather
-        engine.feed(_tokens(10, 5))
+        engine.feed(_tokens(10, 5), prompt=False)
     assert engine.compacted > 0 and engine.end <= 16 + 8 and engine.cache.pool.num_free == 0
 
 
@@ -164,8 +165,8 @@ def _naive_reevaluate(model, prompt, new_tokens, n_ctx, n_keep, n_discard):
     for _ in range(new_tokens):
         ids = torch.tensor([context])
         with torch.inference_mode():
-            logits = model.forward(ids, torch.arange(len(context))[None], fastdecode.cache.static.NoCache(),
-                                   _causal(len(context)))[0, -1]
+            naive = fastdecode.cache.static.NoCache(Products.generated(torch.get_num_threads()))
+            logits = model.forward(ids, torch.arange(len(context))[None], naive, _causal(len(context)))[0, -1]
         token = int(logits.argmax())
         out.append(token)
         add(token)
@@ -190,7 +191,7 @@ def test_reevaluate_long_prompt_goes_through_the_policy(llama):
     prompt = _tokens(50, 7).tolist()
     engine = StreamEngine(llama.model, 16, 2, 4, policy="reevaluate")
     with torch.inference_mode():
-        engine.feed(torch.tensor(prompt))
+        engine.feed(torch.tensor(prompt), prompt=False)
     assert engine.rebuilds > 0 and len(engine.tokens) == engine.end <= 16
     assert llama.generate_ids([prompt], max_new_tokens=5, n_ctx=16, n_keep=2, n_discard=4, policy="reevaluate")[0] \
         == _naive_reevaluate(llama.model, prompt, 5, 16, 2, 4)
@@ -273,7 +274,7 @@ def test_sinks_move_like_seq_add(kind):
     moved, verb = StreamEngine(model, 16, 4, 1, headroom=8), StreamEngine(model, 16, 4, 1, headroom=8)
     with torch.inference_mode():
         for engine in (moved, verb):
-            engine.feed(_tokens(16, 10))
+            engine.feed(_tokens(16, 10), prompt=False)
         moved._move_sinks(3)
         verb.table = verb.cache.seq_add(verb.table, 0, 4, 3, verb._rotate)
     torch.testing.assert_close(moved.cache.keys, verb.cache.keys, atol=1e-6, rtol=0)

@@ -5,6 +5,9 @@ One buffer per layer for K and for V, ``[B, Hkv, S, D]``: only the KV heads the 
 at explicit indices; nothing grows by concatenation. Prompts of different lengths are
 left-padded, so every row writes its next token into the same slot; ``valid`` marks the
 padding slots and ``positions`` records each slot's token position.
+
+Each forward's ``Products`` (its rows' roles and thread budget, layers/products.py) come with the
+slots it reserves (``append_slots``); ``NoCache`` is given them when made, one per forward.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.attention import attention
+from ..layers.products import Products
 
 
 class KVCache:
@@ -34,6 +38,7 @@ class KVCache:
         self.length = 0  # slots in use (the same for every row)
         self.write_start = 0  # first slot of the tokens of the current forward
         self.has_padding = False
+        self.products: Products | None = None  # the current forward's (``append_slots``)
 
     def _unbind(self) -> None:
         # Per-layer views, so the hot path indexes a Python list instead of a tensor.
@@ -48,8 +53,9 @@ class KVCache:
     def batch_size(self) -> int:
         return self.keys.shape[1]
 
-    def append_slots(self, valid: torch.Tensor, positions: torch.Tensor) -> int:
-        """Reserve the next T slots for tokens with these valid flags and positions [B, T].
+    def append_slots(self, valid: torch.Tensor, positions: torch.Tensor, products: Products) -> int:
+        """Reserve the next T slots for tokens with these valid flags and positions [B, T], run with
+        ``products`` (the forward's row roles and thread budget, which the model reads here).
 
         Returns the first slot index; layers then ``write`` their K/V there.
         """
@@ -60,6 +66,7 @@ class KVCache:
         self.positions[:, start : start + T] = positions
         self.length = start + T
         self.write_start = start
+        self.products = products
         return start
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -67,7 +74,7 @@ class KVCache:
         """Write this forward's k, v [B, Hkv, T, D] into the layer's slots, then attend over every
         filled slot (``softcap``: attention logit soft-capping or None). q [B, H, T, D] -> [B, H, T, D]."""
         keys, values = self.update(layer, self.write_start, k, v)
-        return attention(q, keys, values, mask, scale, softcap)
+        return attention(q, keys, values, mask, scale, softcap, threads=self.products.threads)
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, Hkv, T, D] at slot ``start``; return the layer's K, V up to their end."""
@@ -96,11 +103,15 @@ class KVCache:
 
 
 class NoCache:
-    """The naive path (``use_cache=False``): attend within the tokens of this forward only."""
+    """The naive path (``use_cache=False``): attend within the tokens of this forward only, run with
+    ``products`` (its rows' roles and thread budget)."""
+
+    def __init__(self, products: Products):
+        self.products = products
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float, softcap: float | None = None) -> torch.Tensor:
-        return attention(q, k, v, mask, scale, softcap)
+        return attention(q, k, v, mask, scale, softcap, threads=self.products.threads)
 
     def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
         return query_positions[:, None, :] - query_positions[:, :, None]  # the keys are these tokens

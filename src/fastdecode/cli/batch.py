@@ -1,8 +1,8 @@
-"""`fastdecode batch INPUT -o OUTPUT`: the command and its flags; the run itself is pipeline/cli.py's
+"""`fastdecode batch INPUT -o OUTPUT`: the command and its flags; the run itself is cli/batch_run.py's
 ``run_batch``.
 
 Exit codes: 0 every input succeeded; 1 some inputs failed; 2 bad usage (and --fail-fast's first
-failure); 3 the output could not be written (see pipeline/cli.py).
+failure); 3 the output could not be written (see cli/batch_run.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from ..pipeline.cli import run_batch
+from .batch_run import run_batch
 from ..pipeline.settings import BatchSettings
 from .errors import handle_errors
 from .options import collect_options, generation_options, load_settings, model_options

@@ -8,7 +8,7 @@ import json
 import click
 
 from ..models.registry import supported_architectures, supported_gguf_architectures
-from ..pipeline.settings import LoadSettings
+from ..load_settings import LoadSettings
 from .errors import handle_errors, require_stream
 
 

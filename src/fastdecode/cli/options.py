@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from ..errors import InvalidOptionError
-from ..pipeline.settings import LoadSettings
+from ..load_settings import LoadSettings
 
 
 def generation_options(command):

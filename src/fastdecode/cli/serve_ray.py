@@ -9,7 +9,7 @@ import click
 
 from ..errors import InvalidOptionError
 from ..integrations.ray_serve.options import ROUTING_POLICIES, ReplicaOptions
-from ..pipeline.settings import LoadSettings
+from ..load_settings import LoadSettings
 from .errors import say
 
 RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "cpus_per_replica", "routing")

@@ -31,9 +31,8 @@ from contextlib import contextmanager
 import torch
 
 from ..errors import InvalidOptionError, PromptTooLongError
-from ..generation.decode import SequenceResult
 from .beam_scores import BeamScores
-from .sequence import Sequence, TokenEvent
+from .sequence import Sequence, SequenceResult, TokenEvent
 from .slots import SlotCache
 
 

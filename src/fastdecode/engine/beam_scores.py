@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from ..config import GenerationConfig
-from ..generation.decode import SequenceResult
 from ..generation.sampling import TokenSelector
-from ..layers.kernels import beam_candidates_op
-from ..layers.threads import caller_threads, threads_for
+from ..layers import ops
+from ..layers.threads import one_thread
+from .sequence import SequenceResult
 
 NEG = -1.0e9  # transformers' "impossible" score (finite, so sums stay ordered)
 
@@ -49,7 +49,7 @@ class BeamScores:
         self.fin_done = torch.zeros(1, K, dtype=torch.bool, device=device)
         self.improvable = torch.ones(1, 1, dtype=torch.bool, device=device)  # early-stop heuristic unsatisfied
         self.step = 0
-        self.threads = caller_threads()  # the candidates op's (the small ops run on one)
+        self.threads = torch.get_num_threads()  # the candidates op's budget (the small ops run on one)
 
     def advance(self, logits: torch.Tensor, selector: TokenSelector) -> tuple[bool, torch.Tensor, torch.Tensor]:
         """The beams' next-token logits [K, V] -> (whether the search goes on, the beam each new
@@ -57,7 +57,7 @@ class BeamScores:
         cfg, step = self.config, self.step
         K, max_new, lp = cfg.num_beams, cfg.max_new_tokens, cfg.length_penalty
         V = logits.shape[-1]
-        with threads_for(0):  # small ops, on one thread (a block copy's barrier waits on busy kernel threads)
+        with one_thread():  # small ops, on one thread (a block copy's barrier waits on busy kernel threads)
             top_lp, top_index = self._candidates(logits, selector, step)  # [1, 2K]
             top_beam, top_token = top_index // V, top_index % V
             cand_tokens = _gather(self.running_tokens, top_beam)  # [1, 2K, max_new]
@@ -124,3 +124,8 @@ class BeamScores:
             seq = seq[:n]
             results.append(SequenceResult(seq, "eos" if seq and seq[-1] in eos else "length", score))
         return results
+
+
+def beam_candidates_op():
+    """``ops.beam_candidates`` where the extension is built, else None (the PyTorch step runs)."""
+    return ops.beam_candidates if ops.available() else None

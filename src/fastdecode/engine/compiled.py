@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .decode_step import decode_step, decode_window_tables
+from .decode_step import decode_products, decode_step, decode_window_tables
 
 
 # Graphs of the one code object torch.compile wraps every engine's step in: row buckets (1 .. 64
@@ -42,7 +42,8 @@ class CompiledDecode:
         self.cache = engine.cache
         self.scratch_table = self.cache.scratch_table()  # the padding rows' blocks, never freed
         self.scratch = self.scratch_table[0]
-        step = functools.partial(decode_step, engine.model, engine.cache, engine.windows, engine.score_bias)
+        step = functools.partial(decode_step, engine.model, engine.cache, engine.windows, engine.score_bias,
+                                 decode_products())
         self.step = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
 
     def logits(self, sequences: list) -> torch.Tensor:

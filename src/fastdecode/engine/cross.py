@@ -28,7 +28,8 @@ import torch
 
 from ..errors import PromptTooLongError
 from ..layers.attention import attention
-from ..layers.quantized import prompt_rows
+from ..layers import ops
+from ..layers.products import Products
 from ..layers.threads import kernel_threads
 from ..models.seq2seq import padding_bias
 from .sequence import Sequence
@@ -145,15 +146,16 @@ class CrossStep:
             mask = mask.masked_fill(keys[None, :] >= lengths[:, None], float("-inf"))[:, None, None]  # [B, 1, 1, S]
             self.groups.append((first, len(sequences), queries, table, mask))
 
-    def attend(self, index: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """Cross-attention of decoder layer ``index``: q [1, H, N, D] (flat tokens) -> [1, H, N, D]."""
+    def attend(self, index: int, q: torch.Tensor, scale: float, threads: int) -> torch.Tensor:
+        """Cross-attention of decoder layer ``index``: q [1, H, N, D] (flat tokens) -> [1, H, N, D]
+        (``threads``: the forward's thread budget)."""
         keys, values = self.cache.layer_keys[index], self.cache.layer_values[index]
         outputs = []
         for first, B, T, table, mask in self.groups:
             qg = q[0, :, first : first + B * T].unflatten(1, (B, T)).transpose(0, 1)  # [H, B*T, D] -> [B, H, T, D]
             kg = self.cache.gather(keys, table)  # [B, H, S, D]
             vg = self.cache.gather(values, table)  # [B, H, S, D]
-            out = attention(qg, kg, vg, mask, scale)  # [B, H, T, D]
+            out = attention(qg, kg, vg, mask, scale, threads=threads)  # [B, H, T, D]
             outputs.append(out.transpose(0, 1).flatten(1, 2))  # [H, B*T, D]
         return torch.cat(outputs, dim=1)[None] if len(outputs) > 1 else outputs[0][None]  # [1, H, N, D]
 
@@ -179,19 +181,19 @@ class EncodedSources:
     def from_padded(cls, model, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> "EncodedSources":
         """Right-padded sources: tokens, valid [B, S], positions [1, S] (``right_pad``). K/V are made
         contiguous here, once: a strided view would be copied by every step's attention."""
-        with prompt_rows(True):  # source rows (layers/quantized.py)
-            return cls.from_memory(model, model.encode(tokens, positions, valid), valid)  # memory [B, S, C]
+        products = Products.prompt(torch.get_num_threads())  # source rows, on the caller's threads
+        return cls.from_memory(model, model.encode(tokens, positions, valid, products=products), valid)  # [B, S, C]
 
     @classmethod
     def from_memory(cls, model, memory: torch.Tensor, valid: torch.Tensor) -> "EncodedSources":
         """An encoder output [B, S, C] (a speech encoder's, say) -> each decoder layer's cross K/V,
         projected once; ``valid`` [B, S] marks its real rows."""
         keys, values = [], []
-        with prompt_rows(True):
-            for layer in range(model.config.num_layers):
-                k, v = model.cross_kv(layer, memory)  # [B, H, S, D]
-                keys.append(k.contiguous())
-                values.append(v.contiguous())
+        products = Products.prompt(torch.get_num_threads())  # source rows, on the caller's threads
+        for layer in range(model.config.num_layers):
+            k, v = model.cross_kv(layer, memory, products)  # [B, H, S, D]
+            keys.append(k.contiguous())
+            values.append(v.contiguous())
         return cls(keys, values, valid)
 
     @property
@@ -202,16 +204,16 @@ class EncodedSources:
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
-    def attend(self, index: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, index: int, q: torch.Tensor, scale: float, threads: int) -> torch.Tensor:
         """Cross-attention of decoder layer ``index``, one row per source: q [B, H, T, D] -> [B, H, T, D].
         The C++ op (layers/cross_attention.cpp) where it serves these tensors: it reads each source's
         keys once for its T queries and never reads its padding; else SDPA under the padding mask."""
         keys, values = self.keys[index], self.values[index]
-        op = cross_attention_op(q, keys) if self.lengths is not None else None
-        if op is None:
-            return attention(q, keys, values, self.bias, scale)
-        threads = kernel_threads(2 * q.numel() * keys.shape[2])  # B*H*T*D * S multiply-adds, twice
-        return op(q if q.stride(-1) == 1 else q.contiguous(), keys, values, self.lengths, scale, threads)
+        if self.lengths is None or not cross_attention_runs(q, keys):
+            return attention(q, keys, values, self.bias, scale, threads=threads)
+        threads = kernel_threads(2 * q.numel() * keys.shape[2], threads)  # B*H*T*D * S multiply-adds, twice
+        return ops.cross_attention(q if q.stride(-1) == 1 else q.contiguous(), keys, values, self.lengths, scale,
+                                   threads)
 
     def folded(self, rows_per_source: int) -> "FoldedCross":
         return FoldedCross(self, rows_per_source)
@@ -235,15 +237,11 @@ def source_lengths(valid: torch.Tensor) -> torch.Tensor | None:
     return lengths.contiguous() if torch.equal(leading, valid) and bool((lengths > 0).all()) else None
 
 
-def cross_attention_op(q: torch.Tensor, keys: torch.Tensor):
-    """The C++ cross-attention (float32 on the CPU, head dims a multiple of 8, contiguous [B, H, S, D]
-    keys, the extension built), else None: the caller runs SDPA."""
-    if (q.dtype != torch.float32 or keys.dtype != torch.float32 or q.device.type != "cpu" or q.shape[-1] % 8
-            or not keys.is_contiguous()):
-        return None
-    from ..layers.kernels import cross_attention_op as op
-
-    return op()
+def cross_attention_runs(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether the C++ cross-attention serves these tensors (float32 on the CPU, head dims a multiple
+    of 8, contiguous [B, H, S, D] keys, the extension built); else the caller runs SDPA."""
+    return (q.dtype == torch.float32 and keys.dtype == torch.float32 and q.device.type == "cpu"
+            and q.shape[-1] % 8 == 0 and keys.is_contiguous() and ops.available())
 
 
 class FoldedCross:
@@ -254,9 +252,9 @@ class FoldedCross:
     def __init__(self, sources: EncodedSources, fold: int):
         self.sources, self.fold = sources, fold
 
-    def attend(self, index: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, index: int, q: torch.Tensor, scale: float, threads: int) -> torch.Tensor:
         """q [1, H, N, D] (N = B * fold flat rows) -> [1, H, N, D]."""
         B = self.sources.num_sources
         folded = q[0].unflatten(1, (B, self.fold)).transpose(0, 1)  # [H, N, D] -> [B, H, fold, D]
-        out = self.sources.attend(index, folded, scale)  # [B, H, fold, D]; the bias [B, 1, 1, S] broadcasts
+        out = self.sources.attend(index, folded, scale, threads)  # [B, H, fold, D]; the bias [B, 1, 1, S] broadcasts
         return out.transpose(0, 1).flatten(1, 2)[None]  # [B, H, fold, D] -> [1, H, N, D]

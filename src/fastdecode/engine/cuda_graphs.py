@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .compiled import RECOMPILE_LIMIT, bucket
-from .decode_step import decode_step, decode_window_tables
+from .decode_step import decode_products, decode_step, decode_window_tables
 
 # Block buckets start at 16 blocks (256 tokens at 16 per block): a short generation captures one
 # graph, and attending over a few hundred masked slots costs a GPU next to nothing.
@@ -56,7 +56,8 @@ class CapturedDecode:
         self.cache = engine.cache
         self.scratch_table = self.cache.scratch_table()  # the padding rows' blocks, never freed
         self.scratch = self.scratch_table[0]
-        self.step = functools.partial(decode_step, engine.model, engine.cache, engine.windows, engine.score_bias)
+        self.step = functools.partial(decode_step, engine.model, engine.cache, engine.windows, engine.score_bias,
+                                 decode_products())
         self.compiled_step = compile_step
         if compile_step:
             self.step = torch.compile(self.step, fullgraph=True, dynamic=False)

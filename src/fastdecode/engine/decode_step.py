@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.attention import attention, paged_attention, paged_attention_op
+from ..layers.attention import attention, paged_attention, paged_attention_runs
+from ..layers.products import Products
 from .plan import no_distances, position_mask
 from .slots import SlotCache
 
@@ -26,9 +27,10 @@ class DecodePlan:
     """The cache view of one fixed-shape decode step (the model calls ``attend`` per layer)."""
 
     def __init__(self, cache: SlotCache, block_table: torch.Tensor, positions: torch.Tensor,
-                 windows: list[int | None], score_bias, dtype: torch.dtype,
+                 windows: list[int | None], score_bias, dtype: torch.dtype, products: Products,
                  window_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()):
         self.cache = cache
+        self.products = products  # every row generated; the thread budget
         size = cache.block_size
         # kind -> (tables [B, n]: the blocks a row may read, first key position [B, 1])
         self.tables = {None: (block_table, torch.zeros_like(positions)[:, None])}
@@ -55,13 +57,13 @@ class DecodePlan:
         kind, window = self.cache.layer_windows[layer], self.windows[layer]  # storage kind, mask window
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
         table, key_starts = self.tables[kind]
-        op = paged_attention_op(q, keys) if softcap is None else None
-        if op is not None:  # the C++ op: write and attend in place, reading only each row's visible keys
+        if softcap is None and paged_attention_runs(q, keys):  # the C++ op: write and attend in place
             if kind not in self._bias and self.score_bias is not None:
                 self._bias[kind] = self.score_bias(self.distance[kind])[:, :, 0].float().contiguous()  # [B, 1|H, S]
             write = (k[:, :, 0], v[:, :, 0], self.write_slots[kind])  # [B, Hkv, D] x 2, [B]
-            out = paged_attention(op, q[:, :, 0], keys, values, table, key_starts[:, 0], self.positions,
-                                  self.cache.block_size, window, scale, self._bias.get(kind), write)  # [B, H, D]
+            out = paged_attention(q[:, :, 0], keys, values, table, key_starts[:, 0], self.positions,
+                                  self.cache.block_size, window, scale, self._bias.get(kind), write,
+                                  threads=self.products.threads)  # [B, H, D]
             return out[:, :, None]  # [B, H, 1, D]
         keys.index_copy_(0, self.write_slots[kind], k[:, :, 0])  # [B, Hkv, D]
         values.index_copy_(0, self.write_slots[kind], v[:, :, 0])
@@ -69,19 +71,26 @@ class DecodePlan:
         vg = self.cache.gather(values, table)  # [B, Hkv, S, D]
         if (kind, window) not in self._masks:
             self._masks[kind, window] = position_mask(self.distance[kind], window, self.score_bias, self.dtype)
-        return attention(q, kg, vg, self._masks[kind, window], scale, softcap)
+        return attention(q, kg, vg, self._masks[kind, window], scale, softcap, threads=self.products.threads)
 
 
-def decode_step(model, cache: SlotCache, windows: list[int | None], score_bias, block_table: torch.Tensor,
-                tokens: torch.Tensor, positions: torch.Tensor,
+def decode_step(model, cache: SlotCache, windows: list[int | None], score_bias, products: Products,
+                block_table: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 window_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of B rows: tokens, positions [B], block tables [B, n] (and each sliding
     kind's (tables [B, m], first key positions [B, 1]), in ``cache.windows`` order) -> (logits
-    [B, V], greedy next tokens [B]), both on the device. Bind the first four arguments
-    (functools.partial) and compile the rest: the shapes depend only on (B, n)."""
-    plan = DecodePlan(cache, block_table, positions, windows, score_bias, model.dtype, window_tables)
+    [B, V], greedy next tokens [B]), both on the device. Bind the first five arguments
+    (functools.partial; ``products``: ``decode_products()``) and compile the rest: the shapes depend
+    only on (B, n)."""
+    plan = DecodePlan(cache, block_table, positions, windows, score_bias, model.dtype, products, window_tables)
     logits = model.forward(tokens[:, None], positions[:, None], plan, None)[:, -1]  # [B, V]
     return logits, logits.argmax(dim=-1)
+
+
+def decode_products() -> Products:
+    """A decode step's ``Products``: every row generated, the thread budget of the caller that binds
+    the step (inside torch.compile the kernels read torch's count when they run)."""
+    return Products.generated(torch.get_num_threads())
 
 
 def decode_window_tables(cache: SlotCache, tables: list, positions: list[int], device: torch.device | None = None

@@ -56,10 +56,9 @@ def check_draft_compatible(path: str, target: "RequestFactory", draft: "RequestF
 class DraftRunner:
     """One draft model's sequences beside one target engine."""
 
-    def __init__(self, draft: DraftModel, cache_tokens: int, target_vocab: int):
-        from .scheduler import Engine
-
-        self.engine = Engine(draft.model, draft.requests, cache_tokens=cache_tokens)
+    def __init__(self, engine: Any, target_vocab: int):
+        """``engine``: the draft model's own engine (its slot cache and step plans), never stepped itself."""
+        self.engine = engine
         self.target_vocab = target_vocab
         self.rows: dict[int, Sequence] = {}  # target sequence id -> its draft sequence
         self.tokens_drafted = 0

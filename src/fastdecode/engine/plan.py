@@ -10,6 +10,10 @@ A query at position p of a sequence sees that sequence's slots for positions 0..
 on a sliding-window layer, only the last ``window`` of them), so a result never depends on
 what else is in the step. Nothing about the step is stored on the cache object.
 
+The plan also carries the step's ``Products`` (layers/products.py): which of its flat tokens are
+prompt rows and the thread budget. The model hands them to every product and the plan attends
+with them, so nothing outside the plan decides a row's arithmetic.
+
 The cache is layered (engine/slots.py): a full layer reads its kind's blocks from position 0, a
 sliding layer only the blocks of its window in its own kind (``window_tables``: a table per
 group starting at the first block its queries can see, with that block's first position), so
@@ -24,7 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..layers.attention import attention, paged_attention, paged_attention_op
+from ..layers.attention import attention, paged_attention, paged_attention_runs
+from ..layers.products import Products
 from .fastseq import shared_prefix_attention
 from .slots import SlotCache, first_visible_block
 
@@ -64,8 +69,9 @@ def attention_terms(model) -> tuple[list[int | None], Callable | None]:
 class StepPlan:
     def __init__(self, cache: SlotCache, write_slots: dict[int | None, torch.Tensor], groups: list[AttentionGroup],
                  windows: list[int | None], score_bias: Callable[[torch.Tensor], torch.Tensor] | None,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, products: Products):
         self.cache = cache
+        self.products = products  # the flat tokens' roles and the step's thread budget
         self.write_slots = write_slots  # kind (None: full, else the window) -> [N] slot of each flat token
         self.groups = groups
         self.windows = windows
@@ -75,15 +81,16 @@ class StepPlan:
 
     @classmethod
     def for_rows(cls, cache: SlotCache, rows: list[tuple[list[int], int, int]], windows: list[int | None],
-                 score_bias: Callable | None, dtype: torch.dtype, shared: tuple[int, int] = (1, 0),
-                 runs: dict[int, tuple[int, int]] | None = None) -> "StepPlan":
+                 score_bias: Callable | None, dtype: torch.dtype, products: Products,
+                 shared: tuple[int, int] = (1, 0), runs: dict[int, tuple[int, int]] | None = None) -> "StepPlan":
         """The plan of one forward over ``rows``: (block table, first position, token count) per
         sequence, in the order its tokens are laid out flat (the caller made the tokens writable:
         ``SlotCache.prepare``). Consecutive one-token rows attend as one group; every longer chunk
         is a group of its own. ``shared`` (fold, blocks): in the one-token groups, each run of
         ``fold`` rows holds the same first ``blocks`` full-kind blocks (the caller guarantees it:
         beams of a sample over its prompt). ``runs``: first row -> (fold, blocks) of one-token rows
-        that form a group of their own, folded the same way (a beam group among other rows)."""
+        that form a group of their own, folded the same way (a beam group among other rows).
+        ``products``: the flat tokens' roles and the thread budget."""
         device = cache.keys.device
         kinds = [None, *cache.windows]
         slots: dict[int | None, list[int]] = {kind: [] for kind in kinds}
@@ -107,7 +114,7 @@ class StepPlan:
             groups.append(attention_group(cache, first, run, fold, shared_blocks))
             first += sum(row[2] for row in run)
         write_slots = {kind: torch.tensor(s, dtype=torch.long, device=device) for kind, s in slots.items()}
-        return cls(cache, write_slots, groups, windows, score_bias, dtype)
+        return cls(cache, write_slots, groups, windows, score_bias, dtype, products)
 
     def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
         return no_distances(query_positions)
@@ -123,13 +130,15 @@ class StepPlan:
         # (a cache built without kinds stores a sliding layer in full and masks it all the same).
         kind, window = self.cache.layer_windows[layer], self.windows[layer]
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
-        op = paged_attention_op(q, keys) if softcap is None else None
-        paged = [op is not None and self._pageable(group, kind) for group in self.groups]
+        threads = self.products.threads
+        runs_paged = softcap is None and paged_attention_runs(q, keys)
+        paged = [runs_paged and self._pageable(group, kind) for group in self.groups]
         if len(paged) == 1 and paged[0]:  # a pure decode step: write and attend in one op
             table, key_start, positions = self._paged_rows(0, kind)
             write = (k[0].transpose(0, 1), v[0].transpose(0, 1), self.write_slots[kind])  # [B, Hkv, D] x 2, [B]
-            out = paged_attention(op, q[0].transpose(0, 1), keys, values, table, key_start, positions,
-                                  self.cache.block_size, window, scale, self._bias(0, kind), write)  # [B, H, D]
+            out = paged_attention(q[0].transpose(0, 1), keys, values, table, key_start, positions,
+                                  self.cache.block_size, window, scale, self._bias(0, kind), write,
+                                  threads=threads)  # [B, H, D]
             return out.transpose(0, 1)[None]  # [1, H, B, D]
         keys.index_copy_(0, self.write_slots[kind], k[0].transpose(0, 1))  # [N, Hkv, D]
         values.index_copy_(0, self.write_slots[kind], v[0].transpose(0, 1))
@@ -139,8 +148,8 @@ class StepPlan:
             if paged[index]:
                 table, key_start, positions = self._paged_rows(index, kind)
                 qg = q[0, :, group.first : group.first + B].transpose(0, 1)  # [B, H, D]
-                out = paged_attention(op, qg, keys, values, table, key_start, positions, self.cache.block_size,
-                                      window, scale, self._bias(index, kind))  # [B, H, D]
+                out = paged_attention(qg, keys, values, table, key_start, positions, self.cache.block_size,
+                                      window, scale, self._bias(index, kind), threads=threads)  # [B, H, D]
                 outputs.append(out.transpose(0, 1))  # [H, B, D]
                 continue
             qg = q[0, :, group.first : group.first + B * T].unflatten(1, (B, T)).transpose(0, 1)  # [B, H, T, D]
@@ -152,7 +161,7 @@ class StepPlan:
             else:
                 kg = self.cache.gather(keys, table)  # [B, Hkv, S, D]
                 vg = self.cache.gather(values, table)  # [B, Hkv, S, D]
-                out = attention(qg, kg, vg, mask, scale, softcap)  # [B, H, T, D]
+                out = attention(qg, kg, vg, mask, scale, softcap, threads=threads)  # [B, H, T, D]
             outputs.append(out.transpose(0, 1).flatten(1, 2))  # [H, B*T, D]
         return torch.cat(outputs, dim=1)[None] if len(outputs) > 1 else outputs[0][None]  # [1, H, N, D]
 

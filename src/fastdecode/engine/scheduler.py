@@ -41,7 +41,7 @@ import torch
 
 from ..errors import InvalidOptionError, QueueFullError
 from ..generation.sampling import TokenSelector, sequence_seeds
-from ..layers.quantized import prompt_rows
+from ..layers.products import Products
 from ..validation import positive_int
 from .beam_group import (BeamGroup, advance_groups, check_beam_options, fold_runs, folds_beams, is_beam, lent_spares,
                          whole_groups)
@@ -352,17 +352,18 @@ class Engine:
         layout = flat_layout(work)  # engine/layout.py
         groups = row_groups([(s, count) for s, _, count in layout.rows])
         runs = fold_runs([(s, count) for s, _, count in layout.rows])  # FastSeq: beams folded on their prompt
+        # a row's arithmetic follows its role (layers/products.py); big ops get the caller's threads
+        products = Products.of_rows(layout.is_prompt, torch.get_num_threads(), device)
         plan = StepPlan.for_rows(self.cache, [(s.block_table, start, count) for s, start, count in layout.rows],
-                                 self.windows, self.score_bias, self.model.dtype, runs=runs)
+                                 self.windows, self.score_bias, self.model.dtype, products, runs=runs)
         token_tensor = torch.tensor([layout.tokens], device=device)  # [1, N]
         position_tensor = torch.tensor([layout.positions], device=device)  # [1, N]
         logits_at = torch.tensor(layout.logits_at, dtype=torch.long, device=device)
-        with prompt_rows(layout.is_prompt, device):  # a row's arithmetic follows its role (layers/quantized.py)
-            if self.cross is None:
-                logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
-            else:
-                logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(groups),
-                                           logits_at=logits_at)[0]  # [K, V]
+        if self.cross is None:
+            logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
+        else:
+            logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(groups),
+                                       logits_at=logits_at)[0]  # [K, V]
         return keep_logits(layout.scored, logits, len(layout.logit_rows)), layout.sampled  # scoring rows handed over
 
     def _computed(self, sequence: Sequence, num_computed: int) -> None:
@@ -370,8 +371,7 @@ class Engine:
         pool = self.cache.pool
         done_before, sequence.num_computed = sequence.num_computed // pool.block_size, num_computed
         done_now = num_computed // pool.block_size
-        # no naming: an encoder-decoder's decoder K/V depend on the source; a stream's positions move;
-        # a beam's blocks change hands at a reorder
+        # unnamed: encoder-decoder K/V depend on the source, a stream's positions move, beams swap blocks
         if done_now > done_before and sequence.source is None and sequence.stream is None and not is_beam(sequence):
             self.cache.publish(sequence.block_table, sequence.tokens(0, num_computed), sequence.block_hashes,
                                done_now)

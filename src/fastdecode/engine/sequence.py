@@ -13,7 +13,7 @@ token(s) followed by the generated ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,15 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None  # None | "stop" (EOS or stop string) | "length" | "cancelled"
 
+
+
+@dataclass
+class SequenceResult:
+    """One finished sequence as the API returns it."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "eos", "length" or "stop"
+    score: float | None = None  # beam search: the length-penalized sum of log-probabilities (HF sequences_scores)
 
 
 def public_finish_reason(kind: str | None) -> str | None:

@@ -204,8 +204,8 @@ class Speculator:
 
             engine = self.engine
             draft = engine.requests.draft_model(settings.draft_model)
-            runner = self.runners[settings.draft_model] = DraftRunner(draft, engine.cache.capacity_tokens,
-                                                                      engine.model.config.vocab_size)
+            draft_engine = type(engine)(draft.model, draft.requests, cache_tokens=engine.cache.capacity_tokens)
+            runner = self.runners[settings.draft_model] = DraftRunner(draft_engine, engine.model.config.vocab_size)
         sequence.speculation = Speculation(ModelDrafter(runner), settings)
 
     def draft(self, decoding: list["Sequence"]) -> None:

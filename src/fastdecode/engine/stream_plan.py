@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.attention import attention, two_segment_attention
+from ..layers.products import Products
 from .plan import no_distances, position_mask
 
 
@@ -54,6 +55,12 @@ class StreamPlan:
                       and any(corrections))  # RoPE with per-query sink frames: two segments
         self.score_bias, self.dtype = stream.score_bias, stream.model.dtype
         self._masks: dict[int | None, torch.Tensor | None] = {}
+        self.products: Products | None = None  # the forward's row roles and threads: ``with_products``
+
+    def with_products(self, products: Products) -> "StreamPlan":
+        """This plan, run with ``products`` (set by whoever runs its forward; unset, attending fails)."""
+        self.products = products
+        return self
 
     @property
     def slot_range(self) -> tuple[int, int] | None:
@@ -78,7 +85,7 @@ class StreamPlan:
         kg, vg = self._read(keys, slot_range, block_table), self._read(values, slot_range, block_table)  # [1, Hkv, S, D]
         mask = self._mask(self.stream.windows[layer])
         if not self.split:
-            return attention(q, kg, vg, mask, scale, softcap)
+            return attention(q, kg, vg, mask, scale, softcap, threads=self.products.threads)
         n = self.sinks
         q_sinks = self.stream.ropes[layer].rotate_by(q, self.corrections.neg())  # sinks seen c_t closer
         return two_segment_attention(q_sinks, kg[:, :, :n], vg[:, :, :n], q, kg[:, :, n:], vg[:, :, n:], mask, scale,
@@ -116,8 +123,11 @@ class MixedPlan:
     """``rows`` (a StepPlan over the first ``row_tokens`` flat tokens, or None) then ``streams``
     (StreamPlans, each over its own tokens, in order)."""
 
-    def __init__(self, rows, row_tokens: int, streams: list[StreamPlan]):
+    def __init__(self, rows, row_tokens: int, streams: list[StreamPlan], products: Products):
         self.rows, self.row_tokens, self.streams = rows, row_tokens, streams
+        self.products = products  # every flat token's role, the step's thread budget
+        for plan in streams:
+            plan.with_products(products)
         self.sizes = [plan.positions.shape[0] for plan in streams]
         cache = streams[0].cache
         # Every stream's write slots per kind, in flat order: one write per layer for all of them.

@@ -10,12 +10,10 @@ stream's chunk (``mixed_forward``); before it, each stream's policy shifts its o
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ..config import GenerationConfig
-from ..layers.quantized import prompt_rows
+from ..layers.products import Products
 from .plan import StepPlan
 from .layout import flat_layout
 from .scoring import keep_logits
@@ -62,10 +60,11 @@ def mixed_forward(engine, work: list[tuple[Sequence, int]]) -> tuple[torch.Tenso
     layout = flat_layout(rows)  # engine/layout.py: drafts and scoring rows included
     tokens, positions, logit_rows, sampled, is_prompt = (layout.tokens, layout.positions, layout.logit_rows,
                                                          layout.sampled, layout.is_prompt)
-    row_plan = None
+    row_plan, threads = None, torch.get_num_threads()  # big ops get the caller's threads
     if rows:
+        row_products = Products.of_rows(list(is_prompt), threads, device)
         row_plan = StepPlan.for_rows(engine.cache, [(s.block_table, start, count) for s, start, count in layout.rows],
-                                     engine.windows, engine.score_bias, model.dtype)
+                                     engine.windows, engine.score_bias, model.dtype, row_products)
     plans = []
     for sequence, count in streams:
         start = sequence.num_computed
@@ -79,12 +78,13 @@ def mixed_forward(engine, work: list[tuple[Sequence, int]]) -> tuple[torch.Tenso
         if start + count == sequence.num_tokens:
             logit_rows.append(len(tokens) - 1)
             sampled.append(sequence)
-    plan = MixedPlan(row_plan, sum(count for _, _, count in layout.rows), plans)
+    # a row's arithmetic follows its role (layers/products.py)
+    products = Products.of_rows(is_prompt, threads, device)
+    plan = MixedPlan(row_plan, sum(count for _, _, count in layout.rows), plans, products)
     token_tensor = torch.tensor([tokens], device=device)  # [1, N]
     position_tensor = torch.tensor([positions], device=device)  # [1, N]
     logits_at = torch.tensor(logit_rows + layout.kept_rows, dtype=torch.long, device=device)
-    with prompt_rows(is_prompt, device):  # a row's arithmetic follows its role (layers/quantized.py)
-        logits = model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
+    logits = model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
     for sequence, count in streams:
         sequence.stream.finish(count)
     return keep_logits(layout.scored, logits, len(logit_rows)), sampled
@@ -95,7 +95,7 @@ def _rebuild_forward(model, prompt: bool):
 
     def forward(piece: list[int], plan: StreamPlan) -> None:
         tokens = torch.tensor([piece], device=model.device)  # [1, T]
-        with prompt_rows(True) if prompt else contextlib.nullcontext():
-            model.forward(tokens, plan.positions[None], plan, None, False)
+        plan.with_products(Products.of_rows(prompt, torch.get_num_threads(), model.device))
+        model.forward(tokens, plan.positions[None], plan, None, False)
 
     return forward

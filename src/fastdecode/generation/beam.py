@@ -15,8 +15,8 @@ import torch
 
 from ..engine.plan import StepPlan, attention_terms
 from ..engine.slots import BLOCK_SIZE, SlotCache
-from ..layers.quantized import prompt_rows
-from ..layers.threads import threads_for
+from ..layers.products import Products
+from ..layers.threads import one_thread
 
 
 class DecoderBeamEngine:
@@ -64,8 +64,7 @@ class DecoderBeamEngine:
         flat = [token for p in prompts for token in p]
         positions = [position for p in prompts for position in range(len(p))]
         ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1  # [B] last token of each prompt
-        with prompt_rows(True):
-            logits = self._forward(flat, positions, [(t, 0, len(p)) for t, p in zip(tables, prompts)], ends)
+        logits = self._forward(flat, positions, [(t, 0, len(p)) for t, p in zip(tables, prompts)], ends, prompt=True)
         self.tables = [self.cache.seq_cp(table) for table in tables for _ in range(K)]
         for table in tables:
             self.cache.release(table)
@@ -78,7 +77,7 @@ class DecoderBeamEngine:
         # On one thread: a copy-on-write block copy (~74K floats) is above PyTorch's parallel threshold, and
         # its OpenMP barrier waits for a core that the kernels' helper threads hold (layers/parallel.h):
         # measured ~8 ms per copy at 2 threads on a busy machine, 40 us on one.
-        with threads_for(0):
+        with one_thread():
             for table, length in zip(self.tables, self.lengths):
                 self.cache.prepare(table, length, length + 1)  # sliding kinds hand back what left the window
         rows = [(table, length, 1) for table, length in zip(self.tables, self.lengths)]
@@ -97,9 +96,11 @@ class DecoderBeamEngine:
         return shared
 
     def _forward(self, tokens, positions, rows: list[tuple[list[int], int, int]], logits_at: torch.Tensor,
-                 shared: tuple[int, int] = (1, 0)):
+                 shared: tuple[int, int] = (1, 0), prompt: bool = False):
+        """``prompt``: the rows are prompts (exact products), else generated beam tokens."""
         device = self.model.device
-        plan = StepPlan.for_rows(self.cache, rows, self.windows, self.score_bias, self.model.dtype, shared)
+        products = Products.of_rows(prompt, torch.get_num_threads(), device)  # the caller's threads
+        plan = StepPlan.for_rows(self.cache, rows, self.windows, self.score_bias, self.model.dtype, products, shared)
         tokens = torch.as_tensor(tokens, device=device)[None]  # [1, N]
         positions = torch.as_tensor(positions, device=device)[None]  # [1, N]
         return self._run_model(tokens, positions, plan, logits_at.to(device), len(rows))[0]  # [rows, V]

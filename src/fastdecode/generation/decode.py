@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from ..config import GenerationConfig
+from ..engine.sequence import SequenceResult  # noqa: F401 (the result type, here for the loops' callers)
 from ..constraints import CompiledGrammar
 from .sampling import TokenSelector
 from .step import CachedEngine, RecomputeEngine, Started
 
 
-@dataclass
-class SequenceResult:
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos", "length" or "stop"
-    score: float | None = None  # beam search: the length-penalized sum of log-probabilities (HF sequences_scores)
 
 
 def left_pad(prompts: list[list[int]], device: torch.device, pad_id: int = 0):

@@ -19,7 +19,7 @@ import torch
 
 from ..engine.cross import EncodedSources, decoder_score_bias, right_pad
 from ..engine.plan import StepPlan
-from ..layers.quantized import prompt_rows
+from ..layers.products import Products
 from .beam import DecoderBeamEngine
 from .step import Started
 
@@ -114,8 +114,8 @@ class EncoderDecoderRecompute:
         B, T = self.target.shape
         bias = model.decoder_self_bias(T)  # [1, H|1, T, T]
         roles = [column == 0 for _ in range(B) for column in range(T)]  # [B * T]: the start token is the prompt
-        with prompt_rows(roles, self.target.device):
-            return model.decode(self.target, self.target_positions, None, bias, cross)[:, -1]
+        products = Products.of_rows(roles, torch.get_num_threads(), self.target.device)
+        return model.decode(self.target, self.target_positions, None, bias, cross, products=products)[:, -1]
 
     def drop_rows(self, rows: torch.Tensor) -> None:
         self.source = self.source.index_select(0, rows)

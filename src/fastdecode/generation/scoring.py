@@ -34,7 +34,7 @@ def score_tokens(model, ids: list[int], config: GenerationConfig) -> list[float]
 def _chunk_logits(model, inputs: torch.Tensor, config: GenerationConfig):
     if config.n_ctx is not None:
         engine = streaming_engine(model, config)
-        yield from engine.feed_chunks(inputs, all_logits=True)
+        yield from engine.feed_chunks(inputs, all_logits=True, prompt=False)  # (as the stream ran them before)
         return
     engine = CachedEngine(model, 1, inputs.shape[0])
     for begin in range(0, inputs.shape[0], CHUNK):

@@ -15,7 +15,7 @@ import torch
 
 from ..cache.static import KVCache, NoCache
 from ..layers.attention import build_attention_mask
-from ..layers.quantized import prompt_rows
+from ..layers.products import Products
 
 
 class Started(NamedTuple):
@@ -39,17 +39,17 @@ class CachedEngine:
         """tokens, valid, positions [B, T] (left-padded) -> logits of the last slot [B, V]
         (``all_logits``: of every slot, [B, T, V]). May be called again to extend (chunked prefill)."""
         cache = self.cache
-        start = cache.append_slots(valid, positions)
+        start = cache.append_slots(valid, positions, Products.prompt(torch.get_num_threads()))
         cache.has_padding = cache.has_padding or not bool(valid.all())
-        with prompt_rows(True):
-            logits = self.model.forward(tokens, positions, cache, self._mask(start, tokens.shape[1]), all_logits)
+        logits = self.model.forward(tokens, positions, cache, self._mask(start, tokens.shape[1]), all_logits)
         return logits if all_logits else logits[:, -1]
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens, positions [B] -> logits [B, V] for the next token of every row."""
         cache = self.cache
         tokens, positions = tokens[:, None], positions[:, None]  # [B, 1]
-        start = cache.append_slots(torch.ones_like(tokens, dtype=torch.bool), positions)
+        start = cache.append_slots(torch.ones_like(tokens, dtype=torch.bool), positions,
+                                   Products.generated(torch.get_num_threads()))
         return self.model.forward(tokens, positions, cache, self._mask(start, 1))[:, -1]
 
     def _mask(self, start: int, num_queries: int) -> torch.Tensor | None:
@@ -86,8 +86,9 @@ class RecomputeEngine:
         B, T = self.tokens.shape
         mask = build_attention_mask(self.valid, 0, T, self.model.dtype)
         roles = [column < self.prompt_columns for _ in range(B) for column in range(T)]  # [B * T], row-major
-        with prompt_rows(roles, self.tokens.device):  # each row computed as the cached path computes it
-            return self.model.forward(self.tokens, self.positions, NoCache(), mask)[:, -1]
+        # each row computed as the cached path computes it
+        products = Products.of_rows(roles, torch.get_num_threads(), self.tokens.device)
+        return self.model.forward(self.tokens, self.positions, NoCache(products), mask)[:, -1]
 
     def drop_rows(self, rows: torch.Tensor) -> None:
         self.tokens = self.tokens.index_select(0, rows)

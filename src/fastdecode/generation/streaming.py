@@ -15,6 +15,7 @@ import torch
 from ..config import GenerationConfig
 from ..engine.slots import BLOCK_SIZE, SlotCache
 from ..engine.stream_plan import StreamPlan
+from ..layers.products import Products
 from ..engine.streaming_policy import MAX_CHUNK, StreamingPolicy, check_streamable
 
 __all__ = ["MAX_CHUNK", "StreamEngine", "streaming_engine"]
@@ -45,25 +46,31 @@ class StreamEngine:
     def table(self, table: list[int]) -> None:
         self.policy.table = table
 
-    def _plan(self, count: int) -> StreamPlan:
-        return self.policy.plan(count)
+    def _plan(self, count: int, prompt: bool = False) -> StreamPlan:
+        return self.policy.plan(count).with_products(self._products(prompt))
 
-    def feed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _products(self, prompt: bool) -> Products:
+        """The rows' roles (``prompt``: exact products; else the generated rows' kernels, as this
+        scorer's stream has always run) and the caller's threads."""
+        return Products.of_rows(prompt, torch.get_num_threads(), self.model.device)
+
+    def feed(self, tokens: torch.Tensor, prompt: bool = False) -> torch.Tensor:
         """Feed tokens [N]; logits of the last one [V]."""
         logits = None
-        for logits in self.feed_chunks(tokens, all_logits=False):
+        for logits in self.feed_chunks(tokens, all_logits=False, prompt=prompt):
             pass
         return logits[-1]
 
-    def feed_chunks(self, tokens: torch.Tensor, all_logits: bool) -> Iterator[torch.Tensor]:
+    def feed_chunks(self, tokens: torch.Tensor, all_logits: bool, prompt: bool = False) -> Iterator[torch.Tensor]:
         """Feed tokens [N] through the policy; yield logits per chunk ([T, V], or [1, V] for the
-        chunk's last token when not ``all_logits``)."""
-        done, policy = 0, self.policy
+        chunk's last token when not ``all_logits``); ``prompt``: the rows' role (``_products``)."""
+        done, policy, products = 0, self.policy, self._products(prompt)
         while done < tokens.shape[0]:
             size = policy.chunk_size(tokens.shape[0] - done)
             chunk = tokens[done : done + size].tolist()
-            plan = policy.begin(chunk, lambda piece, rebuild: self._forward(piece, rebuild, False))
-            logits = self._forward(chunk, plan, all_logits)
+            plan = policy.begin(chunk, lambda piece, rebuild: self._forward(piece, rebuild.with_products(products),
+                                                                             False))
+            logits = self._forward(chunk, plan.with_products(products), all_logits)
             policy.finish(size)
             done += size
             yield logits

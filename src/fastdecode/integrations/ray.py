@@ -94,7 +94,7 @@ class FastDecodePredictor:
         from .. import load
         from ..config import GenerationConfig
         from ..pipeline import BatchSettings
-        from ..pipeline.cli import resolve_chat
+        from ..pipeline.settings import resolve_chat
 
         torch.set_num_threads(max(1, int(num_cpus or assigned_cpus())))  # the actor's share, not the node's cores
         self.options = dict(options or {})

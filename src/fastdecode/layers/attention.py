@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import ops
 from .threads import pool_threads_for, threads_for
 
 
@@ -20,7 +21,7 @@ def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-    softcap: float | None = None,
+    softcap: float | None = None, *, threads: int,
 ) -> torch.Tensor:
     """Scaled dot-product attention with K/V heads shared by groups of query heads.
 
@@ -29,7 +30,7 @@ def attention(
     (H == Hkv) it may be any bias broadcastable to [B, H, T, S] (ALiBi, T5's relative bias).
     ``softcap``: scores soft-capped before the mask (``soft_cap``; SDPA has no such step, so the
     scores are then formed explicitly, query heads of a group folded as ``two_segment_attention``).
-    Returns [B, H, T, D].
+    ``threads``: the forward's thread budget (``Products.threads``). Returns [B, H, T, D].
     """
     B, H, T, D = q.shape
     Hkv = k.shape[1]
@@ -48,38 +49,36 @@ def attention(
         q = q.reshape(B, Hkv, H // Hkv, D)  # [B, H, 1, D] -> [B, Hkv, G, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # mask [B, 1, 1, S] broadcasts
         return out.reshape(B, H, 1, D)  # [B, Hkv, G, D] -> [B, H, 1, D]
-    with threads_for(q.numel() * k.shape[2]):  # B*H*T*D * S multiply-adds
+    with threads_for(q.numel() * k.shape[2], threads):  # B*H*T*D * S multiply-adds
         # SDPA's native GQA: each KV head serves its group of query heads as it is (PyTorch's CPU
         # flash kernel indexes head h // G; no K/V copy), one op with no per-layer mask folding.
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
 
 
-def paged_attention_op(q: torch.Tensor, keys: torch.Tensor):
-    """The C++ decode attention over a block pool (layers/attention.cpp) when it serves these tensors
-    (float32 on the CPU, the extension built), else None: the caller then gathers and runs SDPA."""
-    if q.dtype != torch.float32 or keys.dtype != torch.float32 or q.device.type != "cpu":
-        return None
-    from .kernels import paged_attention_op as op
-
-    return op()
+def paged_attention_runs(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether the C++ decode attention over a block pool (layers/attention.cpp) serves these tensors
+    (float32 on the CPU, the extension built); else the caller gathers and runs SDPA."""
+    return q.dtype == torch.float32 and keys.dtype == torch.float32 and q.device.type == "cpu" and ops.available()
 
 
-def paged_attention(op, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
+def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
                     key_start: torch.Tensor, positions: torch.Tensor, block_size: int, window: int | None,
                     scale: float, bias: torch.Tensor | None = None,
-                    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
+                    threads: int) -> torch.Tensor:
     """One query per row over the row's blocks, read in place: q [B, H, D] (D contiguous); a layer's
     keys, values [slots, Hkv, D]; table [B, n] block ids whose key i sits at position key_start + i
     (key_start [B]); positions [B] of the queries (a row sees its keys up to its own position, and
     fewer than ``window`` back); bias [B, 1 or H, n * block] added to the scores (ALiBi, T5) or None.
-    ``write`` (k_new, v_new [B, Hkv, D], slots [B]): stored first, in the same op -> [B, H, D]."""
+    ``write`` (k_new, v_new [B, Hkv, D], slots [B]): stored first, in the same op -> [B, H, D].
+    ``threads``: the forward's thread budget."""
     k_new, v_new, slots = write if write is not None else (None, None, None)
     q, k_new, v_new = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k_new, v_new))
-    args = (q, keys, values, k_new, v_new, slots, table, key_start, positions, block_size, window or 0, scale, bias)
     # the op splits its (row, KV head) items over the kernel pool on torch's thread count: one thread for
     # small steps; inside torch.compile pool_threads_for compares nothing, so the dynamic block count gets no guard
-    with pool_threads_for(2 * q.numel() * table.shape[1] * block_size):  # B*H*D * S multiply-adds, twice
-        return op(*args)
+    with pool_threads_for(2 * q.numel() * table.shape[1] * block_size, threads):  # B*H*D * S multiply-adds, twice
+        return ops.paged_attention(q, keys, values, k_new, v_new, slots, table, key_start, positions, block_size,
+                                   window or 0, scale, bias)
 
 
 def two_segment_attention(

@@ -13,16 +13,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels import elementwise_ops
-from .linear import ACTIVATIONS
+from . import ops
+from .gemm import ACTIVATIONS
 from .positions import rotate_heads
 
 # activation name -> the kernel's activation code (others run in PyTorch)
 GATED_KINDS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
 
 
+def elementwise_ops():
+    """The ops module (layers/ops.py) where the extension is built, else None (the PyTorch path)."""
+    return ops if ops.available() else None
+
+
 def _kernels(x: torch.Tensor):
-    """The extension's op namespace when x can use it, else None."""
+    """The ops module when x can use it, else None."""
     if x.dtype is not torch.float32 or not x.is_cpu:
         return None
     return elementwise_ops()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .linear import linear
+from .products import Products
 from .quantized import TILE, QuantizedWeight
 
 Weight = torch.Tensor | QuantizedWeight
@@ -35,14 +36,15 @@ class FusedProjection:
     parts: tuple[tuple[Weight, torch.Tensor | None], ...]
     sizes: tuple[int, ...]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> every projection's output, concatenated [..., sum(sizes)]."""
-        outputs = [linear(x, weight, bias) for weight, bias in self.parts]
+    def __call__(self, x: torch.Tensor, products: Products) -> torch.Tensor:
+        """x [..., in] -> every projection's output, concatenated [..., sum(sizes)] (``products``: the
+        forward's row roles and thread budget, as ``linear`` takes them)."""
+        outputs = [linear(x, weight, bias, products=products) for weight, bias in self.parts]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
-    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def split(self, x: torch.Tensor, products: Products) -> tuple[torch.Tensor, ...]:
         """x [..., in] -> each projection's output [..., size] (views of one product where fused)."""
-        return self(x).split(self.sizes, dim=-1)
+        return self(x, products).split(self.sizes, dim=-1)
 
 
 def _format(weight: Weight) -> tuple | None:

@@ -23,10 +23,10 @@ that models hold and ``.t()`` (as for float buffers, so model code is the same f
 Which arithmetic a row gets depends on its role, never on what else is in the step:
 
 - generated rows (decode steps, beams: a token the model produced): on CPU the AVX2 extension
-  (``kernels.py``) quantizes each activation row to int8 per 32 inputs and multiplies it by the codes
+  (``ops.qmatmul``) quantizes each activation row to int8 per 32 inputs and multiplies it by the codes
   in integer arithmetic (llama.cpp's scheme; error bound in tests/unit/test_quantized.py);
-- prompt rows (prompt chunks, encoder sources, scoring; the engine running the forward marks them
-  with ``prompt_rows``): multiplied by the weights' exact float32 values, exact up to summation
+- prompt rows (prompt chunks, encoder sources, scoring; the step plan's ``Products``, handed to every
+  product, marks them: layers/products.py): multiplied by the weights' exact float32 values, exact up to summation
   order: on CPU the extension's exact kernel (layers/exact_matmul.cpp: 64 outputs decoded at a time into
   cache, one fixed summation order per row and output), elsewhere the decoded matrix and the float
   GEMM. Rounding prompt activations to int8 flips near ties that decide the answer (see ``for_logits``);
@@ -48,12 +48,13 @@ or with ``USE_KERNEL`` off (tests that check a conversion at 1e-4), every produc
 from __future__ import annotations
 
 import dataclasses
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 
-from .kernels import dequantize_op, exact_qmatmul_op, prompt_qmatmul_op, qmatmul_op
+from . import ops
+from .gemm import gemm
+from .products import ALL_PROMPT, Products
 from .threads import kernel_threads
 
 TILE = 8  # outputs per tile of the tiled layout
@@ -64,47 +65,6 @@ USE_KERNEL = True  # False: every product takes the exact path (tests of convers
 # turn into different tokens): fewer prompt rows are padded to 4.
 GEMM_MIN_ROWS = 4
 PROMPT_ROWS_EXACT = True  # False: prompt rows take the int8 kernel too (llama.cpp's choice; measured by a test)
-
-
-class RowRoles:
-    """Which rows of one forward's products (its flattened [R, C] rows) are prompt rows."""
-
-    __slots__ = ("rows", "prompt", "generated")
-
-    def __init__(self, is_prompt: list[bool], device: torch.device | str = "cpu"):
-        self.rows = len(is_prompt)
-        self.prompt = torch.tensor([i for i, p in enumerate(is_prompt) if p], dtype=torch.long, device=device)
-        self.generated = torch.tensor([i for i, p in enumerate(is_prompt) if not p], dtype=torch.long, device=device)
-
-
-ALL_PROMPT = "all prompt rows"
-# The roles of the rows of the forward this thread is running: None (every row generated), ALL_PROMPT,
-# or a RowRoles. A context variable, so an engine's or a server's threads never see each other's.
-_ROLES: ContextVar[RowRoles | str | None] = ContextVar("fastdecode_row_roles", default=None)
-
-
-def current_roles() -> RowRoles | str | None:
-    """The roles of the rows of the forward this thread is running (see ``_ROLES``)."""
-    return _ROLES.get()
-
-
-class prompt_rows:  # noqa: N801 - used as a context manager, like torch.no_grad
-    """Marks the prompt rows of the forwards run inside the block: ``True`` (every row: a prompt, a
-    source), ``False`` (none: decode steps), or one bool per flattened row (a step mixing both)."""
-
-    __slots__ = ("roles", "token")
-
-    def __init__(self, rows: bool | list[bool], device: torch.device | str = "cpu"):
-        if not isinstance(rows, bool) and (all(rows) or not any(rows)):  # one role for the whole forward
-            rows = all(rows)
-        self.roles = (ALL_PROMPT if rows else None) if isinstance(rows, bool) else RowRoles(rows, device)
-
-    def __enter__(self) -> None:
-        self.token = _ROLES.set(self.roles)
-
-    def __exit__(self, *exc) -> None:
-        _ROLES.reset(self.token)
-
 
 
 @dataclass(frozen=True, eq=False)
@@ -237,18 +197,20 @@ def dequantize(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> tor
     return values.view(R, groups * weight.group)  # [R, K]
 
 
-def dense_weight(weight: QuantizedWeight, work: int) -> torch.Tensor:
+def dense_weight(weight: QuantizedWeight, work: int, threads: int) -> torch.Tensor:
     """The whole matrix as float32 [N, K] for a GEMM with ``work`` multiply-adds: the AVX2 decoder on
-    CPU (bit-identical to ``dequantize``, one pass, split over threads like the product), else ``dequantize``."""
-    op = dequantize_op() if weight.device.type == "cpu" else None
-    if op is None:
+    CPU (bit-identical to ``dequantize``, one pass, split over up to ``threads`` like the product), else
+    ``dequantize``."""
+    if weight.device.type != "cpu" or not ops.available():
         return dequantize(weight)
-    threads = kernel_threads(min(work, weight.outputs * weight.inputs))  # the decoder's own size caps it
-    return op(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads, weight.outputs)
+    threads = kernel_threads(min(work, weight.outputs * weight.inputs), threads)  # the decoder's own size caps it
+    return ops.dequantize(weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads, weight.outputs)
 
 
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T + bias -> [..., N] in x's dtype.
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+                     products: Products) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T + bias -> [..., N] in x's dtype; ``products``: the forward's row
+    roles (which arithmetic each row gets) and thread budget.
 
     Called for every product of a decode step: casts, copies and reshapes happen only where needed."""
     if weight.transposed:
@@ -257,28 +219,27 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     rows = x if x.dim() == 2 else x.reshape(-1, K)  # [M, K]
     if rows.dtype != torch.float32:
         rows = rows.float()
-    op = qmatmul_op() if USE_KERNEL and rows.is_cpu else None
-    roles = None  # compiled graphs are decode steps (engine/decode_step.py): every row generated
+    kernel = USE_KERNEL and rows.is_cpu and ops.available()
+    threads = products.threads
     exact_prompts = PROMPT_ROWS_EXACT and weight.exact_prompt_rows
-    if (weight.activation_bits == 8 and (exact_prompts or has_prompt_kernel(weight))
-            and not torch.compiler.is_compiling()):
-        roles = _ROLES.get()
-    if op is None or (roles is ALL_PROMPT and exact_prompts):
-        out = _exact_product(rows, weight)
+    roles = products.roles if weight.activation_bits == 8 and (exact_prompts or has_prompt_kernel(weight)) else None
+    if not kernel or (roles is ALL_PROMPT and exact_prompts):
+        out = _exact_product(rows, weight, threads)
     elif roles is ALL_PROMPT:
-        out = _int8_prompt_product(rows, weight)
+        out = _int8_prompt_product(rows, weight, threads)
     elif (roles is None and bias is not None and bias.dtype == torch.float32 and bias.dim() == 1
           and bias.is_contiguous()):
-        out, bias = _kernel_product(op, rows, weight, bias), None  # added inside, while the outputs are in cache
+        out, bias = _kernel_product(rows, weight, threads, bias), None  # added inside, while the outputs are in cache
     elif roles is None:
-        out = _kernel_product(op, rows, weight)
+        out = _kernel_product(rows, weight, threads)
     else:  # a step mixing prompt and generated rows: each part its own way
         if rows.shape[0] != roles.rows:
             raise RuntimeError(f"row roles were given for {roles.rows} rows, the product has {rows.shape[0]}")
         out = rows.new_empty(rows.shape[0], N)
-        out[roles.generated] = _kernel_product(op, rows[roles.generated], weight)
+        out[roles.generated] = _kernel_product(rows[roles.generated], weight, threads)
         prompt = rows[roles.prompt]
-        out[roles.prompt] = _exact_product(prompt, weight) if exact_prompts else _int8_prompt_product(prompt, weight)
+        out[roles.prompt] = (_exact_product(prompt, weight, threads) if exact_prompts
+                             else _int8_prompt_product(prompt, weight, threads))
     if bias is not None:
         out += bias  # (a fresh tensor: in place saves a pass over it; the same float addition as the kernel's)
     if x.dim() != 2:
@@ -286,11 +247,13 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def _kernel_product(op, rows: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _kernel_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """rows [M, K] float32 -> [M, N] (+ bias: float32 [N]) through the AVX2 / AVX-512 kernel."""
     M, K, N = rows.shape[0], weight.inputs, weight.outputs
-    return op(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
-              weight.bits, weight.group, kernel_threads(M * K * N), weight.activation_bits, weight.outputs, bias)
+    return ops.qmatmul(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
+                       weight.bits, weight.group, kernel_threads(M * K * N, budget), weight.activation_bits,
+                       weight.outputs, bias)
 
 
 def has_prompt_kernel(weight: QuantizedWeight) -> bool:
@@ -300,35 +263,33 @@ def has_prompt_kernel(weight: QuantizedWeight) -> bool:
     return weight.bits == 8 and weight.group == 16 and weight.mins is None and not weight.is_tiled
 
 
-def _int8_prompt_product(rows: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+def _int8_prompt_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int) -> torch.Tensor:
     """Prompt rows [M, K] float32 -> [M, N] on int8-rounded activations (``PROMPT_ROWS_EXACT`` off or
     ``int8_prompt_rows``): each row the same bits at any row count (tests/unit/test_prompt_gemm.py)."""
-    op = prompt_qmatmul_op() if has_prompt_kernel(weight) and rows.is_cpu else None
     rows = rows if rows.is_contiguous() else rows.contiguous()
-    if op is None:
-        return _kernel_product(qmatmul_op(), rows, weight)
-    return op(rows, weight.codes, weight.scale, kernel_threads(rows.shape[0] * weight.inputs * weight.outputs))
+    if not (has_prompt_kernel(weight) and rows.is_cpu):
+        return _kernel_product(rows, weight, budget)
+    return ops.prompt_qmatmul(rows, weight.codes, weight.scale,
+                              kernel_threads(rows.shape[0] * weight.inputs * weight.outputs, budget))
 
 
-def _exact_product(rows: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+def _exact_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int) -> torch.Tensor:
     """rows [M, K] float32 -> [M, N]: the product with the weight's exact float32 values.
 
     On the CPU, the extension's ``exact_qmatmul`` (layers/exact_matmul.cpp) decodes 64 outputs at a time
     into L2 and multiplies them there: each (row, output) summed in the same order whatever the row
     count (no dense copy of the matrix, no padding). Elsewhere the decoded matrix goes through the
     float GEMM."""
-    from .linear import linear  # the float GEMM (oneDNN on CPU)
-
     M = rows.shape[0]
-    op = exact_qmatmul_op() if rows.is_cpu and weight.device.type == "cpu" else None
-    if op is not None:
-        return op(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
-                  weight.bits, weight.group, kernel_threads(M * weight.inputs * weight.outputs), weight.outputs)
-    dense = dense_weight(weight, work=max(M, GEMM_MIN_ROWS) * weight.inputs * weight.outputs)
+    if rows.is_cpu and weight.device.type == "cpu" and ops.available():
+        return ops.exact_qmatmul(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale,
+                                 weight.mins, weight.bits, weight.group,
+                                 kernel_threads(M * weight.inputs * weight.outputs, budget), weight.outputs)
+    dense = dense_weight(weight, max(M, GEMM_MIN_ROWS) * weight.inputs * weight.outputs, budget)
     if M >= GEMM_MIN_ROWS or not rows.is_cpu:
-        return linear(rows, dense)
+        return gemm(rows, dense, None, None, budget)
     padded = torch.cat([rows, rows.new_zeros(GEMM_MIN_ROWS - M, rows.shape[1])])  # [GEMM_MIN_ROWS, K]
-    return linear(padded, dense)[:M]
+    return gemm(padded, dense, None, None, budget)[:M]
 
 
 def for_logits(weight: QuantizedWeight) -> QuantizedWeight:

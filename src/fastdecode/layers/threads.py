@@ -6,9 +6,11 @@ waits for it at a barrier: measured, a 1 x 576 x 1536 float32 matvec takes 0.16 
 the products: PyTorch splits any element-wise op, copy or gather of more than 32K elements over its
 threads, and in a batch-8 decode step of SmolLM2 on two threads (machine load ~10) the K/V block
 gathers alone took 18 ms per call (a few microseconds of work), the whole step 1.9 s against 0.28 s
-on one thread. So ``one_thread_except_big_ops`` runs a model's forward on one thread, and inside it:
+on one thread. So ``on_one_thread`` runs a model's forward on one thread, and inside it, out of the
+thread budget the forward is handed explicitly (``Products.threads``, layers/products.py; the engine
+sets it to its caller's thread count):
 
-- the quantized kernels (``kernel_threads``) get the caller's threads for every product of at least
+- the quantized kernels (``kernel_threads``) get the budget for every product of at least
   ``KERNEL_PARALLEL_MIN_WORK`` multiply-adds (every product of a decode step, the logits layer
   included): they split their outputs in pieces that the threads claim as they come (``parallel.h``),
   and helper threads take part only while they have a core of their own, so a second thread that is
@@ -27,7 +29,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from contextlib import nullcontext
-from contextvars import ContextVar
 from typing import TypeVar
 
 import torch
@@ -40,9 +41,6 @@ PARALLEL_MIN_WORK = 1 << 24  # multiply-adds: ~0.5-1 ms on one AVX2 core
 # prompt) gains as much as the others.
 KERNEL_PARALLEL_MIN_WORK = 1 << 16
 
-# The thread count of the caller of the forward we are in (None: not inside one). A context
-# variable, so threads (an engine's, a server's) never see each other's value.
-_CALLER_THREADS: ContextVar[int | None] = ContextVar("fastdecode_caller_threads", default=None)
 _UNCHANGED = nullcontext()  # reusable: entering it does nothing
 F = TypeVar("F", bound=Callable)
 
@@ -63,59 +61,55 @@ class _Threads:
         torch.set_num_threads(self.previous)
 
 
-def caller_threads() -> int:
-    """The thread count of the forward's caller; torch's current count outside a forward."""
-    caller = _CALLER_THREADS.get()
-    return torch.get_num_threads() if caller is None else caller
-
-
-def kernel_threads(work: int) -> int:
-    """Threads for a chunk-claiming quantized kernel of ``work`` multiply-adds (an argument of the op:
-    torch's own thread count stays as it is). Inside torch.compile (which cannot trace thread counts):
-    0, which the op reads as torch's thread count when it runs."""
+def kernel_threads(work: int, budget: int) -> int:
+    """Threads for a chunk-claiming quantized kernel of ``work`` multiply-adds, out of the forward's
+    ``budget`` (``Products.threads``; an argument of the op: torch's own thread count stays as it is).
+    Inside torch.compile (which cannot trace thread counts): 0, which the op reads as torch's thread
+    count when it runs."""
     if work < KERNEL_PARALLEL_MIN_WORK:
         return 1
     if torch.compiler.is_compiling():
         return 0
-    return caller_threads()
+    return budget
 
 
-def threads_for(work: int):
-    """Context manager: torch's threads for an OpenMP op of ``work`` multiply-adds: the caller's when
-    the op is big, else one. Inside torch.compile the thread count cannot be traced: the compiled graph
-    keeps the caller's."""
-    return _caller_threads_from(PARALLEL_MIN_WORK, work)
+def threads_for(work: int, budget: int):
+    """Context manager: torch's threads for an OpenMP op of ``work`` multiply-adds: the forward's
+    ``budget`` when the op is big, else one. Inside torch.compile the thread count cannot be traced:
+    the compiled graph keeps the caller's."""
+    return _budget_from(PARALLEL_MIN_WORK, work, budget)
 
 
-def pool_threads_for(work: int):
+def pool_threads_for(work: int, budget: int):
     """Context manager: torch's threads for an op that splits its work over the kernel thread pool
-    (parallel.h) and reads its thread count from torch (the decode attention op): the caller's from
+    (parallel.h) and reads its thread count from torch (the decode attention op): the ``budget`` from
     ``KERNEL_PARALLEL_MIN_WORK`` multiply-adds, else one."""
-    return _caller_threads_from(KERNEL_PARALLEL_MIN_WORK, work)
+    return _budget_from(KERNEL_PARALLEL_MIN_WORK, work, budget)
 
 
-def _caller_threads_from(minimum: int, work: int):
-    """torch's thread count for one op: the caller's from ``minimum`` multiply-adds of ``work``, else one
+def one_thread():
+    """Context manager: torch on one thread for a block of small ops (a beam step's bookkeeping)."""
+    return _budget_from(PARALLEL_MIN_WORK, 0, 1)
+
+
+def _budget_from(minimum: int, work: int, budget: int):
+    """torch's thread count for one op: ``budget`` from ``minimum`` multiply-adds of ``work``, else one
     (unchanged inside torch.compile)."""
     if torch.compiler.is_compiling():
         return _UNCHANGED
-    count = caller_threads() if work >= minimum else 1
+    count = budget if work >= minimum else 1
     return _UNCHANGED if count == torch.get_num_threads() else _Threads(count)
 
 
-def one_thread_except_big_ops(forward: F) -> F:
-    """Decorates a model's forward (encode, decode): its body runs on one thread, and ``threads_for``
-    and ``kernel_threads`` give products the caller's thread count back."""
+def on_one_thread(forward: F) -> F:
+    """Decorates a model's forward (encode, decode): its body runs on one torch thread; products and
+    attention get the thread budget the forward is handed (``Products.threads``) back explicitly."""
 
     @functools.wraps(forward)
     def wrapped(*args, **kwargs):
-        if torch.compiler.is_compiling() or _CALLER_THREADS.get() is not None:
+        if torch.compiler.is_compiling() or torch.get_num_threads() == 1:
             return forward(*args, **kwargs)
-        token = _CALLER_THREADS.set(torch.get_num_threads())
-        try:
-            with _UNCHANGED if torch.get_num_threads() == 1 else _Threads(1):
-                return forward(*args, **kwargs)
-        finally:
-            _CALLER_THREADS.reset(token)
+        with _Threads(1):
+            return forward(*args, **kwargs)
 
     return wrapped  # type: ignore[return-value]

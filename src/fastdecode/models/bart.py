@@ -30,9 +30,10 @@ from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.linear import ACTIVATIONS, embed, linear
-from ..layers.threads import one_thread_except_big_ops
+from ..layers.products import Products
+from ..layers.threads import on_one_thread
 from ..layers.positions import sinusoidal_table
-from .seq2seq import check_tied, decoder_start_token, padding_bias
+from .seq2seq import check_tied, decoder_start_token, padding_bias, plan_products
 
 if TYPE_CHECKING:  # the engine's views a decoder step attends through
     from ..engine.cross import CrossStep, EncodedSources, FoldedCross
@@ -257,27 +258,29 @@ class BartModel(ModelBase):
                          norm=pair(f"{stack}.norm"))
 
     # -- the three entry points the engine uses ---------------------------------------------------
-    @one_thread_except_big_ops
-    def encode(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Source tokens [B, S], positions [B or 1, S], valid [B, S] -> encoder output [B, S, C]."""
-        cfg = self.config
+    @on_one_thread
+    def encode(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *,
+               products: Products) -> torch.Tensor:
+        """Source tokens [B, S], positions [B or 1, S], valid [B, S] -> encoder output [B, S, C]
+        (``products``: prompt rows, the thread budget)."""
+        cfg, p = self.config, products
         x = self._embed(self.encoder, tokens, positions)
         mask = padding_bias(valid, x.dtype)  # [B, 1, 1, S] or None
         H, D = cfg.num_encoder_heads, cfg.hidden_size // cfg.num_encoder_heads
         for layer in self.encoder.layers:
             x = self._residual(x, layer.attn_norm, layer.attn_norm_bias,
-                               lambda h: self._self_attention(h, layer, H, D, mask))
-            x = self._residual(x, layer.mlp_norm, layer.mlp_norm_bias, lambda h: self._mlp(h, layer))
+                               lambda h: self._self_attention(h, layer, H, D, mask, p))
+            x = self._residual(x, layer.mlp_norm, layer.mlp_norm_bias, lambda h: self._mlp(h, layer, p))
         return self._final_norm(self.encoder, x)
 
-    def cross_kv(self, index: int, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cross_kv(self, index: int, memory: torch.Tensor, p: Products) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer ``index``'s cross-attention K, V [B, H, S, D] of the encoder output [B, S, C]."""
         layer = self.decoder.layers[index]
         H, D = self.config.num_heads, self.config.head_dim
-        k, v = layer.cross_kv.split(memory)  # [B, S, C] each
+        k, v = layer.cross_kv.split(memory, p)  # [B, S, C] each
         return split_heads(k, H, D), split_heads(v, H, D)
 
-    @one_thread_except_big_ops
+    @on_one_thread
     def decode(
         self,
         tokens: torch.Tensor,
@@ -287,6 +290,8 @@ class BartModel(ModelBase):
         cross: CrossStep | FoldedCross | EncodedSources,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
+        *,
+        products: Products | None = None,
     ) -> torch.Tensor:
         """Target tokens, positions [B, T] -> logits [B, T or 1, V] ([B, K, V] at ``logits_at`` [K]).
 
@@ -294,17 +299,19 @@ class BartModel(ModelBase):
         writes each token's K/V to its sequence's slots and builds its own masks. None: attend within
         these tokens only, under ``self_bias``, the additive causal mask [1, 1, T, T] (the naive
         reference). ``cross``: the step's view of each row's source K/V (engine/cross.py).
+        ``products``: the rows' roles and thread budget, given where there is no plan (``plan_products``).
         """
+        p = plan_products(plan, products)
         x = self._embed(self.decoder, tokens, positions)
         for index, layer in enumerate(self.decoder.layers):
             x = self._residual(x, layer.attn_norm, layer.attn_norm_bias,
-                               lambda h: self._target_self_attention(h, layer, index, plan, self_bias))
+                               lambda h: self._target_self_attention(h, layer, index, plan, self_bias, p))
             x = self._residual(x, layer.cross_norm, layer.cross_norm_bias,
-                               lambda h: self._cross_attention(h, layer, index, cross))
-            x = self._residual(x, layer.mlp_norm, layer.mlp_norm_bias, lambda h: self._mlp(h, layer))
+                               lambda h: self._cross_attention(h, layer, index, cross, p))
+            x = self._residual(x, layer.mlp_norm, layer.mlp_norm_bias, lambda h: self._mlp(h, layer, p))
         x = self.output_rows(x, all_logits, logits_at)
         x = self._final_norm(self.decoder, x)
-        return linear(x, self.lm_head, self.logits_bias)  # [B, T or 1, V]
+        return linear(x, self.lm_head, self.logits_bias, products=p)  # [B, T or 1, V]
 
     def decoder_self_bias(self, length: int) -> torch.Tensor:
         """Causal mask [1, 1, P, P] for target slots 0..P-1: a slot sees itself and earlier slots."""
@@ -334,23 +341,26 @@ class BartModel(ModelBase):
             return x
         return F.layer_norm(x, (self.config.hidden_size,), *stack.norm, self.config.norm_eps)
 
-    def _self_attention(self, h, layer, H: int, D: int, mask) -> torch.Tensor:
-        q, k, v = (split_heads(x, H, D) for x in layer.qkv.split(h))  # [B, H, T, D] each
-        return linear(merge_heads(attention(q, k, v, mask, D**-0.5)), layer.o, layer.o_bias)
+    def _self_attention(self, h, layer, H: int, D: int, mask, p: Products) -> torch.Tensor:
+        q, k, v = (split_heads(x, H, D) for x in layer.qkv.split(h, p))  # [B, H, T, D] each
+        o = attention(q, k, v, mask, D**-0.5, threads=p.threads)  # [B, H, T, D]
+        return linear(merge_heads(o), layer.o, layer.o_bias, products=p)
 
-    def _target_self_attention(self, h, layer, index: int, plan, bias) -> torch.Tensor:
+    def _target_self_attention(self, h, layer, index: int, plan, bias, p: Products) -> torch.Tensor:
         H, D = self.config.num_heads, self.config.head_dim
-        q, k, v = (split_heads(x, H, D) for x in layer.qkv.split(h))  # [B, H, T, D] each
+        q, k, v = (split_heads(x, H, D) for x in layer.qkv.split(h, p))  # [B, H, T, D] each
         if plan is not None:  # each sequence's own slots, the plan's masks
-            return linear(merge_heads(plan.attend(index, q, k, v, None, self.scale)), layer.o, layer.o_bias)
-        return linear(merge_heads(attention(q, k, v, bias, self.scale)), layer.o, layer.o_bias)
+            o = plan.attend(index, q, k, v, None, self.scale)  # [B, H, T, D]
+        else:
+            o = attention(q, k, v, bias, self.scale, threads=p.threads)  # [B, H, T, D]
+        return linear(merge_heads(o), layer.o, layer.o_bias, products=p)
 
-    def _cross_attention(self, h, layer, index: int, cross) -> torch.Tensor:
+    def _cross_attention(self, h, layer, index: int, cross, p: Products) -> torch.Tensor:
         H, D = self.config.num_heads, self.config.head_dim
-        q = split_heads(linear(h, layer.cross_q, layer.cross_q_bias), H, D)  # [B, H, T, D]
-        o = cross.attend(index, q, self.scale)  # [B, H, T, D] against K/V projected once per source
-        return linear(merge_heads(o), layer.cross_o, layer.cross_o_bias)
+        q = split_heads(linear(h, layer.cross_q, layer.cross_q_bias, products=p), H, D)  # [B, H, T, D]
+        o = cross.attend(index, q, self.scale, p.threads)  # [B, H, T, D] against K/V projected once per source
+        return linear(merge_heads(o), layer.cross_o, layer.cross_o_bias, products=p)
 
-    def _mlp(self, h: torch.Tensor, layer) -> torch.Tensor:
-        up = linear(h, layer.up, layer.up_bias, activation=self.config.hidden_act)
-        return linear(up, layer.down, layer.down_bias)
+    def _mlp(self, h: torch.Tensor, layer, p: Products) -> torch.Tensor:
+        up = linear(h, layer.up, layer.up_bias, activation=self.config.hidden_act, products=p)
+        return linear(up, layer.down, layer.down_bias, products=p)

@@ -18,7 +18,7 @@ from ..cache.static import KVCache, NoCache
 from .base import LayerNormBlock, ModelBase
 from ..config import ModelConfig
 from ..layers.linear import embed, linear
-from ..layers.threads import one_thread_except_big_ops
+from ..layers.threads import on_one_thread
 from ..layers.positions import alibi_slopes
 from ..config import derived_head_dim
 
@@ -122,12 +122,12 @@ class BloomModel(ModelBase):
         query (softmax ignores a per-row constant), so values stay small however long a stream runs."""
         return (self.slopes[None, :, None, None] * distance[:, None]).to(self.dtype)  # [B, H, T, S]
 
-    @one_thread_except_big_ops
+    @on_one_thread
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | NoCache,
                 mask: torch.Tensor | None, all_logits: bool = False,
                 logits_at: torch.Tensor | None = None, hidden: bool = False) -> torch.Tensor:
         """Same contract as ``LlamaModel.forward``: logits [B, T or 1, V]."""
-        cfg = self.config
+        cfg, p = self.config, cache.products  # the rows' roles and thread budget (layers/products.py)
         B, T = tokens.shape
         H, D, C = cfg.num_heads, cfg.head_dim, cfg.hidden_size
         x = embed(tokens, self.embed)  # [B, T, C]
@@ -137,17 +137,17 @@ class BloomModel(ModelBase):
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (C,), layer.attn_norm, layer.attn_norm_bias, cfg.norm_eps)
             residual = h if cfg.residual_after_norm else x
-            qkv = linear(h, layer.qkv, layer.qkv_bias).view(B, T, H, 3, D)  # [B, T, H, 3, D]
+            qkv = linear(h, layer.qkv, layer.qkv_bias, products=p).view(B, T, H, 3, D)  # [B, T, H, 3, D]
             q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, H, T, D]
             o = cache.attend(index, q, k, v, bias, self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
-            x = residual + linear(o, layer.o, layer.o_bias)
+            x = residual + linear(o, layer.o, layer.o_bias, products=p)
             h = F.layer_norm(x, (C,), layer.mlp_norm, layer.mlp_norm_bias, cfg.norm_eps)
             residual = h if cfg.residual_after_norm else x
-            up = linear(h, layer.up, layer.up_bias, activation="gelu_pytorch_tanh")  # GELU fused into the GEMM
-            x = residual + linear(up, layer.down, layer.down_bias)
+            up = linear(h, layer.up, layer.up_bias, activation="gelu_pytorch_tanh", products=p)  # GELU in the GEMM
+            x = residual + linear(up, layer.down, layer.down_bias, products=p)
         x = self.output_rows(x, all_logits, logits_at)
         x = F.layer_norm(x, (C,), *self.norm, cfg.norm_eps)
         if hidden:  # the final-normed hidden states [B, T or K or 1, C] (embeddings)
             return x
-        return linear(x, self.lm_head)  # [B, T or 1, V]
+        return linear(x, self.lm_head, products=p)  # [B, T or 1, V]

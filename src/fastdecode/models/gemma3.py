@@ -28,7 +28,7 @@ from ..errors import UnsupportedModelError
 from ..layers.attention import LayerMasks, merge_heads
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.linear import ACTIVATIONS, embed, linear
-from ..layers.threads import one_thread_except_big_ops
+from ..layers.threads import on_one_thread
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies
 from ..layers.elementwise import add_rms_norm, gated, qkv_heads, rms_norm
 from .base import ModelBase, Weight, token_id_list
@@ -281,7 +281,7 @@ class Gemma3Model(ModelBase):
         self.layer_ropes = [self.ropes[kind] for kind in config.layer_types]
         self.scale = config.attention_scale or config.head_dim**-0.5
 
-    @one_thread_except_big_ops
+    @on_one_thread
     def forward(
         self,
         tokens: torch.Tensor,
@@ -296,7 +296,7 @@ class Gemma3Model(ModelBase):
         layers add their window). Returns logits [B, T, V] if ``all_logits``, [B, K, V] at the token
         indices ``logits_at`` [K], else [B, 1, V]. ``cache`` may be an engine's ``StepPlan`` (which
         builds each layer's mask from ``ModelConfig.layer_windows`` itself)."""
-        cfg = self.config
+        cfg, p = self.config, cache.products  # the rows' roles and thread budget (layers/products.py)
         eps = cfg.norm_eps
         B, T = tokens.shape
         H, Hkv = cfg.num_heads, cfg.num_kv_heads
@@ -308,15 +308,16 @@ class Gemma3Model(ModelBase):
         h = rms_norm(x, self.layers[0].attn_norm, eps)
         for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
             # q [B, H, T, D], k, v [B, Hkv, T, D]; q and k RMS-normed per head (Gemma 3), scaled and rotated
-            q, k, v = qkv_heads(layer.qkv(h), H, Hkv, *rotations[self.layer_types[index]], layer.qk_norm, eps)
+            q, k, v = qkv_heads(layer.qkv(h, p), H, Hkv, *rotations[self.layer_types[index]], layer.qk_norm, eps)
             o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale,
                              cfg.attention_softcapping)  # [B, H, T, D]
-            x, h = add_rms_norm(x, linear(merge_heads(o), layer.o), layer.mlp_norm, eps, layer.post_attn_norm)
-            mlp = linear(gated(layer.gate_up(h), cfg.hidden_act), layer.down)  # [B, T, C]
+            attended = linear(merge_heads(o), layer.o, products=p)  # [B, T, C]
+            x, h = add_rms_norm(x, attended, layer.mlp_norm, eps, layer.post_attn_norm)
+            mlp = linear(gated(layer.gate_up(h, p), cfg.hidden_act), layer.down, products=p)  # [B, T, C]
             # the last block's output goes through the final norm (row-wise, so before output_rows)
             x, h = add_rms_norm(x, mlp, next_norm, eps, layer.post_mlp_norm)
         if hidden:  # the final-normed hidden states [B, T or K or 1, C] (embeddings)
             return self.output_rows(h, all_logits, logits_at)
-        logits = linear(self.output_rows(h, all_logits, logits_at), self.lm_head)  # [B, T or 1, V]
+        logits = linear(self.output_rows(h, all_logits, logits_at), self.lm_head, products=p)  # [B, T or 1, V]
         cap = cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -17,7 +17,7 @@ from ..cache.static import KVCache, NoCache
 from .base import LayerNormBlock, ModelBase
 from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, embed, linear
-from ..layers.threads import one_thread_except_big_ops
+from ..layers.threads import on_one_thread
 from ..errors import UnsupportedModelError
 from ..config import derived_head_dim
 
@@ -165,7 +165,7 @@ class GPT2Model(ModelBase):
             self.layers.append(LayerNormBlock(**w, **b))
         self.scale = config.head_dim**-0.5
 
-    @one_thread_except_big_ops
+    @on_one_thread
     def forward(
         self,
         tokens: torch.Tensor,
@@ -177,22 +177,22 @@ class GPT2Model(ModelBase):
         hidden: bool = False,
     ) -> torch.Tensor:
         """Same contract as ``LlamaModel.forward``: logits [B, T or 1, V]."""
-        cfg = self.config
+        cfg, p = self.config, cache.products  # the rows' roles and thread budget (layers/products.py)
         B, T = tokens.shape
         H, D, C = cfg.num_heads, cfg.head_dim, cfg.hidden_size
         x = embed(tokens, self.embed) + F.embedding(positions, self.pos_embed)  # [B, T, C]
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (C,), layer.attn_norm, layer.attn_norm_bias, cfg.norm_eps)
-            qkv = linear(h, layer.qkv, layer.qkv_bias).view(B, T, 3, H, D)  # [B, T, 3, H, D]
+            qkv = linear(h, layer.qkv, layer.qkv_bias, products=p).view(B, T, 3, H, D)  # [B, T, 3, H, D]
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, D]
             o = cache.attend(index, q, k, v, mask, self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
-            x = x + linear(o, layer.o, layer.o_bias)
+            x = x + linear(o, layer.o, layer.o_bias, products=p)
             h = F.layer_norm(x, (C,), layer.mlp_norm, layer.mlp_norm_bias, cfg.norm_eps)
-            up = linear(h, layer.up, layer.up_bias, activation=cfg.hidden_act)  # GELU fused into the GEMM
-            x = x + linear(up, layer.down, layer.down_bias)
+            up = linear(h, layer.up, layer.up_bias, activation=cfg.hidden_act, products=p)  # GELU fused into the GEMM
+            x = x + linear(up, layer.down, layer.down_bias, products=p)
         x = self.output_rows(x, all_logits, logits_at)
         x = F.layer_norm(x, (C,), self.norm[0], self.norm[1], cfg.norm_eps)
         if hidden:  # the final-normed hidden states [B, T or K or 1, C] (embeddings)
             return x
-        return linear(x, self.lm_head)  # [B, T or 1, V]
+        return linear(x, self.lm_head, products=p)  # [B, T or 1, V]

@@ -18,7 +18,7 @@ from ..cache.static import KVCache, NoCache
 from .base import ModelBase, Weight
 from ..config import ModelConfig
 from ..layers.linear import embed, linear
-from ..layers.threads import one_thread_except_big_ops
+from ..layers.threads import on_one_thread
 from ..layers.attention import LayerMasks
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.positions import NoRotation, RotaryEmbedding, rope_inverse_frequencies
@@ -202,7 +202,7 @@ class LlamaModel(ModelBase):
         return {"qkv": fuse_projections(weights, [f"layers.{i}.{name}" for name in ("q", "k", "v")]),
                 "gate_up": fuse_projections(weights, [f"layers.{i}.{name}" for name in ("gate", "up")])}
 
-    @one_thread_except_big_ops
+    @on_one_thread
     def forward(
         self,
         tokens: torch.Tensor,
@@ -217,7 +217,7 @@ class LlamaModel(ModelBase):
         (``NoCache``: within these tokens only). mask: additive [B, 1, T, S] or None.
         Returns logits [B, T, V] if ``all_logits``, [B, K, V] at the token indices ``logits_at`` [K],
         else [B, 1, V] for the last token. ``cache`` may be an engine's ``StepPlan``."""
-        cfg = self.config
+        cfg, p = self.config, cache.products  # the rows' roles and thread budget (layers/products.py)
         B, T = tokens.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = embed(tokens, self.embed)  # [B, T, C]
@@ -236,19 +236,20 @@ class LlamaModel(ModelBase):
                 x, h = block  # the same ops from C++ (models/llama_decode.py)
                 continue
             # [B, H or Hkv, T, D]: q and k normed per head (Qwen3) and rotated
-            q, k, v = qkv_heads(layer.qkv(h), H, Hkv, *rotary, layer.qk_norm, cfg.norm_eps)
+            q, k, v = qkv_heads(layer.qkv(h, p), H, Hkv, *rotary, layer.qk_norm, cfg.norm_eps)
             o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
-            attended = linear(o, layer.o, layer.o_bias)  # [B, T, C]
+            attended = linear(o, layer.o, layer.o_bias, products=p)  # [B, T, C]
             if residual_scale != 1.0:
                 attended = attended * residual_scale  # Granite
             x, h = add_rms_norm(x, attended, layer.mlp_norm, cfg.norm_eps)
-            mlp = linear(gated(layer.gate_up(h), cfg.hidden_act), layer.down, layer.down_bias)  # [B, T, C]
+            mlp = linear(gated(layer.gate_up(h, p), cfg.hidden_act), layer.down, layer.down_bias,
+                         products=p)  # [B, T, C]
             if residual_scale != 1.0:
                 mlp = mlp * residual_scale
             # the last block's output goes through the final norm (row-wise, so before output_rows)
             x, h = add_rms_norm(x, mlp, next_norm, cfg.norm_eps)
         if hidden:  # the final-normed hidden states [B, T or K or 1, C] (embeddings)
             return self.output_rows(h, all_logits, logits_at)
-        logits = linear(self.output_rows(h, all_logits, logits_at), self.lm_head)  # [B, T or 1, V]
+        logits = linear(self.output_rows(h, all_logits, logits_at), self.lm_head, products=p)  # [B, T or 1, V]
         return logits if cfg.logits_divisor == 1.0 else logits / cfg.logits_divisor  # Granite's logits_scaling

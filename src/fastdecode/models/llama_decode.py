@@ -11,9 +11,10 @@ It allows it when (checked once per model, then once per forward):
   quantized (``quantized_linear``'s int8-activation kernel) or float32 on a contiguous [in, out]
   buffer (``linear``'s float_matmul); no unfused Q/K/V; the activation is SiLU or GELU (tanh);
   float32 on the CPU, the extension built;
-- the forward is an engine step (``StepPlan``) in which every row decodes one token with the paged
-  attention op and no position bias, and every row is a generated row (``layers.quantized``'s
-  roles: prompt rows take the exact products, which this op does not do);
+- the forward is an engine step (a ``StepPlan``, engine/plan.py: the view with ``decode_operands``,
+  read by duck typing so that models never import the engine) in which every row decodes one token
+  with the paged attention op and no position bias, and every row is a generated row (the plan's
+  ``Products``: prompt rows take the exact products, which this op does not do);
 - torch.compile is not tracing (the compiled decode step traces the Python loop).
 Anything else runs the Python loop, which stays the reference.
 """
@@ -24,12 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.plan import StepPlan
-from ..layers import linear, quantized
+from ..layers import ops, quantized
 from ..layers.elementwise import GATED_KINDS
-from ..layers.kernels import elementwise_ops, float_matmul_op
+from ..layers.linear import float_kernel_serves
+from ..layers.ops import BlockProduct, DecodeBlockArgs
 from ..layers.quantized import QuantizedWeight
-from ..layers.threads import KERNEL_PARALLEL_MIN_WORK, caller_threads, kernel_threads
+from ..layers.threads import KERNEL_PARALLEL_MIN_WORK, kernel_threads
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +53,7 @@ def _matrix(weight, bias: torch.Tensor | None) -> _Product | None:
         return _Product((weight.codes, weight.scale, weight.mins, bias),
                         (weight.bits, weight.group, weight.activation_bits, weight.outputs),
                         (weight.inputs, weight.outputs))
-    if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or not weight.is_cpu
-            or not weight.t().is_contiguous() or not linear.USE_FLOAT_KERNEL or float_matmul_op() is None):
+    if not isinstance(weight, torch.Tensor) or not float_kernel_serves(weight):
         return None
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()  # as linear() passes it
@@ -73,17 +73,17 @@ def _block_products(layer) -> list[_Product] | None:
 class FusedDecode:
     """Each block's packed arguments for ``decode_block`` (built once per model)."""
 
-    def __init__(self, model, op, blocks: list[list[_Product]], activation: int):
+    def __init__(self, model, blocks: list[list[_Product]], activation: int):
         cfg = model.config
-        self.op = op
+        self.op = ops.decode_block  # (x, h, weights, DecodeBlockArgs, ...) -> (x, h)
         self.shapes = [p.shape for p in blocks[0]]  # the same in every block
         self.weights = [
             [entry for p in products for entry in p.entries] + [layer.mlp_norm, next_norm]
             for layer, next_norm, products in zip(model.layers, model.next_norms, blocks)
         ]  # 18 per block: 4 entries per product, the MLP norm, the next block's input norm
         self.product_ints = [p.ints for p in blocks[0]]
-        self.head_ints = [cfg.num_heads, cfg.num_kv_heads, activation]
-        self.floats = [float(cfg.norm_eps), float(model.scale)]
+        self.heads = (cfg.num_heads, cfg.num_kv_heads, activation)
+        self.norm_eps, self.scale = float(cfg.norm_eps), float(model.scale)
 
     @classmethod
     def for_model(cls, model) -> "FusedDecode | None":
@@ -96,33 +96,32 @@ class FusedDecode:
             return None
         if len({tuple((p.ints, p.shape) for p in products) for products in blocks}) != 1:
             return None  # blocks of different shapes or formats (thread counts and ints are shared)
-        ops = elementwise_ops()
-        return None if ops is None else cls(model, ops.decode_block, blocks, activation)
+        return cls(model, blocks, activation) if ops.available() else None
 
     def step(self, cache, x: torch.Tensor) -> "_Step | None":
         """This forward's per-block runner, or None when the step must take the Python loop."""
-        if (not isinstance(cache, StepPlan) or cache.score_bias is not None or x.shape[0] != 1 or not x.is_cpu
+        if (not hasattr(cache, "decode_operands") or cache.score_bias is not None or x.shape[0] != 1 or not x.is_cpu
                 or x.dtype != torch.float32 or torch.compiler.is_compiling() or torch.is_grad_enabled()
-                or quantized.current_roles() is not None):
+                or cache.products.roles is not None):
             return None
-        rows = x.shape[1]
-        per_product = []
-        for (inputs, outputs), ints in zip(self.shapes, self.product_ints):
-            per_product += [*ints, kernel_threads(rows * inputs * outputs)]
-        return _Step(self, cache, [caller_threads(), KERNEL_PARALLEL_MIN_WORK, *per_product])
+        rows, budget = x.shape[1], cache.products.threads
+        products = tuple(BlockProduct(*ints, kernel_threads(rows * inputs * outputs, budget))
+                         for (inputs, outputs), ints in zip(self.shapes, self.product_ints))
+        return _Step(self, cache, budget, products)
 
 
 class _Step:
     """One forward's calls: ``(index, x, h, cos, sin) -> (x, h)`` for a block, or None when the block's
     attention cannot take the paged op (the caller then runs it in Python)."""
 
-    __slots__ = ("fused", "plan", "tail", "ints_by_window")
+    __slots__ = ("fused", "plan", "threads", "products", "args_by_window")
 
-    def __init__(self, fused: FusedDecode, plan: StepPlan, tail: list[int]):
+    def __init__(self, fused: FusedDecode, plan, threads: int, products: tuple[BlockProduct, ...]):
         self.fused = fused
         self.plan = plan
-        self.tail = tail  # the ints after the window: threads, threshold, per-product ints
-        self.ints_by_window: dict[int, list[int]] = {}
+        self.threads = threads  # the forward's thread budget
+        self.products = products  # qkv, o, gate_up, down
+        self.args_by_window: dict[int, DecodeBlockArgs] = {}
 
     def __call__(self, index: int, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         operands = self.plan.decode_operands(index)
@@ -130,8 +129,10 @@ class _Step:
             return None
         keys, values, slots, table, key_start, positions, window = operands
         fused, window = self.fused, window or 0
-        ints = self.ints_by_window.get(window)
-        if ints is None:
-            ints = self.ints_by_window[window] = [*fused.head_ints, self.plan.cache.block_size, window, *self.tail]
-        return fused.op(x, h, fused.weights[index], ints, fused.floats, cos, sin, keys, values, slots, table,
-                        key_start, positions)
+        args = self.args_by_window.get(window)
+        if args is None:
+            args = self.args_by_window[window] = DecodeBlockArgs(
+                *fused.heads, block_size=self.plan.cache.block_size, window=window, threads=self.threads,
+                attention_min_work=KERNEL_PARALLEL_MIN_WORK, products=self.products, norm_eps=fused.norm_eps,
+                scale=fused.scale)
+        return fused.op(x, h, fused.weights[index], args, cos, sin, keys, values, slots, table, key_start, positions)

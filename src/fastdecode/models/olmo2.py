@@ -26,7 +26,7 @@ from ..layers.elementwise import gated, qkv_heads, rms_norm
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.linear import embed, linear
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies
-from ..layers.threads import one_thread_except_big_ops
+from ..layers.threads import on_one_thread
 from .base import ModelBase, Weight, token_id_list
 from .llama_config import rmsnorm_decoder_fields
 
@@ -177,7 +177,7 @@ class Olmo2Model(ModelBase):
         self.layer_ropes = [self.rope] * config.num_layers
         self.scale = config.head_dim**-0.5
 
-    @one_thread_except_big_ops
+    @on_one_thread
     def forward(
         self,
         tokens: torch.Tensor,
@@ -191,7 +191,7 @@ class Olmo2Model(ModelBase):
         """tokens, positions [B, T]; mask: additive [B, 1, T, S] or None. Returns logits [B, T, V] if
         ``all_logits``, [B, K, V] at the token indices ``logits_at`` [K], else [B, 1, V].
         ``cache`` may be an engine's ``StepPlan``."""
-        cfg = self.config
+        cfg, p = self.config, cache.products  # the rows' roles and thread budget (layers/products.py)
         eps = cfg.norm_eps
         H, Hkv = cfg.num_heads, cfg.num_kv_heads
         q_width, k_width = H * cfg.head_dim, Hkv * cfg.head_dim
@@ -199,16 +199,17 @@ class Olmo2Model(ModelBase):
         rotary = self.rope.tables(positions, x.dtype)  # cos, signed sin [B, T, 1, D]: once per forward
         masks = LayerMasks(mask, cache, positions, x.dtype)
         for index, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(x).split([q_width, k_width, k_width], dim=-1)  # [B, T, H*D], [B, T, Hkv*D] x 2
+            q, k, v = layer.qkv(x, p).split([q_width, k_width, k_width], dim=-1)  # [B, T, H*D], [B, T, Hkv*D] x 2
             # q and k RMS-normed over the whole projection, then split into heads and rotated
             qkv = torch.cat((rms_norm(q.contiguous(), layer.q_norm, eps), rms_norm(k.contiguous(), layer.k_norm, eps), v),
                             dim=-1)  # [B, T, (H + 2 Hkv) D]
             q, k, v = qkv_heads(qkv, H, Hkv, *rotary)  # q [B, H, T, D], k, v [B, Hkv, T, D]
             o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
-            x = x + rms_norm(linear(merge_heads(o), layer.o, layer.o_bias), layer.post_attn_norm, eps)  # [B, T, C]
-            mlp = linear(gated(layer.gate_up(x), cfg.hidden_act), layer.down)  # [B, T, C]
+            attended = linear(merge_heads(o), layer.o, layer.o_bias, products=p)  # [B, T, C]
+            x = x + rms_norm(attended, layer.post_attn_norm, eps)
+            mlp = linear(gated(layer.gate_up(x, p), cfg.hidden_act), layer.down, products=p)  # [B, T, C]
             x = x + rms_norm(mlp, layer.post_mlp_norm, eps)
         h = rms_norm(self.output_rows(x, all_logits, logits_at), self.norm, eps)  # [B, T or K or 1, C]
         if hidden:  # the final-normed hidden states (embeddings)
             return h
-        return linear(h, self.lm_head)  # [B, T or K or 1, V]
+        return linear(h, self.lm_head, products=p)  # [B, T or K or 1, V]

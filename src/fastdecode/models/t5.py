@@ -23,9 +23,10 @@ from ..config import EncoderDecoderConfig
 from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
 from ..layers.linear import ACTIVATIONS, embed, linear
-from ..layers.threads import one_thread_except_big_ops
+from ..layers.products import Products
+from ..layers.threads import on_one_thread
 from ..layers.positions import t5_relative_buckets
-from .seq2seq import check_tied, decoder_start_token, padding_bias
+from .seq2seq import check_tied, decoder_start_token, padding_bias, plan_products
 
 if TYPE_CHECKING:  # the engine's views a decoder step attends through
     from ..engine.cross import CrossStep, EncodedSources, FoldedCross
@@ -214,9 +215,12 @@ class T5Model(ModelBase):
                        norm=weights[f"{stack}.norm.weight"])
 
     # -- the three entry points the engine uses ---------------------------------------------------
-    @one_thread_except_big_ops
-    def encode(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Source tokens [B, S], positions [B or 1, S], valid [B, S] -> encoder output [B, S, C]."""
+    @on_one_thread
+    def encode(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, *,
+               products: Products) -> torch.Tensor:
+        """Source tokens [B, S], positions [B or 1, S], valid [B, S] -> encoder output [B, S, C]
+        (``products``: prompt rows, the thread budget)."""
+        p = products
         x = embed(tokens, self.embed)  # [B, S, C]
         bias = self._relative_bias(self.encoder.relative_bias, positions, positions, bidirectional=True)
         padding = padding_bias(valid, x.dtype)  # [B, 1, 1, S] or None
@@ -224,17 +228,18 @@ class T5Model(ModelBase):
             bias = bias + padding  # [B, H, S, S]
         for layer in self.encoder.layers:
             h = self._norm(x, layer.attn_norm)
-            x = x + self._attention(h, h, layer.q, layer.k, layer.v, layer.o, bias)
-            x = x + self._ffn(self._norm(x, layer.mlp_norm), layer)
+            x = x + self._attention(h, h, layer.q, layer.k, layer.v, layer.o, bias, p)
+            x = x + self._ffn(self._norm(x, layer.mlp_norm), layer, p)
         return self._norm(x, self.encoder.norm)
 
-    def cross_kv(self, index: int, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cross_kv(self, index: int, memory: torch.Tensor, p: Products) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer ``index``'s cross-attention K, V [B, H, S, D] of the encoder output [B, S, C]."""
         layer = self.decoder.layers[index]
         H, D = self.config.num_heads, self.config.head_dim
-        return split_heads(linear(memory, layer.cross_k), H, D), split_heads(linear(memory, layer.cross_v), H, D)
+        k, v = linear(memory, layer.cross_k, products=p), linear(memory, layer.cross_v, products=p)  # [B, S, C]
+        return split_heads(k, H, D), split_heads(v, H, D)
 
-    @one_thread_except_big_ops
+    @on_one_thread
     def decode(
         self,
         tokens: torch.Tensor,
@@ -244,6 +249,8 @@ class T5Model(ModelBase):
         cross: CrossStep | FoldedCross | EncodedSources,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
+        *,
+        products: Products | None = None,
     ) -> torch.Tensor:
         """Target tokens, positions [B, T] -> logits [B, T or 1, V] ([B, K, V] at ``logits_at`` [K]).
 
@@ -251,28 +258,30 @@ class T5Model(ModelBase):
         to each sequence's slots and masks with ``decoder_position_bias``. None: attend within these
         tokens only, under ``self_bias`` [1, H, T, T] (relative bias plus causal mask,
         ``decoder_self_bias``: the naive reference). ``cross``: each row's source K/V (engine/cross.py).
+        ``products``: the rows' roles and thread budget, given where there is no plan (``plan_products``).
         """
+        p = plan_products(plan, products)
         cfg = self.config
         H, D = cfg.num_heads, cfg.head_dim
         x = embed(tokens, self.embed)  # [B, T, C]
         for index, layer in enumerate(self.decoder.layers):
             h = self._norm(x, layer.attn_norm)
-            q, k, v = (split_heads(linear(h, w), H, D) for w in (layer.q, layer.k, layer.v))  # [B, H, T, D]
+            q, k, v = (split_heads(linear(h, w, products=p), H, D) for w in (layer.q, layer.k, layer.v))  # [B, H, T, D]
             if plan is not None:  # each sequence's own slots, the plan's masks
                 o = plan.attend(index, q, k, v, None, 1.0)  # [B, H, T, D]
             else:
-                o = attention(q, k, v, self_bias, 1.0)  # [B, H, T, D]
-            x = x + linear(merge_heads(o), layer.o)
+                o = attention(q, k, v, self_bias, 1.0, threads=p.threads)  # [B, H, T, D]
+            x = x + linear(merge_heads(o), layer.o, products=p)
             h = self._norm(x, layer.cross_norm)
-            q = split_heads(linear(h, layer.cross_q), H, D)  # [B, H, T, D]
-            o = cross.attend(index, q, 1.0)  # [B, H, T, D] against K/V projected once per source
-            x = x + linear(merge_heads(o), layer.cross_o)
-            x = x + self._ffn(self._norm(x, layer.mlp_norm), layer)
+            q = split_heads(linear(h, layer.cross_q, products=p), H, D)  # [B, H, T, D]
+            o = cross.attend(index, q, 1.0, p.threads)  # [B, H, T, D] against K/V projected once per source
+            x = x + linear(merge_heads(o), layer.cross_o, products=p)
+            x = x + self._ffn(self._norm(x, layer.mlp_norm), layer, p)
         x = self.output_rows(x, all_logits, logits_at)
         x = self._norm(x, self.decoder.norm)
         if cfg.scale_decoder_output:
             x = x * cfg.hidden_size**-0.5
-        return linear(x, self.lm_head)  # [B, T or 1, V]
+        return linear(x, self.lm_head, products=p)  # [B, T or 1, V]
 
     def decoder_self_bias(self, length: int) -> torch.Tensor:
         """Relative bias plus causal mask [1, H, P, P] for target positions 0..P-1, built once per generation."""
@@ -301,14 +310,16 @@ class T5Model(ModelBase):
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (self.config.hidden_size,), weight, self.config.norm_eps)
 
-    def _attention(self, h, memory, wq, wk, wv, wo, bias) -> torch.Tensor:
+    def _attention(self, h, memory, wq, wk, wv, wo, bias, p: Products) -> torch.Tensor:
         H, D = self.config.num_heads, self.config.head_dim
-        q = split_heads(linear(h, wq), H, D)  # [B, H, T, D]
-        k, v = split_heads(linear(memory, wk), H, D), split_heads(linear(memory, wv), H, D)  # [B, H, S, D]
-        return linear(merge_heads(attention(q, k, v, bias, 1.0)), wo)
+        q = split_heads(linear(h, wq, products=p), H, D)  # [B, H, T, D]
+        k = split_heads(linear(memory, wk, products=p), H, D)  # [B, H, S, D]
+        v = split_heads(linear(memory, wv, products=p), H, D)
+        return linear(merge_heads(attention(q, k, v, bias, 1.0, threads=p.threads)), wo, products=p)
 
-    def _ffn(self, h: torch.Tensor, layer) -> torch.Tensor:
+    def _ffn(self, h: torch.Tensor, layer, p: Products) -> torch.Tensor:
         act = self.config.hidden_act
         if self.config.gated_ffn:
-            return linear(linear(h, layer.wi_0, activation=act) * linear(h, layer.wi_1), layer.wo)
-        return linear(linear(h, layer.wi, activation=act), layer.wo)
+            gate = linear(h, layer.wi_0, activation=act, products=p)
+            return linear(gate * linear(h, layer.wi_1, products=p), layer.wo, products=p)
+        return linear(linear(h, layer.wi, activation=act, products=p), layer.wo, products=p)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import CheckpointError, UnsupportedModelError
+from ..layers.products import Products
 from .bart import _DECODER_LAYER, _ENCODER_LAYER, BartModel
 from .base import token_id_list
 
@@ -201,8 +202,9 @@ class WhisperModel(BartModel):
 
     def encode(self, features: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Log-mel features [B, M, 3000] -> encoder output [B, 1500, C]. Not one-threaded: every op
-        here is a large product."""
-        cfg = self.config
+        here is a large product, on the caller's threads. Its rows take the generated rows' kernels
+        (the arithmetic the CTranslate2 oracle is matched with: tests/speech/test_whisper_parity.py)."""
+        cfg, p = self.config, Products.generated(torch.get_num_threads())
         if features.dim() != 3 or features.shape[1] != cfg.num_mel_bins or features.shape[2] != 2 * cfg.max_source_positions:
             raise ValueError(f"Whisper features must be [batch, {cfg.num_mel_bins}, {2 * cfg.max_source_positions}], "
                              f"got {list(features.shape)}")
@@ -213,6 +215,6 @@ class WhisperModel(BartModel):
         D = cfg.hidden_size // H
         for layer in self.encoder.layers:
             x = self._residual(x, layer.attn_norm, layer.attn_norm_bias,
-                               lambda h: self._self_attention(h, layer, H, D, None))
-            x = self._residual(x, layer.mlp_norm, layer.mlp_norm_bias, lambda h: self._mlp(h, layer))
+                               lambda h: self._self_attention(h, layer, H, D, None, p))
+            x = self._residual(x, layer.mlp_norm, layer.mlp_norm_bias, lambda h: self._mlp(h, layer, p))
         return self._final_norm(self.encoder, x)

@@ -1,6 +1,6 @@
 """Asynchronous batch generation: reader -> tokenize -> generate -> detokenize -> writer.
 
-``fastdecode batch`` (cli/batch.py, its body in pipeline/cli.py) and ``Generator.batch`` both run
+``fastdecode batch`` (cli/batch.py, its body in cli/batch_run.py) and ``Generator.batch`` both run
 ``BatchRun`` (runner.py; its threads' stop flag and queue calls in stages.py, its settings in
 settings.py); inputs.py parses lines, feeding.py hands inputs to one long-lived engine, records.py
 builds the output records and keeps their order, output.py resumes and appends the .jsonl output.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .inputs import InputItem, items_from_lines, items_from_objects
 from .runner import BatchRun, PipelineStats
-from .settings import BatchSettings, LoadSettings
+from .settings import BatchSettings
 
-__all__ = ["BatchRun", "BatchSettings", "InputItem", "LoadSettings", "PipelineStats", "items_from_lines",
+__all__ = ["BatchRun", "BatchSettings", "InputItem", "PipelineStats", "items_from_lines",
            "items_from_objects"]

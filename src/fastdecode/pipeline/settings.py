@@ -1,5 +1,6 @@
-"""What a batch run is given: which model to load (``LoadSettings``) and how many inputs are
-in flight (``BatchSettings``), each a frozen record checked when it is built."""
+"""What a batch run is given: how many inputs are in flight (``BatchSettings``, a frozen record
+checked when it is built) and whether prompts are chat turns (``resolve_chat``). Which model to load
+is ``load_settings.LoadSettings``, above the API it calls."""
 
 from __future__ import annotations
 
@@ -13,22 +14,6 @@ DEFAULT_BATCH_SIZE = 16
 WINDOW_BATCHES = 8  # default lookahead: this many times batch_size
 TOKEN_BUDGET_WINDOW = 256  # default lookahead when max_batch_tokens bounds what is in flight
 POST_QUEUE = 2  # steps' worth of finished inputs waiting for the writer thread
-
-
-@dataclass(frozen=True)
-class LoadSettings:
-    """Which model a run loads and how: the arguments of ``fastdecode.load``, passed as one record
-    from the CLI through the batch runner to this process or to each Ray actor."""
-
-    model: str | None = None  # HF folder or .gguf file; None: the embedded model
-    device: str = "cpu"
-    dtype: str = "float32"
-    quantize: str | None = None
-
-    def load(self) -> Any:
-        from .. import load
-
-        return load(self.model, device=self.device, dtype=self.dtype, quantize=self.quantize)
 
 
 @dataclass(frozen=True)
@@ -73,3 +58,10 @@ class BatchSettings:
         input the generation stage holds and one in the reader's hands.
         """
         return 2 * self.window + 2
+
+
+def resolve_chat(generator: Any, chat: bool | None) -> bool:
+    """--chat / --no-chat, or by default: on when the model's tokenizer has a chat template."""
+    if chat is not None:
+        return chat
+    return bool(generator.tokenizer is not None and generator.tokenizer.chat_template)

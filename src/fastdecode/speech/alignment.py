@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..layers.products import Products
 from .vocabulary import WhisperVocabulary
 
 TOKENS_PER_SECOND = 50  # encoder positions per second of audio
@@ -42,8 +43,8 @@ class RecordingCross:
         self.sources, self.heads = sources, heads
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
 
-    def attend(self, index: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [1, H, T, D] -> [1, H, T, D]."""
+    def attend(self, index: int, q: torch.Tensor, scale: float, threads: int) -> torch.Tensor:
+        """q [1, H, T, D] -> [1, H, T, D] (small: on the forward's one thread whatever ``threads``)."""
         k, v = self.sources.keys[index][:1], self.sources.values[index][:1]  # [1, H, S, D]
         logits = (q.float() @ k.float().transpose(-1, -2)) * scale  # [1, H, T, S]
         for layer, head in self.heads:
@@ -138,8 +139,9 @@ def align_words(model, vocabulary: WhisperVocabulary, sources, sot_sequence: lis
     T = len(tokens)
     cross = RecordingCross(sources, heads)
     ids = torch.tensor([tokens], device=sources.keys[0].device)  # [1, T]
+    products = Products.generated(torch.get_num_threads())  # one naive forward, every row on the decode kernels
     logits = model.decode(ids, torch.arange(T, device=ids.device)[None], None, model.decoder_self_bias(T), cross,
-                          all_logits=True)[0].float()  # [T, V]
+                          all_logits=True, products=products)[0].float()  # [T, V]
     token_probs = logits[len(sot_sequence) : -1, : vocabulary.eot].softmax(dim=-1)  # [text + 1, eot]
     text_probs = token_probs[torch.arange(len(text_tokens)), torch.tensor(text_tokens)].tolist()
     weights = torch.stack([cross.logits[h][:, : num_frames // 2] for h in heads])  # [heads, T, frames / 2]

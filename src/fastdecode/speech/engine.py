@@ -68,10 +68,10 @@ class PromptCross:
         rows = [b * self.longest + i for b, n in enumerate(lengths) for i in range(n)]
         self.rows = torch.tensor(rows, device=device)  # [N] padded row of each flat token
 
-    def attend(self, index: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [1, H, N, D] -> [1, H, N, D]."""
+    def attend(self, index: int, q: torch.Tensor, scale: float, threads: int) -> torch.Tensor:
+        """q [1, H, N, D] -> [1, H, N, D] (``threads``: the forward's thread budget)."""
         H, D = q.shape[1], q.shape[3]
         B, L = len(self.lengths), self.longest
         padded = q.new_zeros(H, B * L, D).index_copy_(1, self.rows, q[0])  # [H, B*L, D]
-        out = self.sources.attend(index, padded.unflatten(1, (B, L)).transpose(0, 1), scale)  # [B, H, L, D]
+        out = self.sources.attend(index, padded.unflatten(1, (B, L)).transpose(0, 1), scale, threads)  # [B, H, L, D]
         return out.transpose(0, 1).flatten(1, 2).index_select(1, self.rows)[None]  # [1, H, N, D]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..layers.threads import threads_for
+from ..layers.threads import one_thread
 from .vocabulary import WhisperVocabulary
 
 
@@ -121,7 +121,7 @@ def search(engine, vocabulary: WhisperVocabulary, prompts: list[list[int]], sot_
             generated = [[] for _ in range(len(rows) // K)]
         else:
             generated = [state.tokens[r] for r in rows]
-        with threads_for(0):  # small ops on one thread (an OpenMP barrier costs more than the work: beam.py)
+        with one_thread():  # small ops on one thread (an OpenMP barrier costs more than the work: beam.py)
             masked = rules.apply(logits, generated)
             if sampling:
                 masked = masked / options.temperature

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...errors import InvalidOptionError, ModelNotFoundError, RayUnavailableError
-from ...pipeline.settings import LoadSettings
+from ...load_settings import LoadSettings
 from ...serve.service import ServeSettings
 from .options import ReplicaOptions
 

@@ -13,7 +13,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ...pipeline.settings import LoadSettings
+from ...load_settings import LoadSettings
 from ...serve.service import ServeSettings
 from ..ray import assigned_cpus
 from .forwarding import ForwardedRequest, HostedApp, ReplicaIdentity, ResponseHead

@@ -23,25 +23,7 @@ from tokenizers import AddedToken
 from ...errors import TokenizerError
 from ..jsonfile import read_json_object
 from .chat_template import compile_chat_template, render_chat_template, select_chat_template
-
-# Tokens that end an assistant turn in common chat formats. They count as end-of-generation ids
-# when the chat template writes them (the model learned to emit them where the template does),
-# even if the config's single ``eos_token_id`` names another token.
-END_OF_TURN_TOKENS = (
-    "<|im_end|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<|end_of_text|>",
-    "<|return|>",
-    "<|call|>",
-    "<EOT>",
-    "<｜end▁of▁sentence｜>",
-    "<end_of_utterance>",
-)
-
+from .end_of_turn import template_end_of_turn_ids
 
 class Tokenizer:
     """Wraps a ``tokenizers.Tokenizer`` plus special ids and an optional chat template.
@@ -308,16 +290,3 @@ def _post_processor_adds_bos(backend: tokenizers.Tokenizer, bos_id: int | None) 
         return False
     ids = backend.encode("", add_special_tokens=True).ids
     return bool(ids) and ids[0] == bos_id
-
-
-def template_end_of_turn_ids(backend: tokenizers.Tokenizer, template: str | None) -> list[int]:
-    """Known end-of-turn tokens (``<|im_end|>``, ``<|eot_id|>``...) that the chat template writes."""
-    if not template:
-        return []
-    found = []
-    for text in END_OF_TURN_TOKENS:
-        if text in template:
-            token_id = backend.token_to_id(text)
-            if token_id is not None:
-                found.append(token_id)
-    return found

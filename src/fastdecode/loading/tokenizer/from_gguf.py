@@ -20,7 +20,7 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from ...errors import TokenizerError
 from ..gguf_file import StringArray
 from .cache import cached_backend
-from .core import template_end_of_turn_ids
+from .end_of_turn import template_end_of_turn_ids
 from .pretokenizers import BYTE_LEVEL_PRE_TOKENIZERS
 
 # llama.cpp token types (``tokenizer.ggml.token_type``).

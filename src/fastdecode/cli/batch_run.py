@@ -1,5 +1,5 @@
-"""The body of `fastdecode batch INPUT -o OUTPUT` (the command and its flags: cli/batch.py): the
-pipeline over a file, resumable, with a progress bar.
+"""The body of `fastdecode batch INPUT -o OUTPUT` (the command and its flags: cli/batch.py; the
+pipeline itself: pipeline/): the pipeline over a file, resumable, with a progress bar.
 
 Exit codes: 0 every input succeeded; 1 some inputs failed (error records in the output,
 counting those an earlier, resumed run wrote); 2 bad usage, an output that does not belong to
@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..errors import BatchFileError, ModelNotFoundError
-from .inputs import BOM, InputItem, format_for, items_from_lines, skip_done, text_lines
-from .output import OutputFile, OutputState, encode_record, same_file
-from .runner import BatchRun, PipelineStats, split_at_first_error
-from .settings import BatchSettings, LoadSettings
+from ..load_settings import LoadSettings
+from ..pipeline.inputs import BOM, InputItem, format_for, items_from_lines, skip_done, text_lines
+from ..pipeline.output import OutputFile, OutputState, encode_record, same_file
+from ..pipeline.runner import BatchRun, PipelineStats, split_at_first_error
+from ..pipeline.settings import BatchSettings, resolve_chat
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..integrations.ray_batch import RayOptions
@@ -114,13 +115,6 @@ class Progress:
     def close(self, new_tokens: int) -> None:
         self.update(new_tokens, force=True)
         self.bar.close()
-
-
-def resolve_chat(generator: Any, chat: bool | None) -> bool:
-    """--chat / --no-chat, or by default: on when the model's tokenizer has a chat template."""
-    if chat is not None:
-        return chat
-    return bool(generator.tokenizer is not None and generator.tokenizer.chat_template)
 
 
 def run_batch(input_path: str, output: str, load: LoadSettings, options: dict[str, Any], settings: BatchSettings,

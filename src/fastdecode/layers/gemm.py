@@ -1,0 +1,60 @@
+"""The float32 GEMM: F.linear on the fastest exact float32 GEMM PyTorch offers on this CPU, with the
+activation fused into it where possible.
+
+PyTorch's CPU ``F.linear`` calls MKL's sgemm; oneDNN's float32 GEMM, which PyTorch ships as
+``torch.ops.mkldnn._linear_pointwise`` (inductor's CPU linear; called through layers/ops.py), is
+faster on the same canonical [in, out] buffers (figures: benchmarks/README.md). It is float32
+throughout (products and accumulation; no bf16/tf32 "fast math" unless the user enables it in
+``torch.backends.mkldnn``); results differ from MKL's only by summation order (~1e-6). ReLU and GELU
+(erf or tanh) run as the GEMM's epilogue, saving a pass over the FFN activations (bit-identical for
+ReLU and erf GELU). Anything else (CUDA, half precision, a build without oneDNN, autograd,
+torch.compile) keeps ``F.linear`` + the activation. Prompt rows of float and quantized products
+(layers/linear.py, layers/quantized.py) run here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .threads import threads_for
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+# activation name -> oneDNN post-op (attribute, algorithm); SiLU is not faster fused, so it is not.
+_FUSED = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_new": ("gelu", "tanh"),
+          "gelu_pytorch_tanh": ("gelu", "tanh")}
+_ONEDNN = ops.onednn_available()
+# An activation's cost per element in multiply-adds of a product (GELU's erf: 0.6 ns per float on one core),
+# for threads_for: a decode step's [32, 3072] stays on one thread, an encoder's [2048, 3072] gets the budget.
+ACTIVATION_WORK = 32
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+         threads: int) -> torch.Tensor:
+    """act(x [..., in] @ weight [out, in]^T + bias) -> [..., out] on the float GEMM, split over up to
+    ``threads`` (the forward's budget) when it is big."""
+    if (_ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()):  # inductor picks its own GEMM for F.linear
+        attr, algorithm = _FUSED.get(activation, ("none", ""))
+        with threads_for(x.numel() * weight.shape[0], threads):  # rows * in * out
+            out = ops.onednn_linear(x, weight, bias, attr, algorithm)
+        return out if activation is None or activation in _FUSED else ACTIVATIONS[activation](out)
+    out = F.linear(x, weight, bias)
+    return out if activation is None else ACTIVATIONS[activation](out)
+
+
+def activated(out: torch.Tensor, activation: str | None, threads: int) -> torch.Tensor:
+    """act(out), on up to ``threads`` where it is big (an encoder's [2048, 3072]: GELU takes 3.9 ms on
+    one core, 1.4 ms on two; ATen's element-wise results do not depend on the thread count)."""
+    if activation is None:
+        return out
+    with threads_for(out.numel() * ACTIVATION_WORK, threads):
+        return ACTIVATIONS[activation](out)

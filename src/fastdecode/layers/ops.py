@@ -1,0 +1,284 @@
+"""The compiled kernels' ops: the only module that touches ``torch.ops.fastdecode_kernels`` (and
+oneDNN's ``torch.ops.mkldnn`` GEMM), one typed wrapper per op, as vLLM's ``_custom_ops.py``.
+
+The extension (every ``layers/*.cpp``) is built by ``layers/kernels.py`` and loaded here on first
+use. ``available()`` is False (logged once, with why) where it cannot be had: no AVX2/FMA/F16C, no
+compiler; callers then take their PyTorch path. Every op has a fake (meta) kernel, so
+``torch.compile(fullgraph=True)`` traces through the wrappers. Each wrapper calls the op's
+``default`` overload (about 5.5 us against 9.4 us through the overload packet).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from .kernels import build, cpu_has_avx2, library_path
+
+log = logging.getLogger("fastdecode")
+Tensor = torch.Tensor
+_LOADED: dict[str, object] = {}  # "ops" -> the loaded ops (or None): a dict torch.compile reads
+
+
+def _ops():
+    if "ops" not in _LOADED:
+        _LOADED["ops"] = _load_ops()
+    return _LOADED["ops"]
+
+
+def available() -> bool:
+    """Whether the extension is built and loaded (else every caller takes its PyTorch path)."""
+    return _ops() is not None
+
+
+# -- quantized and float products (qmatmul.cpp, exact_matmul.cpp, fmatmul.cpp) ------------------
+def qmatmul(x: Tensor, codes: Tensor, scale: Tensor, mins: Tensor | None, bits: int, group: int, threads: int,
+            activation_bits: int = 8, outputs: int = -1, bias: Tensor | None = None) -> Tensor:
+    """Generated rows x [M, K] float32 times a quantized weight (+ bias) -> [M, N]: activations rounded
+    to int8 per 32 inputs (``activation_bits`` 8) or kept float32 (32)."""
+    return _ops().qmatmul(x, codes, scale, mins, bits, group, threads, activation_bits, outputs, bias)
+
+
+def exact_qmatmul(x: Tensor, codes: Tensor, scale: Tensor, mins: Tensor | None, bits: int, group: int,
+                  threads: int, outputs: int = -1) -> Tensor:
+    """Prompt rows x [M, K] times a quantized weight's exact float32 values -> [M, N]."""
+    return _ops().exact_qmatmul(x, codes, scale, mins, bits, group, threads, outputs)
+
+
+def prompt_qmatmul(x: Tensor, codes: Tensor, scale: Tensor, threads: int) -> Tensor:
+    """Int8-rounded prompt rows x [M, K] float32 times rows-layout 8-bit codes in groups of 16 (Q6_K,
+    layers/qprompt.cpp) -> [M, N]: each row the same bits at any row count."""
+    return _ops().prompt_qmatmul(x, codes, scale, threads)
+
+
+def dequantize(codes: Tensor, scale: Tensor, mins: Tensor | None, bits: int, group: int, threads: int,
+               outputs: int = -1) -> Tensor:
+    """A quantized weight's codes -> float32 [N, K]."""
+    return _ops().dequantize(codes, scale, mins, bits, group, threads, outputs)
+
+
+def float_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, threads: int) -> Tensor:
+    """float32 x [M, K] @ weight [K, N] (+ bias) -> [M, N], each output summed in one fixed order."""
+    return _ops().float_matmul(x, weight, bias, threads)
+
+
+def set_avx512(enabled: bool | None = None) -> bool:
+    """Whether the kernels use AVX-512 + VNNI (layers/isa.h; the same results as AVX2, faster); ``enabled``
+    switches them on (where the CPU has them) or off first. False without the extension."""
+    ops = _ops()
+    if ops is None:
+        return False
+    return bool(ops.set_avx512(-1 if enabled is None else int(enabled)))
+
+
+def onednn_available() -> bool:
+    """Whether PyTorch ships oneDNN's float32 GEMM with fused activations (inductor's CPU linear)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None, attr: str, algorithm: str) -> Tensor:
+    """oneDNN's float32 x @ weight^T + bias, with the post-op ``attr`` ("none", "relu", "gelu")."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+
+
+# -- attention (attention.cpp, cross_attention.cpp) and beam search (beam_search.cpp) -----------
+def paged_attention(q: Tensor, keys: Tensor, values: Tensor, k_new: Tensor | None, v_new: Tensor | None,
+                    write_slots: Tensor | None, table: Tensor, key_start: Tensor, positions: Tensor, block: int,
+                    window: int, scale: float, bias: Tensor | None) -> Tensor:
+    """One query per row over its blocks of a pool: q [B, H, D] -> [B, H, D] (k_new, v_new written first)."""
+    return _ops().paged_attention(q, keys, values, k_new, v_new, write_slots, table, key_start, positions, block,
+                                  window, scale, bias)
+
+
+def cross_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, scale: float,
+                    threads: int = 1) -> Tensor:
+    """Queries [B, H, T, D] over each source's own keys (``lengths`` [B]) -> [B, H, T, D]."""
+    return _ops().cross_attention(q, keys, values, lengths, scale, threads)
+
+
+def beam_candidates(logits: Tensor, running: Tensor, banned: Tensor, beams: int, keep: int,
+                    threads: int = 1) -> tuple[Tensor, Tensor]:
+    """A beam step's log-softmax, running scores and top ``keep`` candidates: logits [B*K, V] ->
+    (scores, flat indices) [B, keep]."""
+    return _ops().beam_candidates(logits, running, banned, beams, keep, threads)
+
+
+# -- element-wise steps (elementwise.cpp) -------------------------------------------------------
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    return _ops().rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: Tensor, delta: Tensor, delta_weight: Tensor | None, weight: Tensor,
+                 eps: float) -> tuple[Tensor, Tensor]:
+    """(x + delta (* delta_weight's norm), its RMSNorm)."""
+    return _ops().add_rms_norm(x, delta, delta_weight, weight, eps)
+
+
+def qkv_heads(qkv: Tensor, num_heads: int, num_kv_heads: int, norm_weight: Tensor | None, eps: float,
+              cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """[B, T, (H + 2 Hkv) D] -> q [B, H, T, D], k, v [B, Hkv, T, D], q/k normed and rotated."""
+    return _ops().qkv_heads(qkv, num_heads, num_kv_heads, norm_weight, eps, cos, sin)
+
+
+def gated(gate_up: Tensor, activation: int) -> Tensor:
+    """[..., 2I] -> act(gate) * up [..., I] (activation 0: SiLU, 1: GELU tanh)."""
+    return _ops().gated(gate_up, activation)
+
+
+# -- one decoder block (decode_block.cpp) ----------------------------------------------------------
+class BlockProduct(NamedTuple):
+    """One product's ints in ``decode_block``: bits (0: a float32 weight), group, activation bits,
+    outputs, and the kernel threads it gets."""
+
+    bits: int
+    group: int
+    activation_bits: int
+    outputs: int
+    threads: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBlockArgs:
+    """``decode_block``'s scalars, by name; the op takes them packed (``ints``, ``floats``: built once
+    here, as decode_block.cpp lays them out: 7 head ints, then 5 per product)."""
+
+    num_heads: int
+    num_kv_heads: int
+    activation: int  # 0: SiLU, 1: GELU (tanh)
+    block_size: int
+    window: int  # 0: none
+    threads: int  # the forward's thread budget
+    attention_min_work: int  # multiply-adds from which the attention gets ``threads``
+    products: tuple[BlockProduct, ...]  # qkv, o, gate_up, down
+    norm_eps: float
+    scale: float  # attention scale
+    ints: list[int] = field(init=False, repr=False, compare=False)
+    floats: list[float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.products) != 4:
+            raise ValueError(f"decode_block runs 4 products (qkv, o, gate_up, down), not {len(self.products)}")
+        ints = [self.num_heads, self.num_kv_heads, self.activation, self.block_size, self.window, self.threads,
+                self.attention_min_work, *(int(i) for product in self.products for i in product)]
+        object.__setattr__(self, "ints", ints)
+        object.__setattr__(self, "floats", [float(self.norm_eps), float(self.scale)])
+
+
+def decode_block(x: Tensor, h: Tensor, weights: list[Tensor | None], args: DecodeBlockArgs, cos: Tensor,
+                 sin: Tensor, keys: Tensor, values: Tensor, slots: Tensor, table: Tensor, key_start: Tensor,
+                 positions: Tensor) -> tuple[Tensor, Tensor]:
+    """One Llama-family block for a pure decode step: (x, h) [1, N, C] -> the next block's (x, h).
+    ``weights``: (codes, scale, mins, bias) or ([in, out] buffer, None, None, bias) per product, then the
+    MLP norm and the next norm; keys, values [slots, Hkv, D] of the layer (written in place); slots [N];
+    table [N, n]; key_start, positions [N]."""
+    return _ops().decode_block(x, h, weights, args.ints, args.floats, cos, sin, keys, values, slots, table,
+                               key_start, positions)
+
+
+# -- loading --------------------------------------------------------------------------------------
+class KernelOps:
+    """The extension's ops by name, each its ``default`` overload: calling an OpOverload directly costs
+    about 5.5 us against 9.4 us through the overload packet (``torch.ops.ns.op``), and a decode step
+    calls about ten per layer. Resolved on first use, then a plain attribute."""
+
+    def __init__(self, namespace) -> None:
+        self._namespace = namespace
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        overload = getattr(self._namespace, name).default
+        setattr(self, name, overload)
+        return overload
+
+
+def _load_ops():
+    if not cpu_has_avx2():
+        log.info("fastdecode: CPU without AVX2/FMA/F16C; quantized matmuls use the PyTorch fallback")
+        return None
+    try:
+        library = library_path()
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            log.warning("fastdecode: building the quantized kernels (once, about a minute)")
+            # cpp_extension.load registers the ops itself; loading again is a no-op then, and needed when
+            # another process finished the build while this one waited for the lock (build() returns early).
+            torch.ops.load_library(str(build()))
+        _register_fake()
+        return KernelOps(torch.ops.fastdecode_kernels)
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
+        log.warning("fastdecode: quantized kernels unavailable (%s); using the PyTorch fallback", exc)
+        return None
+
+
+def _outputs(codes, scale, outputs: int) -> int:
+    """N of a quantized weight's op arguments: rows of scale [N, K/G], or ``outputs`` of a tiled weight
+    (codes [N/8 rounded up, K/32, bytes], the last tile padded; -1: every tile's 8 rows)."""
+    if codes.dim() == 2:
+        return scale.shape[0]
+    return outputs if outputs >= 0 else scale.shape[0] * scale.shape[2]
+
+
+def _register_fake() -> None:
+    """The op's shape function (a "fake" kernel): torch.compile / FakeTensor tracing run it instead of
+    the C++ code, so a compiled decode step (fullgraph) traces through quantized products."""
+    @torch.library.register_fake("fastdecode_kernels::qmatmul")
+    def _qmatmul_fake(x, codes, scale, mins, bits, group, threads, activation_bits=8, outputs=-1,
+                      bias=None):  # x [M, K] -> [M, N]
+        return x.new_empty((x.shape[0], _outputs(codes, scale, outputs)))
+
+    @torch.library.register_fake("fastdecode_kernels::exact_qmatmul")
+    def _exact_qmatmul_fake(x, codes, scale, mins, bits, group, threads, outputs=-1):  # x [M, K] -> [M, N]
+        return x.new_empty((x.shape[0], _outputs(codes, scale, outputs)))
+
+    @torch.library.register_fake("fastdecode_kernels::prompt_qmatmul")
+    def _prompt_qmatmul_fake(x, codes, scale, threads):  # x [M, K] -> [M, N]
+        return x.new_empty((x.shape[0], codes.shape[0]))
+
+    @torch.library.register_fake("fastdecode_kernels::dequantize")
+    def _dequantize_fake(codes, scale, mins, bits, group, threads, outputs=-1):  # -> float32 [N, K]
+        return scale.new_empty((_outputs(codes, scale, outputs), scale.shape[1] * group), dtype=torch.float32)
+
+    @torch.library.register_fake("fastdecode_kernels::paged_attention")
+    def _paged_attention_fake(q, keys, values, k_new, v_new, write_slots, table, key_start, positions, block, window,
+                              scale, bias):  # q [B, H, D] -> [B, H, D] (keys, values written in place)
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("fastdecode_kernels::beam_candidates")
+    def _beam_candidates_fake(logits, running, banned, K, keep, threads=1):  # [B*K, V] -> scores, indices [B, keep]
+        B = logits.shape[0] // K
+        return logits.new_empty((B, keep)), logits.new_empty((B, keep), dtype=torch.long)
+
+    @torch.library.register_fake("fastdecode_kernels::cross_attention")
+    def _cross_attention_fake(q, keys, values, lengths, scale, threads=1):  # q [B, H, T, D] -> [B, H, T, D]
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("fastdecode_kernels::float_matmul")
+    def _float_matmul_fake(x, weight, bias, threads):  # x [M, K] @ weight [K, N] -> [M, N]
+        return x.new_empty((x.shape[0], weight.shape[1]))
+
+    @torch.library.register_fake("fastdecode_kernels::rms_norm")
+    def _rms_norm_fake(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("fastdecode_kernels::add_rms_norm")
+    def _add_rms_norm_fake(x, delta, delta_weight, weight, eps):
+        return (torch.empty_like(x, memory_format=torch.contiguous_format),
+                torch.empty_like(x, memory_format=torch.contiguous_format))
+
+    @torch.library.register_fake("fastdecode_kernels::qkv_heads")
+    def _qkv_heads_fake(qkv, num_heads, num_kv_heads, norm_weight, eps, cos, sin):  # [B, T, (H + 2 Hkv) D]
+        B, T, width = qkv.shape
+        D = width // (num_heads + 2 * num_kv_heads)
+        return (qkv.new_empty((B, num_heads, T, D)), qkv.new_empty((B, num_kv_heads, T, D)),
+                qkv.new_empty((B, num_kv_heads, T, D)))  # q [B, H, T, D], k and v [B, Hkv, T, D]
+
+    @torch.library.register_fake("fastdecode_kernels::gated")
+    def _gated_fake(gate_up, activation):  # [..., 2I] -> [..., I]
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
