@@ -160,15 +160,14 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
 
 def test_adaptive_length_pauses_after_misses():
     spec = Speculation(NgramDrafter([1, 2, 1, 2, 1], 1, 2), SpeculativeSettings(num_tokens=8))
-    spec.settle(8, 8)
-    assert spec.length == 8
+    assert spec.length == 4  # the first draft is a short probe
+    spec.settle(4, 4)
+    assert spec.length == 8  # doubles while drafts are accepted, up to num_tokens
     spec.settle(8, 2)
     assert spec.length == 3
     spec.settle(3, 0)
-    spec.settle(1, 0)
-    assert spec.paused == 8 and spec.draft(5) == []
+    assert spec.paused == 8 and spec.draft(5) == []  # a draft with nothing accepted pauses drafting
     spec.paused = 0
-    spec.settle(1, 0)
     spec.settle(1, 0)
     assert spec.paused == 16  # a pause right after a pause is longer
     spec.paused = 0

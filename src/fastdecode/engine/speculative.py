@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from .scheduler import Engine
     from .sequence import Sequence
 
-PAUSE_AFTER_MISSES = 2  # drafts in a row with nothing accepted before speculation pauses
+PAUSE_AFTER_MISSES = 1  # drafts in a row with nothing accepted before speculation pauses
+FIRST_LENGTH = 4  # the first draft's length (a probe: it doubles while drafts are accepted)
 PAUSE_STEPS = 8  # decode steps without drafting in a first pause; each pause in a row doubles it
 MAX_PAUSE_STEPS = 256
 # Beside other decoding sequences a draft's rows cost real compute (a batched step is no longer bound
@@ -137,7 +138,7 @@ class Speculation:
     def __init__(self, drafter: "Drafter | ModelDrafter", settings: SpeculativeSettings):
         self.drafter = drafter
         self.max_tokens = settings.num_tokens
-        self.length = settings.num_tokens
+        self.length = min(FIRST_LENGTH, settings.num_tokens)
         self.misses = 0  # drafts in a row with nothing accepted
         self.paused = 0  # decode steps left without drafting
         self.pause_steps = PAUSE_STEPS  # the next pause's length (doubles while drafts keep missing)
