@@ -79,3 +79,17 @@ def test_serve_refuses_a_bad_draft_model_at_start(folders):
     result = CliRunner().invoke(main, ["serve", "-m", str(folders / "target"), "--draft-model",
                                        str(folders / "wrong-vocab"), "--port", "1"])
     assert result.exit_code == 2 and "another vocabulary" in result.stderr, result.output
+
+
+def test_one_sequence_drafts_alone_as_in_a_batched_step(folders):
+    gen = fastdecode.load(folders / "target")
+    engine = gen.engine()
+    sequence = engine.submit(PROMPT, {"max_new_tokens": 12, "speculative": {"draft_model": str(folders / "target")}})
+    engine.step()  # the prompt and the first token
+    drafter = sequence.speculation.drafter
+    alone = drafter.propose(3)
+    expected = gen.generate_ids([PROMPT], max_new_tokens=4, speculative=False)[0][1:]
+    assert alone == expected  # the model as its own draft proposes what it will generate
+    sequence.cancel()
+    engine.step()
+    assert not drafter.runner.rows

@@ -119,17 +119,19 @@ class NgramDrafter:
 
 
 class ModelDrafter:
-    """A draft model's place in a sequence's speculation: drafting runs batched over every sequence
-    of the step (``DraftRunner.propose``); the runner aligns with the sequence's tokens itself."""
+    """A draft model's place in a sequence's speculation. The engine drafts for every such sequence
+    of a step at once (``DraftRunner.propose`` over all of them); ``propose`` is the same for this one
+    sequence alone. The runner aligns with the sequence's tokens itself, so ``extend`` has nothing to do."""
 
-    def __init__(self, runner: "DraftRunner"):
-        self.runner = runner
+    def __init__(self, runner: "DraftRunner", sequence: "Sequence"):
+        self.runner, self.sequence = runner, sequence
 
     def extend(self, tokens: list[int]) -> None:
         pass
 
     def propose(self, count: int) -> list[int]:
-        raise NotImplementedError("a draft model drafts for a whole step at once (DraftRunner.propose)")
+        self.runner.propose([(self.sequence, count)])
+        return self.sequence.draft
 
 
 class Speculation:
@@ -207,7 +209,7 @@ class Speculator:
             draft = engine.requests.draft_model(settings.draft_model)
             draft_engine = type(engine)(draft.model, draft.requests, cache_tokens=engine.cache.capacity_tokens)
             runner = self.runners[settings.draft_model] = DraftRunner(draft_engine, engine.model.config.vocab_size)
-        sequence.speculation = Speculation(ModelDrafter(runner), settings)
+        sequence.speculation = Speculation(ModelDrafter(runner, sequence), settings)
 
     def draft(self, decoding: list["Sequence"]) -> None:
         """Set ``draft`` on every decoding sequence: none, or tokens to verify this step. A draft never
