@@ -13,7 +13,7 @@ from .errors import GenerationCancelledError, InvalidOptionError
 from .engine import Engine
 from .engine.call import submit_call
 from .engine.requests import RequestFactory
-from .generation.decode import SequenceResult
+from .engine.sequence import SequenceResult
 from .generation.loops import loop_results, loop_tokens, runs_in_engine
 from .generation.stopping import TextWatcher, final_text
 from .loading.checkpoint import Checkpoint
@@ -228,14 +228,10 @@ class Generator:
         streaming cache of that size, in chunks, as StreamingLLM is evaluated; otherwise the
         whole text must fit in the model's context.
         """
+        from .engine.scoring import score_alone
+
         ids, config = self.requests.build_score(text_or_ids, options)
-        if config.n_ctx is None:  # a scoring sequence of the engine (engine/scoring.py)
-            from .engine.scoring import score_alone
-
-            return [-logprob for logprob in score_alone(self, ids).logprobs]
-        from .generation.scoring import score_tokens
-
-        return score_tokens(self.model, ids, config)
+        return [-logprob for logprob in score_alone(self, ids, config=config).logprobs]  # engine/scoring.py
 
     def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":
         """A multi-turn conversation kept between turns (an engine sequence, then past ``n_ctx`` a

@@ -98,7 +98,7 @@ def test_the_engine_decodes_through_the_compiled_step_with_unchanged_tokens(kind
         return graph_module.forward
 
     engine = gen.engine(max_batch_tokens=16)
-    engine.compiled = CompiledDecode(engine, backend=counting_backend)
+    engine.runner.compiled = CompiledDecode(engine.runner, backend=counting_backend)
     assert run_arrivals(engine, dict(arrivals)) == expected
     assert 1 <= len(graphs) <= 8  # one per (rows, blocks) bucket met, not one per step
     assert engine.cache.pool.num_free == engine.cache.pool.num_blocks - 1  # only the scratch block stays

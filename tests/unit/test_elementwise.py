@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fastdecode
-from fastdecode.cache.static import NoCache
+from fastdecode.cache.view import NoCache
 from fastdecode.layers import elementwise
 from fastdecode.layers.elementwise import elementwise_ops
 from fastdecode.layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_heads

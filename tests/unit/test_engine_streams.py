@@ -1,7 +1,7 @@
 """Streams past n_ctx as sequences of the one engine: several streams (shift and re-evaluate, each
 with its own n_ctx / n_keep / n_discard) arriving at random steps beside greedy requests each
 give the tokens of the same request alone and of a stream alone on its own cache
-(generation/streaming.py); a stream cancelled mid-way frees every block."""
+(tests/stream_alone.py); a stream cancelled mid-way frees every block."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.generation.streaming import streaming_engine
+from stream_alone import stream_alone
 from tiny_models import VOCAB, build
 
 pytest.importorskip("transformers")
@@ -30,7 +30,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 def _stream_alone(gen, prompt: list[int], options: dict) -> list[int]:
     """Greedy on a stream of its own cache, token by token after the prompt."""
     config = gen.requests.generation_config(options)
-    stream, out = streaming_engine(gen.model, config), []
+    stream, out = stream_alone(gen.model, config), []
     with torch.inference_mode():
         logits = stream.feed(torch.tensor(prompt))
         for _ in range(config.max_new_tokens):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.cache.static import NoCache
+from fastdecode.cache.view import NoCache
 from fastdecode.layers.fused import concat_outputs, fuse_projections
 from fastdecode.layers.linear import linear
 from fastdecode.layers.products import Products

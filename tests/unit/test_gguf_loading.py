@@ -29,8 +29,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter  # noqa: E402
 
 import fastdecode  # noqa: E402
 from fastdecode.errors import CheckpointError, TokenizerError, UnsupportedModelError  # noqa: E402
-from fastdecode.generation.decode import left_pad  # noqa: E402
-from fastdecode.generation.step import CachedEngine  # noqa: E402
+from engine_helpers import prompt_logits  # noqa: E402
 from fastdecode.loading.gguf_file import GGUFFile  # noqa: E402
 from fastdecode.models import llama as llama_family  # noqa: E402
 from tiny_gguf import (EOT, GGUF_ARCH, TOKENS, VOCAB, gguf_tensors, hf_model, hf_reference,  # noqa: E402
@@ -86,12 +85,8 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 
 def _our_logits(gen, ids: list[int]) -> torch.Tensor:
-    """Prefill logits at every position [T, V] through the cached engine."""
-    model = gen.model
-    engine = CachedEngine(model, 1, len(ids))
-    tokens, valid, positions = left_pad([ids], model.device)
-    with torch.inference_mode():
-        return engine.prefill(tokens, valid, positions, all_logits=True)[0]
+    """Prefill logits at every position [T, V] through the engine's forward."""
+    return prompt_logits(gen, ids)
 
 
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdecode.cache.static import NoCache
+from fastdecode.cache.view import NoCache
 from fastdecode.layers.attention import attention
 from fastdecode.layers.linear import linear
 from fastdecode.layers.products import ALL_PROMPT, Products, RowRoles

@@ -87,7 +87,7 @@ max_memory_option = click.option(
 
 
 def streaming_options(command):
-    """Streaming cache flags: n_ctx slots with n_keep attention sinks (see generation/streaming.py)."""
+    """Streaming cache flags: n_ctx slots with n_keep attention sinks (see engine/streaming_policy.py)."""
     options = [
         click.option("--n-ctx", type=int, default=None, help="Streaming cache size in tokens (enables streaming)."),
         click.option("--n-keep", type=int, default=4, show_default=True, help="Attention-sink tokens kept."),

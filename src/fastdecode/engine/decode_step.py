@@ -2,7 +2,7 @@
 
 For a bucket of B rows (one query each), every tensor the step touches has a shape fixed by
 (B, n): the rows' block tables ``[B, n]`` cover every block a row may ever own, and the mask
-built from the positions hides the slots not written yet, as gpt-fast's ``KVCache.update`` returns the full buffer instead of a slice to the current length. Positions,
+built from the positions hides the slots not written yet, as gpt-fast's cache update returns the full buffer instead of a slice to the current length. Positions,
 slots and the mask are tensors, the K/V writes are ``index_copy_`` at tensor indices, and the
 next token is chosen on the device (``argmax``): nothing inside asks the host for a value, so
 ``torch.compile(fullgraph=True, dynamic=False)`` (or a CUDA graph) captures one graph per bucket.

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.static import NoCache
+from ..cache.view import NoCache
 from ..layers.attention import build_attention_mask
 from ..layers.products import Products
-from .decode import left_pad
+from .reference import left_pad
 
 POOLINGS = ("mean", "last")
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..cache.static import KVCache, NoCache
+from ..cache.view import CacheView
 from .base import LayerNormBlock, ModelBase
 from ..config import ModelConfig
 from ..layers.linear import embed, linear
@@ -123,7 +123,7 @@ class BloomModel(ModelBase):
         return (self.slopes[None, :, None, None] * distance[:, None]).to(self.dtype)  # [B, H, T, S]
 
     @on_one_thread
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | NoCache,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: CacheView,
                 mask: torch.Tensor | None, all_logits: bool = False,
                 logits_at: torch.Tensor | None = None, hidden: bool = False) -> torch.Tensor:
         """Same contract as ``LlamaModel.forward``: logits [B, T or 1, V]."""

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cache.static import KVCache, NoCache
+from ..cache.view import CacheView
 from ..config import FULL, SLIDING, ModelConfig
 from ..errors import UnsupportedModelError
 from ..layers.attention import LayerMasks, merge_heads
@@ -286,7 +286,7 @@ class Gemma3Model(ModelBase):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache | NoCache,
+        cache: CacheView,
         mask: torch.Tensor | None,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,

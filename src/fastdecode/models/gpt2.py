@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..cache.static import KVCache, NoCache
+from ..cache.view import CacheView
 from .base import LayerNormBlock, ModelBase
 from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, embed, linear
@@ -170,7 +170,7 @@ class GPT2Model(ModelBase):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache | NoCache,
+        cache: CacheView,
         mask: torch.Tensor | None,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..cache.static import KVCache, NoCache
+from ..cache.view import CacheView
 from .base import ModelBase, Weight
 from ..config import ModelConfig
 from ..layers.linear import embed, linear
@@ -207,7 +207,7 @@ class LlamaModel(ModelBase):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache | NoCache,
+        cache: CacheView,
         mask: torch.Tensor | None,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,

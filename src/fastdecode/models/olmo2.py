@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cache.static import KVCache, NoCache
+from ..cache.view import CacheView
 from ..config import ModelConfig, derived_head_dim
 from ..config.unsupported import refuse_unimplemented, refuse_unimplemented_gguf
 from ..errors import UnsupportedModelError
@@ -182,7 +182,7 @@ class Olmo2Model(ModelBase):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache | NoCache,
+        cache: CacheView,
         mask: torch.Tensor | None,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
