@@ -38,7 +38,7 @@ class ExplicitShiftEngine:
             position = self.cache.length
             positions = torch.tensor([[position]], device=self.model.device)
             self.cache.append_slots(torch.ones(1, 1, dtype=torch.bool, device=self.model.device), positions,
-                                    Products.of_rows(prompt, torch.get_num_threads()))
+                                    Products.of_rows(prompt, torch.get_num_threads(), kernels=self.model.kernels))
             logits = self.model.forward(token.view(1, 1).to(self.model.device), positions, self.cache, None)[0, -1]
         return logits
 

@@ -353,7 +353,7 @@ class Engine:
         groups = row_groups([(s, count) for s, _, count in layout.rows])
         runs = fold_runs([(s, count) for s, _, count in layout.rows])  # FastSeq: beams folded on their prompt
         # a row's arithmetic follows its role (layers/products.py); big ops get the caller's threads
-        products = Products.of_rows(layout.is_prompt, torch.get_num_threads(), device)
+        products = Products.of_rows(layout.is_prompt, torch.get_num_threads(), device, kernels=self.model.kernels)
         plan = StepPlan.for_rows(self.cache, [(s.block_table, start, count) for s, start, count in layout.rows],
                                  self.windows, self.score_bias, self.model.dtype, products, runs=runs)
         token_tensor = torch.tensor([layout.tokens], device=device)  # [1, N]

@@ -114,7 +114,7 @@ class EncoderDecoderRecompute:
         B, T = self.target.shape
         bias = model.decoder_self_bias(T)  # [1, H|1, T, T]
         roles = [column == 0 for _ in range(B) for column in range(T)]  # [B * T]: the start token is the prompt
-        products = Products.of_rows(roles, torch.get_num_threads(), self.target.device)
+        products = Products.of_rows(roles, torch.get_num_threads(), self.target.device, kernels=model.kernels)
         return model.decode(self.target, self.target_positions, None, bias, cross, products=products)[:, -1]
 
     def drop_rows(self, rows: torch.Tensor) -> None:

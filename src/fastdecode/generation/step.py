@@ -39,7 +39,8 @@ class CachedEngine:
         """tokens, valid, positions [B, T] (left-padded) -> logits of the last slot [B, V]
         (``all_logits``: of every slot, [B, T, V]). May be called again to extend (chunked prefill)."""
         cache = self.cache
-        start = cache.append_slots(valid, positions, Products.prompt(torch.get_num_threads()))
+        products = Products.prompt(torch.get_num_threads(), kernels=self.model.kernels)
+        start = cache.append_slots(valid, positions, products)
         cache.has_padding = cache.has_padding or not bool(valid.all())
         logits = self.model.forward(tokens, positions, cache, self._mask(start, tokens.shape[1]), all_logits)
         return logits if all_logits else logits[:, -1]
@@ -49,7 +50,7 @@ class CachedEngine:
         cache = self.cache
         tokens, positions = tokens[:, None], positions[:, None]  # [B, 1]
         start = cache.append_slots(torch.ones_like(tokens, dtype=torch.bool), positions,
-                                   Products.generated(torch.get_num_threads()))
+                                   Products.generated(torch.get_num_threads(), kernels=self.model.kernels))
         return self.model.forward(tokens, positions, cache, self._mask(start, 1))[:, -1]
 
     def _mask(self, start: int, num_queries: int) -> torch.Tensor | None:
@@ -87,7 +88,7 @@ class RecomputeEngine:
         mask = build_attention_mask(self.valid, 0, T, self.model.dtype)
         roles = [column < self.prompt_columns for _ in range(B) for column in range(T)]  # [B * T], row-major
         # each row computed as the cached path computes it
-        products = Products.of_rows(roles, torch.get_num_threads(), self.tokens.device)
+        products = Products.of_rows(roles, torch.get_num_threads(), self.tokens.device, kernels=self.model.kernels)
         return self.model.forward(self.tokens, self.positions, NoCache(products), mask)[:, -1]
 
     def drop_rows(self, rows: torch.Tensor) -> None:
