@@ -67,7 +67,7 @@ def test_generate_and_batch_hand_the_choice_to_the_model(tiny_folder, tmp_path, 
 
 
 def test_serve_loads_the_model_with_the_choice(tiny_folder, monkeypatch):
-    import fastdecode.serve.server as server
+    from fastdecode.serve import server
 
     served = []
     monkeypatch.setattr(server, "run", lambda generator, *args, **kwargs: served.append(generator) or 0)
