@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from test_quantized import write_tiny_llama  # noqa: E402
-from tiny_models import save_tiny_folder  # noqa: E402
+from tiny_models import build, save_tiny_folder  # noqa: E402
 
 import fastdecode  # noqa: E402
 from fastdecode.errors import InvalidOptionError  # noqa: E402
@@ -53,6 +53,10 @@ def test_the_choice_is_held_by_the_model_and_defaults_to_exact_prompt_rows(tmp_p
     assert fastdecode.load(str(tmp_path), prompt_rows="int8").model.kernels == INT8
     off = KernelChoice(quantized_kernels=False, float_kernel=False)
     assert fastdecode.load(str(tmp_path), kernels=off).model.kernels is off
+    hf = build("llama-gqa", intermediate_size=96)
+    assert fastdecode.from_hf(hf, quantize="int8", prompt_rows="int8").model.kernels == INT8
+    with pytest.raises(InvalidOptionError, match="prompt_rows"):
+        fastdecode.from_hf(hf, prompt_rows="exactly")
 
 
 @needs_kernels
