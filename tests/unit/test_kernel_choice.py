@@ -15,16 +15,16 @@ import torch
 pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from gguf import GGMLQuantizationType as QT  # noqa: E402
-from test_quantized import write_tiny_llama  # noqa: E402
-from tiny_models import build, save_tiny_folder  # noqa: E402
+from gguf import GGMLQuantizationType as QT
+from test_quantized import write_tiny_llama
+from tiny_models import build, save_tiny_folder
 
-import fastdecode  # noqa: E402
-from fastdecode.errors import InvalidOptionError  # noqa: E402
-from fastdecode.layers import ops  # noqa: E402
-from fastdecode.layers.linear import linear  # noqa: E402
-from fastdecode.layers.products import KernelChoice, Products  # noqa: E402
-from fastdecode.layers.quantized import dequantize, quantize_matrix, quantized_linear  # noqa: E402
+import fastdecode
+from fastdecode.errors import InvalidOptionError
+from fastdecode.layers import ops
+from fastdecode.layers.linear import linear
+from fastdecode.layers.products import KernelChoice, Products
+from fastdecode.layers.quantized import dequantize, quantize_matrix, quantized_linear
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "fastdecode"
 INT8 = KernelChoice(prompt_rows="int8")
