@@ -63,7 +63,7 @@ class OneSequence:
                 chunk = ids[first : first + engine.max_chunk]
                 start, count = self.length, len(chunk)
                 engine.cache.prepare(self.table, start, start + count)
-                products = Products.of_rows(prompt, torch.get_num_threads(), model.device)
+                products = Products.of_rows(prompt, torch.get_num_threads(), model.device, kernels=model.kernels)
                 plan = StepPlan.for_rows(engine.cache, [(self.table, start, count)], engine.windows, engine.score_bias,
                                          model.dtype, products)
                 tokens = torch.tensor([chunk], device=model.device)  # [1, T]

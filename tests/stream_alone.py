@@ -53,7 +53,7 @@ class StreamAlone:
     def _products(self, prompt: bool) -> Products:
         """The rows' roles (``prompt``: exact products; else the generated rows' kernels, as this
         scorer's stream has always run) and the caller's threads."""
-        return Products.of_rows(prompt, torch.get_num_threads(), self.model.device)
+        return Products.of_rows(prompt, torch.get_num_threads(), self.model.device, kernels=self.model.kernels)
 
     def feed(self, tokens: torch.Tensor, prompt: bool = False) -> torch.Tensor:
         """Feed tokens [N]; logits of the last one [V]."""

@@ -67,7 +67,8 @@ class ExplicitShiftEngine:
                 self._shift()
             position = self.cache.length
             positions = torch.tensor([[position]], device=self.model.device)
-            self.cache.append_slots(positions, Products.of_rows(prompt, torch.get_num_threads()))
+            self.cache.append_slots(positions, Products.of_rows(prompt, torch.get_num_threads(),
+                                                                 kernels=self.model.kernels))
             logits = self.model.forward(token.view(1, 1).to(self.model.device), positions, self.cache, None)[0, -1]
         return logits
 

@@ -14,6 +14,7 @@ from .engine import Engine
 from .engine.call import submit_call
 from .engine.requests import RequestFactory
 from .engine.sequence import SequenceResult
+from .layers.products import KernelChoice
 from .generation.loops import loop_results, loop_tokens, runs_in_engine
 from .generation.stopping import TextWatcher, final_text
 from .loading.checkpoint import Checkpoint
@@ -26,27 +27,33 @@ if TYPE_CHECKING:  # pragma: no cover
     from .pipeline import BatchRun
 
 def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "float32",
-         quantize: str | None = None, speculative: Any = None) -> "Generator":
+         quantize: str | None = None, speculative: Any = None, prompt_rows: str | None = None,
+         kernels: KernelChoice | None = None) -> "Generator":
     """quantize: None (GGUF blocks run as they are, float checkpoints stay float), "int8" / "int4"
     (float matrices quantized at load), "dequantize" (GGUF blocks decoded to ``dtype`` at load).
     speculative: the default of the ``speculative`` generation option (e.g. "ngram"), used by
-    greedy and sampling calls that do not set it (config/speculative.py)."""
+    greedy and sampling calls that do not set it (config/speculative.py).
+    prompt_rows / kernels: the model's kernel choice (layers/products.py's ``KernelChoice.at_load``)."""
     from .loading.open import open_checkpoint, save_weight_cache
 
+    choice = KernelChoice.at_load(prompt_rows, kernels)  # a bad value fails before the load
     checkpoint, loaded = open_checkpoint(source, device, dtype, quantize)
-    generator = Generator(checkpoint, GenerationConfig.from_options(speculative=speculative))
+    generator = Generator(checkpoint, GenerationConfig.from_options(speculative=speculative), choice)
     save_weight_cache(checkpoint, loaded)
     return generator
 
 
-def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None) -> "Generator":
+def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None, prompt_rows: str | None = None,
+            kernels: KernelChoice | None = None) -> "Generator":
     """quantize: as for ``load`` ("int8" / "int4": the model's float matrices quantized into new tables, the
-    model itself untouched; None and "dequantize": its weights shared as they are)."""
+    model itself untouched; None and "dequantize": its weights shared as they are); prompt_rows /
+    kernels: as for ``load``."""
     from .loading.from_hf import checkpoint_from_hf
     from .loading.quantize import apply_quantize, check_quantize
 
     check_quantize(quantize)
-    return Generator(apply_quantize(checkpoint_from_hf(hf_model, tokenizer), quantize))
+    choice = KernelChoice.at_load(prompt_rows, kernels)
+    return Generator(apply_quantize(checkpoint_from_hf(hf_model, tokenizer), quantize), kernels=choice)
 
 
 def _check_stop(should_stop: Callable[[], bool] | None) -> None:
@@ -61,11 +68,15 @@ class Generator:
     the engine (engine/) or, for the strategies it does not run yet, by their decode loops
     (generation/loops.py)."""
 
-    def __init__(self, checkpoint: Checkpoint, defaults: GenerationConfig | None = None):
+    def __init__(self, checkpoint: Checkpoint, defaults: GenerationConfig | None = None,
+                 kernels: KernelChoice | None = None):
+        """``kernels``: the model's kernel choice (layers/products.py; None: the default one), carried
+        by its every forward."""
         self.checkpoint = checkpoint
         self.config: ModelConfig = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.model = checkpoint.family.build(checkpoint.config, checkpoint.weights)
+        self.model = checkpoint.family.build(checkpoint.config, checkpoint.weights,
+                                                 KernelChoice() if kernels is None else kernels)
         self.requests = RequestFactory(self.config, self.tokenizer, defaults, self.model.dtype, self.model.device)
 
     @property

@@ -82,7 +82,7 @@ def test_logits_match_transformers(pair):
         memory = model.encode(features)
         sources = EncodedSources.from_memory(model, memory, torch.ones(memory.shape[:2], dtype=torch.bool))
         got = model.decode(target, torch.arange(5)[None], None, model.decoder_self_bias(5), sources, all_logits=True,
-                           products=Products.generated(torch.get_num_threads()))
+                           products=Products.generated(torch.get_num_threads(), kernels=model.kernels))
     torch.testing.assert_close(memory, hf.model.encoder(features).last_hidden_state, atol=1e-4, rtol=0)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
@@ -183,5 +183,6 @@ def test_ctranslate2_conversion_loads_to_the_same_logits(tmp_path):
         memory = checkpoint.model.encode(features)
         sources = EncodedSources.from_memory(checkpoint.model, memory, torch.ones(memory.shape[:2], dtype=torch.bool))
         got = checkpoint.model.decode(target, torch.arange(5)[None], None, checkpoint.model.decoder_self_bias(5),
-                                      sources, all_logits=True, products=Products.generated(torch.get_num_threads()))
+                                      sources, all_logits=True,
+                                      products=Products.generated(torch.get_num_threads(), kernels=checkpoint.model.kernels))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)

@@ -57,7 +57,8 @@ def test_compiled_decode_step_one_graph_per_bucket_equal_logits(kind):
         graphs.append(graph_module)
         return graph_module.forward
 
-    bound = functools.partial(decode_step, gen.model, cache, engine.windows, engine.score_bias, decode_products())
+    bound = functools.partial(decode_step, gen.model, cache, engine.windows, engine.score_bias,
+                              decode_products(gen.model))
     compiled = torch.compile(bound, backend=counting_backend, fullgraph=True, dynamic=False)
     for rows in ([0, 1, 2, 3], [1, 3]):  # two buckets: B = 4 and B = 2
         restore()

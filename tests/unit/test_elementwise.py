@@ -12,13 +12,13 @@ from fastdecode.cache.view import NoCache
 from fastdecode.layers import elementwise
 from fastdecode.layers.elementwise import elementwise_ops
 from fastdecode.layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_heads
-from fastdecode.layers.products import Products
+from fastdecode.layers.products import KernelChoice, Products
 from tiny_models import VOCAB, build, build_gemma3
 
 
 def generated_rows() -> Products:
     """Every row generated, on this thread's thread count."""
-    return Products.generated(torch.get_num_threads())
+    return Products.generated(torch.get_num_threads(), kernels=KernelChoice())
 
 
 needs_kernels = pytest.mark.skipif(elementwise_ops() is None, reason="the AVX2 extension is not available here")

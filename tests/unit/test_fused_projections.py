@@ -10,14 +10,14 @@ import fastdecode
 from fastdecode.cache.view import NoCache
 from fastdecode.layers.fused import concat_outputs, fuse_projections
 from fastdecode.layers.linear import linear
-from fastdecode.layers.products import Products
+from fastdecode.layers.products import KernelChoice, Products
 from fastdecode.layers.quantized import QuantizedWeight, quantize_matrix
 from tiny_models import VOCAB, build, build_gemma3
 
 
 def generated_rows() -> Products:
     """Every row generated, on this thread's thread count."""
-    return Products.generated(torch.get_num_threads())
+    return Products.generated(torch.get_num_threads(), kernels=KernelChoice())
 
 pytest.importorskip("transformers")
 

@@ -30,6 +30,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter  # noqa: E402
 import fastdecode  # noqa: E402
 from fastdecode.errors import CheckpointError, TokenizerError, UnsupportedModelError  # noqa: E402
 from engine_helpers import prompt_logits  # noqa: E402
+from fastdecode.layers.products import KernelChoice  # noqa: E402
 from fastdecode.loading.gguf_file import GGUFFile  # noqa: E402
 from fastdecode.models import llama as llama_family  # noqa: E402
 from tiny_gguf import (EOT, GGUF_ARCH, TOKENS, VOCAB, gguf_tensors, hf_model, hf_reference,  # noqa: E402
@@ -41,14 +42,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 ATOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def exact_quantized_products(monkeypatch):
-    """These tests check the GGUF conversion (layouts, permutations, block decoding) against transformers
-    at 1e-4, so every product takes the exact dequantize-then-GEMM path; the decode kernel's int8
-    activation rounding is bounded separately (test_quantized.py)."""
-    from fastdecode.layers import quantized
-
-    monkeypatch.setattr(quantized, "USE_KERNEL", False)
+# These tests check the GGUF conversion (layouts, permutations, block decoding) against transformers
+# at 1e-4, so the models they run are loaded with every quantized product on the exact path; the
+# decode kernel's int8 activation rounding is bounded separately (test_quantized.py).
+EXACT_PRODUCTS = KernelChoice(quantized_kernels=False)
 NEW_TOKENS = 16
 
 
@@ -72,7 +69,7 @@ def loaded(gguf_file):
 
     def get(kind: str, qtype: QT = QT.F32):
         if (kind, qtype) not in cache:
-            cache[kind, qtype] = fastdecode.load(str(gguf_file(kind, qtype)))
+            cache[kind, qtype] = fastdecode.load(str(gguf_file(kind, qtype)), kernels=EXACT_PRODUCTS)
         return cache[kind, qtype]
 
     return get
@@ -169,7 +166,7 @@ def test_qk_unpermutation_is_what_makes_llama_match(loaded, gguf_file, monkeypat
     """Negative control: loading the llama file without undoing the permutation visibly breaks
     parity, so the parity tests above really exercise ``gguf_to_hf_layout``."""
     monkeypatch.setattr(llama_family, "gguf_to_hf_layout", lambda canonical, weight, config: weight)
-    unpermuted = fastdecode.load(str(gguf_file("llama-gqa")))
+    unpermuted = fastdecode.load(str(gguf_file("llama-gqa")), kernels=EXACT_PRODUCTS)
     prompt = _prompt(13, seed=1)
     error = (_our_logits(unpermuted, prompt) - _hf_logits(hf_model("llama-gqa"), prompt)).abs().max().item()
     assert error > 100 * ATOL

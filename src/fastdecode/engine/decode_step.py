@@ -80,17 +80,18 @@ def decode_step(model, cache: SlotCache, windows: list[int | None], score_bias, 
     """One token for each of B rows: tokens, positions [B], block tables [B, n] (and each sliding
     kind's (tables [B, m], first key positions [B, 1]), in ``cache.windows`` order) -> (logits
     [B, V], greedy next tokens [B]), both on the device. Bind the first five arguments
-    (functools.partial; ``products``: ``decode_products()``) and compile the rest: the shapes depend
+    (functools.partial; ``products``: ``decode_products(model)``) and compile the rest: the shapes depend
     only on (B, n)."""
     plan = DecodePlan(cache, block_table, positions, windows, score_bias, model.dtype, products, window_tables)
     logits = model.forward(tokens[:, None], positions[:, None], plan, None)[:, -1]  # [B, V]
     return logits, logits.argmax(dim=-1)
 
 
-def decode_products() -> Products:
+def decode_products(model) -> Products:
     """A decode step's ``Products``: every row generated, the thread budget of the caller that binds
-    the step (inside torch.compile the kernels read torch's count when they run)."""
-    return Products.generated(torch.get_num_threads())
+    the step (inside torch.compile the kernels read torch's count when they run), the model's kernel
+    choice."""
+    return Products.generated(torch.get_num_threads(), kernels=model.kernels)
 
 
 def decode_window_tables(cache: SlotCache, tables: list, positions: list[int], device: torch.device | None = None

@@ -64,7 +64,8 @@ class ModelRunner:
         layout = flat_layout(work)  # engine/layout.py
         groups = row_groups([(s, count) for s, _, count in layout.rows])
         runs = fold_runs([(s, count) for s, _, count in layout.rows])  # FastSeq: beams folded on their prompt
-        products = Products.of_rows(layout.is_prompt, self.threads, device)  # a row's arithmetic follows its role
+        products = Products.of_rows(layout.is_prompt, self.threads, device,  # a row's arithmetic follows its role
+                                    kernels=self.model.kernels)
         plan = StepPlan.for_rows(self.cache, [(s.block_table, start, count) for s, start, count in layout.rows],
                                  self.windows, self.score_bias, self.model.dtype, products, runs=runs)
         token_tensor = torch.tensor([layout.tokens], device=device)  # [1, N]

@@ -207,7 +207,7 @@ class Speculator:
             from .draft_model import DraftRunner
 
             engine = self.engine
-            draft = engine.requests.draft_model(settings.draft_model)
+            draft = engine.requests.draft_model(settings.draft_model, engine.model.kernels)
             draft_engine = type(engine)(draft.model, draft.requests, cache_tokens=engine.cache.capacity_tokens)
             runner = self.runners[settings.draft_model] = DraftRunner(draft_engine, engine.model.config.vocab_size)
         sequence.speculation = Speculation(ModelDrafter(runner, sequence), settings)

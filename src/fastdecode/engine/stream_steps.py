@@ -58,7 +58,7 @@ def mixed_forward(engine: "ModelRunner", work: list[tuple[Sequence, int]]) -> tu
                                                          layout.sampled, layout.is_prompt)
     row_plan, threads = None, engine.threads  # the runner's thread budget
     if rows:
-        row_products = Products.of_rows(list(is_prompt), threads, device)
+        row_products = Products.of_rows(list(is_prompt), threads, device, kernels=model.kernels)
         row_plan = StepPlan.for_rows(engine.cache, [(s.block_table, start, count) for s, start, count in layout.rows],
                                      engine.windows, engine.score_bias, model.dtype, row_products)
     plans, stream_kept, stream_scored = [], [], []
@@ -78,7 +78,7 @@ def mixed_forward(engine: "ModelRunner", work: list[tuple[Sequence, int]]) -> tu
             logit_rows.append(len(tokens) - 1)
             sampled.append(sequence)
     # a row's arithmetic follows its role (layers/products.py)
-    products = Products.of_rows(is_prompt, threads, device)
+    products = Products.of_rows(is_prompt, threads, device, kernels=model.kernels)
     plan = MixedPlan(row_plan, sum(count for _, _, count in layout.rows), plans, products)
     token_tensor = torch.tensor([tokens], device=device)  # [1, N]
     position_tensor = torch.tensor([positions], device=device)  # [1, N]
@@ -94,7 +94,7 @@ def _rebuild_forward(model, prompt: bool):
 
     def forward(piece: list[int], plan: StreamPlan) -> None:
         tokens = torch.tensor([piece], device=model.device)  # [1, T]
-        plan.with_products(Products.of_rows(prompt, torch.get_num_threads(), model.device))
+        plan.with_products(Products.of_rows(prompt, torch.get_num_threads(), model.device, kernels=model.kernels))
         model.forward(tokens, plan.positions[None], plan, None, False)
 
     return forward

@@ -99,7 +99,7 @@ class DecoderBeamEngine:
                  shared: tuple[int, int] = (1, 0), prompt: bool = False):
         """``prompt``: the rows are prompts (exact products), else generated beam tokens."""
         device = self.model.device
-        products = Products.of_rows(prompt, torch.get_num_threads(), device)  # the caller's threads
+        products = Products.of_rows(prompt, torch.get_num_threads(), device, kernels=self.model.kernels)
         plan = StepPlan.for_rows(self.cache, rows, self.windows, self.score_bias, self.model.dtype, products, shared)
         tokens = torch.as_tensor(tokens, device=device)[None]  # [1, N]
         positions = torch.as_tensor(positions, device=device)[None]  # [1, N]

@@ -20,7 +20,7 @@ def embed_token_lists(model, prompts: list[list[int]], pooling: str = "mean") ->
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     tokens, valid, positions = left_pad(prompts, model.device)  # [B, L] each
     mask = build_attention_mask(valid, 0, tokens.shape[1], model.dtype)  # [B, 1, L, L]
-    products = Products.prompt(torch.get_num_threads())  # prompt rows, on the caller's threads
+    products = Products.prompt(torch.get_num_threads(), kernels=model.kernels)  # prompt rows, the caller's threads
     with torch.inference_mode():
         hidden = model.forward(tokens, positions, NoCache(products), mask, all_logits=True,
                                hidden=True).float()  # [B, L, C]

@@ -108,7 +108,8 @@ class DecoderRecompute:
         B, T = self.tokens.shape
         mask = build_attention_mask(self.valid, 0, T, self.model.dtype)
         roles = [column < self.prompt_columns for _ in range(B) for column in range(T)]  # [B * T], row-major
-        products = Products.of_rows(roles, torch.get_num_threads(), self.tokens.device)  # as the engine's rows
+        products = Products.of_rows(roles, torch.get_num_threads(), self.tokens.device,
+                                    kernels=self.model.kernels)  # as the engine's rows
         return self.model.forward(self.tokens, self.positions, NoCache(products), mask)[:, -1]
 
     def append(self, tokens: torch.Tensor) -> None:
@@ -138,7 +139,7 @@ class EncoderDecoderRecompute:
         positions = torch.arange(T, device=self.target.device).expand(B, T)  # [B, T]
         bias = model.decoder_self_bias(T)  # [1, H|1, T, T]
         roles = [column == 0 for _ in range(B) for column in range(T)]  # [B * T]: the start token is the prompt
-        products = Products.of_rows(roles, torch.get_num_threads(), self.target.device)
+        products = Products.of_rows(roles, torch.get_num_threads(), self.target.device, kernels=model.kernels)
         return model.decode(self.target, positions, None, bias, cross, products=products)[:, -1]
 
     def append(self, tokens: torch.Tensor) -> None:

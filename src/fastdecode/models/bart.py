@@ -30,7 +30,7 @@ from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.linear import ACTIVATIONS, embed, linear
-from ..layers.products import Products
+from ..layers.products import KernelChoice, Products
 from ..layers.threads import on_one_thread
 from ..layers.positions import sinusoidal_table
 from .seq2seq import check_tied, decoder_start_token, padding_bias, plan_products
@@ -216,7 +216,8 @@ class BartStack(Generic[BlockT]):
 class BartModel(ModelBase):
     """Encoder-decoder over canonical weights: ``encode`` / ``cross_kv`` / ``decode``."""
 
-    def __init__(self, config: EncoderDecoderConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: EncoderDecoderConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+        self.kernels = kernels  # the kernel choice every forward's Products carry (set at load)
         if config.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {config.hidden_act!r} is not supported")
         check_tied(weights, ("encoder_embed.weight", "decoder_embed.weight"), config.architecture)

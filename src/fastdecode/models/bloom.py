@@ -18,6 +18,7 @@ from ..cache.view import CacheView
 from .base import LayerNormBlock, ModelBase
 from ..config import ModelConfig
 from ..layers.linear import embed, linear
+from ..layers.products import KernelChoice
 from ..layers.threads import on_one_thread
 from ..layers.positions import alibi_slopes
 from ..config import derived_head_dim
@@ -101,7 +102,8 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
 
 
 class BloomModel(ModelBase):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+        self.kernels = kernels  # the kernel choice every forward's Products carry (set at load)
         self.config = config
         self.embed = weights["embed.weight"]
         self.embed_norm = (weights["embed_norm.weight"], weights["embed_norm.bias"])

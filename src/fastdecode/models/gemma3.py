@@ -28,6 +28,7 @@ from ..errors import UnsupportedModelError
 from ..layers.attention import LayerMasks, merge_heads
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.linear import ACTIVATIONS, embed, linear
+from ..layers.products import KernelChoice
 from ..layers.threads import on_one_thread
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies
 from ..layers.elementwise import add_rms_norm, gated, qkv_heads, rms_norm
@@ -244,7 +245,8 @@ class Gemma3Model(ModelBase):
     Also Gemma 2 (models/gemma2.py): no q/k norm weights, one RoPE base for both attention kinds
     (``rope_local_theta`` equal to ``rope_theta``) and ``attention_softcapping`` set."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+        self.kernels = kernels  # the kernel choice every forward's Products carry (set at load)
         if config.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {config.hidden_act!r} is not supported")
         self.config = config

@@ -17,6 +17,7 @@ from ..cache.view import CacheView
 from .base import LayerNormBlock, ModelBase
 from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, embed, linear
+from ..layers.products import KernelChoice
 from ..layers.threads import on_one_thread
 from ..errors import UnsupportedModelError
 from ..config import derived_head_dim
@@ -147,7 +148,8 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
 
 
 class GPT2Model(ModelBase):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+        self.kernels = kernels  # the kernel choice every forward's Products carry (set at load)
         if config.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"gpt2 activation {config.hidden_act!r} is not supported")
         self.config = config

@@ -18,6 +18,7 @@ from ..cache.view import CacheView
 from .base import ModelBase, Weight
 from ..config import ModelConfig
 from ..layers.linear import embed, linear
+from ..layers.products import KernelChoice
 from ..layers.threads import on_one_thread
 from ..layers.attention import LayerMasks
 from ..layers.fused import FusedProjection, fuse_projections
@@ -157,7 +158,8 @@ class LlamaBlock:
 class LlamaModel(ModelBase):
     """Decoder-only Llama-family model over canonical weights."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+        self.kernels = kernels  # the kernel choice every forward's Products carry (set at load)
         self.take_ends(config, weights)
         self.layers = [
             LlamaBlock(

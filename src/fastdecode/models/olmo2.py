@@ -26,6 +26,7 @@ from ..layers.elementwise import gated, qkv_heads, rms_norm
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.linear import embed, linear
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies
+from ..layers.products import KernelChoice
 from ..layers.threads import on_one_thread
 from .base import ModelBase, Weight, token_id_list
 from .llama_config import rmsnorm_decoder_fields
@@ -157,7 +158,8 @@ class Olmo2Block:
 class Olmo2Model(ModelBase):
     """Decoder-only OLMo 2 over canonical weights."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+        self.kernels = kernels  # the kernel choice every forward's Products carry (set at load)
         self.take_ends(config, weights)
         self.layers = [
             Olmo2Block(
