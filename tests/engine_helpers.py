@@ -69,7 +69,7 @@ class OneSequence:
                 tokens = torch.tensor([chunk], device=model.device)  # [1, T]
                 positions = torch.arange(start, start + count, device=model.device)[None]  # [1, T]
                 logits_at = torch.arange(count, device=model.device)
-                pieces.append(model.forward(tokens, positions, plan, None, logits_at=logits_at)[0])  # [T, V]
+                pieces.append(model.forward(tokens, positions, plan, logits_at=logits_at)[0])  # [T, V]
                 self.length += count
         return torch.cat(pieces)
 

@@ -78,7 +78,7 @@ class StreamAlone:
 
     def _forward(self, chunk: list[int], plan: StreamPlan, all_logits: bool) -> torch.Tensor:
         tokens = torch.tensor([chunk], device=self.model.device)  # [1, T]
-        return self.model.forward(tokens, plan.positions[None], plan, None, all_logits)[0]
+        return self.model.forward(tokens, plan.positions[None], plan, all_logits)[0]
 
 
 def stream_alone(model, config: GenerationConfig) -> StreamAlone:

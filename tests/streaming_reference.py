@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import torch
 
-from fastdecode.layers.attention import attention
+from fastdecode.layers.attention import attention, position_mask
 from fastdecode.layers.products import Products
 
 
 class StaticSlots:
     """One sequence's K/V in preallocated per-layer buffers [1, Hkv, S, D], slot i at position i
-    (the attend-through view a model's forward takes, as engine/plan.py's StepPlan is)."""
+    (the view a model's forward attends through, cache/view.py): causal by position, each layer's
+    window and the model's ALiBi bias from ``position_mask``, as every view masks."""
 
-    def __init__(self, num_layers, num_kv_heads, capacity, head_dim, dtype, device):
+    def __init__(self, model, num_layers, num_kv_heads, capacity, head_dim, dtype, device):
+        cfg = model.config
+        self.layer_windows = cfg.layer_windows
+        self.score_bias = model.alibi_bias if cfg.position_kind == "alibi" else None
         shape = (1, num_kv_heads, capacity, head_dim)
         self.layer_keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.layer_values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -33,21 +37,20 @@ class StaticSlots:
         self.length += count
         self.products = products
 
-    def attend(self, layer, q, k, v, mask, scale, softcap=None):
+    def attend(self, layer, q, k, v, scale, softcap=None):
         start, end = self.write_start, self.length
         keys, values = self.layer_keys[layer], self.layer_values[layer]
         keys[:, :, start:end], values[:, :, start:end] = k, v
+        distance = self.positions[:, None, :end] - self.positions[:, start:end, None]  # [1, T, S] key - query
+        mask = position_mask(distance, self.layer_windows[layer], self.score_bias, q.dtype)
         return attention(q, keys[:, :, :end], values[:, :, :end], mask, scale, softcap, threads=self.products.threads)
-
-    def relative_positions(self, query_positions):
-        return self.positions[:, None, : self.length] - query_positions[:, :, None]  # [1, T, S]
 
 
 class ExplicitShiftEngine:
     def __init__(self, model, n_ctx, n_keep, n_discard):
         cfg = model.config
         self.model, self.n_ctx, self.n_keep, self.n_discard = model, n_ctx, n_keep, n_discard
-        self.cache = StaticSlots(cfg.num_layers, cfg.num_kv_heads, n_ctx, cfg.head_dim, model.dtype, model.device)
+        self.cache = StaticSlots(model, cfg.num_layers, cfg.num_kv_heads, n_ctx, cfg.head_dim, model.dtype, model.device)
         self.ropes = model.layer_ropes if cfg.position_kind == "rope" else None
 
     def _shift(self):
@@ -69,7 +72,7 @@ class ExplicitShiftEngine:
             positions = torch.tensor([[position]], device=self.model.device)
             self.cache.append_slots(positions, Products.of_rows(prompt, torch.get_num_threads(),
                                                                  kernels=self.model.kernels))
-            logits = self.model.forward(token.view(1, 1).to(self.model.device), positions, self.cache, None)[0, -1]
+            logits = self.model.forward(token.view(1, 1).to(self.model.device), positions, self.cache)[0, -1]
         return logits
 
 

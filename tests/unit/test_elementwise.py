@@ -85,7 +85,8 @@ def test_other_dtypes_and_activations_take_the_pytorch_path():
 
 def _logits(gen, ids):
     with torch.inference_mode():
-        return gen.model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], NoCache(generated_rows()), None,
+        return gen.model.forward(torch.tensor([ids]), torch.arange(len(ids))[None],
+                                 NoCache.of_model(gen.model, generated_rows(), None, torch.arange(len(ids))[None]),
                                  all_logits=True)[0]  # [T, V]
 
 

@@ -29,7 +29,8 @@ def _built(kind: str):
 def _logits(gen, ids: list[int]) -> torch.Tensor:
     """All positions' logits [T, V] of one forward without a cache."""
     with torch.inference_mode():
-        return gen.model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], NoCache(generated_rows()), None,
+        return gen.model.forward(torch.tensor([ids]), torch.arange(len(ids))[None],
+                                 NoCache.of_model(gen.model, generated_rows(), None, torch.arange(len(ids))[None]),
                                  all_logits=True)[0]
 
 

@@ -11,7 +11,6 @@ from fastdecode.layers.attention import attention
 from fastdecode.layers.linear import linear
 from fastdecode.layers.products import ALL_PROMPT, KernelChoice, Products, RowRoles
 from fastdecode.layers.quantized import quantize_matrix, quantized_linear
-from fastdecode.models.seq2seq import plan_products
 
 
 def test_a_product_without_products_is_a_type_error():
@@ -38,16 +37,3 @@ def test_one_role_for_every_row_collapses_and_a_mix_keeps_each_rows():
     mixed = Products.of_rows([True, False, True], 3, kernels=CHOICE)
     assert isinstance(mixed.roles, RowRoles) and mixed.threads == 3
     assert mixed.roles.prompt.tolist() == [0, 2] and mixed.roles.generated.tolist() == [1]
-
-
-def test_a_decode_takes_its_plans_products_or_the_ones_it_is_given():
-    class Plan:
-        products = Products.generated(1, kernels=CHOICE)
-
-    assert plan_products(Plan(), None) is Plan.products
-    given = Products.prompt(2, kernels=CHOICE)
-    assert plan_products(None, given) is given
-    with pytest.raises(TypeError, match="needs products"):
-        plan_products(None, None)
-    with pytest.raises(TypeError, match="besides its plan"):
-        plan_products(Plan(), given)

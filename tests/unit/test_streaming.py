@@ -165,8 +165,10 @@ def _naive_reevaluate(model, prompt, new_tokens, n_ctx, n_keep, n_discard):
     for _ in range(new_tokens):
         ids = torch.tensor([context])
         with torch.inference_mode():
-            naive = fastdecode.cache.view.NoCache(Products.generated(torch.get_num_threads(), kernels=model.kernels))
-            logits = model.forward(ids, torch.arange(len(context))[None], naive, _causal(len(context)))[0, -1]
+            positions = torch.arange(len(context))[None]  # [1, T]
+            naive = fastdecode.cache.view.NoCache.of_model(
+                model, Products.generated(torch.get_num_threads(), kernels=model.kernels), _causal(len(context)), positions)
+            logits = model.forward(ids, positions, naive)[0, -1]
         token = int(logits.argmax())
         out.append(token)
         add(token)

@@ -19,7 +19,7 @@ import torch
 
 from ..layers.attention import attention, paged_attention, paged_attention_runs
 from ..layers.products import Products
-from .plan import no_distances, position_mask
+from ..layers.attention import position_mask
 from .slots import SlotCache
 
 
@@ -46,13 +46,10 @@ class DecodePlan:
         self._bias: dict[int | None, torch.Tensor] = {}  # kind -> position bias [B, 1|H, S] (paged op)
         self.positions = positions
 
-    def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
-        return no_distances(query_positions)
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float, softcap: float | None = None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
         """q [B, H, 1, D]; k, v [B, Hkv, 1, D] -> [B, H, 1, D] over each row's slots of the layer's
-        kind (``mask`` unused: the plan builds its own). The C++ paged attention where it is built
+        kind (masked from the plan's own tables). The C++ paged attention where it is built
         (float32 on the CPU, no ``softcap``), else gather + mask + ``attention``."""
         kind, window = self.cache.layer_windows[layer], self.windows[layer]  # storage kind, mask window
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
@@ -83,7 +80,7 @@ def decode_step(model, cache: SlotCache, windows: list[int | None], score_bias, 
     (functools.partial; ``products``: ``decode_products(model)``) and compile the rest: the shapes depend
     only on (B, n)."""
     plan = DecodePlan(cache, block_table, positions, windows, score_bias, model.dtype, products, window_tables)
-    logits = model.forward(tokens[:, None], positions[:, None], plan, None)[:, -1]  # [B, V]
+    logits = model.forward(tokens[:, None], positions[:, None], plan)[:, -1]  # [B, V]
     return logits, logits.argmax(dim=-1)
 
 

@@ -72,8 +72,8 @@ class ModelRunner:
         position_tensor = torch.tensor([layout.positions], device=device)  # [1, N]
         logits_at = torch.tensor(layout.logits_at, dtype=torch.long, device=device)
         if self.cross is None:
-            logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
+            logits = self.model.forward(token_tensor, position_tensor, plan, logits_at=logits_at)[0]  # [K, V]
         else:
-            logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(groups),
+            logits = self.model.decode(token_tensor, position_tensor, plan, self.cross.step(groups),
                                        logits_at=logits_at)[0]  # [K, V]
         return keep_logits(layout.scored, logits, len(layout.logit_rows)), layout.sampled  # scoring rows handed over

@@ -21,7 +21,7 @@ import torch
 
 from ..layers.attention import attention, two_segment_attention
 from ..layers.products import Products
-from .plan import no_distances, position_mask
+from ..layers.attention import position_mask
 
 
 class StreamPlan:
@@ -67,12 +67,9 @@ class StreamPlan:
         """The full kind's keys as one range of slots (None: they are gathered block by block)."""
         return self.kinds[None][0]
 
-    def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
-        return no_distances(query_positions)
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float, softcap: float | None = None) -> torch.Tensor:
-        """q [1, H, T, D]; k, v [1, Hkv, T, D] -> [1, H, T, D] (``mask`` unused: the plan builds its own)."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
+        """q [1, H, T, D]; k, v [1, Hkv, T, D] -> [1, H, T, D] (masked from the plan's own layout)."""
         write_slots = self.kinds[self.cache.layer_windows[layer]][2]
         self.cache.layer_keys[layer].index_copy_(0, write_slots, k[0].transpose(0, 1))  # [T, Hkv, D]
         self.cache.layer_values[layer].index_copy_(0, write_slots, v[0].transpose(0, 1))
@@ -135,15 +132,12 @@ class MixedPlan:
                             for kind in [None, *cache.windows]}
         self.cache = cache
 
-    def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
-        return no_distances(query_positions)
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float, softcap: float | None = None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
         """q [1, H, N, D]; k, v [1, Hkv, N, D] -> [1, H, N, D]: each part attends over its tokens."""
         first, outputs = self.row_tokens, []
         if self.rows is not None:
-            outputs.append(self.rows.attend(layer, q[:, :, :first], k[:, :, :first], v[:, :, :first], None, scale,
+            outputs.append(self.rows.attend(layer, q[:, :, :first], k[:, :, :first], v[:, :, :first], scale,
                                             softcap))
         slots = self.write_slots[self.cache.layer_windows[layer]]
         self.cache.layer_keys[layer].index_copy_(0, slots, k[0, :, first:].transpose(0, 1))  # [N', Hkv, D]

@@ -83,7 +83,7 @@ def mixed_forward(engine: "ModelRunner", work: list[tuple[Sequence, int]]) -> tu
     token_tensor = torch.tensor([tokens], device=device)  # [1, N]
     position_tensor = torch.tensor([positions], device=device)  # [1, N]
     logits_at = torch.tensor(logit_rows + layout.kept_rows + stream_kept, dtype=torch.long, device=device)
-    logits = model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
+    logits = model.forward(token_tensor, position_tensor, plan, logits_at=logits_at)[0]  # [K, V]
     for sequence, count in streams:
         sequence.stream.finish(count)
     return keep_logits(layout.scored + stream_scored, logits, len(logit_rows)), sampled
@@ -95,6 +95,6 @@ def _rebuild_forward(model, prompt: bool):
     def forward(piece: list[int], plan: StreamPlan) -> None:
         tokens = torch.tensor([piece], device=model.device)  # [1, T]
         plan.with_products(Products.of_rows(prompt, torch.get_num_threads(), model.device, kernels=model.kernels))
-        model.forward(tokens, plan.positions[None], plan, None, False)
+        model.forward(tokens, plan.positions[None], plan, False)
 
     return forward

@@ -108,7 +108,7 @@ class DecoderBeamEngine:
     def _run_model(self, tokens: torch.Tensor, positions: torch.Tensor, plan: StepPlan, logits_at: torch.Tensor,
                    num_rows: int) -> torch.Tensor:
         """The model's forward over flat tokens, positions [1, N] -> logits [1, rows, V]."""
-        return self.model.forward(tokens, positions, plan, None, logits_at=logits_at)
+        return self.model.forward(tokens, positions, plan, logits_at=logits_at)
 
     def reorder_beams(self, sources: torch.Tensor) -> None:
         """Beam row i continues row ``sources[i]`` (of its own sample) -> ``seq_keep``."""

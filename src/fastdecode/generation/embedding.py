@@ -22,7 +22,7 @@ def embed_token_lists(model, prompts: list[list[int]], pooling: str = "mean") ->
     mask = build_attention_mask(valid, 0, tokens.shape[1], model.dtype)  # [B, 1, L, L]
     products = Products.prompt(torch.get_num_threads(), kernels=model.kernels)  # prompt rows, the caller's threads
     with torch.inference_mode():
-        hidden = model.forward(tokens, positions, NoCache(products), mask, all_logits=True,
+        hidden = model.forward(tokens, positions, NoCache.of_model(model, products, mask, positions), all_logits=True,
                                hidden=True).float()  # [B, L, C]
     if pooling == "last":
         pooled = hidden[:, -1]  # left-padded: the last column holds every row's last token  [B, C]

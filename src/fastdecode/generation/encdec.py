@@ -73,7 +73,7 @@ class EncoderDecoderBeamEngine(DecoderBeamEngine):
     def _run_model(self, tokens: torch.Tensor, positions: torch.Tensor, plan: StepPlan, logits_at: torch.Tensor,
                    num_rows: int) -> torch.Tensor:
         cross = self.sources.folded(num_rows // self.sources.num_sources)  # rows: one sample's beams side by side
-        return self.model.decode(tokens, positions, plan, None, cross, logits_at=logits_at)
+        return self.model.decode(tokens, positions, plan, cross, logits_at=logits_at)
 
     def keep_samples(self, samples: torch.Tensor) -> None:
         """Only these samples [B'] go on: their beams' blocks and their sources' cross K/V."""

@@ -110,7 +110,7 @@ class DecoderRecompute:
         roles = [column < self.prompt_columns for _ in range(B) for column in range(T)]  # [B * T], row-major
         products = Products.of_rows(roles, torch.get_num_threads(), self.tokens.device,
                                     kernels=self.model.kernels)  # as the engine's rows
-        return self.model.forward(self.tokens, self.positions, NoCache(products), mask)[:, -1]
+        return self.model.forward(self.tokens, self.positions, NoCache.of_model(self.model, products, mask, self.positions))[:, -1]
 
     def append(self, tokens: torch.Tensor) -> None:
         """tokens [B]: one new column."""
@@ -140,7 +140,7 @@ class EncoderDecoderRecompute:
         bias = model.decoder_self_bias(T)  # [1, H|1, T, T]
         roles = [column == 0 for _ in range(B) for column in range(T)]  # [B * T]: the start token is the prompt
         products = Products.of_rows(roles, torch.get_num_threads(), self.target.device, kernels=model.kernels)
-        return model.decode(self.target, positions, None, bias, cross, products=products)[:, -1]
+        return model.decode(self.target, positions, NoCache(products, bias), cross)[:, -1]
 
     def append(self, tokens: torch.Tensor) -> None:
         self.target = torch.cat([self.target, tokens[:, None]], dim=1)  # [B, T+1]

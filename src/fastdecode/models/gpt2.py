@@ -173,7 +173,6 @@ class GPT2Model(ModelBase):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         cache: CacheView,
-        mask: torch.Tensor | None,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
         hidden: bool = False,
@@ -187,7 +186,7 @@ class GPT2Model(ModelBase):
             h = F.layer_norm(x, (C,), layer.attn_norm, layer.attn_norm_bias, cfg.norm_eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias, products=p).view(B, T, 3, H, D)  # [B, T, 3, H, D]
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, D]
-            o = cache.attend(index, q, k, v, mask, self.scale)  # [B, H, T, D]
+            o = cache.attend(index, q, k, v, self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
             x = x + linear(o, layer.o, layer.o_bias, products=p)
             h = F.layer_norm(x, (C,), layer.mlp_norm, layer.mlp_norm_bias, cfg.norm_eps)
