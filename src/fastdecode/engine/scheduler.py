@@ -46,7 +46,8 @@ from ..validation import positive_int
 from .beam_group import (BeamGroup, advance_groups, check_beam_options, fold_runs, folds_beams, is_beam, lent_spares,
                          whole_groups)
 from .compiled import CompiledDecode
-from .cross import CrossStore, decoder_score_bias, row_groups
+from .cross import decoder_score_bias, row_groups
+from .speech_source import cross_store, take_request_extras
 from .plan import StepPlan, layer_windows
 from .requests import Request, RequestFactory
 from .layout import flat_layout
@@ -101,12 +102,8 @@ class Engine:
         self.cache = SlotCache(cfg.num_layers, num_blocks, cfg.num_kv_heads, cfg.head_dim, model.dtype,
                                model.device, block_size, self.windows, window_blocks)
         self.score_bias = model.alibi_bias if cfg.position_kind == "alibi" else None
-        self.cross: CrossStore | None = None
-        if cfg.is_encoder_decoder:
-            if source_tokens is None:
-                per_token = cfg.cross_cache_bytes_per_source_token(model.dtype.itemsize)
-                source_tokens = min(DEFAULT_CACHE_BYTES // per_token, 64 * cfg.max_position_embeddings)
-            self.cross = CrossStore(model, source_tokens, block_size)
+        self.cross = cross_store(model, source_tokens, block_size, DEFAULT_CACHE_BYTES)  # None: decoder-only
+        if self.cross is not None:
             self.score_bias = decoder_score_bias(model)
         self.compiled = CompiledDecode(self) if compile_decode and not cuda_graphs else None
         if cuda_graphs:  # the fixed-shape step replayed from CUDA graphs, compiled first if asked
@@ -163,8 +160,8 @@ class Engine:
         if self.cross is not None:
             if keep:
                 raise InvalidOptionError("an encoder-decoder request cannot be kept between turns (no chat)")
-            self.cross.check_fits(prompt)
-            decoder_prompt = [self.model.config.decoder_start_token_id]
+            self.cross.check_fits(prompt if request.source is None else request.source)
+            decoder_prompt = request.decoder_prompt or [self.model.config.decoder_start_token_id]
         context = decoder_prompt or prompt
         stream = new_stream(self, config) if config.n_ctx is not None else None  # a stream past n_ctx
         if stream is None:
@@ -172,8 +169,9 @@ class Engine:
                        f"a request of {len(context)} prompt tokens", self.max_chunk)
         sequence = self._new_sequence(request, decoder_prompt=decoder_prompt)
         sequence.stream = stream
-        if config.num_beams > 1:  # a beam search: a group of sequences (engine/beam_group.py)
-            group = BeamGroup(sequence, list(sequence.eos_ids), request.tokenizer, folds_beams(self.model))
+        if config.num_beams > 1 or request.policy is not None:  # a group of sequences (engine/beam_group.py)
+            group = BeamGroup(sequence, list(sequence.eos_ids), request.tokenizer, folds_beams(self.model),
+                              request.policy)
             group.check_fits(self.cache, self.max_chunk)
         sequence.keep_cache = keep
         self._queue(sequence)
@@ -228,6 +226,7 @@ class Engine:
                        row_seeds=None if request.seed is None else [request.seed])
         sequence = Sequence(self._next_id, prompt, config, selector, request.eos_ids, request.text_watcher(),
                             request.logprobs, decoder_prompt)
+        take_request_extras(sequence, request)  # an encoded speech window, its prompt logits (speech_source.py)
         self.speculator.attach(sequence)
         self._next_id += 1
         return sequence
