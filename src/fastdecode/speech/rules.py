@@ -31,8 +31,8 @@ class LogitsRules:
         self.at_begin = list(options.suppress_at_begin) or [vocabulary.encode(" ")[0], vocabulary.eot]
 
     def apply(self, logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
-        """logits [R, V] (float32: changed in place) for rows with these generated tokens -> masked logits."""
-        logits = logits.float().index_fill_(1, self.always, float("-inf"))  # [R, V]
+        """logits [R, V] for rows with these generated tokens -> masked logits [R, V] (float32, a copy)."""
+        logits = logits.to(torch.float32, copy=True).index_fill_(1, self.always, float("-inf"))  # [R, V]
         for row, tokens in enumerate(generated):
             if not tokens:
                 logits[row, self.at_begin] = float("-inf")
