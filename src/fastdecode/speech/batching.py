@@ -167,26 +167,12 @@ class WindowBatcher:
         """Answer what can be answered now: encodes and alignments at once, then one engine step
         for the detections and searches (those that end answer their transcriptions)."""
         self.drop_cancelled()
-        model, vocab = self.model, self.vocabulary
-        answers: dict[int, Any] = {}
-        with torch.inference_mode():
-            encodes = [o for o in self.open if isinstance(o.request, Encode)]
-            if encodes:
-                batch = encode_windows(model, torch.stack([o.request.features for o in encodes]))  # [B, M, T]
-                answers.update({id(o): window_sources(batch, n) for n, o in enumerate(encodes)})
-            for o in self.open:
-                if isinstance(o.request, Align):  # word alignments: one forward each
-                    r = o.request
-                    answers[id(o)] = align_words(model, vocab, r.sources, r.sot_sequence, r.text_tokens,
-                                                 r.num_frames, list(r.heads), r.language)
-                elif isinstance(o.request, (Detect, Search)) and o.sequence is None:
-                    self._submit(o, answers)
-            if self.engine is not None and self.engine.has_work():
-                try:
-                    self.engine.step()
-                except BaseException:
-                    self.engine = None  # its requests end with the round's error (serve/audio.py)
-                    raise
+        try:
+            answers = self._answers()
+        except BaseException:
+            self.engine = None  # the round's transcriptions end with its error (serve/audio.py), their requests too
+            raise
+        vocab = self.vocabulary
         for o in self.open:
             if o.sequence is not None and o.sequence.finished and id(o) not in answers:
                 answers[id(o)] = answer(o.sequence, vocab)
@@ -203,6 +189,27 @@ class WindowBatcher:
                     self._advance(o.steps, reply, o.done, o.cancelled)
             else:
                 self.open.append(o)
+
+    def _answers(self) -> dict[int, Any]:
+        """Encode, align and submit what the open transcriptions ask, then one engine step ->
+        the answers ready now, by ``id`` of the open transcription."""
+        model, vocab = self.model, self.vocabulary
+        answers: dict[int, Any] = {}
+        with torch.inference_mode():
+            encodes = [o for o in self.open if isinstance(o.request, Encode)]
+            if encodes:
+                batch = encode_windows(model, torch.stack([o.request.features for o in encodes]))  # [B, M, T]
+                answers.update({id(o): window_sources(batch, n) for n, o in enumerate(encodes)})
+            for o in self.open:
+                if isinstance(o.request, Align):  # word alignments: one forward each
+                    r = o.request
+                    answers[id(o)] = align_words(model, vocab, r.sources, r.sot_sequence, r.text_tokens,
+                                                 r.num_frames, list(r.heads), r.language)
+                elif isinstance(o.request, (Detect, Search)) and o.sequence is None:
+                    self._submit(o, answers)
+            if self.engine is not None and self.engine.has_work():
+                self.engine.step()
+        return answers
 
     def _submit(self, o: _Open, answers: dict[int, Any]) -> None:
         """Queue a transcription's detection or search in the engine (a request it refuses ends
