@@ -11,7 +11,8 @@ repetition; medians with min-max):
 - "windows": the recording cut into consecutive 30 s windows, the same log-mel features for every
   engine (fastdecode's extractor), each window decoded once with timestamps from
   <|startoftranscript|><|en|>?<|transcribe|>: the engine alone (encoder + decoder + search), as
-  ``ctranslate2.models.Whisper.generate`` does; fastdecode runs its engine (encode_windows + search).
+  ``ctranslate2.models.Whisper.generate`` does; fastdecode runs its engine (encode_windows, then the window's search
+  as a request of the one engine: speech/batching.py's decode_windows).
 - "transcribe": the whole file, long-form (audio decoding, features, seek by timestamps,
   temperature fallback): fastdecode's ``transcribe`` vs faster-whisper's (CTranslate2 underneath).
 Reported: seconds, real-time factor (seconds of compute per second of audio; lower is better),
@@ -135,8 +136,7 @@ class FastdecodeEngine:
     def generate(self, job: str, beam_size: int) -> list:
         import torch
 
-        from fastdecode.speech.engine import WhisperEngine, encode_windows
-        from fastdecode.speech.search import search
+        from fastdecode.speech.batching import decode_windows, encode_windows
 
         if job == "transcribe":
             result = self.speech.transcribe(self.audio, language="en", beam_size=beam_size)
@@ -147,8 +147,7 @@ class FastdecodeEngine:
         with torch.inference_mode():
             for features in self._windows():
                 sources = encode_windows(self.speech.model, features[None])
-                result = search(WhisperEngine(self.speech.model, sources, beam_size, 448), vocab, [prompt], [0],
-                                options)[0]
+                result = decode_windows(self.speech.model, vocab, sources, [prompt], [0], options)[0]
                 texts.append(vocab.decode(result.tokens))
         return texts
 

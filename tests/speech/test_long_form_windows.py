@@ -91,18 +91,18 @@ def test_two_minutes_greedy_decode_each_window_once(tiny_en, tmp_path, monkeypat
     torch.set_num_threads(2)
     speech = load_speech(tiny_en)
     calls = {"encode": 0, "search": []}
-    encode, search = batching.encode_windows, batching.search
+    encode, search_request = batching.encode_windows, batching.search_request
 
     def counting_encode(model, features):
         calls["encode"] += features.shape[0]
         return encode(model, features)
 
-    def counting_search(engine, vocabulary, prompts, sot_index, options):
-        calls["search"].append(options.temperature)
-        return search(engine, vocabulary, prompts, sot_index, options)
+    def counting_search(vocabulary, request, vocab_size, device):
+        calls["search"].append(request.options.temperature)
+        return search_request(vocabulary, request, vocab_size, device)
 
     monkeypatch.setattr(batching, "encode_windows", counting_encode)
-    monkeypatch.setattr(batching, "search", counting_search)
+    monkeypatch.setattr(batching, "search_request", counting_search)
     result = speech.transcribe(two_minutes_of_speech(tmp_path), language="en", beam_size=1)
     windows = len({s.seek for s in result.segments})
     assert calls["search"] == [0.0] * calls["encode"] and calls["encode"] in (windows, windows + 1)

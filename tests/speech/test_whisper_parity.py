@@ -10,9 +10,9 @@ from tiny_whisper import FRAMES, MELS, build, save
 from fastdecode.cache.view import NoCache
 from fastdecode.engine.cross import EncodedSources
 from fastdecode.layers.products import Products
-from fastdecode.speech.engine import WhisperEngine, encode_windows
+from fastdecode.speech.batching import decode_windows, encode_windows
 from fastdecode.speech.loading import load_whisper
-from fastdecode.speech.search import SearchOptions, search
+from fastdecode.speech.search import SearchOptions, WindowSearch
 from fastdecode.speech.vocabulary import WhisperVocabulary
 
 EOT, SOT, NO_TIMESTAMPS = 99, 100, 101
@@ -40,38 +40,32 @@ def vocabulary() -> WhisperVocabulary:
                              sot_prev=95, sot_lm=None, no_timestamps=NO_TIMESTAMPS, no_speech=94, languages={})
 
 
-class TransformersRecompute:
-    """The search's engine verbs over transformers' full forward (no cache: every step reruns the
-    whole target of every row against the encoder output)."""
+def engine_search(model, features, prompts, sot_index, options):
+    """The windows encoded once, then searched side by side in one engine (speech/batching.py)."""
+    return decode_windows(model, vocabulary(), encode_windows(model, features), prompts, sot_index, options)
 
-    def __init__(self, hf, features: torch.Tensor, num_beams: int):
-        self.hf, self.K = hf, num_beams
-        with torch.no_grad():
-            self.memory = hf.model.encoder(features).last_hidden_state  # [B, S, C]
-        self.max_new_tokens = 10_000
-        self.rows: list[list[int]] = []
 
-    def _logits(self, row: list[int], memory: torch.Tensor) -> torch.Tensor:
-        """One row (rows differ in length) -> its logits [T, V]."""
-        with torch.no_grad():
-            return self.hf(encoder_outputs=(memory[None],), decoder_input_ids=torch.tensor([row])).logits[0]
+def transformers_search(hf, features, prompts, sot_index, options):
+    """The same search policy (speech/search.py) over transformers' full forward, window by window
+    (no cache: every step reruns the whole target of every row against the encoder output)."""
+    vocab, results = vocabulary(), []
+    for b, prompt in enumerate(prompts):
+        memory = hf.model.encoder(features[b : b + 1]).last_hidden_state  # [1, S, C]
 
-    def start(self, prompts, sot_index):
-        self.rows = [p for p in prompts for _ in range(self.K)]
-        logits = [self._logits(p, m) for p, m in zip(prompts, self.memory)]
-        return torch.stack([x[-1] for x in logits]), torch.stack([x[i] for x, i in zip(logits, sot_index)])
+        def logits_of(row: list[int]) -> torch.Tensor:  # [T, V]
+            return hf(encoder_outputs=(memory,), decoder_input_ids=torch.tensor([row])).logits[0]
 
-    def decode(self, tokens, positions):
-        self.rows = [row + [t] for row, t in zip(self.rows, tokens.tolist())]
-        memory = self.memory.repeat_interleave(self.K, dim=0)
-        return torch.stack([self._logits(row, m)[-1] for row, m in zip(self.rows, memory)])
-
-    def reorder_beams(self, sources):
-        self.rows = [self.rows[s] for s in sources.tolist()]
-
-    def keep_samples(self, samples):
-        self.memory = self.memory[samples]
-        self.rows = [self.rows[s * self.K + j] for s in samples.tolist() for j in range(self.K)]
+        policy = WindowSearch(vocab, options, len(prompt), hf.config.vocab_size, torch.device("cpu"))
+        first = logits_of(prompt)
+        rows, logits = [prompt] * policy.K, first[-1:].expand(policy.K, -1)  # every row starts as the prompt
+        while True:
+            go_on, origin, tokens = policy.advance(logits.clone())
+            if not go_on:
+                break
+            rows = [rows[o] + [t] for o, t in zip(origin.tolist(), tokens.tolist())]
+            logits = torch.stack([logits_of(row)[-1] for row in rows])  # [K, V]
+        results.append(policy.window_result(first[sot_index[b]], vocab.no_speech))
+    return results
 
 
 def test_logits_match_transformers(pair):
@@ -103,9 +97,8 @@ def test_search_matches_transformers(pair, beam_size, timestamps):
     options = SearchOptions(beam_size=beam_size, max_length=30, timestamps=timestamps, suppress_at_begin=(EOT,),
                             max_initial_timestamp_index=5)
     with torch.no_grad():
-        engine = WhisperEngine(model, encode_windows(model, features), beam_size, 40)
-        got = search(engine, vocabulary(), prompts, sot_index, options)
-        expected = search(TransformersRecompute(hf, features, beam_size), vocabulary(), prompts, sot_index, options)
+        got = engine_search(model, features, prompts, sot_index, options)
+        expected = transformers_search(hf, features, prompts, sot_index, options)
     assert [r.tokens for r in got] == [r.tokens for r in expected]
     assert any(len(r.tokens) > 3 for r in got)
     for a, b in zip(got, expected):
@@ -123,8 +116,7 @@ def test_greedy_matches_transformers_generate(pair):
     features = torch.randn(1, MELS, FRAMES)
     options = SearchOptions(beam_size=1, max_length=25, suppress_at_begin=(EOT,))
     with torch.no_grad():
-        engine = WhisperEngine(model, encode_windows(model, features), 1, 40)
-        got = search(engine, vocabulary(), [[SOT, NO_TIMESTAMPS]], [0], options)[0]
+        got = engine_search(model, features, [[SOT, NO_TIMESTAMPS]], [0], options)[0]
         rows = [SOT, NO_TIMESTAMPS]
         while len(rows) < 25:
             logits = hf(input_features=features, decoder_input_ids=torch.tensor([rows])).logits[0, -1]
@@ -147,11 +139,10 @@ def test_sampling_matches_transformers_with_one_seed(pair):
     prompts = [[SOT, NO_TIMESTAMPS], [SOT, NO_TIMESTAMPS]]
     options = SearchOptions(temperature=0.8, best_of=3, max_length=20, suppress_at_begin=(EOT,), seed=7)
     with torch.no_grad():
-        got = search(WhisperEngine(model, encode_windows(model, features), 3, 40), vocabulary(), prompts, [0, 0],
-                     options)
-        expected = search(TransformersRecompute(hf, features, 3), vocabulary(), prompts, [0, 0], options)
-        greedy = search(WhisperEngine(model, encode_windows(model, features), 1, 40), vocabulary(), prompts, [0, 0],
-                        SearchOptions(beam_size=1, max_length=20, suppress_at_begin=(EOT,)))
+        got = engine_search(model, features, prompts, [0, 0], options)
+        expected = transformers_search(hf, features, prompts, [0, 0], options)
+        greedy = engine_search(model, features, prompts, [0, 0],
+                               SearchOptions(beam_size=1, max_length=20, suppress_at_begin=(EOT,)))
     assert [r.tokens for r in got] == [r.tokens for r in expected]
     assert [r.tokens for r in got] != [r.tokens for r in greedy]  # it did sample
     for a, b in zip(got, expected):

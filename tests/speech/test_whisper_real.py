@@ -97,10 +97,10 @@ def word_error_rate(reference: str, hypothesis: str) -> float:
 def compare_with_ctranslate2(folder: Path, sentences, tmp_path: Path) -> None:
     ctranslate2 = pytest.importorskip("ctranslate2")
     from fastdecode.speech.audio import stream_samples
-    from fastdecode.speech.engine import WhisperEngine, encode_windows
+    from fastdecode.speech.batching import decode_windows, encode_windows
     from fastdecode.speech.features import window_features
     from fastdecode.speech.loading import load_whisper
-    from fastdecode.speech.search import SearchOptions, search
+    from fastdecode.speech.search import SearchOptions
 
     checkpoint = load_whisper(folder)
     vocab = checkpoint.vocabulary
@@ -109,17 +109,17 @@ def compare_with_ctranslate2(folder: Path, sentences, tmp_path: Path) -> None:
         samples = torch.cat(list(stream_samples(speak(tmp_path, voice, speed, text))))
         features = window_features(samples, checkpoint.config.num_mel_bins)[None]  # [1, M, 3000]
         with torch.inference_mode():
-            sources = encode_windows(checkpoint.model, features)  # once per sentence: the engine copies its view
+            sources = encode_windows(checkpoint.model, features)  # once per sentence
         encoded = oracle.encode(ctranslate2.StorageView.from_array(features.numpy()))  # CTranslate2's, once too
         for timestamps in (False, True):
             prompt = vocab.sot_sequence(language, "transcribe", timestamps)
             for beam_size in (1, 5):
                 expected = oracle.generate(encoded, [prompt], beam_size=beam_size, return_scores=True)[0]
                 with torch.inference_mode():
-                    got = search(WhisperEngine(checkpoint.model, sources, beam_size, 448), vocab, [prompt], [0],
-                                 SearchOptions(beam_size=beam_size, timestamps=timestamps,
-                                               suppress_tokens=tuple(checkpoint.suppress_tokens),
-                                               suppress_at_begin=tuple(checkpoint.suppress_at_begin)))[0]
+                    got = decode_windows(checkpoint.model, vocab, sources, [prompt], [0],
+                                         SearchOptions(beam_size=beam_size, timestamps=timestamps,
+                                                       suppress_tokens=tuple(checkpoint.suppress_tokens),
+                                                       suppress_at_begin=tuple(checkpoint.suppress_at_begin)))[0]
                 assert got.tokens == expected.sequences_ids[0], (text, timestamps, beam_size)
                 # CTranslate2's score: summed log-probability (end included) over the tokens (end excluded)
                 assert got.sum_logprob / len(got.tokens) == pytest.approx(expected.scores[0], abs=1e-3)

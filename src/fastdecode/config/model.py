@@ -179,6 +179,7 @@ class EncoderDecoderConfig(ModelConfig):
     """
 
     is_encoder_decoder: ClassVar[bool] = True
+    source_kind: ClassVar[str] = "tokens"  # what a request's source is ("audio": an encoded speech window)
     position_kinds: ClassVar[tuple[str, ...]] = ("learned", "sinusoidal", "relative")
 
     num_encoder_layers: int = 0

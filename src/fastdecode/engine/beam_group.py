@@ -27,13 +27,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 
 from ..errors import InvalidOptionError, PromptTooLongError
+from ..layers.threads import one_thread
 from .beam_scores import BeamScores
 from .sequence import Sequence, SequenceResult, TokenEvent
 from .slots import SlotCache
+
+
+class GroupPolicy(Protocol):
+    """How a group chooses its rows' next tokens: ``BeamScores`` (Hugging Face beam search) by default,
+    or a request's own (Whisper's search, speech/search.py)."""
+
+    def advance(self, logits: torch.Tensor, selector) -> tuple[bool, torch.Tensor, torch.Tensor]:
+        """The rows' logits [K, V] -> (whether the group goes on, the row each new row continues [K],
+        the new rows' last tokens [K])."""
+
+    def results(self) -> list[SequenceResult]:
+        """The group's hypotheses, best first, once ``advance`` said it is over."""
 
 
 def group_blocks(context: int, max_new_tokens: int, num_beams: int, block_size: int) -> int:
@@ -49,14 +63,15 @@ class BeamGroup:
     """The beams of one request and their policy. ``results``: the request's
     ``num_return_sequences`` hypotheses, best first, once it has finished."""
 
-    def __init__(self, root: Sequence, eos_ids: list[int], tokenizer=None, folds: bool = True):
+    def __init__(self, root: Sequence, eos_ids: list[int], tokenizer=None, folds: bool = True,
+                 policy: GroupPolicy | None = None):
         config = root.config
         self.root, self.config, self.num_beams = root, config, config.num_beams
         self.folds = folds  # its beams attend folded against their shared prompt blocks (``fold_runs``)
         self.eos_ids, self.tokenizer = list(eos_ids), tokenizer
         root.group = self
         device = root.selector.eos_ids.device
-        self.scores = BeamScores(config, eos_ids, device)
+        self.scores = policy or BeamScores(config, eos_ids, device)
         self.selector = root.selector  # one row per beam from now on
         K = self.num_beams
         self.selector.start([root.context] * K, device, sources=None if root.source is None else [root.source] * K)
@@ -192,6 +207,7 @@ class BeamGroup:
         beam = Sequence(root.id, root.prompt_ids, root.config, self.selector, self.eos_ids,
                         decoder_prompt=None if root.source is None else root.context)
         beam.group, beam.num_computed, beam.source_table = self, root.num_computed, root.source_table
+        beam.source = root.source  # (an encoded speech window: engine/speech_source.py)
         return beam
 
     def _finish(self) -> TokenEvent:
@@ -315,11 +331,21 @@ def advance_groups(sampled: list[Sequence], logits: torch.Tensor, running: list[
         first += 1 + len(s.draft)
     events = []
     for group, rows in grouped.values():
-        event = group.advance(logits[rows], running)
+        event = group.advance(_take_rows(logits, rows), running)
         if event is not None:
             release(group.root)
             events.append(event)
-    return plain, logits[plain_rows], events
+    return plain, _take_rows(logits, plain_rows), events
+
+
+def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits [S, V] -> these rows [R, V]: a view when they are consecutive (a group's rows sit side
+    by side), else a copy on one thread (an OpenMP barrier costs more than the copy: measured 22 ms
+    a step on 2 busy cores for Whisper's beam-5 [5, 51864] logits)."""
+    if rows == list(range(rows[0] if rows else 0, (rows[0] if rows else 0) + len(rows))):
+        return logits[rows[0] : rows[0] + len(rows)] if rows else logits[:0]
+    with one_thread():
+        return logits[rows]
 
 
 def check_beam_options(logprobs, keep: bool) -> None:

@@ -36,13 +36,14 @@ from ..generation.sampling import TokenSelector, sequence_seeds
 from ..validation import positive_int
 from .beam_group import BeamGroup, check_beam_options, folds_beams
 from .compiled import CompiledDecode
-from .cross import CrossStore, decoder_score_bias
+from .cross import decoder_score_bias
 from .plan import layer_windows
 from .requests import Request, RequestFactory
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .scoring import finish_scored, scoring_sequence
+from .speech_source import cross_store, take_request_extras
 from .sequence import Sequence, TokenEvent
 from .slots import SlotCache, check_fits
 from .speculative import Speculator
@@ -92,12 +93,8 @@ class Engine:
         self.cache = SlotCache(cfg.num_layers, num_blocks, cfg.num_kv_heads, cfg.head_dim, model.dtype,
                                model.device, block_size, self.windows, window_blocks)
         self.score_bias = model.alibi_bias if cfg.position_kind == "alibi" else None
-        self.cross: CrossStore | None = None
-        if cfg.is_encoder_decoder:
-            if source_tokens is None:
-                per_token = cfg.cross_cache_bytes_per_source_token(model.dtype.itemsize)
-                source_tokens = min(DEFAULT_CACHE_BYTES // per_token, 64 * cfg.max_position_embeddings)
-            self.cross = CrossStore(model, source_tokens, block_size)
+        self.cross = cross_store(model, source_tokens, block_size, DEFAULT_CACHE_BYTES)  # None: decoder-only
+        if self.cross is not None:
             self.score_bias = decoder_score_bias(model)
         self.runner = ModelRunner(model, self.cache, self.cross, self.windows, self.score_bias)
         if compile_decode and not cuda_graphs:
@@ -171,8 +168,8 @@ class Engine:
         if self.cross is not None:
             if keep:
                 raise InvalidOptionError("an encoder-decoder request cannot be kept between turns (no chat)")
-            self.cross.check_fits(prompt)
-            decoder_prompt = [self.model.config.decoder_start_token_id]
+            self.cross.check_fits(prompt if request.source is None else request.source)
+            decoder_prompt = request.decoder_prompt or [self.model.config.decoder_start_token_id]
         context = decoder_prompt or prompt
         stream = new_stream(self, config) if config.n_ctx is not None else None  # a stream past n_ctx
         if stream is None:
@@ -180,8 +177,9 @@ class Engine:
                        f"a request of {len(context)} prompt tokens", self.max_chunk)
         sequence = self._new_sequence(request, decoder_prompt=decoder_prompt)
         sequence.stream = stream
-        if config.num_beams > 1:  # a beam search: a group of sequences (engine/beam_group.py)
-            group = BeamGroup(sequence, list(sequence.eos_ids), request.tokenizer, folds_beams(self.model))
+        if config.num_beams > 1 or request.policy is not None:  # a group of sequences (engine/beam_group.py)
+            group = BeamGroup(sequence, list(sequence.eos_ids), request.tokenizer, folds_beams(self.model),
+                              request.policy)
             group.check_fits(self.cache, self.max_chunk)
         sequence.keep_cache = keep
         self._queue(sequence)
@@ -236,6 +234,7 @@ class Engine:
                        row_seeds=None if request.seed is None else [request.seed])
         sequence = Sequence(self._next_id, prompt, config, selector, request.eos_ids, request.text_watcher(),
                             request.logprobs, decoder_prompt)
+        take_request_extras(sequence, request)  # an encoded speech window, its prompt logits (speech_source.py)
         self.speculator.attach(sequence)
         self._next_id += 1
         return sequence

@@ -13,10 +13,10 @@ layer's cross-attention runs per attention group of the step (the groups of ``pl
 row gathers its own source's K/V through its cross block table and a key mask hides the slots
 past its source's length, so no row ever sees another request's source or padding.
 
-Beam search runs outside the scheduler (generation/beam.py) over a fixed set of sources:
-``EncodedSources`` encodes them once, in one right-padded batch, and keeps each source's cross
-K/V once, contiguous per layer (no block table to gather through at every step: the sources
-never change during the search). Its K beams fold into the query axis (FastSeq), so a beam
+``EncodedSources`` (the old loop's beam engine, generation/encdec.py; each Whisper window, whose
+encoded source a request of the engine carries: engine/speech_source.py) encodes sources once,
+in one right-padded batch, and keeps each source's cross K/V once, contiguous per layer (no block
+table to gather through at every step: the sources never change during the search). Its K beams fold into the query axis (FastSeq), so a beam
 reorder moves no cross K/V and each source's K/V is read once per step for all its beams. On the
 CPU that attention is one C++ op (layers/cross_attention.cpp: 8 keys at a time for all the beams,
 the padding never read), about 1.3-2x faster than SDPA's kernel on 4 queries per source.

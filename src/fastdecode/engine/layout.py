@@ -7,7 +7,8 @@ the flat tokens, positions and roles the model runs, and says which flat rows' l
   many one-token rows over its own block table, positions p..p+k, and all their logits are kept;
 - a scoring sequence (engine/scoring.py) keeps every position's logits (``kept_rows``, after the
   sampled rows in ``logits_at`` order);
-- any other sequence's logits are wanted at its last token, once it reaches it.
+- any other sequence's logits are wanted at its last token, once it reaches it, and at its
+  ``prompt_logits_at`` position when it has one (kept as a scoring row is, one row).
 """
 
 from __future__ import annotations
@@ -54,4 +55,8 @@ def flat_layout(work: list[tuple[Sequence, int]]) -> FlatLayout:
             layout.logit_rows.append(len(tokens) - 1)
             if not layout.sampled or layout.sampled[-1] is not sequence:
                 layout.sampled.append(sequence)
+        watched = sequence.prompt_logits_at
+        if watched is not None and start <= watched < start + count and not sequence.draft:
+            layout.kept_rows.append(len(tokens) - count + watched - start)  # handed to its ``take_logits``
+            layout.scored.append((sequence, 1))
     return layout

@@ -46,6 +46,18 @@ class Request:
     grammar: "CompiledGrammar | None" = None
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the top k
     tokenizer: Any = None  # set when the events carry text or stop strings must be watched
+    # An encoder-decoder request whose source is not token ids (a speech window already encoded:
+    # engine/speech_source.py): then ``prompt`` is what the decoder runs first.
+    source: Any = None
+    # A request decoded as a group of ``config.num_beams`` rows whose choice is this policy (the
+    # ``advance`` / ``results`` of engine/beam_scores.py's ``BeamScores``, the default for beam search).
+    policy: Any = None
+    prompt_logits_at: int | None = None  # a decoder prompt position whose logits the sequence keeps
+
+    @property
+    def decoder_prompt(self) -> list[int] | None:
+        """What an encoder-decoder request's decoder runs first when it is not the start token."""
+        return self.prompt if self.source is not None else None
 
     def text_watcher(self) -> TextWatcher | None:
         """The watcher that turns this request's tokens into text and finds its stop strings, or None."""

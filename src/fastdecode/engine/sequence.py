@@ -90,6 +90,14 @@ class Sequence:
         self.draft: list[int] = []  # the draft tokens it verifies in the current step
         self.stream: Any = None  # a stream past n_ctx: its StreamingPolicy (engine/streaming_policy.py)
         self.group: Any = None  # engine/beam_group.py's BeamGroup of a beam search's root and beams
+        # A context position whose logits the step that runs it hands over (``take_logits``): a
+        # Whisper prompt's <|startoftranscript|>, whose logits give the no-speech probability.
+        self.prompt_logits_at: int | None = None
+        self.prompt_logits: torch.Tensor | None = None  # [V], once that position has run
+
+    def take_logits(self, logits: torch.Tensor) -> None:
+        """The logits [1, V] at ``prompt_logits_at`` (a scoring sequence takes every position's)."""
+        self.prompt_logits = logits[0]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,8 +1,9 @@
-"""The beam engine over a fixed batch of prompts (Whisper's search runs on it: speech/engine.py).
+"""The beam engine over a fixed batch of prompts (the old loop's encoder-decoder start runs on it:
+generation/encdec.py, from generation/decode.py).
 
-Text beam search runs in the one ``Engine`` as beam groups (engine/beam_group.py, its arithmetic
-in engine/beam_scores.py); this engine remains for speech, whose search (speech/search.py) keeps
-its own timestamp and temperature-fallback rules over fixed windows.
+Beam search runs in the one ``Engine`` as beam groups (engine/beam_group.py, its arithmetic in
+engine/beam_scores.py), and so does Whisper's search (a group whose policy is speech/search.py's);
+this engine goes with the old loop.
 
 The prompt's K/V are stored once per sample and shared by its beams by reference (FastSeq), on
 the slot cache's per-sequence verbs: a reorder copies block tables, never K/V (copy-on-write of a

@@ -1,4 +1,4 @@
-"""Encoder-decoder beam search outside the scheduler, which Whisper still drives (speech/engine.py).
+"""Encoder-decoder beam search outside the scheduler (the old loop's beam engine; Whisper runs in the engine).
 
 The seed (bart-incremental-decoding) gives three recipes. Its first, every step running the encoder
 over the source and the decoder over the whole target (N*M + M(M+1)/2 token-passes), is

@@ -15,7 +15,7 @@ CTranslate2 ``WhisperSpec`` folder (``model.bin``, loading/ctranslate2_file.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ N_FRAMES = 3000  # 30 s of 10 ms feature frames: the encoder's fixed input lengt
 
 @dataclass
 class WhisperConfig(EncoderDecoderConfig):
+    source_kind: ClassVar[str] = "audio"  # the engine takes encoded windows (engine/speech_source.py)
     num_mel_bins: int = 80
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..cache.view import NoCache
 from ..layers.products import Products
 from .vocabulary import WhisperVocabulary
 
@@ -140,8 +141,8 @@ def align_words(model, vocabulary: WhisperVocabulary, sources, sot_sequence: lis
     cross = RecordingCross(sources, heads)
     ids = torch.tensor([tokens], device=sources.keys[0].device)  # [1, T]
     products = Products.generated(torch.get_num_threads(), kernels=model.kernels)  # every row on the decode kernels
-    logits = model.decode(ids, torch.arange(T, device=ids.device)[None], None, model.decoder_self_bias(T), cross,
-                          all_logits=True, products=products)[0].float()  # [T, V]
+    view = NoCache(products, model.decoder_self_bias(T))  # the whole text in one forward, causal
+    logits = model.decode(ids, torch.arange(T, device=ids.device)[None], view, cross, all_logits=True)[0].float()  # [T, V]
     token_probs = logits[len(sot_sequence) : -1, : vocabulary.eot].softmax(dim=-1)  # [text + 1, eot]
     text_probs = token_probs[torch.arange(len(text_tokens)), torch.tensor(text_tokens)].tolist()
     weights = torch.stack([cross.logits[h][:, : num_frames // 2] for h in heads])  # [heads, T, frames / 2]

@@ -1,18 +1,23 @@
-"""Whisper's decoding of a batch of windows: the logits rules, then greedy, sampling or beam search.
+"""Whisper's decoding of one window, as the policy of a group of sequences in the one engine.
 
-Rules, in Whisper's order, on each row's logits: the suppressed tokens (every step), blank and
-end-of-text at the first sampled step, and with timestamps the timestamp rules (timestamps come
-in pairs, never decrease, the first token is a timestamp no later than
-``max_initial_timestamp``, and a timestamp is forced when their total probability beats every
-text token). Beam search is CTranslate2's (faster-whisper's engine): per window the 2K best
-candidates by summed log-probability; each of the first K that ends is finished and its place
-goes to the next that does not; with patience 1 the window is done once its best candidate ends,
-else once it holds ``round(K * patience)`` finished; the result is the finished candidate of the
-best summed log-probability divided by its length. With K=1 and temperature 0 it is greedy decoding; a temperature above 0
-samples ``best_of`` independent rows per window and keeps the best by the same score.
+A window's search is a request of the engine (engine/scheduler.py) whose source is the window's
+encoded cross K/V (engine/speech_source.py), whose decoder prompt is the special-token prompt,
+and which runs as a group of K rows (engine/beam_group.py): greedy decoding is a group of one, beam
+search K = ``beam_size`` beams, temperature sampling K = ``best_of`` independent rows. The group
+calls ``WindowSearch.advance`` with its rows' logits after each forward; the rows move as it says
+(a beam reorder copies block tables, never K/V), beside every other request's rows.
 
-The search drives an engine with the verbs of speech/engine.py's ``WhisperEngine``
-(``start``, ``decode``, ``reorder_beams``, ``keep_samples``).
+Per step, Whisper's logits rules (speech/rules.py) mask each row's logits, then log-softmax.
+Beam search is CTranslate2's (faster-whisper's engine): the 2K best candidates by summed
+log-probability; each of the first K that ends is finished and its place goes to the next that
+does not; with patience 1 the window is done once its best candidate ends, else once it holds
+``round(K * patience)`` finished; the result is the finished candidate of the best summed
+log-probability divided by its length. With K=1 and temperature 0 it is greedy decoding; a
+temperature above 0 samples K independent rows (one seeded generator per window: a window samples
+the same alone or batched) and keeps the best by the same score.
+
+``LanguageDetection`` is the policy of a one-step request: the likeliest language token after
+``<|startoftranscript|>``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.sequence import SequenceResult
 from ..layers.threads import one_thread
+from .rules import LogitsRules
 from .vocabulary import WhisperVocabulary
 
 
@@ -38,6 +45,11 @@ class SearchOptions:
     max_initial_timestamp_index: int = 50
     seed: int | None = None
 
+    @property
+    def rows(self) -> int:
+        """The rows of a window's group: ``best_of`` samples, or ``beam_size`` beams."""
+        return self.best_of if self.temperature > 0 else self.beam_size
+
 
 @dataclass
 class WindowResult:
@@ -50,203 +62,141 @@ class WindowResult:
         self.avg_logprob = self.sum_logprob / (len(self.tokens) + 1)
 
 
-class LogitsRules:
-    """Whisper's logits rules for rows whose generated tokens (after the prompt) are known."""
+class WindowSearch:
+    """One window's K rows (tokens, summed log-probability) and its finished candidates; the
+    ``advance`` / ``results`` of a group policy (engine/beam_group.py's ``GroupPolicy``)."""
 
-    def __init__(self, vocabulary: WhisperVocabulary, options: SearchOptions, vocab_size: int, device):
-        self.vocab, self.options = vocabulary, options
-        special = [vocabulary.transcribe, vocabulary.translate, vocabulary.sot, vocabulary.sot_prev,
-                   vocabulary.sot_lm, vocabulary.no_speech] + ([vocabulary.no_timestamps] if options.timestamps else [])
-        always = {t for t in [*options.suppress_tokens, *special] if t is not None and 0 <= t < vocab_size}
-        self.always = torch.tensor(sorted(always), dtype=torch.long, device=device)  # token ids suppressed
-        self.at_begin = list(options.suppress_at_begin) or [vocabulary.encode(" ")[0], vocabulary.eot]
-
-    def apply(self, logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
-        """logits [R, V] (float32: changed in place) for rows with these generated tokens -> masked logits."""
-        logits = logits.float().index_fill_(1, self.always, float("-inf"))  # [R, V]
-        for row, tokens in enumerate(generated):
-            if not tokens:
-                logits[row, self.at_begin] = float("-inf")
-        if self.options.timestamps:
-            self._timestamp_rules(logits, generated)
-        return logits
-
-    def _timestamp_rules(self, logits: torch.Tensor, generated: list[list[int]]) -> None:
-        begin, eot = self.vocab.timestamp_begin, self.vocab.eot
-        for row, tokens in enumerate(generated):
-            last_was = len(tokens) >= 1 and tokens[-1] >= begin
-            penultimate_was = len(tokens) < 2 or tokens[-2] >= begin
-            if last_was:
-                if penultimate_was:  # a pair closed: text (or end) comes next
-                    logits[row, begin:] = float("-inf")
-                else:  # an opening timestamp without text after it: another timestamp or the end
-                    logits[row, :eot] = float("-inf")
-            stamps = [t for t in tokens if t >= begin]
-            if stamps:  # never decreasing; never repeating, except to close a pair
-                last = stamps[-1] if last_was and not penultimate_was else stamps[-1] + 1
-                logits[row, begin:last] = float("-inf")
-            if not tokens:  # the first token is a timestamp, and an early one
-                logits[row, :begin] = float("-inf")
-                logits[row, begin + self.options.max_initial_timestamp_index + 1:] = float("-inf")
-        # the timestamps' total probability against the likeliest text token's (the softmax
-        # normalizer is the same on both sides, so the logits compare as the log-probabilities)
-        stamp_mass = torch.logsumexp(logits[:, begin:], dim=-1)  # [R]
-        best_text = logits[:, :begin].max(dim=-1).values  # [R]
-        logits[stamp_mass > best_text, :begin] = float("-inf")
-
-
-def search(engine, vocabulary: WhisperVocabulary, prompts: list[list[int]], sot_index: list[int],
-           options: SearchOptions) -> list[WindowResult]:
-    """Decode B windows (the engine holds their cross K/V) from their prompts -> one result each."""
-    sampling = options.temperature > 0
-    K = options.best_of if sampling else options.beam_size
-    B = len(prompts)
-    logits, sot_logits = engine.start(prompts, sot_index)  # [B, V] each
-    no_speech = [0.0] * B
-    if vocabulary.no_speech is not None:
-        no_speech = sot_logits.float().softmax(dim=-1)[:, vocabulary.no_speech].tolist()
-    rules = LogitsRules(vocabulary, options, logits.shape[-1], logits.device)
-    generator = None
-    if sampling:
-        generator = torch.Generator(device=logits.device)
-        generator.manual_seed(options.seed if options.seed is not None else torch.seed())
-    max_new = min(options.max_length - max(len(p) for p in prompts), engine.max_new_tokens)
-    candidates = K if sampling else max(1, round(K * options.patience))
-    state = _Beams(B, K, candidates, vocabulary.eot, [len(p) for p in prompts])
-    state.early_exit = not sampling and options.patience == 1
-    first = True
-    for step in range(max_new):
-        rows = state.open_rows()
-        if first:  # one row per window so far: every beam of it is the same
-            generated = [[] for _ in range(len(rows) // K)]
-        else:
-            generated = [state.tokens[r] for r in rows]
-        with one_thread():  # small ops on one thread (an OpenMP barrier costs more than the work: beam.py)
-            masked = rules.apply(logits, generated)
-            if sampling:
-                masked = masked / options.temperature
-            logprobs = torch.log_softmax(masked, dim=-1)  # [rows or B, V]
-            if first:
-                logprobs = logprobs.repeat_interleave(K, dim=0)  # [B*K, V]
-            last = step + 1 == max_new
-            if sampling:
-                choice = torch.multinomial(logprobs.exp(), 1, generator=generator)[:, 0]  # [R]
-                picked = logprobs.gather(1, choice[:, None])[:, 0]
-                state.advance_independent(choice.tolist(), picked.tolist(), last)
-            else:
-                top_lp, top_tokens = logprobs.topk(2 * K, dim=-1)  # [R, 2K]
-                state.advance_beams(top_lp.tolist(), top_tokens.tolist(), first, last)
-        first = False
-        if state.finished_all():
-            break
-        samples, sources = state.compact()
-        if samples is not None:
-            engine.keep_samples(torch.tensor(samples))
-        engine.reorder_beams(torch.tensor(sources))
-        rows = state.open_rows()
-        tokens = torch.tensor([state.tokens[r][-1] for r in rows], device=logits.device)
-        positions = torch.tensor([state.prompt_lengths[state.sample_of(r)] + len(state.tokens[r]) - 1 for r in rows],
-                                 device=logits.device)
-        logits = engine.decode(tokens, positions)  # [R, V]
-    return [WindowResult(tokens, score, no_speech[b]) for b, (tokens, score) in enumerate(state.best())]
-
-
-class _Beams:
-    """Per window: K open rows (tokens, summed log-probability) and its finished candidates."""
-
-    def __init__(self, B: int, K: int, max_candidates: int, eot: int, prompt_lengths: list[int]):
-        self.B, self.K, self.max_candidates, self.eot = B, K, max_candidates, eot
-        self.prompt_lengths = prompt_lengths
-        self.tokens: list[list[int]] = [[] for _ in range(B * K)]  # row b*K+j of window b
-        self.scores = [0.0] * (B * K)
-        # per window: key (a running count in beam search, the row when sampling) -> (tokens, summed log-prob)
-        self.finished: list[dict] = [{} for _ in range(B)]
+    def __init__(self, vocabulary: WhisperVocabulary, options: SearchOptions, prompt_length: int, vocab_size: int,
+                 device: torch.device):
+        self.options, self.eot = options, vocabulary.eot
+        self.sampling = options.temperature > 0
+        self.K = K = options.rows
+        self.max_new = max(1, options.max_length - prompt_length)
+        self.max_candidates = K if self.sampling else max(1, round(K * options.patience))
+        self.early_exit = not self.sampling and options.patience == 1
+        self.rules = LogitsRules(vocabulary, options, vocab_size, device)
+        self.generator = None
+        if self.sampling:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(options.seed if options.seed is not None else torch.seed())
+        self.tokens: list[list[int]] = [[] for _ in range(K)]
+        self.scores = [0.0] * K
+        self.finished: dict = {}  # key (a running count in beam search, the row when sampling) -> (tokens, sum)
         self.done: set[int] = set()  # sampled rows that ended
-        self.top_finished = [False] * B
-        self.early_exit = False
-        self.open = list(range(B))  # windows the engine still holds, in its order
-        self.sources: list[int] = list(range(B * K))
+        self.top_finished = False
+        self.step = 0
 
-    def sample_of(self, row: int) -> int:
-        return row // self.K
+    def advance(self, logits: torch.Tensor, selector=None) -> tuple[bool, torch.Tensor, torch.Tensor]:
+        """The rows' logits [K, V] (at the first step every row is the prompt's) -> (whether the
+        window goes on, the row each new row continues [K], the new rows' last tokens [K])."""
+        first, K = self.step == 0, self.K
+        rows = logits[:1] if first else logits  # the first step: one real row
+        generated = [[]] if first else self.tokens
+        last = self.step + 1 == self.max_new
+        with one_thread():  # small ops on one thread (an OpenMP barrier costs more than the work)
+            masked = self.rules.apply(rows, generated)
+            if self.sampling:
+                masked = masked / self.options.temperature
+            logprobs = torch.log_softmax(masked, dim=-1)  # [1 or K, V]
+            if self.sampling:
+                logprobs = logprobs.expand(K, -1) if first else logprobs  # [K, V]
+                choice = torch.multinomial(logprobs.exp(), 1, generator=self.generator)[:, 0]  # [K]
+                picked = logprobs.gather(1, choice[:, None])[:, 0]
+                sources = self._advance_independent(choice.tolist(), picked.tolist(), last)
+            else:
+                top_lp, top_tokens = logprobs.topk(2 * K, dim=-1)  # [1 or K, 2K]
+                sources = self._advance_beams(top_lp.tolist(), top_tokens.tolist(), first, last)
+        self.step += 1
+        go_on = not self._done()
+        device = logits.device
+        return go_on, torch.tensor(sources, device=device), torch.tensor([t[-1] for t in self.tokens], device=device)
 
-    def open_rows(self) -> list[int]:
-        return [b * self.K + j for b in self.open for j in range(self.K)]
-
-    def advance_beams(self, top_lp, top_tokens, first: bool, last: bool) -> None:
-        """top_lp, top_tokens: per open row, its 2K best continuations. Per window, the 2K best
-        candidates by summed log-probability: each of the first K that ends is finished (the
-        window's search is over once the best candidate ends) and its place goes to the next
-        candidate that does not end."""
+    def _advance_beams(self, top_lp, top_tokens, first: bool, last: bool) -> list[int]:
+        """top_lp, top_tokens: per row, its 2K best continuations. The 2K best candidates by summed
+        log-probability: each of the first K that ends is finished (the search is over once the
+        best candidate ends) and its place goes to the next candidate that does not end."""
         K = self.K
-        new_tokens, new_scores, sources = list(self.tokens), list(self.scores), []
-        for index, b in enumerate(self.open):
-            candidates = []  # (summed log-prob, source row in the engine, token, source row's own index)
-            for j in ([0] if first else range(K)):  # the first step: one real beam
-                row = b * K + j
-                candidates += [(self.scores[row] + lp, index * K + j, token, row)
-                               for lp, token in zip(top_lp[index * K + j], top_tokens[index * K + j])]
-            candidates.sort(key=lambda c: -c[0])
-            candidates = candidates[: 2 * K]
-            secondary = K
-            for k in range(K):
-                score, source, token, row = candidates[k]
-                if token == self.eot or last:
-                    ended = tuple(self.tokens[row]) if token == self.eot else (*self.tokens[row], token)
-                    self.finished[b][len(self.finished[b])] = (ended, score)
-                    if k == 0:
-                        self.top_finished[b] = True
-                    while secondary < len(candidates) and candidates[secondary][2] == self.eot:
-                        secondary += 1
-                    if secondary == len(candidates):
-                        score = float("-inf")  # no candidate left that goes on: this beam is dead
-                    else:
-                        score, source, token, row = candidates[secondary]
-                        secondary += 1
-                new_tokens[b * K + k], new_scores[b * K + k] = [*self.tokens[row], token], score
-                sources.append(source)
-        self.tokens, self.scores, self.sources = new_tokens, new_scores, sources
+        candidates = []  # (summed log-prob, source row, token)
+        for j in range(1 if first else K):
+            candidates += [(self.scores[j] + lp, j, token) for lp, token in zip(top_lp[j], top_tokens[j])]
+        candidates.sort(key=lambda c: -c[0])
+        candidates = candidates[: 2 * K]
+        new_tokens, new_scores, sources = [], [], []
+        secondary = K
+        for k in range(K):
+            score, source, token = candidates[k]
+            if token == self.eot or last:
+                ended = tuple(self.tokens[source]) if token == self.eot else (*self.tokens[source], token)
+                self.finished[len(self.finished)] = (ended, score)
+                if k == 0:
+                    self.top_finished = True
+                while secondary < len(candidates) and candidates[secondary][2] == self.eot:
+                    secondary += 1
+                if secondary == len(candidates):
+                    score = float("-inf")  # no candidate left that goes on: this beam is dead
+                else:
+                    score, source, token = candidates[secondary]
+                    secondary += 1
+            new_tokens.append([*self.tokens[source], token])
+            new_scores.append(score)
+            sources.append(source)
+        self.tokens, self.scores = new_tokens, new_scores
+        return sources
 
-    def advance_independent(self, tokens: list[int], logprobs: list[float], last: bool) -> None:
-        """Sampling: each open row appends its token; a row ending (or out of room) is finished (and
-        runs on with its window, ignored, until every row of the window has ended)."""
-        K = self.K
-        for index, row in enumerate(self.open_rows()):
+    def _advance_independent(self, tokens: list[int], logprobs: list[float], last: bool) -> list[int]:
+        """Sampling: each row appends its token; a row ending (or out of room) is finished (and runs
+        on, ignored, until every row of the window has ended)."""
+        for row in range(self.K):
             if row not in self.done:
-                self.scores[row] += logprobs[index]
-                if tokens[index] == self.eot or last:
-                    ended = self.tokens[row] if tokens[index] == self.eot else [*self.tokens[row], tokens[index]]
-                    self.finished[row // K][row] = (tuple(ended), self.scores[row])
+                self.scores[row] += logprobs[row]
+                if tokens[row] == self.eot or last:
+                    ended = self.tokens[row] if tokens[row] == self.eot else [*self.tokens[row], tokens[row]]
+                    self.finished[row] = (tuple(ended), self.scores[row])
                     self.done.add(row)
-            self.tokens[row] = [*self.tokens[row], tokens[index]]
-        self.sources = list(range(len(self.open) * K))
+            self.tokens[row] = [*self.tokens[row], tokens[row]]
+        return list(range(self.K))
 
-    def window_done(self, b: int) -> bool:
-        """Beam search with patience 1 ends a window once its best candidate has ended; otherwise
-        (and when sampling) once it holds ``max_candidates`` finished candidates."""
+    def _done(self) -> bool:
+        """Beam search with patience 1 ends once its best candidate has ended; otherwise (and when
+        sampling) once it holds ``max_candidates`` finished candidates."""
         if self.early_exit:
-            return self.top_finished[b]
-        return len(self.finished[b]) >= self.max_candidates
+            return self.top_finished
+        return len(self.finished) >= self.max_candidates
 
-    def finished_all(self) -> bool:
-        return all(self.window_done(b) for b in self.open)
+    def best(self) -> tuple[list[int], float]:
+        """The finished candidate of the best summed log-probability per token."""
+        tokens, score = max(self.finished.values(), key=lambda item: item[1] / max(1, len(item[0])))
+        return list(tokens), score
 
-    def compact(self) -> tuple[list[int] | None, list[int]]:
-        """Windows whose finished set is full leave -> (their engine sample indices kept or None,
-        each remaining row's source row within the kept engine rows)."""
-        K = self.K
-        keep = [i for i, b in enumerate(self.open) if not self.window_done(b)]
-        position = {i: n for n, i in enumerate(keep)}
-        sources = [position[s // K] * K + s % K for s in self.sources if s // K in position]
-        if len(keep) == len(self.open):
-            return None, sources
-        self.open = [self.open[i] for i in keep]
-        return keep, sources
+    def results(self) -> list[SequenceResult]:
+        tokens, score = self.best()
+        return [SequenceResult(tokens, "eos", score)]
 
-    def best(self) -> list[tuple[list[int], float]]:
-        """Per window: the finished candidate of the best summed log-probability per token."""
-        results = []
-        for finished in self.finished:
-            tokens, score = max(finished.values(), key=lambda item: item[1] / max(1, len(item[0])))
-            results.append((list(tokens), score))
-        return results
+    def window_result(self, sot_logits: torch.Tensor | None, no_speech: int | None) -> WindowResult:
+        """The window's result; ``sot_logits`` [V]: the logits at the prompt's <|startoftranscript|>."""
+        tokens, score = self.best()
+        probability = 0.0
+        if no_speech is not None and sot_logits is not None:
+            probability = float(sot_logits.float().softmax(dim=-1)[no_speech])
+        return WindowResult(tokens, score, probability)
+
+
+class LanguageDetection:
+    """The policy of a one-step request with the prompt ``<|startoftranscript|>``: the likeliest
+    language token there, and its probability among the language tokens."""
+
+    def __init__(self, vocabulary: WhisperVocabulary):
+        self.vocabulary = vocabulary
+        self.language: tuple[str, float] | None = None
+
+    def advance(self, logits: torch.Tensor, selector=None) -> tuple[bool, torch.Tensor, torch.Tensor]:
+        vocab = self.vocabulary
+        ids = torch.tensor(list(vocab.languages.values()), device=logits.device)
+        probs = logits[0, ids].float().softmax(dim=-1)  # [languages]
+        best = int(probs.argmax())
+        self.language = (vocab.language_code(int(ids[best])), float(probs[best]))
+        empty = torch.zeros(0, dtype=torch.long, device=logits.device)
+        return False, empty, empty
+
+    def results(self) -> list[SequenceResult]:
+        return [SequenceResult([], "length", 0.0)]

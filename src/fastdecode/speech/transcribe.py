@@ -3,8 +3,8 @@
 Per window (Whisper's algorithm, as faster-whisper runs it): the log-mel features of the 30 s
 from ``seek`` (a partial window's missing frames are 0.0, as faster-whisper pads them: speech/features.py's
 ``long_form_window_features``), the encoder once and each decoder layer's cross K/V once
-(speech/engine.py), the language detected from the first window when none is given, then the
-search (speech/search.py) under the prompt ``<|startofprev|>`` + previous text (the last 223
+(speech/batching.py), the language detected from the first window when none is given, then the
+search (speech/search.py: a request of the one engine) under the prompt ``<|startofprev|>`` + previous text (the last 223
 tokens, starting with ``initial_prompt``) + the special-token prompt. The temperature fallback
 retries a window at the next temperature when its text is too repetitive (zlib compression ratio
 above ``compression_ratio_threshold``) or too unlikely (average log-probability below

@@ -1,0 +1,64 @@
+"""Whisper's logits rules, in Whisper's order, on each row's logits.
+
+The suppressed tokens (every step), blank and end-of-text at the first sampled step, and with
+timestamps the timestamp rules (timestamps come in pairs, never decrease, the first token is a
+timestamp no later than ``max_initial_timestamp``, and a timestamp is forced when their total
+probability beats every text token). The window's search (speech/search.py) applies them before
+its log-softmax, as Whisper and CTranslate2 do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .vocabulary import WhisperVocabulary
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .search import SearchOptions
+
+
+class LogitsRules:
+    """Whisper's logits rules for rows whose generated tokens (after the prompt) are known."""
+
+    def __init__(self, vocabulary: WhisperVocabulary, options: "SearchOptions", vocab_size: int, device):
+        self.vocab, self.options = vocabulary, options
+        special = [vocabulary.transcribe, vocabulary.translate, vocabulary.sot, vocabulary.sot_prev,
+                   vocabulary.sot_lm, vocabulary.no_speech] + ([vocabulary.no_timestamps] if options.timestamps else [])
+        always = {t for t in [*options.suppress_tokens, *special] if t is not None and 0 <= t < vocab_size}
+        self.always = torch.tensor(sorted(always), dtype=torch.long, device=device)  # token ids suppressed
+        self.at_begin = list(options.suppress_at_begin) or [vocabulary.encode(" ")[0], vocabulary.eot]
+
+    def apply(self, logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
+        """logits [R, V] for rows with these generated tokens -> masked logits [R, V] (float32, a copy)."""
+        logits = logits.to(torch.float32, copy=True).index_fill_(1, self.always, float("-inf"))  # [R, V]
+        for row, tokens in enumerate(generated):
+            if not tokens:
+                logits[row, self.at_begin] = float("-inf")
+        if self.options.timestamps:
+            self._timestamp_rules(logits, generated)
+        return logits
+
+    def _timestamp_rules(self, logits: torch.Tensor, generated: list[list[int]]) -> None:
+        begin, eot = self.vocab.timestamp_begin, self.vocab.eot
+        for row, tokens in enumerate(generated):
+            last_was = len(tokens) >= 1 and tokens[-1] >= begin
+            penultimate_was = len(tokens) < 2 or tokens[-2] >= begin
+            if last_was:
+                if penultimate_was:  # a pair closed: text (or end) comes next
+                    logits[row, begin:] = float("-inf")
+                else:  # an opening timestamp without text after it: another timestamp or the end
+                    logits[row, :eot] = float("-inf")
+            stamps = [t for t in tokens if t >= begin]
+            if stamps:  # never decreasing; never repeating, except to close a pair
+                last = stamps[-1] if last_was and not penultimate_was else stamps[-1] + 1
+                logits[row, begin:last] = float("-inf")
+            if not tokens:  # the first token is a timestamp, and an early one
+                logits[row, :begin] = float("-inf")
+                logits[row, begin + self.options.max_initial_timestamp_index + 1:] = float("-inf")
+        # the timestamps' total probability against the likeliest text token's (the softmax
+        # normalizer is the same on both sides, so the logits compare as the log-probabilities)
+        stamp_mass = torch.logsumexp(logits[:, begin:], dim=-1)  # [R]
+        best_text = logits[:, :begin].max(dim=-1).values  # [R]
+        logits[stamp_mass > best_text, :begin] = float("-inf")

@@ -1,0 +1,112 @@
+"""Whisper windows as requests of the one engine: greedy, beam 5 and sampled windows arriving at
+different steps share its forwards, each giving what it gives alone, and every block comes back.
+
+(An engine runs one model, so a Whisper engine's neighbours are other Whisper requests: windows
+of other transcriptions, searched with other options.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_whisper import FRAMES, MELS, build, save
+
+from fastdecode.errors import InvalidOptionError
+from fastdecode.speech.batching import (answer, decode_windows, encode_windows, search_request, speech_engine,
+                                        window_sources, window_tokens)
+from fastdecode.speech.loading import load_whisper
+from fastdecode.speech.requests import Search
+from fastdecode.speech.search import SearchOptions
+from fastdecode.speech.vocabulary import WhisperVocabulary
+
+EOT, SOT, NO_TIMESTAMPS = 99, 100, 101
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("whisper")
+    save(build(seed=5), folder)
+    return load_whisper(folder, need_vocabulary=False).model
+
+
+def vocabulary() -> WhisperVocabulary:
+    return WhisperVocabulary(tokenizer=None, vocab_size=120, eot=EOT, sot=SOT, transcribe=97, translate=96,
+                             sot_prev=95, sot_lm=None, no_timestamps=NO_TIMESTAMPS, no_speech=94, languages={})
+
+
+def options(**changes) -> SearchOptions:
+    return SearchOptions(max_length=30, suppress_at_begin=(EOT,), max_initial_timestamp_index=5, **changes)
+
+
+WINDOWS = [  # (prompt, the index of <|startoftranscript|>, options, the step it arrives at)
+    ([SOT, NO_TIMESTAMPS], 0, options(beam_size=1), 0),
+    ([95, 7, 8, 9, SOT, NO_TIMESTAMPS], 4, options(beam_size=5), 0),
+    ([SOT], 0, options(beam_size=5, timestamps=True), 2),
+    ([95, 3, SOT], 2, options(beam_size=1, timestamps=True), 3),
+    ([SOT, NO_TIMESTAMPS], 0, options(temperature=0.7, best_of=3, seed=11), 5),
+]
+
+
+def test_windows_arriving_at_different_steps_equal_each_alone(model):
+    torch.manual_seed(6)
+    vocab = vocabulary()
+    with torch.inference_mode():
+        sources = encode_windows(model, torch.randn(len(WINDOWS), MELS, FRAMES))
+        alone = [decode_windows(model, vocab, window_sources(sources, b), [prompt], [sot], opts)[0]
+                 for b, (prompt, sot, opts, _) in enumerate(WINDOWS)]
+        engine = speech_engine(model, len(WINDOWS) * window_tokens(model, 5))
+        free = engine.cache.pool.num_free
+        sequences, step, widths = {}, 0, []
+        while len(sequences) < len(WINDOWS) or engine.has_work():
+            for b, (prompt, sot, opts, arrives) in enumerate(WINDOWS):
+                if arrives == step:
+                    request = Search(window_sources(sources, b), prompt, sot, opts)
+                    sequences[b] = engine.add(search_request(vocab, request, model.config.vocab_size, model.device))
+            engine.step()
+            widths.append(len(engine.running))
+            step += 1
+        got = [answer(sequences[b], vocab) for b in range(len(WINDOWS))]
+    assert max(widths) >= 10  # the groups' rows did share steps (beams, samples and greedy rows)
+    for b, (expected, result) in enumerate(zip(alone, got)):
+        assert result.tokens == expected.tokens, b
+        assert result.sum_logprob == pytest.approx(expected.sum_logprob, abs=1e-4)
+        assert result.no_speech_prob == pytest.approx(expected.no_speech_prob, abs=1e-6)
+    assert any(len(r.tokens) > 3 for r in got)
+    assert engine.cache.pool.num_free == free  # every block back
+
+
+def test_cancelled_window_frees_its_blocks(model):
+    torch.manual_seed(7)
+    vocab = vocabulary()
+    with torch.inference_mode():
+        sources = encode_windows(model, torch.randn(2, MELS, FRAMES))
+        engine = speech_engine(model, 2 * window_tokens(model, 5))
+        free = engine.cache.pool.num_free
+        searches = [engine.add(search_request(vocab, Search(window_sources(sources, b), [SOT, NO_TIMESTAMPS], 0,
+                                                             options(beam_size=5)), 120, model.device))
+                    for b in range(2)]
+        engine.step()
+        engine.step()
+        searches[0].cancel()
+        while engine.has_work():
+            engine.step()
+    assert searches[0].finish_reason == "cancelled" and searches[1].finished
+    assert engine.cache.pool.num_free == free
+
+
+def test_source_must_be_one_encoded_window(model):
+    vocab = vocabulary()
+    with torch.inference_mode():
+        sources = encode_windows(model, torch.randn(2, MELS, FRAMES))
+    engine = speech_engine(model, window_tokens(model, 1))
+    for wrong in (sources, torch.randn(MELS, FRAMES)):  # two windows; features not encoded
+        with pytest.raises(InvalidOptionError, match="window"):
+            engine.add(search_request(vocab, Search(wrong, [SOT], 0, options(beam_size=1)), 120, model.device))
