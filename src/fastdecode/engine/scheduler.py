@@ -46,6 +46,7 @@ from ..validation import positive_int
 from .beam_group import (BeamGroup, advance_groups, check_beam_options, fold_runs, folds_beams, is_beam, lent_spares,
                          whole_groups)
 from .compiled import CompiledDecode
+from .embedding_rows import forward_outputs
 from .cross import CrossStore, decoder_score_bias, row_groups
 from .plan import StepPlan, layer_windows
 from .requests import Request, RequestFactory
@@ -251,8 +252,7 @@ class Engine:
 
     def _retire_cancelled(self) -> list[TokenEvent]:
         events = []
-        for sequence in [s for s in self.running if s.cancel_requested] + [s for s in self.waiting
-                                                                             if s.cancel_requested]:
+        for sequence in [s for s in (*self.running, *self.waiting) if s.cancel_requested]:
             events.append(sequence.end_event("cancelled"))
             self._release(sequence)
         self.running = [s for s in self.running if not s.finished]
@@ -317,7 +317,7 @@ class Engine:
             sequence.block_table, _ = cache.allocate([], total, chunk)
             self.cross.admit(sequence)
             return True
-        shared = [] if sequence.keeps_logits else sequence.prompt_ids  # scoring wants every position's logits
+        shared = [] if sequence.prompt_only else sequence.prompt_ids  # scoring wants every position's logits
         if not cache.can_allocate(shared, total, chunk):
             return False
         table, cached = cache.allocate(shared, total, chunk)
@@ -360,7 +360,7 @@ class Engine:
         position_tensor = torch.tensor([layout.positions], device=device)  # [1, N]
         logits_at = torch.tensor(layout.logits_at, dtype=torch.long, device=device)
         if self.cross is None:
-            logits = self.model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
+            logits = forward_outputs(self.model, token_tensor, position_tensor, plan, logits_at, layout)  # [K, V]
         else:
             logits = self.model.decode(token_tensor, position_tensor, plan, None, self.cross.step(groups),
                                        logits_at=logits_at)[0]  # [K, V]
