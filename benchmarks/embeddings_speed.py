@@ -100,10 +100,11 @@ def start(args, gguf: Path) -> tuple[list[Server], dict[str, str]]:
             if exe is None:
                 skipped[name] = why
                 continue
-            slots = args.batch * args.clients  # every input in flight has a slot
+            slots = args.llama_cpp_slots or args.batch * args.clients  # default: every input in flight has a slot
+            ubatch = args.llama_cpp_ubatch or args.max_batch_tokens
             command = [str(exe), "-m", str(gguf), "--port", str(port), "-t", threads, "-tb", threads,
                        "--embeddings", "--pooling", "mean", "-np", str(slots), "-c", str(slots * 2 * TOKENS),
-                       "-b", str(args.max_batch_tokens), "-ub", str(args.max_batch_tokens), "--no-webui"]
+                       "-b", str(args.max_batch_tokens), "-ub", str(ubatch), "--no-webui"]
             servers.append(Server(name, command, port, "smollm2", "Q4_1 natively"))
         else:
             raise SystemExit(f"unknown server {name!r}: fastdecode or llama.cpp")
@@ -121,6 +122,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="inputs per request")
     parser.add_argument("--clients", type=int, default=2, help="requests in flight")
     parser.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per forward, both servers")
+    parser.add_argument("--llama-cpp-slots", type=int, default=None,
+                        help="llama-server's -np (default: --batch x --clients, one slot per input in flight)")
+    parser.add_argument("--llama-cpp-ubatch", type=int, default=None,
+                        help="llama-server's -ub (default: --max-batch-tokens; its attention in one ubatch spans "
+                             "every sequence in it, so smaller ubatches cost it less attention)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--servers", default="fastdecode,llama.cpp")
     parser.add_argument("--llama-cpp-bin", default=None,
@@ -158,7 +164,10 @@ def report(runs: dict[str, list[dict]], skipped: dict[str, str], args) -> str:
     rows += [not_run(name, why, 4) for name, why in skipped.items()]
     lines = [harness.machine_line(args.threads), "",
              f"{TEXTS} texts x {TOKENS} tokens (token ids), {args.batch} per request, {args.clients} in flight, "
-             f"{args.threads} threads each, {args.reps} alternating reps: median (min-max)", "",
+             f"{args.threads} threads each, {args.reps} alternating reps: median (min-max); llama-server "
+             f"-np {args.llama_cpp_slots or args.batch * args.clients} -b {args.max_batch_tokens} "
+             f"-ub {args.llama_cpp_ubatch or args.max_batch_tokens}, fastdecode --max-batch-tokens "
+             f"{args.max_batch_tokens}", "",
              table(["server", "weights", "seconds", "texts/s"], rows)]
     if ours and theirs:
         paired = [b["seconds"] / a["seconds"] for a, b in zip(ours, theirs)]  # texts/s ratio, run back to back

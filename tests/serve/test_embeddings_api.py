@@ -107,3 +107,38 @@ def test_requests_beside_generation_each_get_their_own_vectors(chat_generator, m
         for text, vector in zip(group, vectors):
             expected = reference_embeddings(chat_generator.model, [tokenizer.encode(text)])[0]
             assert torch.allclose(torch.tensor(vector), expected, atol=1e-5)
+
+
+def test_a_client_going_away_cancels_every_input(monkeypatch):
+    """The handler queues at most IN_FLIGHT inputs at once; a disconnect cancels them all (the engine
+    frees a cancelled sequence's blocks: tests/unit/test_engine_embeddings.py) and answers nothing."""
+    import asyncio
+
+    from fastdecode.serve import embeddings
+
+    monkeypatch.setattr(embeddings, "IN_FLIGHT", 2)
+
+    class Worker:
+        def __init__(self):
+            self.submitted, self.cancelled = [], []
+
+        def submit(self, submission):
+            self.submitted.append(submission.index)
+
+        def cancel(self, submission):
+            self.cancelled.append(submission.index)
+
+    class Lifetime:
+        def on_disconnect(self, callback):
+            self.gone = callback
+
+    async def scenario(worker, lifetime):
+        task = asyncio.create_task(embeddings.embed_on_engine(worker, [[1, 2]] * 5, "mean", lifetime))
+        await asyncio.sleep(0.01)
+        assert worker.submitted == [0, 1]  # the rest wait for these to end
+        lifetime.gone()
+        return await task
+
+    worker, lifetime = Worker(), Lifetime()
+    assert asyncio.run(scenario(worker, lifetime)) is None
+    assert sorted(worker.cancelled) == [0, 1, 2, 3, 4]

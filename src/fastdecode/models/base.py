@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..layers.linear import linear
+from ..layers.products import Products
 from ..layers.quantized import QuantizedWeight
 
 # A matrix a block holds: float, or quantized at load (``quantize=``) or in a GGUF file.
@@ -67,7 +68,7 @@ class ModelBase:
     def device(self) -> torch.device:
         return self.embed.device
 
-    def head(self, hidden: torch.Tensor, products: Any) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, products: Products) -> torch.Tensor:
         """Final-normed hidden states [B, K, C] -> logits [B, K, V] (the LM head; a family that scales
         or caps its logits overrides this). ``forward(hidden=True)`` followed by ``head`` on some of
         its rows equals ``forward`` there: an engine step with embedding rows runs it that way."""
