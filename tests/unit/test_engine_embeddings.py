@@ -126,3 +126,20 @@ def test_an_encoder_decoder_model_is_refused():
     bart = fastdecode.from_hf(build_encdec("bart"))
     with pytest.raises(InvalidOptionError, match="decoder-only"):
         bart.embed([[5, 6, 7]])
+
+
+def test_embeddings_in_steps_with_a_stream(gen):
+    """A stream past n_ctx takes the mixed forward (engine/stream_steps.py): embeddings in its steps
+    still get their hidden states, and the stream its tokens."""
+    stream_prompt, options = _ids(30, 5), {"n_ctx": 20, "n_keep": 3, "policy": "shift", "max_new_tokens": 12}
+    alone = gen.engine(max_batch_tokens=8)
+    expected = alone.submit(stream_prompt, options)
+    _run(alone)
+    engine = gen.engine(max_batch_tokens=8)
+    stream = engine.submit(stream_prompt, options)
+    texts = [_ids(n, 300 + n) for n in (13, 4)]
+    embedded = [submit_embedding(engine, ids, "mean") for ids in texts]
+    _run(engine)
+    assert stream.output_ids == expected.output_ids
+    for sequence, ids in zip(embedded, texts):
+        torch.testing.assert_close(sequence.embedding, reference_embeddings(gen.model, [ids])[0], atol=1e-5, rtol=0)
