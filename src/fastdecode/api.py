@@ -244,6 +244,13 @@ class Generator:
         ids, config = self.requests.build_score(text_or_ids, options)
         return [-logprob for logprob in score_alone(self, ids, config=config).logprobs]  # engine/scoring.py
 
+    def embed(self, inputs: str | Sequence[Any], pooling: str = "mean") -> torch.Tensor:
+        """Unit-length embeddings [N, C] (float32) of a text, texts, or token-id lists: the final normed
+        hidden states pooled (``mean`` over the tokens or the ``last`` one), run as engine sequences."""
+        from .engine.embedding_rows import embed_alone, embedding_inputs
+
+        return embed_alone(self, embedding_inputs(self.requests, inputs), pooling)
+
     def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":
         """A multi-turn conversation kept between turns (an engine sequence, then past ``n_ctx`` a
         streaming cache): earlier turns are never prefilled again."""

@@ -7,6 +7,8 @@ the flat tokens, positions and roles the model runs, and says which flat rows' l
   many one-token rows over its own block table, positions p..p+k, and all their logits are kept;
 - a scoring sequence (engine/scoring.py) keeps every position's logits (``kept_rows``, after the
   sampled rows in ``logits_at`` order);
+- an embedding sequence (engine/embedding_rows.py) wants the final hidden states of the positions
+  it pools (``hidden_rows``: the forward returns those instead of logits);
 - any other sequence's logits are wanted at its last token, once it reaches it, and at its
   ``prompt_logits_at`` position when it has one (kept as a scoring row is, one row).
 """
@@ -28,6 +30,8 @@ class FlatLayout:
     sampled: list[Sequence] = field(default_factory=list)  # their sequences, once each, in logits order
     kept_rows: list[int] = field(default_factory=list)  # flat rows of scoring sequences
     scored: list[tuple[Sequence, int]] = field(default_factory=list)  # (scoring sequence, its rows)
+    hidden_rows: list[int] = field(default_factory=list)  # flat rows whose hidden states embedding sequences pool
+    embedded: list[tuple[Sequence, int]] = field(default_factory=list)  # (embedding sequence, its hidden rows)
 
     @property
     def logits_at(self) -> list[int]:
@@ -51,6 +55,10 @@ def flat_layout(work: list[tuple[Sequence, int]]) -> FlatLayout:
         if sequence.keeps_logits:
             layout.kept_rows += range(len(tokens) - count, len(tokens))
             layout.scored.append((sequence, count))
+        elif sequence.embeds:
+            wanted = sequence.pooled_offsets(start, count)  # of this chunk's rows
+            layout.hidden_rows += (len(tokens) - count + offset for offset in wanted)
+            layout.embedded.append((sequence, len(wanted)))
         elif sequence.draft or start + count == sequence.num_tokens:
             layout.logit_rows.append(len(tokens) - 1)
             if not layout.sampled or layout.sampled[-1] is not sequence:

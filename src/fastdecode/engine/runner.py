@@ -20,6 +20,7 @@ import torch
 from ..layers.products import Products
 from .beam_group import fold_runs, lent_spares
 from .cross import CrossStore, row_groups
+from .embedding_rows import forward_outputs
 from .layout import flat_layout
 from .plan import StepPlan
 from .scoring import keep_logits
@@ -72,7 +73,7 @@ class ModelRunner:
         position_tensor = torch.tensor([layout.positions], device=device)  # [1, N]
         logits_at = torch.tensor(layout.logits_at, dtype=torch.long, device=device)
         if self.cross is None:
-            logits = self.model.forward(token_tensor, position_tensor, plan, logits_at=logits_at)[0]  # [K, V]
+            logits = forward_outputs(self.model, token_tensor, position_tensor, plan, logits_at, layout)  # [K, V]
         else:
             logits = self.model.decode(token_tensor, position_tensor, plan, self.cross.step(groups),
                                        logits_at=logits_at)[0]  # [K, V]

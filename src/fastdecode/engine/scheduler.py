@@ -115,7 +115,7 @@ class Scheduler:
             sequence.block_table, _ = cache.allocate([], total, chunk)
             self.cross.admit(sequence)
             return True
-        shared = [] if sequence.keeps_logits else sequence.prompt_ids  # scoring wants every position's logits
+        shared = [] if sequence.prompt_only else sequence.prompt_ids  # scoring wants every position's logits
         if not cache.can_allocate(shared, total, chunk):
             return False
         table, cached = cache.allocate(shared, total, chunk)

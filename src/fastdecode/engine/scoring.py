@@ -30,7 +30,7 @@ class ScoringSequence(Sequence):
     """The text ``ids``; after it ends, ``logprobs[i]`` is log P(ids[i + 1] | ids[:i + 1]) and
     ``top[i]`` the ``top_logprobs`` best (token id, logprob) pairs there (empty lists when 0)."""
 
-    keeps_logits = True
+    keeps_logits = prompt_only = True
     chunk_limit = SCORE_CHUNK
 
     def __init__(self, seq_id: int, ids: list[int], top_logprobs: int):
@@ -55,8 +55,6 @@ def scoring_sequence(engine: Any, ids: Seq[int], top_logprobs: int, seq_id: int,
     ``n_ctx`` (and ``n_keep``, ``n_discard``, ``policy``): the text streams through that streaming
     policy on the sequence's own blocks (engine/stream_steps.py), as StreamingLLM is evaluated."""
     ids = list(ids)
-    if engine.cross is not None:
-        raise InvalidOptionError("scoring is for decoder-only models (an encoder-decoder model needs a source)")
     if len(ids) < 2:
         raise InvalidOptionError("scoring needs at least two tokens")
     if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or top_logprobs < 0:
@@ -64,15 +62,26 @@ def scoring_sequence(engine: Any, ids: Seq[int], top_logprobs: int, seq_id: int,
     vocab = engine.model.config.vocab_size
     if top_logprobs > vocab:
         raise InvalidOptionError(f"top_logprobs={top_logprobs} exceeds the vocabulary size {vocab}")
+    if stream_config is not None and stream_config.n_ctx is not None:  # any length: the policy bounds what is held
+        if len(engine.waiting) >= engine.max_queue:
+            raise QueueFullError(f"the engine's queue is full ({engine.max_queue} waiting requests)")
+        sequence = ScoringSequence(seq_id, ids, top_logprobs)
+        sequence.stream = new_stream(engine, stream_config)
+        return sequence
+    check_prompt_only(engine, ids, len(ids) - 1, "scoring", f"a text of {len(ids)} tokens to score")
+    return ScoringSequence(seq_id, ids, top_logprobs)
+
+
+def check_prompt_only(engine: Any, ids: list[int], positions: int, use: str, what: str) -> None:
+    """Refuse a text to score or embed (``positions`` run) that ``engine`` could never run (an
+    encoder-decoder model; no tokens, ids outside the vocabulary, past the context or the cache) or
+    cannot queue now, with a typed error naming ``use`` / ``what``."""
+    if engine.cross is not None:
+        raise InvalidOptionError(f"{use} is for decoder-only models (an encoder-decoder model needs a source)")
+    engine.requests.check_prompts([ids], GenerationConfig(max_new_tokens=0))  # ids in the vocabulary, context
+    check_fits(positions, engine.cache, what, engine.max_chunk)
     if len(engine.waiting) >= engine.max_queue:
         raise QueueFullError(f"the engine's queue is full ({engine.max_queue} waiting requests)")
-    sequence = ScoringSequence(seq_id, ids, top_logprobs)
-    if stream_config is not None and stream_config.n_ctx is not None:
-        sequence.stream = new_stream(engine, stream_config)  # any length: the policy bounds what is held
-        return sequence
-    engine.requests.check_prompts([ids], GenerationConfig(max_new_tokens=0))  # ids in the vocabulary, context
-    check_fits(len(ids) - 1, engine.cache, f"a text of {len(ids)} tokens to score", engine.max_chunk)
-    return sequence
 
 
 def keep_logits(scored: list[tuple[ScoringSequence, int]], logits: torch.Tensor, sampled: int) -> torch.Tensor:
@@ -86,11 +95,11 @@ def keep_logits(scored: list[tuple[ScoringSequence, int]], logits: torch.Tensor,
 
 
 def finish_scored(work: list[tuple[Sequence, int]], release: Callable[[Sequence], None]) -> list[TokenEvent]:
-    """End the scoring sequences of a step's ``work`` whose last position ran (after the step's K/V
-    were recorded): their blocks go back through ``release``."""
+    """End the scoring and embedding sequences of a step's ``work`` whose last position ran (after
+    the step's K/V were recorded): their blocks go back through ``release``."""
     events = []
     for sequence, _ in work:
-        if sequence.keeps_logits and sequence.num_computed == sequence.num_tokens:
+        if sequence.prompt_only and sequence.num_computed == sequence.num_tokens:
             events.append(sequence.end_event("length"))
             release(sequence)
     return events

@@ -60,6 +60,10 @@ class Sequence:
     repetition-penalty mask, n-gram history), stop watcher, and the cache blocks it owns."""
 
     keeps_logits = False  # a scoring sequence (engine/scoring.py) keeps every position's logits
+    embeds = False  # an embedding sequence (engine/embedding_rows.py) takes hidden states instead of logits
+    # scoring and embedding sequences: they end once their last position has run, sampling nothing, and
+    # take nothing from the prefix cache (they want what every position computes)
+    prompt_only = False
     chunk_limit = 1 << 62  # the most tokens one step runs of it (scoring caps it: its logits are kept)
 
     def __init__(self, seq_id: int, prompt_ids: list[int], config: GenerationConfig, selector: TokenSelector,

@@ -16,6 +16,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..layers.products import Products
+from .embedding_rows import forward_outputs
 from .plan import StepPlan
 from .layout import flat_layout
 from .scoring import keep_logits
@@ -83,7 +84,7 @@ def mixed_forward(engine: "ModelRunner", work: list[tuple[Sequence, int]]) -> tu
     token_tensor = torch.tensor([tokens], device=device)  # [1, N]
     position_tensor = torch.tensor([positions], device=device)  # [1, N]
     logits_at = torch.tensor(logit_rows + layout.kept_rows + stream_kept, dtype=torch.long, device=device)
-    logits = model.forward(token_tensor, position_tensor, plan, logits_at=logits_at)[0]  # [K, V]
+    logits = forward_outputs(model, token_tensor, position_tensor, plan, logits_at, layout)  # [K, V] (embedding_rows.py)
     for sequence, count in streams:
         sequence.stream.finish(count)
     return keep_logits(layout.scored + stream_scored, logits, len(logit_rows)), sampled

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from ..layers.products import KernelChoice
+from ..layers.linear import linear
+from ..layers.products import KernelChoice, Products
 from ..layers.quantized import QuantizedWeight
 
 # A matrix a block holds: float, or quantized at load (``quantize=``) or in a GGUF file.
@@ -68,6 +69,12 @@ class ModelBase:
     @property
     def device(self) -> torch.device:
         return self.embed.device
+
+    def head(self, hidden: torch.Tensor, products: Products) -> torch.Tensor:
+        """Final-normed hidden states [B, K, C] -> logits [B, K, V] (the LM head; a family that scales
+        or caps its logits overrides this). ``forward(hidden=True)`` followed by ``head`` on some of
+        its rows equals ``forward`` there: an engine step with embedding rows runs it that way."""
+        return linear(hidden, self.lm_head, products=products)
 
     @staticmethod
     def output_rows(x: torch.Tensor, all_logits: bool, logits_at: torch.Tensor | None) -> torch.Tensor:

@@ -28,7 +28,7 @@ from ..errors import UnsupportedModelError
 from ..layers.attention import merge_heads
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.linear import ACTIVATIONS, embed, linear
-from ..layers.products import KernelChoice
+from ..layers.products import KernelChoice, Products
 from ..layers.threads import on_one_thread
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies
 from ..layers.elementwise import add_rms_norm, gated, qkv_heads, rms_norm
@@ -315,8 +315,10 @@ class Gemma3Model(ModelBase):
             mlp = linear(gated(layer.gate_up(h, p), cfg.hidden_act), layer.down, products=p)  # [B, T, C]
             # the last block's output goes through the final norm (row-wise, so before output_rows)
             x, h = add_rms_norm(x, mlp, next_norm, eps, layer.post_mlp_norm)
-        if hidden:  # the final-normed hidden states [B, T or K or 1, C] (embeddings)
-            return self.output_rows(h, all_logits, logits_at)
-        logits = linear(self.output_rows(h, all_logits, logits_at), self.lm_head, products=p)  # [B, T or 1, V]
-        cap = cfg.final_logit_softcapping
+        rows = self.output_rows(h, all_logits, logits_at)  # [B, T or K or 1, C]
+        return rows if hidden else self.head(rows, p)  # hidden: the final-normed states (embeddings)
+
+    def head(self, hidden: torch.Tensor, products: Products) -> torch.Tensor:
+        logits = linear(hidden, self.lm_head, products=products)  # [B, K, V]
+        cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -194,6 +194,4 @@ class GPT2Model(ModelBase):
             x = x + linear(up, layer.down, layer.down_bias, products=p)
         x = self.output_rows(x, all_logits, logits_at)
         x = F.layer_norm(x, (C,), self.norm[0], self.norm[1], cfg.norm_eps)
-        if hidden:  # the final-normed hidden states [B, T or K or 1, C] (embeddings)
-            return x
-        return linear(x, self.lm_head, products=p)  # [B, T or 1, V]
+        return x if hidden else self.head(x, p)  # hidden: the final-normed states [B, T or K or 1, C] (embeddings)

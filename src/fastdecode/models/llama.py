@@ -18,7 +18,7 @@ from ..cache.view import CacheView
 from .base import ModelBase, Weight
 from ..config import ModelConfig
 from ..layers.linear import embed, linear
-from ..layers.products import KernelChoice
+from ..layers.products import KernelChoice, Products
 from ..layers.threads import on_one_thread
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.positions import NoRotation, RotaryEmbedding, rope_inverse_frequencies
@@ -248,7 +248,10 @@ class LlamaModel(ModelBase):
                 mlp = mlp * residual_scale
             # the last block's output goes through the final norm (row-wise, so before output_rows)
             x, h = add_rms_norm(x, mlp, next_norm, cfg.norm_eps)
-        if hidden:  # the final-normed hidden states [B, T or K or 1, C] (embeddings)
-            return self.output_rows(h, all_logits, logits_at)
-        logits = linear(self.output_rows(h, all_logits, logits_at), self.lm_head, products=p)  # [B, T or 1, V]
-        return logits if cfg.logits_divisor == 1.0 else logits / cfg.logits_divisor  # Granite's logits_scaling
+        rows = self.output_rows(h, all_logits, logits_at)  # [B, T or K or 1, C]
+        return rows if hidden else self.head(rows, p)  # hidden: the final-normed states (embeddings)
+
+    def head(self, hidden: torch.Tensor, products: Products) -> torch.Tensor:
+        logits = linear(hidden, self.lm_head, products=products)  # [B, K, V]
+        divisor = self.config.logits_divisor
+        return logits if divisor == 1.0 else logits / divisor  # Granite's logits_scaling

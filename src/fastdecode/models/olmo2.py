@@ -209,6 +209,4 @@ class Olmo2Model(ModelBase):
             mlp = linear(gated(layer.gate_up(x, p), cfg.hidden_act), layer.down, products=p)  # [B, T, C]
             x = x + rms_norm(mlp, layer.post_mlp_norm, eps)
         h = rms_norm(self.output_rows(x, all_logits, logits_at), self.norm, eps)  # [B, T or K or 1, C]
-        if hidden:  # the final-normed hidden states (embeddings)
-            return h
-        return linear(h, self.lm_head, products=p)  # [B, T or K or 1, V]
+        return h if hidden else self.head(h, p)  # hidden: the final-normed states (embeddings)

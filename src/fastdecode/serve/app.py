@@ -93,7 +93,7 @@ def create_app(generator: Any, settings: ServeSettings | None = None) -> FastAPI
         return names.retrieve(name)
 
     add_token_routes(app, generator, settings.max_body_bytes)
-    add_embeddings_route(app, generator, names, settings)
+    add_embeddings_route(app, generator, service.worker, names, settings)
     add_messages_route(app, service, names, settings)
     add_responses_route(app, service, names, settings)
 

@@ -3,38 +3,43 @@ strings, token ids or lists of token ids; ``encoding_format`` "float" or "base64
 only as the model's own size) -> one unit-length vector per input, pooled over the final hidden
 states (``--pooling mean|last``).
 
-Inputs run as prefill-only forwards (``generation.embedding``) on one embedding thread beside the
-engine's: each time it is free it takes every request waiting, and runs all their inputs together,
-longest first, in batches of at most ``max_batch_tokens`` padded tokens (concurrent requests share
-batches, as sequences share engine steps)."""
+Each input runs as an embedding sequence of the server's one engine (engine/embedding_rows.py),
+submitted to the engine thread as any request: its tokens run in the same steps as generation and
+scoring, chunked like a prompt, and it ends with its pooled vector, freeing its blocks. A client that
+goes away cancels the inputs still running."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import queue
-import threading
+import itertools
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
-from ..generation.embedding import embed_token_lists
+from ..engine.embedding_rows import submit_embedding
 from ..validation import is_int
 from .body import read_json_body
+from .lifetime import lifetime_of
 from .names import ModelNames
 from .protocol import APIError, _Fields
+from .worker import Failed, RequestSink, Submission
 
 FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
+IN_FLIGHT = 64  # inputs of one request queued in the engine at once (the rest follow as those end)
+_GONE = object()  # put in a request's queue when its client goes away
 
 
-def add_embeddings_route(app: FastAPI, generator: Any, names: ModelNames, settings: Any) -> None:
+def add_embeddings_route(app: FastAPI, generator: Any, worker: Any, names: ModelNames, settings: Any) -> None:
+    """``worker``: the engine thread (serve/worker.py) the inputs run on."""
     if settings.embeddings is not None and generator.config.is_encoder_decoder:
         raise APIError(400, "--embeddings needs a decoder-only model (this one is an encoder-decoder)")
-    batcher = EmbeddingBatcher(generator.model, settings.embeddings, settings.max_batch_tokens)
     context = names.context
 
     @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> dict[str, Any]:
+    async def embeddings(request: Request) -> Any:
         body = await read_json_body(request, settings.max_body_bytes)
         if settings.embeddings is None:
             raise APIError(400, "this server does not serve embeddings: start it with --embeddings",
@@ -54,69 +59,56 @@ def add_embeddings_route(app: FastAPI, generator: Any, names: ModelNames, settin
             raise APIError(400, f"dimensions: this model's embeddings have {width} dimensions; other sizes "
                                 "are not available", param="dimensions")
         inputs = _inputs(generator, body.get("input"), context)
-        vectors = await batcher.embed(inputs)
+        vectors = await embed_on_engine(worker, inputs, settings.embeddings, lifetime_of(request))
+        if vectors is None:  # the client went away: nothing to answer
+            return Response(status_code=499)
         data = [{"object": "embedding", "index": i, "embedding": _encode(v, encoding)} for i, v in enumerate(vectors)]
         tokens = sum(len(i) for i in inputs)
         return {"object": "list", "data": data, "model": model,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    app.router.on_shutdown.append(batcher.close)
+
+class EmbeddingSubmission(Submission):
+    """One input to embed on the engine thread: an embedding sequence of the engine (no token)."""
+
+    def __init__(self, index: int, prompt_ids: list[int], pooling: str, sink: RequestSink):
+        super().__init__(index, prompt_ids, {}, sink, time.perf_counter())
+        self.pooling = pooling
+
+    def start(self, engine: Any) -> Any:
+        return submit_embedding(engine, self.prompt_ids, self.pooling)
 
 
-class EmbeddingBatcher:
-    """The embedding thread: requests queue their inputs; each round embeds everything waiting."""
+async def embed_on_engine(worker: Any, inputs: list[list[int]], pooling: str, lifetime: Any) -> list[Any] | None:
+    """Each input's unit vector [C], from embedding sequences of ``worker``'s engine, at most
+    ``IN_FLIGHT`` of this request queued at once (a request may hold more inputs than the engine's
+    queue) -> None if the client went away (what it queued is cancelled); an APIError if the engine
+    refuses one (a full queue...)."""
+    sink = RequestSink(asyncio.get_running_loop())
+    submissions = [EmbeddingSubmission(i, ids, pooling, sink) for i, ids in enumerate(inputs)]
+    later = iter(submissions)
 
-    def __init__(self, model: Any, pooling: str | None, max_batch_tokens: int):
-        self.model, self.pooling, self.max_batch_tokens = model, pooling or "mean", max_batch_tokens
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+    def cancel() -> None:
+        for submission in submissions:
+            worker.cancel(submission)
+        sink.queue.put_nowait(_GONE)
 
-    async def embed(self, inputs: list[list[int]]) -> list[Any]:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="fastdecode-embed", daemon=True)
-            self._thread.start()
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._inbox.put((inputs, future, loop))
-        return await future
-
-    def close(self) -> None:
-        self._inbox.put(None)
-
-    def _run(self) -> None:
-        while True:
-            waiting = [self._inbox.get()]
-            while True:
-                try:
-                    waiting.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            requests = [item for item in waiting if item is not None]
-            if requests:
-                self._round(requests)
-            if len(requests) < len(waiting):  # closed
-                return
-
-    def _round(self, requests: list[tuple]) -> None:
-        every = [ids for inputs, _, _ in requests for ids in inputs]
-        try:
-            vectors, error = _embed_all(self.model, every, self.pooling, self.max_batch_tokens), None
-        except Exception as exc:  # a bug, not bad input (checked before): every waiting request fails
-            vectors, error = [], exc
-        start = 0
-        for inputs, future, loop in requests:
-            part = vectors[start : start + len(inputs)]
-            start += len(inputs)
-            loop.call_soon_threadsafe(_settle, future, part, error)
-
-
-def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
-    if future.done():  # the client went away
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+    lifetime.on_disconnect(cancel)
+    for submission in itertools.islice(later, IN_FLIGHT):
+        worker.submit(submission)
+    left = len(submissions)
+    while left:
+        item = await sink.queue.get()
+        if item is _GONE:
+            return None
+        if isinstance(item, Failed):
+            cancel()
+            raise item.error
+        if getattr(item, "finish_reason", None) is not None:  # an embedding sequence's end
+            left -= 1
+            for submission in itertools.islice(later, 1):
+                worker.submit(submission)
+    return [submission.sequence.embedding for submission in submissions]
 
 
 def _inputs(generator: Any, value: Any, context: int) -> list[list[int]]:
@@ -144,21 +136,6 @@ def _inputs(generator: Any, value: Any, context: int) -> list[list[int]]:
                            code="context_length_exceeded")
         inputs.append(ids)
     return inputs
-
-
-def _embed_all(model: Any, inputs: list[list[int]], pooling: str, max_batch_tokens: int) -> list[list[float]]:
-    """Longest first, batches of at most ``max_batch_tokens`` padded tokens (one input at least)."""
-    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
-    vectors: list[Any] = [None] * len(inputs)
-    start = 0
-    while start < len(order):
-        longest = len(inputs[order[start]])
-        size = max(1, max_batch_tokens // longest)
-        batch = order[start : start + size]
-        for index, vector in zip(batch, embed_token_lists(model, [inputs[i] for i in batch], pooling)):
-            vectors[index] = vector
-        start += size
-    return vectors
 
 
 def _encode(vector: Any, encoding: str) -> list[float] | str:
