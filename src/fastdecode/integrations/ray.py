@@ -88,7 +88,7 @@ class FastDecodePredictor:
     def __init__(self, model: str | None = None, *, options: dict[str, Any] | None = None, field: str = "prompt",
                  chat: bool | None = None, num_cpus: int | None = None, batch_size: int | None = None,
                  max_batch_tokens: int | None = None, device: str = "cpu", dtype: str = "float32",
-                 quantize: str | None = None, encoded: bool = False):
+                 quantize: str | None = None, prompt_rows: str = "exact", encoded: bool = False):
         import torch
 
         from .. import load
@@ -99,7 +99,7 @@ class FastDecodePredictor:
         torch.set_num_threads(max(1, int(num_cpus or assigned_cpus())))  # the actor's share, not the node's cores
         self.options = dict(options or {})
         GenerationConfig.from_options(**self.options)  # a bad option fails the actor's start, not every row
-        self.generator = load(model, device=device, dtype=dtype, quantize=quantize)
+        self.generator = load(model, device=device, dtype=dtype, quantize=quantize, prompt_rows=prompt_rows)
         self.settings = BatchSettings(batch_size=batch_size, max_batch_tokens=max_batch_tokens,
                                       chat=resolve_chat(self.generator, chat))
         self.field = field
