@@ -17,8 +17,9 @@ class BlockPool:
     def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref_counts = [0] * num_blocks
-        # Free blocks in the order they were freed (oldest first: evicted first). A free block may
-        # still carry a hash (a cached prefix that can be revived).
+        # Free blocks: unnamed ones first (most recently freed first), then named ones in the order
+        # they were freed (oldest first: evicted first). A named free block still carries its hash (a
+        # cached prefix that can be revived).
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.block_key: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (hash, its token ids)
         self.by_hash: dict[int, int] = {}  # hash -> block
@@ -111,7 +112,8 @@ class BlockPool:
             self.by_hash[block_hash] = block
 
     def take(self, count: int) -> list[int]:
-        """``count`` fresh blocks (least recently freed first; their prefix names are forgotten)."""
+        """``count`` fresh blocks (unnamed first, then the least recently freed; their prefix names are
+        forgotten)."""
         if count > self.num_free:
             raise RuntimeError(f"block pool exhausted: {count} blocks wanted, {self.num_free} free")
         blocks = []
@@ -130,12 +132,19 @@ class BlockPool:
         return list(table)
 
     def release(self, table: list[int]) -> None:
-        """The sequence is done with its blocks (``seq_rm`` of all its slots)."""
+        """The sequence is done with its blocks (``seq_rm`` of all its slots). A named block joins the
+        end of the free list (a cached prefix, evicted last); a block without a name, which nothing can
+        revive, joins its front and is the next taken: its memory is warm, where a block never used
+        yet costs a page fault on first touch (the cache's memory is zeroed lazily: lazy_zeros.py),
+        so the resident memory stays at what is in use at once (a Whisper beam-5 search on the
+        tiny.en model touched 160 MB of cache, every copy-on-write taking an untouched block)."""
         for block in table:
             if block != NO_BLOCK:
                 self.ref_counts[block] -= 1
                 if self.ref_counts[block] == 0:
                     self.free[block] = None
+                    if block not in self.block_key:
+                        self.free.move_to_end(block, last=False)
 
     def unname(self, table: list[int]) -> None:
         """Forget the names of the blocks of ``table`` no other sequence holds."""

@@ -72,7 +72,11 @@ class EncodedSourceStore:
         pass  # nothing to reserve or to encode
 
     def release(self, sequence: Sequence) -> None:
-        pass  # the K/V go when the transcription lets its window go
+        """The sequence (and its group's beams) let go of the window: the K/V go once the transcription
+        lets it go too, not when the cycle collector finds the finished group (root <-> group)."""
+        group = sequence.group
+        for done in [sequence, *(group.beams if group is not None else [])]:
+            done.source = None
 
     def encode_pending(self) -> None:
         pass  # sources arrive encoded

@@ -14,8 +14,9 @@ others go on. One whose ``cancelled()`` turns true (the server's client went awa
 the next round: its engine request is cancelled, its generator closed and it ends with
 ``GenerationCancelledError``.
 
-The engine is made when a request arrives and let go when it has no work left, so that an idle
-transcriber holds no decoder cache.
+The engine is made at the first request and lives on; its cache's memory is zeroed lazily and its
+blocks reused warm first (engine/blocks.py), so what is resident is what the most searches at
+once have used.
 """
 
 from __future__ import annotations
@@ -176,8 +177,6 @@ class WindowBatcher:
         for o in self.open:
             if o.sequence is not None and o.sequence.finished and id(o) not in answers:
                 answers[id(o)] = answer(o.sequence, vocab)
-        if self.engine is not None and not self.engine.has_work():
-            self.engine = None  # idle: its cache's memory goes back
         asking, self.open = self.open, []
         for o in asking:
             if id(o) in answers:
