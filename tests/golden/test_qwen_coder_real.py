@@ -12,12 +12,12 @@ our side (batched equals alone is tested on the tiny models).
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
 
 import fastdecode
+from hf_gguf import hf_causal_lm
 from qwen_coder import parts_installed, qwen_coder_gguf
 
 pytestmark = pytest.mark.slow
@@ -53,10 +53,7 @@ def prompts(qwen_path):
 def reference(qwen_path, prompts):
     """transformers' greedy tokens per prompt and the logits [NEW_TOKENS, V] it chose them from; the
     model is freed before any fastdecode model is loaded."""
-    transformers = pytest.importorskip("transformers")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(qwen_path.parent), gguf_file=qwen_path.name,
-                                                              dtype=torch.float32).eval()
+    model = hf_causal_lm(qwen_path)
     results = []
     with torch.no_grad():
         for ids in prompts:
