@@ -83,7 +83,10 @@ def run_model(name: str, build, settings: Settings, folder: Path) -> list[list[s
                 from fastdecode.layers.products import Products
             except ImportError:  # an older tree: row roles were a context variable
                 return gen.model.encode(tokens, positions, valid)  # [B, S, C]
-            return gen.model.encode(tokens, positions, valid, products=Products.prompt(torch.get_num_threads()))
+            kernels = getattr(gen.model, "kernels", None)  # None: an older tree, no kernel choice in products
+            products = (Products.prompt(torch.get_num_threads()) if kernels is None
+                        else Products.prompt(torch.get_num_threads(), kernels=kernels))
+            return gen.model.encode(tokens, positions, valid, products=products)
 
     def encode_theirs():
         with torch.inference_mode():

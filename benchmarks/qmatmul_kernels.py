@@ -69,7 +69,12 @@ def _forward_product(x, weight):
         from fastdecode.layers.threads import one_thread_except_big_ops
 
         return one_thread_except_big_ops(lambda: quantized_linear(x, weight, None))
-    products = Products.generated(torch.get_num_threads())
+    try:
+        from fastdecode.layers.products import KernelChoice
+    except ImportError:  # an older tree: products carried no kernel choice (module switches chose)
+        products = Products.generated(torch.get_num_threads())
+    else:
+        products = Products.generated(torch.get_num_threads(), kernels=KernelChoice())
     return on_one_thread(lambda: quantized_linear(x, weight, None, products))
 
 

@@ -38,3 +38,56 @@ def run_short_requests(engine, count: int, tokens: range, max_prompt: int) -> li
     assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
     assert not engine.running and not engine.waiting
     return refs
+
+
+class OneSequence:
+    """One sequence run through the engine's own forward (its slot cache, a ``StepPlan`` of one row)
+    on an engine of its own, with every position's logits kept: what the parity tests compare with
+    transformers, position by position. ``run(ids, prompt)`` appends ``ids`` (their arithmetic role:
+    prompt rows, or generated rows as a decode step runs them) -> their logits [T, V]."""
+
+    def __init__(self, gen, capacity: int):
+        self.engine = gen.engine(cache_tokens=capacity, max_queue=1, cuda_graphs=False)
+        self.table, _ = self.engine.cache.allocate([], capacity, self.engine.max_chunk)
+        self.length = 0
+
+    def run(self, ids: list[int], prompt: bool = True):
+        import torch
+
+        from fastdecode.engine.plan import StepPlan
+        from fastdecode.layers.products import Products
+
+        engine, model, pieces = self.engine, self.engine.model, []
+        with torch.inference_mode():
+            for first in range(0, len(ids), engine.max_chunk):  # the engine's longest chunk
+                chunk = ids[first : first + engine.max_chunk]
+                start, count = self.length, len(chunk)
+                engine.cache.prepare(self.table, start, start + count)
+                products = Products.of_rows(prompt, torch.get_num_threads(), model.device, kernels=model.kernels)
+                plan = StepPlan.for_rows(engine.cache, [(self.table, start, count)], engine.windows, engine.score_bias,
+                                         model.dtype, products)
+                tokens = torch.tensor([chunk], device=model.device)  # [1, T]
+                positions = torch.arange(start, start + count, device=model.device)[None]  # [1, T]
+                logits_at = torch.arange(count, device=model.device)
+                pieces.append(model.forward(tokens, positions, plan, logits_at=logits_at)[0])  # [T, V]
+                self.length += count
+        return torch.cat(pieces)
+
+
+def prompt_logits(gen, ids: list[int]):
+    """Logits [T, V] at every position of ``ids`` run as one prompt through the engine's forward."""
+    return OneSequence(gen, len(ids)).run(ids)
+
+
+def reference_logprobs(gen, ids: list[int], top: int = 0):
+    """log P(ids[i + 1] | ids[:i + 1]) for each position from one forward over the text alone
+    (``prompt_logits``), and with ``top`` > 0 the ``top`` best (token id, logprob) pairs there:
+    what the engine's scoring sequences are compared with."""
+    import torch
+
+    logprobs = prompt_logits(gen, ids[:-1]).float().log_softmax(dim=-1)  # [T, V]
+    chosen = logprobs.gather(1, torch.tensor(ids[1:], device=logprobs.device)[:, None])[:, 0].tolist()
+    if top == 0:
+        return chosen, [[] for _ in chosen]
+    values, index = logprobs.topk(top, dim=-1)  # [T, top]
+    return chosen, [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]

@@ -295,9 +295,6 @@ def copy_folder(src, dst, **config_changes):
 
 def prefill_logits(gen, ids: list[int]) -> torch.Tensor:
     """A Generator's logits [T, V] at every position of one cached prefill of ``ids``."""
-    from fastdecode.generation.decode import left_pad
-    from fastdecode.generation.step import CachedEngine
+    from engine_helpers import prompt_logits
 
-    engine = CachedEngine(gen.model, 1, len(ids))
-    with torch.inference_mode():
-        return engine.prefill(*left_pad([ids], gen.model.device), all_logits=True)[0]
+    return prompt_logits(gen, ids)

@@ -46,27 +46,35 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def load(source: str | None = None, device: str = "cpu", dtype: str = "float32",
-         quantize: str | None = None, speculative: Any = None) -> "Generator":
+         quantize: str | None = None, speculative: Any = None, prompt_rows: str | None = None,
+         kernels: Any = None) -> "Generator":
     """Load a model (HF folder, .gguf file, or the embedded default when None) into a Generator.
 
     quantize: None (a quantized GGUF runs on its own blocks; float checkpoints stay float), "int8" or
     "int4" (float matrices quantized at load), "dequantize" (GGUF blocks decoded to ``dtype``).
     speculative: the default speculative decoding of greedy and sampling calls: "ngram" (prompt
     lookup), ``{"draft_model": path}`` (a smaller model with the same tokenizer) or a dict of
-    settings (fastdecode/config/speculative.py); outputs are the same, only faster."""
+    settings (fastdecode/config/speculative.py); outputs are the same, only faster.
+    prompt_rows: how prompt rows (prompts, scored texts, encoder sources) of quantized weights are
+    multiplied: "exact" (default: by the weights' exact float32 values) or "int8" (rounded to int8 and
+    through the integer kernels, llama.cpp's choice: faster prompts, near ties may flip).
+    kernels: instead of prompt_rows, the whole ``fastdecode.layers.products.KernelChoice`` (also the
+    reference paths with the quantized or float kernels off, for tests and benchmarks)."""
     from .api import load as _load
 
-    return _load(source, device=device, dtype=dtype, quantize=quantize, speculative=speculative)
+    return _load(source, device=device, dtype=dtype, quantize=quantize, speculative=speculative,
+                 prompt_rows=prompt_rows, kernels=kernels)
 
 
-def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None) -> "Generator":
+def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None, prompt_rows: str | None = None,
+            kernels: Any = None) -> "Generator":
     """Wrap an in-memory ``transformers`` model (weights shared, not copied).
 
     quantize: None (float), or "int8" / "int4" (its float matrices quantized into new tables, as ``load``
-    does; the model itself is left as it is)."""
+    does; the model itself is left as it is); prompt_rows, kernels: as for ``load``."""
     from .api import from_hf as _from_hf
 
-    return _from_hf(hf_model, tokenizer=tokenizer, quantize=quantize)
+    return _from_hf(hf_model, tokenizer=tokenizer, quantize=quantize, prompt_rows=prompt_rows, kernels=kernels)
 
 
 def load_speech(path: str, quantize: str | None = None) -> "Transcriber":

@@ -13,7 +13,8 @@ from .errors import GenerationCancelledError, InvalidOptionError
 from .engine import Engine
 from .engine.call import submit_call
 from .engine.requests import RequestFactory
-from .generation.decode import SequenceResult
+from .engine.sequence import SequenceResult
+from .layers.products import KernelChoice
 from .generation.loops import loop_results, loop_tokens, runs_in_engine
 from .generation.stopping import TextWatcher, final_text
 from .loading.checkpoint import Checkpoint
@@ -26,27 +27,33 @@ if TYPE_CHECKING:  # pragma: no cover
     from .pipeline import BatchRun
 
 def load(source: str | Path | None = None, device: str = "cpu", dtype: str = "float32",
-         quantize: str | None = None, speculative: Any = None) -> "Generator":
+         quantize: str | None = None, speculative: Any = None, prompt_rows: str | None = None,
+         kernels: KernelChoice | None = None) -> "Generator":
     """quantize: None (GGUF blocks run as they are, float checkpoints stay float), "int8" / "int4"
     (float matrices quantized at load), "dequantize" (GGUF blocks decoded to ``dtype`` at load).
     speculative: the default of the ``speculative`` generation option (e.g. "ngram"), used by
-    greedy and sampling calls that do not set it (config/speculative.py)."""
+    greedy and sampling calls that do not set it (config/speculative.py).
+    prompt_rows / kernels: the model's kernel choice (layers/products.py's ``KernelChoice.at_load``)."""
     from .loading.open import open_checkpoint, save_weight_cache
 
+    choice = KernelChoice.at_load(prompt_rows, kernels)  # a bad value fails before the load
     checkpoint, loaded = open_checkpoint(source, device, dtype, quantize)
-    generator = Generator(checkpoint, GenerationConfig.from_options(speculative=speculative))
+    generator = Generator(checkpoint, GenerationConfig.from_options(speculative=speculative), choice)
     save_weight_cache(checkpoint, loaded)
     return generator
 
 
-def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None) -> "Generator":
+def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None, prompt_rows: str | None = None,
+            kernels: KernelChoice | None = None) -> "Generator":
     """quantize: as for ``load`` ("int8" / "int4": the model's float matrices quantized into new tables, the
-    model itself untouched; None and "dequantize": its weights shared as they are)."""
+    model itself untouched; None and "dequantize": its weights shared as they are); prompt_rows /
+    kernels: as for ``load``."""
     from .loading.from_hf import checkpoint_from_hf
     from .loading.quantize import apply_quantize, check_quantize
 
     check_quantize(quantize)
-    return Generator(apply_quantize(checkpoint_from_hf(hf_model, tokenizer), quantize))
+    choice = KernelChoice.at_load(prompt_rows, kernels)
+    return Generator(apply_quantize(checkpoint_from_hf(hf_model, tokenizer), quantize), kernels=choice)
 
 
 def _check_stop(should_stop: Callable[[], bool] | None) -> None:
@@ -61,11 +68,15 @@ class Generator:
     the engine (engine/) or, for the strategies it does not run yet, by their decode loops
     (generation/loops.py)."""
 
-    def __init__(self, checkpoint: Checkpoint, defaults: GenerationConfig | None = None):
+    def __init__(self, checkpoint: Checkpoint, defaults: GenerationConfig | None = None,
+                 kernels: KernelChoice | None = None):
+        """``kernels``: the model's kernel choice (layers/products.py; None: the default one), carried
+        by its every forward."""
         self.checkpoint = checkpoint
         self.config: ModelConfig = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.model = checkpoint.family.build(checkpoint.config, checkpoint.weights)
+        self.model = checkpoint.family.build(checkpoint.config, checkpoint.weights,
+                                                 KernelChoice() if kernels is None else kernels)
         self.requests = RequestFactory(self.config, self.tokenizer, defaults, self.model.dtype, self.model.device)
 
     @property
@@ -228,14 +239,10 @@ class Generator:
         streaming cache of that size, in chunks, as StreamingLLM is evaluated; otherwise the
         whole text must fit in the model's context.
         """
+        from .engine.scoring import score_alone
+
         ids, config = self.requests.build_score(text_or_ids, options)
-        if config.n_ctx is None:  # a scoring sequence of the engine (engine/scoring.py)
-            from .engine.scoring import score_alone
-
-            return [-logprob for logprob in score_alone(self, ids).logprobs]
-        from .generation.scoring import score_tokens
-
-        return score_tokens(self.model, ids, config)
+        return [-logprob for logprob in score_alone(self, ids, config=config).logprobs]  # engine/scoring.py
 
     def chat_session(self, system: str | None = None, **options: Any) -> "ChatSession":
         """A multi-turn conversation kept between turns (an engine sequence, then past ``n_ctx`` a

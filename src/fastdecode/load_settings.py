@@ -17,8 +17,10 @@ class LoadSettings:
     device: str = "cpu"
     dtype: str = "float32"
     quantize: str | None = None
+    prompt_rows: str = "exact"  # "exact" | "int8": how prompt rows of quantized weights are multiplied
 
     def load(self) -> Any:
         from .api import load
 
-        return load(self.model, device=self.device, dtype=self.dtype, quantize=self.quantize)
+        return load(self.model, device=self.device, dtype=self.dtype, quantize=self.quantize,
+                    prompt_rows=self.prompt_rows)

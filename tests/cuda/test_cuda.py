@@ -79,8 +79,8 @@ def test_replay_is_bitwise_the_eager_decode_step_and_never_syncs(cuda_pair):
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.inference_mode():
-            eager, _ = decode_step(gen.model, engine.cache, engine.windows, engine.score_bias, decode_products(),
-                                   *static)
+            eager, _ = decode_step(gen.model, engine.cache, engine.windows, engine.score_bias,
+                                   decode_products(gen.model), *static)
             graphed = captured.logits(sequences)  # a replay of the captured graph
     finally:
         torch.cuda.set_sync_debug_mode("default")

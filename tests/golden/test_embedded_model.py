@@ -31,13 +31,9 @@ def test_logits_match_transformers_on_the_same_gguf(smollm_float, hf_gguf):
     ids = smollm.encode_prompt("What is the capital of France?", chat=True)
     with torch.no_grad():
         reference = hf_gguf(torch.tensor([ids])).logits[0]
-    from fastdecode.generation.decode import left_pad
-    from fastdecode.generation.step import CachedEngine
+    from engine_helpers import prompt_logits
 
-    engine = CachedEngine(smollm.model, 1, len(ids))
-    tokens, valid, positions = left_pad([ids], smollm.device)
-    with torch.inference_mode():
-        ours = engine.prefill(tokens, valid, positions, all_logits=True)[0]
+    ours = prompt_logits(smollm, ids)
     torch.testing.assert_close(ours, reference, atol=2e-4, rtol=1e-4)
 
 

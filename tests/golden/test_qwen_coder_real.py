@@ -82,15 +82,12 @@ def test_exact_path_gives_transformers_greedy_tokens(qwen_path, prompts, referen
 
 
 @pytest.mark.parametrize("prompt_activations", ["exact", "int8"])
-def test_native_path_follows_transformers_up_to_its_first_near_tie(qwen_path, prompts, reference, prompt_activations,
-                                                                   monkeypatch):
+def test_native_path_follows_transformers_up_to_its_first_near_tie(qwen_path, prompts, reference, prompt_activations):
     """Identical up to the first step where transformers' own top-2 logits are within NEAR_TIE; there
     the native choice is one of those near-tied tokens (what follows depends on that choice). With
-    int8 prompt rows too (``PROMPT_ROWS_EXACT`` off: the tiled kernel and layers/qprompt.cpp's Q6_K GEMM)."""
-    from fastdecode.layers import quantized
-
-    monkeypatch.setattr(quantized, "PROMPT_ROWS_EXACT", prompt_activations == "exact")
-    ours = _generate(qwen_path, prompts)
+    int8 prompt rows too (``load(..., prompt_rows="int8")``: the tiled kernel and layers/qprompt.cpp's
+    Q6_K GEMM)."""
+    ours = _generate(qwen_path, prompts, prompt_rows=prompt_activations)
     for mine, (theirs, logits) in zip(ours, reference):
         top2 = logits.topk(2, dim=-1).values  # [NEW_TOKENS, 2]
         near_ties = (top2[:, 0] - top2[:, 1] < NEAR_TIE).nonzero()

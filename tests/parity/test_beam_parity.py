@@ -8,7 +8,7 @@ import torch
 import fastdecode
 from fastdecode.engine.beam_group import BeamGroup
 from fastdecode.generation.beam import DecoderBeamEngine
-from fastdecode.generation.decode import left_pad
+from fastdecode.generation.reference import left_pad
 from tiny_models import VOCAB, build
 
 pytest.importorskip("transformers")

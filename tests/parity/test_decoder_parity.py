@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.generation.decode import left_pad
-from fastdecode.generation.step import CachedEngine
+from engine_helpers import OneSequence, prompt_logits
 from tiny_models import DECODER_KINDS, VOCAB, build, hf_greedy
 
 pytest.importorskip("transformers")
@@ -45,17 +44,13 @@ def test_prefill_and_every_cached_step_match_transformers(pair):
     full = prompt + continuation
     reference = _hf_logits(hf, full)  # [T, V]
 
-    model = gen.model
-    engine = CachedEngine(model, 1, len(full))
-    tokens, valid, positions = left_pad([prompt], model.device)
-    with torch.inference_mode():
-        prefill = engine.prefill(tokens, valid, positions, all_logits=True)[0]
-        torch.testing.assert_close(prefill, reference[: len(prompt)], atol=ATOL, rtol=0)
-        for offset, token in enumerate(continuation[:-1]):
-            position = torch.tensor([len(prompt) + offset])
-            step = engine.decode(torch.tensor([token]), position)[0]
-            torch.testing.assert_close(step, reference[len(prompt) + offset], atol=ATOL, rtol=0,
-                                       msg=lambda m: f"{kind} step {offset}: {m}")
+    sequence = OneSequence(gen, len(full))
+    prefill = sequence.run(prompt)
+    torch.testing.assert_close(prefill, reference[: len(prompt)], atol=ATOL, rtol=0)
+    for offset, token in enumerate(continuation[:-1]):
+        step = sequence.run([token], prompt=False)[0]  # one decode step
+        torch.testing.assert_close(step, reference[len(prompt) + offset], atol=ATOL, rtol=0,
+                                   msg=lambda m: f"{kind} step {offset}: {m}")
 
 
 def test_greedy_tokens_identical_to_transformers(pair):
@@ -87,11 +82,7 @@ def test_from_hf_equals_load_of_saved_folder(pair):
     wrapped = fastdecode.from_hf(hf)
     prompt = _prompt(9, 10)
     assert wrapped.generate_ids([prompt], max_new_tokens=16) == gen.generate_ids([prompt], max_new_tokens=16)
-    engine_a, engine_b = CachedEngine(wrapped.model, 1, 16), CachedEngine(gen.model, 1, 16)
-    tokens, valid, positions = left_pad([prompt], wrapped.device)
-    with torch.inference_mode():
-        a = engine_a.prefill(tokens, valid, positions)
-        b = engine_b.prefill(tokens, valid, positions)
+    a, b = prompt_logits(wrapped, prompt)[-1:], prompt_logits(gen, prompt)[-1:]  # the last position's [1, V]
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
@@ -113,10 +104,7 @@ def test_sliding_window_is_exercised_past_the_window():
     full_attention = build("mistral")
     full_attention.config.sliding_window = None
     assert not torch.allclose(reference, _hf_logits(full_attention, prompt), atol=1e-3)
-    engine = CachedEngine(gen.model, 1, 20)
-    tokens, valid, positions = left_pad([prompt], gen.device)
-    with torch.inference_mode():
-        ours = engine.prefill(tokens, valid, positions, all_logits=True)[0]
+    ours = prompt_logits(gen, prompt)
     torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
 
 

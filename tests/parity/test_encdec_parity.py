@@ -42,7 +42,7 @@ def test_encoder_output_matches_transformers(pair):
     with torch.no_grad():
         reference = hf.get_encoder()(input_ids=tokens, attention_mask=valid.long()).last_hidden_state
     with torch.inference_mode():
-        ours = gen.model.encode(tokens, positions, valid, products=Products.generated(torch.get_num_threads()))
+        ours = gen.model.encode(tokens, positions, valid, products=Products.generated(torch.get_num_threads(), kernels=gen.model.kernels))
     torch.testing.assert_close(ours[valid], reference[valid], atol=ATOL, rtol=0, msg=lambda m: f"{kind}: {m}")
 
 

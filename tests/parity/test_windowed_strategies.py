@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.generation.streaming import StreamEngine
+from stream_alone import StreamAlone
 from streaming_reference import ExplicitShiftEngine, logit_trace
 from tiny_models import VOCAB, build
 
@@ -64,7 +64,7 @@ def test_shift_equals_explicit_key_rotation(pair, n_keep, n_discard):
     equals its definition (every kept key rotated back), windows seen in the shifted frame."""
     kind, _, gen = pair
     tokens = torch.tensor(_ids(60, 3))
-    ours = logit_trace(StreamEngine(gen.model, 24, n_keep, n_discard), tokens)
+    ours = logit_trace(StreamAlone(gen.model, 24, n_keep, n_discard), tokens)
     reference = logit_trace(ExplicitShiftEngine(gen.model, 24, n_keep, n_discard), tokens)
     torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
 
@@ -73,7 +73,7 @@ def test_chunked_shift_scoring_equals_token_by_token(pair):
     kind, _, gen = pair
     ids = _ids(80, 4)
     chunked = torch.tensor(gen.score(ids, n_ctx=24, n_keep=4, n_discard=3))
-    trace = logit_trace(StreamEngine(gen.model, 24, 4, 3), torch.tensor(ids[:-1]))
+    trace = logit_trace(StreamAlone(gen.model, 24, 4, 3), torch.tensor(ids[:-1]))
     one_by_one = torch.nn.functional.cross_entropy(trace, torch.tensor(ids[1:]), reduction="none")
     torch.testing.assert_close(chunked, one_by_one, atol=ATOL, rtol=0)
 

@@ -7,6 +7,7 @@ import torch
 
 from tiny_whisper import FRAMES, MELS, build, save
 
+from fastdecode.cache.view import NoCache
 from fastdecode.engine.cross import EncodedSources
 from fastdecode.layers.products import Products
 from fastdecode.speech.engine import WhisperEngine, encode_windows
@@ -81,8 +82,8 @@ def test_logits_match_transformers(pair):
         expected = hf(input_features=features, decoder_input_ids=target).logits
         memory = model.encode(features)
         sources = EncodedSources.from_memory(model, memory, torch.ones(memory.shape[:2], dtype=torch.bool))
-        got = model.decode(target, torch.arange(5)[None], None, model.decoder_self_bias(5), sources, all_logits=True,
-                           products=Products.generated(torch.get_num_threads()))
+        naive = NoCache(Products.generated(torch.get_num_threads(), kernels=model.kernels), model.decoder_self_bias(5))
+        got = model.decode(target, torch.arange(5)[None], naive, sources, all_logits=True)
     torch.testing.assert_close(memory, hf.model.encoder(features).last_hidden_state, atol=1e-4, rtol=0)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
@@ -182,6 +183,7 @@ def test_ctranslate2_conversion_loads_to_the_same_logits(tmp_path):
         expected = hf(input_features=features, decoder_input_ids=target).logits
         memory = checkpoint.model.encode(features)
         sources = EncodedSources.from_memory(checkpoint.model, memory, torch.ones(memory.shape[:2], dtype=torch.bool))
-        got = checkpoint.model.decode(target, torch.arange(5)[None], None, checkpoint.model.decoder_self_bias(5),
-                                      sources, all_logits=True, products=Products.generated(torch.get_num_threads()))
+        model = checkpoint.model
+        naive = NoCache(Products.generated(torch.get_num_threads(), kernels=model.kernels), model.decoder_self_bias(5))
+        got = model.decode(target, torch.arange(5)[None], naive, sources, all_logits=True)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)

@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("transformers")
 
 import fastdecode  # noqa: E402
-from fastdecode.layers import linear  # noqa: E402
 from fastdecode.layers.elementwise import elementwise_ops  # noqa: E402
+from fastdecode.layers.products import KernelChoice  # noqa: E402
 from fastdecode.models.llama_decode import FusedDecode  # noqa: E402
 from tiny_models import save_tiny_folder  # noqa: E402
 
@@ -86,10 +86,12 @@ def test_beam_search_equals_the_python_loop(kernel_gen, monkeypatch):
     assert [(r.tokens, r.score) for r in with_op] == [(r.tokens, r.score) for r in python]
 
 
-def test_only_models_whose_products_all_have_kernels_take_the_op(tmp_path, monkeypatch):
+def test_only_models_whose_products_all_have_kernels_take_the_op(tmp_path):
     save_tiny_folder(tmp_path, "llama-gqa", with_tokenizer=False, intermediate_size=96)
     assert fastdecode.load(str(tmp_path), quantize="int8").model.fused_decode is not None
     assert fastdecode.load(str(tmp_path)).model.fused_decode is not None  # float32: float_matmul
-    monkeypatch.setattr(linear, "USE_FLOAT_KERNEL", False)  # float products back on oneDNN's GEMM
-    assert fastdecode.load(str(tmp_path)).model.fused_decode is None
-    assert fastdecode.load(str(tmp_path), quantize="int8").model.fused_decode is not None
+    gemm_only = KernelChoice(float_kernel=False)  # float products back on oneDNN's GEMM
+    assert fastdecode.load(str(tmp_path), kernels=gemm_only).model.fused_decode is None
+    assert fastdecode.load(str(tmp_path), quantize="int8", kernels=gemm_only).model.fused_decode is not None
+    no_quantized = KernelChoice(quantized_kernels=False)  # every quantized product exact: not the op's kernels
+    assert fastdecode.load(str(tmp_path), quantize="int8", kernels=no_quantized).model.fused_decode is None

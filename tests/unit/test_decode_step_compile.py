@@ -57,7 +57,8 @@ def test_compiled_decode_step_one_graph_per_bucket_equal_logits(kind):
         graphs.append(graph_module)
         return graph_module.forward
 
-    bound = functools.partial(decode_step, gen.model, cache, engine.windows, engine.score_bias, decode_products())
+    bound = functools.partial(decode_step, gen.model, cache, engine.windows, engine.score_bias,
+                              decode_products(gen.model))
     compiled = torch.compile(bound, backend=counting_backend, fullgraph=True, dynamic=False)
     for rows in ([0, 1, 2, 3], [1, 3]):  # two buckets: B = 4 and B = 2
         restore()
@@ -98,7 +99,7 @@ def test_the_engine_decodes_through_the_compiled_step_with_unchanged_tokens(kind
         return graph_module.forward
 
     engine = gen.engine(max_batch_tokens=16)
-    engine.compiled = CompiledDecode(engine, backend=counting_backend)
+    engine.runner.compiled = CompiledDecode(engine.runner, backend=counting_backend)
     assert run_arrivals(engine, dict(arrivals)) == expected
     assert 1 <= len(graphs) <= 8  # one per (rows, blocks) bucket met, not one per step
     assert engine.cache.pool.num_free == engine.cache.pool.num_blocks - 1  # only the scratch block stays

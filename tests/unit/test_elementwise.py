@@ -8,17 +8,17 @@ import torch
 import torch.nn.functional as F
 
 import fastdecode
-from fastdecode.cache.static import NoCache
+from fastdecode.cache.view import NoCache
 from fastdecode.layers import elementwise
 from fastdecode.layers.elementwise import elementwise_ops
 from fastdecode.layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_heads
-from fastdecode.layers.products import Products
+from fastdecode.layers.products import KernelChoice, Products
 from tiny_models import VOCAB, build, build_gemma3
 
 
 def generated_rows() -> Products:
     """Every row generated, on this thread's thread count."""
-    return Products.generated(torch.get_num_threads())
+    return Products.generated(torch.get_num_threads(), kernels=KernelChoice())
 
 
 needs_kernels = pytest.mark.skipif(elementwise_ops() is None, reason="the AVX2 extension is not available here")
@@ -85,7 +85,8 @@ def test_other_dtypes_and_activations_take_the_pytorch_path():
 
 def _logits(gen, ids):
     with torch.inference_mode():
-        return gen.model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], NoCache(generated_rows()), None,
+        return gen.model.forward(torch.tensor([ids]), torch.arange(len(ids))[None],
+                                 NoCache.of_model(gen.model, generated_rows(), None, torch.arange(len(ids))[None]),
                                  all_logits=True)[0]  # [T, V]
 
 

@@ -9,7 +9,7 @@ import torch
 import fastdecode
 from fastdecode.engine.scoring import ScoringSequence
 from fastdecode.errors import InvalidOptionError, PromptTooLongError
-from fastdecode.generation.scoring import token_logprobs_of
+from engine_helpers import reference_logprobs
 from tiny_models import VOCAB, build
 
 pytest.importorskip("transformers")
@@ -54,7 +54,7 @@ def test_top_logprobs_equal_the_reference_pass(pair):
     _, gen = pair
     ids = _ids(20, 2)
     sequence = _scored_alone(gen, ids, top=3)
-    chosen, best = token_logprobs_of(gen.model, ids, fastdecode.GenerationConfig(), 3)
+    chosen, best = reference_logprobs(gen, ids, 3)
     torch.testing.assert_close(torch.tensor(sequence.logprobs), torch.tensor(chosen), atol=1e-5, rtol=0)
     assert [[t for t, _ in row] for row in sequence.top] == [[t for t, _ in row] for row in best]
     torch.testing.assert_close(torch.tensor([[v for _, v in row] for row in sequence.top]),

@@ -1,7 +1,7 @@
 """Streams past n_ctx as sequences of the one engine: several streams (shift and re-evaluate, each
 with its own n_ctx / n_keep / n_discard) arriving at random steps beside greedy requests each
 give the tokens of the same request alone and of a stream alone on its own cache
-(generation/streaming.py); a stream cancelled mid-way frees every block."""
+(tests/stream_alone.py); a stream cancelled mid-way frees every block."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.generation.streaming import streaming_engine
+from stream_alone import stream_alone
 from tiny_models import VOCAB, build
 
 pytest.importorskip("transformers")
@@ -30,7 +30,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 def _stream_alone(gen, prompt: list[int], options: dict) -> list[int]:
     """Greedy on a stream of its own cache, token by token after the prompt."""
     config = gen.requests.generation_config(options)
-    stream, out = streaming_engine(gen.model, config), []
+    stream, out = stream_alone(gen.model, config), []
     with torch.inference_mode():
         logits = stream.feed(torch.tensor(prompt))
         for _ in range(config.max_new_tokens):
@@ -129,3 +129,31 @@ def test_kept_streams_resume_a_continued_conversation_and_give_way_to_waiting_re
         engine.step()
     assert waiting.finish_reason == "length"
     assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
+
+
+def test_decoding_streams_attend_together_as_each_would_alone(gen, monkeypatch):
+    """Streams decoding one token in one frame (before and after their context filled: keys before
+    the sinks hidden) attend in one paged op, each row equal to its own plan's attention."""
+    from fastdecode.engine.stream_plan import MixedPlan
+
+    batched, checked = MixedPlan._attend_paged, []
+
+    def compared(self, layer, q, starts, paged, scale):
+        together = batched(self, layer, q, starts, paged, scale)
+        for index in paged:
+            alone = self.streams[index].attend_written(layer, q[:, :, starts[index] : starts[index] + 1], scale)
+            torch.testing.assert_close(together[index], alone, atol=1e-5, rtol=0)
+            checked.append((len(paged), self.streams[index].offset))
+        return together
+
+    monkeypatch.setattr(MixedPlan, "_attend_paged", compared)
+    engine = gen.engine(max_batch_tokens=64, prefill_chunk=16)
+    for n, options in REQUESTS:
+        if "n_ctx" in options:
+            engine.submit(_prompt(n, n), options)
+    while engine.has_work():
+        engine.step()
+    if gen.model.dtype != torch.float32 or not fastdecode.layers.ops.available():
+        return  # the paged op runs float32 on the CPU with the kernels built
+    assert max(count for count, _ in checked) > 1  # several streams in one op
+    assert any(offset > 0 for _, offset in checked)  # a row whose blocks hold keys before its sinks

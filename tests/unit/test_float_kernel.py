@@ -14,13 +14,13 @@ import torch.nn.functional as F
 
 from fastdecode.layers import gemm, ops
 from fastdecode.layers.linear import linear as linear_with
-from fastdecode.layers.products import Products
+from fastdecode.layers.products import KernelChoice, Products
 
 needs_kernel = pytest.mark.skipif("not ops.available()", reason="no AVX2 extension on this machine")
 
 
 def roles(is_prompt: bool | list[bool]) -> Products:
-    return Products.of_rows(is_prompt, torch.get_num_threads())
+    return Products.of_rows(is_prompt, torch.get_num_threads(), kernels=KernelChoice())
 
 
 def linear(x, weight, bias=None, activation=None, products=None):

@@ -7,17 +7,17 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.cache.static import NoCache
+from fastdecode.cache.view import NoCache
 from fastdecode.layers.fused import concat_outputs, fuse_projections
 from fastdecode.layers.linear import linear
-from fastdecode.layers.products import Products
+from fastdecode.layers.products import KernelChoice, Products
 from fastdecode.layers.quantized import QuantizedWeight, quantize_matrix
 from tiny_models import VOCAB, build, build_gemma3
 
 
 def generated_rows() -> Products:
     """Every row generated, on this thread's thread count."""
-    return Products.generated(torch.get_num_threads())
+    return Products.generated(torch.get_num_threads(), kernels=KernelChoice())
 
 pytest.importorskip("transformers")
 
@@ -29,7 +29,8 @@ def _built(kind: str):
 def _logits(gen, ids: list[int]) -> torch.Tensor:
     """All positions' logits [T, V] of one forward without a cache."""
     with torch.inference_mode():
-        return gen.model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], NoCache(generated_rows()), None,
+        return gen.model.forward(torch.tensor([ids]), torch.arange(len(ids))[None],
+                                 NoCache.of_model(gen.model, generated_rows(), None, torch.arange(len(ids))[None]),
                                  all_logits=True)[0]
 
 

@@ -29,8 +29,8 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter  # noqa: E402
 
 import fastdecode  # noqa: E402
 from fastdecode.errors import CheckpointError, TokenizerError, UnsupportedModelError  # noqa: E402
-from fastdecode.generation.decode import left_pad  # noqa: E402
-from fastdecode.generation.step import CachedEngine  # noqa: E402
+from engine_helpers import prompt_logits  # noqa: E402
+from fastdecode.layers.products import KernelChoice  # noqa: E402
 from fastdecode.loading.gguf_file import GGUFFile  # noqa: E402
 from fastdecode.models import llama as llama_family  # noqa: E402
 from tiny_gguf import (EOT, GGUF_ARCH, TOKENS, VOCAB, gguf_tensors, hf_model, hf_reference,  # noqa: E402
@@ -42,14 +42,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 ATOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def exact_quantized_products(monkeypatch):
-    """These tests check the GGUF conversion (layouts, permutations, block decoding) against transformers
-    at 1e-4, so every product takes the exact dequantize-then-GEMM path; the decode kernel's int8
-    activation rounding is bounded separately (test_quantized.py)."""
-    from fastdecode.layers import quantized
-
-    monkeypatch.setattr(quantized, "USE_KERNEL", False)
+# These tests check the GGUF conversion (layouts, permutations, block decoding) against transformers
+# at 1e-4, so the models they run are loaded with every quantized product on the exact path; the
+# decode kernel's int8 activation rounding is bounded separately (test_quantized.py).
+EXACT_PRODUCTS = KernelChoice(quantized_kernels=False)
 NEW_TOKENS = 16
 
 
@@ -73,7 +69,7 @@ def loaded(gguf_file):
 
     def get(kind: str, qtype: QT = QT.F32):
         if (kind, qtype) not in cache:
-            cache[kind, qtype] = fastdecode.load(str(gguf_file(kind, qtype)))
+            cache[kind, qtype] = fastdecode.load(str(gguf_file(kind, qtype)), kernels=EXACT_PRODUCTS)
         return cache[kind, qtype]
 
     return get
@@ -86,12 +82,8 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 
 def _our_logits(gen, ids: list[int]) -> torch.Tensor:
-    """Prefill logits at every position [T, V] through the cached engine."""
-    model = gen.model
-    engine = CachedEngine(model, 1, len(ids))
-    tokens, valid, positions = left_pad([ids], model.device)
-    with torch.inference_mode():
-        return engine.prefill(tokens, valid, positions, all_logits=True)[0]
+    """Prefill logits at every position [T, V] through the engine's forward."""
+    return prompt_logits(gen, ids)
 
 
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -174,7 +166,7 @@ def test_qk_unpermutation_is_what_makes_llama_match(loaded, gguf_file, monkeypat
     """Negative control: loading the llama file without undoing the permutation visibly breaks
     parity, so the parity tests above really exercise ``gguf_to_hf_layout``."""
     monkeypatch.setattr(llama_family, "gguf_to_hf_layout", lambda canonical, weight, config: weight)
-    unpermuted = fastdecode.load(str(gguf_file("llama-gqa")))
+    unpermuted = fastdecode.load(str(gguf_file("llama-gqa")), kernels=EXACT_PRODUCTS)
     prompt = _prompt(13, seed=1)
     error = (_our_logits(unpermuted, prompt) - _hf_logits(hf_model("llama-gqa"), prompt)).abs().max().item()
     assert error > 100 * ATOL

@@ -12,7 +12,7 @@ import torch
 import fastdecode
 from fastdecode.config import GenerationConfig, ModelConfig
 from fastdecode.errors import CheckpointError, InvalidOptionError, InvalidPromptError, MemoryLimitError
-from fastdecode.generation.streaming import StreamEngine
+from stream_alone import StreamAlone
 from fastdecode.memory import check_request_memory, parse_size, request_parts
 from fastdecode.models.registry import family_by_name
 from tiny_encdec import build as build_encdec
@@ -199,7 +199,7 @@ def test_long_prompt_is_chunked_through_the_shift_policy_with_the_same_logits():
     model = fastdecode.from_hf(build("llama-gqa")).model
     prompt = torch.randint(2, VOCAB, (300,), generator=torch.Generator().manual_seed(0))
     follow = torch.randint(2, VOCAB, (5,), generator=torch.Generator().manual_seed(1))
-    chunked, reference = StreamEngine(model, 32, 4, 1), StreamEngine(model, 32, 4, 1)
+    chunked, reference = StreamAlone(model, 32, 4, 1), StreamAlone(model, 32, 4, 1)
     forwards = []
     original = model.forward
     with torch.inference_mode():

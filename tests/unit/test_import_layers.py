@@ -31,7 +31,7 @@ ALLOWED_CYCLES: list[set[str]] = []
 ALLOWED_UPWARD = {
     ("fastdecode.engine.requests", "fastdecode.generation.sampling"),
     ("fastdecode.engine.requests", "fastdecode.generation.stopping"),
-    ("fastdecode.engine.scheduler", "fastdecode.generation.sampling"),
+    ("fastdecode.engine.core", "fastdecode.generation.sampling"),
     ("fastdecode.engine.sequence", "fastdecode.generation.sampling"),
     ("fastdecode.engine.beam_scores", "fastdecode.generation.sampling"),
 }

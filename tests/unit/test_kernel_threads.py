@@ -21,7 +21,7 @@ import torch
 from fastdecode.layers import ops
 from fastdecode.layers import threads as thread_policy
 from fastdecode.layers.linear import linear
-from fastdecode.layers.products import Products
+from fastdecode.layers.products import KernelChoice, Products
 from fastdecode.layers.quantized import for_logits, quantize_matrix
 
 pytestmark = pytest.mark.skipif("not ops.available()", reason="no AVX2 kernel on this machine")
@@ -172,7 +172,7 @@ def test_linear_on_two_threads_equals_one_thread_for_every_row_count(kind):
             results = []
             for count in (1, 2):
                 torch.set_num_threads(count)
-                products = Products.generated(torch.get_num_threads())
+                products = Products.generated(torch.get_num_threads(), kernels=KernelChoice())
                 results.append(thread_policy.on_one_thread(lambda: linear(x, weight, products=products))())
             assert results[0].shape == (1, rows, 768)
             assert torch.equal(results[0], results[1]), rows
@@ -202,7 +202,7 @@ def test_a_big_activation_gets_the_callers_threads_and_the_same_bits(activation,
             results = []
             for count in (1, 2):
                 torch.set_num_threads(count)
-                products = Products.generated(torch.get_num_threads())
+                products = Products.generated(torch.get_num_threads(), kernels=KernelChoice())
                 product = lambda: linear(x, weight, bias, activation, products=products)  # noqa: E731
                 results.append(thread_policy.on_one_thread(product)())
             assert torch.equal(results[0], results[1]), rows

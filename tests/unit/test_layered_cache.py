@@ -195,8 +195,8 @@ def test_a_cache_without_kinds_still_masks_each_layers_window(gemma):
     windows, bias = attention_terms(model)
     table = cache.take(len(prompt))
     plan = StepPlan.for_rows(cache, [(table, 0, len(prompt))], windows, bias, torch.float32,
-                             Products.generated(torch.get_num_threads()))
+                             Products.generated(torch.get_num_threads(), kernels=model.kernels))
     with torch.inference_mode():
-        ours = model.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], plan, None, all_logits=True)
+        ours = model.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], plan, all_logits=True)
         expected = hf(torch.tensor([prompt])).logits
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)

@@ -95,10 +95,10 @@ def test_seed_minus_one_is_random(gen):
 
 
 def test_best_of_keeps_the_most_likely_candidates(gen):
-    from fastdecode.generation.scoring import token_logprobs_of
+    from engine_helpers import reference_logprobs
 
     candidates = gen.generate_ids([PROMPT], max_new_tokens=6, do_sample=True, seed=9, num_return_sequences=5)
-    totals = [sum(token_logprobs_of(gen.model, PROMPT + c, fastdecode.GenerationConfig())[0][len(PROMPT) - 1:])
+    totals = [sum(reference_logprobs(gen, PROMPT + c)[0][len(PROMPT) - 1:])
               for c in candidates]
     ranked = [c for _, c in sorted(zip(totals, candidates), key=lambda pair: -pair[0])]
     best = gen.generate_ids_with_details([PROMPT], max_new_tokens=6, do_sample=True, seed=9, best_of=5,

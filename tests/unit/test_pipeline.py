@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from fastdecode.errors import BatchFileError, InvalidOptionError, PromptTooLongError
-from fastdecode.generation.decode import SequenceResult
+from fastdecode.engine.sequence import SequenceResult
 from fastdecode.pipeline import BatchRun, BatchSettings, InputItem, items_from_lines, items_from_objects
 from fastdecode.pipeline.inputs import format_for, parse_json_line, skip_done
 from fastdecode.pipeline.output import cut_torn_tail, prepare_output

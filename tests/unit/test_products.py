@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdecode.cache.static import NoCache
+from fastdecode.cache.view import NoCache
 from fastdecode.layers.attention import attention
 from fastdecode.layers.linear import linear
-from fastdecode.layers.products import ALL_PROMPT, Products, RowRoles
+from fastdecode.layers.products import ALL_PROMPT, KernelChoice, Products, RowRoles
 from fastdecode.layers.quantized import quantize_matrix, quantized_linear
-from fastdecode.models.seq2seq import plan_products
 
 
 def test_a_product_without_products_is_a_type_error():
@@ -27,22 +26,14 @@ def test_a_product_without_products_is_a_type_error():
         NoCache()
 
 
+CHOICE = KernelChoice()
+
+
 def test_one_role_for_every_row_collapses_and_a_mix_keeps_each_rows():
-    assert Products.of_rows([True, True], 2).roles is ALL_PROMPT and Products.of_rows(True, 2).all_prompt
-    assert Products.of_rows([False, False], 2).roles is None and Products.generated(1).roles is None
-    mixed = Products.of_rows([True, False, True], 3)
+    assert (Products.of_rows([True, True], 2, kernels=CHOICE).roles is ALL_PROMPT
+            and Products.of_rows(True, 2, kernels=CHOICE).all_prompt)
+    assert (Products.of_rows([False, False], 2, kernels=CHOICE).roles is None
+            and Products.generated(1, kernels=CHOICE).roles is None)
+    mixed = Products.of_rows([True, False, True], 3, kernels=CHOICE)
     assert isinstance(mixed.roles, RowRoles) and mixed.threads == 3
     assert mixed.roles.prompt.tolist() == [0, 2] and mixed.roles.generated.tolist() == [1]
-
-
-def test_a_decode_takes_its_plans_products_or_the_ones_it_is_given():
-    class Plan:
-        products = Products.generated(1)
-
-    assert plan_products(Plan(), None) is Plan.products
-    given = Products.prompt(2)
-    assert plan_products(None, given) is given
-    with pytest.raises(TypeError, match="needs products"):
-        plan_products(None, None)
-    with pytest.raises(TypeError, match="besides its plan"):
-        plan_products(Plan(), given)

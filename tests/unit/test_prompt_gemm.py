@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fastdecode.layers import ops, quantized
-from fastdecode.layers.products import Products
+from fastdecode.layers.products import KernelChoice, Products
 from fastdecode.layers.quantized import QuantizedWeight, quantized_linear
 
 op = ops.prompt_qmatmul if ops.available() else None
@@ -103,24 +103,24 @@ def test_the_avx512_kernel_gives_the_avx2_bits():
         ops.set_avx512(True)
 
 
-def test_int8_prompt_rows_of_a_q6k_weight_take_the_prompt_gemm(monkeypatch):
-    """With prompt rows on int8 (PROMPT_ROWS_EXACT off), a Q6_K weight's prompt rows run the prompt GEMM, its
-    generated rows the decode kernel, and a step mixing both gives each row its result alone."""
+def test_int8_prompt_rows_of_a_q6k_weight_take_the_prompt_gemm():
+    """With prompt rows on int8 (``KernelChoice(prompt_rows="int8")``, carried by the products), a Q6_K
+    weight's prompt rows run the prompt GEMM, its generated rows the decode kernel, and a step mixing
+    both gives each row its result alone."""
     weight = q6k_like(40, 256, seed=9)
     bias = torch.randn(40)
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(10))
-    monkeypatch.setattr(quantized, "PROMPT_ROWS_EXACT", False)
-    prompt = quantized_linear(x, weight, bias, products=Products.prompt(1))
+    int8 = KernelChoice(prompt_rows="int8")
+    prompt = quantized_linear(x, weight, bias, products=Products.prompt(1, kernels=int8))
     assert torch.equal(prompt, run(x, weight) + bias)
-    generated = quantized_linear(x, weight, bias, products=Products.generated(1))
+    generated = quantized_linear(x, weight, bias, products=Products.generated(1, kernels=int8))
     assert not torch.equal(generated, prompt)  # the decode kernel: another summation order
     roles = [True, False, True, True, False, False]
-    mixed = quantized_linear(x, weight, bias, products=Products.of_rows(roles, 1))
+    mixed = quantized_linear(x, weight, bias, products=Products.of_rows(roles, 1, kernels=int8))
     want = torch.stack([prompt[i] if role else generated[i] for i, role in enumerate(roles)])
     assert torch.equal(mixed, want)
     # with exact prompt rows (the default) the prompt GEMM is not used
-    monkeypatch.setattr(quantized, "PROMPT_ROWS_EXACT", True)
-    exact = quantized_linear(x, weight, bias, products=Products.prompt(1))
+    exact = quantized_linear(x, weight, bias, products=Products.prompt(1, kernels=KernelChoice()))
     assert not torch.equal(exact, prompt)
     # a weight with mins, or a tiled one, keeps the decode kernel for int8 prompt rows
     assert not quantized.has_prompt_kernel(dataclasses.replace(weight, mins=weight.scale))

@@ -64,20 +64,27 @@ def test_int8_decoder_only_close_to_float(kind, tmp_path):
     assert same >= 0.75
 
 
-# Encoder-decoder models quantized at load run every row on int8 activations (INT8_SEQ2SEQ_ACTIVATIONS, as
-# CTranslate2); with float32 activations for prompt rows and logits instead (False) the error above was
+# Encoder-decoder models quantized at load run every row on int8 activations (apply_quantize's
+# encoder_decoder_int8, as CTranslate2); with float32 activations for prompt rows and logits instead
+# (False: the float load quantized by apply_quantize(..., encoder_decoder_int8=False)) the error above was
 # measured 0.56% (bart), 0.91% (t5); with int8 everywhere 0.61% (bart), 1.27% (t5); greedy identical on
 # 100% either way. On the bart-base-size random model (8 sources x 256 tokens): first-step logits vs the
 # float model 0.47% -> 0.76% of the largest logit; beam 4 x 32 tokens identical to the float-activation
 # int8 outputs on 7 of 8 sources, greedy on 6 of 8 (64 tokens).
 @pytest.mark.parametrize("int8_everywhere", [True, False])
 @pytest.mark.parametrize("kind", ["bart", "t5"])
-def test_int8_encoder_decoder_close_to_float(kind, int8_everywhere, tmp_path, monkeypatch):
+def test_int8_encoder_decoder_close_to_float(kind, int8_everywhere, tmp_path):
+    from fastdecode.api import Generator
+    from fastdecode.loading.open import open_checkpoint
+    from fastdecode.loading.quantize import apply_quantize
     from tiny_encdec import VOCAB, hf_greedy, save_tiny_encdec_folder
 
-    monkeypatch.setattr("fastdecode.loading.quantize.INT8_SEQ2SEQ_ACTIVATIONS", int8_everywhere)
     hf = save_tiny_encdec_folder(tmp_path, kind)
-    gen = fastdecode.load(str(tmp_path), quantize="int8")
+    if int8_everywhere:
+        gen = fastdecode.load(str(tmp_path), quantize="int8")  # the default of a load
+    else:
+        checkpoint, _ = open_checkpoint(str(tmp_path), "cpu", "float32", None)
+        gen = Generator(apply_quantize(checkpoint, "int8", encoder_decoder_int8=False))
     assert isinstance(gen.checkpoint.weights["embed.weight"], QuantizedWeight)
     head = gen.checkpoint.weights["lm_head.weight"]
     assert (head.activation_bits, head.exact_prompt_rows, head.is_tiled) == \

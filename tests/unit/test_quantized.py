@@ -24,7 +24,7 @@ from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 import fastdecode  # noqa: E402
 from fastdecode.layers import ops, quantized  # noqa: E402
-from fastdecode.layers.products import Products  # noqa: E402
+from fastdecode.layers.products import KernelChoice, Products  # noqa: E402
 from fastdecode.layers.quantized import QuantizedWeight, dequantize, quantize_matrix, rows_layout, tiled  # noqa: E402
 from fastdecode.loading.gguf_blocks import repack  # noqa: E402
 from tiny_gguf import EOT, MERGES, TOKEN_TYPES, TOKENS  # noqa: E402
@@ -126,7 +126,7 @@ needs_kernel = pytest.mark.skipif("not ops.available()", reason="no AVX2 kernel 
 
 def roles(is_prompt: bool | list[bool]) -> Products:
     """A forward's products with these row roles, on this thread's thread count."""
-    return Products.of_rows(is_prompt, torch.get_num_threads())
+    return Products.of_rows(is_prompt, torch.get_num_threads(), kernels=KernelChoice())
 
 
 def generated() -> Products:
@@ -472,8 +472,8 @@ NATIVE_LOGIT_RMS_BOUND = 0.1
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda q: q.name)
 def test_tiny_gguf_runs_natively_and_matches_its_dequantized_path(qtype, tmp_path):
     """Prompt rows decode weights exactly (float32 summation order only: 1e-4 of the logit scale);
-    generated rows take the kernel (bound above; forced here on a prompt's rows with
-    PROMPT_ROWS_EXACT off), and every greedy token of the native run is the dense model's best up to
+    generated rows take the kernel (bound above; forced here on a prompt's rows by a load with
+    prompt_rows="int8"), and every greedy token of the native run is the dense model's best up to
     that error (teacher-forced)."""
     path = write_tiny_llama(tmp_path / f"{qtype.name}.gguf", qtype, tied=qtype == QT.Q8_0)
     native, dense = fastdecode.load(path), fastdecode.load(path, quantize="dequantize")
@@ -486,9 +486,7 @@ def test_tiny_gguf_runs_natively_and_matches_its_dequantized_path(qtype, tmp_pat
                                atol=1e-4 * float(reference.abs().max()), rtol=0)
     ids = long_ids[:12]
     reference = prefill_logits(dense, ids)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(quantized, "PROMPT_ROWS_EXACT", False)
-        through_kernel = prefill_logits(native, ids)
+    through_kernel = prefill_logits(fastdecode.load(path, prompt_rows="int8"), ids)
     error = (through_kernel - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt()
     print(f"{qtype.name}: kernel logits RMS error {float(error):.4f} of the logits' RMS")
     assert error < NATIVE_LOGIT_RMS_BOUND
@@ -539,7 +537,7 @@ def test_embedded_model_runs_on_its_own_blocks_with_no_float_copy(smollm, smollm
 
 
 @pytest.mark.slow
-def test_perplexity_of_the_seeds_native_q4_1_within_1_percent_of_float(smollm, smollm_float, monkeypatch):
+def test_perplexity_of_the_seeds_native_q4_1_within_1_percent_of_float(smollm, smollm_path, smollm_float):
     """The first 4,096 seed tokens. Every product of the native run goes through the integer kernel
     (prompt chunks included: int8-rounded activations), against the dequantized float32 GEMMs."""
     from conftest import SEEDS
@@ -551,8 +549,7 @@ def test_perplexity_of_the_seeds_native_q4_1_within_1_percent_of_float(smollm, s
     ids = smollm.tokenizer.encode(text)[:4096]
     assert len(ids) == 4096
     dense_nll = np.mean(smollm_float.score(ids))  # the session's dequantized load (blocks decoded to float32)
-    monkeypatch.setattr(quantized, "PROMPT_ROWS_EXACT", False)
-    native_nll = np.mean(smollm.score(ids))
+    native_nll = np.mean(fastdecode.load(str(smollm_path), prompt_rows="int8").score(ids))
     print(f"perplexity: native {np.exp(native_nll):.4f}, dequantized float32 {np.exp(dense_nll):.4f}")
     assert abs(np.exp(native_nll) / np.exp(dense_nll) - 1) < 0.01
     assert native_nll != dense_nll  # two different computations (the kernel really ran)
@@ -580,7 +577,7 @@ def test_compiled_quantized_decode_step_is_one_graph_with_equal_logits(tmp_path)
         return graph_module.forward
 
     bound = functools.partial(decode_step, gen.model, engine.cache, engine.windows, engine.score_bias,
-                              decode_products())
+                              decode_products(gen.model))
     torch._dynamo.reset()  # earlier tests compiled decode_step too: start below dynamo's recompile limit
     compiled = torch.compile(bound, backend=counting_backend, fullgraph=True, dynamic=False)
     with torch.inference_mode():

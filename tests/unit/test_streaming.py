@@ -8,7 +8,7 @@ import torch
 
 import fastdecode
 from fastdecode.errors import InvalidOptionError
-from fastdecode.generation.streaming import StreamEngine
+from stream_alone import StreamAlone
 from fastdecode.layers.positions import (NoRotation, RotaryEmbedding, rope_inverse_frequencies, rotate_half_split,
                                          rotate_heads)
 from fastdecode.layers.products import Products
@@ -96,7 +96,7 @@ def test_angles_are_exact_at_huge_positions():
 def test_shift_equals_explicit_key_rotation(model_name, n_keep, n_discard, request):
     gen = request.getfixturevalue(model_name)
     tokens = _tokens(70, seed=1)
-    ours = logit_trace(StreamEngine(gen.model, 24, n_keep, n_discard), tokens)
+    ours = logit_trace(StreamAlone(gen.model, 24, n_keep, n_discard), tokens)
     reference = logit_trace(ExplicitShiftEngine(gen.model, 24, n_keep, n_discard), tokens)
     torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
 
@@ -108,12 +108,12 @@ def test_shift_chunked_feed_equals_token_by_token(model_name, n_discard, headroo
     token at a time."""
     model = request.getfixturevalue(model_name).model
     tokens = _tokens(90, seed=2)
-    engine = StreamEngine(model, 32, 4, n_discard, headroom=headroom)
+    engine = StreamAlone(model, 32, 4, n_discard, headroom=headroom)
     with torch.inference_mode():
         chunks = list(engine.feed_chunks(tokens, all_logits=True, prompt=False))
     assert chunks[0].shape[0] == 32 + headroom  # a fresh stream takes n_ctx + headroom at once
     assert max(c.shape[0] for c in chunks[1:]) <= headroom and engine.compacted > 0
-    one_by_one = logit_trace(StreamEngine(model, 32, 4, n_discard), tokens)
+    one_by_one = logit_trace(StreamAlone(model, 32, 4, n_discard), tokens)
     torch.testing.assert_close(torch.cat(chunks), one_by_one, atol=ATOL, rtol=0)
 
 
@@ -121,7 +121,7 @@ def test_a_ring_of_one_moves_only_the_sinks(llama):
     """n_discard=1 on a full cache: the sinks move one position up over the dropped token
     (seq_add on n_keep keys), the new token takes one slot, no window key is rewritten and the
     decode step needs no mask; once the headroom is used up, one compaction moves everything back."""
-    engine = StreamEngine(llama.model, 16, 4, 1, headroom=8)
+    engine = StreamAlone(llama.model, 16, 4, 1, headroom=8)
     with torch.inference_mode():
         engine.feed(_tokens(17, 3), prompt=False)
         before = engine.cache.keys.clone()
@@ -165,8 +165,10 @@ def _naive_reevaluate(model, prompt, new_tokens, n_ctx, n_keep, n_discard):
     for _ in range(new_tokens):
         ids = torch.tensor([context])
         with torch.inference_mode():
-            naive = fastdecode.cache.static.NoCache(Products.generated(torch.get_num_threads()))
-            logits = model.forward(ids, torch.arange(len(context))[None], naive, _causal(len(context)))[0, -1]
+            positions = torch.arange(len(context))[None]  # [1, T]
+            naive = fastdecode.cache.view.NoCache.of_model(
+                model, Products.generated(torch.get_num_threads(), kernels=model.kernels), _causal(len(context)), positions)
+            logits = model.forward(ids, positions, naive)[0, -1]
         token = int(logits.argmax())
         out.append(token)
         add(token)
@@ -179,7 +181,7 @@ def _causal(n):
 
 @pytest.mark.parametrize("kind", ["llama-gqa", "gpt2"])
 def test_reevaluate_equals_naive_loop(kind):
-    import fastdecode.cache.static  # noqa: F401  (for NoCache above)
+    import fastdecode.cache.view  # noqa: F401  (for NoCache above)
 
     gen = fastdecode.from_hf(build(kind))
     prompt = _tokens(10, 6).tolist()
@@ -189,7 +191,7 @@ def test_reevaluate_equals_naive_loop(kind):
 
 def test_reevaluate_long_prompt_goes_through_the_policy(llama):
     prompt = _tokens(50, 7).tolist()
-    engine = StreamEngine(llama.model, 16, 2, 4, policy="reevaluate")
+    engine = StreamAlone(llama.model, 16, 2, 4, policy="reevaluate")
     with torch.inference_mode():
         engine.feed(torch.tensor(prompt), prompt=False)
     assert engine.rebuilds > 0 and len(engine.tokens) == engine.end <= 16
@@ -271,7 +273,7 @@ def test_sinks_move_like_seq_add(kind):
     """The per-token sink move (every layer at once, per RoPE table) equals the slot cache's verb
     ``seq_add`` with the K-shift, layer by layer (Gemma 3: two rotary tables)."""
     model = fastdecode.from_hf(build(kind)).model
-    moved, verb = StreamEngine(model, 16, 4, 1, headroom=8), StreamEngine(model, 16, 4, 1, headroom=8)
+    moved, verb = StreamAlone(model, 16, 4, 1, headroom=8), StreamAlone(model, 16, 4, 1, headroom=8)
     with torch.inference_mode():
         for engine in (moved, verb):
             engine.feed(_tokens(16, 10), prompt=False)

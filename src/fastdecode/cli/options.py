@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from ..errors import InvalidOptionError
+from ..layers.products import PROMPT_ROWS
 from ..load_settings import LoadSettings
 
 
@@ -87,7 +88,7 @@ max_memory_option = click.option(
 
 
 def streaming_options(command):
-    """Streaming cache flags: n_ctx slots with n_keep attention sinks (see generation/streaming.py)."""
+    """Streaming cache flags: n_ctx slots with n_keep attention sinks (see engine/streaming_policy.py)."""
     options = [
         click.option("--n-ctx", type=int, default=None, help="Streaming cache size in tokens (enables streaming)."),
         click.option("--n-keep", type=int, default=4, show_default=True, help="Attention-sink tokens kept."),
@@ -105,7 +106,12 @@ def streaming_values(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_options(command):
-    """Which model to load and how: --model, --quantize, --device, --dtype (see ``load_settings``)."""
+    """Which model to load and how: --model, --quantize, --prompt-rows, --device, --dtype (see
+    ``load_settings``)."""
+    command = click.option("--prompt-rows", default="exact", show_default=True, type=click.Choice(PROMPT_ROWS),
+                           help="How prompt rows of quantized weights are multiplied: exact (the weights' float32 "
+                                "values) or int8 (the integer kernels, llama.cpp's choice: faster prompts, near "
+                                "ties may flip).")(command)
     command = click.option("--dtype", default="float32", show_default=True,
                            type=click.Choice(["float32", "bfloat16", "float16"]))(command)
     command = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")(command)
@@ -153,5 +159,7 @@ def file_constraint(schema_path: str | None, grammar_path: str | None) -> dict |
 
 
 def load_settings(model: str | None, device: str, dtype: str, kwargs: dict[str, Any]) -> LoadSettings:
-    """The model flags (``model_options``) as one record; ``--quantize`` is taken out of ``kwargs``."""
-    return LoadSettings(model=model, device=device, dtype=dtype, quantize=kwargs.pop("quantize", None))
+    """The model flags (``model_options``) as one record; ``--quantize`` and ``--prompt-rows`` are taken
+    out of ``kwargs``."""
+    return LoadSettings(model=model, device=device, dtype=dtype, quantize=kwargs.pop("quantize", None),
+                        prompt_rows=kwargs.pop("prompt_rows", "exact"))

@@ -93,4 +93,4 @@ def preload_draft_model(generator, speculative) -> None:
 
     settings = speculative_settings(speculative)
     if settings is not None and settings.draft_model is not None:
-        generator.requests.draft_model(settings.draft_model)
+        generator.requests.draft_model(settings.draft_model, generator.model.kernels)

@@ -4,7 +4,7 @@
 ``Generator.generate`` / ``stream`` run through one.
 """
 
-from .scheduler import Engine
+from .core import Engine
 from .sequence import Sequence, TokenEvent
 
 __all__ = ["Engine", "Sequence", "TokenEvent"]

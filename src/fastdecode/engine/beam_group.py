@@ -304,19 +304,22 @@ def advance_groups(sampled: list[Sequence], logits: torch.Tensor, running: list[
                    release: Callable[[Sequence], None]) -> tuple[list[Sequence], torch.Tensor, list[TokenEvent]]:
     """Hand each group's rows of the step's logits [S, V] to its policy -> (the other sequences,
     their logits, the events of groups that ended: their blocks are free)."""
-    plain = [i for i, s in enumerate(sampled) if s.group is None]
-    grouped: dict[int, list[int]] = {}
-    for i, s in enumerate(sampled):
+    plain, plain_rows, first = [], [], 0  # a sequence verifying a draft has 1 + k rows (engine/layout.py)
+    grouped: dict[int, tuple[BeamGroup, list[int]]] = {}
+    for s in sampled:
         if s.group is not None:
-            grouped.setdefault(id(s.group), []).append(i)
+            grouped.setdefault(id(s.group), (s.group, []))[1].append(first)
+        else:
+            plain.append(s)
+            plain_rows += range(first, first + 1 + len(s.draft))
+        first += 1 + len(s.draft)
     events = []
-    for rows in grouped.values():
-        group = sampled[rows[0]].group
+    for group, rows in grouped.values():
         event = group.advance(logits[rows], running)
         if event is not None:
             release(group.root)
             events.append(event)
-    return [sampled[i] for i in plain], logits[plain], events
+    return plain, logits[plain_rows], events
 
 
 def check_beam_options(logprobs, keep: bool) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from .beam_group import group_blocks
 from .requests import Request, RequestFactory
-from .scheduler import DEFAULT_CACHE_BYTES, Engine
+from .core import DEFAULT_CACHE_BYTES, Engine
 from .sequence import Sequence
 from .slots import BLOCK_SIZE
 from .streaming_policy import stream_capacity

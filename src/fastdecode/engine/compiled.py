@@ -43,7 +43,7 @@ class CompiledDecode:
         self.scratch_table = self.cache.scratch_table()  # the padding rows' blocks, never freed
         self.scratch = self.scratch_table[0]
         step = functools.partial(decode_step, engine.model, engine.cache, engine.windows, engine.score_bias,
-                                 decode_products())
+                                 decode_products(engine.model))
         self.step = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
 
     def logits(self, sequences: list) -> torch.Tensor:

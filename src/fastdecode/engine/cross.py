@@ -181,7 +181,7 @@ class EncodedSources:
     def from_padded(cls, model, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> "EncodedSources":
         """Right-padded sources: tokens, valid [B, S], positions [1, S] (``right_pad``). K/V are made
         contiguous here, once: a strided view would be copied by every step's attention."""
-        products = Products.prompt(torch.get_num_threads())  # source rows, on the caller's threads
+        products = Products.prompt(torch.get_num_threads(), kernels=model.kernels)  # source rows, the caller's threads
         return cls.from_memory(model, model.encode(tokens, positions, valid, products=products), valid)  # [B, S, C]
 
     @classmethod
@@ -189,7 +189,7 @@ class EncodedSources:
         """An encoder output [B, S, C] (a speech encoder's, say) -> each decoder layer's cross K/V,
         projected once; ``valid`` [B, S] marks its real rows."""
         keys, values = [], []
-        products = Products.prompt(torch.get_num_threads())  # source rows, on the caller's threads
+        products = Products.prompt(torch.get_num_threads(), kernels=model.kernels)  # source rows, the caller's threads
         for layer in range(model.config.num_layers):
             k, v = model.cross_kv(layer, memory, products)  # [B, H, S, D]
             keys.append(k.contiguous())

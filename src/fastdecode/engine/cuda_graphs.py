@@ -57,7 +57,7 @@ class CapturedDecode:
         self.scratch_table = self.cache.scratch_table()  # the padding rows' blocks, never freed
         self.scratch = self.scratch_table[0]
         self.step = functools.partial(decode_step, engine.model, engine.cache, engine.windows, engine.score_bias,
-                                 decode_products())
+                                 decode_products(engine.model))
         self.compiled_step = compile_step
         if compile_step:
             self.step = torch.compile(self.step, fullgraph=True, dynamic=False)

@@ -2,7 +2,7 @@
 
 For a bucket of B rows (one query each), every tensor the step touches has a shape fixed by
 (B, n): the rows' block tables ``[B, n]`` cover every block a row may ever own, and the mask
-built from the positions hides the slots not written yet, as gpt-fast's ``KVCache.update`` returns the full buffer instead of a slice to the current length. Positions,
+built from the positions hides the slots not written yet, as gpt-fast's cache update returns the full buffer instead of a slice to the current length. Positions,
 slots and the mask are tensors, the K/V writes are ``index_copy_`` at tensor indices, and the
 next token is chosen on the device (``argmax``): nothing inside asks the host for a value, so
 ``torch.compile(fullgraph=True, dynamic=False)`` (or a CUDA graph) captures one graph per bucket.
@@ -19,7 +19,7 @@ import torch
 
 from ..layers.attention import attention, paged_attention, paged_attention_runs
 from ..layers.products import Products
-from .plan import no_distances, position_mask
+from ..layers.attention import position_mask
 from .slots import SlotCache
 
 
@@ -46,13 +46,10 @@ class DecodePlan:
         self._bias: dict[int | None, torch.Tensor] = {}  # kind -> position bias [B, 1|H, S] (paged op)
         self.positions = positions
 
-    def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
-        return no_distances(query_positions)
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float, softcap: float | None = None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
         """q [B, H, 1, D]; k, v [B, Hkv, 1, D] -> [B, H, 1, D] over each row's slots of the layer's
-        kind (``mask`` unused: the plan builds its own). The C++ paged attention where it is built
+        kind (masked from the plan's own tables). The C++ paged attention where it is built
         (float32 on the CPU, no ``softcap``), else gather + mask + ``attention``."""
         kind, window = self.cache.layer_windows[layer], self.windows[layer]  # storage kind, mask window
         keys, values = self.cache.layer_keys[layer], self.cache.layer_values[layer]
@@ -80,17 +77,18 @@ def decode_step(model, cache: SlotCache, windows: list[int | None], score_bias, 
     """One token for each of B rows: tokens, positions [B], block tables [B, n] (and each sliding
     kind's (tables [B, m], first key positions [B, 1]), in ``cache.windows`` order) -> (logits
     [B, V], greedy next tokens [B]), both on the device. Bind the first five arguments
-    (functools.partial; ``products``: ``decode_products()``) and compile the rest: the shapes depend
+    (functools.partial; ``products``: ``decode_products(model)``) and compile the rest: the shapes depend
     only on (B, n)."""
     plan = DecodePlan(cache, block_table, positions, windows, score_bias, model.dtype, products, window_tables)
-    logits = model.forward(tokens[:, None], positions[:, None], plan, None)[:, -1]  # [B, V]
+    logits = model.forward(tokens[:, None], positions[:, None], plan)[:, -1]  # [B, V]
     return logits, logits.argmax(dim=-1)
 
 
-def decode_products() -> Products:
+def decode_products(model) -> Products:
     """A decode step's ``Products``: every row generated, the thread budget of the caller that binds
-    the step (inside torch.compile the kernels read torch's count when they run)."""
-    return Products.generated(torch.get_num_threads())
+    the step (inside torch.compile the kernels read torch's count when they run), the model's kernel
+    choice."""
+    return Products.generated(torch.get_num_threads(), kernels=model.kernels)
 
 
 def decode_window_tables(cache: SlotCache, tables: list, positions: list[int], device: torch.device | None = None

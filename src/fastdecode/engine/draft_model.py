@@ -76,7 +76,7 @@ class DraftRunner:
             work = [(row, row.num_tokens - row.num_computed) for _, row, count in active if count > round_]
             for row, count in work:
                 self.engine.cache.prepare(row.block_table, row.num_computed, row.num_computed + count)
-            logits, sampled = self.engine._forward(work)  # [K, V]: one row per draft sequence
+            logits, sampled = self.engine.runner.forward_rows(work)  # [K, V]: one row per draft sequence
             for row, count in work:
                 row.num_computed += count
             for row, token in zip(sampled, logits.argmax(dim=-1).tolist()):
@@ -98,7 +98,7 @@ class DraftRunner:
 
         request = self.engine.requests.request(list(target.prompt_ids), self._config(target, MAX_NUM_TOKENS), None)
         row = self.engine._new_sequence(request)
-        if not self.engine._admit(row):
+        if not self.engine.scheduler.admit(row):
             return None
         self.rows[target.id] = row
         return row

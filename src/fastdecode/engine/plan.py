@@ -3,8 +3,7 @@
 The tokens of every sequence in a step are laid out flat, ``[1, N]``, so the projections and
 MLPs run once over all of them (no padding between a 300-token prompt chunk and a one-token
 decode). The plan knows where each token's K/V goes (its sequence's slot) and which keys each
-query may see, and exposes the cache interface the models call (``attend``,
-``relative_positions``). Attention runs per *group*: every sequence with one query this step
+query may see, and is the cache view the models attend through (``attend``, cache/view.py). Attention runs per *group*: every sequence with one query this step
 (decodes, or a one-token chunk) in one batched call, each longer prompt chunk in its own call.
 A query at position p of a sequence sees that sequence's slots for positions 0..p only (and,
 on a sliding-window layer, only the last ``window`` of them), so a result never depends on
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..layers.attention import attention, paged_attention, paged_attention_runs
+from ..layers.attention import attention, paged_attention, paged_attention_runs, position_mask
 from ..layers.products import Products
 from .fastseq import shared_prefix_attention
 from .slots import SlotCache, first_visible_block
@@ -116,15 +115,12 @@ class StepPlan:
         write_slots = {kind: torch.tensor(s, dtype=torch.long, device=device) for kind, s in slots.items()}
         return cls(cache, write_slots, groups, windows, score_bias, dtype, products)
 
-    def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
-        return no_distances(query_positions)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float, softcap: float | None = None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
         """q [1, H, N, D]; k, v [1, Hkv, N, D]: write k, v into the sequences' slots of the layer's
-        kind, then attend each group over its own slots -> [1, H, N, D]. ``mask`` is unused (the
-        plan builds its own). One-query groups (decodes) run the C++ paged attention where it is
-        built (``layers/attention.py``): the whole step in one op when every group is one. The op
+        kind, then attend each group over its own slots, masked from the plan's own layout -> [1, H, N, D].
+        One-query groups (decodes) run the C++ paged attention where it is built (``layers/attention.py``): the whole step in one op when every group is one. The op
         has no soft-capping: with ``softcap`` every group gathers and runs ``attention``."""
         # The layer's kind in the cache (None: stored in full) and the window its attention masks with
         # (a cache built without kinds stores a sliding layer in full and masks it all the same).
@@ -252,22 +248,3 @@ def attention_group(cache: SlotCache, first: int, rows: list[tuple[list[int], in
                      for w in window_tables}
     return AttentionGroup(first, len(rows), count, block_table, query_positions, window_tables, fold, shared_blocks,
                           window_shared)
-
-
-def no_distances(query_positions: torch.Tensor) -> torch.Tensor:
-    """What a plan reports as key-query distances to the model: zeros [1, 1, 1]. The plan ignores
-    any mask or bias the model builds from them and attends with its own per-group masks (with
-    the position bias from ``score_bias``), so a model needs no code path for the engine."""
-    return torch.zeros(1, 1, 1, dtype=torch.long, device=query_positions.device)
-
-
-def position_mask(distance: torch.Tensor, window: int | None, score_bias, dtype: torch.dtype) -> torch.Tensor:
-    """Key minus query position [B, T, S] (key j of a sequence sits at position j) -> additive
-    mask [B, 1, T, S] (or [B, H, T, S] with a position bias): a query sees keys at its position or
-    before, and on a sliding-window layer fewer than ``window`` positions back."""
-    allowed = distance <= 0
-    if window is not None:
-        allowed &= distance > -window
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    mask = mask.masked_fill(~allowed, float("-inf"))[:, None]  # [B, 1, T, S]
-    return mask if score_bias is None else score_bias(distance) + mask

@@ -30,6 +30,7 @@ from .. import validation
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..constraints import CompiledGrammar, ModelGrammars
+    from ..layers.products import KernelChoice
 
 
 @dataclass
@@ -117,15 +118,15 @@ class RequestFactory:
         eos = self.eos_ids(self.defaults) if eos_ids is None else eos_ids
         return self._grammars.compile(response_format, name, eos)
 
-    def draft_model(self, path: str) -> Any:
-        """The draft model at ``path`` (loaded once, on this model's device and dtype), checked to share
-        this model's tokenizer (engine/draft_model.py)."""
+    def draft_model(self, path: str, kernels: KernelChoice) -> Any:
+        """The draft model at ``path`` (loaded once, on this model's device and dtype, with the kernel
+        choice ``kernels``: the target model's), checked to share this model's tokenizer (engine/draft_model.py)."""
         if path not in self._draft_models:
             from ..loading.open import open_checkpoint
             from .draft_model import DraftModel, check_draft_compatible
 
             checkpoint, _ = open_checkpoint(path, str(self.device), str(self.dtype).removeprefix("torch."), None)
-            model = checkpoint.family.build(checkpoint.config, checkpoint.weights)
+            model = checkpoint.family.build(checkpoint.config, checkpoint.weights, kernels)
             requests = RequestFactory(checkpoint.config, checkpoint.tokenizer, dtype=self.dtype, device=self.device)
             check_draft_compatible(path, self, requests)
             self._draft_models[path] = DraftModel(model, requests, path)

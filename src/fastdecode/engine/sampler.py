@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from .beam_group import advance_groups
 from .sequence import Sequence, TokenEvent, token_logprobs
 
 
@@ -39,3 +40,21 @@ def sample_rows(sampled: list[Sequence], logits: torch.Tensor,
         if sequence.finished:
             release(sequence)
     return events
+
+
+class Sampler:
+    """A step's tokens from its logits: a beam group's rows go to its policy (engine/beam_group.py),
+    a verifying sequence's rows to the speculator (engine/speculative.py), every other row is
+    sampled with its own options and generator (``sample_rows``)."""
+
+    def __init__(self, speculator, release: Callable[[Sequence], None]):
+        self.speculator, self.release = speculator, release
+
+    def sample(self, sampled: list[Sequence], logits: torch.Tensor, running: list[Sequence]) -> list[TokenEvent]:
+        """logits [K, V] of the K ``sampled`` sequences (``running``: the engine's, which beam groups reorder)."""
+        events = []
+        if any(s.group is not None for s in sampled):
+            sampled, logits, events = advance_groups(sampled, logits, running, self.release)
+        if any(s.draft for s in sampled):  # verifying sequences keep what their rows confirm
+            return events + self.speculator.sample(sampled, logits)
+        return events + sample_rows(sampled, logits, self.release)

@@ -21,6 +21,7 @@ from ..config import GenerationConfig
 from ..errors import InvalidOptionError, QueueFullError
 from .sequence import Sequence, TokenEvent, token_logprobs
 from .slots import check_fits
+from .streaming_policy import new_stream, stream_cache_tokens
 
 SCORE_CHUNK = 512  # positions a scoring sequence runs per step: its logits [SCORE_CHUNK, V] exist at once
 
@@ -48,8 +49,11 @@ class ScoringSequence(Sequence):
         self.top += best
 
 
-def scoring_sequence(engine: Any, ids: Seq[int], top_logprobs: int, seq_id: int) -> ScoringSequence:
-    """A validated scoring sequence for ``engine`` (not yet queued)."""
+def scoring_sequence(engine: Any, ids: Seq[int], top_logprobs: int, seq_id: int,
+                     stream_config: GenerationConfig | None = None) -> ScoringSequence:
+    """A validated scoring sequence for ``engine`` (not yet queued). ``stream_config``: a config with
+    ``n_ctx`` (and ``n_keep``, ``n_discard``, ``policy``): the text streams through that streaming
+    policy on the sequence's own blocks (engine/stream_steps.py), as StreamingLLM is evaluated."""
     ids = list(ids)
     if engine.cross is not None:
         raise InvalidOptionError("scoring is for decoder-only models (an encoder-decoder model needs a source)")
@@ -60,11 +64,15 @@ def scoring_sequence(engine: Any, ids: Seq[int], top_logprobs: int, seq_id: int)
     vocab = engine.model.config.vocab_size
     if top_logprobs > vocab:
         raise InvalidOptionError(f"top_logprobs={top_logprobs} exceeds the vocabulary size {vocab}")
-    engine.requests.check_prompts([ids], GenerationConfig(max_new_tokens=0))  # ids in the vocabulary, context
-    check_fits(len(ids) - 1, engine.cache, f"a text of {len(ids)} tokens to score", engine.max_chunk)
     if len(engine.waiting) >= engine.max_queue:
         raise QueueFullError(f"the engine's queue is full ({engine.max_queue} waiting requests)")
-    return ScoringSequence(seq_id, ids, top_logprobs)
+    sequence = ScoringSequence(seq_id, ids, top_logprobs)
+    if stream_config is not None and stream_config.n_ctx is not None:
+        sequence.stream = new_stream(engine, stream_config)  # any length: the policy bounds what is held
+        return sequence
+    engine.requests.check_prompts([ids], GenerationConfig(max_new_tokens=0))  # ids in the vocabulary, context
+    check_fits(len(ids) - 1, engine.cache, f"a text of {len(ids)} tokens to score", engine.max_chunk)
+    return sequence
 
 
 def keep_logits(scored: list[tuple[ScoringSequence, int]], logits: torch.Tensor, sampled: int) -> torch.Tensor:
@@ -88,10 +96,14 @@ def finish_scored(work: list[tuple[Sequence, int]], release: Callable[[Sequence]
     return events
 
 
-def score_alone(generator: Any, ids: Seq[int], top_logprobs: int = 0) -> ScoringSequence:
-    """Score one text in an engine of its own, sized for it (``Generator.score``)."""
-    engine = generator.engine(cache_tokens=len(ids), max_queue=1, cuda_graphs=False)  # nothing decodes
-    sequence = engine.submit_scoring(ids, top_logprobs)
+def score_alone(generator: Any, ids: Seq[int], top_logprobs: int = 0,
+                config: GenerationConfig | None = None) -> ScoringSequence:
+    """Score one text in an engine of its own, sized for it (``Generator.score``; ``config`` with
+    ``n_ctx``: through a stream of that size)."""
+    streaming = config is not None and config.n_ctx is not None
+    cache_tokens = stream_cache_tokens(config) if streaming else len(ids)
+    engine = generator.engine(cache_tokens=cache_tokens, max_queue=1, cuda_graphs=False)  # nothing decodes
+    sequence = engine.submit_scoring(ids, top_logprobs, config)
     while engine.has_work():
         engine.step()
     return sequence

@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..config.speculative import SpeculativeSettings, speculative_settings
+from .sampler import sample_rows
 from .sequence import TokenEvent, token_logprobs
 
 if TYPE_CHECKING:
     from .draft_model import DraftRunner
-    from .scheduler import Engine
+    from .core import Engine
     from .sequence import Sequence
 
 PAUSE_AFTER_MISSES = 1  # drafts in a row with nothing accepted before speculation pauses
@@ -206,7 +207,7 @@ class Speculator:
             from .draft_model import DraftRunner
 
             engine = self.engine
-            draft = engine.requests.draft_model(settings.draft_model)
+            draft = engine.requests.draft_model(settings.draft_model, engine.model.kernels)
             draft_engine = type(engine)(draft.model, draft.requests, cache_tokens=engine.cache.capacity_tokens)
             runner = self.runners[settings.draft_model] = DraftRunner(draft_engine, engine.model.config.vocab_size)
         sequence.speculation = Speculation(ModelDrafter(runner, sequence), settings)
@@ -245,13 +246,13 @@ class Speculator:
                 plain.append(sequence)
                 plain_rows.append(first)
                 first += 1
-        events = engine._sample_rows(plain, logits[plain_rows]) if plain else []  # [P, V]
+        events = sample_rows(plain, logits[plain_rows], engine._release) if plain else []  # [P, V]
         for sequence, first in verifying:
             draft, sequence.draft = sequence.draft, []
             start = sequence.num_computed
             kept, accepted = verify_draft(sequence, draft, logits[first:first + 1 + len(draft)])  # [1 + k, V]
             sequence.speculation.settle(len(draft), accepted)
-            engine._computed(sequence, start + 1 + accepted)  # its last token and the accepted draft: cached
+            engine.scheduler.computed(sequence, start + 1 + accepted)  # its last token and the accepted draft: cached
             if sequence.finished:
                 engine._release(sequence)
             events += kept

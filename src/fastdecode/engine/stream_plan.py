@@ -12,16 +12,19 @@ and window masks the sink distances are corrected by ``c_t``.
 
 ``MixedPlan``: one engine forward whose flat tokens are the ordinary rows (a ``StepPlan``)
 followed by one segment per stream (its ``StreamPlan``): every product of the step runs once
-over all rows; attention runs per part, each as it runs alone.
+over all rows; attention runs per part. The streams that decode one token in one frame (most
+steps of a conversation past its context) attend together in one paged op over their own blocks,
+each row masked exactly as its ``StreamPlan`` masks it (the stale keys before its sinks by a
+-inf bias); a stream runs that way alone too, so its result never depends on the others.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..layers.attention import attention, two_segment_attention
+from ..layers.attention import (attention, paged_attention, paged_attention_runs, position_mask,
+                                 two_segment_attention)
 from ..layers.products import Products
-from .plan import no_distances, position_mask
 
 
 class StreamPlan:
@@ -63,16 +66,18 @@ class StreamPlan:
         return self
 
     @property
+    def one_query(self) -> bool:
+        """One token in one frame (nothing dropped inside, sinks where they sit): a paged decode row."""
+        return self.positions.shape[0] == 1 and self.lowest is None and self.corrections is None
+
+    @property
     def slot_range(self) -> tuple[int, int] | None:
         """The full kind's keys as one range of slots (None: they are gathered block by block)."""
         return self.kinds[None][0]
 
-    def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
-        return no_distances(query_positions)
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float, softcap: float | None = None) -> torch.Tensor:
-        """q [1, H, T, D]; k, v [1, Hkv, T, D] -> [1, H, T, D] (``mask`` unused: the plan builds its own)."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
+        """q [1, H, T, D]; k, v [1, Hkv, T, D] -> [1, H, T, D] (masked from the plan's own layout)."""
         write_slots = self.kinds[self.cache.layer_windows[layer]][2]
         self.cache.layer_keys[layer].index_copy_(0, write_slots, k[0].transpose(0, 1))  # [T, Hkv, D]
         self.cache.layer_values[layer].index_copy_(0, write_slots, v[0].transpose(0, 1))
@@ -129,26 +134,66 @@ class MixedPlan:
         for plan in streams:
             plan.with_products(products)
         self.sizes = [plan.positions.shape[0] for plan in streams]
+        self.paged = [i for i, plan in enumerate(streams) if plan.one_query]  # streams decoding in one paged op
+        self._paged_rows: dict[int | None, tuple] = {}
         cache = streams[0].cache
         # Every stream's write slots per kind, in flat order: one write per layer for all of them.
         self.write_slots = {kind: torch.cat([plan.kinds[kind][2] for plan in streams])
                             for kind in [None, *cache.windows]}
         self.cache = cache
 
-    def relative_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
-        return no_distances(query_positions)
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float, softcap: float | None = None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
         """q [1, H, N, D]; k, v [1, Hkv, N, D] -> [1, H, N, D]: each part attends over its tokens."""
         first, outputs = self.row_tokens, []
         if self.rows is not None:
-            outputs.append(self.rows.attend(layer, q[:, :, :first], k[:, :, :first], v[:, :, :first], None, scale,
+            outputs.append(self.rows.attend(layer, q[:, :, :first], k[:, :, :first], v[:, :, :first], scale,
                                             softcap))
         slots = self.write_slots[self.cache.layer_windows[layer]]
         self.cache.layer_keys[layer].index_copy_(0, slots, k[0, :, first:].transpose(0, 1))  # [N', Hkv, D]
         self.cache.layer_values[layer].index_copy_(0, slots, v[0, :, first:].transpose(0, 1))
-        for plan, count in zip(self.streams, self.sizes):
-            outputs.append(plan.attend_written(layer, q[:, :, first : first + count], scale, softcap))
-            first += count
+        starts = [first + sum(self.sizes[:i]) for i in range(len(self.streams))]  # each stream's first flat token
+        keys = self.cache.layer_keys[layer]
+        paged = self.paged if softcap is None and paged_attention_runs(q, keys) else []
+        together = self._attend_paged(layer, q, starts, paged, scale) if paged else {}
+        for index, (plan, count) in enumerate(zip(self.streams, self.sizes)):
+            if index in together:
+                outputs.append(together[index])
+            else:
+                outputs.append(plan.attend_written(layer, q[:, :, starts[index] : starts[index] + count], scale, softcap))
         return torch.cat(outputs, dim=2)  # [1, H, N, D]
+
+    def _attend_paged(self, layer: int, q: torch.Tensor, starts: list[int], paged: list[int],
+                      scale: float) -> dict[int, torch.Tensor]:
+        """The one-query streams ``paged`` (their K/V written) in one paged op -> stream index -> [1, H, 1, D]."""
+        kind, window = self.cache.layer_windows[layer], self.streams[0].stream.windows[layer]
+        table, key_start, positions, bias = self._paged_operands(kind, paged)
+        rows = torch.tensor([starts[i] for i in paged], device=q.device)
+        out = paged_attention(q[0].index_select(1, rows).transpose(0, 1), self.cache.layer_keys[layer],
+                              self.cache.layer_values[layer], table, key_start, positions, self.cache.block_size,
+                              window, scale, bias, threads=self.products.threads)  # [P, H, D]
+        return {index: out[row][None, :, None] for row, index in enumerate(paged)}  # [1, H, 1, D] each
+
+    def _paged_operands(self, kind: int | None, paged: list[int]) -> tuple:
+        """(table [P, n], first key position [P], query position [P], bias [P, 1 or H, n * block]) of the
+        one-query streams in a kind: each row's gathered blocks from its sinks' block on, the keys before
+        its sinks hidden by -inf, its position bias (ALiBi) added, as ``StreamPlan._mask`` builds it."""
+        if kind not in self._paged_rows:
+            size, plans = self.cache.block_size, [self.streams[i] for i in paged]
+            tables = [plan.kinds[kind][1][0].tolist() for plan in plans]
+            width = max(len(t) for t in tables)
+            device = plans[0].positions.device
+            table = torch.tensor([t + t[-1:] * (width - len(t)) for t in tables], device=device)  # [P, n]
+            first = torch.tensor([plan.key_start - plan.offset for plan in plans], device=device)  # [P]
+            positions = torch.cat([plan.positions for plan in plans])  # [P]
+            keys = first[:, None] + torch.arange(width * size, device=device)[None]  # [P, S] key positions
+            distance = keys - positions[:, None]  # [P, S]
+            bias = torch.zeros(distance.shape, dtype=torch.float32, device=device)[:, None]  # [P, 1, S]
+            score_bias = plans[0].score_bias
+            if score_bias is not None:
+                bias = score_bias(distance[:, None]).float()[:, :, 0]  # [P, 1|H, S]
+            stale = torch.arange(width * size, device=device)[None] < torch.tensor([p.offset for p in plans],
+                                                                                  device=device)[:, None]  # [P, S]
+            bias = bias.masked_fill(stale[:, None], float("-inf")).contiguous()
+            self._paged_rows[kind] = (table, first, positions, bias)
+        return self._paged_rows[kind]

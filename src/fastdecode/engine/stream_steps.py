@@ -10,6 +10,8 @@ stream's chunk (``mixed_forward``); before it, each stream's policy shifts its o
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..config import GenerationConfig
@@ -19,16 +21,10 @@ from .layout import flat_layout
 from .scoring import keep_logits
 from .sequence import Sequence
 from .stream_plan import MixedPlan, StreamPlan
-from .streaming_policy import StreamingPolicy
+from .streaming_policy import new_stream
 
-
-def new_stream(engine, config: GenerationConfig) -> StreamingPolicy:
-    """The policy of a request with ``n_ctx`` on ``engine``'s cache (refused at once if the model
-    cannot stream that way or the cache could never hold it)."""
-    stream = StreamingPolicy(engine.model, engine.cache, config.n_ctx, config.n_keep, config.discard_count,
-                             config.policy)
-    stream.check_fits()
-    return stream
+if TYPE_CHECKING:
+    from .runner import ModelRunner
 
 
 def switch_to_stream(engine, kept: Sequence, config: GenerationConfig) -> None:
@@ -52,7 +48,7 @@ def chunk_tokens(sequence: Sequence, budget: int, untouched: bool, limit: int) -
     return count if count <= budget or (untouched and budget > 0) else 0
 
 
-def mixed_forward(engine, work: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+def mixed_forward(engine: "ModelRunner", work: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
     """One forward over ``work`` with streams in it -> (logits [K, V], the K sequences sampled)."""
     model, device = engine.model, engine.model.device
     rows = [w for w in work if w[0].stream is None]
@@ -60,12 +56,12 @@ def mixed_forward(engine, work: list[tuple[Sequence, int]]) -> tuple[torch.Tenso
     layout = flat_layout(rows)  # engine/layout.py: drafts and scoring rows included
     tokens, positions, logit_rows, sampled, is_prompt = (layout.tokens, layout.positions, layout.logit_rows,
                                                          layout.sampled, layout.is_prompt)
-    row_plan, threads = None, torch.get_num_threads()  # big ops get the caller's threads
+    row_plan, threads = None, engine.threads  # the runner's thread budget
     if rows:
-        row_products = Products.of_rows(list(is_prompt), threads, device)
+        row_products = Products.of_rows(list(is_prompt), threads, device, kernels=model.kernels)
         row_plan = StepPlan.for_rows(engine.cache, [(s.block_table, start, count) for s, start, count in layout.rows],
                                      engine.windows, engine.score_bias, model.dtype, row_products)
-    plans = []
+    plans, stream_kept, stream_scored = [], [], []
     for sequence, count in streams:
         start = sequence.num_computed
         chunk = sequence.tokens(start, start + count)
@@ -75,19 +71,22 @@ def mixed_forward(engine, work: list[tuple[Sequence, int]]) -> tuple[torch.Tenso
         tokens += chunk
         positions += plan.positions.tolist()
         is_prompt += roles
-        if start + count == sequence.num_tokens:
+        if sequence.keeps_logits:  # a text scored through a stream: every row's logits (engine/scoring.py)
+            stream_kept += range(len(tokens) - count, len(tokens))
+            stream_scored.append((sequence, count))
+        elif start + count == sequence.num_tokens:
             logit_rows.append(len(tokens) - 1)
             sampled.append(sequence)
     # a row's arithmetic follows its role (layers/products.py)
-    products = Products.of_rows(is_prompt, threads, device)
+    products = Products.of_rows(is_prompt, threads, device, kernels=model.kernels)
     plan = MixedPlan(row_plan, sum(count for _, _, count in layout.rows), plans, products)
     token_tensor = torch.tensor([tokens], device=device)  # [1, N]
     position_tensor = torch.tensor([positions], device=device)  # [1, N]
-    logits_at = torch.tensor(logit_rows + layout.kept_rows, dtype=torch.long, device=device)
-    logits = model.forward(token_tensor, position_tensor, plan, None, logits_at=logits_at)[0]  # [K, V]
+    logits_at = torch.tensor(logit_rows + layout.kept_rows + stream_kept, dtype=torch.long, device=device)
+    logits = model.forward(token_tensor, position_tensor, plan, logits_at=logits_at)[0]  # [K, V]
     for sequence, count in streams:
         sequence.stream.finish(count)
-    return keep_logits(layout.scored, logits, len(logit_rows)), sampled
+    return keep_logits(layout.scored + stream_scored, logits, len(logit_rows)), sampled
 
 
 def _rebuild_forward(model, prompt: bool):
@@ -95,7 +94,7 @@ def _rebuild_forward(model, prompt: bool):
 
     def forward(piece: list[int], plan: StreamPlan) -> None:
         tokens = torch.tensor([piece], device=model.device)  # [1, T]
-        plan.with_products(Products.of_rows(prompt, torch.get_num_threads(), model.device))
-        model.forward(tokens, plan.positions[None], plan, None, False)
+        plan.with_products(Products.of_rows(prompt, torch.get_num_threads(), model.device, kernels=model.kernels))
+        model.forward(tokens, plan.positions[None], plan, False)
 
     return forward

@@ -6,7 +6,7 @@ sinks and a window of ``n_ctx - n_keep`` tokens. The policy is defined token by 
 (tests/streaming_reference.py spells it out): when a token arrives to a full window, the
 ``n_discard`` oldest window tokens are dropped and the rest move ``n_discard`` positions closer
 to the sinks. The same policy runs a stream in the engine (beside every other sequence of a
-step: engine/stream_steps.py) and alone (generation/streaming.py, for scoring).
+step: engine/stream_steps.py) and in tests alone (tests/stream_alone.py).
 
 * ``reevaluate``: ``seq_rm`` of the window, then one prefill of the newest tokens at fresh
   positions (the sinks' K/V depend only on the sinks, so they stay). Works for every position
@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..config import GenerationConfig
 from ..errors import InvalidOptionError, PromptTooLongError
 from ..layers.positions import longrope_switches
 from .plan import layer_windows
@@ -290,3 +291,17 @@ class StreamingPolicy:
         if lowest is None or (count == 1 and not any(corrections)):
             lowest = corrections = None  # one frame, nothing dropped inside: plain causal attention
         return StreamPlan(self, positions, lowest, corrections)
+
+
+def new_stream(engine, config: GenerationConfig) -> StreamingPolicy:
+    """The policy of a request with ``n_ctx`` on ``engine``'s cache (refused at once if the model
+    cannot stream that way or the cache could never hold it)."""
+    stream = StreamingPolicy(engine.model, engine.cache, config.n_ctx, config.n_keep, config.discard_count,
+                             config.policy)
+    stream.check_fits()
+    return stream
+
+
+def stream_cache_tokens(config: GenerationConfig) -> int:
+    """Cache tokens one stream of ``config`` holds at most (``n_ctx`` plus a shift's headroom)."""
+    return config.n_ctx + (min(config.n_ctx, MAX_CHUNK) if config.policy == "shift" else 0)

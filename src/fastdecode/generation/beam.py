@@ -99,7 +99,7 @@ class DecoderBeamEngine:
                  shared: tuple[int, int] = (1, 0), prompt: bool = False):
         """``prompt``: the rows are prompts (exact products), else generated beam tokens."""
         device = self.model.device
-        products = Products.of_rows(prompt, torch.get_num_threads(), device)  # the caller's threads
+        products = Products.of_rows(prompt, torch.get_num_threads(), device, kernels=self.model.kernels)
         plan = StepPlan.for_rows(self.cache, rows, self.windows, self.score_bias, self.model.dtype, products, shared)
         tokens = torch.as_tensor(tokens, device=device)[None]  # [1, N]
         positions = torch.as_tensor(positions, device=device)[None]  # [1, N]
@@ -108,7 +108,7 @@ class DecoderBeamEngine:
     def _run_model(self, tokens: torch.Tensor, positions: torch.Tensor, plan: StepPlan, logits_at: torch.Tensor,
                    num_rows: int) -> torch.Tensor:
         """The model's forward over flat tokens, positions [1, N] -> logits [1, rows, V]."""
-        return self.model.forward(tokens, positions, plan, None, logits_at=logits_at)
+        return self.model.forward(tokens, positions, plan, logits_at=logits_at)
 
     def reorder_beams(self, sources: torch.Tensor) -> None:
         """Beam row i continues row ``sources[i]`` (of its own sample) -> ``seq_keep``."""

@@ -12,7 +12,7 @@ from typing import Any
 from ..config import GenerationConfig
 from ..engine.call import submit_call
 from ..engine.requests import RequestFactory
-from .decode import SequenceResult
+from ..engine.sequence import SequenceResult
 
 
 def best_of_results(model: Any, factory: RequestFactory, prompts: list[list[int]], config: GenerationConfig,

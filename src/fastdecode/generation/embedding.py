@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.static import NoCache
+from ..cache.view import NoCache
 from ..layers.attention import build_attention_mask
 from ..layers.products import Products
-from .decode import left_pad
+from .reference import left_pad
 
 POOLINGS = ("mean", "last")
 
@@ -20,9 +20,9 @@ def embed_token_lists(model, prompts: list[list[int]], pooling: str = "mean") ->
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     tokens, valid, positions = left_pad(prompts, model.device)  # [B, L] each
     mask = build_attention_mask(valid, 0, tokens.shape[1], model.dtype)  # [B, 1, L, L]
-    products = Products.prompt(torch.get_num_threads())  # prompt rows, on the caller's threads
+    products = Products.prompt(torch.get_num_threads(), kernels=model.kernels)  # prompt rows, the caller's threads
     with torch.inference_mode():
-        hidden = model.forward(tokens, positions, NoCache(products), mask, all_logits=True,
+        hidden = model.forward(tokens, positions, NoCache.of_model(model, products, mask, positions), all_logits=True,
                                hidden=True).float()  # [B, L, C]
     if pooling == "last":
         pooled = hidden[:, -1]  # left-padded: the last column holds every row's last token  [B, C]

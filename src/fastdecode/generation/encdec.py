@@ -1,8 +1,8 @@
-"""Encoder-decoder generation outside the scheduler: beam search, and the naive reference.
+"""Encoder-decoder beam search outside the scheduler, which Whisper still drives (speech/engine.py).
 
 The seed (bart-incremental-decoding) gives three recipes. Its first, every step running the encoder
 over the source and the decoder over the whole target (N*M + M(M+1)/2 token-passes), is
-``EncoderDecoderRecompute`` (``use_cache=False``), kept as the reference. Its last, the encoder
+``EncoderDecoderRecompute`` (``use_cache=False``, generation/reference.py), kept as the reference. Its last, the encoder
 hoisted out of the loop, the cross-attention K/V projected once and the decoder's self-attention
 K/V cached (N + M token-passes), is what every cached path runs: greedy and sampling requests in
 the engine's scheduler (engine/cross.py), beam search here (``EncoderDecoderBeamEngine``).
@@ -17,24 +17,22 @@ from __future__ import annotations
 
 import torch
 
+from typing import NamedTuple
+
 from ..engine.cross import EncodedSources, decoder_score_bias, right_pad
 from ..engine.plan import StepPlan
-from ..layers.products import Products
 from .beam import DecoderBeamEngine
-from .step import Started
 
-__all__ = ["EncoderDecoderBeamEngine", "EncoderDecoderRecompute", "right_pad", "start_beam_encoder_decoder",
-           "start_encoder_decoder"]
+__all__ = ["EncoderDecoderBeamEngine", "right_pad", "start_beam_encoder_decoder"]
 
 
-def start_encoder_decoder(model, sources: list[list[int]], config) -> Started:
-    """Encode the sources, then run the decoder start token (one beam per source: plain decoding)."""
-    if config.use_cache:
-        return start_beam_encoder_decoder(model, sources, config, num_beams=1)
-    engine = EncoderDecoderRecompute(model)
-    logits = engine.prefill(*right_pad(sources, model.device))
-    next_positions = torch.ones(len(sources), dtype=torch.long, device=model.device)
-    return Started(engine, logits, next_positions, [[model.config.decoder_start_token_id]] * len(sources))
+class Started(NamedTuple):
+    """A started beam search: the engine after its first forward, and where decoding resumes."""
+
+    engine: "EncoderDecoderBeamEngine"
+    logits: torch.Tensor  # [B, V] for the first new token
+    next_positions: torch.Tensor  # [B] position of the token fed at the next decode
+    history: list[list[int]]  # tokens the processors count as already seen
 
 
 def start_beam_encoder_decoder(model, sources: list[list[int]], config, num_beams: int | None = None) -> Started:
@@ -75,7 +73,7 @@ class EncoderDecoderBeamEngine(DecoderBeamEngine):
     def _run_model(self, tokens: torch.Tensor, positions: torch.Tensor, plan: StepPlan, logits_at: torch.Tensor,
                    num_rows: int) -> torch.Tensor:
         cross = self.sources.folded(num_rows // self.sources.num_sources)  # rows: one sample's beams side by side
-        return self.model.decode(tokens, positions, plan, None, cross, logits_at=logits_at)
+        return self.model.decode(tokens, positions, plan, cross, logits_at=logits_at)
 
     def keep_samples(self, samples: torch.Tensor) -> None:
         """Only these samples [B'] go on: their beams' blocks and their sources' cross K/V."""
@@ -85,40 +83,3 @@ class EncoderDecoderBeamEngine(DecoderBeamEngine):
     def drop_rows(self, rows: torch.Tensor) -> None:
         """Plain decoding (one beam per source): finished rows leave the batch."""
         self.keep_samples(rows)
-
-
-class EncoderDecoderRecompute:
-    """No cache at all: every step re-encodes the source and re-decodes the whole target."""
-
-    def __init__(self, model):
-        self.model = model
-        self.source = self.valid = self.source_positions = None
-        self.target = self.target_positions = None
-
-    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self.source, self.valid, self.source_positions = tokens, valid, positions
-        B = tokens.shape[0]
-        start = self.model.config.decoder_start_token_id
-        self.target = torch.full((B, 1), start, dtype=torch.long, device=tokens.device)  # [B, 1]
-        self.target_positions = torch.zeros_like(self.target)
-        return self._run()
-
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self.target = torch.cat([self.target, tokens[:, None]], dim=1)  # [B, T+1]
-        self.target_positions = torch.cat([self.target_positions, positions[:, None]], dim=1)
-        return self._run()
-
-    def _run(self) -> torch.Tensor:
-        model = self.model
-        cross = EncodedSources.from_padded(model, self.source, self.valid, self.source_positions)  # every step
-        B, T = self.target.shape
-        bias = model.decoder_self_bias(T)  # [1, H|1, T, T]
-        roles = [column == 0 for _ in range(B) for column in range(T)]  # [B * T]: the start token is the prompt
-        products = Products.of_rows(roles, torch.get_num_threads(), self.target.device)
-        return model.decode(self.target, self.target_positions, None, bias, cross, products=products)[:, -1]
-
-    def drop_rows(self, rows: torch.Tensor) -> None:
-        self.source = self.source.index_select(0, rows)
-        self.valid = self.valid.index_select(0, rows)
-        self.target = self.target.index_select(0, rows)
-        self.target_positions = self.target_positions.index_select(0, rows)

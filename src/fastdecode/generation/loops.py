@@ -1,6 +1,5 @@
-"""The calls the engine does not run yet: beam search and the naive reference
-(``use_cache=False``), each through its own decode loop, with stop strings watched on
-the text as the engine watches them."""
+"""The one call the engine does not run: the naive reference (``use_cache=False``,
+generation/reference.py), with stop strings watched on the text as the engine watches them."""
 
 from __future__ import annotations
 
@@ -9,7 +8,8 @@ from typing import Any
 
 from ..config import GenerationConfig
 from ..engine.requests import RequestFactory
-from .decode import DecodeLoop, SequenceResult
+from ..engine.sequence import SequenceResult
+from .reference import ReferenceLoop
 from .sampling import sequence_seeds
 from .stopping import TextWatcher
 
@@ -21,12 +21,12 @@ def runs_in_engine(config: GenerationConfig) -> bool:
 
 
 def decode_loops(model: Any, factory: RequestFactory, prompts: list[list[int]], config: GenerationConfig) -> list[Any]:
-    """One decode loop for the whole batch (the naive reference: greedy and sampling)."""
+    """One reference loop for the whole batch (greedy and sampling)."""
     prompts = factory.check_call(prompts, config)
     repeated = [p for p in prompts for _ in range(config.num_return_sequences)]
     eos, grammar = factory.eos_ids(config), factory.grammar(config)
     seeds = sequence_seeds(config, len(prompts)) if config.is_sampling else None
-    return [DecodeLoop(model, repeated, config, eos, row_seeds=seeds, grammar=grammar)]
+    return [ReferenceLoop(model, repeated, config, eos, row_seeds=seeds, grammar=grammar)]
 
 
 def loop_results(model: Any, factory: RequestFactory, prompts: list[list[int]], config: GenerationConfig,

@@ -149,7 +149,7 @@ def build_attention_mask(
     """Additive causal + padding mask [B, 1, T, S] for queries in slots query_start .. query_start+T-1.
 
     key_valid [B, S]: False for padding slots. A query sees keys in earlier or equal slots that are
-    valid (sliding layers add their window themselves: ``LayerMasks``). Each query always sees its
+    valid (sliding layers add their window by position: ``position_mask``). Each query always sees its
     own slot, so a padding query never has an empty row (no NaN); its output is never used.
     """
     S = key_valid.shape[1]
@@ -164,33 +164,13 @@ def build_attention_mask(
     return mask[:, None]  # [B, 1, T, S]
 
 
-class LayerMasks:
-    """The additive masks of one forward, one per attention window (per-layer attention kinds).
-
-    ``mask`` is the caller's: causality and padding, [B, 1, T, S], or None when every key is
-    visible. A sliding layer (window w) additionally hides keys w or more positions before its
-    query. The window term is built from the cache's own key-minus-query distances
-    (``cache.relative_positions``, in the query's frame: a streaming cache reports its shifted
-    sinks there), once per forward and window, so every cache (static, beam, streaming, none)
-    honours a layer's window without any engine knowing about it. A key at distance 0 (the
-    query's own slot) is always inside the window, so no row is ever empty. A cache that reports
-    no distances (None: an engine's step plan, which builds each layer's mask itself from
-    ``ModelConfig.layer_windows``) gets the caller's mask as it is.
-    """
-
-    def __init__(self, mask: torch.Tensor | None, cache, query_positions: torch.Tensor, dtype: torch.dtype):
-        self.mask, self.cache, self.query_positions, self.dtype = mask, cache, query_positions, dtype
-        self._windowed: dict[int, torch.Tensor] = {}
-
-    def for_window(self, window: int | None) -> torch.Tensor | None:
-        if window is None:
-            return self.mask
-        if window not in self._windowed:
-            relative = self.cache.relative_positions(self.query_positions)  # [B, T, S] key - query, or None
-            if relative is None:
-                return self.mask
-            distance = -relative  # [B, T, S] query - key
-            bias = torch.zeros(distance.shape, dtype=self.dtype, device=distance.device)
-            bias = bias.masked_fill_(distance >= window, float("-inf"))[:, None]  # [B, 1, T, S]
-            self._windowed[window] = bias if self.mask is None else self.mask + bias
-        return self._windowed[window]
+def position_mask(distance: torch.Tensor, window: int | None, score_bias, dtype: torch.dtype) -> torch.Tensor:
+    """Key minus query position [B, T, S] (key j of a sequence sits at position j) -> additive
+    mask [B, 1, T, S] (or [B, H, T, S] with a position bias): a query sees keys at its position or
+    before, and on a sliding-window layer fewer than ``window`` positions back."""
+    allowed = distance <= 0
+    if window is not None:
+        allowed &= distance > -window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask = mask.masked_fill(~allowed, float("-inf"))[:, None]  # [B, 1, T, S]
+    return mask if score_bias is None else score_bias(distance) + mask

@@ -2,8 +2,9 @@
 
 A ``QuantizedWeight`` goes to its own kernels (``quantized.py``); a float weight to the float32 GEMM
 (``gemm.py``: oneDNN's, the activation fused) or, for generated rows, the extension's kernel below.
-Every call names the forward's ``Products`` (layers/products.py: the rows' roles and the thread
-budget), taken from the step plan the model received: nothing else decides the arithmetic.
+Every call names the forward's ``Products`` (layers/products.py: the rows' roles, the thread budget
+and the model's kernel choice), taken from the step plan the model received: nothing else decides
+the arithmetic.
 
 Generated rows (decode steps, beams; ``Products.roles`` marks the others) of a float32 matrix held
 as a contiguous [in, out] buffer take the extension's ``float_matmul`` (layers/fmatmul.cpp) instead
@@ -21,11 +22,9 @@ import torch
 
 from . import ops
 from .gemm import ACTIVATIONS, activated, gemm  # noqa: F401 - ACTIVATIONS: one import for models
-from .products import Products, RowRoles
+from .products import KernelChoice, Products, RowRoles
 from .quantized import QuantizedWeight, embed, quantized_linear  # noqa: F401 - embed: one import for models
 from .threads import kernel_threads
-
-USE_FLOAT_KERNEL = True  # False: generated rows take the GEMM too (tests, benchmarks of the old path)
 
 
 def linear(
@@ -33,19 +32,20 @@ def linear(
     activation: str | None = None, *, products: Products,
 ) -> torch.Tensor:
     """act(x [..., in] @ weight [out, in]^T + bias [out]) -> [..., out]; ``activation`` names an ACTIVATIONS
-    entry; ``products``: the forward's row roles and thread budget."""
+    entry; ``products``: the forward's row roles, thread budget and kernel choice."""
     if isinstance(weight, QuantizedWeight):
         return activated(quantized_linear(x, weight, bias, products), activation, products.threads)
     if (not products.all_prompt and x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
-            and float_kernel_serves(weight)):
+            and float_kernel_serves(weight, products.kernels)):
         return activated(_generated_rows_product(x, weight, bias, products), activation, products.threads)
     return gemm(x, weight, bias, activation, products.threads)
 
 
-def float_kernel_serves(weight: torch.Tensor) -> bool:
+def float_kernel_serves(weight: torch.Tensor, kernels: KernelChoice) -> bool:
     """Whether the extension's float_matmul runs generated rows (float32 on the CPU, no autograd) times
-    this weight: float32 on the CPU, an [out, in] view of a contiguous [in, out] buffer."""
-    return (USE_FLOAT_KERNEL and weight.dtype == torch.float32 and weight.is_cpu and weight.t().is_contiguous()
+    this weight: the kernel choice allows it (``float_kernel``; off: the GEMM, the old path), float32 on
+    the CPU, an [out, in] view of a contiguous [in, out] buffer."""
+    return (kernels.float_kernel and weight.dtype == torch.float32 and weight.is_cpu and weight.t().is_contiguous()
             and ops.available())
 
 

@@ -1,13 +1,18 @@
 """``Products``: how one forward runs its products, handed to every ``linear`` call explicitly.
 
-Two things decide a product's arithmetic and speed besides its operands, and both travel here, in
-the step plan a model receives (engine/plan.py), never in hidden state:
+Three things decide a product's arithmetic and speed besides its operands, and all travel here, in
+the step plan a model receives (engine/plan.py), never in hidden state (no module switch, no
+``ContextVar``):
 
 - **row roles**: which rows of the forward's flattened [R, C] rows are prompt rows (prompt chunks,
-  encoder sources, scoring: exact float32 products) and which are generated rows (decode steps,
-  beams: the int8 / fixed-order kernels). Layers/quantized.py and layers/linear.py say why;
+  encoder sources, scoring: exact float32 products unless the kernel choice says int8) and which
+  are generated rows (decode steps, beams: the int8 / fixed-order kernels). Layers/quantized.py and
+  layers/linear.py say why;
 - **the thread budget**: the thread count of whoever runs the forward. The forward's own small ops
-  run on one thread (layers/threads.py); big products and attention get this many.
+  run on one thread (layers/threads.py); big products and attention get this many;
+- **the kernel choice** (``KernelChoice``): the model's, chosen once at load (``fastdecode.load(...,
+  prompt_rows=...)``): prompt rows of quantized weights exact or int8, and the reference paths
+  (quantized or float kernels off) that tests and benchmarks compare against.
 
 ``linear`` and the attention ops take it as a required argument, so a call site that forgets
 cannot silently get other numbers.
@@ -19,7 +24,52 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidOptionError
+
 ALL_PROMPT = "all prompt rows"
+PROMPT_ROWS = ("exact", "int8")  # KernelChoice.prompt_rows
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    """Which kernels a model's products take: chosen at load, held by the model (``model.kernels``)
+    and carried by every forward's ``Products``.
+
+    - ``prompt_rows``: "exact" (default): prompt rows of quantized weights are multiplied by the
+      weights' exact float32 values (layers/quantized.py says why); "int8": rounded to int8 per 32
+      inputs and multiplied by the integer kernels, as generated rows are (llama.cpp's choice: a
+      512-token prompt on Qwen2.5-Coder-1.5B Q4_K_M 1.9-3.4x as fast; near ties may flip);
+    - ``quantized_kernels``: False: every quantized product takes the exact path (the reference of
+      tests that check a conversion at 1e-4);
+    - ``float_kernel``: False: generated rows of float32 matrices take the GEMM as prompt rows do
+      (the path before layers/fmatmul.cpp: tests and benchmarks compare against it)."""
+
+    prompt_rows: str = "exact"
+    quantized_kernels: bool = True
+    float_kernel: bool = True
+
+    def __post_init__(self) -> None:
+        if self.prompt_rows not in PROMPT_ROWS:
+            raise InvalidOptionError(f"prompt_rows must be one of {', '.join(PROMPT_ROWS)}, got {self.prompt_rows!r}")
+        for name in ("quantized_kernels", "float_kernel"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidOptionError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def exact_prompt_rows(self) -> bool:
+        return self.prompt_rows == "exact"
+
+    @classmethod
+    def at_load(cls, prompt_rows: str | None, kernels: KernelChoice | None) -> KernelChoice:
+        """The choice of ``load(..., prompt_rows=, kernels=)``: ``prompt_rows`` alone ("exact" when
+        None), or the whole ``kernels`` choice (reference runs); InvalidOptionError when both are given."""
+        if kernels is None:
+            return cls(prompt_rows="exact" if prompt_rows is None else prompt_rows)
+        if prompt_rows is not None:
+            raise InvalidOptionError("give prompt_rows or kernels (a KernelChoice, which has prompt_rows), not both")
+        if not isinstance(kernels, KernelChoice):
+            raise InvalidOptionError(f"kernels must be a KernelChoice, got {kernels!r}")
+        return kernels
 
 
 class RowRoles:
@@ -36,29 +86,36 @@ class RowRoles:
 @dataclass(frozen=True, slots=True, eq=False)
 class Products:
     """``roles``: None (every row generated), ``ALL_PROMPT``, or a ``RowRoles`` (a step mixing both);
-    ``threads``: the forward's thread budget (0 inside torch.compile: the op reads torch's count)."""
+    ``threads``: the forward's thread budget (0 inside torch.compile: the op reads torch's count);
+    ``kernels``: the model's ``KernelChoice`` (required everywhere: a caller cannot forget it)."""
 
     roles: RowRoles | str | None
     threads: int
+    kernels: KernelChoice
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kernels, KernelChoice):
+            raise TypeError(f"Products takes the model's KernelChoice, got {self.kernels!r}")
 
     @classmethod
-    def generated(cls, threads: int) -> Products:
+    def generated(cls, threads: int, *, kernels: KernelChoice) -> Products:
         """Every row generated (decode steps, beams)."""
-        return cls(None, threads)
+        return cls(None, threads, kernels)
 
     @classmethod
-    def prompt(cls, threads: int) -> Products:
+    def prompt(cls, threads: int, *, kernels: KernelChoice) -> Products:
         """Every row a prompt row (a prompt, an encoder source, a scored text)."""
-        return cls(ALL_PROMPT, threads)
+        return cls(ALL_PROMPT, threads, kernels)
 
     @classmethod
-    def of_rows(cls, is_prompt: bool | list[bool], threads: int, device: torch.device | str = "cpu") -> Products:
+    def of_rows(cls, is_prompt: bool | list[bool], threads: int, device: torch.device | str = "cpu", *,
+                kernels: KernelChoice) -> Products:
         """``is_prompt``: one bool for every row, or one per flattened row (a step mixing both)."""
         if not isinstance(is_prompt, bool) and (all(is_prompt) or not any(is_prompt)):
             is_prompt = all(is_prompt)  # one role for the whole forward
         if isinstance(is_prompt, bool):
-            return cls(ALL_PROMPT if is_prompt else None, threads)
-        return cls(RowRoles(is_prompt, device), threads)
+            return cls(ALL_PROMPT if is_prompt else None, threads, kernels)
+        return cls(RowRoles(is_prompt, device), threads, kernels)
 
     @property
     def all_prompt(self) -> bool:

@@ -35,14 +35,16 @@ Which arithmetic a row gets depends on its role, never on what else is in the st
 - weights marked by ``int8_prompt_rows`` (encoder-decoder models quantized at load, as CTranslate2 runs
   them): every row the int8 kernel, whatever its role.
 
-Prompt rows on int8 (``PROMPT_ROWS_EXACT`` off, or ``int8_prompt_rows``) take the decode kernel, except on
+Prompt rows on int8 (the model's ``KernelChoice`` with ``prompt_rows="int8"``, carried by ``Products``,
+or ``int8_prompt_rows``) take the decode kernel, except on
 the rows layout's 8-bit codes in groups of 16 (Q6_K), whose prompt rows take the int8 prompt GEMM
 (layers/qprompt.cpp: 16 outputs repacked per pass, VNNI or AVX2; ``has_prompt_kernel``).
 
 Each kernel's row result is bitwise the same whatever else is in its product: a row's products never
 depend on its batch or on how its prompt was chunked (attention over prompt chunks is SDPA, whose
 sums may still differ in the last bit between chunkings). Without the extension (no AVX2, no compiler, CUDA),
-or with ``USE_KERNEL`` off (tests that check a conversion at 1e-4), every product takes the exact path.
+or with the kernel choice's ``quantized_kernels`` off (tests that check a conversion at 1e-4), every
+product takes the exact path.
 """
 
 from __future__ import annotations
@@ -58,13 +60,11 @@ from .products import ALL_PROMPT, Products
 from .threads import kernel_threads
 
 TILE = 8  # outputs per tile of the tiled layout
-USE_KERNEL = True  # False: every product takes the exact path (tests of conversions, at 1e-4)
 # Without the extension's exact kernel (another device, no compiler) prompt rows go through the float
 # GEMM: oneDNN's gives a row the same bits whatever the row count from 4 rows on (tested), but 1 to 3
 # rows may take another kernel (differences ~1e-5, which the int8 rounding of later generated rows can
 # turn into different tokens): fewer prompt rows are padded to 4.
 GEMM_MIN_ROWS = 4
-PROMPT_ROWS_EXACT = True  # False: prompt rows take the int8 kernel too (llama.cpp's choice; measured by a test)
 
 
 @dataclass(frozen=True, eq=False)
@@ -210,7 +210,7 @@ def dense_weight(weight: QuantizedWeight, work: int, threads: int) -> torch.Tens
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
                      products: Products) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T + bias -> [..., N] in x's dtype; ``products``: the forward's row
-    roles (which arithmetic each row gets) and thread budget.
+    roles and kernel choice (which arithmetic each row gets) and thread budget.
 
     Called for every product of a decode step: casts, copies and reshapes happen only where needed."""
     if weight.transposed:
@@ -219,9 +219,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     rows = x if x.dim() == 2 else x.reshape(-1, K)  # [M, K]
     if rows.dtype != torch.float32:
         rows = rows.float()
-    kernel = USE_KERNEL and rows.is_cpu and ops.available()
+    choice = products.kernels  # the model's, chosen at load
+    kernel = choice.quantized_kernels and rows.is_cpu and ops.available()
     threads = products.threads
-    exact_prompts = PROMPT_ROWS_EXACT and weight.exact_prompt_rows
+    exact_prompts = choice.exact_prompt_rows and weight.exact_prompt_rows
     roles = products.roles if weight.activation_bits == 8 and (exact_prompts or has_prompt_kernel(weight)) else None
     if not kernel or (roles is ALL_PROMPT and exact_prompts):
         out = _exact_product(rows, weight, threads)
@@ -264,7 +265,7 @@ def has_prompt_kernel(weight: QuantizedWeight) -> bool:
 
 
 def _int8_prompt_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int) -> torch.Tensor:
-    """Prompt rows [M, K] float32 -> [M, N] on int8-rounded activations (``PROMPT_ROWS_EXACT`` off or
+    """Prompt rows [M, K] float32 -> [M, N] on int8-rounded activations (``prompt_rows="int8"`` or
     ``int8_prompt_rows``): each row the same bits at any row count (tests/unit/test_prompt_gemm.py)."""
     rows = rows if rows.is_contiguous() else rows.contiguous()
     if not (has_prompt_kernel(weight) and rows.is_cpu):

@@ -21,10 +21,6 @@ from ..layers.quantized import (QuantizedWeight, for_logits, int8_prompt_rows, k
 log = logging.getLogger("fastdecode")
 QUANTIZE_CHOICES = ("int8", "int4", "dequantize")
 _KEEP_FLOAT = ("pos_embed", "relative_bias", "norm")
-# Encoder-decoder models quantized at load run every product on int8 activations, as CTranslate2 does: the
-# logits layer and the prompt rows (encoder sources) included (False: as decoder-only models, float32
-# activations for those; tests compare both)
-INT8_SEQ2SEQ_ACTIVATIONS = True
 
 
 def check_quantize(quantize: str | None) -> None:
@@ -55,14 +51,16 @@ def check_gguf_quantize(path, quantize: str | None) -> None:
         f"dtype, or give a float (F16 / BF16 / F32) GGUF or a Hugging Face folder to quantize to {quantize}")
 
 
-def apply_quantize(checkpoint, quantize: str | None):
+def apply_quantize(checkpoint, quantize: str | None, encoder_decoder_int8: bool = True):
     """``checkpoint`` with its weights as ``quantize`` asks (``load``'s and ``from_hf``'s last step): float
-    matrices quantized for "int8" / "int4" (encoder-decoder models then on int8 activations everywhere, as
-    CTranslate2), and a quantized LM head, a GGUF's included, on float32 activations otherwise. (Callers check
-    ``quantize`` first, before loading anything.)"""
+    matrices quantized for "int8" / "int4" (encoder-decoder models then, with ``encoder_decoder_int8``, on
+    int8 activations everywhere, as CTranslate2 runs them: the logits layer and the prompt rows, encoder
+    sources, included; False: as decoder-only models, which tests compare), and a quantized LM head, a
+    GGUF's included, on float32 activations otherwise. (Callers check ``quantize`` first, before loading
+    anything.)"""
     if quantize in ("int8", "int4"):
         checkpoint.weights = quantize_weights(checkpoint.weights, quantize)
-    if quantize in ("int8", "int4") and checkpoint.family.is_encoder_decoder and INT8_SEQ2SEQ_ACTIVATIONS:
+    if quantize in ("int8", "int4") and checkpoint.family.is_encoder_decoder and encoder_decoder_int8:
         checkpoint.weights = int8_everywhere(checkpoint.weights)
     else:
         checkpoint.weights = logits_layer_precise(checkpoint.weights)

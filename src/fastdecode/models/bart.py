@@ -30,14 +30,14 @@ from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.linear import ACTIVATIONS, embed, linear
-from ..layers.products import Products
+from ..layers.products import KernelChoice, Products
+from ..cache.view import CacheView
 from ..layers.threads import on_one_thread
 from ..layers.positions import sinusoidal_table
-from .seq2seq import check_tied, decoder_start_token, padding_bias, plan_products
+from .seq2seq import check_tied, decoder_start_token, padding_bias
 
 if TYPE_CHECKING:  # the engine's views a decoder step attends through
     from ..engine.cross import CrossStep, EncodedSources, FoldedCross
-    from ..engine.plan import StepPlan
 
 # Canonical name -> HF sublayer name, per layer of each stack.
 _ENCODER_LAYER = {
@@ -216,7 +216,8 @@ class BartStack(Generic[BlockT]):
 class BartModel(ModelBase):
     """Encoder-decoder over canonical weights: ``encode`` / ``cross_kv`` / ``decode``."""
 
-    def __init__(self, config: EncoderDecoderConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: EncoderDecoderConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+        self.kernels = kernels  # the kernel choice every forward's Products carry (set at load)
         if config.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {config.hidden_act!r} is not supported")
         check_tied(weights, ("encoder_embed.weight", "decoder_embed.weight"), config.architecture)
@@ -285,27 +286,24 @@ class BartModel(ModelBase):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        plan: StepPlan | None,
-        self_bias: torch.Tensor | None,
+        view: CacheView,
         cross: CrossStep | FoldedCross | EncodedSources,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
-        *,
-        products: Products | None = None,
     ) -> torch.Tensor:
         """Target tokens, positions [B, T] -> logits [B, T or 1, V] ([B, K, V] at ``logits_at`` [K]).
 
-        ``plan``: an engine step plan (engine/plan.py) over flat tokens [1, N] of many sequences; it
-        writes each token's K/V to its sequence's slots and builds its own masks. None: attend within
-        these tokens only, under ``self_bias``, the additive causal mask [1, 1, T, T] (the naive
-        reference). ``cross``: the step's view of each row's source K/V (engine/cross.py).
-        ``products``: the rows' roles and thread budget, given where there is no plan (``plan_products``).
+        ``view`` (cache/view.py): an engine step plan (engine/plan.py) over flat tokens [1, N] of many
+        sequences, which writes each token's K/V to its sequence's slots and builds its own masks; or
+        the naive reference's ``NoCache`` over these tokens only, its mask ``decoder_self_bias`` (the
+        additive causal mask [1, 1, T, T]). ``cross``: the step's view of each row's source K/V
+        (engine/cross.py).
         """
-        p = plan_products(plan, products)
+        p = view.products  # the rows' roles and thread budget (layers/products.py)
         x = self._embed(self.decoder, tokens, positions)
         for index, layer in enumerate(self.decoder.layers):
             x = self._residual(x, layer.attn_norm, layer.attn_norm_bias,
-                               lambda h: self._target_self_attention(h, layer, index, plan, self_bias, p))
+                               lambda h: self._target_self_attention(h, layer, index, view, p))
             x = self._residual(x, layer.cross_norm, layer.cross_norm_bias,
                                lambda h: self._cross_attention(h, layer, index, cross, p))
             x = self._residual(x, layer.mlp_norm, layer.mlp_norm_bias, lambda h: self._mlp(h, layer, p))
@@ -346,13 +344,10 @@ class BartModel(ModelBase):
         o = attention(q, k, v, mask, D**-0.5, threads=p.threads)  # [B, H, T, D]
         return linear(merge_heads(o), layer.o, layer.o_bias, products=p)
 
-    def _target_self_attention(self, h, layer, index: int, plan, bias, p: Products) -> torch.Tensor:
+    def _target_self_attention(self, h, layer, index: int, view: CacheView, p: Products) -> torch.Tensor:
         H, D = self.config.num_heads, self.config.head_dim
         q, k, v = (split_heads(x, H, D) for x in layer.qkv.split(h, p))  # [B, H, T, D] each
-        if plan is not None:  # each sequence's own slots, the plan's masks
-            o = plan.attend(index, q, k, v, None, self.scale)  # [B, H, T, D]
-        else:
-            o = attention(q, k, v, bias, self.scale, threads=p.threads)  # [B, H, T, D]
+        o = view.attend(index, q, k, v, self.scale)  # [B, H, T, D]: each sequence's own keys, the view's masks
         return linear(merge_heads(o), layer.o, layer.o_bias, products=p)
 
     def _cross_attention(self, h, layer, index: int, cross, p: Products) -> torch.Tensor:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..layers.products import KernelChoice
 from ..layers.quantized import QuantizedWeight
 
 # A matrix a block holds: float, or quantized at load (``quantize=``) or in a GGUF file.
@@ -41,9 +42,11 @@ def token_id_list(value: Any) -> list[int]:
 
 
 class ModelBase:
-    """A model holds its weights as plain tensors; ``embed`` is the token embedding table."""
+    """A model holds its weights as plain tensors; ``embed`` is the token embedding table; ``kernels``
+    the kernel choice made at load (layers/products.py), which every forward's ``Products`` carry."""
 
     embed: torch.Tensor
+    kernels: KernelChoice
 
     def take_ends(self, config: Any, weights: dict[str, torch.Tensor]) -> None:
         """Keep the config and the ends of an RMSNorm decoder: the embedding table, the final norm

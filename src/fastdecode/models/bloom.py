@@ -3,7 +3,8 @@ fused QKV (interleaved per head), pre-LayerNorm blocks, GELU (tanh) MLP, tied LM
 
 ALiBi adds ``slope_h * (key_position - query_position)`` to every score. Only position
 differences matter, which is what lets a streaming cache shift positions without recomputation:
-the cache reports key-query distances in the current frames (``cache.relative_positions``).
+the view adds the bias from its own key-query distances in the current frames (its ``score_bias``
+is ``alibi_bias``; cache/view.py).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..cache.static import KVCache, NoCache
+from ..cache.view import CacheView
 from .base import LayerNormBlock, ModelBase
 from ..config import ModelConfig
 from ..layers.linear import embed, linear
+from ..layers.products import KernelChoice
 from ..layers.threads import on_one_thread
 from ..layers.positions import alibi_slopes
 from ..config import derived_head_dim
@@ -101,7 +103,8 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
 
 
 class BloomModel(ModelBase):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+        self.kernels = kernels  # the kernel choice every forward's Products carry (set at load)
         self.config = config
         self.embed = weights["embed.weight"]
         self.embed_norm = (weights["embed_norm.weight"], weights["embed_norm.bias"])
@@ -123,8 +126,7 @@ class BloomModel(ModelBase):
         return (self.slopes[None, :, None, None] * distance[:, None]).to(self.dtype)  # [B, H, T, S]
 
     @on_one_thread
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | NoCache,
-                mask: torch.Tensor | None, all_logits: bool = False,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: CacheView, all_logits: bool = False,
                 logits_at: torch.Tensor | None = None, hidden: bool = False) -> torch.Tensor:
         """Same contract as ``LlamaModel.forward``: logits [B, T or 1, V]."""
         cfg, p = self.config, cache.products  # the rows' roles and thread budget (layers/products.py)
@@ -132,14 +134,12 @@ class BloomModel(ModelBase):
         H, D, C = cfg.num_heads, cfg.head_dim, cfg.hidden_size
         x = embed(tokens, self.embed)  # [B, T, C]
         x = F.layer_norm(x, (C,), *self.embed_norm, cfg.norm_eps)
-        bias = self.alibi_bias(cache.relative_positions(positions))  # [B, H, T, S]
-        bias = bias if mask is None else bias + mask
         for index, layer in enumerate(self.layers):
             h = F.layer_norm(x, (C,), layer.attn_norm, layer.attn_norm_bias, cfg.norm_eps)
             residual = h if cfg.residual_after_norm else x
             qkv = linear(h, layer.qkv, layer.qkv_bias, products=p).view(B, T, H, 3, D)  # [B, T, H, 3, D]
             q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [B, H, T, D]
-            o = cache.attend(index, q, k, v, bias, self.scale)  # [B, H, T, D]
+            o = cache.attend(index, q, k, v, self.scale)  # [B, H, T, D]: the view adds ALiBi (score_bias)
             o = o.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
             x = residual + linear(o, layer.o, layer.o_bias, products=p)
             h = F.layer_norm(x, (C,), layer.mlp_norm, layer.mlp_norm_bias, cfg.norm_eps)

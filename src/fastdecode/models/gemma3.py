@@ -22,12 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cache.static import KVCache, NoCache
+from ..cache.view import CacheView
 from ..config import FULL, SLIDING, ModelConfig
 from ..errors import UnsupportedModelError
-from ..layers.attention import LayerMasks, merge_heads
+from ..layers.attention import merge_heads
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.linear import ACTIVATIONS, embed, linear
+from ..layers.products import KernelChoice
 from ..layers.threads import on_one_thread
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies
 from ..layers.elementwise import add_rms_norm, gated, qkv_heads, rms_norm
@@ -244,7 +245,8 @@ class Gemma3Model(ModelBase):
     Also Gemma 2 (models/gemma2.py): no q/k norm weights, one RoPE base for both attention kinds
     (``rope_local_theta`` equal to ``rope_theta``) and ``attention_softcapping`` set."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+        self.kernels = kernels  # the kernel choice every forward's Products carry (set at load)
         if config.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {config.hidden_act!r} is not supported")
         self.config = config
@@ -286,16 +288,14 @@ class Gemma3Model(ModelBase):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache | NoCache,
-        mask: torch.Tensor | None,
+        cache: CacheView,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
         hidden: bool = False,
     ) -> torch.Tensor:
-        """tokens, positions [B, T]; mask: additive causal/padding [B, 1, T, S] or None (sliding
-        layers add their window). Returns logits [B, T, V] if ``all_logits``, [B, K, V] at the token
-        indices ``logits_at`` [K], else [B, 1, V]. ``cache`` may be an engine's ``StepPlan`` (which
-        builds each layer's mask from ``ModelConfig.layer_windows`` itself)."""
+        """tokens, positions [B, T] -> logits [B, T, V] if ``all_logits``, [B, K, V] at the token indices
+        ``logits_at`` [K], else [B, 1, V]; ``cache``: the view it attends through (cache/view.py), which
+        masks each layer by ``ModelConfig.layer_windows`` itself."""
         cfg, p = self.config, cache.products  # the rows' roles and thread budget (layers/products.py)
         eps = cfg.norm_eps
         B, T = tokens.shape
@@ -303,13 +303,12 @@ class Gemma3Model(ModelBase):
         x = embed(tokens, self.embed) * self.embed_scale  # [B, T, C]
         # cos, signed sin [B, T, 1, D] per attention kind: once per forward, not per layer
         rotations = {kind: self.ropes[kind].tables(positions, x.dtype) for kind in set(self.layer_types)}
-        masks = LayerMasks(mask, cache, positions, x.dtype)
         # h: the normed input of the next sub-block; each residual add is fused with the norm after it
         h = rms_norm(x, self.layers[0].attn_norm, eps)
         for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
             # q [B, H, T, D], k, v [B, Hkv, T, D]; q and k RMS-normed per head (Gemma 3), scaled and rotated
             q, k, v = qkv_heads(layer.qkv(h, p), H, Hkv, *rotations[self.layer_types[index]], layer.qk_norm, eps)
-            o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale,
+            o = cache.attend(index, q, k, v, self.scale,
                              cfg.attention_softcapping)  # [B, H, T, D]
             attended = linear(merge_heads(o), layer.o, products=p)  # [B, T, C]
             x, h = add_rms_norm(x, attended, layer.mlp_norm, eps, layer.post_attn_norm)

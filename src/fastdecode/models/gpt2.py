@@ -13,10 +13,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..cache.static import KVCache, NoCache
+from ..cache.view import CacheView
 from .base import LayerNormBlock, ModelBase
 from ..config import ModelConfig
 from ..layers.linear import ACTIVATIONS, embed, linear
+from ..layers.products import KernelChoice
 from ..layers.threads import on_one_thread
 from ..errors import UnsupportedModelError
 from ..config import derived_head_dim
@@ -147,7 +148,8 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
 
 
 class GPT2Model(ModelBase):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+        self.kernels = kernels  # the kernel choice every forward's Products carry (set at load)
         if config.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"gpt2 activation {config.hidden_act!r} is not supported")
         self.config = config
@@ -170,8 +172,7 @@ class GPT2Model(ModelBase):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache | NoCache,
-        mask: torch.Tensor | None,
+        cache: CacheView,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
         hidden: bool = False,
@@ -185,7 +186,7 @@ class GPT2Model(ModelBase):
             h = F.layer_norm(x, (C,), layer.attn_norm, layer.attn_norm_bias, cfg.norm_eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias, products=p).view(B, T, 3, H, D)  # [B, T, 3, H, D]
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, D]
-            o = cache.attend(index, q, k, v, mask, self.scale)  # [B, H, T, D]
+            o = cache.attend(index, q, k, v, self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
             x = x + linear(o, layer.o, layer.o_bias, products=p)
             h = F.layer_norm(x, (C,), layer.mlp_norm, layer.mlp_norm_bias, cfg.norm_eps)

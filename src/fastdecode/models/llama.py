@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..cache.static import KVCache, NoCache
+from ..cache.view import CacheView
 from .base import ModelBase, Weight
 from ..config import ModelConfig
 from ..layers.linear import embed, linear
+from ..layers.products import KernelChoice
 from ..layers.threads import on_one_thread
-from ..layers.attention import LayerMasks
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.positions import NoRotation, RotaryEmbedding, rope_inverse_frequencies
 from ..layers.elementwise import add_rms_norm, gated, qkv_heads, rms_norm
@@ -157,7 +157,8 @@ class LlamaBlock:
 class LlamaModel(ModelBase):
     """Decoder-only Llama-family model over canonical weights."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+        self.kernels = kernels  # the kernel choice every forward's Products carry (set at load)
         self.take_ends(config, weights)
         self.layers = [
             LlamaBlock(
@@ -207,16 +208,15 @@ class LlamaModel(ModelBase):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache | NoCache,
-        mask: torch.Tensor | None,
+        cache: CacheView,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
         hidden: bool = False,
     ) -> torch.Tensor:
-        """tokens, positions [B, T]; the cache stores this forward's K/V and attends over its slots
-        (``NoCache``: within these tokens only). mask: additive [B, 1, T, S] or None.
-        Returns logits [B, T, V] if ``all_logits``, [B, K, V] at the token indices ``logits_at`` [K],
-        else [B, 1, V] for the last token. ``cache`` may be an engine's ``StepPlan``."""
+        """tokens, positions [B, T]; the view (cache/view.py) stores this forward's K/V and attends over
+        its keys under its own masks (``NoCache``: within these tokens only). Returns logits [B, T, V]
+        if ``all_logits``, [B, K, V] at the token indices ``logits_at`` [K], else [B, 1, V] for the
+        last token."""
         cfg, p = self.config, cache.products  # the rows' roles and thread budget (layers/products.py)
         B, T = tokens.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -225,7 +225,6 @@ class LlamaModel(ModelBase):
             x = x * cfg.embedding_multiplier  # Granite
         # cos, signed sin [B, T, 1, rot] per rotary table (NoPE layers: the identity's): once per forward
         tables = {id(rope): rope.tables(positions, x.dtype) for rope in set(self.layer_ropes)}
-        masks = LayerMasks(mask, cache, positions, x.dtype)
         residual_scale = cfg.residual_multiplier
         # h: the normed input of the next sub-block; each residual add is fused with the norm after it
         h = rms_norm(x, self.layers[0].attn_norm, cfg.norm_eps)
@@ -237,7 +236,7 @@ class LlamaModel(ModelBase):
                 continue
             # [B, H or Hkv, T, D]: q and k normed per head (Qwen3) and rotated
             q, k, v = qkv_heads(layer.qkv(h, p), H, Hkv, *rotary, layer.qk_norm, cfg.norm_eps)
-            o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
+            o = cache.attend(index, q, k, v, self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
             attended = linear(o, layer.o, layer.o_bias, products=p)  # [B, T, C]
             if residual_scale != 1.0:

@@ -7,14 +7,16 @@ with the same arguments in the same order from C++, so the result is the Python 
 (tests/unit/test_decode_block.py compares both).
 
 It allows it when (checked once per model, then once per forward):
-- every product of every block is one matrix that a kernel of the extension runs for generated rows:
+- the model's kernel choice (``model.kernels``: layers/products.py) has the quantized kernels on, and
+  every product of every block is one matrix that a kernel of the extension runs for generated rows:
   quantized (``quantized_linear``'s int8-activation kernel) or float32 on a contiguous [in, out]
   buffer (``linear``'s float_matmul); no unfused Q/K/V; the activation is SiLU or GELU (tanh);
   float32 on the CPU, the extension built;
 - the forward is an engine step (a ``StepPlan``, engine/plan.py: the view with ``decode_operands``,
   read by duck typing so that models never import the engine) in which every row decodes one token
   with the paged attention op and no position bias, and every row is a generated row (the plan's
-  ``Products``: prompt rows take the exact products, which this op does not do);
+  ``Products``: prompt rows take the exact products, which this op does not do), under the kernel
+  choice the blocks were packed for;
 - torch.compile is not tracing (the compiled decode step traces the Python loop).
 Anything else runs the Python loop, which stays the reference.
 """
@@ -25,10 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers import ops, quantized
+from ..layers import ops
 from ..layers.elementwise import GATED_KINDS
 from ..layers.linear import float_kernel_serves
 from ..layers.ops import BlockProduct, DecodeBlockArgs
+from ..layers.products import KernelChoice
 from ..layers.quantized import QuantizedWeight
 from ..layers.threads import KERNEL_PARALLEL_MIN_WORK, kernel_threads
 
@@ -43,7 +46,7 @@ class _Product:
     shape: tuple[int, int]
 
 
-def _matrix(weight, bias: torch.Tensor | None) -> _Product | None:
+def _matrix(weight, bias: torch.Tensor | None, kernels: KernelChoice) -> _Product | None:
     """A product one kernel runs, as the Python loop would run it for generated rows, or None: a
     quantized weight (``quantized_linear``'s kernel), or a float32 [out, in] view of a contiguous
     [in, out] buffer (``linear``'s float_matmul, where the extension has it)."""
@@ -53,7 +56,7 @@ def _matrix(weight, bias: torch.Tensor | None) -> _Product | None:
         return _Product((weight.codes, weight.scale, weight.mins, bias),
                         (weight.bits, weight.group, weight.activation_bits, weight.outputs),
                         (weight.inputs, weight.outputs))
-    if not isinstance(weight, torch.Tensor) or not float_kernel_serves(weight):
+    if not isinstance(weight, torch.Tensor) or not float_kernel_serves(weight, kernels):
         return None
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()  # as linear() passes it
@@ -61,12 +64,12 @@ def _matrix(weight, bias: torch.Tensor | None) -> _Product | None:
     return _Product((weight.t(), None, None, bias), (0, 0, 0, N), (K, N))
 
 
-def _block_products(layer) -> list[_Product] | None:
+def _block_products(layer, kernels: KernelChoice) -> list[_Product] | None:
     """A block's products qkv, o, gate_up, down, or None when one is not a single kernel-run matrix."""
     fused = [layer.qkv.parts[0] if len(layer.qkv.parts) == 1 else (None, None),
              layer.gate_up.parts[0] if len(layer.gate_up.parts) == 1 else (None, None)]
-    products = [_matrix(*fused[0]), _matrix(layer.o, layer.o_bias), _matrix(*fused[1]),
-                _matrix(layer.down, layer.down_bias)]
+    products = [_matrix(*fused[0], kernels), _matrix(layer.o, layer.o_bias, kernels), _matrix(*fused[1], kernels),
+                _matrix(layer.down, layer.down_bias, kernels)]
     return None if any(p is None for p in products) else products
 
 
@@ -76,6 +79,7 @@ class FusedDecode:
     def __init__(self, model, blocks: list[list[_Product]], activation: int):
         cfg = model.config
         self.op = ops.decode_block  # (x, h, weights, DecodeBlockArgs, ...) -> (x, h)
+        self.kernels = model.kernels  # the choice the blocks are packed for
         self.shapes = [p.shape for p in blocks[0]]  # the same in every block
         self.weights = [
             [entry for p in products for entry in p.entries] + [layer.mlp_norm, next_norm]
@@ -89,9 +93,9 @@ class FusedDecode:
     def for_model(cls, model) -> "FusedDecode | None":
         """The packing, or None where a block cannot run as one op (see the module docstring)."""
         activation = GATED_KINDS.get(model.config.hidden_act)
-        if activation is None or model.dtype != torch.float32 or not quantized.USE_KERNEL:
+        if activation is None or model.dtype != torch.float32 or not model.kernels.quantized_kernels:
             return None
-        blocks = [_block_products(layer) for layer in model.layers]
+        blocks = [_block_products(layer, model.kernels) for layer in model.layers]
         if not blocks or any(b is None for b in blocks):
             return None
         if len({tuple((p.ints, p.shape) for p in products) for products in blocks}) != 1:
@@ -102,7 +106,7 @@ class FusedDecode:
         """This forward's per-block runner, or None when the step must take the Python loop."""
         if (not hasattr(cache, "decode_operands") or cache.score_bias is not None or x.shape[0] != 1 or not x.is_cpu
                 or x.dtype != torch.float32 or torch.compiler.is_compiling() or torch.is_grad_enabled()
-                or cache.products.roles is not None):
+                or cache.products.roles is not None or cache.products.kernels != self.kernels):
             return None
         rows, budget = x.shape[1], cache.products.threads
         products = tuple(BlockProduct(*ints, kernel_threads(rows * inputs * outputs, budget))

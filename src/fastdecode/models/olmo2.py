@@ -17,15 +17,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cache.static import KVCache, NoCache
+from ..cache.view import CacheView
 from ..config import ModelConfig, derived_head_dim
 from ..config.unsupported import refuse_unimplemented, refuse_unimplemented_gguf
 from ..errors import UnsupportedModelError
-from ..layers.attention import LayerMasks, merge_heads
+from ..layers.attention import merge_heads
 from ..layers.elementwise import gated, qkv_heads, rms_norm
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.linear import embed, linear
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies
+from ..layers.products import KernelChoice
 from ..layers.threads import on_one_thread
 from .base import ModelBase, Weight, token_id_list
 from .llama_config import rmsnorm_decoder_fields
@@ -157,7 +158,8 @@ class Olmo2Block:
 class Olmo2Model(ModelBase):
     """Decoder-only OLMo 2 over canonical weights."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+        self.kernels = kernels  # the kernel choice every forward's Products carry (set at load)
         self.take_ends(config, weights)
         self.layers = [
             Olmo2Block(
@@ -182,29 +184,26 @@ class Olmo2Model(ModelBase):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache | NoCache,
-        mask: torch.Tensor | None,
+        cache: CacheView,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
         hidden: bool = False,
     ) -> torch.Tensor:
-        """tokens, positions [B, T]; mask: additive [B, 1, T, S] or None. Returns logits [B, T, V] if
-        ``all_logits``, [B, K, V] at the token indices ``logits_at`` [K], else [B, 1, V].
-        ``cache`` may be an engine's ``StepPlan``."""
+        """tokens, positions [B, T] -> logits [B, T, V] if ``all_logits``, [B, K, V] at the token
+        indices ``logits_at`` [K], else [B, 1, V]; ``cache``: the view it attends through (cache/view.py)."""
         cfg, p = self.config, cache.products  # the rows' roles and thread budget (layers/products.py)
         eps = cfg.norm_eps
         H, Hkv = cfg.num_heads, cfg.num_kv_heads
         q_width, k_width = H * cfg.head_dim, Hkv * cfg.head_dim
         x = embed(tokens, self.embed)  # [B, T, C]
         rotary = self.rope.tables(positions, x.dtype)  # cos, signed sin [B, T, 1, D]: once per forward
-        masks = LayerMasks(mask, cache, positions, x.dtype)
         for index, layer in enumerate(self.layers):
             q, k, v = layer.qkv(x, p).split([q_width, k_width, k_width], dim=-1)  # [B, T, H*D], [B, T, Hkv*D] x 2
             # q and k RMS-normed over the whole projection, then split into heads and rotated
             qkv = torch.cat((rms_norm(q.contiguous(), layer.q_norm, eps), rms_norm(k.contiguous(), layer.k_norm, eps), v),
                             dim=-1)  # [B, T, (H + 2 Hkv) D]
             q, k, v = qkv_heads(qkv, H, Hkv, *rotary)  # q [B, H, T, D], k, v [B, Hkv, T, D]
-            o = cache.attend(index, q, k, v, masks.for_window(self.layer_windows[index]), self.scale)  # [B, H, T, D]
+            o = cache.attend(index, q, k, v, self.scale)  # [B, H, T, D]
             attended = linear(merge_heads(o), layer.o, layer.o_bias, products=p)  # [B, T, C]
             x = x + rms_norm(attended, layer.post_attn_norm, eps)
             mlp = linear(gated(layer.gate_up(x, p), cfg.hidden_act), layer.down, products=p)  # [B, T, C]

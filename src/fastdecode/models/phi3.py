@@ -36,6 +36,7 @@ from ..config.unsupported import refuse_unimplemented, refuse_unimplemented_gguf
 from ..errors import UnsupportedModelError
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.positions import longrope_switches
+from ..layers.products import KernelChoice
 from .base import token_id_list
 from .llama import LlamaModel
 
@@ -205,14 +206,14 @@ def gguf_to_hf_layout(canonical: str, weight: np.ndarray, config: ModelConfig) -
 class Phi3Model(LlamaModel):
     """``LlamaModel`` over Phi-3's fused matrices (and, from GGUF, its LongRoPE factor tensors)."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
         scaling = config.rope_scaling
         if scaling is not None and scaling.get("factors_in_file"):  # GGUF: the factors came as tensors
             factors = {f"{kind}_factor": weights.pop(f"rope.{kind}_factor").double().tolist()
                        for kind in ("short", "long")}
             scaling = {key: value for key, value in scaling.items() if key != "factors_in_file"} | factors
             config = dataclasses.replace(config, rope_scaling=scaling)
-        super().__init__(config, weights)
+        super().__init__(config, weights, kernels)
 
     def fused_products(self, weights: dict[str, torch.Tensor], i: int) -> dict[str, FusedProjection]:
         """The checkpoint's own fused products, each one matrix, split by output width."""

@@ -15,9 +15,12 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, UnsupportedModelError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..layers.products import KernelChoice
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,9 @@ class Family:
     def load_module(self) -> ModuleType:
         return importlib.import_module(f"fastdecode.models.{self.module}")
 
-    def build(self, config: Any, weights: dict) -> Any:
-        return getattr(self.load_module(), self.model_class)(config, weights)
+    def build(self, config: Any, weights: dict, kernels: KernelChoice) -> Any:
+        """The family's model over ``weights``; ``kernels``: its ``KernelChoice`` (layers/products.py)."""
+        return getattr(self.load_module(), self.model_class)(config, weights, kernels)
 
 
 # The one list of supported architectures: loaders, `fastdecode inspect`, `fastdecode --help` and the

@@ -48,15 +48,3 @@ def padding_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None
     bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
     bias.masked_fill_(~valid, float("-inf"))
     return bias[:, None, None, :]  # [B, 1, 1, S]
-
-
-def plan_products(plan, products):
-    """The ``Products`` (row roles, thread budget: layers/products.py) of a decoder forward: its step
-    plan's, else the ones it was handed (the naive reference decode, which has no plan)."""
-    if plan is not None:
-        if products is not None and products is not plan.products:
-            raise TypeError("decode was given products besides its plan's: the plan carries them")
-        return plan.products
-    if products is None:
-        raise TypeError("decode without a plan needs products= (the rows' roles and the thread budget)")
-    return products

@@ -23,14 +23,14 @@ from ..config import EncoderDecoderConfig
 from ..errors import UnsupportedModelError
 from ..layers.attention import attention, merge_heads, split_heads
 from ..layers.linear import ACTIVATIONS, embed, linear
-from ..layers.products import Products
+from ..layers.products import KernelChoice, Products
+from ..cache.view import CacheView
 from ..layers.threads import on_one_thread
 from ..layers.positions import t5_relative_buckets
-from .seq2seq import check_tied, decoder_start_token, padding_bias, plan_products
+from .seq2seq import check_tied, decoder_start_token, padding_bias
 
 if TYPE_CHECKING:  # the engine's views a decoder step attends through
     from ..engine.cross import CrossStep, EncodedSources, FoldedCross
-    from ..engine.plan import StepPlan
 
 _ATTENTION = ("q", "k", "v", "o")
 _FFN = ("wi", "wi_0", "wi_1", "wo")  # wi (v1.0) or wi_0 / wi_1 (gated), then wo
@@ -189,7 +189,8 @@ class T5Stack(Generic[BlockT]):
 class T5Model(ModelBase):
     """Encoder-decoder over canonical weights: ``encode`` / ``cross_kv`` / ``decode``."""
 
-    def __init__(self, config: EncoderDecoderConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: EncoderDecoderConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+        self.kernels = kernels  # the kernel choice every forward's Products carry (set at load)
         if config.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"T5 activation {config.hidden_act!r} is not supported")
         check_tied(weights, ("encoder_embed.weight", "decoder_embed.weight"), config.architecture)
@@ -244,33 +245,26 @@ class T5Model(ModelBase):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        plan: StepPlan | None,
-        self_bias: torch.Tensor | None,
+        view: CacheView,
         cross: CrossStep | FoldedCross | EncodedSources,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
-        *,
-        products: Products | None = None,
     ) -> torch.Tensor:
         """Target tokens, positions [B, T] -> logits [B, T or 1, V] ([B, K, V] at ``logits_at`` [K]).
 
-        ``plan``: an engine step plan over flat tokens [1, N] of many sequences; it writes their K/V
-        to each sequence's slots and masks with ``decoder_position_bias``. None: attend within these
-        tokens only, under ``self_bias`` [1, H, T, T] (relative bias plus causal mask,
-        ``decoder_self_bias``: the naive reference). ``cross``: each row's source K/V (engine/cross.py).
-        ``products``: the rows' roles and thread budget, given where there is no plan (``plan_products``).
+        ``view`` (cache/view.py): an engine step plan over flat tokens [1, N] of many sequences, which
+        writes their K/V to each sequence's slots and masks with ``decoder_position_bias``; or the naive
+        reference's ``NoCache`` over these tokens only, its mask ``decoder_self_bias`` (relative bias
+        plus causal mask [1, H, T, T]). ``cross``: each row's source K/V (engine/cross.py).
         """
-        p = plan_products(plan, products)
+        p = view.products  # the rows' roles and thread budget (layers/products.py)
         cfg = self.config
         H, D = cfg.num_heads, cfg.head_dim
         x = embed(tokens, self.embed)  # [B, T, C]
         for index, layer in enumerate(self.decoder.layers):
             h = self._norm(x, layer.attn_norm)
             q, k, v = (split_heads(linear(h, w, products=p), H, D) for w in (layer.q, layer.k, layer.v))  # [B, H, T, D]
-            if plan is not None:  # each sequence's own slots, the plan's masks
-                o = plan.attend(index, q, k, v, None, 1.0)  # [B, H, T, D]
-            else:
-                o = attention(q, k, v, self_bias, 1.0, threads=p.threads)  # [B, H, T, D]
+            o = view.attend(index, q, k, v, 1.0)  # [B, H, T, D]
             x = x + linear(merge_heads(o), layer.o, products=p)
             h = self._norm(x, layer.cross_norm)
             q = split_heads(linear(h, layer.cross_q, products=p), H, D)  # [B, H, T, D]

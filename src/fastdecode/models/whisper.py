@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import CheckpointError, UnsupportedModelError
-from ..layers.products import Products
+from ..layers.products import KernelChoice, Products
 from .bart import _DECODER_LAYER, _ENCODER_LAYER, BartModel
 from .base import token_id_list
 
@@ -195,8 +195,8 @@ def canonical(config: WhisperConfig, tensors: dict[str, torch.Tensor], source: s
 class WhisperModel(BartModel):
     """``BartModel``'s decoder (``cross_kv``, ``decode``) behind Whisper's convolutional encoder."""
 
-    def __init__(self, config: WhisperConfig, weights: dict[str, torch.Tensor]):
-        super().__init__(config, weights)
+    def __init__(self, config: WhisperConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+        super().__init__(config, weights, kernels)
         self.conv1 = (weights["encoder.conv1.weight"], weights["encoder.conv1.bias"])  # [C, M, 3], [C]
         self.conv2 = (weights["encoder.conv2.weight"], weights["encoder.conv2.bias"])  # [C, C, 3], [C]
 
@@ -204,7 +204,7 @@ class WhisperModel(BartModel):
         """Log-mel features [B, M, 3000] -> encoder output [B, 1500, C]. Not one-threaded: every op
         here is a large product, on the caller's threads. Its rows take the generated rows' kernels
         (the arithmetic the CTranslate2 oracle is matched with: tests/speech/test_whisper_parity.py)."""
-        cfg, p = self.config, Products.generated(torch.get_num_threads())
+        cfg, p = self.config, Products.generated(torch.get_num_threads(), kernels=self.kernels)
         if features.dim() != 3 or features.shape[1] != cfg.num_mel_bins or features.shape[2] != 2 * cfg.max_source_positions:
             raise ValueError(f"Whisper features must be [batch, {cfg.num_mel_bins}, {2 * cfg.max_source_positions}], "
                              f"got {list(features.shape)}")

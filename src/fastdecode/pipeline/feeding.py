@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from ..config import GenerationConfig
 from ..errors import FastDecodeError
-from ..generation.decode import SequenceResult
+from ..engine.sequence import SequenceResult
 from .inputs import InputItem
 from .settings import BatchSettings
 
@@ -44,7 +44,7 @@ def cache_tokens_for(model: Any, max_new_tokens: int) -> int:
     """The engine's default cache, but room for one input of the model's whole context at least:
     a batch run takes every input ``generate`` takes (the default budget holds fewer tokens than
     the context of a large model). On the CPU the slots cost memory only once used."""
-    from ..engine.scheduler import DEFAULT_CACHE_BYTES
+    from ..engine.core import DEFAULT_CACHE_BYTES
 
     cfg = model.config
     default = min(DEFAULT_CACHE_BYTES // cfg.kv_cache_bytes_per_token(model.model.dtype.itemsize),

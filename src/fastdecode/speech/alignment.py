@@ -139,7 +139,7 @@ def align_words(model, vocabulary: WhisperVocabulary, sources, sot_sequence: lis
     T = len(tokens)
     cross = RecordingCross(sources, heads)
     ids = torch.tensor([tokens], device=sources.keys[0].device)  # [1, T]
-    products = Products.generated(torch.get_num_threads())  # one naive forward, every row on the decode kernels
+    products = Products.generated(torch.get_num_threads(), kernels=model.kernels)  # every row on the decode kernels
     logits = model.decode(ids, torch.arange(T, device=ids.device)[None], None, model.decoder_self_bias(T), cross,
                           all_logits=True, products=products)[0].float()  # [T, V]
     token_probs = logits[len(sot_sequence) : -1, : vocabulary.eot].softmax(dim=-1)  # [text + 1, eot]

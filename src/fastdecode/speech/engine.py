@@ -50,7 +50,7 @@ class WhisperEngine(EncoderDecoderBeamEngine):
         # the prefill, prompts side by side: also the logits at each <|startoftranscript|>
         both = torch.cat([logits_at, self._sot_at.to(logits_at.device)])  # [2B]
         cross = PromptCross(self.sources, self._prompt_lengths)
-        logits = self.model.decode(tokens, positions, plan, None, cross, logits_at=both)  # [1, 2B, V]
+        logits = self.model.decode(tokens, positions, plan, cross, logits_at=both)  # [1, 2B, V]
         self._sot_at = None
         self.sot_logits = logits[0, num_rows:]  # [B, V]
         return logits[:, :num_rows]

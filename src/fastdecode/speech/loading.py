@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, InvalidOptionError, ModelNotFoundError
+from ..layers.products import KernelChoice
 from ..loading.jsonfile import read_json_object
 from ..models.whisper import (WhisperConfig, WhisperModel, canonical, config_from_ctranslate2, config_from_hf,
                               ctranslate2_weights, hf_names)
@@ -57,7 +58,7 @@ def load_whisper(path: str | Path, need_vocabulary: bool = True, quantize: str |
         from ..loading.quantize import int8_everywhere, quantize_weights
 
         weights = int8_everywhere(quantize_weights(weights, quantize))
-    model = WhisperModel(config, weights)
+    model = WhisperModel(config, weights, KernelChoice())  # the default kernels (int8 rows: int8_everywhere)
     vocabulary = None
     if need_vocabulary or (folder / "tokenizer.json").is_file():
         vocabulary = WhisperVocabulary.from_folder(folder, config.vocab_size)

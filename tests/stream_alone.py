@@ -1,9 +1,10 @@
-"""One stream alone (batch of one) on a slot cache of its own: what scoring past ``n_ctx`` runs.
+"""A test harness: one stream alone (batch of one) on a slot cache of its own, driven token by
+token or chunk by chunk, every position's logits kept.
 
-The policy (sinks + shift / re-evaluate) and the cache view are the engine's
-(engine/streaming_policy.py, engine/stream_plan.py); generation runs streams in the engine,
-beside every other sequence. Here ``feed_chunks`` yields the logits of every position, which
-the scorer needs.
+The policy (sinks + shift / re-evaluate) and the cache view are the engine's own
+(engine/streaming_policy.py, engine/stream_plan.py): the engine runs streams beside every other
+sequence (engine/stream_steps.py), and the tests compare those with this harness, and this harness
+with the explicit definitions (streaming_reference.py), reaching into the policy's state.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ from collections.abc import Iterator
 
 import torch
 
-from ..config import GenerationConfig
-from ..engine.slots import BLOCK_SIZE, SlotCache
-from ..engine.stream_plan import StreamPlan
-from ..layers.products import Products
-from ..engine.streaming_policy import MAX_CHUNK, StreamingPolicy, check_streamable
+from fastdecode.config import GenerationConfig
+from fastdecode.engine.slots import BLOCK_SIZE, SlotCache
+from fastdecode.engine.stream_plan import StreamPlan
+from fastdecode.layers.products import Products
+from fastdecode.engine.streaming_policy import MAX_CHUNK, StreamingPolicy, check_streamable
 
-__all__ = ["MAX_CHUNK", "StreamEngine", "streaming_engine"]
+__all__ = ["StreamAlone", "stream_alone"]
 
 
-class StreamEngine:
+class StreamAlone:
     """One stream under ``policy`` "shift" or "reevaluate" in a cache sized for it."""
 
     def __init__(self, model, n_ctx: int, n_keep: int, n_discard: int, policy: str = "shift",
@@ -52,7 +53,7 @@ class StreamEngine:
     def _products(self, prompt: bool) -> Products:
         """The rows' roles (``prompt``: exact products; else the generated rows' kernels, as this
         scorer's stream has always run) and the caller's threads."""
-        return Products.of_rows(prompt, torch.get_num_threads(), self.model.device)
+        return Products.of_rows(prompt, torch.get_num_threads(), self.model.device, kernels=self.model.kernels)
 
     def feed(self, tokens: torch.Tensor, prompt: bool = False) -> torch.Tensor:
         """Feed tokens [N]; logits of the last one [V]."""
@@ -77,9 +78,9 @@ class StreamEngine:
 
     def _forward(self, chunk: list[int], plan: StreamPlan, all_logits: bool) -> torch.Tensor:
         tokens = torch.tensor([chunk], device=self.model.device)  # [1, T]
-        return self.model.forward(tokens, plan.positions[None], plan, None, all_logits)[0]
+        return self.model.forward(tokens, plan.positions[None], plan, all_logits)[0]
 
 
-def streaming_engine(model, config: GenerationConfig) -> StreamEngine:
+def stream_alone(model, config: GenerationConfig) -> StreamAlone:
     """The stream for a config with ``n_ctx`` set."""
-    return StreamEngine(model, config.n_ctx, config.n_keep, config.discard_count, config.policy)
+    return StreamAlone(model, config.n_ctx, config.n_keep, config.discard_count, config.policy)
