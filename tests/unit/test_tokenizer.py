@@ -17,6 +17,7 @@ import pytest
 
 from fastdecode.errors import FastDecodeError, TokenizerError
 from fastdecode.loading.tokenizer import Tokenizer
+from hf_gguf import hf_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -50,10 +51,10 @@ CONVERSATION = [
 
 # --- fixtures (gguf_path, gguf_fields and smol are in tests/conftest.py) ------------------------------
 @pytest.fixture(scope="module")
-def hf_smol(gguf_path: Path):
+def hf_smol(gguf_path: Path, gguf_reader):
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return hf_tokenizer(gguf_path, gguf_reader)
 
 
 # --- GGUF (byte-level BPE) vs transformers -----------------------------------------------------

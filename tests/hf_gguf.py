@@ -1,0 +1,56 @@
+"""transformers reading a GGUF file (the golden tests' oracle), with the file's header parsed once.
+
+transformers parses a GGUF file with ``gguf.GGUFReader`` for its config, again for its weights (and
+twice more for a tokenizer: config, then vocabulary). The reader builds a numpy object for every
+element of every metadata array: for Gemma 3's 262k-token vocabulary one parse takes longer than
+decoding all the weights. ``gguf_parsed_once`` hands transformers the same (read-only) reader for
+each of its parses of a file, so what transformers computes is unchanged; only the repeated
+parsing goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@contextlib.contextmanager
+def gguf_parsed_once(*parsed):
+    """Within the block, ``gguf.GGUFReader(path)`` parses each file once and returns that reader again;
+    ``parsed``: readers made before (of files opened read-only), returned for their files."""
+    import gguf
+
+    parse = gguf.GGUFReader
+    readers = {(os.path.realpath(reader.data.filename), "r"): reader for reader in parsed}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = parse(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader)  # transformers imports it from gguf at each parse
+        yield
+
+
+def hf_causal_lm(path: Path, *parsed):
+    """transformers' model of the GGUF file at ``path`` (every block decoded to float32), in eval mode;
+    ``parsed``: as ``gguf_parsed_once``'s."""
+    transformers = pytest.importorskip("transformers")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with gguf_parsed_once(*parsed):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32)
+    return model.eval()
+
+
+def hf_tokenizer(path: Path, *parsed):
+    """transformers' tokenizer built from the GGUF file's metadata; ``parsed``: as ``gguf_parsed_once``'s."""
+    transformers = pytest.importorskip("transformers")
+    with gguf_parsed_once(*parsed):
+        return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
