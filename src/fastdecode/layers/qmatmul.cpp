@@ -40,9 +40,11 @@
 #include <algorithm>
 #include <vector>
 
+#include "isa.h"
 #include "parallel.h"
 #include "qrows.h"
 #include "qtiles.h"
+#include "rows_avx512.h"
 
 namespace {
 
@@ -245,18 +247,28 @@ void float_rows(const float* x, const float* xsum, int64_t K, const uint8_t* cod
   }
 }
 
+// float_rows over outputs [n0, n1); `wide` (AVX-512) with 8-bit codes and no mins: all but the last few
+// outputs on rows_avx512.cpp's kernel (two outputs per register, the same bits).
+template <int BITS, int G, typename S, int RB>
+void float_outputs(bool wide, const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scale,
+                   const S* mins, float* y, int64_t N, int64_t n0, int64_t n1) {
+  if constexpr (BITS == 8 && G % 16 == 0)
+    if (wide && mins == nullptr) n0 = fastdecode::avx512::float_row_pairs<G, S, RB>(x, K, codes, scale, y, N, n0, n1);
+  float_rows<BITS, G, S, RB>(x, xsum, K, codes, scale, mins, y, N, n0, n1);
+}
+
 // Outputs [n0, n1), all rows: a chunk of OUTPUT_CHUNK outputs' codes stays in cache while row blocks pass.
 template <int BITS, int G, typename S>
-void outputs_range(const QuantizedRows& q, const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* cp, const S* sp,
-                   const S* mp, float* yp, int64_t N, int64_t n0, int64_t n1) {
+void outputs_range(const QuantizedRows& q, bool wide, const float* x, const float* xsum, int64_t M, int64_t K,
+                   const uint8_t* cp, const S* sp, const S* mp, float* yp, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t c = n0; c < n1; c += OUTPUT_CHUNK) {
     const int64_t c1 = std::min(c + OUTPUT_CHUNK, n1);
     int64_t m = 0;
     if (x != nullptr) {  // float32 activations: 8 accumulators + G/8 weight vectors fit in 16 registers
       const int64_t groups = K / G;
-      for (; m + 8 <= M; m += 8) float_rows<BITS, G, S, 8>(x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
-      for (; m + 4 <= M; m += 4) float_rows<BITS, G, S, 4>(x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
-      for (; m < M; ++m) float_rows<BITS, G, S, 1>(x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
+      for (; m + 8 <= M; m += 8) float_outputs<BITS, G, S, 8>(wide, x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
+      for (; m + 4 <= M; m += 4) float_outputs<BITS, G, S, 4>(wide, x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
+      for (; m < M; ++m) float_outputs<BITS, G, S, 1>(wide, x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
       continue;
     }
     // int8 activations; registers: NR x RB accumulators + NR weight blocks (8 rows: each block decoded once
@@ -283,8 +295,9 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   const S* mp = has_min ? mins->data_ptr<S>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t chunk = fastdecode::chunk_outputs(M * K, 32);
+  const bool wide = fastdecode::use_avx512();  // read once: the whole product on one kernel
   fastdecode::parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) {
-    outputs_range<BITS, G, S>(q, xp, xsum.data(), M, K, cp, sp, mp, yp, N, n0, n1);
+    outputs_range<BITS, G, S>(q, wide, xp, xsum.data(), M, K, cp, sp, mp, yp, N, n0, n1);
   }, chunk * M * K);
   return y;
 }
