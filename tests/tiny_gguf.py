@@ -244,9 +244,9 @@ def rope_theta(config) -> float:
 
 def write_gguf(path: Path, kind: str, qtype: QT = QT.F32, *, arch: str | None = None,
                tensors: dict[str, np.ndarray] | None = None, pre: str | None = "default",
-               extra_metadata=None) -> Path:
+               extra_metadata=None, qtypes: dict[str, QT] | None = None) -> Path:
     """Write ``kind`` as a GGUF file; ``arch`` / ``tensors`` / ``pre`` override for error cases;
-    ``extra_metadata(writer)`` adds keys."""
+    ``extra_metadata(writer)`` adds keys; ``qtypes``: tensors (by GGUF name) of another type than ``qtype``."""
     model = hf_model(kind)
     cfg = model.config
     arch = arch or GGUF_ARCH[kind]
@@ -298,10 +298,11 @@ def write_gguf(path: Path, kind: str, qtype: QT = QT.F32, *, arch: str | None = 
         keep_f32 = array.ndim != 2 or name.endswith("_norm.weight") or name.startswith("position_embd")
         if array.dtype != np.float32:  # error cases: written as given (e.g. int32 -> ggml I32)
             writer.add_tensor(name, array)
-        elif keep_f32 or qtype == QT.F32:
+        elif keep_f32 or (qtypes or {}).get(name, qtype) == QT.F32:
             writer.add_tensor(name, np.ascontiguousarray(array))
         else:
-            writer.add_tensor(name, quantize(np.ascontiguousarray(array, dtype=np.float32), qtype), raw_dtype=qtype)
+            own = (qtypes or {}).get(name, qtype)
+            writer.add_tensor(name, quantize(np.ascontiguousarray(array, dtype=np.float32), own), raw_dtype=own)
     if extra_metadata is not None:
         extra_metadata(writer)
     writer.write_header_to_file()

@@ -18,6 +18,8 @@ import fastdecode  # noqa: E402
 from fastdecode.layers.elementwise import elementwise_ops  # noqa: E402
 from fastdecode.layers.products import KernelChoice  # noqa: E402
 from fastdecode.models.llama_decode import FusedDecode  # noqa: E402
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from tiny_gguf import write_gguf  # noqa: E402
 from tiny_models import save_tiny_folder  # noqa: E402
 
 pytestmark = pytest.mark.skipif(elementwise_ops() is None, reason="the C++ extension is not available")
@@ -95,3 +97,23 @@ def test_only_models_whose_products_all_have_kernels_take_the_op(tmp_path):
     assert fastdecode.load(str(tmp_path), quantize="int8", kernels=gemm_only).model.fused_decode is not None
     no_quantized = KernelChoice(quantized_kernels=False)  # every quantized product exact: not the op's kernels
     assert fastdecode.load(str(tmp_path), quantize="int8", kernels=no_quantized).model.fused_decode is None
+
+
+def test_blocks_of_mixed_formats_take_the_op_and_equal_the_python_loop(tmp_path, monkeypatch):
+    """A Q4_K_M file mixes types (Qwen2.5-Coder-1.5B: Q4_K, with a Q6_K V and down in half the blocks):
+    Q/K/V are then two products (Q + K fused, V alone) and blocks differ in their products' ints. Each
+    block still runs as one op, concatenating its two Q/K/V products as ``FusedProjection`` does: the
+    Python loop's results bit for bit. Here Q4_0 with a Q8_0 V and down in block 0 only."""
+    path = write_gguf(tmp_path / "mixed.gguf", "qwen2", QT.Q4_0,
+                      qtypes={"blk.0.attn_v.weight": QT.Q8_0, "blk.0.ffn_down.weight": QT.Q8_0})
+    gen = fastdecode.load(str(path))
+    model = gen.model
+    assert [len(layer.qkv.parts) for layer in model.layers] == [2, 1]
+    assert model.fused_decode is not None and model.fused_decode.block_kinds == [0, 1]
+    for options in ({}, {"do_sample": True, "temperature": 0.9, "seed": 3}):
+        calls = _counting(model.fused_decode, monkeypatch)
+        with_op = _engine_run(gen, options)
+        assert calls[0] >= 9 * model.config.num_layers
+        with monkeypatch.context() as python_loop:
+            python_loop.setattr(model, "fused_decode", None)
+            assert with_op == _engine_run(gen, options)

@@ -306,6 +306,28 @@ def test_the_avx512_kernels_give_the_avx2_bits(label):
 
 @needs_kernel
 @needs_avx512
+@pytest.mark.parametrize("label", ["Q6_K", "Q6_K N=13", "Q8_0", "Q5_0", "Q5_K"])
+@pytest.mark.parametrize("activation_bits", [8, 32])
+def test_the_avx512_row_layout_kernels_give_the_avx2_bits(label, activation_bits):
+    """The rows layout's 8-bit codes (Q6_K: V, down and output matrices) run two outputs per AVX-512
+    register (rows_avx512.cpp): int8 activations in groups of 16 with VNNI (exact int32 lanes), float32
+    ones (the logits layer) for groups of 16 and 32, each half the AVX2 kernel's lanes: bit for bit its
+    results, at every row blocking (8, 4, 2, 1 rows), output counts that leave 1 to 3 outputs to the AVX2
+    kernel (13), float16 scales and mins (Q5_K; these stay on AVX2)."""
+    if label == "Q6_K N=13":
+        weight = repack("Q6_K", random_blocks(QT.Q6_K, (13, 512), seed=4), (13, 512))
+    else:
+        weight = WEIGHTS[label]
+    assert not weight.is_tiled and weight.bits == 8
+    x = torch.randn(21, weight.shape[1], generator=torch.Generator().manual_seed(13))
+    op = ops.qmatmul
+    _avx512_gives_the_avx2_bits(
+        lambda M, threads: op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads,
+                              activation_bits, weight.outputs), (1, 2, 3, 4, 5, 8, 13, 21))
+
+
+@needs_kernel
+@needs_avx512
 @pytest.mark.parametrize("label", ["Q4_1 tiled", "Q6_K", "int8", "Q4_1 tiled N=13", "Q8_0 tiled N=5"])
 def test_the_avx512_exact_prompt_kernel_gives_the_avx2_bits(label):
     """Prompt rows' exact products (exact_matmul.cpp) with AVX-512 hold two outputs' 8-lane sums per register:

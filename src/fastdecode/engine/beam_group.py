@@ -285,7 +285,7 @@ def folds_beams(model) -> bool:
     SmolLM2 Q4_1: a 16-token prompt's beams differ from the first token), so that a request's
     answer would depend on what runs beside it."""
     fused = getattr(model, "fused_decode", None)
-    return fused is None or not any(ints[0] for ints in fused.product_ints)  # ints[0]: the product's bits
+    return fused is None or not fused.runs_quantized_products
 
 
 def _beam_run(rows: list[Sequence], index: int) -> int:

@@ -5,7 +5,8 @@
 // op runs the same ops, through the dispatcher, with the same arguments in the same order as
 // models/llama.py's loop body with engine/plan.py's pure-decode attention, so its results are the
 // Python path's bit for bit (tests/unit/test_decode_block.py):
-//   qkv = h @ Wqkv (+ bias)            qmatmul
+//   qkv = h @ Wqkv (+ bias)            qmatmul (two products concatenated where Q, K and V are of two
+//                                      formats, as layers/fused.py's FusedProjection runs them)
 //   q, k, v = heads, RoPE              qkv_heads
 //   a = attention over the row's slots paged_attention (k, v written into their slots first)
 //   x, h = x + a @ Wo (+ bias), norm   qmatmul, add_rms_norm
@@ -16,10 +17,11 @@
 //   x, h [1, N, C]: the residual stream and its normed copy;
 //   weights: for qkv, o, gate_up, down in turn (codes, scale, mins?, bias?) of a quantized weight or
 //     ([in, out] float32 buffer, None, None, bias?) of a float one, then the MLP norm and the next
-//     norm [C]: 18 entries;
+//     norm [C]: 18 entries; or 22: then the last 4 are a second qkv product (e.g. a Q6_K V beside a
+//     Q4_K Q + K), whose outputs follow the first one's;
 //   ints: H, Hkv, activation (0 SiLU, 1 GELU tanh), block, window (0: none), caller threads, the
 //     attention's parallel threshold (multiply-adds), then per product (bits, group, activation bits,
-//     outputs, threads; bits 0: a float32 weight): 7 + 20 entries;
+//     outputs, threads; bits 0: a float32 weight): 7 + 20 entries (7 + 25 with the second qkv product);
 //   floats: norm eps, attention scale;
 //   cos, sin [1, N, 1, rot]; keys, values [slots, Hkv, D] of the layer (written in place); slots [N];
 //   table [N, n]; key_start, positions [N].
@@ -100,9 +102,10 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const Opt
 
 // rows [M, K] @ product p's weight (+ its bias) -> [M, N]: a quantized weight as layers/quantized.py's
 // quantized_linear runs it, a float32 one (bits 0: its [in, out] buffer, no scale) as layers/linear.py
-// runs generated rows (float_matmul, the bias added inside).
-at::Tensor product(const at::Tensor& rows, const c10::List<OptionalTensor>& weights, at::IntArrayRef ints, int64_t p) {
-  const int64_t t = p * kProductTensors, i = kHeadInts + p * kProductInts;
+// runs generated rows (float_matmul, the bias added inside); its tensors start at weights' entry t.
+at::Tensor product_at(const at::Tensor& rows, const c10::List<OptionalTensor>& weights, at::IntArrayRef ints, int64_t p,
+                      int64_t t) {
+  const int64_t i = kHeadInts + p * kProductInts;
   const OptionalTensor codes = weights.get(t), scale = weights.get(t + 1), bias = weights.get(t + 3);
   TORCH_CHECK(codes.has_value(), "decode_block: product ", p, " has no weight");
   if (ints[i] == 0) return float_matmul(rows, *codes, bias, ints[i + 4]);
@@ -115,15 +118,21 @@ at::Tensor product(const at::Tensor& rows, const c10::List<OptionalTensor>& weig
   return out;
 }
 
+at::Tensor product(const at::Tensor& rows, const c10::List<OptionalTensor>& weights, at::IntArrayRef ints, int64_t p) {
+  return product_at(rows, weights, ints, p, p * kProductTensors);
+}
+
 std::tuple<at::Tensor, at::Tensor> decode_block(const at::Tensor& x, const at::Tensor& h,
                                                 const c10::List<OptionalTensor>& weights, at::IntArrayRef ints,
                                                 at::ArrayRef<double> floats, const at::Tensor& cos, const at::Tensor& sin,
                                                 const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
                                                 const at::Tensor& table, const at::Tensor& key_start,
                                                 const at::Tensor& positions) {
-  TORCH_CHECK(weights.size() == kProducts * kProductTensors + 2, "decode_block: 18 weight entries, got ", weights.size());
-  TORCH_CHECK(ints.size() == static_cast<size_t>(kHeadInts + kProducts * kProductInts), "decode_block: 27 ints, got ",
-              ints.size());
+  const bool split_qkv = weights.size() == (kProducts + 1) * kProductTensors + 2;
+  TORCH_CHECK(split_qkv || weights.size() == kProducts * kProductTensors + 2, "decode_block: 18 or 22 weight entries, got ",
+              weights.size());
+  TORCH_CHECK(ints.size() == static_cast<size_t>(kHeadInts + (kProducts + split_qkv) * kProductInts),
+              "decode_block: 27 ints (32 with a second qkv product), got ", ints.size());
   TORCH_CHECK(floats.size() == 2, "decode_block: 2 floats (eps, scale), got ", floats.size());
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.sizes() == h.sizes() && h.is_contiguous(),
               "decode_block: x and h must be [1, N, C] (h contiguous)");
@@ -134,7 +143,8 @@ std::tuple<at::Tensor, at::Tensor> decode_block(const at::Tensor& x, const at::T
   const OptionalTensor mlp_norm = weights.get(16), next_norm = weights.get(17);
   TORCH_CHECK(mlp_norm.has_value() && next_norm.has_value(), "decode_block: the norms are required");
 
-  at::Tensor qkv = product(h.view({N, C}), weights, ints, 0);  // [N, (H + 2 Hkv) D]
+  at::Tensor qkv = product(h.view({N, C}), weights, ints, 0);  // [N, (H + 2 Hkv) D], or its first part
+  if (split_qkv) qkv = at::cat({qkv, product_at(h.view({N, C}), weights, ints, kProducts, 4 * kProductTensors + 2)}, 1);
   auto [q, k, v] = qkv_heads(qkv.view({1, N, qkv.size(1)}), H, Hkv, cos, sin);  // [1, H or Hkv, N, D]
   const int64_t D = q.size(3);
   at::Tensor attended;

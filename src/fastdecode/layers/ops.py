@@ -152,15 +152,16 @@ class DecodeBlockArgs:
     window: int  # 0: none
     threads: int  # the forward's thread budget
     attention_min_work: int  # multiply-adds from which the attention gets ``threads``
-    products: tuple[BlockProduct, ...]  # qkv, o, gate_up, down
+    products: tuple[BlockProduct, ...]  # qkv, o, gate_up, down (+ a second qkv product: decode_block.cpp)
     norm_eps: float
     scale: float  # attention scale
     ints: list[int] = field(init=False, repr=False, compare=False)
     floats: list[float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if len(self.products) != 4:
-            raise ValueError(f"decode_block runs 4 products (qkv, o, gate_up, down), not {len(self.products)}")
+        if len(self.products) not in (4, 5):
+            raise ValueError(f"decode_block runs 4 products (qkv, o, gate_up, down) and maybe a second qkv one, "
+                             f"not {len(self.products)}")
         ints = [self.num_heads, self.num_kv_heads, self.activation, self.block_size, self.window, self.threads,
                 self.attention_min_work, *(int(i) for product in self.products for i in product)]
         object.__setattr__(self, "ints", ints)
@@ -172,7 +173,7 @@ def decode_block(x: Tensor, h: Tensor, weights: list[Tensor | None], args: Decod
                  positions: Tensor) -> tuple[Tensor, Tensor]:
     """One Llama-family block for a pure decode step: (x, h) [1, N, C] -> the next block's (x, h).
     ``weights``: (codes, scale, mins, bias) or ([in, out] buffer, None, None, bias) per product, then the
-    MLP norm and the next norm; keys, values [slots, Hkv, D] of the layer (written in place); slots [N];
+    MLP norm and the next norm, then the second qkv product's 4 entries where ``args`` has one; keys, values [slots, Hkv, D] of the layer (written in place); slots [N];
     table [N, n]; key_start, positions [N]."""
     return _ops().decode_block(x, h, weights, args.ints, args.floats, cos, sin, keys, values, slots, table,
                                key_start, positions)

@@ -38,11 +38,15 @@
 #include <immintrin.h>
 #include <cstdint>
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
+#include "isa.h"
 #include "parallel.h"
 #include "qrows.h"
 #include "qtiles.h"
+#include "qtiles_avx512.h"
+#include "rows_avx512.h"
 
 namespace {
 
@@ -68,17 +72,6 @@ inline __m256 block_dot(__m256i magnitudes, __m256i signs, const int8_t* a) {
   if constexpr (BITS == 8) act = _mm256_sign_epi8(act, signs);  // a * sign(code): 0 where the code is 0
   const __m256i pairs = _mm256_maddubs_epi16(magnitudes, act);
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-// sum_g min[g] * xsum[g], 8 groups at a time then one by one (a fixed order for a given K).
-template <typename S>
-inline float mins_term(const S* mins_row, const float* sums, int64_t groups) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(load8_scales(mins_row + g), _mm256_loadu_ps(sums + g), acc);
-  float total = hsum(acc);
-  for (; g < groups; ++g) total += load_scale(mins_row + g) * sums[g];
-  return total;
 }
 
 // Blocks per pass: the weight x activation scale products of 8 blocks are made in a few vector ops
@@ -189,75 +182,41 @@ void rows_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S
 // while every row block passes over them, so each weight byte comes from memory once per call.
 constexpr int64_t OUTPUT_CHUNK = 32;
 
-// The G weights of one group decoded to float codes (not yet scaled): G / 8 vectors.
-template <int BITS, int G>
-inline void decode_group(const uint8_t* codes, __m256* w) {
-  if constexpr (BITS == 8) {
-    const int8_t* c = reinterpret_cast<const int8_t*>(codes);
-    for (int i = 0; i < G / 8; ++i)
-      w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * i))));
-  } else {  // 16 bytes -> elements 0..15 (low nibbles), 16..31 (high nibbles)
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(bytes, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-  }
-}
-
-// ---- float32 activations (activation_bits = 32): exact products, for the logits layer ----------------
-// Per group, the float dot product of the codes (decoded once for RB rows) with x, times the scale; the
-// mins term is sum_g min[n, g] * xsum[r, g] (x summed per group once per call). Exact up to summation
-// order (codes and scales are exact floats), and the same per-row operations for every RB.
-
-// The codes are read row after row: prefetched this far ahead (measured on the 262144x640 and 49152x576
-// Q8_0 logits layers at M = 1, loaded machine: ~15-25% faster than the hardware prefetcher alone; 4-8 KB
-// were alike, 1 KB less).
-constexpr int64_t FLOAT_PREFETCH_BYTES = 8192;
+// float_rows over outputs [n0, n1); `wide` (AVX-512) with 8-bit codes and no mins: all but the last few
+// outputs on rows_avx512.cpp's kernel (two outputs per register, the same bits).
 template <int BITS, int G, typename S, int RB>
-void float_rows(const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scale, const S* mins,
-                float* y, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t groups = K / G, row_bytes = K * BITS / 8, group_bytes = G * BITS / 8;
-  for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[RB];
-    for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      if ((g * group_bytes) % 64 == 0)  // prefetches never fault
-        _mm_prefetch(reinterpret_cast<const char*>(codes + n * row_bytes + g * group_bytes + FLOAT_PREFETCH_BYTES), _MM_HINT_T0);
-      __m256 w[G / 8];
-      decode_group<BITS, G>(codes + n * row_bytes + g * group_bytes, w);
-      const __m256 s = _mm256_set1_ps(load_scale(scale + n * groups + g));
-      for (int r = 0; r < RB; ++r) {
-        const float* xr = x + r * K + g * G;
-        __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
-        for (int i = 1; i < G / 8; ++i) dot = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), dot);
-        acc[r] = _mm256_fmadd_ps(dot, s, acc[r]);
-      }
-    }
-    for (int r = 0; r < RB; ++r) {
-      float total = hsum(acc[r]);
-      if (mins != nullptr) total += mins_term(mins + n * groups, xsum + r * groups, groups);
-      y[r * N + n] = total;
-    }
-  }
+void float_outputs(bool wide, const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scale,
+                   const S* mins, float* y, int64_t N, int64_t n0, int64_t n1) {
+  if constexpr (BITS == 8 && G % 16 == 0)
+    if (wide && mins == nullptr) n0 = fastdecode::avx512::float_row_pairs<G, S, RB>(x, K, codes, scale, y, N, n0, n1);
+  float_rows<BITS, G, S, RB>(x, xsum, K, codes, scale, mins, y, N, n0, n1);
 }
 
 // Outputs [n0, n1), all rows: a chunk of OUTPUT_CHUNK outputs' codes stays in cache while row blocks pass.
+// offset: q's codes + 128 where rows_avx512.cpp's int8 kernel serves (else null).
 template <int BITS, int G, typename S>
-void outputs_range(const QuantizedRows& q, const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* cp, const S* sp,
-                   const S* mp, float* yp, int64_t N, int64_t n0, int64_t n1) {
+void outputs_range(const QuantizedRows& q, bool wide, const uint8_t* offset, const float* x, const float* xsum, int64_t M,
+                   int64_t K, const uint8_t* cp, const S* sp, const S* mp, float* yp, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t c = n0; c < n1; c += OUTPUT_CHUNK) {
     const int64_t c1 = std::min(c + OUTPUT_CHUNK, n1);
     int64_t m = 0;
     if (x != nullptr) {  // float32 activations: 8 accumulators + G/8 weight vectors fit in 16 registers
       const int64_t groups = K / G;
-      for (; m + 8 <= M; m += 8) float_rows<BITS, G, S, 8>(x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
-      for (; m + 4 <= M; m += 4) float_rows<BITS, G, S, 4>(x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
-      for (; m < M; ++m) float_rows<BITS, G, S, 1>(x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
+      for (; m + 8 <= M; m += 8) float_outputs<BITS, G, S, 8>(wide, x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
+      for (; m + 4 <= M; m += 4) float_outputs<BITS, G, S, 4>(wide, x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
+      for (; m < M; ++m) float_outputs<BITS, G, S, 1>(wide, x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
       continue;
+    }
+    if constexpr (BITS == 8 && G == 16 && std::is_same_v<S, float>) {
+      if (offset != nullptr) {  // AVX-512: all but the last few outputs, the same bits
+        for (; m + 4 <= M; m += 4)
+          rows_tile<BITS, G, S, 2, 4>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<4>(q, offset, m, cp, sp, yp, N, c, c1), c1);
+        for (; m + 2 <= M; m += 2)
+          rows_tile<BITS, G, S, 4, 2>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<2>(q, offset, m, cp, sp, yp, N, c, c1), c1);
+        for (; m < M; ++m)
+          rows_tile<BITS, G, S, 4, 1>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<1>(q, offset, m, cp, sp, yp, N, c, c1), c1);
+        continue;
+      }
     }
     // int8 activations; registers: NR x RB accumulators + NR weight blocks (8 rows: each block decoded once
     // for all of them, ~3% faster than 2 x 4 on the 4-bit matrices, alike on 8-bit ones)
@@ -283,8 +242,13 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   const S* mp = has_min ? mins->data_ptr<S>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t chunk = fastdecode::chunk_outputs(M * K, 32);
+  const bool wide = fastdecode::use_avx512();  // read once: the whole product on one kernel
+  // the AVX-512 int8 kernel's unsigned activations (rows_avx512.cpp: 8-bit codes in groups of 16, float scales, no mins)
+  const std::vector<uint8_t> offset = wide && !exact && BITS == 8 && G == 16 && std::is_same_v<S, float> && !has_min
+                                          ? fastdecode::avx512::offset_rows(q) : std::vector<uint8_t>();
   fastdecode::parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) {
-    outputs_range<BITS, G, S>(q, xp, xsum.data(), M, K, cp, sp, mp, yp, N, n0, n1);
+    outputs_range<BITS, G, S>(q, wide, offset.empty() ? nullptr : offset.data(), xp, xsum.data(), M, K, cp, sp, mp, yp,
+                              N, n0, n1);
   }, chunk * M * K);
   return y;
 }

@@ -10,8 +10,10 @@ It allows it when (checked once per model, then once per forward):
 - the model's kernel choice (``model.kernels``: layers/products.py) has the quantized kernels on, and
   every product of every block is one matrix that a kernel of the extension runs for generated rows:
   quantized (``quantized_linear``'s int8-activation kernel) or float32 on a contiguous [in, out]
-  buffer (``linear``'s float_matmul); no unfused Q/K/V; the activation is SiLU or GELU (tanh);
-  float32 on the CPU, the extension built;
+  buffer (``linear``'s float_matmul); Q/K/V fused into one matrix or two (a GGUF's Q + K beside a V of
+  another type: two products, concatenated as ``FusedProjection`` does), gate/up into one; the
+  activation is SiLU or GELU (tanh); float32 on the CPU, the extension built. Blocks may differ in
+  their formats (Q4_K_M files mix Q4_K and Q6_K V and down matrices): each block gets its own ints;
 - the forward is an engine step (a ``StepPlan``, engine/plan.py: the view with ``decode_operands``,
   read by duck typing so that models never import the engine) in which every row decodes one token
   with the paged attention op and no position bias, and every row is a generated row (the plan's
@@ -65,11 +67,13 @@ def _matrix(weight, bias: torch.Tensor | None, kernels: KernelChoice) -> _Produc
 
 
 def _block_products(layer, kernels: KernelChoice) -> list[_Product] | None:
-    """A block's products qkv, o, gate_up, down, or None when one is not a single kernel-run matrix."""
-    fused = [layer.qkv.parts[0] if len(layer.qkv.parts) == 1 else (None, None),
-             layer.gate_up.parts[0] if len(layer.gate_up.parts) == 1 else (None, None)]
-    products = [_matrix(*fused[0], kernels), _matrix(layer.o, layer.o_bias, kernels), _matrix(*fused[1], kernels),
-                _matrix(layer.down, layer.down_bias, kernels)]
+    """A block's products qkv, o, gate_up, down (then the second qkv product where Q/K/V are two fused
+    matrices), or None when one is not a single kernel-run matrix."""
+    qkv, gate_up = layer.qkv.parts, layer.gate_up.parts
+    if len(qkv) > 2 or len(gate_up) != 1:
+        return None
+    products = [_matrix(*qkv[0], kernels), _matrix(layer.o, layer.o_bias, kernels), _matrix(*gate_up[0], kernels),
+                _matrix(layer.down, layer.down_bias, kernels), *(_matrix(*part, kernels) for part in qkv[1:])]
     return None if any(p is None for p in products) else products
 
 
@@ -80,14 +84,24 @@ class FusedDecode:
         cfg = model.config
         self.op = ops.decode_block  # (x, h, weights, DecodeBlockArgs, ...) -> (x, h)
         self.kernels = model.kernels  # the choice the blocks are packed for
-        self.shapes = [p.shape for p in blocks[0]]  # the same in every block
+        # 18 or 22 per block: 4 entries per product, the MLP norm, the next block's input norm, then the
+        # second qkv product's 4 where the block has one (decode_block.cpp's order)
         self.weights = [
-            [entry for p in products for entry in p.entries] + [layer.mlp_norm, next_norm]
+            [entry for p in products[:4] for entry in p.entries] + [layer.mlp_norm, next_norm]
+            + [entry for p in products[4:] for entry in p.entries]
             for layer, next_norm, products in zip(model.layers, model.next_norms, blocks)
-        ]  # 18 per block: 4 entries per product, the MLP norm, the next block's input norm
-        self.product_ints = [p.ints for p in blocks[0]]
+        ]
+        # the blocks' kinds: each distinct list of (ints, (inputs, outputs)) per product, and each block's kind
+        signatures = [tuple((p.ints, p.shape) for p in products) for products in blocks]
+        self.kinds = list(dict.fromkeys(signatures))
+        self.block_kinds = [self.kinds.index(signature) for signature in signatures]
         self.heads = (cfg.num_heads, cfg.num_kv_heads, activation)
         self.norm_eps, self.scale = float(cfg.norm_eps), float(model.scale)
+
+    @property
+    def runs_quantized_products(self) -> bool:
+        """Whether some block's products run on the int8-activation kernels (ints[0]: a product's bits)."""
+        return any(ints[0] for kind in self.kinds for ints, _ in kind)
 
     @classmethod
     def for_model(cls, model) -> "FusedDecode | None":
@@ -98,8 +112,6 @@ class FusedDecode:
         blocks = [_block_products(layer, model.kernels) for layer in model.layers]
         if not blocks or any(b is None for b in blocks):
             return None
-        if len({tuple((p.ints, p.shape) for p in products) for products in blocks}) != 1:
-            return None  # blocks of different shapes or formats (thread counts and ints are shared)
         return cls(model, blocks, activation) if ops.available() else None
 
     def step(self, cache, x: torch.Tensor) -> "_Step | None":
@@ -109,8 +121,8 @@ class FusedDecode:
                 or cache.products.roles is not None or cache.products.kernels != self.kernels):
             return None
         rows, budget = x.shape[1], cache.products.threads
-        products = tuple(BlockProduct(*ints, kernel_threads(rows * inputs * outputs, budget))
-                         for (inputs, outputs), ints in zip(self.shapes, self.product_ints))
+        products = [tuple(BlockProduct(*ints, kernel_threads(rows * inputs * outputs, budget))
+                          for ints, (inputs, outputs) in kind) for kind in self.kinds]
         return _Step(self, cache, budget, products)
 
 
@@ -120,12 +132,12 @@ class _Step:
 
     __slots__ = ("fused", "plan", "threads", "products", "args_by_window")
 
-    def __init__(self, fused: FusedDecode, plan, threads: int, products: tuple[BlockProduct, ...]):
+    def __init__(self, fused: FusedDecode, plan, threads: int, products: list[tuple[BlockProduct, ...]]):
         self.fused = fused
         self.plan = plan
         self.threads = threads  # the forward's thread budget
-        self.products = products  # qkv, o, gate_up, down
-        self.args_by_window: dict[int, DecodeBlockArgs] = {}
+        self.products = products  # per block kind: qkv, o, gate_up, down (+ the second qkv product)
+        self.args_by_window: dict[tuple[int, int], DecodeBlockArgs] = {}  # by (block kind, window)
 
     def __call__(self, index: int, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         operands = self.plan.decode_operands(index)
@@ -133,10 +145,11 @@ class _Step:
             return None
         keys, values, slots, table, key_start, positions, window = operands
         fused, window = self.fused, window or 0
-        args = self.args_by_window.get(window)
+        kind = fused.block_kinds[index]
+        args = self.args_by_window.get((kind, window))
         if args is None:
-            args = self.args_by_window[window] = DecodeBlockArgs(
+            args = self.args_by_window[kind, window] = DecodeBlockArgs(
                 *fused.heads, block_size=self.plan.cache.block_size, window=window, threads=self.threads,
-                attention_min_work=KERNEL_PARALLEL_MIN_WORK, products=self.products, norm_eps=fused.norm_eps,
+                attention_min_work=KERNEL_PARALLEL_MIN_WORK, products=self.products[kind], norm_eps=fused.norm_eps,
                 scale=fused.scale)
         return fused.op(x, h, fused.weights[index], args, cos, sin, keys, values, slots, table, key_start, positions)
