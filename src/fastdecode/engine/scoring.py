@@ -21,7 +21,7 @@ from ..config import GenerationConfig
 from ..errors import InvalidOptionError, QueueFullError
 from .sequence import Sequence, TokenEvent, token_logprobs
 from .slots import check_fits
-from .streaming_policy import new_stream, stream_cache_tokens
+from .streaming_policy import new_stream, stream_capacity
 
 SCORE_CHUNK = 512  # positions a scoring sequence runs per step: its logits [SCORE_CHUNK, V] exist at once
 
@@ -110,7 +110,7 @@ def score_alone(generator: Any, ids: Seq[int], top_logprobs: int = 0,
     """Score one text in an engine of its own, sized for it (``Generator.score``; ``config`` with
     ``n_ctx``: through a stream of that size)."""
     streaming = config is not None and config.n_ctx is not None
-    cache_tokens = stream_cache_tokens(config) if streaming else len(ids)
+    cache_tokens = stream_capacity(config) if streaming else len(ids)
     engine = generator.engine(cache_tokens=cache_tokens, max_queue=1, cuda_graphs=False)  # nothing decodes
     sequence = engine.submit_scoring(ids, top_logprobs, config)
     while engine.has_work():

@@ -300,8 +300,3 @@ def new_stream(engine, config: GenerationConfig) -> StreamingPolicy:
                              config.policy)
     stream.check_fits()
     return stream
-
-
-def stream_cache_tokens(config: GenerationConfig) -> int:
-    """Cache tokens one stream of ``config`` holds at most (``n_ctx`` plus a shift's headroom)."""
-    return config.n_ctx + (min(config.n_ctx, MAX_CHUNK) if config.policy == "shift" else 0)
