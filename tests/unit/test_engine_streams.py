@@ -138,12 +138,13 @@ def test_decoding_streams_attend_together_as_each_would_alone(gen, monkeypatch):
 
     batched, checked = MixedPlan._attend_paged, []
 
-    def compared(self, layer, q, starts, paged, scale):
-        together = batched(self, layer, q, starts, paged, scale)
-        for index in paged:
-            alone = self.streams[index].attend_written(layer, q[:, :, starts[index] : starts[index] + 1], scale)
+    def compared(self, layer, q, scale):
+        together = batched(self, layer, q, scale)
+        for index in self.paged:
+            start = self.starts[index]
+            alone = self.streams[index].attend_written(layer, q[:, :, start : start + 1], scale)
             torch.testing.assert_close(together[index], alone, atol=1e-5, rtol=0)
-            checked.append((len(paged), self.streams[index].offset))
+            checked.append((len(self.paged), self.streams[index].offset))
         return together
 
     monkeypatch.setattr(MixedPlan, "_attend_paged", compared)

@@ -20,6 +20,8 @@ each row masked exactly as its ``StreamPlan`` masks it (the stale keys before it
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..layers.attention import (attention, paged_attention, paged_attention_runs, position_mask,
@@ -134,7 +136,9 @@ class MixedPlan:
         for plan in streams:
             plan.with_products(products)
         self.sizes = [plan.positions.shape[0] for plan in streams]
+        self.starts = list(itertools.accumulate(self.sizes[:-1], initial=row_tokens))  # each stream's first flat token
         self.paged = [i for i, plan in enumerate(streams) if plan.one_query]  # streams decoding in one paged op
+        self.paged_tokens = torch.tensor([self.starts[i] for i in self.paged], device=streams[0].positions.device)
         self._paged_rows: dict[int | None, tuple] = {}
         cache = streams[0].cache
         # Every stream's write slots per kind, in flat order: one write per layer for all of them.
@@ -152,34 +156,30 @@ class MixedPlan:
         slots = self.write_slots[self.cache.layer_windows[layer]]
         self.cache.layer_keys[layer].index_copy_(0, slots, k[0, :, first:].transpose(0, 1))  # [N', Hkv, D]
         self.cache.layer_values[layer].index_copy_(0, slots, v[0, :, first:].transpose(0, 1))
-        starts = [first + sum(self.sizes[:i]) for i in range(len(self.streams))]  # each stream's first flat token
-        keys = self.cache.layer_keys[layer]
-        paged = self.paged if softcap is None and paged_attention_runs(q, keys) else []
-        together = self._attend_paged(layer, q, starts, paged, scale) if paged else {}
-        for index, (plan, count) in enumerate(zip(self.streams, self.sizes)):
+        paged = self.paged and softcap is None and paged_attention_runs(q, self.cache.layer_keys[layer])
+        together = self._attend_paged(layer, q, scale) if paged else {}
+        for index, (plan, start, count) in enumerate(zip(self.streams, self.starts, self.sizes)):
             if index in together:
                 outputs.append(together[index])
             else:
-                outputs.append(plan.attend_written(layer, q[:, :, starts[index] : starts[index] + count], scale, softcap))
+                outputs.append(plan.attend_written(layer, q[:, :, start : start + count], scale, softcap))
         return torch.cat(outputs, dim=2)  # [1, H, N, D]
 
-    def _attend_paged(self, layer: int, q: torch.Tensor, starts: list[int], paged: list[int],
-                      scale: float) -> dict[int, torch.Tensor]:
-        """The one-query streams ``paged`` (their K/V written) in one paged op -> stream index -> [1, H, 1, D]."""
+    def _attend_paged(self, layer: int, q: torch.Tensor, scale: float) -> dict[int, torch.Tensor]:
+        """The one-query streams (``paged``; their K/V written) in one paged op -> stream index -> [1, H, 1, D]."""
         kind, window = self.cache.layer_windows[layer], self.streams[0].stream.windows[layer]
-        table, key_start, positions, bias = self._paged_operands(kind, paged)
-        rows = torch.tensor([starts[i] for i in paged], device=q.device)
-        out = paged_attention(q[0].index_select(1, rows).transpose(0, 1), self.cache.layer_keys[layer],
+        table, key_start, positions, bias = self._paged_operands(kind)
+        out = paged_attention(q[0].index_select(1, self.paged_tokens).transpose(0, 1), self.cache.layer_keys[layer],
                               self.cache.layer_values[layer], table, key_start, positions, self.cache.block_size,
                               window, scale, bias, threads=self.products.threads)  # [P, H, D]
-        return {index: out[row][None, :, None] for row, index in enumerate(paged)}  # [1, H, 1, D] each
+        return {index: out[row][None, :, None] for row, index in enumerate(self.paged)}  # [1, H, 1, D] each
 
-    def _paged_operands(self, kind: int | None, paged: list[int]) -> tuple:
+    def _paged_operands(self, kind: int | None) -> tuple:
         """(table [P, n], first key position [P], query position [P], bias [P, 1 or H, n * block]) of the
         one-query streams in a kind: each row's gathered blocks from its sinks' block on, the keys before
         its sinks hidden by -inf, its position bias (ALiBi) added, as ``StreamPlan._mask`` builds it."""
         if kind not in self._paged_rows:
-            size, plans = self.cache.block_size, [self.streams[i] for i in paged]
+            size, plans = self.cache.block_size, [self.streams[i] for i in self.paged]
             tables = [plan.kinds[kind][1][0].tolist() for plan in plans]
             width = max(len(t) for t in tables)
             device = plans[0].positions.device
