@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 MELS, FRAMES = 16, 60  # 60 feature frames -> 30 encoder positions
+EOT, SOT, NO_TIMESTAMPS = 99, 100, 101  # the tiny model's special tokens (102..: timestamps)
 
 
 def build(seed: int = 0, **overrides):
@@ -26,3 +27,11 @@ def build(seed: int = 0, **overrides):
 
 def save(model, folder) -> None:
     model.save_pretrained(folder, safe_serialization=True)
+
+
+def vocabulary():
+    """Special tokens of the tiny model: 99 end, 100 start, 101 no-timestamps, 102.. timestamps."""
+    from fastdecode.speech.vocabulary import WhisperVocabulary
+
+    return WhisperVocabulary(tokenizer=None, vocab_size=120, eot=EOT, sot=SOT, transcribe=97, translate=96,
+                             sot_prev=95, sot_lm=None, no_timestamps=NO_TIMESTAMPS, no_speech=94, languages={})

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_whisper import FRAMES, MELS, build, save
+from tiny_encdec import single_thread  # noqa: F401 (autouse fixture: one torch thread)
+from tiny_whisper import EOT, FRAMES, MELS, NO_TIMESTAMPS, SOT, build, save, vocabulary
 
 from fastdecode.errors import InvalidOptionError
 from fastdecode.speech.batching import (answer, decode_windows, encode_windows, search_request, speech_engine,
@@ -17,17 +18,6 @@ from fastdecode.speech.batching import (answer, decode_windows, encode_windows, 
 from fastdecode.speech.loading import load_whisper
 from fastdecode.speech.requests import Search
 from fastdecode.speech.search import SearchOptions
-from fastdecode.speech.vocabulary import WhisperVocabulary
-
-EOT, SOT, NO_TIMESTAMPS = 99, 100, 101
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +25,6 @@ def model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("whisper")
     save(build(seed=5), folder)
     return load_whisper(folder, need_vocabulary=False).model
-
-
-def vocabulary() -> WhisperVocabulary:
-    return WhisperVocabulary(tokenizer=None, vocab_size=120, eot=EOT, sot=SOT, transcribe=97, translate=96,
-                             sot_prev=95, sot_lm=None, no_timestamps=NO_TIMESTAMPS, no_speech=94, languages={})
 
 
 def options(**changes) -> SearchOptions:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_whisper import FRAMES, MELS, build, save
+from tiny_encdec import single_thread  # noqa: F401 (autouse fixture: one torch thread)
+from tiny_whisper import EOT, FRAMES, MELS, NO_TIMESTAMPS, SOT, build, save, vocabulary
 
 from fastdecode.cache.view import NoCache
 from fastdecode.engine.cross import EncodedSources
@@ -13,17 +14,6 @@ from fastdecode.layers.products import Products
 from fastdecode.speech.batching import decode_windows, encode_windows
 from fastdecode.speech.loading import load_whisper
 from fastdecode.speech.search import SearchOptions, WindowSearch
-from fastdecode.speech.vocabulary import WhisperVocabulary
-
-EOT, SOT, NO_TIMESTAMPS = 99, 100, 101
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +22,6 @@ def pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("whisper")
     save(hf, folder)
     return hf, load_whisper(folder, need_vocabulary=False).model
-
-
-def vocabulary() -> WhisperVocabulary:
-    """Special tokens of the tiny model: 99 end, 100 start, 101 no-timestamps, 102.. timestamps."""
-    return WhisperVocabulary(tokenizer=None, vocab_size=120, eot=EOT, sot=SOT, transcribe=97, translate=96,
-                             sot_prev=95, sot_lm=None, no_timestamps=NO_TIMESTAMPS, no_speech=94, languages={})
 
 
 def engine_search(model, features, prompts, sot_index, options):
