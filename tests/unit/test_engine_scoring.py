@@ -117,4 +117,7 @@ def test_bad_scoring_requests_are_refused(pair):
         engine.submit_scoring([5, VOCAB])
     with pytest.raises(PromptTooLongError):
         engine.submit_scoring([5] * (hf.config.max_position_embeddings + 1))
+    streamed = gen.requests.generation_config({"n_ctx": 16, "max_new_tokens": 0})
+    with pytest.raises(InvalidOptionError, match="vocabulary"):  # through a stream: any length, but real ids
+        engine.submit_scoring([5, VOCAB], 0, streamed)
     assert not engine.has_work()

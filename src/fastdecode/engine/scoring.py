@@ -63,6 +63,7 @@ def scoring_sequence(engine: Any, ids: Seq[int], top_logprobs: int, seq_id: int,
     if top_logprobs > vocab:
         raise InvalidOptionError(f"top_logprobs={top_logprobs} exceeds the vocabulary size {vocab}")
     if stream_config is not None and stream_config.n_ctx is not None:  # any length: the policy bounds what is held
+        engine.requests.check_prompts([ids], stream_config)  # ids in the vocabulary, a decoder-only model
         if len(engine.waiting) >= engine.max_queue:
             raise QueueFullError(f"the engine's queue is full ({engine.max_queue} waiting requests)")
         sequence = ScoringSequence(seq_id, ids, top_logprobs)
