@@ -16,7 +16,7 @@ from .engine.requests import RequestFactory
 from .engine.sequence import SequenceResult
 from .layers.products import KernelChoice
 from .generation.loops import loop_results, loop_tokens, runs_in_engine
-from .generation.stopping import TextWatcher, final_text
+from .decoding.stopping import TextWatcher, final_text
 from .loading.checkpoint import Checkpoint
 from .loading.open import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, default_model_path  # noqa: F401 (public here)
 from . import validation
