@@ -13,13 +13,13 @@ layer's cross-attention runs per attention group of the step (the groups of ``pl
 row gathers its own source's K/V through its cross block table and a key mask hides the slots
 past its source's length, so no row ever sees another request's source or padding.
 
-``EncodedSources`` (the old loop's beam engine, generation/encdec.py; each Whisper window, whose
-encoded source a request of the engine carries: engine/speech_source.py) encodes sources once,
-in one right-padded batch, and keeps each source's cross K/V once, contiguous per layer (no block
-table to gather through at every step: the sources never change during the search). Its K beams fold into the query axis (FastSeq), so a beam
-reorder moves no cross K/V and each source's K/V is read once per step for all its beams. On the
-CPU that attention is one C++ op (layers/cross_attention.cpp: 8 keys at a time for all the beams,
-the padding never read), about 1.3-2x faster than SDPA's kernel on 4 queries per source.
+``EncodedSources`` (the ``use_cache=False`` reference loop's sources, generation/reference.py; each
+Whisper window, whose encoded source a request of the engine carries: engine/speech_source.py)
+encodes sources once, in one right-padded batch, and keeps each source's cross K/V once,
+contiguous per layer (no block table to gather through at every step: the sources never change
+during a search). On the CPU that attention is one C++ op (layers/cross_attention.cpp: 8 keys at a
+time for all the queries of a source, the padding never read), about 1.3-2x faster than SDPA's
+kernel on 4 queries per source.
 """
 
 from __future__ import annotations
@@ -215,19 +215,6 @@ class EncodedSources:
         return ops.cross_attention(q if q.stride(-1) == 1 else q.contiguous(), keys, values, self.lengths, scale,
                                    threads)
 
-    def folded(self, rows_per_source: int) -> "FoldedCross":
-        return FoldedCross(self, rows_per_source)
-
-    def keep(self, sources: torch.Tensor) -> None:
-        """Only these sources [B'] go on (settled beam samples, finished rows leave)."""
-        self.keys = [k.index_select(0, sources) for k in self.keys]
-        self.values = [v.index_select(0, sources) for v in self.values]
-        self.valid = self.valid.index_select(0, sources)
-        if self.bias is not None:
-            self.bias = self.bias.index_select(0, sources)
-        if self.lengths is not None:
-            self.lengths = self.lengths.index_select(0, sources)
-
 
 def source_lengths(valid: torch.Tensor) -> torch.Tensor | None:
     """valid [B, S] -> each row's count of real tokens [B] (int64) when they lead the row (right
@@ -242,19 +229,3 @@ def cross_attention_runs(q: torch.Tensor, keys: torch.Tensor) -> bool:
     of 8, contiguous [B, H, S, D] keys, the extension built); else the caller runs SDPA."""
     return (q.dtype == torch.float32 and keys.dtype == torch.float32 and q.device.type == "cpu"
             and q.shape[-1] % 8 == 0 and keys.is_contiguous() and ops.available())
-
-
-class FoldedCross:
-    """The cross-attention view of one flat forward (``[1, N]`` tokens, one query per row) whose
-    rows are ``fold`` consecutive rows per source (a sample's beams): the rows of a source fold into
-    its query axis, ``[B, H, fold, D] x [B, H, S, D]``, so its K/V are read once for all of them."""
-
-    def __init__(self, sources: EncodedSources, fold: int):
-        self.sources, self.fold = sources, fold
-
-    def attend(self, index: int, q: torch.Tensor, scale: float, threads: int) -> torch.Tensor:
-        """q [1, H, N, D] (N = B * fold flat rows) -> [1, H, N, D]."""
-        B = self.sources.num_sources
-        folded = q[0].unflatten(1, (B, self.fold)).transpose(0, 1)  # [H, N, D] -> [B, H, fold, D]
-        out = self.sources.attend(index, folded, scale, threads)  # [B, H, fold, D]; the bias [B, 1, 1, S] broadcasts
-        return out.transpose(0, 1).flatten(1, 2)[None]  # [B, H, fold, D] -> [1, H, N, D]

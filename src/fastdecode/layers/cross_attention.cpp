@@ -4,8 +4,8 @@
 // cross_attention(q [B, H, T, D], keys, values [B, H, S, D] contiguous, lengths [B], scale)
 //   -> [B, H, T, D]: query t of row b, head h attends to keys 0 .. lengths[b] - 1 of (b, h) (the
 //   sources are right-padded: padding is never read), softmax in float32, out = sum softmax * v.
-// In beam search the T queries of a row are the K beams of a sample folded into its query axis
-// (FastSeq, engine/cross.py's FoldedCross): each (b, h) reads its keys and values once for all T,
+// In a beam search the T queries of a row are the K beams of a source folded into its query axis
+// (FastSeq: a Whisper window's beams, engine/speech_source.py): each (b, h) reads its keys and values once for all T,
 // 8 keys at a time from L1, where SDPA's CPU kernel, built for long query blocks, runs ~3x slower
 // on T = 4. Every (b, h) runs the same operations in the same order whatever B is: batched ==
 // alone, bitwise. The (b, h) items are split between threads by parallel.h's chunk claiming (a thread
