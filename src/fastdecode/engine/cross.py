@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import PromptTooLongError
-from ..layers.attention import attention
+from ..layers.attention import attention, paged_attention, paged_attention_runs
 from ..layers import ops
 from ..layers.products import Products
 from ..layers.threads import kernel_threads
@@ -131,12 +131,27 @@ class CrossStore:
 
 
 class CrossStep:
-    """The cross-attention view of one engine step (the decoder calls ``attend`` per layer)."""
+    """The cross-attention view of one engine step (the decoder calls ``attend`` per layer).
+
+    Where the C++ paged attention runs (float32 on the CPU), every query of the step reads its own
+    source's K/V in place through its sequence's cross block table, in one op per layer: a source
+    of length L is what a causal query at position L - 1 sees, so the self-attention kernel serves
+    it as it is (no block gather: a bart-base step over 8 x 256-token sources copied 75 MB per step
+    that way). Each query row is computed alone, so a row's result never depends on its batch.
+    Elsewhere each group gathers its sources' blocks and runs ``attention`` under a key mask."""
 
     def __init__(self, cache: SlotCache, groups: list[RowGroup], dtype: torch.dtype):
         self.cache = cache
         self.groups = []  # (first, rows, queries, source block tables [B, n], key mask [B, 1, 1, S])
+        self.paged = None  # (block table [N, n], first key position [N], query position [N]) of every flat query
         device = cache.keys.device
+        if paged_attention_runs(torch.empty(0, dtype=dtype, device=device), cache.keys):
+            rows = [s for _, sequences, queries in groups for s in sequences for _ in range(queries)]
+            num_blocks = cache.pool.blocks_for(max(len(s.source) for s in rows))
+            table = cache.block_tables([s.source_table for s in rows], num_blocks)  # [N, n]
+            last = torch.tensor([len(s.source) - 1 for s in rows], dtype=torch.long, device=device)  # [N]
+            self.paged = (table, torch.zeros_like(last), last)
+            return
         for first, sequences, queries in groups:
             lengths = torch.tensor([len(s.source) for s in sequences], device=device)  # [B]
             num_blocks = cache.pool.blocks_for(int(max(len(s.source) for s in sequences)))
@@ -150,6 +165,11 @@ class CrossStep:
         """Cross-attention of decoder layer ``index``: q [1, H, N, D] (flat tokens) -> [1, H, N, D]
         (``threads``: the forward's thread budget)."""
         keys, values = self.cache.layer_keys[index], self.cache.layer_values[index]
+        if self.paged is not None:
+            table, key_start, last = self.paged
+            out = paged_attention(q[0].transpose(0, 1), keys, values, table, key_start, last, self.cache.block_size,
+                                  None, scale, threads=threads)  # [N, H, D]
+            return out.transpose(0, 1)[None]  # [1, H, N, D]
         outputs = []
         for first, B, T, table, mask in self.groups:
             qg = q[0, :, first : first + B * T].unflatten(1, (B, T)).transpose(0, 1)  # [H, B*T, D] -> [B, H, T, D]
