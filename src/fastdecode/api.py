@@ -76,7 +76,7 @@ class Generator:
         self.config: ModelConfig = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.model = checkpoint.family.build(checkpoint.config, checkpoint.weights,
-                                                 KernelChoice() if kernels is None else kernels)
+                                                 KernelChoice.at_load(None, kernels))
         self.requests = RequestFactory(self.config, self.tokenizer, defaults, self.model.dtype, self.model.device)
 
     @property
