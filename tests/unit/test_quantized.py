@@ -17,7 +17,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from gguf import GGML_QUANT_SIZES, GGUFWriter  # noqa: E402
+from gguf import GGUFWriter  # noqa: E402
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
@@ -27,29 +27,11 @@ from fastdecode.layers import ops, quantized  # noqa: E402
 from fastdecode.layers.products import KernelChoice, Products  # noqa: E402
 from fastdecode.layers.quantized import QuantizedWeight, dequantize, quantize_matrix, rows_layout, tiled  # noqa: E402
 from fastdecode.loading.gguf_blocks import repack  # noqa: E402
+from random_blocks import random_blocks  # noqa: E402
 from tiny_gguf import EOT, MERGES, TOKEN_TYPES, TOKENS  # noqa: E402
 from tiny_models import prefill_logits  # noqa: E402
 
 GGUF_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
-K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
-# byte offset of the float16 super-block scale(s) d (and dmin) inside a K-quant block
-K_SCALE_OFFSETS = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
-
-
-def random_blocks(qtype: QT, shape: tuple[int, int], seed: int) -> np.ndarray:
-    """Valid raw blocks [N, bytes per row] of a [N, K] tensor, weights of magnitude ~0.1.
-
-    gguf-py cannot quantize K-quants, so those are random bytes (every bit pattern of codes and
-    6-bit sub-scales is a valid block) with the float16 super-scales set small and finite."""
-    rng = np.random.default_rng(seed)
-    if qtype not in K_QUANTS:
-        return gguf_quantize((0.1 * rng.standard_normal(shape)).astype(np.float32), qtype)
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (shape[0], shape[1] // block_size, type_size), dtype=np.uint8)
-    for offset in K_SCALE_OFFSETS[qtype]:
-        scale = rng.uniform(1e-4, 4e-4, raw.shape[:2]).astype(np.float16)
-        raw[..., offset:offset + 2] = scale[..., None].view(np.uint8)
-    return raw.reshape(shape[0], -1)
 
 
 # --- 1: every block type decodes bit-exactly, and the kernels multiply it --------------------------
