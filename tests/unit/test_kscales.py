@@ -13,11 +13,12 @@ import torch
 pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
+from kquant_gguf import random_blocks, write_tiny_llama  # noqa: E402
 
+import fastdecode  # noqa: E402
 from fastdecode.layers import kscales, ops  # noqa: E402
-from fastdecode.layers.quantized import QuantizedWeight, dequantize, rows_layout, tiled  # noqa: E402
+from fastdecode.layers.quantized import QuantizedWeight, dequantize, keeps_rows_layout, rows_layout, tiled  # noqa: E402
 from fastdecode.loading.gguf_blocks import repack  # noqa: E402
-from random_blocks import random_blocks  # noqa: E402
 
 needs_kernel = pytest.mark.skipif("not ops.available()", reason="no C++ kernels on this machine")
 ROWS = (1, 2, 3, 5, 8, 9)
@@ -58,12 +59,12 @@ def test_products_on_compact_scales_are_the_float32_scales_bits(label, qtype, N,
     bias = torch.randn(N, generator=torch.Generator().manual_seed(4))
     for M in ROWS:
         for threads in (1, 2):
-            def product(w, with_bias=False):
+            def product(w, with_bias, M=M, threads=threads):
                 return lambda: ops.qmatmul(x[:M], w.codes, w.scale, w.mins, w.bits, w.group, threads, activation_bits,
                                            w.outputs, bias if with_bias else None)
             for with_bias in (False, True):
                 got, want = on_both_isas(product(compact, with_bias)), on_both_isas(product(expanded, with_bias))
-                for g, w in zip(got, want):
+                for g, w in zip(got, want, strict=True):
                     assert torch.equal(g, w), (M, threads, with_bias)
 
 
@@ -78,13 +79,16 @@ def test_exact_products_and_dequantization_are_the_float32_scales_bits(label, qt
     assert torch.equal(dequantize(compact, rows), dense[rows])  # embedding lookups
     for w in (compact, expanded):
         assert torch.equal(ops.dequantize(w.codes, w.scale, w.mins, w.bits, w.group, 2, w.outputs), dense)
+    def exact(w, threads):
+        return on_both_isas(lambda: ops.exact_qmatmul(x, w.codes, w.scale, w.mins, w.bits, w.group, threads, w.outputs))
+
+    def prompt(w):  # the int8 prompt GEMM of groups of 16 (layers/qprompt.cpp)
+        return on_both_isas(lambda: ops.prompt_qmatmul(x, w.codes, w.scale, 2))
+
     for threads in (1, 2):
-        got, want = (on_both_isas(lambda w=w: ops.exact_qmatmul(x, w.codes, w.scale, w.mins, w.bits, w.group, threads,
-                                                                w.outputs)) for w in (compact, expanded))
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
-    if qtype == QT.Q6_K:  # the int8 prompt GEMM of groups of 16 (layers/qprompt.cpp)
-        got, want = (on_both_isas(lambda w=w: ops.prompt_qmatmul(x, w.codes, w.scale, 2)) for w in (compact, expanded))
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert all(torch.equal(g, w) for g, w in zip(exact(compact, threads), exact(expanded, threads), strict=True))
+    if qtype == QT.Q6_K:
+        assert all(torch.equal(g, w) for g, w in zip(prompt(compact), prompt(expanded), strict=True))
 
 
 @pytest.mark.parametrize("qtype, N", [(QT.Q4_K, 16), (QT.Q4_K, 13), (QT.Q5_K, 5)], ids=lambda v: str(v))
@@ -108,3 +112,19 @@ def test_compact_scales_take_what_the_issue_counts():
     assert q4.nbytes * 8 / (16 * 512) == 4 + 0.625
     assert q6.nbytes * 8 / (16 * 512) == 8 + 0.5625
     assert q4.shape == q6.shape == (16, 512)
+    wide = repack("Q4_K", random_blocks(QT.Q4_K, (16, 512), seed=1), (16, 512), tile=True, compact=False)
+    assert wide.scale.dtype == torch.float32 and wide.nbytes * 8 / (16 * 512) == 4 + 2
+    assert torch.equal(wide.scale, kscales.expand(q4.scale, 32)) and torch.equal(wide.mins, kscales.expand(q4.mins, 32))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_k_quant_products_hold_compact_scales_and_tables_and_the_head_float32_ones(tied, tmp_path):
+    """The K-quant matrices of products keep GGUF's sub-scale codes and float16 super-scales (layers/kscales.py);
+    the embedding table and the LM head float32 scales (the head's float-activation kernel is compute-bound:
+    loading/gguf.py), tied or not."""
+    weights = fastdecode.load(write_tiny_llama(tmp_path / "q4_k.gguf", QT.Q4_K, tied=tied)).checkpoint.weights
+    held = {name: w for name, w in weights.items() if isinstance(w, QuantizedWeight)}
+    assert any(keeps_rows_layout(name) for name in held) and not all(keeps_rows_layout(name) for name in held)
+    for name, weight in held.items():
+        assert kscales.is_compact(weight.scale) != keeps_rows_layout(name), name
+        assert (weight.scale.dtype == torch.float32) == keeps_rows_layout(name), name

@@ -228,16 +228,23 @@ void outputs_range(const QuantizedRows& q, bool wide, const uint8_t* offset, con
   }
 }
 
-// Outputs [n0, n1) of a weight with compact scales (kscales.h): each chunk's scales and mins decoded to
-// float32 (the float32 layout's values: the same bits) in L1, then outputs_range on them.
+// Bytes of decoded scales (and mins) per piece of outputs: within L1 beside the codes' stream.
+constexpr int64_t DECODED_SCALE_BYTES = 16 << 10;
+
+// Outputs [n0, n1) of a weight with compact scales (kscales.h): each piece's scales and mins decoded to
+// float32 (the float32 layout's values: the same bits) in L1, then outputs_range on them. A piece is
+// OUTPUT_CHUNK outputs, or fewer where their scales would not fit DECODED_SCALE_BYTES (a multiple of 4:
+// the AVX-512 kernels' step; 4 outputs of the 1536 x 8960 Q6_K down matrix hold 9 KB of scales).
 template <int BITS, int G>
 void compact_outputs_range(const QuantizedRows& q, bool wide, const uint8_t* offset, const float* x, const float* xsum,
                            int64_t M, int64_t K, const uint8_t* cp, const KScale* sp, const KScale* mp, float* yp,
                            int64_t N, int64_t n0, int64_t n1) {
   const int64_t groups = K / G, row_bytes = K * BITS / 8;
-  std::vector<float> scales(OUTPUT_CHUNK * groups), mins(mp != nullptr ? OUTPUT_CHUNK * groups : 0);
-  for (int64_t c = n0; c < n1; c += OUTPUT_CHUNK) {
-    const int64_t c1 = std::min(c + OUTPUT_CHUNK, n1);
+  const int64_t fit = DECODED_SCALE_BYTES / (sizeof(float) * groups * (mp != nullptr ? 2 : 1)) / 4 * 4;
+  const int64_t piece = std::clamp<int64_t>(fit, 4, OUTPUT_CHUNK);
+  std::vector<float> scales(piece * groups), mins(mp != nullptr ? piece * groups : 0);
+  for (int64_t c = n0; c < n1; c += piece) {
+    const int64_t c1 = std::min(c + piece, n1);
     expand_rows(sp, G, groups, c, c1, scales.data());
     if (mp != nullptr) expand_rows(mp, G, groups, c, c1, mins.data());
     // outputs [c, c1) as a weight of their own: y's columns from c (rows still N apart)

@@ -123,12 +123,16 @@ REPACKERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q4_K":
              "Q6_K": _q6_k}
 
 
-def repack(type_name: str, raw: np.ndarray, shape: tuple[int, int], tile: bool = False) -> QuantizedWeight:
+def repack(type_name: str, raw: np.ndarray, shape: tuple[int, int], tile: bool = False,
+           compact: bool = True) -> QuantizedWeight:
     """Raw block bytes of a [N, K] GGUF tensor (numpy order) -> QuantizedWeight [N, K], in the rows
     layout, or with ``tile`` in the tiled one where the format has it (``quantized.tiled``): one copy of
-    the codes and scales from the file's blocks, straight into that layout."""
+    the codes and scales from the file's blocks, straight into that layout. K-quant scales are compact
+    (layers/kscales.py) unless ``compact`` is False: then float32 (the same values)."""
     N, K = shape
     bits, group, codes, scale, mins = REPACKERS[type_name](raw, N, K)
+    if scale.ndim == 3 and not compact:  # the records' float32 values d * code (exact)
+        scale, mins = (None if r is None else kscales.expand(torch.from_numpy(r), group).numpy() for r in (scale, mins))
     layout = _tiles if tile and group == 32 and N % TILE == 0 else _rows
     codes = torch.from_numpy(layout(codes))
     if scale.ndim == 3:  # compact records (kscales.py): made here, already owned
