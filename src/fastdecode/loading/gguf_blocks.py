@@ -16,8 +16,8 @@ dequantization; only the order of the sums in a product differs):
 (-8 d is exact in f16: a power-of-two multiple.) Compact K-quant scales (layers/kscales.py) are GGUF's own
 6- or 8-bit sub-scale codes with the f16 super-scale (d, or -dmin for the mins) of each 256 inputs,
 decoded in the kernels to d * sc: an 11-bit by 6- or 8-bit integer product, exact in float32's 24-bit
-mantissa. Q5_0, Q5_K and Q6_K are held as int8 codes: exact, but they read about 1.3-1.7x the file's
-bytes per token; Q4_* read 1.03-1.1x.
+mantissa. Q5_0, Q5_K and Q6_K are held as int8 codes: exact, but they read 1.3-1.6x the file's bytes
+per token; Q4_* read 1.0-1.1x. (Embedding tables and LM heads keep float32 K-quant scales: loading/gguf.py.)
 """
 
 from __future__ import annotations
