@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "isa.h"
+#include "kscales.h"
 #include "parallel.h"
 #include "qrows.h"
 
@@ -79,7 +80,7 @@ at::Tensor exact_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at:
   const int64_t tile = tiled ? 8 : 1;  // outputs per leading index of codes / scale
   const int64_t N = tiled ? (outputs >= 0 ? outputs : scale.size(0) * 8) : scale.size(0);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 8 == 0 && K == (tiled ? scale.size(1) * 32 : scale.size(1) * group), "x has ", K,
+  TORCH_CHECK(K % 8 == 0 && K == fastdecode::quant::scale_inputs(scale, group, tiled), "x has ", K,
               " inputs, the weight another count");
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();

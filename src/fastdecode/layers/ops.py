@@ -221,7 +221,7 @@ def _outputs(codes, scale, outputs: int) -> int:
     (codes [N/8 rounded up, K/32, bytes], the last tile padded; -1: every tile's 8 rows)."""
     if codes.dim() == 2:
         return scale.shape[0]
-    return outputs if outputs >= 0 else scale.shape[0] * scale.shape[2]
+    return outputs if outputs >= 0 else codes.shape[0] * 8
 
 
 def _register_fake() -> None:
@@ -242,7 +242,8 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("fastdecode_kernels::dequantize")
     def _dequantize_fake(codes, scale, mins, bits, group, threads, outputs=-1):  # -> float32 [N, K]
-        return scale.new_empty((_outputs(codes, scale, outputs), scale.shape[1] * group), dtype=torch.float32)
+        inputs = codes.shape[1] * 32 if codes.dim() == 3 else codes.shape[1] * 8 // bits  # K
+        return scale.new_empty((_outputs(codes, scale, outputs), inputs), dtype=torch.float32)
 
     @torch.library.register_fake("fastdecode_kernels::paged_attention")
     def _paged_attention_fake(q, keys, values, k_new, v_new, write_slots, table, key_start, positions, block, window,

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "kscales.h"
 #include "parallel.h"
 #include "qrows.h"
 #include "qtiles.h"
@@ -227,6 +228,31 @@ void outputs_range(const QuantizedRows& q, bool wide, const uint8_t* offset, con
   }
 }
 
+// Bytes of decoded scales (and mins) per piece of outputs: within L1 beside the codes' stream.
+constexpr int64_t DECODED_SCALE_BYTES = 16 << 10;
+
+// Outputs [n0, n1) of a weight with compact scales (kscales.h): each piece's scales and mins decoded to
+// float32 (the float32 layout's values: the same bits) in L1, then outputs_range on them. A piece is
+// OUTPUT_CHUNK outputs, or fewer where their scales would not fit DECODED_SCALE_BYTES (a multiple of 4:
+// the AVX-512 kernels' step; 4 outputs of the 1536 x 8960 Q6_K down matrix hold 9 KB of scales).
+template <int BITS, int G>
+void compact_outputs_range(const QuantizedRows& q, bool wide, const uint8_t* offset, const float* x, const float* xsum,
+                           int64_t M, int64_t K, const uint8_t* cp, const KScale* sp, const KScale* mp, float* yp,
+                           int64_t N, int64_t n0, int64_t n1) {
+  const int64_t groups = K / G, row_bytes = K * BITS / 8;
+  const int64_t fit = DECODED_SCALE_BYTES / (sizeof(float) * groups * (mp != nullptr ? 2 : 1)) / 4 * 4;
+  const int64_t piece = std::clamp<int64_t>(fit, 4, OUTPUT_CHUNK);
+  std::vector<float> scales(piece * groups), mins(mp != nullptr ? piece * groups : 0);
+  for (int64_t c = n0; c < n1; c += piece) {
+    const int64_t c1 = std::min(c + piece, n1);
+    expand_rows(sp, G, groups, c, c1, scales.data());
+    if (mp != nullptr) expand_rows(mp, G, groups, c, c1, mins.data());
+    // outputs [c, c1) as a weight of their own: y's columns from c (rows still N apart)
+    outputs_range<BITS, G, float>(q, wide, offset, x, xsum, M, K, cp + c * row_bytes, scales.data(),
+                                  mp != nullptr ? mins.data() : nullptr, yp + c, N, 0, c1 - c);
+  }
+}
+
 template <int BITS, int G, typename S>
 at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& mins, int64_t threads, int64_t activation_bits) {
@@ -238,17 +264,22 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   const float* xp = exact ? x.data_ptr<float>() : nullptr;
   const std::vector<float> xsum = exact && has_min ? group_sums<G>(xp, M, K) : std::vector<float>();
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  const S* sp = scale.data_ptr<S>();
-  const S* mp = has_min ? mins->data_ptr<S>() : nullptr;
+  const S* sp = scale_data<S>(scale);
+  const S* mp = has_min ? scale_data<S>(*mins) : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t chunk = fastdecode::chunk_outputs(M * K, 32);
   const bool wide = fastdecode::use_avx512();  // read once: the whole product on one kernel
   // the AVX-512 int8 kernel's unsigned activations (rows_avx512.cpp: 8-bit codes in groups of 16, float scales, no mins)
-  const std::vector<uint8_t> offset = wide && !exact && BITS == 8 && G == 16 && std::is_same_v<S, float> && !has_min
+  constexpr bool float_scales = std::is_same_v<S, float> || std::is_same_v<S, KScale>;  // (compact: decoded to float)
+  const std::vector<uint8_t> offset = wide && !exact && BITS == 8 && G == 16 && float_scales && !has_min
                                           ? fastdecode::avx512::offset_rows(q) : std::vector<uint8_t>();
   fastdecode::parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) {
-    outputs_range<BITS, G, S>(q, wide, offset.empty() ? nullptr : offset.data(), xp, xsum.data(), M, K, cp, sp, mp, yp,
-                              N, n0, n1);
+    if constexpr (std::is_same_v<S, KScale>)
+      compact_outputs_range<BITS, G>(q, wide, offset.empty() ? nullptr : offset.data(), xp, xsum.data(), M, K, cp, sp,
+                                     mp, yp, N, n0, n1);
+    else
+      outputs_range<BITS, G, S>(q, wide, offset.empty() ? nullptr : offset.data(), xp, xsum.data(), M, K, cp, sp, mp,
+                                yp, N, n0, n1);
   }, chunk * M * K);
   return y;
 }
@@ -290,6 +321,11 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c1
     return fastdecode::tiled_dequantize(codes, scale, mins, bits, outputs, threads);
   }
   TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "codes and scales must be contiguous");
+  if (is_compact(scale)) {  // decoded once to the float32 layout's values (kscales.h): the same bits
+    const c10::optional<at::Tensor> expanded_mins =
+        mins.has_value() && mins->defined() ? c10::optional<at::Tensor>(expanded_scales(*mins, group, false)) : c10::nullopt;
+    return dequantize(codes, expanded_scales(scale, group, false), expanded_mins, bits, group, threads, outputs);
+  }
   const bool half = scale.scalar_type() == at::kHalf;
 #define FD_CASE(B, GS)                                                                               \
   if (bits == B && group == GS)                                                                      \
@@ -335,13 +371,15 @@ at::Tensor rows_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::
                         const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t threads,
                         int64_t activation_bits) {
   TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "codes and scales must be contiguous");
-  TORCH_CHECK(x.size(1) == scale.size(1) * group, "x has ", x.size(1), " inputs, the weight ", scale.size(1) * group);
+  TORCH_CHECK(x.size(1) == scale_inputs(scale, group, false), "x has ", x.size(1), " inputs, the weight ",
+              scale_inputs(scale, group, false));
   TORCH_CHECK(x.size(1) % 32 == 0, "activations are quantized in blocks of 32: ", x.size(1), " inputs");
-  const bool half = scale.scalar_type() == at::kHalf;
+  const bool half = scale.scalar_type() == at::kHalf, compact = is_compact(scale);
 #define FD_CASE(B, GS)                                                                               \
   if (bits == B && group == GS)                                                                      \
-    return half ? matmul_impl<B, GS, at::Half>(x, codes, scale, mins, threads, activation_bits)                 \
-                : matmul_impl<B, GS, float>(x, codes, scale, mins, threads, activation_bits);
+    return compact ? matmul_impl<B, GS, KScale>(x, codes, scale, mins, threads, activation_bits)                \
+           : half  ? matmul_impl<B, GS, at::Half>(x, codes, scale, mins, threads, activation_bits)              \
+                   : matmul_impl<B, GS, float>(x, codes, scale, mins, threads, activation_bits);
   FD_CASE(8, 32)
   FD_CASE(8, 16)
   FD_CASE(4, 32)

@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "isa.h"
+#include "kscales.h"
 #include "parallel.h"
 #include "qprompt.h"
 #include "qrows.h"
@@ -138,6 +139,8 @@ at::Tensor prompt_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() && scale.is_contiguous(),
               "prompt_qmatmul takes rows-layout int8 codes [N, K] and their scales [N, K/16]");
+  if (quant::is_compact(scale))  // decoded once to the float32 layout's values (kscales.h): the same bits
+    return prompt_qmatmul(x, codes, quant::expanded_scales(scale, 16, false), threads);
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == codes.size(0) && scale.size(1) * 16 == codes.size(1),
               "scales ", scale.sizes(), " are not one per 16 codes of ", codes.sizes());
   TORCH_CHECK(x.size(1) == codes.size(1), "x has ", x.size(1), " inputs, the weight ", codes.size(1));

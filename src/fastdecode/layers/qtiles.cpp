@@ -34,6 +34,7 @@
 
 #include "isa.h"
 #include "parallel.h"
+#include "kscales.h"
 #include "qrows.h"
 #include "qtiles.h"
 #include "qtiles_avx512.h"
@@ -120,7 +121,7 @@ void int8_tiles(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const 
           }
         }
       }
-      const __m256 w_scale = load8_scales(scale + ((t0 + t) * blocks + b) * TILE);
+      const __m256 w_scale = block_scales(tile_scales(scale, t0 + t, blocks), b);
       for (int r = 0; r < RB; ++r)
         acc[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(w_scale, _mm256_set1_ps(act_scale[r][b])),
                                     acc[t][r]);
@@ -130,11 +131,11 @@ void int8_tiles(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const 
     for (int r = 0; r < RB; ++r) {
       __m256 total = acc[t][r];
       if (mins != nullptr) {
-        const S* m = mins + (t0 + t) * blocks * TILE;
+        const S* m = tile_scales(mins, t0 + t, blocks);
         const float* sums = q.sums.data() + (m0 + r) * blocks;
         __m256 offset = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b)
-          offset = _mm256_fmadd_ps(load8_scales(m + b * TILE), _mm256_set1_ps(sums[b]), offset);
+          offset = _mm256_fmadd_ps(block_scales(m, b), _mm256_set1_ps(sums[b]), offset);
         total = _mm256_add_ps(total, offset);
       }
       const int64_t n = (t0 + t) * TILE;
@@ -180,7 +181,7 @@ void float_tile(const float* x, const float* xsum, int64_t m0, int64_t K, const 
         for (int p = 0; p < 4; ++p)
           w[i][p] = codes_to_float(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 32 * i + 8 * p)));
     }
-    const __m256 w_scale = load8_scales(scale + (t * blocks + b) * TILE);
+    const __m256 w_scale = block_scales(tile_scales(scale, t, blocks), b);
     __m256 pair_scale[4];
     for (int p = 0; p < 4; ++p) pair_scale[p] = _mm256_permutevar8x32_ps(w_scale, pair_index[p]);
     for (int r = 0; r < RB; ++r) {
@@ -199,11 +200,11 @@ void float_tile(const float* x, const float* xsum, int64_t m0, int64_t K, const 
     const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
     __m256 total = _mm256_permutevar8x32_ps(sums, order);
     if (mins != nullptr) {
-      const S* m = mins + t * blocks * TILE;
+      const S* m = tile_scales(mins, t, blocks);
       const float* group_sum = xsum + (m0 + r) * blocks;
       __m256 offset = _mm256_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b)
-        offset = _mm256_fmadd_ps(load8_scales(m + b * TILE), _mm256_set1_ps(group_sum[b]), offset);
+        offset = _mm256_fmadd_ps(block_scales(m, b), _mm256_set1_ps(group_sum[b]), offset);
       total = _mm256_add_ps(total, offset);
     }
     store_outputs(y + (m0 + r) * N + t * TILE, total, N - t * TILE);
@@ -291,8 +292,8 @@ at::Tensor tiled_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const
   const float* xp = exact ? x.data_ptr<float>() : nullptr;
   const std::vector<float> xsum = exact && has_min ? group_sums<32>(xp, M, K) : std::vector<float>();
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  const S* sp = scale.data_ptr<S>();
-  const S* mp = has_min ? mins->data_ptr<S>() : nullptr;
+  const S* sp = scale_data<S>(scale);
+  const S* mp = has_min ? scale_data<S>(*mins) : nullptr;
   float* yp = y.data_ptr<float>();
   // the AVX-512 kernel's unsigned activations for 8-bit codes (qtiles_avx512.cpp)
   const bool wide = use_avx512();  // read once: the whole product on one kernel
@@ -366,7 +367,11 @@ void check_tiled(const at::Tensor& codes, const at::Tensor& scale, const c10::op
   TORCH_CHECK(bits == 4 || bits == 8, "tiled codes are 4 or 8 bits, not ", bits);
   TORCH_CHECK(codes.dim() == 3 && scale.dim() == 3 && codes.is_contiguous() && scale.is_contiguous(),
               "tiled codes and scales must be contiguous [tiles, blocks, ...]");
-  TORCH_CHECK(codes.size(0) == scale.size(0) && codes.size(1) == scale.size(1) && scale.size(2) == TILE &&
+  // compact scales (kscales.h): one 80-byte record per tile and 8 blocks; else one scale per output and block
+  const bool compact = is_compact(scale);
+  TORCH_CHECK(codes.size(0) == scale.size(0) &&
+                  (compact ? codes.size(1) == 8 * scale.size(1) && scale.size(2) == TILE_RECORD
+                           : codes.size(1) == scale.size(1) && scale.size(2) == TILE) &&
                   codes.size(2) == TILE * 32 * bits / 8 && codes.element_size() == 1,
               "tiled codes ", codes.sizes(), " and scales ", scale.sizes(), " do not match ", bits, "-bit tiles");
   TORCH_CHECK(outputs > (codes.size(0) - 1) * TILE && outputs <= codes.size(0) * TILE, outputs,
@@ -386,6 +391,9 @@ at::Tensor tiled_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at:
   TORCH_CHECK(x.size(1) == 32 * codes.size(1), "x has ", x.size(1), " inputs, the weight ", 32 * codes.size(1));
   TORCH_CHECK(bias == nullptr || bias_size == outputs, "bias has ", bias_size, " values for ", outputs, " outputs");
   const bool half = scale.scalar_type() == at::kHalf;
+  if (is_compact(scale))
+    return bits == 4 ? tiled_matmul_impl<4, KScale>(x, codes, scale, mins, outputs, threads, activation_bits, bias)
+                     : tiled_matmul_impl<8, KScale>(x, codes, scale, mins, outputs, threads, activation_bits, bias);
   if (bits == 4)
     return half ? tiled_matmul_impl<4, at::Half>(x, codes, scale, mins, outputs, threads, activation_bits, bias)
                 : tiled_matmul_impl<4, float>(x, codes, scale, mins, outputs, threads, activation_bits, bias);
@@ -397,6 +405,11 @@ at::Tensor tiled_dequantize(const at::Tensor& codes, const at::Tensor& scale, co
                             int64_t bits, int64_t outputs, int64_t threads) {
   if (outputs < 0) outputs = codes.size(0) * TILE;
   check_tiled(codes, scale, mins, bits, outputs);
+  if (is_compact(scale)) {  // decoded once to the float32 layout's values (kscales.h): the same bits
+    const c10::optional<at::Tensor> expanded_mins =
+        mins.has_value() && mins->defined() ? c10::optional<at::Tensor>(expanded_scales(*mins, 32, true)) : c10::nullopt;
+    return tiled_dequantize(codes, expanded_scales(scale, 32, true), expanded_mins, bits, outputs, threads);
+  }
   const bool half = scale.scalar_type() == at::kHalf;
   if (bits == 4)
     return half ? tiled_dequantize_impl<4, at::Half>(codes, scale, mins, outputs, threads)

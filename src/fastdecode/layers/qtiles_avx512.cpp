@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kscales.h"
 #include "qrows.h"
 #include "qtiles_avx512.h"
 
@@ -58,6 +59,15 @@ inline __m512 load_scales(const float* low, const float* high) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(low)), _mm256_loadu_ps(high), 1);
 }
 
+// Block b's scales of two tiles (their first scales at low, high) as 16 float32 lanes.
+template <typename S>
+inline __m512 pair_scales(const S* low, const S* high, int64_t b) {
+  return load_scales(low + b * TILE, high + b * TILE);
+}
+inline __m512 pair_scales(const quant::KScale* low, const quant::KScale* high, int64_t b) {  // decoded (kscales.h)
+  return _mm512_insertf32x8(_mm512_castps256_ps512(quant::block_scales(low, b)), quant::block_scales(high, b), 1);
+}
+
 }  // namespace
 
 template <int BITS, typename S, int RB, bool PREFETCH>
@@ -67,8 +77,8 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
   const int64_t K = q.K;
   const uint8_t* low_codes = codes + t0 * blocks * BB;
   const uint8_t* high_codes = low_codes + blocks * BB;
-  const S* low_scale = scale + t0 * blocks * TILE;
-  const S* high_scale = low_scale + blocks * TILE;
+  const S* low_scale = quant::tile_scales(scale, t0, blocks);
+  const S* high_scale = quant::tile_scales(scale, t0 + 1, blocks);
   // each row's activation codes: as they are (4-bit codes), or + 128 as unsigned bytes (8-bit codes)
   const int8_t* act[RB];
   const float* act_scale[RB];
@@ -114,7 +124,7 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
       const __m512i correction = _mm512_slli_epi32(code_sum, 7);  // 128 * sum of the codes
       for (int r = 0; r < RB; ++r) dot[r] = _mm512_sub_epi32(dot[r], correction);
     }
-    const __m512 w_scale = load_scales(low_scale + b * TILE, high_scale + b * TILE);
+    const __m512 w_scale = pair_scales(low_scale, high_scale, b);
     for (int r = 0; r < RB; ++r)
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(w_scale, _mm512_set1_ps(act_scale[r][b])),
                                acc[r]);
@@ -124,13 +134,12 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
   for (int r = 0; r < RB; ++r) {
     __m512 total = acc[r];
     if (mins != nullptr) {
-      const S* low_mins = mins + t0 * blocks * TILE;
-      const S* high_mins = low_mins + blocks * TILE;
+      const S* low_mins = quant::tile_scales(mins, t0, blocks);
+      const S* high_mins = quant::tile_scales(mins, t0 + 1, blocks);
       const float* sums = q.sums.data() + (m0 + r) * blocks;
       __m512 min_term = _mm512_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b)
-        min_term = _mm512_fmadd_ps(load_scales(low_mins + b * TILE, high_mins + b * TILE), _mm512_set1_ps(sums[b]),
-                                   min_term);
+        min_term = _mm512_fmadd_ps(pair_scales(low_mins, high_mins, b), _mm512_set1_ps(sums[b]), min_term);
       total = _mm512_add_ps(total, min_term);
     }
     _mm512_mask_storeu_ps(y + (m0 + r) * N + n, valid, total);
@@ -150,6 +159,8 @@ FD_INSTANCES(4, at::Half)
 FD_INSTANCES(4, float)
 FD_INSTANCES(8, at::Half)
 FD_INSTANCES(8, float)
+FD_INSTANCES(4, quant::KScale)
+FD_INSTANCES(8, quant::KScale)
 #undef FD_INSTANCES
 
 }  // namespace avx512

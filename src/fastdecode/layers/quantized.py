@@ -7,14 +7,17 @@ One format serves every quantized type, so one kernel family serves them all:
 - ``bits=4``: codes are nibbles, 16 bytes per 32-group, byte j holding element j (low nibble) and
   element j + 16 (high nibble): GGUF's own Q4_0/Q4_1 byte order, so those blocks are copied as they are.
 - ``bits=8``: codes are int8, one per weight.
-- scale/min are float16 where they are exact copies of GGUF's fp16 block scales (Q4_0, Q4_1, Q8_0), else
-  float32 (K-quant products d * sub-scale, exact in float32; our own int8/int4 quantization).
+- scale/min are float16 where they are exact copies of GGUF's fp16 block scales (Q4_0, Q4_1, Q8_0), int8
+  records of compact K-quant scales (Q4_K, Q5_K, Q6_K as GGUF stores them: per 256 inputs int8 sub-scale
+  codes and a float16 super-scale, decoded in the kernels to the exact float32 products d * code:
+  layers/kscales.py), else float32 (our own int8/int4 quantization).
 
 Layouts of the stored codes/scale/mins:
 - rows: codes [N, K*bits/8] as above, scale/mins [N, K/group];
 - tiled (``tiled()``: every 4- and 8-bit format with groups of 32, made once at load): 8 outputs
   interleaved 4 code bytes at a time per block of 32 inputs, codes [ceil(N/8), K/32, 8*32*bits/8],
-  scale/mins [ceil(N/8), K/32, 8], the last tile padded with zero rows (layout: layers/qtiles.cpp).
+  scale/mins [ceil(N/8), K/32, 8] (compact: [ceil(N/8), K/256, 80]), the last tile padded with zero rows
+  (layout: layers/qtiles.cpp).
   ``outputs`` holds N. It is a pure byte shuffle: ``dequantize`` (and embedding lookups) read it.
 
 The matrix is stored [out, in] (rows are outputs) and ``transposed`` marks the canonical [in, out] view
@@ -54,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops
+from . import kscales, ops
 from .gemm import gemm
 from .products import ALL_PROMPT, Products
 from .threads import kernel_threads
@@ -73,7 +76,7 @@ class QuantizedWeight:
     bits: int  # 4 or 8
     group: int  # inputs per scale: 32 (16 for Q6_K)
     codes: torch.Tensor  # int8 [N, K] or uint8 [N, K/2]
-    scale: torch.Tensor  # [N, K/group] float16 or float32
+    scale: torch.Tensor  # [N, K/group] float16 or float32, or compact records int8 [N, K/256, bytes] (kscales.py)
     mins: torch.Tensor | None  # like scale, or None (symmetric codes)
     transposed: bool = False  # True: seen as [K, N] (the canonical [in, out] view)
     dtype: torch.dtype = torch.float32  # the model's activations: embedding rows come out in it
@@ -84,7 +87,8 @@ class QuantizedWeight:
     def __post_init__(self) -> None:  # read by every product: computed once
         if not self.is_tiled:
             object.__setattr__(self, "outputs", self.scale.shape[0])
-        object.__setattr__(self, "inputs", self.scale.shape[1] * self.group)  # K
+        per_scale = kscales.SUPER if kscales.is_compact(self.scale) else self.group  # inputs per scale (record)
+        object.__setattr__(self, "inputs", self.scale.shape[1] * per_scale)  # K
 
     @property
     def is_tiled(self) -> bool:
@@ -141,7 +145,7 @@ def tiled(weight: QuantizedWeight) -> QuantizedWeight:
     32), else as it is. One copy of the codes, scales and mins (a byte shuffle; N padded to tiles)."""
     if weight.is_tiled or weight.group != 32 or weight.bits not in (4, 8):
         return weight
-    N, groups = weight.scale.shape
+    N, groups = weight.outputs, weight.inputs // 32
     tiles = -(-N // TILE)
 
     def tile(t: torch.Tensor) -> torch.Tensor:  # [N, groups * width] -> [tiles, groups, TILE * width]
@@ -154,8 +158,9 @@ def tiled(weight: QuantizedWeight) -> QuantizedWeight:
 
     # codes move 4 bytes at a time (one int32 element: a 5x faster copy than byte by byte)
     codes = tile(weight.codes.contiguous().view(torch.int32)).view(weight.codes.dtype)
-    return dataclasses.replace(weight, codes=codes, scale=tile(weight.scale),
-                               mins=None if weight.mins is None else tile(weight.mins), outputs=N)
+    tile_scales = (lambda t: kscales.tile_records(t, tiles)) if kscales.is_compact(weight.scale) else tile
+    return dataclasses.replace(weight, codes=codes, scale=tile_scales(weight.scale),
+                               mins=None if weight.mins is None else tile_scales(weight.mins), outputs=N)
 
 
 def keeps_rows_layout(name: str) -> bool:
@@ -166,8 +171,8 @@ def keeps_rows_layout(name: str) -> bool:
 
 
 def rows_layout(weight: QuantizedWeight, rows: torch.Tensor | None = None):
-    """(codes [R, K*bits/8], scale [R, K/group], mins or None) of the given output rows (all when None) in
-    the rows layout: views or gathers, whichever layout the weight has."""
+    """(codes [R, K*bits/8], scale [R, K/group] (compact: records [R, K/256, bytes]), mins or None) of the
+    given output rows (all when None) in the rows layout: views or gathers, whichever layout the weight has."""
     codes, scale, mins = weight.codes, weight.scale, weight.mins
     if not weight.is_tiled:
         if rows is None:
@@ -179,12 +184,17 @@ def rows_layout(weight: QuantizedWeight, rows: torch.Tensor | None = None):
     tile, lane = rows // TILE, rows % TILE
     by_lane = codes.view(tiles, groups, -1, TILE, 4)  # [tiles, groups, width, TILE, 4 bytes]
     picked = by_lane[tile, :, :, lane, :].reshape(len(rows), -1)  # [R, groups, width, 4] -> [R, K*bits/8]
+    if kscales.is_compact(scale):
+        return (picked, kscales.untile_records(scale, tile, lane),
+                None if mins is None else kscales.untile_records(mins, tile, lane))
     return picked, scale[tile, :, lane], None if mins is None else mins[tile, :, lane]  # [R, groups] each
 
 
 def dequantize(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [R, K] of the given output rows (all rows when None), in the stored [out, in] orientation."""
     codes, scale, mins = rows_layout(weight, rows)
+    if kscales.is_compact(scale):  # the float32 values d * code (exact)
+        scale, mins = kscales.expand(scale, weight.group), None if mins is None else kscales.expand(mins, weight.group)
     R, groups = scale.shape
     if weight.bits == 4:
         nibbles = codes.view(R, groups, 16)  # [R, K/32, 16] bytes

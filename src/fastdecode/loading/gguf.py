@@ -110,7 +110,11 @@ def _decoded_weights(gguf: GGUFFile, module, config, mapping: dict[str, str], dt
         type_name = info.type_name
         if native and type_name in REPACKERS and len(info.shape) == 2 and "pos_embed" not in canonical:
             raw, transposed = _hf_layout(module, canonical, gguf.raw(name), config)
-            weight = repack(type_name, raw, info.shape, tile=not keeps_rows_layout(canonical))  # made once
+            # made once; tables and the LM head keep float32 K-quant scales: the head's float-activation kernel
+            # is compute-bound, where decoding compact scales cost more than their bytes saved (measured on
+            # Qwen2.5-Coder-1.5B's 151936 x 1536 Q6_K head: ~10% slower), and a table's rows are looked up
+            rows_kept = keeps_rows_layout(canonical)
+            weight = repack(type_name, raw, info.shape, tile=not rows_kept, compact=not rows_kept)
             return (weight.t() if transposed else weight).to(device)
         if type_name not in ("F32", "F16", "BF16"):
             dequantized_types.add(type_name)

@@ -4,18 +4,20 @@ Every supported type is an affine map per group of inputs, w = scale * code + mi
 into the kernels' one format *exactly* (the decoded weights are bit-identical to ``gguf.quants``'
 dequantization; only the order of the sums in a product differs):
 
-  type   file bits/w  group  code            scale (dtype)            min             kernel bits/w
-  Q8_0   8.5          32     int8 q          d (f16)                  none            8 + 0.5
-  Q4_0   4.5          32     nibble q        d (f16)                  -8 d (f16)      4 + 1
-  Q4_1   5.0          32     nibble q        d (f16)                  m (f16)         4 + 1
-  Q5_0   5.5          32     int8 q - 16     d (f16)                  none            8 + 0.5
-  Q4_K   4.5          32     nibble q        d * sc (f32, exact)      -dmin * m (f32)  4 + 2
-  Q5_K   5.5          32     int8 q (0..31)  d * sc (f32)             -dmin * m (f32)  8 + 2
-  Q6_K   6.5625       16     int8 q - 32     d * sc (f32)             none            8 + 2
+  type   file bits/w  group  code            scale (dtype)            min               kernel bits/w
+  Q8_0   8.5          32     int8 q          d (f16)                  none              8 + 0.5
+  Q4_0   4.5          32     nibble q        d (f16)                  -8 d (f16)        4 + 1
+  Q4_1   5.0          32     nibble q        d (f16)                  m (f16)           4 + 1
+  Q5_0   5.5          32     int8 q - 16     d (f16)                  none              8 + 0.5
+  Q4_K   4.5          32     nibble q        d * sc (compact)         -dmin * m (compact) 4 + 0.625
+  Q5_K   5.5          32     int8 q (0..31)  d * sc (compact)         -dmin * m (compact) 8 + 0.625
+  Q6_K   6.5625       16     int8 q - 32     d * sc (compact)         none              8 + 0.5625
 
-(-8 d is exact in f16: a power-of-two multiple; d * sc is an 11-bit by 6- or 8-bit integer product,
-exact in float32's 24-bit mantissa.) Q5_0, Q5_K and Q6_K are held as int8 codes: exact, but they read
-about 1.5-1.8x the file's bytes per token; Q4_* read 1.1-1.3x (float16/float32 scales beside nibbles).
+(-8 d is exact in f16: a power-of-two multiple.) Compact K-quant scales (layers/kscales.py) are GGUF's own
+6- or 8-bit sub-scale codes with the f16 super-scale (d, or -dmin for the mins) of each 256 inputs,
+decoded in the kernels to d * sc: an 11-bit by 6- or 8-bit integer product, exact in float32's 24-bit
+mantissa. Q5_0, Q5_K and Q6_K are held as int8 codes: exact, but they read 1.3-1.6x the file's bytes
+per token; Q4_* read 1.0-1.1x. (Embedding tables and LM heads keep float32 K-quant scales: loading/gguf.py.)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..layers import kscales
 from ..layers.quantized import TILE, QuantizedWeight, tiled
 
 QK_K = 256
@@ -77,12 +80,17 @@ def _q5_0(raw: np.ndarray, N: int, K: int):
     return 8, 32, codes.view(np.int8), _f16(blocks[..., :2]), None
 
 
+def _records(codes: np.ndarray, super_scale: np.ndarray, N: int, K: int) -> np.ndarray:
+    """Sub-scale codes [B, S] and float16 super-scales [B] -> compact rows records int8 [N, K/256, S + 2]
+    (layers/kscales.py)."""
+    halves = np.ascontiguousarray(super_scale).view(np.int8).reshape(-1, 2)  # [B, 2] bytes
+    return np.concatenate([codes.view(np.int8), halves], axis=-1).reshape(N, K // kscales.SUPER, -1)
+
+
 def _k_affine(blocks: np.ndarray, N: int, K: int) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K super-block header -> per-32 (scale, min) float32 [N, K/32]."""
-    d = _f16(blocks[:, :2]).astype(np.float32)[:, None]  # [B, 1]
-    dmin = _f16(blocks[:, 2:4]).astype(np.float32)[:, None]
-    sc, mn = _k_scale_min(blocks[:, 4:16])  # [B, 8] each
-    return (d * sc).reshape(N, K // 32), (-dmin * mn).reshape(N, K // 32)
+    """Q4_K/Q5_K super-block header -> compact (scale, min) records [N, K/256, 10]: scale d * sc, min -dmin * m."""
+    sc, mn = _k_scale_min(blocks[:, 4:16])  # [B, 8] each, 0..63
+    return _records(sc, _f16(blocks[:, :2]), N, K), _records(mn, -_f16(blocks[:, 2:4]), N, K)
 
 
 def _q4_k(raw: np.ndarray, N: int, K: int):
@@ -104,8 +112,7 @@ def _q5_k(raw: np.ndarray, N: int, K: int):
 
 def _q6_k(raw: np.ndarray, N: int, K: int):
     blocks = raw.reshape(-1, 210)  # [B, ql(128) qh(64) scales(16, int8) d(2)]
-    d = _f16(blocks[:, 208:]).astype(np.float32)[:, None]  # [B, 1]
-    scale = (d * blocks[:, 192:208].view(np.int8)).reshape(N, K // 16)
+    scale = _records(blocks[:, 192:208], _f16(blocks[:, 208:]), N, K)  # compact: d * sc, sc int8
     ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     qh = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     q = (ql & 0x0F).reshape(-1, 8, 32) | ((qh & 3).reshape(-1, 8, 32) << 4)  # [B, 8, 32], 0..63
@@ -116,14 +123,23 @@ REPACKERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q4_K":
              "Q6_K": _q6_k}
 
 
-def repack(type_name: str, raw: np.ndarray, shape: tuple[int, int], tile: bool = False) -> QuantizedWeight:
+def repack(type_name: str, raw: np.ndarray, shape: tuple[int, int], tile: bool = False,
+           compact: bool = True) -> QuantizedWeight:
     """Raw block bytes of a [N, K] GGUF tensor (numpy order) -> QuantizedWeight [N, K], in the rows
     layout, or with ``tile`` in the tiled one where the format has it (``quantized.tiled``): one copy of
-    the codes and scales from the file's blocks, straight into that layout."""
+    the codes and scales from the file's blocks, straight into that layout. K-quant scales are compact
+    (layers/kscales.py) unless ``compact`` is False: then float32 (the same values)."""
     N, K = shape
     bits, group, codes, scale, mins = REPACKERS[type_name](raw, N, K)
+    if scale.ndim == 3 and not compact:  # the records' float32 values d * code (exact)
+        scale, mins = (None if r is None else kscales.expand(torch.from_numpy(r), group).numpy() for r in (scale, mins))
     layout = _tiles if tile and group == 32 and N % TILE == 0 else _rows
-    codes, scale, mins = (None if t is None else torch.from_numpy(layout(t)) for t in (codes, scale, mins))
+    codes = torch.from_numpy(layout(codes))
+    if scale.ndim == 3:  # compact records (kscales.py): made here, already owned
+        records = torch.from_numpy(np.ascontiguousarray(scale)), None if mins is None else torch.from_numpy(mins)
+        scale, mins = (kscales.tile_records(r, N // TILE) if r is not None and layout is _tiles else r for r in records)
+    else:
+        scale, mins = (None if t is None else torch.from_numpy(layout(t)) for t in (scale, mins))
     weight = QuantizedWeight(type_name, bits, group, codes, scale, mins, outputs=N)
     return tiled(weight) if tile else weight  # (tiled: a no-op where done, pads N to whole tiles otherwise)
 

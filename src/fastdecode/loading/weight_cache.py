@@ -47,7 +47,7 @@ from ..layers.quantized import QuantizedWeight
 
 log = logging.getLogger("fastdecode")
 MAGIC = b"FDWEIGHT"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: compact K-quant scales (layers/kscales.py)
 PAGE = 4096
 _PREAMBLE = struct.Struct("<8sIQ")  # magic, format version, index length
 MIN_CACHED_BYTES = 32 << 20  # smaller GGUF files (tests' tiny models) repack in milliseconds: not cached
