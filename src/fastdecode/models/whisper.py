@@ -203,9 +203,10 @@ class WhisperModel(BartModel):
 
     def encode(self, features: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Log-mel features [B, M, 3000] -> encoder output [B, 1500, C]. Not one-threaded: every op
-        here is a large product, on the caller's threads. Its rows take the generated rows' kernels
-        (the arithmetic the CTranslate2 oracle is matched with: tests/speech/test_whisper_parity.py)."""
-        cfg, p = self.config, Products.generated(torch.get_num_threads(), kernels=self.kernels)
+        here is a large product, on the caller's threads. Its rows are prompt rows: float32 weights
+        take the GEMM (1500 rows: oneDNN's is ~3x the fixed-order decode kernel), int8 weights the int8
+        kernel as every other row (``int8_prompt_rows``, as CTranslate2's int8)."""
+        cfg, p = self.config, Products.prompt(torch.get_num_threads(), kernels=self.kernels)
         if features.dim() != 3 or features.shape[1] != cfg.num_mel_bins or features.shape[2] != 2 * cfg.max_source_positions:
             raise ValueError(f"Whisper features must be [batch, {cfg.num_mel_bins}, {2 * cfg.max_source_positions}], "
                              f"got {list(features.shape)}")
