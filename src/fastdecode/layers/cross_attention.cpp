@@ -7,8 +7,8 @@
 // Keys and values are float32, or both float16 (half the bytes a step streams: a Whisper window's
 // K/V are 4.6 MB per decoder layer in float32), widened to float32 as they are loaded: the same
 // operations in the same order as on their float32 values.
-// In beam search the T queries of a row are the K beams of a sample folded into its query axis
-// (FastSeq, engine/cross.py's FoldedCross): each (b, h) reads its keys and values once for all T,
+// In a beam search the T queries of a row are the K beams of a source folded into its query axis
+// (FastSeq: a Whisper window's beams, engine/speech_source.py): each (b, h) reads its keys and values once for all T,
 // 8 keys at a time from L1, where SDPA's CPU kernel, built for long query blocks, runs ~3x slower
 // on T = 4. Every (b, h) runs the same operations in the same order whatever B is: batched ==
 // alone, bitwise. The (b, h) items are split between threads by parallel.h's chunk claiming (a thread
