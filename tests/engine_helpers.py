@@ -44,12 +44,22 @@ class OneSequence:
     """One sequence run through the engine's own forward (its slot cache, a ``StepPlan`` of one row)
     on an engine of its own, with every position's logits kept: what the parity tests compare with
     transformers, position by position. ``run(ids, prompt)`` appends ``ids`` (their arithmetic role:
-    prompt rows, or generated rows as a decode step runs them) -> their logits [T, V]."""
+    prompt rows, or generated rows as a decode step runs them) -> their logits [T, V].
 
-    def __init__(self, gen, capacity: int):
+    With ``source`` (an encoder-decoder model) the source is encoded once into the engine's cross
+    store, as its admission does (engine/cross.py), and ``ids`` are the decoder's tokens."""
+
+    def __init__(self, gen, capacity: int, source: list[int] | None = None):
+        from types import SimpleNamespace
+
         self.engine = gen.engine(cache_tokens=capacity, max_queue=1, cuda_graphs=False)
         self.table, _ = self.engine.cache.allocate([], capacity, self.engine.max_chunk)
         self.length = 0
+        self.holder = None  # what the cross store keeps a source's blocks on (a sequence's two fields)
+        if source is not None:
+            self.holder = SimpleNamespace(source=list(source), source_table=[])
+            self.engine.cross.admit(self.holder)
+            self.engine.cross.encode_pending()
 
     def run(self, ids: list[int], prompt: bool = True):
         import torch
@@ -69,7 +79,12 @@ class OneSequence:
                 tokens = torch.tensor([chunk], device=model.device)  # [1, T]
                 positions = torch.arange(start, start + count, device=model.device)[None]  # [1, T]
                 logits_at = torch.arange(count, device=model.device)
-                pieces.append(model.forward(tokens, positions, plan, logits_at=logits_at)[0])  # [T, V]
+                if self.holder is None:
+                    logits = model.forward(tokens, positions, plan, logits_at=logits_at)
+                else:  # one cross-attention group: this sequence's ``count`` queries over its source
+                    logits = model.decode(tokens, positions, plan, engine.cross.step([(0, [self.holder], count)]),
+                                          logits_at=logits_at)
+                pieces.append(logits[0])  # [T, V]
                 self.length += count
         return torch.cat(pieces)
 

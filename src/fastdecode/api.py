@@ -16,7 +16,7 @@ from .engine.requests import RequestFactory
 from .engine.sequence import SequenceResult
 from .layers.products import KernelChoice
 from .generation.loops import loop_results, loop_tokens, runs_in_engine
-from .generation.stopping import TextWatcher, final_text
+from .decoding.stopping import TextWatcher, final_text
 from .loading.checkpoint import Checkpoint
 from .loading.open import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, default_model_path  # noqa: F401 (public here)
 from . import validation
@@ -76,7 +76,7 @@ class Generator:
         self.config: ModelConfig = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.model = checkpoint.family.build(checkpoint.config, checkpoint.weights,
-                                                 KernelChoice() if kernels is None else kernels)
+                                                 KernelChoice.at_load(None, kernels))
         self.requests = RequestFactory(self.config, self.tokenizer, defaults, self.model.dtype, self.model.device)
 
     @property

@@ -62,7 +62,7 @@ def test_batch_equals_generate_per_prompt(tiny_gen):
 def test_batch_of_seeded_samples_and_of_beams_equals_generate(tiny_gen):
     """Seeded sampling with several choices (each line seeded from its number) and beam search
     (which runs outside the engine) give what generate() gives for each prompt alone."""
-    from fastdecode.generation.sampling import derive_seed
+    from fastdecode.decoding.sampling import derive_seed
 
     prompts = word_prompts(7, seed=2)
     sampled = dict(max_new_tokens=6, do_sample=True, num_return_sequences=2, top_k=20)

@@ -103,7 +103,7 @@ SYNC_FREE_OPTIONS = {
 def test_processors_and_sampling_never_sync(name):
     """Each per-step processor and the draw run on the device: the engine reads tokens back once per step."""
     from fastdecode.config import GenerationConfig
-    from fastdecode.generation.sampling import TokenSelector
+    from fastdecode.decoding.sampling import TokenSelector
 
     config = GenerationConfig.from_options(GenerationConfig(), **SYNC_FREE_OPTIONS[name])
     selector = TokenSelector(config, [1], 50, CUDA)

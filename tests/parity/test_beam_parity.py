@@ -7,8 +7,6 @@ import torch
 
 import fastdecode
 from fastdecode.engine.beam_group import BeamGroup
-from fastdecode.generation.beam import DecoderBeamEngine
-from fastdecode.generation.reference import left_pad
 from tiny_models import VOCAB, build
 
 pytest.importorskip("transformers")
@@ -116,26 +114,38 @@ def test_beam_search_without_eos_runs_to_length(pair):
 
 
 def test_shared_prompt_cache_does_not_grow_with_beams(pair):
+    """A beam group's K beams are ``seq_keep`` forks of its prompt (engine/beam_group.py): they
+    share the prompt's blocks by reference, nothing copied per beam; a beam's first write into
+    the prompt's partial last block copies that one block (copy-on-write), the full blocks stay
+    shared; the group reserves the prompt's blocks once and, per beam, its partial-block copy and
+    its new tokens' blocks."""
     kind, hf, gen = pair
-    model = gen.model
-    tokens, valid, positions = left_pad(_prompts((20, 13)), model.device)
-    sizes = {}
-    for beams in (1, 2, 4):
-        engine = DecoderBeamEngine(model, beams, 10)
-        with torch.inference_mode():
-            engine.prefill(tokens, valid, positions)
+    prompts, new, size = _prompts((20, 13)), 10, 16
+    blocks = lambda tokens: -(-tokens // size)  # noqa: E731
+    for beams in (2, 4):
+        engine = gen.engine(cuda_graphs=False)
         pool = engine.cache.pool
-        sizes[beams] = (engine.shared_nbytes, engine.per_beam_nbytes, engine.cache.nbytes)
-        # the beams of a sample share every prompt block by reference: nothing was copied per beam
-        assert [pool.ref_counts[b] for b in engine.tables[0]] == [beams, beams]  # 20 tokens: 2 blocks
-        assert pool.num_free == pool.num_blocks - 3  # the prompts' 2 + 1 blocks, once
-    assert sizes[1][0] == sizes[2][0] == sizes[4][0]
-    assert sizes[4][1] == 2 * sizes[2][1] == 4 * sizes[1][1]
-    assert sizes[4][2] == sizes[4][0] + sizes[4][1]
-    per_block = 16 * model.config.kv_cache_bytes_per_token()
-    assert sizes[4][0] == (2 + 1) * per_block  # the prompts' blocks (20 and 13 tokens), once
-    # per beam: its copy of the prompt's partial last block and its generated tokens' blocks
-    assert sizes[4][1] == 4 * ((2 - 1) + (2 - 0)) * per_block
+        roots = [engine.submit(p, {"num_beams": beams, "max_new_tokens": new, "min_new_tokens": new}) for p in prompts]
+        engine.step()  # both prompts, then the first selection: each root forks into its beams
+        for root, prompt in zip(roots, prompts):
+            group = root.group
+            tables = [beam.block_table for beam in group.beams]
+            assert len(tables) == beams and all(list(t) == list(tables[0]) for t in tables)
+            assert [pool.ref_counts[b] for b in tables[0]] == [beams] * blocks(len(prompt))  # shared, not copied
+            assert group.bound == blocks(len(prompt)) + beams * (blocks(len(prompt) + new) - len(prompt) // size)
+        written = {}  # first position written -> the tables as the step's forward writes them
+        writable = engine.cache.writable
+        engine.cache.writable = lambda table, start, end: written.setdefault(start, []).append(
+            list(writable(table, start, end))) or table
+        engine.step()  # each beam writes its first token into the prompt's partial block
+        for prompt in prompts:
+            tables, full = written[len(prompt)], len(prompt) // size
+            assert len(tables) == beams and all(t[:full] == tables[0][:full] for t in tables)  # full blocks: once
+            assert len({t[full] for t in tables}) == beams  # the partial block: one copy per beam
+        del engine.cache.writable
+        while engine.has_work():
+            engine.step()
+        assert pool.num_free == pool.num_blocks and all(len(root.group.results) == 1 for root in roots)
 
 
 @pytest.mark.parametrize("early_stopping", [True, False])

@@ -8,8 +8,6 @@ import torch
 
 import fastdecode
 from fastdecode.engine.beam_group import BeamGroup
-from fastdecode.generation.encdec import start_beam_encoder_decoder
-from fastdecode.config import GenerationConfig
 from tiny_encdec import VOCAB, build, hf_greedy, single_thread  # noqa: F401 (autouse fixture)
 
 pytest.importorskip("transformers")
@@ -91,28 +89,26 @@ def test_encoder_no_repeat_ngram_matches_transformers(pair, n):
 
 
 def test_cross_attention_kv_stay_once_per_source(pair):
-    """The sources' cross K/V are stored once per sample whatever the beam count; the decoder's
-    self-attention blocks grow per beam, and a beam reorder moves blocks, never cross K/V."""
+    """A beam group's source is encoded once into the cross store (its root's blocks) whatever the
+    beam count; every beam reads it through the root's source table, so a beam reorder moves block
+    tables, never cross K/V; the decoder's self-attention blocks are the beams' own."""
     kind, hf, gen = pair
-    cfg = gen.config
     sources = _sources((9, 4))
-    sizes = {}
-    for beams in (1, 2, 4):
-        config = GenerationConfig(num_beams=beams, max_new_tokens=6)
-        with torch.inference_mode():
-            engine = start_beam_encoder_decoder(gen.model, sources, config).engine
-            cross = engine.sources
-            assert cross.keys[0].shape == (2, cfg.num_heads, 9, cfg.head_dim)  # [B, H, S_src, D]: per source
-            assert cross.nbytes == 2 * 9 * cfg.cross_cache_bytes_per_source_token(4)
-            # the start token: one block per sample, shared by reference by its beams
-            assert [engine.cache.pool.ref_counts[table[0]] for table in engine.tables] == [beams] * 2 * beams
-            pointers = [k.data_ptr() for k in cross.keys]
-            engine.decode(torch.arange(2 * beams) + 3, torch.ones(2 * beams, dtype=torch.long))
-            engine.reorder_beams(torch.arange(2 * beams).view(2, beams)[:, :1].repeat(1, beams).flatten())
-            assert [k.data_ptr() for k in engine.sources.keys] == pointers  # nothing moved or copied
-        sizes[beams] = (cross.nbytes, engine.shared_nbytes, engine.per_beam_nbytes)
-    assert sizes[1][:2] == sizes[2][:2] == sizes[4][:2]  # once per sample
-    assert sizes[4][2] == 2 * sizes[2][2] == 4 * sizes[1][2]  # decoder self-attention: per beam
+    for beams in (2, 4):
+        engine = gen.engine(cuda_graphs=False)
+        store = engine.cross.cache
+        roots = [engine.submit(s, {"num_beams": beams, "max_new_tokens": 6, "min_new_tokens": 6}) for s in sources]
+        engine.step()  # admission: each source encoded once; the first selection forks the beams
+        held = store.pool.num_blocks - store.pool.num_free
+        assert held == sum(store.pool.blocks_for(len(s)) for s in sources)  # once per source, not per beam
+        snapshot = [keys.clone() for keys in store.layer_keys]
+        while engine.has_work():
+            for root in roots:
+                assert all(beam.source_table is root.source_table for beam in root.group.beams)
+            assert store.pool.num_blocks - store.pool.num_free == held
+            engine.step()
+        assert all(torch.equal(a, b) for a, b in zip(snapshot, store.layer_keys))  # nothing moved or rewritten
+        assert store.pool.num_free == store.pool.num_blocks and engine.cache.pool.num_free == engine.cache.pool.num_blocks
 
 
 def test_settled_sources_leave_the_batch_without_changing_results(pair, monkeypatch):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import fastdecode
-from fastdecode.generation.encdec import EncoderDecoderBeamEngine, right_pad
+from engine_helpers import OneSequence
+from fastdecode.engine.cross import right_pad
 from fastdecode.layers.products import Products
 from tiny_encdec import ENCDEC_KINDS, VOCAB, build, hf_greedy, single_thread  # noqa: F401 (autouse fixture)
 
@@ -54,12 +55,10 @@ def test_every_decoder_step_matches_transformers(pair):
     with torch.no_grad():
         reference = hf(input_ids=torch.tensor([source]), decoder_input_ids=torch.tensor([target])).logits[0]  # [T, V]
 
-    engine = EncoderDecoderBeamEngine(gen.model, 1, len(target))  # one beam: plain cached decoding
-    tokens, valid, positions = right_pad([source], gen.device)
-    with torch.inference_mode():
-        step_logits = [engine.prefill(tokens, valid, positions)[0]]
-        for position, token in enumerate(continuation[:-1], start=1):
-            step_logits.append(engine.decode(torch.tensor([token]), torch.tensor([position]))[0])
+    one = OneSequence(gen, len(target), source=source)  # the engine's forward: decoder K/V and cross store
+    step_logits = list(one.run(target[:1]))  # the start token: the decoder's prompt
+    for token in continuation[:-1]:  # then one generated row per step, as a decode step runs it
+        step_logits.append(one.run([token], prompt=False)[0])
     for step, logits in enumerate(step_logits):
         torch.testing.assert_close(logits, reference[step], atol=ATOL, rtol=0, msg=lambda m: f"{kind} step {step}: {m}")
 
@@ -94,11 +93,11 @@ def test_from_hf_equals_load_of_saved_folder(pair):
     wrapped = fastdecode.from_hf(hf)
     sources = [_source(9, 12), _source(4, 13)]
     assert wrapped.generate_ids(sources, max_new_tokens=16) == gen.generate_ids(sources, max_new_tokens=16)
-    tokens, valid, positions = right_pad(sources, gen.device)
-    with torch.inference_mode():
-        a = EncoderDecoderBeamEngine(wrapped.model, 1, 4).prefill(tokens, valid, positions)
-        b = EncoderDecoderBeamEngine(gen.model, 1, 4).prefill(tokens, valid, positions)
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    start = [_start_token(hf)]
+    for source in sources:
+        a = OneSequence(wrapped, 1, source=source).run(start)
+        b = OneSequence(gen, 1, source=source).run(start)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     hf_pointers = {p.data_ptr() for p in hf.parameters()}
     assert wrapped.model.embed.data_ptr() in hf_pointers, kind  # shared, not copied
 

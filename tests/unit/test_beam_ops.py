@@ -1,7 +1,7 @@
 """The C++ ops of encoder-decoder beam search against the PyTorch paths they replace:
 
 - ``beam_candidates`` (layers/beam_search.cpp): log-softmax + suppressed tokens + running scores +
-  per-sample top-k in one pass == generation/beam.py's PyTorch step (scores within float32
+  per-sample top-k in one pass == the PyTorch beam step below (scores within float32
   roundings, the same candidates in the same order), a sample's result bitwise the same alone;
 - ``cross_attention`` (layers/cross_attention.cpp): each row's queries over its own source's first
   ``length`` keys == SDPA under the padding mask, head dims with and without a 16-wide tail, folded
@@ -29,7 +29,7 @@ needs_kernels = pytest.mark.skipif(not ops.available(), reason="no AVX2 extensio
 
 
 def torch_candidates(logits, running, banned, keep):
-    """generation/beam.py's PyTorch step: log_softmax, suppression, + running, top-k per sample."""
+    """A PyTorch beam step: log_softmax, suppression, + running, top-k per sample."""
     B, K = running.shape
     V = logits.shape[-1]
     logp = torch.log_softmax(logits, dim=-1)
@@ -90,7 +90,7 @@ def test_cross_attention_matches_sdpa(D):
     keys = torch.randn(B, H, S, D, generator=g)
     values = torch.randn(B, H, S, D, generator=g)
     flat = torch.randn(1, H, B * fold, D, generator=g)  # a flat step's queries, beams side by side
-    q = flat[0].unflatten(1, (B, fold)).transpose(0, 1)  # [B, H, fold, D], strided as FoldedCross passes it
+    q = flat[0].unflatten(1, (B, fold)).transpose(0, 1)  # [B, H, fold, D], strided, as a folded group's queries are
     out = ops.cross_attention(q, keys, values, source_lengths(valid), 0.3)
     expected = attention(q, keys, values, padding_bias(valid, torch.float32), 0.3, threads=1)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

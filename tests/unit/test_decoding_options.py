@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastdecode
-from fastdecode.generation.processors import apply_repetition_penalty, apply_top_k, apply_top_p
-from fastdecode.generation.stopping import StopStringMatcher
+from fastdecode.decoding.processors import apply_repetition_penalty, apply_top_k, apply_top_p
+from fastdecode.decoding.stopping import StopStringMatcher
 from tiny_models import VOCAB, build
 
 transformers = pytest.importorskip("transformers")

@@ -17,7 +17,7 @@ from fastdecode.errors import (
     TokenizerError,
     UnsupportedModelError,
 )
-from fastdecode.generation.encdec import EncoderDecoderBeamEngine, right_pad
+from fastdecode.engine.cross import EncodedSources
 from tiny_encdec import build, save_tiny_encdec_folder, single_thread  # noqa: F401 (autouse fixture)
 from tiny_models import save_word_tokenizer
 
@@ -94,20 +94,33 @@ def test_naive_loop_recomputes_encoder_every_step(monkeypatch):
     assert encodes[0] == 6
 
 
-def test_cross_cache_layout_and_bytes():
+def test_cross_store_layout_and_bytes():
+    """The engine's cross store (engine/cross.py): at admission each source's cross K/V are
+    written once, real tokens only, into blocks of its own ([slots, H, D] per decoder layer), equal
+    to the encoder's; a finished or cancelled sequence's cross blocks go back at once."""
     gen = fastdecode.from_hf(build("bart"))
     cfg = gen.config
     sources = [[5, 6, 7, 8, 9], [10, 11]]
-    engine = EncoderDecoderBeamEngine(gen.model, 1, 4)
-    with torch.inference_mode():
-        engine.prefill(*right_pad(sources, gen.device))
-    cross = engine.sources
-    k, v = cross.keys[0], cross.values[0]
-    assert k.shape == v.shape == (2, cfg.num_heads, 5, cfg.head_dim)  # [B, H, S_src, D]
-    assert cross.bias.shape == (2, 1, 1, 5) and torch.isinf(cross.bias[1, 0, 0, 2:]).all()
-    assert cross.nbytes == 2 * 5 * cfg.cross_cache_bytes_per_source_token(4)
-    engine.drop_rows(torch.tensor([1]))
-    assert cross.keys[cfg.num_layers - 1].shape[0] == 1 and cross.bias.shape[0] == 1
+    engine = gen.engine()
+    store = engine.cross.cache
+    first, second = (engine.submit(s, {"max_new_tokens": 4, "min_new_tokens": 4}) for s in sources)
+    engine.step()  # admits both: the encoder runs once over the two sources
+    assert store.layer_keys[0].shape == (store.pool.num_blocks * store.block_size, cfg.num_heads, cfg.head_dim)
+    assert store.block_nbytes == store.block_size * cfg.cross_cache_bytes_per_source_token(4)
+    assert store.pool.num_blocks - store.pool.num_free == 2  # one block per source (5 and 2 tokens)
+    encoded = EncodedSources.encode(gen.model, sources)  # [B, H, S, D] per layer, right-padded
+    for row, (sequence, source) in enumerate(zip((first, second), sources)):
+        slots = store.slot_ids(sequence.source_table, 0, len(source))
+        for layer in range(cfg.num_layers):
+            stored = store.layer_keys[layer][slots]  # [S, H, D]
+            torch.testing.assert_close(stored, encoded.keys[layer][row, :, : len(source)].transpose(0, 1),
+                                       atol=1e-6, rtol=0)
+    second.cancel()
+    engine.step()
+    assert second.source_table == [] and store.pool.num_blocks - store.pool.num_free == 1
+    while engine.has_work():
+        engine.step()
+    assert store.pool.num_free == store.pool.num_blocks
 
 
 def test_inspect_shows_encoder_decoder_and_cross_cache():

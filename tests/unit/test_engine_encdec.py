@@ -129,3 +129,31 @@ def test_a_source_larger_than_the_cross_store_is_refused_at_submit():
     gen = fastdecode.from_hf(build("t5"))
     with pytest.raises(PromptTooLongError, match="cross-attention"):
         gen.engine(source_tokens=32).submit(list(range(3, 40)), {"max_new_tokens": 2})
+
+
+@pytest.mark.skipif(not __import__("fastdecode.layers.ops", fromlist=["available"]).available(),
+                    reason="no C++ extension: every step gathers")
+def test_paged_cross_attention_equals_the_gathered_one(monkeypatch):
+    """A step's cross-attention read in place through the sources' block tables (one paged op for
+    every query: single rows, a beam group's K queries of one source, a decoder prompt chunk)
+    equals gathering each group's blocks and attending under the key mask."""
+    from types import SimpleNamespace
+
+    from fastdecode.engine import cross as cross_module
+    from fastdecode.engine.slots import SlotCache
+
+    H, D, size = 3, 16, 16
+    cache = SlotCache(1, 8, H, D, torch.float32, torch.device("cpu"), size)
+    generator = torch.Generator().manual_seed(0)
+    cache.layer_keys[0].copy_(torch.randn(cache.layer_keys[0].shape, generator=generator))
+    cache.layer_values[0].copy_(torch.randn(cache.layer_values[0].shape, generator=generator))
+    sources = [SimpleNamespace(source=[0] * n, source_table=cache.pool.take(cache.pool.blocks_for(n)))
+               for n in (5, 33, 16, 1)]
+    groups = [(0, sources[:2], 1), (2, sources[2:3], 4), (6, sources[3:], 3)]  # singles, beams of one, a chunk
+    q = torch.randn(1, H, 9, D, generator=generator)  # [1, H, N, D]
+    paged = cross_module.CrossStep(cache, groups, torch.float32)
+    assert paged.paged is not None
+    monkeypatch.setattr(cross_module, "paged_attention_runs", lambda *args: False)
+    gathered = cross_module.CrossStep(cache, groups, torch.float32)
+    assert gathered.paged is None
+    torch.testing.assert_close(paged.attend(0, q, 0.25, 1), gathered.attend(0, q, 0.25, 1), atol=1e-5, rtol=0)

@@ -104,7 +104,7 @@ def test_kernel_rejects_what_it_cannot_read():
 @needs_kernel
 def test_linear_gives_generated_rows_the_kernel_and_prompt_rows_the_gemm():
     """A canonical [in, out] buffer seen as [out, in] (what models hold): decode rows through the kernel,
-    prompt rows (``Products.roles``) through oneDNN's GEMM, and a mixed step each part as in its role alone."""
+    prompt rows (``Products.roles``) through the choice's GEMM, and a mixed step each part as in its role alone."""
     w, bias, x = weights(64, 96, seed=3)
     weight = w.t()  # [out, in] view of the [in, out] buffer
     with torch.no_grad():
@@ -112,7 +112,7 @@ def test_linear_gives_generated_rows_the_kernel_and_prompt_rows_the_gemm():
         assert generated.shape == (5, 8, 96)
         assert torch.equal(generated.reshape(40, 96), ops.float_matmul(x, w, bias, 1))
         prompt = linear(x, weight, bias, products=roles(True))
-        assert torch.equal(prompt, gemm.gemm(x, weight, bias, None, torch.get_num_threads()))
+        assert torch.equal(prompt, gemm.gemm(x, weight, bias, None, torch.get_num_threads(), KernelChoice().float_gemm))
         torch.testing.assert_close(prompt, generated.reshape(40, 96), atol=1e-4, rtol=0)
         is_prompt = [i % 3 == 0 for i in range(40)]
         prompt_rows = [i for i, p in enumerate(is_prompt) if p]

@@ -186,7 +186,7 @@ def test_seeded_rows_do_not_depend_on_their_batch(tiny):
 
 
 def test_inverse_cdf_draw_follows_the_distribution():
-    from fastdecode.generation.sampling import row_generators, sample_rows
+    from fastdecode.decoding.sampling import row_generators, sample_rows
 
     probs = torch.tensor([[0.0, 0.7, 0.0, 0.3]]).repeat(4000, 1)
     tokens = sample_rows(probs, row_generators(list(range(4000)), 4000, torch.device("cpu")))

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastdecode.generation.processors import PAD, encoder_no_repeat_ngram_mask, no_repeat_ngram_mask
-from fastdecode.generation.sampling import pad_rows
+from fastdecode.decoding.processors import PAD, encoder_no_repeat_ngram_mask, no_repeat_ngram_mask
+from fastdecode.decoding.sampling import pad_rows
 
 V = 7
 

@@ -8,7 +8,7 @@ import torch
 
 import fastdecode
 from fastdecode.errors import InvalidOptionError
-from fastdecode.generation.processors import apply_min_p
+from fastdecode.decoding.processors import apply_min_p
 from tiny_models import VOCAB, build, prefill_logits
 
 transformers = pytest.importorskip("transformers")

@@ -236,7 +236,7 @@ def test_order_and_completeness_with_one_long_lived_engine():
 
 
 def test_num_return_sequences_gives_lists_and_lines_get_their_own_seed_and_format():
-    from fastdecode.generation.sampling import derive_seed
+    from fastdecode.decoding.sampling import derive_seed
 
     objects = [{"prompt": "ab"}, {"prompt": "c", "response_format": {"type": "json_object"}}]
     engine = FakeEngine()

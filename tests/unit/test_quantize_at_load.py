@@ -91,15 +91,12 @@ def test_int8_encoder_decoder_close_to_float(kind, int8_everywhere, tmp_path):
         ((8, False, True) if int8_everywhere else (32, True, False))
     generator = torch.Generator().manual_seed(7)
     sources = [torch.randint(3, VOCAB - 1, (length,), generator=generator).tolist() for length in (5, 9, 13, 7, 11, 6)]
-    from fastdecode.generation.encdec import EncoderDecoderBeamEngine, right_pad
+    from engine_helpers import OneSequence
 
     start = hf.generation_config.decoder_start_token_id
     with torch.no_grad():
         reference = hf(input_ids=torch.tensor([sources[2]]), decoder_input_ids=torch.tensor([[start]])).logits[0, 0]
-    engine = EncoderDecoderBeamEngine(gen.model, 1, 1)
-    tokens, valid, positions = right_pad([sources[2]], gen.device)
-    with torch.inference_mode():
-        ours = engine.prefill(tokens, valid, positions)[0]
+    ours = OneSequence(gen, 1, source=sources[2]).run([start])[0]  # the engine's forward, as its first step
     error = (ours - reference).abs().max() / reference.abs().max()
     assert error < INT8_LOGIT_BOUND[kind]
     mine = gen.generate_ids(sources, max_new_tokens=8, min_new_tokens=8)

@@ -45,7 +45,7 @@ class GenerationConfig:
     num_return_sequences: int = 1
     eos_token_id: int | list[int] | None = None
     stop: str | list[str] | None = None
-    seed: int | list[int] | None = None  # an int, or one per prompt (see generation/sampling.py)
+    seed: int | list[int] | None = None  # an int, or one per prompt (see decoding/sampling.py)
     use_cache: bool = True
     # Memory a request may use, in bytes (or "8GB", "512MiB"...): checked before allocating.
     # None: the memory available now (MemAvailable, or free CUDA memory).

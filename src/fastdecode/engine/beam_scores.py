@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..config import GenerationConfig
-from ..generation.sampling import TokenSelector
+from ..decoding.sampling import TokenSelector
 from ..layers import ops
 from ..layers.threads import one_thread
 from .sequence import SequenceResult

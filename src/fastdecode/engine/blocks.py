@@ -170,3 +170,14 @@ class BlockTable(list):
         self.windows = windows if windows is not None else {}
         self.reserved = reserved if reserved is not None else {}
 
+
+def first_visible_block(window: int, start: int, block_size: int) -> int:
+    """The first logical block a sliding layer of ``window`` can read from queries at ``>= start``
+    (a query at q sees keys q - window + 1 .. q)."""
+    return max(0, start - window + 1) // block_size
+
+
+def sliding_blocks(table: list[int]) -> dict[int, list[int]]:
+    """A table's sliding kinds, window -> blocks (a plain list, as a cache without sliding layers
+    takes: none)."""
+    return getattr(table, "windows", {})

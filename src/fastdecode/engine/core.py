@@ -32,7 +32,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..errors import InvalidOptionError, QueueFullError
-from ..generation.sampling import TokenSelector, sequence_seeds
+from ..decoding.sampling import TokenSelector, sequence_seeds
 from ..validation import positive_int
 from .beam_group import BeamGroup, check_beam_options, folds_beams
 from .compiled import CompiledDecode

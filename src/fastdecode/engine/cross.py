@@ -13,13 +13,13 @@ layer's cross-attention runs per attention group of the step (the groups of ``pl
 row gathers its own source's K/V through its cross block table and a key mask hides the slots
 past its source's length, so no row ever sees another request's source or padding.
 
-``EncodedSources`` (the old loop's beam engine, generation/encdec.py; each Whisper window, whose
-encoded source a request of the engine carries: engine/speech_source.py) encodes sources once,
-in one right-padded batch, and keeps each source's cross K/V once, contiguous per layer (no block
-table to gather through at every step: the sources never change during the search). Its K beams fold into the query axis (FastSeq), so a beam
-reorder moves no cross K/V and each source's K/V is read once per step for all its beams. On the
-CPU that attention is one C++ op (layers/cross_attention.cpp: 8 keys at a time for all the beams,
-the padding never read), about 1.3-2x faster than SDPA's kernel on 4 queries per source.
+``EncodedSources`` (the ``use_cache=False`` reference loop's sources, generation/reference.py; each
+Whisper window, whose encoded source a request of the engine carries: engine/speech_source.py)
+encodes sources once, in one right-padded batch, and keeps each source's cross K/V once,
+contiguous per layer (no block table to gather through at every step: the sources never change
+during a search). On the CPU that attention is one C++ op (layers/cross_attention.cpp: 8 keys at a
+time for all the queries of a source, the padding never read), about 1.3-2x faster than SDPA's
+kernel on 4 queries per source.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import PromptTooLongError
-from ..layers.attention import attention
+from ..layers.attention import attention, paged_attention, paged_attention_runs
 from ..layers import ops
 from ..layers.products import Products
 from ..layers.threads import kernel_threads
@@ -131,12 +131,27 @@ class CrossStore:
 
 
 class CrossStep:
-    """The cross-attention view of one engine step (the decoder calls ``attend`` per layer)."""
+    """The cross-attention view of one engine step (the decoder calls ``attend`` per layer).
+
+    Where the C++ paged attention runs (float32 on the CPU), every query of the step reads its own
+    source's K/V in place through its sequence's cross block table, in one op per layer: a source
+    of length L is what a causal query at position L - 1 sees, so the self-attention kernel serves
+    it as it is (no block gather: a bart-base step over 8 x 256-token sources copied 75 MB per step
+    that way). Each query row is computed alone, so a row's result never depends on its batch.
+    Elsewhere each group gathers its sources' blocks and runs ``attention`` under a key mask."""
 
     def __init__(self, cache: SlotCache, groups: list[RowGroup], dtype: torch.dtype):
         self.cache = cache
         self.groups = []  # (first, rows, queries, source block tables [B, n], key mask [B, 1, 1, S])
+        self.paged = None  # (block table [N, n], first key position [N], query position [N]) of every flat query
         device = cache.keys.device
+        if paged_attention_runs(torch.empty(0, dtype=dtype, device=device), cache.keys):
+            rows = [s for _, sequences, queries in groups for s in sequences for _ in range(queries)]
+            num_blocks = cache.pool.blocks_for(max(len(s.source) for s in rows))
+            table = cache.block_tables([s.source_table for s in rows], num_blocks)  # [N, n]
+            last = torch.tensor([len(s.source) - 1 for s in rows], dtype=torch.long, device=device)  # [N]
+            self.paged = (table, torch.zeros_like(last), last)
+            return
         for first, sequences, queries in groups:
             lengths = torch.tensor([len(s.source) for s in sequences], device=device)  # [B]
             num_blocks = cache.pool.blocks_for(int(max(len(s.source) for s in sequences)))
@@ -150,6 +165,11 @@ class CrossStep:
         """Cross-attention of decoder layer ``index``: q [1, H, N, D] (flat tokens) -> [1, H, N, D]
         (``threads``: the forward's thread budget)."""
         keys, values = self.cache.layer_keys[index], self.cache.layer_values[index]
+        if self.paged is not None:
+            table, key_start, last = self.paged
+            out = paged_attention(q[0].transpose(0, 1), keys, values, table, key_start, last, self.cache.block_size,
+                                  None, scale, threads=threads)  # [N, H, D]
+            return out.transpose(0, 1)[None]  # [1, H, N, D]
         outputs = []
         for first, B, T, table, mask in self.groups:
             qg = q[0, :, first : first + B * T].unflatten(1, (B, T)).transpose(0, 1)  # [H, B*T, D] -> [B, H, T, D]
@@ -218,19 +238,6 @@ class EncodedSources:
         return ops.cross_attention(q if q.stride(-1) == 1 else q.contiguous(), keys, values, self.lengths, scale,
                                    threads)
 
-    def folded(self, rows_per_source: int) -> "FoldedCross":
-        return FoldedCross(self, rows_per_source)
-
-    def keep(self, sources: torch.Tensor) -> None:
-        """Only these sources [B'] go on (settled beam samples, finished rows leave)."""
-        self.keys = [k.index_select(0, sources) for k in self.keys]
-        self.values = [v.index_select(0, sources) for v in self.values]
-        self.valid = self.valid.index_select(0, sources)
-        if self.bias is not None:
-            self.bias = self.bias.index_select(0, sources)
-        if self.lengths is not None:
-            self.lengths = self.lengths.index_select(0, sources)
-
 
 def source_lengths(valid: torch.Tensor) -> torch.Tensor | None:
     """valid [B, S] -> each row's count of real tokens [B] (int64) when they lead the row (right
@@ -246,19 +253,3 @@ def cross_attention_runs(q: torch.Tensor, keys: torch.Tensor) -> bool:
     the caller runs SDPA."""
     return (q.dtype == torch.float32 and keys.dtype in (torch.float32, torch.float16) and q.device.type == "cpu"
             and q.shape[-1] % 8 == 0 and keys.is_contiguous() and ops.available())
-
-
-class FoldedCross:
-    """The cross-attention view of one flat forward (``[1, N]`` tokens, one query per row) whose
-    rows are ``fold`` consecutive rows per source (a sample's beams): the rows of a source fold into
-    its query axis, ``[B, H, fold, D] x [B, H, S, D]``, so its K/V are read once for all of them."""
-
-    def __init__(self, sources: EncodedSources, fold: int):
-        self.sources, self.fold = sources, fold
-
-    def attend(self, index: int, q: torch.Tensor, scale: float, threads: int) -> torch.Tensor:
-        """q [1, H, N, D] (N = B * fold flat rows) -> [1, H, N, D]."""
-        B = self.sources.num_sources
-        folded = q[0].unflatten(1, (B, self.fold)).transpose(0, 1)  # [H, N, D] -> [B, H, fold, D]
-        out = self.sources.attend(index, folded, scale, threads)  # [B, H, fold, D]; the bias [B, 1, 1, S] broadcasts
-        return out.transpose(0, 1).flatten(1, 2)[None]  # [B, H, fold, D] -> [1, H, N, D]

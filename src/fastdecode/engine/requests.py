@@ -22,8 +22,8 @@ import torch
 
 from ..config import GenerationConfig, ModelConfig
 from ..errors import InvalidOptionError, TokenizerError
-from ..generation.sampling import sequence_seeds
-from ..generation.stopping import TextWatcher
+from ..decoding.sampling import sequence_seeds
+from ..decoding.stopping import TextWatcher
 from ..memory import check_request_memory
 from ..prompt_checks import check_prompts
 from .. import validation

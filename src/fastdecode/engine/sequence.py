@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..config import GenerationConfig
-from ..generation.sampling import TokenSelector
+from ..decoding.sampling import TokenSelector
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Sequence:
         self.config = config
         self.selector = selector
         self.eos_ids = set(eos_ids)
-        self.watcher = watcher  # generation.stopping.TextWatcher, or None (no text wanted)
+        self.watcher = watcher  # decoding.stopping.TextWatcher, or None (no text wanted)
         self.logprobs = logprobs
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache

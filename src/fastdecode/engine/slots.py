@@ -49,16 +49,10 @@ from collections.abc import Callable
 import torch
 
 from ..errors import PromptTooLongError
-from .blocks import BLOCK_SIZE, NO_BLOCK, BlockPool, BlockTable
+from .blocks import BLOCK_SIZE, NO_BLOCK, BlockPool, BlockTable, first_visible_block, sliding_blocks
 from .lazy_zeros import zeroed
 
 __all__ = ["BLOCK_SIZE", "NO_BLOCK", "BlockPool", "BlockTable", "SlotCache", "check_fits", "first_visible_block"]
-
-
-def first_visible_block(window: int, start: int, block_size: int) -> int:
-    """The first logical block a sliding layer of ``window`` can read from queries at ``>= start``
-    (a query at q sees keys q - window + 1 .. q)."""
-    return max(0, start - window + 1) // block_size
 
 
 class SlotCache:
@@ -270,7 +264,7 @@ class SlotCache:
         """The sequence is done with its blocks and its reservations (``seq_rm`` of all its slots)."""
         self.pool.release(table)
         for w, pool in self.window_pools.items():
-            pool.release(_windows(table).get(w, []))
+            pool.release(sliding_blocks(table).get(w, []))
             pool.reserved -= getattr(table, "reserved", {}).get(w, 0)
 
     def slide(self, table: BlockTable, start: int) -> None:
@@ -326,14 +320,14 @@ class SlotCache:
         """A new sequence holding the same tokens: every block shared by reference in every kind, no
         K/V copied (the first write into a shared block copies that one block: ``writable``)."""
         return BlockTable(self.pool.share(table),
-                          {w: self.window_pools[w].share(blocks) for w, blocks in _windows(table).items()})
+                          {w: self.window_pools[w].share(blocks) for w, blocks in sliding_blocks(table).items()})
 
     def seq_rm(self, table: BlockTable, p0: int) -> BlockTable:
         """Remove the tokens [p0, end) -> the kept table (blocks wholly past p0 lose this reference)."""
         keep = self.pool.blocks_for(p0)
         self.pool.release(table[keep:])
         windows = {}
-        for w, blocks in _windows(table).items():
+        for w, blocks in sliding_blocks(table).items():
             self.window_pools[w].release(blocks[keep:])
             windows[w] = blocks[:keep]
         return BlockTable(table[:keep], windows, getattr(table, "reserved", None))
@@ -367,10 +361,10 @@ class SlotCache:
         if p0 + delta < 0:
             raise ValueError(f"seq_add would move token {p0} to position {p0 + delta}")
         held = {w: [p for p in range(p0, p1) if len(blocks) > p // self.block_size
-                    and blocks[p // self.block_size] != NO_BLOCK] for w, blocks in _windows(table).items()}
+                    and blocks[p // self.block_size] != NO_BLOCK] for w, blocks in sliding_blocks(table).items()}
         table = self.writable(table, p0 + delta, p1 + delta)
         device = self.keys.device
-        for window in [None, *_windows(table)]:
+        for window in [None, *sliding_blocks(table)]:
             moving = range(p0, p1) if window is None else held[window]
             source = torch.tensor([s for p in moving for s in self.slot_ids(table, p, p + 1, window)],
                                   dtype=torch.long, device=device)  # [N]
@@ -384,11 +378,6 @@ class SlotCache:
                 keys.index_copy_(0, target, moved)
                 values.index_copy_(0, target, values.index_select(0, source))
         return table
-
-
-def _windows(table: list[int]) -> dict[int, list[int]]:
-    """A table's sliding kinds (a plain list, as a cache without sliding layers takes: none)."""
-    return getattr(table, "windows", {})
 
 
 def check_fits(needed_tokens: int, cache: SlotCache, what: str, chunk: int | None = None) -> None:

@@ -25,7 +25,7 @@ from ..config import GenerationConfig
 from ..engine import Engine, Sequence, TokenEvent
 from ..engine.requests import RequestFactory
 from ..errors import TokenizerError
-from ..generation.sampling import sequence_seeds
+from ..decoding.sampling import sequence_seeds
 from ..engine.stream_steps import switch_to_stream
 from ..engine.streaming_policy import check_streamable, stream_capacity
 

@@ -10,8 +10,8 @@ from ..config import GenerationConfig
 from ..engine.requests import RequestFactory
 from ..engine.sequence import SequenceResult
 from .reference import ReferenceLoop
-from .sampling import sequence_seeds
-from .stopping import TextWatcher
+from ..decoding.sampling import sequence_seeds
+from ..decoding.stopping import TextWatcher
 
 
 def runs_in_engine(config: GenerationConfig) -> bool:

@@ -21,7 +21,7 @@ from ..engine.cross import EncodedSources, right_pad
 from ..engine.sequence import SequenceResult
 from ..layers.attention import build_attention_mask
 from ..layers.products import Products
-from .sampling import TokenSelector
+from ..decoding.sampling import TokenSelector
 
 
 def left_pad(prompts: list[list[int]], device: torch.device, pad_id: int = 0):

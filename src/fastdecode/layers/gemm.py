@@ -1,14 +1,15 @@
-"""The float32 GEMM: F.linear on the fastest exact float32 GEMM PyTorch offers on this CPU, with the
-activation fused into it where possible.
+"""The float32 GEMM: F.linear on the exact float32 GEMM the model's kernel choice names, with the
+activation fused into it where that GEMM can.
 
 PyTorch's CPU ``F.linear`` calls MKL's sgemm; oneDNN's float32 GEMM, which PyTorch ships as
-``torch.ops.mkldnn._linear_pointwise`` (inductor's CPU linear; called through layers/ops.py), is
-faster on the same canonical [in, out] buffers (figures: benchmarks/README.md). It is float32
+``torch.ops.mkldnn._linear_pointwise`` (inductor's CPU linear; called through layers/ops.py), runs on
+the same canonical [in, out] buffers. Which one is faster depends on the CPU (layers/gemm_choice.py
+measures it once per machine; ``KernelChoice.float_gemm`` carries the answer). Both are float32
 throughout (products and accumulation; no bf16/tf32 "fast math" unless the user enables it in
-``torch.backends.mkldnn``); results differ from MKL's only by summation order (~1e-6). ReLU and GELU
-(erf or tanh) run as the GEMM's epilogue, saving a pass over the FFN activations (bit-identical for
-ReLU and erf GELU). Anything else (CUDA, half precision, a build without oneDNN, autograd,
-torch.compile) keeps ``F.linear`` + the activation. Prompt rows of float and quantized products
+``torch.backends.mkldnn``); results differ only by summation order (~1e-6). On oneDNN, ReLU and
+GELU (erf or tanh) run as the GEMM's epilogue, saving a pass over the FFN activations (bit-identical
+for ReLU and erf GELU). Anything else (MKL, CUDA, half precision, a build without oneDNN, autograd,
+torch.compile) runs ``F.linear`` + the activation. Prompt rows of float and quantized products
 (layers/linear.py, layers/quantized.py) run here.
 """
 
@@ -38,17 +39,21 @@ ACTIVATION_WORK = 32
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-         threads: int) -> torch.Tensor:
-    """act(x [..., in] @ weight [out, in]^T + bias) -> [..., out] on the float GEMM, split over up to
-    ``threads`` (the forward's budget) when it is big."""
-    if (_ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()):  # inductor picks its own GEMM for F.linear
+         threads: int, float_gemm: str) -> torch.Tensor:
+    """act(x [..., in] @ weight [out, in]^T + bias) -> [..., out] on the float GEMM ``float_gemm``
+    ("onednn" or "mkl": the model's ``KernelChoice``), split over up to ``threads`` (the forward's
+    budget) when it is big."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+        out = F.linear(x, weight, bias)
+        return out if activation is None else ACTIVATIONS[activation](out)
+    if float_gemm == "onednn" and _ONEDNN and not torch.compiler.is_compiling():  # inductor picks its own GEMM
         attr, algorithm = _FUSED.get(activation, ("none", ""))
         with threads_for(x.numel() * weight.shape[0], threads):  # rows * in * out
             out = ops.onednn_linear(x, weight, bias, attr, algorithm)
         return out if activation is None or activation in _FUSED else ACTIVATIONS[activation](out)
-    out = F.linear(x, weight, bias)
-    return out if activation is None else ACTIVATIONS[activation](out)
+    with threads_for(x.numel() * weight.shape[0], threads):  # rows * in * out
+        out = F.linear(x, weight, bias)
+    return activated(out, activation, threads)
 
 
 def activated(out: torch.Tensor, activation: str | None, threads: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ def linear(
     if (not products.all_prompt and x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
             and float_kernel_serves(weight, products.kernels)):
         return activated(_generated_rows_product(x, weight, bias, products), activation, products.threads)
-    return gemm(x, weight, bias, activation, products.threads)
+    return gemm(x, weight, bias, activation, products.threads, products.kernels.float_gemm)
 
 
 def float_kernel_serves(weight: torch.Tensor, kernels: KernelChoice) -> bool:
@@ -65,7 +65,8 @@ def _generated_rows_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     else:
         out = rows.new_empty(rows.shape[0], N)
         out[roles.generated] = _kernel_rows(rows[roles.generated], weight, bias, products.threads)
-        out[roles.prompt] = gemm(rows[roles.prompt], weight, bias, None, products.threads)
+        out[roles.prompt] = gemm(rows[roles.prompt], weight, bias, None, products.threads,
+                                  products.kernels.float_gemm)
     return out.view(*x.shape[:-1], N)  # [..., N]
 
 

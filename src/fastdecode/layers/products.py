@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidOptionError
+from .gemm_choice import FLOAT_GEMMS, machine_float_gemm
 
 ALL_PROMPT = "all prompt rows"
 PROMPT_ROWS = ("exact", "int8")  # KernelChoice.prompt_rows
@@ -42,15 +43,20 @@ class KernelChoice:
     - ``quantized_kernels``: False: every quantized product takes the exact path (the reference of
       tests that check a conversion at 1e-4);
     - ``float_kernel``: False: generated rows of float32 matrices take the GEMM as prompt rows do
-      (the path before layers/fmatmul.cpp: tests and benchmarks compare against it)."""
+      (the path before layers/fmatmul.cpp: tests and benchmarks compare against it);
+    - ``float_gemm``: the float32 GEMM of prompt rows (layers/gemm.py), "onednn" or "mkl": at load,
+      the one this machine runs faster (layers/gemm_choice.py measures it once per machine)."""
 
     prompt_rows: str = "exact"
     quantized_kernels: bool = True
     float_kernel: bool = True
+    float_gemm: str = "onednn"
 
     def __post_init__(self) -> None:
         if self.prompt_rows not in PROMPT_ROWS:
             raise InvalidOptionError(f"prompt_rows must be one of {', '.join(PROMPT_ROWS)}, got {self.prompt_rows!r}")
+        if self.float_gemm not in FLOAT_GEMMS:
+            raise InvalidOptionError(f"float_gemm must be one of {', '.join(FLOAT_GEMMS)}, got {self.float_gemm!r}")
         for name in ("quantized_kernels", "float_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOptionError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -62,9 +68,12 @@ class KernelChoice:
     @classmethod
     def at_load(cls, prompt_rows: str | None, kernels: KernelChoice | None) -> KernelChoice:
         """The choice of ``load(..., prompt_rows=, kernels=)``: ``prompt_rows`` alone ("exact" when
-        None), or the whole ``kernels`` choice (reference runs); InvalidOptionError when both are given."""
+        None) with this machine's faster float GEMM, or the whole ``kernels`` choice (reference
+        runs); InvalidOptionError when both are given."""
         if kernels is None:
-            return cls(prompt_rows="exact" if prompt_rows is None else prompt_rows)
+            prompt_rows = "exact" if prompt_rows is None else prompt_rows
+            cls(prompt_rows=prompt_rows)  # a bad value fails before anything is measured
+            return cls(prompt_rows=prompt_rows, float_gemm=machine_float_gemm())
         if prompt_rows is not None:
             raise InvalidOptionError("give prompt_rows or kernels (a KernelChoice, which has prompt_rows), not both")
         if not isinstance(kernels, KernelChoice):

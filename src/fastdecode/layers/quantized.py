@@ -225,7 +225,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     exact_prompts = choice.exact_prompt_rows and weight.exact_prompt_rows
     roles = products.roles if weight.activation_bits == 8 and (exact_prompts or has_prompt_kernel(weight)) else None
     if not kernel or (roles is ALL_PROMPT and exact_prompts):
-        out = _exact_product(rows, weight, threads)
+        out = _exact_product(rows, weight, threads, choice.float_gemm)
     elif roles is ALL_PROMPT:
         out = _int8_prompt_product(rows, weight, threads)
     elif (roles is None and bias is not None and bias.dtype == torch.float32 and bias.dim() == 1
@@ -239,7 +239,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         out = rows.new_empty(rows.shape[0], N)
         out[roles.generated] = _kernel_product(rows[roles.generated], weight, threads)
         prompt = rows[roles.prompt]
-        out[roles.prompt] = (_exact_product(prompt, weight, threads) if exact_prompts
+        out[roles.prompt] = (_exact_product(prompt, weight, threads, choice.float_gemm) if exact_prompts
                              else _int8_prompt_product(prompt, weight, threads))
     if bias is not None:
         out += bias  # (a fresh tensor: in place saves a pass over it; the same float addition as the kernel's)
@@ -274,13 +274,13 @@ def _int8_prompt_product(rows: torch.Tensor, weight: QuantizedWeight, budget: in
                               kernel_threads(rows.shape[0] * weight.inputs * weight.outputs, budget))
 
 
-def _exact_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int) -> torch.Tensor:
+def _exact_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int, float_gemm: str) -> torch.Tensor:
     """rows [M, K] float32 -> [M, N]: the product with the weight's exact float32 values.
 
     On the CPU, the extension's ``exact_qmatmul`` (layers/exact_matmul.cpp) decodes 64 outputs at a time
     into L2 and multiplies them there: each (row, output) summed in the same order whatever the row
     count (no dense copy of the matrix, no padding). Elsewhere the decoded matrix goes through the
-    float GEMM."""
+    float GEMM (``float_gemm``: the model's choice of it)."""
     M = rows.shape[0]
     if rows.is_cpu and weight.device.type == "cpu" and ops.available():
         return ops.exact_qmatmul(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale,
@@ -288,9 +288,9 @@ def _exact_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int) -> 
                                  kernel_threads(M * weight.inputs * weight.outputs, budget), weight.outputs)
     dense = dense_weight(weight, max(M, GEMM_MIN_ROWS) * weight.inputs * weight.outputs, budget)
     if M >= GEMM_MIN_ROWS or not rows.is_cpu:
-        return gemm(rows, dense, None, None, budget)
+        return gemm(rows, dense, None, None, budget, float_gemm)
     padded = torch.cat([rows, rows.new_zeros(GEMM_MIN_ROWS - M, rows.shape[1])])  # [GEMM_MIN_ROWS, K]
-    return gemm(padded, dense, None, None, budget)[:M]
+    return gemm(padded, dense, None, None, budget, float_gemm)[:M]
 
 
 def for_logits(weight: QuantizedWeight) -> QuantizedWeight:

@@ -11,7 +11,7 @@ Flags:
   embedding LayerNorm, usually ``scale_embedding``; its own ``decoder_start_token_id`` (the pad id).
 
 The model is functional over canonical weights and owns nothing per request: the engine
-(engine/cross.py at admission; generation/encdec.py for beam search and the naive loop) calls
+(engine/cross.py at admission; generation/reference.py for the naive loop) calls
 ``encode`` once, ``cross_kv`` once per layer, then ``decode`` per step.
 """
 
@@ -37,7 +37,7 @@ from ..layers.positions import sinusoidal_table
 from .seq2seq import check_tied, decoder_start_token, padding_bias
 
 if TYPE_CHECKING:  # the engine's views a decoder step attends through
-    from ..engine.cross import CrossStep, EncodedSources, FoldedCross
+    from ..engine.cross import CrossStep, EncodedSources
 
 # Canonical name -> HF sublayer name, per layer of each stack.
 _ENCODER_LAYER = {
@@ -287,7 +287,7 @@ class BartModel(ModelBase):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         view: CacheView,
-        cross: CrossStep | FoldedCross | EncodedSources,
+        cross: CrossStep | EncodedSources,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:

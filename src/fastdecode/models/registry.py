@@ -7,7 +7,7 @@ One registration per family. A family module provides: ``HF_NAMES`` and ``GGUF_N
 ``gguf_to_hf_layout(name, array, config)``, ``FLOAT32_WEIGHTS`` (GGUF tensors that are values, such
 as RoPE factors, kept float32 whatever the dtype) and the model class named here. Encoder-decoder
 families (``is_encoder_decoder``) have no GGUF form: their model class provides ``encode``,
-``cross_kv`` and ``decode`` instead of ``forward`` (see generation/encdec.py).
+``cross_kv`` and ``decode`` instead of ``forward`` (see engine/cross.py).
 """
 
 from __future__ import annotations

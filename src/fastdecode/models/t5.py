@@ -30,7 +30,7 @@ from ..layers.positions import t5_relative_buckets
 from .seq2seq import check_tied, decoder_start_token, padding_bias
 
 if TYPE_CHECKING:  # the engine's views a decoder step attends through
-    from ..engine.cross import CrossStep, EncodedSources, FoldedCross
+    from ..engine.cross import CrossStep, EncodedSources
 
 _ATTENTION = ("q", "k", "v", "o")
 _FFN = ("wi", "wi_0", "wi_1", "wo")  # wi (v1.0) or wi_0 / wi_1 (gated), then wo
@@ -246,7 +246,7 @@ class T5Model(ModelBase):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         view: CacheView,
-        cross: CrossStep | FoldedCross | EncodedSources,
+        cross: CrossStep | EncodedSources,
         all_logits: bool = False,
         logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:

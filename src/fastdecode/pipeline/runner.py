@@ -235,7 +235,7 @@ class BatchRun:
 
     def _item_options(self, item: InputItem) -> dict[str, Any]:
         """The run's options with the input's own ``response_format`` and seed."""
-        from ..generation.sampling import derive_seed  # torch: imported when the run starts
+        from ..decoding.sampling import derive_seed  # torch: imported when the run starts
 
         options = self.options if item.response_format is None else {**self.options,
                                                                      "response_format": item.response_format}

@@ -60,7 +60,7 @@ def load_whisper(path: str | Path, need_vocabulary: bool = True, quantize: str |
         from ..loading.quantize import int8_everywhere, quantize_weights
 
         weights = int8_everywhere(quantize_weights(weights, quantize))
-    model = WhisperModel(config, weights, KernelChoice(),  # the default kernels (int8 rows: int8_everywhere)
+    model = WhisperModel(config, weights, KernelChoice.at_load(None, None),  # the default kernels (int8 rows: int8_everywhere)
                          cross_dtype=None if quantize is None else torch.float16)
     vocabulary = None
     if need_vocabulary or (folder / "tokenizer.json").is_file():
