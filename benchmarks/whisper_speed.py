@@ -242,7 +242,8 @@ def model_section(model: str, audio: Path, seconds_of_audio: float, args) -> str
     for beam in args.beams:
         jobs[f"windows b{beam}"] = {"job": "windows", "beam_size": beam}
         jobs[f"transcribe b{beam}"] = {"job": "transcribe", "beam_size": beam}
-    header = ["job", "engine", "seconds", "real-time factor", "x real time", "vs CTranslate2 int8", "peak RSS MiB"]
+    header = ["job", "engine", "seconds", "CPU s", "real-time factor", "x real time", "vs CT2 int8", "vs CT2 float32",
+              "peak RSS MiB"]
     rows = []
     runs = {}
     for label, request in jobs.items():
@@ -253,22 +254,25 @@ def model_section(model: str, audio: Path, seconds_of_audio: float, args) -> str
     memory = {n: w.call("memory") for n, w in workers.items()}
     harness.close_all(workers)
     for label, by_engine in runs.items():
-        baseline_name = "ct2-int8" if label.startswith("windows") else "faster-whisper-int8"
-        baseline = by_engine.get(baseline_name, {}).get(label)
-        base_s = median([r["seconds"] for r in baseline]) if baseline else None
+        prefix = "ct2" if label.startswith("windows") else "faster-whisper"
+        baselines = []
+        for precision in ("int8", "float32"):
+            baseline = by_engine.get(f"{prefix}-{precision}", {}).get(label)
+            baselines.append(median([r["seconds"] for r in baseline]) if baseline else None)
         for name, replies in by_engine.items():
             seconds = [r["seconds"] for r in replies[label]]
             peak = memory[name]["now"]["ru_maxrss"]  # the process's peak, load included
-            rows.append([label, name, spread(seconds, 2), f"{median(seconds) / seconds_of_audio:.3f}",
-                         f"{seconds_of_audio / median(seconds):.1f}x",
-                         harness.fmt_ratio(harness.ratio(base_s, median(seconds))),
+            rows.append([label, name, spread(seconds, 2), f"{median([r['cpu_s'] for r in replies[label]]):.2f}",
+                         f"{median(seconds) / seconds_of_audio:.3f}", f"{seconds_of_audio / median(seconds):.1f}x",
+                         *(harness.fmt_ratio(harness.ratio(base_s, median(seconds))) for base_s in baselines),
                          f"{peak / 1024:.0f}" if peak else "-"])
     rows += [not_run(n, why, len(header)) for n, why in {**skipped, **failed}.items()]
     return "\n".join([f"## Whisper {model}: {seconds_of_audio / 60:.1f} minutes of espeak-ng speech, "
                       f"{args.threads} threads", "", table(header, rows), "",
-                      "- vs CTranslate2 int8: its time / this engine's time (windows: ct2-int8; transcribe: "
-                      "faster-whisper-int8). Targets: fastdecode-int8 >= 1.2x CTranslate2 int8, "
-                      "fastdecode-float32 >= 1.0x CTranslate2 float32."])
+                      "- vs CT2 int8 / float32: its wall time / this engine's (windows: ct2-int8 / ct2-float32; "
+                      "transcribe: faster-whisper-int8 / -float32, CTranslate2 underneath). CPU s: the worker's "
+                      "CPU seconds (all its threads), steadier than wall time on a shared machine. Targets: "
+                      "fastdecode-int8 >= 1.2x CTranslate2 int8, fastdecode-float32 >= 1.0x CTranslate2 float32."])
 
 
 def main() -> None:

@@ -95,3 +95,24 @@ def test_source_must_be_one_encoded_window(model):
     for wrong in (sources, torch.randn(MELS, FRAMES)):  # two windows; features not encoded
         with pytest.raises(InvalidOptionError, match="window"):
             engine.add(search_request(vocab, Search(wrong, [SOT], 0, options(beam_size=1)), 120, model.device))
+
+
+def test_int8_model_keeps_cross_kv_in_float16(tmp_path):
+    """A model quantized at load stores each window's cross K/V in float16 (half what a decode step
+    streams); the attention computes on their float32 values: the same search as on the widened K/V."""
+    import copy
+
+    save(build(seed=5), tmp_path)
+    model = load_whisper(tmp_path, need_vocabulary=False, quantize="int8").model
+    torch.manual_seed(8)
+    with torch.inference_mode():
+        sources = encode_windows(model, torch.randn(2, MELS, FRAMES))
+    assert {t.dtype for t in sources.keys + sources.values} == {torch.float16}
+    widened = copy.copy(sources)
+    widened.keys, widened.values = [k.float() for k in sources.keys], [v.float() for v in sources.values]
+    prompts, sot_index = [[SOT, NO_TIMESTAMPS], [95, 3, SOT]], [0, 2]
+    for beam_size in (1, 5):
+        with torch.inference_mode():
+            got = decode_windows(model, vocabulary(), sources, prompts, sot_index, options(beam_size=beam_size))
+            expected = decode_windows(model, vocabulary(), widened, prompts, sot_index, options(beam_size=beam_size))
+        assert [(r.tokens, r.sum_logprob) for r in got] == [(r.tokens, r.sum_logprob) for r in expected]

@@ -5,7 +5,8 @@
   roundings, the same candidates in the same order), a sample's result bitwise the same alone;
 - ``cross_attention`` (layers/cross_attention.cpp): each row's queries over its own source's first
   ``length`` keys == SDPA under the padding mask, head dims with and without a 16-wide tail, folded
-  (strided) queries, a row bitwise the same alone;
+  (strided) queries, a row bitwise the same alone; float16 keys and values == the op on their
+  float32 values, bitwise;
 - a whole beam search (tiny BART and T5, padded sources, min_new_tokens suppressing EOS) gives the
   same tokens and scores with the ops as without them.
 """
@@ -98,6 +99,24 @@ def test_cross_attention_matches_sdpa(D):
         assert torch.equal(alone, out[b : b + 1])
     for threads in (2, 3):  # the (row, head) items split between threads (parallel.h): bitwise the same
         assert torch.equal(ops.cross_attention(q, keys, values, lengths, 0.3, threads), out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("D", [64, 24])
+def test_cross_attention_float16_keys_compute_on_their_float32_values(D):
+    """float16 keys and values (a Whisper int8 model's cross K/V) are widened as they load: bitwise
+    the op on their float32 values, strided queries and a 16-wide tail included."""
+    g = torch.Generator().manual_seed(D)
+    B, H, fold, S = 2, 3, 5, 29
+    lengths = torch.tensor([29, 11])
+    keys = torch.randn(B, H, S, D, generator=g).half()
+    values = torch.randn(B, H, S, D, generator=g).half()
+    q = torch.randn(1, H, B * fold, D, generator=g)[0].unflatten(1, (B, fold)).transpose(0, 1)  # [B, H, fold, D]
+    out = ops.cross_attention(q, keys, values, lengths, 0.3)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, ops.cross_attention(q, keys.float(), values.float(), lengths, 0.3))
+    with pytest.raises(RuntimeError, match="both float32 or both float16"):
+        ops.cross_attention(q, keys, values.float(), lengths, 0.3)
 
 
 def test_source_lengths_only_for_right_padding():

@@ -230,7 +230,10 @@ class EncodedSources:
         keys once for its T queries and never reads its padding; else SDPA under the padding mask."""
         keys, values = self.keys[index], self.values[index]
         if self.lengths is None or not cross_attention_runs(q, keys):
-            return attention(q, keys, values, self.bias, scale, threads=threads)
+            if keys.dtype != q.dtype:  # K/V stored narrower (a Whisper int8 model's float16)
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
+            bias = None if self.bias is None else self.bias.to(q.dtype)
+            return attention(q, keys, values, bias, scale, threads=threads)
         threads = kernel_threads(2 * q.numel() * keys.shape[2], threads)  # B*H*T*D * S multiply-adds, twice
         return ops.cross_attention(q if q.stride(-1) == 1 else q.contiguous(), keys, values, self.lengths, scale,
                                    threads)
@@ -245,7 +248,8 @@ def source_lengths(valid: torch.Tensor) -> torch.Tensor | None:
 
 
 def cross_attention_runs(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether the C++ cross-attention serves these tensors (float32 on the CPU, head dims a multiple
-    of 8, contiguous [B, H, S, D] keys, the extension built); else the caller runs SDPA."""
-    return (q.dtype == torch.float32 and keys.dtype == torch.float32 and q.device.type == "cpu"
+    """Whether the C++ cross-attention serves these tensors (float32 queries on the CPU, float32 or
+    float16 keys, head dims a multiple of 8, contiguous [B, H, S, D] keys, the extension built); else
+    the caller runs SDPA."""
+    return (q.dtype == torch.float32 and keys.dtype in (torch.float32, torch.float16) and q.device.type == "cpu"
             and q.shape[-1] % 8 == 0 and keys.is_contiguous() and ops.available())

@@ -1,9 +1,12 @@
-// Encoder-decoder cross-attention over each source's own keys (AVX2 + FMA; engine/cross.py holds
-// the PyTorch path, SDPA with a padding mask).
+// Encoder-decoder cross-attention over each source's own keys (AVX2 + FMA + F16C; engine/cross.py
+// holds the PyTorch path, SDPA with a padding mask).
 //
 // cross_attention(q [B, H, T, D], keys, values [B, H, S, D] contiguous, lengths [B], scale)
 //   -> [B, H, T, D]: query t of row b, head h attends to keys 0 .. lengths[b] - 1 of (b, h) (the
 //   sources are right-padded: padding is never read), softmax in float32, out = sum softmax * v.
+// Keys and values are float32, or both float16 (half the bytes a step streams: a Whisper window's
+// K/V are 4.6 MB per decoder layer in float32), widened to float32 as they are loaded: the same
+// operations in the same order as on their float32 values.
 // In a beam search the T queries of a row are the K beams of a source folded into its query axis
 // (FastSeq: a Whisper window's beams, engine/speech_source.py): each (b, h) reads its keys and values once for all T,
 // 8 keys at a time from L1, where SDPA's CPU kernel, built for long query blocks, runs ~3x slower
@@ -26,25 +29,31 @@
 
 namespace {
 
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+template <typename E>  // the keys' and values' element: float or at::Half
 struct Head {
   const float* q;  // [T, D], rows q_t apart
   int64_t q_t;
-  const float* k;  // [L, D] contiguous (the visible keys)
-  const float* v;
+  const E* k;  // [L, D] contiguous (the visible keys)
+  const E* v;
   int64_t T, L, D;
   float scale;
   float* out;  // [T, D] contiguous
 };
 
 // scores [T, Lp] (Lp = L rounded up to 8; the padding stays -inf) of every query against every key.
-void head_scores(const Head& h, int64_t Lp, float* scores) {
+template <typename E>
+void head_scores(const Head<E>& h, int64_t Lp, float* scores) {
   const int64_t D = h.D;
+  constexpr int64_t LINE = 64 / sizeof(E);  // elements per cache line
   int64_t j = 0;
   for (; j + 8 <= h.L; j += 8) {
-    const float* k = h.k + j * D;
+    const E* k = h.k + j * D;
     // Memory, not arithmetic, bounds this op (each key and value is read once): ask for the keys two
     // blocks ahead and for these keys' values (the next phase's) while the products run.
-    for (int64_t line = 0; line < 8 * D; line += 16) {
+    for (int64_t line = 0; line < 8 * D; line += LINE) {
       if (j + 24 <= h.L) _mm_prefetch(reinterpret_cast<const char*>(k + 16 * D + line), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(h.v + j * D + line), _MM_HINT_T1);
     }
@@ -54,17 +63,17 @@ void head_scores(const Head& h, int64_t Lp, float* scores) {
       for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + u * D + d), acc[u]);
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, load8(k + u * D + d), acc[u]);
       }
       _mm256_storeu_ps(scores + t * Lp + j, _mm256_mul_ps(eight_sums(acc), _mm256_set1_ps(h.scale)));
     }
   }
   for (; j < h.L; ++j) {  // the last keys, one at a time
-    const float* k = h.k + j * D;
+    const E* k = h.k + j * D;
     for (int64_t t = 0; t < h.T; ++t) {
       const float* q = h.q + t * h.q_t;
       __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+      for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
       scores[t * Lp + j] = hsum(acc) * h.scale;
     }
   }
@@ -73,16 +82,16 @@ void head_scores(const Head& h, int64_t Lp, float* scores) {
 // out[t] = inverse[t] * sum_j p[t, j] v_j for TILE queries from t0 and 8 * NV dims from d: their
 // sums stay in registers (compile-time sizes: a runtime-sized accumulator array would live on the
 // stack) while the keys stream by; each sum adds its keys in order j = 0 .. L-1.
-template <int TILE, int NV>
-void values_tile(const Head& h, int64_t Lp, const float* p, const float* inverse, int64_t t0, int64_t d) {
+template <int TILE, int NV, typename E>
+void values_tile(const Head<E>& h, int64_t Lp, const float* p, const float* inverse, int64_t t0, int64_t d) {
   const int64_t D = h.D;
   __m256 acc[TILE][NV];
   for (int t = 0; t < TILE; ++t)
     for (int n = 0; n < NV; ++n) acc[t][n] = _mm256_setzero_ps();
   for (int64_t j = 0; j < h.L; ++j) {
-    const float* v = h.v + j * D + d;
+    const E* v = h.v + j * D + d;
     __m256 x[NV];
-    for (int n = 0; n < NV; ++n) x[n] = _mm256_loadu_ps(v + 8 * n);
+    for (int n = 0; n < NV; ++n) x[n] = load8(v + 8 * n);
     for (int t = 0; t < TILE; ++t) {
       const __m256 w = _mm256_broadcast_ss(p + (t0 + t) * Lp + j);
       for (int n = 0; n < NV; ++n) acc[t][n] = _mm256_fmadd_ps(w, x[n], acc[t][n]);
@@ -94,8 +103,8 @@ void values_tile(const Head& h, int64_t Lp, const float* p, const float* inverse
   }
 }
 
-template <int NV>
-void values_dims(const Head& h, int64_t Lp, const float* p, const float* inverse, int64_t d) {
+template <int NV, typename E>
+void values_dims(const Head<E>& h, int64_t Lp, const float* p, const float* inverse, int64_t d) {
   int64_t t0 = 0;
   for (; t0 + 4 <= h.T; t0 += 4) values_tile<4, NV>(h, Lp, p, inverse, t0, d);
   switch (h.T - t0) {
@@ -106,10 +115,31 @@ void values_dims(const Head& h, int64_t Lp, const float* p, const float* inverse
   }
 }
 
-void head_values(const Head& h, int64_t Lp, const float* p, const float* inverse) {
+template <typename E>
+void head_values(const Head<E>& h, int64_t Lp, const float* p, const float* inverse) {
   int64_t d = 0;
   for (; d + 16 <= h.D; d += 16) values_dims<2>(h, Lp, p, inverse, d);
   if (d < h.D) values_dims<1>(h, Lp, p, inverse, d);  // D = 16k + 8
+}
+
+template <typename E>
+void attend_heads(const at::Tensor& q, const E* kd, const E* vd, const int64_t* len, int64_t S, double scale,
+                  int64_t threads, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const float* qd = q.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  fastdecode::parallel_chunks(B * H, 1, threads, [&](int64_t first, int64_t last) {
+    std::vector<float> scores, inverse(T);
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t b = item / H, h = item % H, L = len[b], Lp = (L + 7) / 8 * 8;
+      const Head<E> head{qd + b * q.stride(0) + h * q.stride(1), q.stride(2), kd + item * S * D, vd + item * S * D,
+                         T, L, D, static_cast<float>(scale), od + item * T * D};
+      scores.assign(T * Lp, -INFINITY);
+      head_scores(head, Lp, scores.data());
+      for (int64_t t = 0; t < T; ++t) inverse[t] = softmax_numerators(scores.data() + t * Lp, L, Lp);
+      head_values(head, Lp, scores.data(), inverse.data());
+    }
+  });
 }
 
 at::Tensor cross_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
@@ -120,8 +150,9 @@ at::Tensor cross_attention(const at::Tensor& q, const at::Tensor& keys, const at
   TORCH_CHECK(D % 8 == 0, "head dim ", D, " is not a multiple of 8");
   TORCH_CHECK(keys.dim() == 4 && keys.size(0) == B && keys.size(1) == H && keys.size(3) == D &&
                   keys.sizes() == values.sizes() && keys.is_contiguous() && values.is_contiguous() &&
-                  keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
-              "keys and values must be contiguous float32 [B, H, S, D] matching q");
+                  keys.scalar_type() == values.scalar_type() &&
+                  (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf),
+              "keys and values must be contiguous [B, H, S, D] matching q, both float32 or both float16");
   const int64_t S = keys.size(2);
   TORCH_CHECK(lengths.numel() == B && lengths.scalar_type() == at::kLong && lengths.is_contiguous(),
               "lengths must be int64 [B]");
@@ -132,20 +163,11 @@ at::Tensor cross_attention(const at::Tensor& q, const at::Tensor& keys, const at
     longest = std::max(longest, len[b]);
   }
   at::Tensor out = at::empty({B, H, T, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  const float *qd = q.data_ptr<float>(), *kd = keys.data_ptr<float>(), *vd = values.data_ptr<float>();
-  float* od = out.data_ptr<float>();
-  fastdecode::parallel_chunks(B * H, 1, threads, [&](int64_t first, int64_t last) {
-    std::vector<float> scores, inverse(T);
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t b = item / H, h = item % H, L = len[b], Lp = (L + 7) / 8 * 8;
-      const Head head{qd + b * q.stride(0) + h * q.stride(1), q.stride(2), kd + item * S * D, vd + item * S * D,
-                      T, L, D, static_cast<float>(scale), od + item * T * D};
-      scores.assign(T * Lp, -INFINITY);
-      head_scores(head, Lp, scores.data());
-      for (int64_t t = 0; t < T; ++t) inverse[t] = softmax_numerators(scores.data() + t * Lp, L, Lp);
-      head_values(head, Lp, scores.data(), inverse.data());
-    }
-  });
+  if (keys.scalar_type() == at::kHalf) {
+    attend_heads(q, keys.data_ptr<at::Half>(), values.data_ptr<at::Half>(), len, S, scale, threads, out);
+  } else {
+    attend_heads(q, keys.data_ptr<float>(), values.data_ptr<float>(), len, S, scale, threads, out);
+  }
   return out;
 }
 

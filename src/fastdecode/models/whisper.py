@@ -196,16 +196,29 @@ def canonical(config: WhisperConfig, tensors: dict[str, torch.Tensor], source: s
 class WhisperModel(BartModel):
     """``BartModel``'s decoder (``cross_kv``, ``decode``) behind Whisper's convolutional encoder."""
 
-    def __init__(self, config: WhisperConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice):
+    def __init__(self, config: WhisperConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice,
+                 cross_dtype: torch.dtype | None = None):
+        """``cross_dtype``: how the cross K/V of a window are stored (default: the model's dtype);
+        float16 halves what every decode step streams (4 x 4.6 MB per step on tiny.en in float32),
+        the attention still computed in float32 (layers/cross_attention.cpp)."""
         super().__init__(config, weights, kernels)
         self.conv1 = (weights["encoder.conv1.weight"], weights["encoder.conv1.bias"])  # [C, M, 3], [C]
         self.conv2 = (weights["encoder.conv2.weight"], weights["encoder.conv2.bias"])  # [C, C, 3], [C]
+        self.cross_dtype = cross_dtype or self.dtype
+
+    def cross_kv(self, index: int, memory: torch.Tensor, p: Products) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer ``index``'s cross K, V [B, H, S, D] in ``cross_dtype``."""
+        k, v = super().cross_kv(index, memory, p)
+        if k.dtype == self.cross_dtype:
+            return k, v
+        return k.to(self.cross_dtype), v.to(self.cross_dtype)
 
     def encode(self, features: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Log-mel features [B, M, 3000] -> encoder output [B, 1500, C]. Not one-threaded: every op
-        here is a large product, on the caller's threads. Its rows take the generated rows' kernels
-        (the arithmetic the CTranslate2 oracle is matched with: tests/speech/test_whisper_parity.py)."""
-        cfg, p = self.config, Products.generated(torch.get_num_threads(), kernels=self.kernels)
+        here is a large product, on the caller's threads. Its rows are prompt rows: float32 weights
+        take the GEMM (1500 rows: oneDNN's is ~3x the fixed-order decode kernel), int8 weights the int8
+        kernel as every other row (``int8_prompt_rows``, as CTranslate2's int8)."""
+        cfg, p = self.config, Products.prompt(torch.get_num_threads(), kernels=self.kernels)
         if features.dim() != 3 or features.shape[1] != cfg.num_mel_bins or features.shape[2] != 2 * cfg.max_source_positions:
             raise ValueError(f"Whisper features must be [batch, {cfg.num_mel_bins}, {2 * cfg.max_source_positions}], "
                              f"got {list(features.shape)}")

@@ -39,7 +39,9 @@ class WhisperCheckpoint:
 def load_whisper(path: str | Path, need_vocabulary: bool = True, quantize: str | None = None) -> WhisperCheckpoint:
     """``quantize``: None (float32), or "int8" / "int4": the projections and the tied embedding
     quantized at load, every product on int8 activations (as the encoder-decoder families, and as
-    CTranslate2's int8); convolutions, norms, biases and position tables stay float."""
+    CTranslate2's int8), and each window's cross K/V stored in float16 (half the bytes a decode step
+    reads; the attention computed in float32); convolutions, norms, biases and position tables stay
+    float."""
     if quantize not in (None, "int8", "int4"):
         raise InvalidOptionError(f"quantize must be None, 'int8' or 'int4' for Whisper, got {quantize!r}")
     folder = Path(path)
@@ -58,7 +60,8 @@ def load_whisper(path: str | Path, need_vocabulary: bool = True, quantize: str |
         from ..loading.quantize import int8_everywhere, quantize_weights
 
         weights = int8_everywhere(quantize_weights(weights, quantize))
-    model = WhisperModel(config, weights, KernelChoice.at_load(None, None))  # the default kernels (int8 rows: int8_everywhere)
+    model = WhisperModel(config, weights, KernelChoice.at_load(None, None),  # the default kernels (int8 rows: int8_everywhere)
+                         cross_dtype=None if quantize is None else torch.float16)
     vocabulary = None
     if need_vocabulary or (folder / "tokenizer.json").is_file():
         vocabulary = WhisperVocabulary.from_folder(folder, config.vocab_size)

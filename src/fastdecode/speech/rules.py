@@ -60,5 +60,6 @@ class LogitsRules:
         # the timestamps' total probability against the likeliest text token's (the softmax
         # normalizer is the same on both sides, so the logits compare as the log-probabilities)
         stamp_mass = torch.logsumexp(logits[:, begin:], dim=-1)  # [R]
-        best_text = logits[:, :begin].max(dim=-1).values  # [R]
-        logits[stamp_mass > best_text, :begin] = float("-inf")
+        best_text = logits[:, :begin].amax(dim=-1)  # [R]
+        for row in (stamp_mass > best_text).nonzero()[:, 0].tolist():
+            logits[row, :begin] = float("-inf")

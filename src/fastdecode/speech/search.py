@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.sequence import SequenceResult
+from ..layers import ops
 from ..layers.threads import one_thread
 from .rules import LogitsRules
 from .vocabulary import WhisperVocabulary
@@ -97,30 +98,28 @@ class WindowSearch:
             masked = self.rules.apply(rows, generated)
             if self.sampling:
                 masked = masked / self.options.temperature
-            logprobs = torch.log_softmax(masked, dim=-1)  # [1 or K, V]
             if self.sampling:
+                logprobs = torch.log_softmax(masked, dim=-1)  # [1 or K, V]
                 logprobs = logprobs.expand(K, -1) if first else logprobs  # [K, V]
                 choice = torch.multinomial(logprobs.exp(), 1, generator=self.generator)[:, 0]  # [K]
                 picked = logprobs.gather(1, choice[:, None])[:, 0]
                 sources = self._advance_independent(choice.tolist(), picked.tolist(), last)
             else:
-                top_lp, top_tokens = logprobs.topk(2 * K, dim=-1)  # [1 or K, 2K]
-                sources = self._advance_beams(top_lp.tolist(), top_tokens.tolist(), first, last)
+                running = torch.tensor(self.scores[: masked.shape[0]], dtype=torch.float32)  # [1 or K]
+                scores, flat = best_candidates(masked, running, 2 * K)  # [2K] each: row * V + token
+                V = masked.shape[1]
+                candidates = [(score, index // V, index % V) for score, index in zip(scores.tolist(), flat.tolist())]
+                sources = self._advance_beams(candidates, last)
         self.step += 1
         go_on = not self._done()
         device = logits.device
         return go_on, torch.tensor(sources, device=device), torch.tensor([t[-1] for t in self.tokens], device=device)
 
-    def _advance_beams(self, top_lp, top_tokens, first: bool, last: bool) -> list[int]:
-        """top_lp, top_tokens: per row, its 2K best continuations. The 2K best candidates by summed
-        log-probability: each of the first K that ends is finished (the search is over once the
-        best candidate ends) and its place goes to the next candidate that does not end."""
+    def _advance_beams(self, candidates: list[tuple[float, int, int]], last: bool) -> list[int]:
+        """candidates: the 2K best (summed log-probability, source row, token), best first. Each of
+        the first K that ends is finished (the search is over once the best candidate ends) and its
+        place goes to the next candidate that does not end."""
         K = self.K
-        candidates = []  # (summed log-prob, source row, token)
-        for j in range(1 if first else K):
-            candidates += [(self.scores[j] + lp, j, token) for lp, token in zip(top_lp[j], top_tokens[j])]
-        candidates.sort(key=lambda c: -c[0])
-        candidates = candidates[: 2 * K]
         new_tokens, new_scores, sources = [], [], []
         secondary = K
         for k in range(K):
@@ -179,6 +178,19 @@ class WindowSearch:
         if no_speech is not None and sot_logits is not None:
             probability = float(sot_logits.float().softmax(dim=-1)[no_speech])
         return WindowResult(tokens, score, probability)
+
+
+def best_candidates(masked: torch.Tensor, running: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``keep`` best continuations of rows with logits ``masked`` [R, V] (the rules applied) and
+    summed log-probabilities ``running`` [R]: their scores running[r] + log_softmax(masked)[r, v]
+    and flat indices r * V + v [keep], best first (ties: the lower index). One pass of the C++ op
+    (layers/beam_search.cpp: no [R, V] tensor written, no sort) where it is built, else PyTorch."""
+    if ops.available() and masked.is_cpu:
+        no_bans = torch.zeros(0, dtype=torch.long)
+        scores, flat = ops.beam_candidates(masked.contiguous(), running, no_bans, masked.shape[0], keep, 1)
+        return scores[0], flat[0]
+    total = torch.log_softmax(masked, dim=-1) + running.to(masked.device)[:, None]  # [R, V]
+    return total.view(-1).topk(keep)
 
 
 class LanguageDetection:
