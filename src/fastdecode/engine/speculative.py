@@ -16,8 +16,13 @@ step overwrites them (the cache's ``seq_rm`` in effect), and the prefix cache on
 of accepted tokens.
 
 Each sequence adapts its draft length to what is accepted: a fully accepted draft grows it, a
-rejected one shrinks it, and after repeated misses speculation pauses for a while before probing
-again, so open-ended text costs next to nothing.
+rejected one shrinks it. A draft's length keeps its verify at a power-of-two number of rows (1 + k:
+k = 1, 3, 7, 15): the int8 decode kernels run rows in tiles of 8, 4, 2 and 1 (layers/qmatmul.cpp,
+qtiles.cpp), so 4 rows pass over the weights once and 3 rows twice (on the embedded SmolLM2, one
+step of 2 / 3 / 4 / 5 / 8 rows costs ~1.3 / 1.6 / 1.4-1.6 / 1.7-2.0 / 1.9-2.5x one row). Prompt
+lookup proposes only where the sequence repeats an n-gram, so it never pauses: a miss only drops
+the next draft to one token. A draft model's proposal costs its forwards whatever follows, so after
+repeated misses it pauses for a while before probing again.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ if TYPE_CHECKING:
     from .core import Engine
     from .sequence import Sequence
 
-PAUSE_AFTER_MISSES = 1  # drafts in a row with nothing accepted before speculation pauses
-FIRST_LENGTH = 4  # the first draft's length (a probe: it doubles while drafts are accepted)
+PAUSE_AFTER_MISSES = 1  # drafts in a row with nothing accepted before a draft model pauses
+FIRST_LENGTH = 3  # the first draft's length (4 verify rows; it grows to 7, 15 while drafts are accepted)
 PAUSE_STEPS = 8  # decode steps without drafting in a first pause; each pause in a row doubles it
 MAX_PAUSE_STEPS = 256
 # Beside other decoding sequences a draft's rows cost real compute (a batched step is no longer bound
@@ -135,13 +140,21 @@ class ModelDrafter:
         return self.sequence.draft
 
 
-class Speculation:
-    """A sequence's drafter, its adaptive draft length and its counts (drafted, accepted)."""
+def draft_length(count: int) -> int:
+    """The longest draft of at most ``count`` tokens whose verify runs a power of two of rows (1 + k):
+    0, 1, 3, 7, 15, 31 (see the module docstring)."""
+    return (1 << (count + 1).bit_length() - 1) - 1 if count > 0 else 0
 
-    def __init__(self, drafter: "Drafter | ModelDrafter", settings: SpeculativeSettings):
-        self.drafter = drafter
-        self.max_tokens = settings.num_tokens
-        self.length = min(FIRST_LENGTH, settings.num_tokens)
+
+class Speculation:
+    """A sequence's drafter, its adaptive draft length and its counts (drafted, accepted).
+    ``pauses``: after a missed draft, stop drafting for a while (a drafter whose proposals cost
+    forwards: a draft model)."""
+
+    def __init__(self, drafter: "Drafter | ModelDrafter", settings: SpeculativeSettings, pauses: bool = True):
+        self.drafter, self.pauses = drafter, pauses
+        self.max_tokens = draft_length(settings.num_tokens)
+        self.length = min(FIRST_LENGTH, self.max_tokens)
         self.misses = 0  # drafts in a row with nothing accepted
         self.paused = 0  # decode steps left without drafting
         self.pause_steps = PAUSE_STEPS  # the next pause's length (doubles while drafts keep missing)
@@ -159,12 +172,17 @@ class Speculation:
         if batched and self.rate < BATCHED_MIN_RATE:
             self.rate += RATE_RECOVERY
             return 0
-        return max(0, min(self.length, room))
+        return draft_length(min(self.length, room))
 
     def draft(self, room: int) -> list[int]:
         """At most ``room`` tokens to verify this step (none while paused), from a token-level drafter."""
         count = self.wanted(room)
-        return self.drafter.propose(count) if count else []
+        return self.shaped(self.drafter.propose(count)) if count else []
+
+    @staticmethod
+    def shaped(draft: list[int]) -> list[int]:
+        """A proposal cut to a draft length (a drafter may find fewer tokens than asked)."""
+        return draft[:draft_length(len(draft))]
 
     def settle(self, drafted: int, accepted: int) -> None:
         """Count a verified draft and adapt the next draft's length."""
@@ -173,17 +191,17 @@ class Speculation:
         self.verify_steps += 1
         self.rate = 0.7 * self.rate + 0.3 * accepted / max(drafted, 1)
         if accepted == 0:
-            self.length = max(1, self.length // 2)
+            self.length = min(1, self.max_tokens)
             self.misses += 1
-            if self.misses >= PAUSE_AFTER_MISSES:  # probe again after the pause, then pause longer
+            if self.pauses and self.misses >= PAUSE_AFTER_MISSES:  # probe again after the pause, then pause longer
                 self.paused, self.misses = self.pause_steps, 0
                 self.pause_steps = min(MAX_PAUSE_STEPS, self.pause_steps * 2)
             return
         self.misses, self.pause_steps = 0, PAUSE_STEPS
         if accepted == drafted:
-            self.length = min(self.max_tokens, self.length * 2)
+            self.length = min(self.max_tokens, 2 * drafted + 1)
         else:
-            self.length = max(1, min(self.max_tokens, accepted + 1))
+            self.length = min(self.max_tokens, draft_length(accepted + 1))
 
 
 class Speculator:
@@ -229,9 +247,11 @@ class Speculator:
                 runner = spec.drafter.runner
                 batched.setdefault(id(runner), (runner, []))[1].append((sequence, count))
             else:
-                sequence.draft = spec.drafter.propose(count)
+                sequence.draft = spec.shaped(spec.drafter.propose(count))
         for runner, wanted in batched.values():
             runner.propose(wanted)
+            for sequence, _ in wanted:
+                sequence.draft = sequence.speculation.shaped(sequence.draft)
 
     def sample(self, sampled: list["Sequence"], logits: torch.Tensor) -> list[TokenEvent]:
         """A step's tokens when some sequences verify drafts: plain rows as usual, then each verifying
@@ -270,7 +290,7 @@ def new_speculation(settings: SpeculativeSettings, context: list[int], source: l
     drafter = NgramDrafter(context, settings.ngram_min, settings.ngram_max, tuple(d for d in (source, prediction) if d))
     if prediction:  # the output is expected to start as the prediction does
         drafter.cursor = (prediction, 0)
-    return Speculation(drafter, settings)
+    return Speculation(drafter, settings, pauses=False)
 
 
 def verify_draft(sequence: "Sequence", draft: list[int], logits: torch.Tensor) -> tuple[list[TokenEvent], int]:
