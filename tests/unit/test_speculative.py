@@ -231,7 +231,7 @@ def test_batched_sequences_draft_only_while_drafts_pay():
     spec = Speculation(NgramDrafter([1, 2, 1, 2, 1], 1, 2), SpeculativeSettings(num_tokens=4))
     assert spec.wanted(4, batched=True) == 3  # optimistic at first
     for _ in range(3):
-        spec.settle(3, 1)
+        spec.settle(7, 1)
     assert spec.rate < 0.6 and spec.wanted(4, batched=True) == 0 and spec.wanted(4) > 0
     steps = 0
     while spec.wanted(4, batched=True) == 0:  # probes again after a while
