@@ -170,6 +170,10 @@ def test_draft_lengths_keep_verify_rows_a_power_of_two():
     assert spec.length == 1 and spec.paused == 0  # prompt lookup never pauses: a miss shortens the draft
     assert spec.draft(5) == [2]  # "1" last followed by 2 (a 1-token draft)
     assert spec.wanted(2) == 1 and Speculation.shaped([5, 6]) == [5]  # 3 rows cost more than 4: cut to 2
+    batched = Speculation(NgramDrafter([1, 2, 1, 2, 1], 1, 2), SpeculativeSettings(num_tokens=8), pauses=False)
+    assert batched.wanted(5, batched=True) == 3
+    batched.settle(3, 0)
+    assert batched.paused == 8  # beside other decoding sequences a miss pauses all the same (rows cost compute)
 
 
 def test_a_costly_drafter_pauses_after_misses():

@@ -21,8 +21,9 @@ k = 1, 3, 7, 15): the int8 decode kernels run rows in tiles of 8, 4, 2 and 1 (la
 qtiles.cpp), so 4 rows pass over the weights once and 3 rows twice (on the embedded SmolLM2, one
 step of 2 / 3 / 4 / 5 / 8 rows costs ~1.3 / 1.6 / 1.4-1.6 / 1.7-2.0 / 1.9-2.5x one row). Prompt
 lookup proposes only where the sequence repeats an n-gram, so it never pauses: a miss only drops
-the next draft to one token. A draft model's proposal costs its forwards whatever follows, so after
-repeated misses it pauses for a while before probing again.
+the next draft to one token. A draft model's proposal costs its forwards whatever follows, and beside
+other decoding sequences a draft's rows cost real compute, so there a miss pauses drafting for a
+while before probing again.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def draft_length(count: int) -> int:
 class Speculation:
     """A sequence's drafter, its adaptive draft length and its counts (drafted, accepted).
     ``pauses``: after a missed draft, stop drafting for a while (a drafter whose proposals cost
-    forwards: a draft model)."""
+    forwards: a draft model); any drafter pauses after a miss in a step with other decoding sequences."""
 
     def __init__(self, drafter: "Drafter | ModelDrafter", settings: SpeculativeSettings, pauses: bool = True):
         self.drafter, self.pauses = drafter, pauses
@@ -162,10 +163,12 @@ class Speculation:
         self.accepted = 0
         self.verify_steps = 0
         self.rate = 1.0  # recent share of drafted tokens accepted (moving average; optimistic at first)
+        self.batched = False  # whether the last draft was verified beside other decoding sequences
 
     def wanted(self, room: int, batched: bool = False) -> int:
         """How many tokens to draft this step, at most ``room`` (0 while paused; ``batched``: other
         sequences decode in the step too, and this one's recent acceptance is too low to pay there)."""
+        self.batched = batched
         if self.paused:
             self.paused -= 1
             return 0
@@ -193,8 +196,8 @@ class Speculation:
         if accepted == 0:
             self.length = min(1, self.max_tokens)
             self.misses += 1
-            if self.pauses and self.misses >= PAUSE_AFTER_MISSES:  # probe again after the pause, then pause longer
-                self.paused, self.misses = self.pause_steps, 0
+            if (self.pauses or self.batched) and self.misses >= PAUSE_AFTER_MISSES:  # probe again after it
+                self.paused, self.misses = self.pause_steps, 0  # (and pause longer next time)
                 self.pause_steps = min(MAX_PAUSE_STEPS, self.pause_steps * 2)
             return
         self.misses, self.pause_steps = 0, PAUSE_STEPS
