@@ -174,6 +174,10 @@ def test_draft_lengths_keep_verify_rows_a_power_of_two():
     assert batched.wanted(5, batched=True) == 3
     batched.settle(3, 0)
     assert batched.paused == 8  # beside other decoding sequences a miss pauses all the same (rows cost compute)
+    for _ in range(3):
+        spec.settle(1, 0)
+    assert spec.rate < 0.3 and spec.wanted(3) == 0  # drafts that keep missing cost more than they gain
+    assert 0 < next(step for step in range(1, 40) if spec.wanted(3)) < 40  # probes again after a while
 
 
 def test_a_costly_drafter_pauses_after_misses():

@@ -21,7 +21,8 @@ k = 1, 3, 7, 15): the int8 decode kernels run rows in tiles of 8, 4, 2 and 1 (la
 qtiles.cpp), so 4 rows pass over the weights once and 3 rows twice (on the embedded SmolLM2, one
 step of 2 / 3 / 4 / 5 / 8 rows costs ~1.3 / 1.6 / 1.4-1.6 / 1.7-2.0 / 1.9-2.5x one row). Prompt
 lookup proposes only where the sequence repeats an n-gram, so it never pauses: a miss only drops
-the next draft to one token. A draft model's proposal costs its forwards whatever follows, and beside
+the next draft to one token, and while its recent acceptance stays under ~30% (where a draft costs
+more than it gains) it drafts nothing, probing again now and then. A draft model's proposal costs its forwards whatever follows, and beside
 other decoding sequences a draft's rows cost real compute, so there a miss pauses drafting for a
 while before probing again.
 """
@@ -50,6 +51,10 @@ MAX_PAUSE_STEPS = 256
 # least this; while it is not, the rate creeps back up by RATE_RECOVERY a step, so it probes again.
 BATCHED_MIN_RATE = 0.6
 RATE_RECOVERY = 0.02
+# Alone in a step, a verify of 2 or 4 rows costs ~1.3-1.45x a decode step (engine.step, the embedded
+# SmolLM2 at a 100-token context): a draft pays once about 30% of its tokens are accepted. Below that
+# rate a sequence drafts nothing, the rate creeping back up as above (open-ended text: few probes).
+SOLO_MIN_RATE = 0.3
 
 
 class Drafter(Protocol):
@@ -166,13 +171,14 @@ class Speculation:
         self.batched = False  # whether the last draft was verified beside other decoding sequences
 
     def wanted(self, room: int, batched: bool = False) -> int:
-        """How many tokens to draft this step, at most ``room`` (0 while paused; ``batched``: other
-        sequences decode in the step too, and this one's recent acceptance is too low to pay there)."""
+        """How many tokens to draft this step, at most ``room``: 0 while paused or while its recent
+        acceptance is too low to pay (``batched``: other sequences decode in the step too, where the
+        bar is higher)."""
         self.batched = batched
         if self.paused:
             self.paused -= 1
             return 0
-        if batched and self.rate < BATCHED_MIN_RATE:
+        if self.rate < (BATCHED_MIN_RATE if batched else SOLO_MIN_RATE):
             self.rate += RATE_RECOVERY
             return 0
         return draft_length(min(self.length, room))
