@@ -38,7 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from peers import llama_cpp  # noqa: E402
 
-DEFAULT_LLAMA_SPEC = ["ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache"]
+# llama-server's n-gram modes as they come (12-token lookups, 48-token drafts) and with short lookups and
+# 8-token drafts (a small model's verify rows are not free)
+SHORT = "--spec-ngram-{0}-size-n 3 --spec-ngram-{0}-size-m 8"
+DEFAULT_LLAMA_SPEC = ["ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache", "ngram-simple " + SHORT.format("simple"),
+                      "ngram-map-k " + SHORT.format("map-k")]
 TOPICS = ["lighthouses", "bread baking", "river deltas", "chess openings", "glaciers", "bees", "railways", "tides"]
 
 
