@@ -160,7 +160,7 @@ def main() -> None:
     engines = {"fastdecode": None, "fastdecode ngram": "ngram"}
     if args.draft_model:
         engines["fastdecode draft"] = {"draft_model": args.draft_model}
-        gen.requests.draft_model(args.draft_model)  # loaded before timing
+        gen.requests.draft_model(args.draft_model, gen.model.kernels)  # loaded before timing
     jobs = {(batch, name): [gen.encode_prompt(workloads(v)[name], chat=True) for v in range(batch)]
             for batch in args.batch for name in workloads(0) if name[1] in args.workloads}
     longest = max(len(p) for prompts in jobs.values() for p in prompts)
