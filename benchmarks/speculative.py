@@ -124,8 +124,13 @@ def llama_servers(args, gguf: Path, prompts: list[list[int]], context: int) -> t
     servers = {}
     for name, extra in settings.items():
         print(f"  starting {name}", file=sys.stderr)
-        servers[name] = llama_cpp.ServerPeer(binary, gguf, args.threads, prompts[0][:16], parallel=max(args.batch),
-                                             context_per_slot=context, extra=extra)
+        try:
+            servers[name] = llama_cpp.ServerPeer(binary, gguf, args.threads, prompts[0][:16],
+                                                 parallel=max(args.batch), context_per_slot=context, extra=extra)
+        except RuntimeError as error:  # e.g. a build without these --spec-type values
+            for peer in servers.values():
+                peer.close()
+            return {}, f"{binary} {' '.join(extra)}: {error}"
     return servers, None
 
 
