@@ -1,16 +1,29 @@
-"""Speculative decoding (prompt lookup) against plain decoding, side by side in one process.
+"""Speculative decoding against plain decoding, and against llama.cpp's, side by side in one run.
 
-    python benchmarks/speculative.py [--model PATH] [--draft-model PATH] [--new-tokens 256] [--reps 2]
-                                     [--threads 2] [--batch 1 8]
+    python benchmarks/speculative.py [--model PATH] [--draft-model PATH] [--new-tokens 128] [--reps 2]
+                                     [--threads 2] [--batch 1 8] [--workloads a b c]
+                                     [--llama-cpp-bin DIR] [--llama-spec ngram-simple ngram-map-k ...]
 
 Workloads (chat prompts on the model's template): (a) summarize a ~1,000-token document, (b) apply a
 small edit to a 60-line code file and return the whole file, (c) open-ended chat. Each job runs
 greedy with ``speculative=None``, ``speculative="ngram"`` and, with ``--draft-model``, the draft
-model, alternating in every repetition;
-outputs must be identical (the script fails otherwise). Decode tokens/s counts the tokens after
-the first one over the time after the first step (the prompt excluded); "accepted / verify" is the
-mean number of draft tokens accepted per verifying step, "acceptance" the share of drafted tokens
-accepted. Batch 8: eight such requests (different documents / files) submitted at once.
+model, alternating in every repetition; outputs must be identical (the script fails otherwise).
+Decode tokens/s counts the tokens after the first one over the time after the first step (the prompt
+excluded); "CPU ms / token" is fastdecode's process CPU time over the same tokens (a shared machine's
+load inflates it far less than wall time); "accepted / verify" is the mean number of draft tokens accepted
+per verifying step, "acceptance" the share of drafted tokens accepted. Batch 8: eight such requests
+(different documents / files) submitted at once.
+
+llama.cpp (optional: its ``llama-server`` from ``--llama-cpp-bin`` / $LLAMA_CPP_BIN / the build
+script's cache; without it those rows say NOT RUN): one server per setting on the same GGUF with one
+slot per request of the largest batch, ``-t`` = ``--threads``: without speculation, each
+``--llama-spec`` entry (``--spec-type`` and its value, more flags after it, e.g. "ngram-simple
+--spec-ngram-simple-size-n 4"), and with ``--draft-model`` the same draft file (``-md``, ``--spec-type
+draft-simple``). The prompts go as token ids, greedy, EOS ignored, ``--new-tokens`` each, in the same
+repetitions as fastdecode's jobs. Its decode tokens/s is llama-server's own count: the tokens after
+the first over its generation time (the slowest request's at batch 8); acceptance from its
+``draft_n_accepted / draft_n``. "vs llama.cpp best" divides fastdecode's best speculative decode rate
+by llama.cpp's best speculative one on the same job.
 """
 
 from __future__ import annotations
@@ -23,7 +36,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
+from peers import llama_cpp  # noqa: E402
 
+# llama-server's n-gram modes as they come (12-token lookups, 48-token drafts) and with short lookups and
+# 8-token drafts (a small model's verify rows are not free)
+SHORT = "--spec-ngram-{0}-size-n 3 --spec-ngram-{0}-size-m 8"
+DEFAULT_LLAMA_SPEC = ["ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache", "ngram-simple " + SHORT.format("simple"),
+                      "ngram-map-k " + SHORT.format("map-k")]
 TOPICS = ["lighthouses", "bread baking", "river deltas", "chess openings", "glaciers", "bees", "railways", "tides"]
 
 
@@ -59,27 +78,81 @@ def run_batch(gen, prompts: list[list[int]], new_tokens: int, speculative) -> di
     started = time.perf_counter()
     while not all(s.output_ids for s in sequences):  # the prompts and the first token
         engine.step()
-    first = time.perf_counter()
+    first, first_cpu = time.perf_counter(), time.process_time()
     counted = sum(len(s.output_ids) for s in sequences)
     while engine.has_work():
         engine.step()
-    end = time.perf_counter()
+    end, end_cpu = time.perf_counter(), time.process_time()
     spec = [s.speculation for s in sequences if s.speculation is not None]
     return {"outputs": [s.output_ids for s in sequences], "decode_s": end - first, "total_s": end - started,
+            "decode_cpu_s": end_cpu - first_cpu,
             "decode_tokens": sum(len(s.output_ids) for s in sequences) - counted,
             "drafted": sum(x.drafted for x in spec), "accepted": sum(x.accepted for x in spec),
             "verify_steps": sum(x.verify_steps for x in spec)}
 
 
+def fastdecode_row(result: dict) -> dict:
+    return {"tok_s": result["decode_tokens"] / max(result["decode_s"], 1e-9),
+            "cpu_ms": 1000 * result["decode_cpu_s"] / max(result["decode_tokens"], 1),
+            "per_verify": result["accepted"] / max(result["verify_steps"], 1) if result["verify_steps"] else None,
+            "acceptance": result["accepted"] / result["drafted"] if result["drafted"] else None}
+
+
+def llama_row(peer: llama_cpp.ServerPeer, prompts: list[list[int]], new_tokens: int) -> dict:
+    answers, _ = peer.completions(prompts, new_tokens)  # (its CPU time covers the prompt too: not shown)
+    timings = [answer["timings"] for answer in answers]
+    tokens = sum(t["predicted_n"] - 1 for t in timings)
+    seconds = max(t["predicted_ms"] for t in timings) / 1000
+    drafted = sum(t.get("draft_n", 0) for t in timings)
+    accepted = sum(t.get("draft_n_accepted", 0) for t in timings)
+    return {"tok_s": tokens / max(seconds, 1e-9), "cpu_ms": None, "per_verify": None,
+            "acceptance": accepted / drafted if drafted else None}
+
+
+def llama_servers(args, gguf: Path, prompts: list[list[int]], context: int) -> tuple[dict, str | None]:
+    """name -> a started llama-server per setting, or ({}, why none runs)."""
+    binary, why_not = llama_cpp.find_binary("llama-server", llama_cpp.bin_dir(args.llama_cpp_bin))
+    if binary is None:
+        return {}, why_not
+    settings: dict[str, tuple[str, ...]] = {"llama.cpp": ()}
+    for entry in args.llama_spec:
+        spec_type, *more = entry.split()
+        settings[f"llama.cpp {entry}"] = ("--spec-type", spec_type, *more)
+    if args.draft_model:
+        settings["llama.cpp draft (-md)"] = ("--spec-type", "draft-simple", "-md", args.draft_model,
+                                             "--spec-draft-n-max", str(args.llama_draft_max))
+    servers = {}
+    for name, extra in settings.items():
+        print(f"  starting {name}", file=sys.stderr)
+        try:
+            servers[name] = llama_cpp.ServerPeer(binary, gguf, args.threads, prompts[0][:16],
+                                                 parallel=max(args.batch), context_per_slot=context, extra=extra)
+        except RuntimeError as error:  # e.g. a build without these --spec-type values
+            for peer in servers.values():
+                peer.close()
+            return {}, f"{binary} {' '.join(extra)}: {error}"
+    return servers, None
+
+
+def cell(values: list[float], digits: int = 1) -> str:
+    return harness.spread(values, digits) if values else "-"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="GGUF or HF folder (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--draft-model", default=None, help="a smaller model with the same tokenizer")
     parser.add_argument("--workloads", nargs="+", default=["a", "b", "c"])
+    parser.add_argument("--llama-cpp-bin", default=None,
+                        help=f"llama.cpp's binaries (default: $LLAMA_CPP_BIN or {llama_cpp.DEFAULT_BIN})")
+    parser.add_argument("--llama-spec", nargs="*", default=DEFAULT_LLAMA_SPEC,
+                        help="llama-server speculative settings to run: a --spec-type value, more flags after it")
+    parser.add_argument("--llama-draft-max", type=int, default=4, help="llama-server's --spec-draft-n-max with -md")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="fastdecode only")
     args = parser.parse_args()
     import torch
 
@@ -89,39 +162,59 @@ def main() -> None:
     gen = fastdecode.load(args.model)
     print(harness.machine_line(args.threads))
     print(f"model: {args.model or 'embedded SmolLM2-135M-Instruct Q4_1'}; greedy, {args.new_tokens} new tokens at most\n")
-    engines = {"plain": None, "ngram": "ngram"}
+    engines = {"fastdecode": None, "fastdecode ngram": "ngram"}
     if args.draft_model:
-        engines["draft"] = {"draft_model": args.draft_model}
-        gen.requests.draft_model(args.draft_model)  # loaded before timing
-    rows = []
-    for batch in args.batch:
-        for name in workloads(0):
-            if name[1] not in args.workloads:
-                continue
-            prompts = [gen.encode_prompt(workloads(v)[name], chat=True) for v in range(batch)]
-            rates: dict[str, list[float]] = {engine: [] for engine in engines}
-            results = {}
-            for _ in range(args.reps):
+        engines["fastdecode draft"] = {"draft_model": args.draft_model}
+        gen.requests.draft_model(args.draft_model, gen.model.kernels)  # loaded before timing
+    jobs = {(batch, name): [gen.encode_prompt(workloads(v)[name], chat=True) for v in range(batch)]
+            for batch in args.batch for name in workloads(0) if name[1] in args.workloads}
+    longest = max(len(p) for prompts in jobs.values() for p in prompts)
+    servers, why_not = ({}, "--no-llama-cpp") if args.no_llama_cpp else llama_servers(
+        args, Path(args.model) if args.model else harness.embedded_model_path(), next(iter(jobs.values())),
+        longest + args.new_tokens + 64)
+    rows, summary = [], []
+    try:
+        for (batch, name), prompts in jobs.items():
+            measured: dict[str, list[dict]] = {engine: [] for engine in [*engines, *servers]}
+            outputs = {}
+            for _ in range(args.reps):  # every engine once per repetition, in turn
                 for engine, speculative in engines.items():
-                    results[engine] = run_batch(gen, prompts, args.new_tokens, speculative)
-                    r = results[engine]
-                    rates[engine].append(r["decode_tokens"] / max(r["decode_s"], 1e-9))
-                    print(f"  batch {batch} {name} {engine}: {rates[engine][-1]:.1f} tok/s", file=sys.stderr)
+                    result = run_batch(gen, prompts, args.new_tokens, speculative)
+                    outputs[engine] = result["outputs"]
+                    measured[engine].append(fastdecode_row(result))
+                    print(f"  batch {batch} {name} {engine}: {measured[engine][-1]['tok_s']:.1f} tok/s", file=sys.stderr)
+                for engine, peer in servers.items():
+                    measured[engine].append(llama_row(peer, prompts, args.new_tokens))
+                    print(f"  batch {batch} {name} {engine}: {measured[engine][-1]['tok_s']:.1f} tok/s", file=sys.stderr)
             for engine in engines:
-                if results[engine]["outputs"] != results["plain"]["outputs"]:
+                if outputs[engine] != outputs["fastdecode"]:
                     raise SystemExit(f"{engine} outputs differ on {name} (batch {batch}): speculation must not "
                                      "change them")
-                if engine == "plain":
-                    continue
-                spec = results[engine]
-                rows.append([batch, name, engine, len(prompts[0]), round(spec["decode_tokens"] / batch + 1),
-                             harness.spread(rates["plain"]), harness.spread(rates[engine]),
-                             harness.fmt_ratio(harness.ratio(harness.median(rates[engine]),
-                                                             harness.median(rates["plain"]))),
-                             f"{spec['accepted'] / max(spec['verify_steps'], 1):.2f}",
-                             f"{spec['accepted'] / max(spec['drafted'], 1):.0%}"])
-    print(harness.table(["batch", "workload", "drafter", "prompt tokens", "new tokens", "plain decode tok/s",
-                         "speculative decode tok/s", "speed-up", "accepted / verify", "acceptance"], rows))
+            rate = {engine: harness.median(m["tok_s"] for m in runs) for engine, runs in measured.items()}
+            for engine, runs in measured.items():
+                last = runs[-1]
+                rows.append([batch, name, engine, cell([m["tok_s"] for m in runs]),
+                             harness.fmt_ratio(harness.ratio(rate[engine], rate["fastdecode"])),
+                             cell([m["cpu_ms"] for m in runs if m["cpu_ms"] is not None], 2),
+                             "-" if last["per_verify"] is None else f"{last['per_verify']:.2f}",
+                             "-" if last["acceptance"] is None else f"{last['acceptance']:.0%}"])
+            ours = max((e for e in engines if e != "fastdecode"), key=rate.get)
+            theirs = [e for e in servers if e != "llama.cpp"]
+            best = max(theirs, key=rate.get) if theirs else None
+            summary.append([batch, name, f"{ours} {rate[ours]:.1f}", harness.fmt_ratio(
+                harness.ratio(rate[ours], rate["fastdecode"])),
+                f"{best} {rate[best]:.1f}" if best else f"NOT RUN ({why_not})",
+                harness.fmt_ratio(harness.ratio(rate[ours], rate[best])) if best else "-"])
+    finally:
+        for peer in servers.values():
+            peer.close()
+    print(harness.table(["batch", "workload", "engine", "decode tok/s", "vs fastdecode plain", "CPU ms / token",
+                         "accepted / verify", "acceptance"], rows))
+    print()
+    print(harness.table(["batch", "workload", "fastdecode best speculative tok/s", "vs fastdecode plain",
+                         "llama.cpp best speculative tok/s", "fastdecode / llama.cpp best"], summary))
+    if why_not:
+        print(f"\nllama.cpp: NOT RUN ({why_not})")
 
 
 if __name__ == "__main__":

@@ -123,6 +123,15 @@ class ServerPeer:
         return {"seconds": seconds, "cpu_s": self._cpu_seconds() - cpu_before,
                 "rows": [answer.get("tokens") for answer in answers]}
 
+    def completions(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[dict[str, Any]], float]:
+        """Every prompt at once as ``call`` sends them -> (the answers, with llama-server's own ``timings``:
+        ``predicted_n`` / ``predicted_ms`` after the prompt, and ``draft_n`` / ``draft_n_accepted`` when it
+        speculates; the server's CPU seconds over the call)."""
+        cpu_before = self._cpu_seconds()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda prompt: self._complete(prompt, new_tokens), prompts))
+        return answers, self._cpu_seconds() - cpu_before
+
     def peak_rss_kib(self) -> int:
         return self._status("VmHWM")
 

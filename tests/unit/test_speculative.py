@@ -10,7 +10,7 @@ import torch
 
 import fastdecode
 from fastdecode.config.speculative import SpeculativeSettings, speculative_settings
-from fastdecode.engine.speculative import NgramDrafter, Speculation
+from fastdecode.engine.speculative import NgramDrafter, Speculation, draft_length
 from fastdecode.errors import InvalidOptionError
 from engine_helpers import run_arrivals
 from tiny_models import VOCAB, build
@@ -158,21 +158,38 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     assert source.propose(2) == [32, 33]  # an encoder-decoder's source is searched too
 
 
-def test_adaptive_length_pauses_after_misses():
-    spec = Speculation(NgramDrafter([1, 2, 1, 2, 1], 1, 2), SpeculativeSettings(num_tokens=8))
-    assert spec.length == 4  # the first draft is a short probe
-    spec.settle(4, 4)
-    assert spec.length == 8  # doubles while drafts are accepted, up to num_tokens
-    spec.settle(8, 2)
+def test_draft_lengths_keep_verify_rows_a_power_of_two():
+    assert [draft_length(n) for n in range(10)] == [0, 1, 1, 3, 3, 3, 3, 7, 7, 7]
+    spec = Speculation(NgramDrafter([1, 2, 1, 2, 1], 1, 2), SpeculativeSettings(num_tokens=8), pauses=False)
+    assert spec.length == 3  # the first draft is a short probe: 4 verify rows
+    spec.settle(3, 3)
+    assert spec.length == 7  # grows while drafts are accepted, up to num_tokens (as 1 + k rows allow)
+    spec.settle(7, 2)
     assert spec.length == 3
+    spec.settle(3, 0)
+    assert spec.length == 1 and spec.paused == 0  # prompt lookup never pauses: a miss shortens the draft
+    assert spec.draft(5) == [2]  # "1" last followed by 2 (a 1-token draft)
+    assert spec.wanted(2) == 1 and Speculation.shaped([5, 6]) == [5]  # 3 rows cost more than 4: cut to 2
+    batched = Speculation(NgramDrafter([1, 2, 1, 2, 1], 1, 2), SpeculativeSettings(num_tokens=8), pauses=False)
+    assert batched.wanted(5, batched=True) == 3
+    batched.settle(3, 0)
+    assert batched.paused == 8  # beside other decoding sequences a miss pauses all the same (rows cost compute)
+    for _ in range(3):
+        spec.settle(1, 0)
+    assert spec.rate < 0.3 and spec.wanted(3) == 0  # drafts that keep missing cost more than they gain
+    assert 0 < next(step for step in range(1, 40) if spec.wanted(3)) < 40  # probes again after a while
+
+
+def test_a_costly_drafter_pauses_after_misses():
+    spec = Speculation(NgramDrafter([1, 2, 1, 2, 1], 1, 2), SpeculativeSettings(num_tokens=8), pauses=True)
     spec.settle(3, 0)
     assert spec.paused == 8 and spec.draft(5) == []  # a draft with nothing accepted pauses drafting
     spec.paused = 0
     spec.settle(1, 0)
     assert spec.paused == 16  # a pause right after a pause is longer
     spec.paused = 0
-    spec.settle(2, 1)
-    assert spec.pause_steps == 8 and spec.length == 2
+    spec.settle(3, 1)
+    assert spec.pause_steps == 8 and spec.length == 1
 
 
 @pytest.mark.parametrize("value, message", [
@@ -220,9 +237,9 @@ def test_a_prediction_is_drafted_from_its_start():
 
 def test_batched_sequences_draft_only_while_drafts_pay():
     spec = Speculation(NgramDrafter([1, 2, 1, 2, 1], 1, 2), SpeculativeSettings(num_tokens=4))
-    assert spec.wanted(4, batched=True) == 4  # optimistic at first
+    assert spec.wanted(4, batched=True) == 3  # optimistic at first
     for _ in range(3):
-        spec.settle(4, 1)
+        spec.settle(7, 1)
     assert spec.rate < 0.6 and spec.wanted(4, batched=True) == 0 and spec.wanted(4) > 0
     steps = 0
     while spec.wanted(4, batched=True) == 0:  # probes again after a while

@@ -16,8 +16,15 @@ step overwrites them (the cache's ``seq_rm`` in effect), and the prefix cache on
 of accepted tokens.
 
 Each sequence adapts its draft length to what is accepted: a fully accepted draft grows it, a
-rejected one shrinks it, and after repeated misses speculation pauses for a while before probing
-again, so open-ended text costs next to nothing.
+rejected one shrinks it. A draft's length keeps its verify at a power-of-two number of rows (1 + k:
+k = 1, 3, 7, 15): the int8 decode kernels run rows in tiles of 8, 4, 2 and 1 (layers/qmatmul.cpp,
+qtiles.cpp), so 4 rows pass over the weights once and 3 rows twice (on the embedded SmolLM2, one
+step of 2 / 3 / 4 / 5 / 8 rows costs ~1.3 / 1.6 / 1.4-1.6 / 1.7-2.0 / 1.9-2.5x one row). Prompt
+lookup proposes only where the sequence repeats an n-gram, so it never pauses: a miss only drops
+the next draft to one token, and while its recent acceptance stays under ~30% (where a draft costs
+more than it gains) it drafts nothing, probing again now and then. A draft model's proposal costs its forwards whatever follows, and beside
+other decoding sequences a draft's rows cost real compute, so there a miss pauses drafting for a
+while before probing again.
 """
 
 from __future__ import annotations
@@ -35,8 +42,8 @@ if TYPE_CHECKING:
     from .core import Engine
     from .sequence import Sequence
 
-PAUSE_AFTER_MISSES = 1  # drafts in a row with nothing accepted before speculation pauses
-FIRST_LENGTH = 4  # the first draft's length (a probe: it doubles while drafts are accepted)
+PAUSE_AFTER_MISSES = 1  # drafts in a row with nothing accepted before a draft model pauses
+FIRST_LENGTH = 3  # the first draft's length (4 verify rows; it grows to 7, 15 while drafts are accepted)
 PAUSE_STEPS = 8  # decode steps without drafting in a first pause; each pause in a row doubles it
 MAX_PAUSE_STEPS = 256
 # Beside other decoding sequences a draft's rows cost real compute (a batched step is no longer bound
@@ -44,6 +51,10 @@ MAX_PAUSE_STEPS = 256
 # least this; while it is not, the rate creeps back up by RATE_RECOVERY a step, so it probes again.
 BATCHED_MIN_RATE = 0.6
 RATE_RECOVERY = 0.02
+# Alone in a step, a verify of 2 or 4 rows costs ~1.3-1.45x a decode step (engine.step, the embedded
+# SmolLM2 at a 100-token context): a draft pays once about 30% of its tokens are accepted. Below that
+# rate a sequence drafts nothing, the rate creeping back up as above (open-ended text: few probes).
+SOLO_MIN_RATE = 0.3
 
 
 class Drafter(Protocol):
@@ -135,13 +146,21 @@ class ModelDrafter:
         return self.sequence.draft
 
 
-class Speculation:
-    """A sequence's drafter, its adaptive draft length and its counts (drafted, accepted)."""
+def draft_length(count: int) -> int:
+    """The longest draft of at most ``count`` tokens whose verify runs a power of two of rows (1 + k):
+    0, 1, 3, 7, 15, 31 (see the module docstring)."""
+    return (1 << (count + 1).bit_length() - 1) - 1 if count > 0 else 0
 
-    def __init__(self, drafter: "Drafter | ModelDrafter", settings: SpeculativeSettings):
-        self.drafter = drafter
-        self.max_tokens = settings.num_tokens
-        self.length = min(FIRST_LENGTH, settings.num_tokens)
+
+class Speculation:
+    """A sequence's drafter, its adaptive draft length and its counts (drafted, accepted).
+    ``pauses``: after a missed draft, stop drafting for a while (a drafter whose proposals cost
+    forwards: a draft model); any drafter pauses after a miss in a step with other decoding sequences."""
+
+    def __init__(self, drafter: "Drafter | ModelDrafter", settings: SpeculativeSettings, pauses: bool = True):
+        self.drafter, self.pauses = drafter, pauses
+        self.max_tokens = draft_length(settings.num_tokens)
+        self.length = min(FIRST_LENGTH, self.max_tokens)
         self.misses = 0  # drafts in a row with nothing accepted
         self.paused = 0  # decode steps left without drafting
         self.pause_steps = PAUSE_STEPS  # the next pause's length (doubles while drafts keep missing)
@@ -149,22 +168,30 @@ class Speculation:
         self.accepted = 0
         self.verify_steps = 0
         self.rate = 1.0  # recent share of drafted tokens accepted (moving average; optimistic at first)
+        self.batched = False  # whether the last draft was verified beside other decoding sequences
 
     def wanted(self, room: int, batched: bool = False) -> int:
-        """How many tokens to draft this step, at most ``room`` (0 while paused; ``batched``: other
-        sequences decode in the step too, and this one's recent acceptance is too low to pay there)."""
+        """How many tokens to draft this step, at most ``room``: 0 while paused or while its recent
+        acceptance is too low to pay (``batched``: other sequences decode in the step too, where the
+        bar is higher)."""
+        self.batched = batched
         if self.paused:
             self.paused -= 1
             return 0
-        if batched and self.rate < BATCHED_MIN_RATE:
+        if self.rate < (BATCHED_MIN_RATE if batched else SOLO_MIN_RATE):
             self.rate += RATE_RECOVERY
             return 0
-        return max(0, min(self.length, room))
+        return draft_length(min(self.length, room))
 
     def draft(self, room: int) -> list[int]:
         """At most ``room`` tokens to verify this step (none while paused), from a token-level drafter."""
         count = self.wanted(room)
-        return self.drafter.propose(count) if count else []
+        return self.shaped(self.drafter.propose(count)) if count else []
+
+    @staticmethod
+    def shaped(draft: list[int]) -> list[int]:
+        """A proposal cut to a draft length (a drafter may find fewer tokens than asked)."""
+        return draft[:draft_length(len(draft))]
 
     def settle(self, drafted: int, accepted: int) -> None:
         """Count a verified draft and adapt the next draft's length."""
@@ -173,17 +200,17 @@ class Speculation:
         self.verify_steps += 1
         self.rate = 0.7 * self.rate + 0.3 * accepted / max(drafted, 1)
         if accepted == 0:
-            self.length = max(1, self.length // 2)
+            self.length = min(1, self.max_tokens)
             self.misses += 1
-            if self.misses >= PAUSE_AFTER_MISSES:  # probe again after the pause, then pause longer
-                self.paused, self.misses = self.pause_steps, 0
+            if (self.pauses or self.batched) and self.misses >= PAUSE_AFTER_MISSES:  # probe again after it
+                self.paused, self.misses = self.pause_steps, 0  # (and pause longer next time)
                 self.pause_steps = min(MAX_PAUSE_STEPS, self.pause_steps * 2)
             return
         self.misses, self.pause_steps = 0, PAUSE_STEPS
         if accepted == drafted:
-            self.length = min(self.max_tokens, self.length * 2)
+            self.length = min(self.max_tokens, 2 * drafted + 1)
         else:
-            self.length = max(1, min(self.max_tokens, accepted + 1))
+            self.length = min(self.max_tokens, draft_length(accepted + 1))
 
 
 class Speculator:
@@ -229,9 +256,11 @@ class Speculator:
                 runner = spec.drafter.runner
                 batched.setdefault(id(runner), (runner, []))[1].append((sequence, count))
             else:
-                sequence.draft = spec.drafter.propose(count)
+                sequence.draft = spec.shaped(spec.drafter.propose(count))
         for runner, wanted in batched.values():
             runner.propose(wanted)
+            for sequence, _ in wanted:
+                sequence.draft = sequence.speculation.shaped(sequence.draft)
 
     def sample(self, sampled: list["Sequence"], logits: torch.Tensor) -> list[TokenEvent]:
         """A step's tokens when some sequences verify drafts: plain rows as usual, then each verifying
@@ -270,7 +299,7 @@ def new_speculation(settings: SpeculativeSettings, context: list[int], source: l
     drafter = NgramDrafter(context, settings.ngram_min, settings.ngram_max, tuple(d for d in (source, prediction) if d))
     if prediction:  # the output is expected to start as the prediction does
         drafter.cursor = (prediction, 0)
-    return Speculation(drafter, settings)
+    return Speculation(drafter, settings, pauses=False)
 
 
 def verify_draft(sequence: "Sequence", draft: list[int], logits: torch.Tensor) -> tuple[list[TokenEvent], int]:

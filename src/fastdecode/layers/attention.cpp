@@ -231,12 +231,15 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor keys, at::Tensor valu
   r.out = out.data_ptr<float>();
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, pos[b] - starts[b] + 1);
-  // (row, KV head) items over the kernel thread pool (parallel.h: no barrier waiting for a busy core),
-  // on torch's thread count (attention.py's threads_for: one thread for small steps).
+  // (KV head, row) items over the kernel thread pool (parallel.h: no barrier waiting for a busy core),
+  // on torch's thread count (attention.py's threads_for: one thread for small steps). KV head major:
+  // a thread takes one head's rows in a row, so the rows of a sequence verifying a draft (consecutive
+  // rows over the same blocks, engine/layout.py) read that head's keys and values from its cache
+  // instead of memory again (a verify row then costs its arithmetic, not another pass over the context).
   fastdecode::parallel_chunks(B * Hkv, fastdecode::chunk_outputs(2 * (H / Hkv) * longest * D, 1), 0,
                               [&](int64_t first, int64_t last) {
     std::vector<float> scores, sums;
-    for (int64_t item = first; item < last; ++item) attend_one(r, item / Hkv, item % Hkv, scores, sums);
+    for (int64_t item = first; item < last; ++item) attend_one(r, item % B, item / B, scores, sums);
   });
   return out;
 }
