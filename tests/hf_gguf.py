@@ -6,6 +6,11 @@ element of every metadata array: for Gemma 3's 262k-token vocabulary one parse t
 decoding all the weights. ``gguf_parsed_once`` hands transformers the same (read-only) reader for
 each of its parses of a file, so what transformers computes is unchanged; only the repeated
 parsing goes.
+
+transformers also maps tensor names module by module, and asks ``gguf.get_tensor_name_map(arch,
+layers)`` for a fresh map at every module (~400 times for a 30-layer model, each formatting every
+block's names anew: about a third of a small model's load). Within the block the map of an
+(architecture, layer count) is built once and handed out again: it is only read (``get_name``).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ def gguf_parsed_once(*parsed):
     ``parsed``: readers made before (of files opened read-only), returned for their files."""
     import gguf
 
-    parse = gguf.GGUFReader
+    parse, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers = {(os.path.realpath(reader.data.filename), "r"): reader for reader in parsed}
+    name_maps = {}
 
     def reader(path, mode="r"):
         key = (os.path.realpath(path), mode)
@@ -33,8 +39,14 @@ def gguf_parsed_once(*parsed):
             readers[key] = parse(path, mode)
         return readers[key]
 
+    def tensor_name_map(arch, n_blocks):
+        if (arch, n_blocks) not in name_maps:
+            name_maps[arch, n_blocks] = name_map(arch, n_blocks)
+        return name_maps[arch, n_blocks]
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", reader)  # transformers imports it from gguf at each parse
+        patch.setattr(gguf, "GGUFReader", reader)  # transformers imports both from gguf at each use
+        patch.setattr(gguf, "get_tensor_name_map", tensor_name_map)
         yield
 
 
