@@ -11,6 +11,12 @@ transformers also maps tensor names module by module, and asks ``gguf.get_tensor
 layers)`` for a fresh map at every module (~400 times for a 30-layer model, each formatting every
 block's names anew: about a third of a small model's load). Within the block the map of an
 (architecture, layer count) is built once and handed out again: it is only read (``get_name``).
+
+gguf decodes a quantized tensor 16 rows at a time (``gguf.quants._apply_over_grouped_rows``): for a
+1536-wide Q4_K row that is a few numpy calls per 24K values, and the calls cost more than the
+arithmetic. Within the block it takes ``ROWS_PER_GROUP`` rows at a time: every block is decoded by
+the same numpy operations on its own bytes, so the floats are the same (checked bit for bit on the
+Qwen2.5-Coder file's Q4_K and Q6_K tensors), in a quarter less time.
 """
 
 from __future__ import annotations
@@ -19,15 +25,20 @@ import contextlib
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+
+ROWS_PER_GROUP = 256
 
 
 @contextlib.contextmanager
 def gguf_parsed_once(*parsed):
-    """Within the block, ``gguf.GGUFReader(path)`` parses each file once and returns that reader again;
-    ``parsed``: readers made before (of files opened read-only), returned for their files."""
+    """Within the block, ``gguf.GGUFReader(path)`` parses each file once and returns that reader again
+    (``parsed``: readers made before, of files opened read-only, returned for their files), a tensor-name
+    map is built once, and quantized tensors are decoded ROWS_PER_GROUP rows at a time."""
     import gguf
+    from gguf import quants
 
     parse, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers = {(os.path.realpath(reader.data.filename), "r"): reader for reader in parsed}
@@ -44,7 +55,16 @@ def gguf_parsed_once(*parsed):
             name_maps[arch, n_blocks] = name_map(arch, n_blocks)
         return name_maps[arch, n_blocks]
 
+    def over_grouped_rows(func, arr, otype, oshape):
+        """gguf's ``_apply_over_grouped_rows`` with ROWS_PER_GROUP rows a group instead of 16."""
+        rows = arr.reshape((-1, arr.shape[-1]))
+        out = np.empty(shape=int(np.prod(oshape)), dtype=otype)
+        groups = (rows.shape[0] // ROWS_PER_GROUP) or 1
+        np.concatenate([func(group).ravel() for group in np.array_split(rows, groups)], axis=0, out=out)
+        return out.reshape(oshape)
+
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quants, "_apply_over_grouped_rows", over_grouped_rows)
         patch.setattr(gguf, "GGUFReader", reader)  # transformers imports both from gguf at each use
         patch.setattr(gguf, "get_tensor_name_map", tensor_name_map)
         yield
