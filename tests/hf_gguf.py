@@ -5,7 +5,9 @@ twice more for a tokenizer: config, then vocabulary). The reader builds a numpy 
 element of every metadata array: for Gemma 3's 262k-token vocabulary one parse takes longer than
 decoding all the weights. ``gguf_parsed_once`` hands transformers the same (read-only) reader for
 each of its parses of a file, so what transformers computes is unchanged; only the repeated
-parsing goes.
+parsing goes. That one parse reads a plain ndarray view of the file's mapping (``read_gguf``): the
+same bytes, without ``np.memmap``'s Python hooks on each of the millions of slices a parse takes
+(Gemma 3's header: 18 -> 5 CPU s; Qwen2.5-Coder's 12 -> 4; fields and tensors checked equal).
 
 transformers also maps tensor names module by module, and asks ``gguf.get_tensor_name_map(arch,
 layers)`` for a fresh map at every module (~400 times for a 30-layer model, each formatting every
@@ -22,6 +24,7 @@ Qwen2.5-Coder file's Q4_K and Q6_K tensors), in a quarter less time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from pathlib import Path
 
@@ -32,6 +35,30 @@ import torch
 ROWS_PER_GROUP = 256
 
 
+@functools.cache
+def _plain_reader_class():
+    from gguf.gguf_reader import GGUFReader  # the class, also while gguf_parsed_once stands in for it
+
+    class PlainGGUFReader(GGUFReader):
+        """``gguf.GGUFReader`` whose ``data`` is a plain ndarray view of the file's np.memmap."""
+
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, mapped: np.memmap) -> None:  # GGUFReader.__init__: self.data = np.memmap(path, ...)
+            self.filename = mapped.filename
+            self._plain = mapped.view(np.ndarray)  # keeps the memmap (its base), so the mapping stays
+
+    return PlainGGUFReader
+
+
+def read_gguf(path, mode="r"):
+    """``gguf.GGUFReader(path, mode)``, parsed over a plain ndarray view of the mapping (the module's notes)."""
+    return _plain_reader_class()(path, mode)
+
+
 @contextlib.contextmanager
 def gguf_parsed_once(*parsed):
     """Within the block, ``gguf.GGUFReader(path)`` parses each file once and returns that reader again
@@ -40,14 +67,15 @@ def gguf_parsed_once(*parsed):
     import gguf
     from gguf import quants
 
-    parse, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers = {(os.path.realpath(reader.data.filename), "r"): reader for reader in parsed}
+    name_map = gguf.get_tensor_name_map
+    readers = {(os.path.realpath(getattr(reader, "filename", None) or reader.data.filename), "r"): reader
+               for reader in parsed}
     name_maps = {}
 
     def reader(path, mode="r"):
         key = (os.path.realpath(path), mode)
         if key not in readers:
-            readers[key] = parse(path, mode)
+            readers[key] = read_gguf(path, mode)
         return readers[key]
 
     def tensor_name_map(arch, n_blocks):
