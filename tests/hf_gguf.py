@@ -17,8 +17,8 @@ block's names anew: about a third of a small model's load). Within the block the
 gguf decodes a quantized tensor 16 rows at a time (``gguf.quants._apply_over_grouped_rows``): for a
 1536-wide Q4_K row that is a few numpy calls per 24K values, and the calls cost more than the
 arithmetic. Within the block it takes ``ROWS_PER_GROUP`` rows at a time: every block is decoded by
-the same numpy operations on its own bytes, so the floats are the same (checked bit for bit on the
-Qwen2.5-Coder file's Q4_K and Q6_K tensors), in a quarter less time.
+the same numpy operations on its own bytes, so the floats are the same (checked bit for bit on every
+quantized tensor of the Qwen2.5-Coder, Gemma 3 and SmolLM2 files); Qwen's: 22.4 -> 13.5 CPU s.
 """
 
 from __future__ import annotations
