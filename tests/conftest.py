@@ -121,8 +121,10 @@ def gguf_path() -> Path:
 def gguf_reader(gguf_path: Path):
     """The gguf package's reader of the embedded GGUF, parsed once for the session (a parse takes seconds:
     a numpy object per vocabulary entry); transformers' loads of the file reuse it (tests/hf_gguf.py)."""
-    gguf = pytest.importorskip("gguf")
-    return gguf.GGUFReader(str(gguf_path))
+    pytest.importorskip("gguf")
+    from hf_gguf import read_gguf
+
+    return read_gguf(str(gguf_path))
 
 
 @pytest.fixture(scope="session")
