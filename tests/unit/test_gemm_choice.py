@@ -92,3 +92,14 @@ def test_a_model_gives_the_same_answer_on_either_gemm(tmp_path):
         assert gen.model.kernels.float_gemm == float_gemm
         runs[float_gemm] = gen.generate_ids(prompts, max_new_tokens=8)
     assert runs["onednn"] == runs["mkl"]
+
+
+def test_with_the_caches_off_it_measures_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FASTDECODE_CACHE", "off")
+    monkeypatch.setattr(ops, "onednn_available", lambda: True)
+    timings = iter([{"onednn": 0.2, "mkl": 0.1}, {"onednn": 0.1, "mkl": 0.2}])
+    monkeypatch.setattr(gemm_choice, "time_float_gemms", lambda: next(timings))
+    assert gemm_choice.choice_path() is None
+    assert [gemm_choice.machine_float_gemm(), gemm_choice.machine_float_gemm()] == ["mkl", "onednn"]  # measured twice
+    assert list(tmp_path.iterdir()) == []

@@ -8,10 +8,11 @@ padding, so a source's output never depends on its batch), each decoder layer pr
 cross K/V once, and only the real tokens' K/V are written to the sequence's cross blocks. They
 stay there, unchanged, until the sequence finishes or is cancelled (``release``).
 
-In the step's one flat forward (tokens of many sequences side by side, ``[1, N]``), a decoder
-layer's cross-attention runs per attention group of the step (the groups of ``plan.py``): each
-row gathers its own source's K/V through its cross block table and a key mask hides the slots
-past its source's length, so no row ever sees another request's source or padding.
+In the step's one flat forward (tokens of many sequences side by side, ``[1, N]``), each query of
+a decoder layer's cross-attention reads only its own source's K/V, through its sequence's cross
+block table, up to its source's length (``CrossStep``: in place in one paged op where the C++ ops
+run, else per attention group gathered under a key mask), so no row ever sees another request's
+source or padding.
 
 ``EncodedSources`` (the ``use_cache=False`` reference loop's sources, generation/reference.py; each
 Whisper window, whose encoded source a request of the engine carries: engine/speech_source.py)

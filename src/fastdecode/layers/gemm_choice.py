@@ -3,15 +3,16 @@
 PyTorch offers two exact float32 GEMMs on the CPU: MKL's sgemm (``F.linear``) and oneDNN's
 (``torch.ops.mkldnn._linear_pointwise``, which can fuse ReLU / GELU). Which is faster depends on the
 CPU and on the weights' layout, and the difference is not small: on the [out, in] views of the
-contiguous [in, out] buffers the models hold (layers/linear.py), oneDNN ran 1.1-1.3x faster than
-MKL on the AMD EPYC this project was first measured on, and 2.0-2.4x *slower* on the Intel Xeon of
-a later session (a bart-base encoder over 8 x 256 tokens: 6.7 s of GEMMs against MKL's 3.4 s). So
-no constant decides it: the first load on a machine times both on that layout (about half a second,
-on one thread, alternating) and keeps the answer in ``$FASTDECODE_CACHE`` (default
+contiguous [in, out] buffers the models hold (layers/linear.py), oneDNN ran 1.1-1.3x faster than MKL
+on the AMD EPYC this project was first measured on, and 2.0-2.4x *slower* on the Intel Xeon of a
+later session (a bart-base encoder over 8 x 256 tokens: 6.7 s of GEMMs against MKL's 3.4 s). So no
+constant decides it: the first load on a machine times both on that layout (about a second, on
+one thread, alternating) and keeps the answer in ``$FASTDECODE_CACHE`` (default
 ``~/.cache/fastdecode``) under a name keyed by the CPU model and the PyTorch version; later loads
-read the file. The choice becomes part of the model's ``KernelChoice`` (layers/products.py): it
-is made at load and carried by every forward, never looked up while a product runs. Both GEMMs are
-exact float32; their results differ only by summation order (~1e-6).
+read the file (with ``FASTDECODE_CACHE=off``, every load measures). The choice becomes part of the
+model's ``KernelChoice`` (layers/products.py): it is made at load and carried by every forward,
+never looked up while a product runs. Both GEMMs are exact float32; their results differ only by
+summation order (~1e-6).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def machine_float_gemm() -> str:
         return "mkl"
     path = choice_path()
     try:
+        if path is None:
+            raise OSError("the caches are off")
         choice = json.loads(path.read_text())["float_gemm"]
         if choice in FLOAT_GEMMS:
             return choice
@@ -47,17 +50,21 @@ def machine_float_gemm() -> str:
         pass  # not measured here yet (or an unreadable file): measure
     timings = time_float_gemms()
     choice = min(timings, key=timings.get)
-    _write_atomically(path, {"float_gemm": choice, "median_seconds": timings, "rows": ROWS,
-                             "shapes": [list(shape) for shape in SHAPES], "cpu": cpu_model()})
+    if path is not None:
+        _write_atomically(path, {"float_gemm": choice, "median_seconds": timings, "rows": ROWS,
+                                 "shapes": [list(shape) for shape in SHAPES], "cpu": cpu_model()})
     return choice
 
 
-def choice_path() -> Path:
+def choice_path() -> Path | None:
+    """The record's file, or None when the caches are off (then every load measures)."""
     import torch
 
-    root = Path(os.environ.get("FASTDECODE_CACHE", Path.home() / ".cache" / "fastdecode"))
+    from .kernels import cache_folder
+
+    root = cache_folder()
     key = hashlib.sha256(f"{cpu_model()}|{torch.__version__}".encode()).hexdigest()[:16]
-    return root / f"float-gemm-{key}.json"
+    return None if root is None else root / f"float-gemm-{key}.json"
 
 
 def cpu_model() -> str:

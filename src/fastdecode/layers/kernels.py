@@ -41,13 +41,25 @@ def cpu_has_avx512() -> bool:
     return _cpu_has("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 
 
+def cache_setting() -> str:
+    """``$FASTDECODE_CACHE``, the folder of the project's caches (default ``~/.cache/fastdecode``): the
+    kernels' build, the weight and tokenizer caches, the float GEMM choice; "off" turns the last three
+    off (``cache_folder``)."""
+    return os.environ.get("FASTDECODE_CACHE", str(Path.home() / ".cache" / "fastdecode"))
+
+
+def cache_folder() -> Path | None:
+    """The caches' folder, or None when ``$FASTDECODE_CACHE`` is "off"."""
+    setting = cache_setting()
+    return None if setting == "off" else Path(setting)
+
+
 def _build_dir() -> Path:
     import torch
 
     text = b"".join(f.name.encode() + f.read_bytes() for f in SOURCES + HEADERS)
     key = hashlib.sha256(text + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("FASTDECODE_CACHE", Path.home() / ".cache" / "fastdecode"))
-    return root / f"kernels-{key}"
+    return Path(cache_setting()) / f"kernels-{key}"
 
 
 def library_path() -> Path:

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from ..layers.kernels import cache_folder
 from ..layers.quantized import QuantizedWeight
 
 log = logging.getLogger("fastdecode")
@@ -69,10 +70,10 @@ class StaleCacheEntry(Exception):
 
 def cache_root() -> Path | None:
     """The entries' folder: ``FASTDECODE_WEIGHT_CACHE``, else ``weights`` in the kernels' cache folder."""
-    root = os.environ.get("FASTDECODE_CACHE", str(Path.home() / ".cache" / "fastdecode"))
-    if root == "off" or os.environ.get("FASTDECODE_WEIGHT_CACHE") == "off":
+    root = cache_folder()
+    if root is None or os.environ.get("FASTDECODE_WEIGHT_CACHE") == "off":
         return None
-    return Path(os.environ.get("FASTDECODE_WEIGHT_CACHE") or Path(root) / "weights")
+    return Path(os.environ.get("FASTDECODE_WEIGHT_CACHE") or root / "weights")
 
 
 @functools.cache

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import tokenizers
 
+from ...layers.kernels import cache_folder
+
 log = logging.getLogger("fastdecode")
 BUILDER_VERSION = "1"  # bump when from_gguf.py builds a different backend from the same metadata
 MIN_CACHED_VOCABULARY = 32_768
@@ -30,8 +32,8 @@ MIN_CACHED_VOCABULARY = 32_768
 
 def cache_file(gguf_path: Path) -> Path | None:
     """Where the tokenizer of ``gguf_path`` is cached, or None when the cache is off or the file unreadable."""
-    root = os.environ.get("FASTDECODE_CACHE", str(Path.home() / ".cache" / "fastdecode"))
-    if root == "off":
+    root = cache_folder()
+    if root is None:
         return None
     try:
         path = gguf_path.resolve()
