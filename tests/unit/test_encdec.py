@@ -95,9 +95,10 @@ def test_naive_loop_recomputes_encoder_every_step(monkeypatch):
 
 
 def test_cross_store_layout_and_bytes():
-    """The engine's cross store (engine/cross.py): at admission each source's cross K/V are
-    written once, real tokens only, into blocks of its own ([slots, H, D] per decoder layer), equal
-    to the encoder's; a finished or cancelled sequence's cross blocks go back at once."""
+    """The engine's cross store (engine/cross.py, engine/source_blocks.py): at admission each
+    source's cross K/V are written once, real tokens only, into blocks of its own ([blocks, H, block,
+    D] per decoder layer: a head's keys consecutive within a block), equal to the encoder's; a
+    finished or cancelled sequence's cross blocks go back at once."""
     gen = fastdecode.from_hf(build("bart"))
     cfg = gen.config
     sources = [[5, 6, 7, 8, 9], [10, 11]]
@@ -105,16 +106,17 @@ def test_cross_store_layout_and_bytes():
     store = engine.cross.cache
     first, second = (engine.submit(s, {"max_new_tokens": 4, "min_new_tokens": 4}) for s in sources)
     engine.step()  # admits both: the encoder runs once over the two sources
-    assert store.layer_keys[0].shape == (store.pool.num_blocks * store.block_size, cfg.num_heads, cfg.head_dim)
+    assert store.layer_keys[0].shape == (store.pool.num_blocks, cfg.num_heads, store.block_size, cfg.head_dim)
     assert store.block_nbytes == store.block_size * cfg.cross_cache_bytes_per_source_token(4)
     assert store.pool.num_blocks - store.pool.num_free == 2  # one block per source (5 and 2 tokens)
     encoded = EncodedSources.encode(gen.model, sources)  # [B, H, S, D] per layer, right-padded
     for row, (sequence, source) in enumerate(zip((first, second), sources)):
-        slots = store.slot_ids(sequence.source_table, 0, len(source))
+        block = store.layer_keys[0][sequence.source_table[0]]  # [H, block, D]
+        torch.testing.assert_close(block[:, : len(source)], encoded.keys[0][row, :, : len(source)], atol=1e-6, rtol=0)
         for layer in range(cfg.num_layers):
-            stored = store.layer_keys[layer][slots]  # [S, H, D]
-            torch.testing.assert_close(stored, encoded.keys[layer][row, :, : len(source)].transpose(0, 1),
-                                       atol=1e-6, rtol=0)
+            keys, values = store.read(layer, sequence.source_table, len(source))  # [H, L, D] each
+            torch.testing.assert_close(keys, encoded.keys[layer][row, :, : len(source)], atol=1e-6, rtol=0)
+            torch.testing.assert_close(values, encoded.values[layer][row, :, : len(source)], atol=1e-6, rtol=0)
     second.cancel()
     engine.step()
     assert second.source_table == [] and store.pool.num_blocks - store.pool.num_free == 1

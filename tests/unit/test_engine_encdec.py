@@ -134,16 +134,17 @@ def test_a_source_larger_than_the_cross_store_is_refused_at_submit():
 @pytest.mark.skipif(not __import__("fastdecode.layers.ops", fromlist=["available"]).available(),
                     reason="no C++ extension: every step gathers")
 def test_paged_cross_attention_equals_the_gathered_one(monkeypatch):
-    """A step's cross-attention read in place through the sources' block tables (one paged op for
-    every query: single rows, a beam group's K queries of one source, a decoder prompt chunk)
-    equals gathering each group's blocks and attending under the key mask."""
+    """A step's cross-attention read in place through the sources' block tables (single rows, a beam
+    group's K queries of one source, a decoder prompt chunk: each source one row of the op with its
+    queries together) gives every query the bits it gets alone, on 1 and 2 threads, and equals
+    gathering each group's blocks and attending under the key mask."""
     from types import SimpleNamespace
 
     from fastdecode.engine import cross as cross_module
-    from fastdecode.engine.slots import SlotCache
+    from fastdecode.engine.source_blocks import SourceBlocks
 
     H, D, size = 3, 16, 16
-    cache = SlotCache(1, 8, H, D, torch.float32, torch.device("cpu"), size)
+    cache = SourceBlocks(1, 8, H, D, torch.float32, torch.device("cpu"), size)
     generator = torch.Generator().manual_seed(0)
     cache.layer_keys[0].copy_(torch.randn(cache.layer_keys[0].shape, generator=generator))
     cache.layer_values[0].copy_(torch.randn(cache.layer_values[0].shape, generator=generator))
@@ -152,8 +153,49 @@ def test_paged_cross_attention_equals_the_gathered_one(monkeypatch):
     groups = [(0, sources[:2], 1), (2, sources[2:3], 4), (6, sources[3:], 3)]  # singles, beams of one, a chunk
     q = torch.randn(1, H, 9, D, generator=generator)  # [1, H, N, D]
     paged = cross_module.CrossStep(cache, groups, torch.float32)
-    assert paged.paged is not None
-    monkeypatch.setattr(cross_module, "paged_attention_runs", lambda *args: False)
+    assert paged.paged and [fold.queries for fold in paged.folds] == [1, 3, 4]
+    rows = [sources[0], sources[1]] + [sources[2]] * 4 + [sources[3]] * 3
+    alone = cross_module.CrossStep(cache, [(i, [s], 1) for i, s in enumerate(rows)], torch.float32)
+    assert [fold.queries for fold in alone.folds] == [1]
+    folded = paged.attend(0, q, 0.25, 1)
+    assert torch.equal(folded, alone.attend(0, q, 0.25, 1))
+    assert torch.equal(folded, paged.attend(0, q, 0.25, 2))  # 1 and 2 threads: the same bits
+    monkeypatch.setattr(cross_module, "paged_cross_attention_runs", lambda *args: False)
     gathered = cross_module.CrossStep(cache, groups, torch.float32)
-    assert gathered.paged is None
-    torch.testing.assert_close(paged.attend(0, q, 0.25, 1), gathered.attend(0, q, 0.25, 1), atol=1e-5, rtol=0)
+    assert not gathered.paged
+    torch.testing.assert_close(folded, gathered.attend(0, q, 0.25, 1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not __import__("fastdecode.layers.ops", fromlist=["available"]).available(),
+                    reason="no C++ extension")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block", [16, 12, 5])
+def test_paged_cross_attention_op_is_the_contiguous_op_bitwise(dtype, block):
+    """layers/cross_attention.cpp: sources in scattered blocks [blocks, H, block, D] (block sizes that
+    are and are not a multiple of its 8-key step) give the bits of the same sources contiguous
+    [B, H, S, D] (float32 and float16 K/V), lengths that end inside a block included."""
+    from fastdecode.layers import ops
+
+    generator = torch.Generator().manual_seed(block)
+    B, H, T, D, lengths = 3, 2, 4, 24, [29, 7, 40]
+    S = max(lengths)
+    n = -(-S // block)
+    keys = torch.randn(B, H, S, D, generator=generator).to(dtype)
+    values = torch.randn(B, H, S, D, generator=generator).to(dtype)
+    q = torch.randn(B, T, H, D, generator=generator).transpose(1, 2)  # [B, H, T, D], D contiguous
+    order = torch.randperm(B * n, generator=generator)  # block i of row b -> block order[b * n + i]
+    pool_k = torch.zeros(B * n, H, block, D, dtype=dtype)
+    pool_v = torch.zeros_like(pool_k)
+    padded = n * block
+    for b in range(B):
+        for source, pool in ((keys, pool_k), (values, pool_v)):
+            rows = torch.cat([source[b], source.new_zeros(H, padded - S, D)], dim=1) if padded > S else source[b]
+            pool[order[b * n : (b + 1) * n]] = rows[:, :padded].unflatten(1, (n, block)).transpose(0, 1)
+    table = order.view(B, n).contiguous()
+    length = torch.tensor(lengths)
+    contiguous = ops.cross_attention(q, keys.contiguous(), values.contiguous(), length, 0.3, 1)
+    for threads in (1, 2):
+        paged = ops.paged_cross_attention(q, pool_k, pool_v, table, length, 0.3, threads)
+        assert torch.equal(paged, contiguous)
+    with pytest.raises(RuntimeError, match="outside"):
+        ops.paged_cross_attention(q, pool_k, pool_v, table + B * n, length, 0.3, 1)

@@ -158,6 +158,20 @@ class BlockPool:
             del self.by_hash[key[0]]
 
 
+class PooledBuffers:
+    """What K/V buffers behind one ``BlockPool`` (``self.pool``) say of their geometry."""
+
+    pool: BlockPool
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.pool.block_size
+
+
 class BlockTable(list):
     """A sequence's blocks. The list itself: the full-attention kind's block of each logical block
     (what a cache without sliding layers calls the table). ``windows[w]``: the block of each

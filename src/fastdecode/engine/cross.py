@@ -1,8 +1,8 @@
 """Encoder-decoder requests in the engine: the encoder at admission, cross-attention K/V per sequence.
 
 An encoder-decoder sequence is admitted like any other (self-attention blocks for its decoder
-tokens) and also reserves blocks in a second slot cache, the *cross store*, for the K/V its
-source gives every decoder layer. In the step that admits it, the encoder runs once over its
+tokens) and also reserves blocks in a second block store, the *cross store* (engine/source_blocks.py:
+each head's keys consecutive within a block), for the K/V its source gives every decoder layer. In the step that admits it, the encoder runs once over its
 source (every source admitted in that step in one right-padded batch: the encoder masks the
 padding, so a source's output never depends on its batch), each decoder layer projects the
 cross K/V once, and only the real tokens' K/V are written to the sequence's cross blocks. They
@@ -10,9 +10,9 @@ stay there, unchanged, until the sequence finishes or is cancelled (``release``)
 
 In the step's one flat forward (tokens of many sequences side by side, ``[1, N]``), each query of
 a decoder layer's cross-attention reads only its own source's K/V, through its sequence's cross
-block table, up to its source's length (``CrossStep``: in place in one paged op where the C++ ops
-run, else per attention group gathered under a key mask), so no row ever sees another request's
-source or padding.
+block table, up to its source's length (``CrossStep``: in place where the C++ ops run, the queries
+of one source together, else per attention group gathered under a key mask), so no row ever sees
+another request's source or padding.
 
 ``EncodedSources`` (the ``use_cache=False`` reference loop's sources, generation/reference.py; each
 Whisper window, whose encoded source a request of the engine carries: engine/speech_source.py)
@@ -28,13 +28,13 @@ from __future__ import annotations
 import torch
 
 from ..errors import PromptTooLongError
-from ..layers.attention import attention, paged_attention, paged_attention_runs
+from ..layers.attention import attention
 from ..layers import ops
 from ..layers.products import Products
 from ..layers.threads import kernel_threads
 from ..models.seq2seq import padding_bias
 from .sequence import Sequence
-from .slots import SlotCache
+from .source_blocks import SourceBlocks
 
 RowGroup = tuple[int, list[Sequence], int]  # (first flat token, its sequences, queries per sequence)
 
@@ -83,8 +83,8 @@ class CrossStore:
         cfg = model.config
         self.model = model
         num_blocks = max(1, -(-source_tokens // block_size))
-        self.cache = SlotCache(cfg.num_layers, num_blocks, cfg.num_heads, cfg.head_dim, model.dtype, model.device,
-                               block_size)
+        self.cache = SourceBlocks(cfg.num_layers, num_blocks, cfg.num_heads, cfg.head_dim, model.dtype, model.device,
+                                  block_size)
         self.pending: list[Sequence] = []  # admitted, not encoded yet
 
     @property
@@ -120,11 +120,9 @@ class CrossStore:
             return
         model, cache = self.model, self.cache
         encoded = EncodedSources.encode(model, [s.source for s in self.pending])
-        slots = torch.tensor([slot for s in self.pending for slot in cache.slot_ids(s.source_table, 0, len(s.source))],
-                             dtype=torch.long, device=model.device)  # [sum of source lengths]
+        tables = [s.source_table for s in self.pending]
         for layer, (k, v) in enumerate(zip(encoded.keys, encoded.values)):  # [B, H, S, D] each
-            cache.layer_keys[layer].index_copy_(0, slots, k.transpose(1, 2)[encoded.valid])  # -> [sum, H, D]
-            cache.layer_values[layer].index_copy_(0, slots, v.transpose(1, 2)[encoded.valid])
+            cache.write(layer, tables, k, v)
         self.pending.clear()
 
     def step(self, groups: list[RowGroup]) -> "CrossStep":
@@ -134,24 +132,22 @@ class CrossStore:
 class CrossStep:
     """The cross-attention view of one engine step (the decoder calls ``attend`` per layer).
 
-    Where the C++ paged attention runs (float32 on the CPU), every query of the step reads its own
-    source's K/V in place through its sequence's cross block table, in one op per layer: a source
-    of length L is what a causal query at position L - 1 sees, so the self-attention kernel serves
-    it as it is (no block gather: a bart-base step over 8 x 256-token sources copied 75 MB per step
-    that way). Each query row is computed alone, so a row's result never depends on its batch.
-    Elsewhere each group gathers its sources' blocks and runs ``attention`` under a key mask."""
+    Where the C++ op runs (float32 queries on the CPU), every query of the step reads its own
+    source's K/V in place through its sequence's cross block table (layers/cross_attention.cpp
+    ``paged_cross_attention``: a head's keys a block at a time, no gather), the queries that share a
+    source (a beam group's K beams, a decoder prompt chunk's tokens) together: they are one row of the
+    op (``SourceFold``), so the source is read once for them. Each query is computed by the same
+    operations whatever its row's other queries and the step's other rows: a row's result never
+    depends on its batch. Elsewhere each group gathers its sources' blocks and runs ``attention``
+    under a key mask."""
 
-    def __init__(self, cache: SlotCache, groups: list[RowGroup], dtype: torch.dtype):
+    def __init__(self, cache: SourceBlocks, groups: list[RowGroup], dtype: torch.dtype):
         self.cache = cache
         self.groups = []  # (first, rows, queries, source block tables [B, n], key mask [B, 1, 1, S])
-        self.paged = None  # (block table [N, n], first key position [N], query position [N]) of every flat query
+        self.folds = None  # in place: one SourceFold per count of queries sharing a source
         device = cache.keys.device
-        if paged_attention_runs(torch.empty(0, dtype=dtype, device=device), cache.keys):
-            rows = [s for _, sequences, queries in groups for s in sequences for _ in range(queries)]
-            num_blocks = cache.pool.blocks_for(max(len(s.source) for s in rows))
-            table = cache.block_tables([s.source_table for s in rows], num_blocks)  # [N, n]
-            last = torch.tensor([len(s.source) - 1 for s in rows], dtype=torch.long, device=device)  # [N]
-            self.paged = (table, torch.zeros_like(last), last)
+        if paged_cross_attention_runs(torch.empty(0, dtype=dtype, device=device), cache.keys):
+            self.folds = source_folds(cache, groups)
             return
         for first, sequences, queries in groups:
             lengths = torch.tensor([len(s.source) for s in sequences], device=device)  # [B]
@@ -162,15 +158,21 @@ class CrossStep:
             mask = mask.masked_fill(keys[None, :] >= lengths[:, None], float("-inf"))[:, None, None]  # [B, 1, 1, S]
             self.groups.append((first, len(sequences), queries, table, mask))
 
+    @property
+    def paged(self) -> bool:
+        return self.folds is not None
+
     def attend(self, index: int, q: torch.Tensor, scale: float, threads: int) -> torch.Tensor:
         """Cross-attention of decoder layer ``index``: q [1, H, N, D] (flat tokens) -> [1, H, N, D]
         (``threads``: the forward's thread budget)."""
         keys, values = self.cache.layer_keys[index], self.cache.layer_values[index]
-        if self.paged is not None:
-            table, key_start, last = self.paged
-            out = paged_attention(q[0].transpose(0, 1), keys, values, table, key_start, last, self.cache.block_size,
-                                  None, scale, threads=threads)  # [N, H, D]
-            return out.transpose(0, 1)[None]  # [1, H, N, D]
+        if self.folds is not None:
+            if len(self.folds) == 1:  # (one count of queries per source: the fold's rows are every row, in order)
+                return self.folds[0].attend(q[0], keys, values, scale, threads)[None]
+            out = torch.empty_like(q[0])  # [H, N, D]
+            for fold in self.folds:
+                out[:, fold.rows] = fold.attend(q[0], keys, values, scale, threads)
+            return out[None]  # [1, H, N, D]
         outputs = []
         for first, B, T, table, mask in self.groups:
             qg = q[0, :, first : first + B * T].unflatten(1, (B, T)).transpose(0, 1)  # [H, B*T, D] -> [B, H, T, D]
@@ -179,6 +181,43 @@ class CrossStep:
             out = attention(qg, kg, vg, mask, scale, threads=threads)  # [B, H, T, D]
             outputs.append(out.transpose(0, 1).flatten(1, 2))  # [H, B*T, D]
         return torch.cat(outputs, dim=1)[None] if len(outputs) > 1 else outputs[0][None]  # [1, H, N, D]
+
+
+class SourceFold:
+    """U sources of a step, each read by G queries (a beam group's K beams, a decoder prompt chunk's
+    tokens, or G = 1: a row alone): one row of the paged op per source, its G queries together."""
+
+    def __init__(self, cache: SourceBlocks, queries: int, units: list[tuple[int, Sequence]]):
+        device = cache.keys.device
+        self.queries = queries
+        firsts = torch.tensor([first for first, _ in units], dtype=torch.long, device=device)  # [U]
+        self.rows = (firsts[:, None] + torch.arange(queries, device=device)).flatten()  # [U * G] flat tokens
+        num_blocks = cache.pool.blocks_for(max(len(s.source) for _, s in units))
+        self.table = cache.block_tables([s.source_table for _, s in units], num_blocks)  # [U, n]
+        self.lengths = torch.tensor([len(s.source) for _, s in units], dtype=torch.long, device=device)  # [U]
+        self.longest = max(len(s.source) for _, s in units)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+               threads: int) -> torch.Tensor:
+        """q [H, N, D] (the step's flat queries) -> this fold's rows' outputs [H, U * G, D]."""
+        H, D, G = q.shape[0], q.shape[2], self.queries
+        U = self.table.shape[0]
+        mine = q if q.shape[1] == len(self.rows) else q[:, self.rows]  # [H, U * G, D] (every row: in order)
+        rows = mine.unflatten(1, (U, G)).permute(1, 0, 2, 3)  # [H, U, G, D] -> [U, H, G, D] (a view)
+        threads = kernel_threads(2 * rows.numel() * self.longest, threads)  # U*H*G*D * S multiply-adds, twice
+        out = ops.paged_cross_attention(rows, keys, values, self.table, self.lengths, scale, threads)  # [U, H, G, D]
+        return out.permute(1, 0, 2, 3).reshape(H, U * G, D)  # -> [H, U, G, D] -> [H, U * G, D]
+
+
+def source_folds(cache: SourceBlocks, groups: list[RowGroup]) -> list[SourceFold]:
+    """A step's cross-attention row groups as folds by queries per source: one fold of single rows,
+    one per other count (a beam group of K beams: K queries of its root's source; a decoder prompt
+    chunk of T tokens: T queries of its sequence's)."""
+    by_queries: dict[int, list[tuple[int, Sequence]]] = {}
+    for first, sequences, queries in groups:
+        for i, sequence in enumerate(sequences):
+            by_queries.setdefault(queries, []).append((first + i * queries, sequence))
+    return [SourceFold(cache, queries, units) for queries, units in sorted(by_queries.items())]
 
 
 class EncodedSources:
@@ -246,6 +285,13 @@ def source_lengths(valid: torch.Tensor) -> torch.Tensor | None:
     lengths = valid.sum(dim=-1)  # [B]
     leading = torch.arange(valid.shape[1], device=valid.device)[None, :] < lengths[:, None]  # [B, S]
     return lengths.contiguous() if torch.equal(leading, valid) and bool((lengths > 0).all()) else None
+
+
+def paged_cross_attention_runs(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether the C++ cross-attention over source blocks serves these tensors (float32 queries and
+    keys on the CPU, head dims a multiple of 8, the extension built); else the caller gathers."""
+    return (q.dtype == torch.float32 and keys.dtype == torch.float32 and q.device.type == "cpu"
+            and keys.shape[-1] % 8 == 0 and ops.available())
 
 
 def cross_attention_runs(q: torch.Tensor, keys: torch.Tensor) -> bool:

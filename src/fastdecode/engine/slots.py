@@ -49,13 +49,14 @@ from collections.abc import Callable
 import torch
 
 from ..errors import PromptTooLongError
-from .blocks import BLOCK_SIZE, NO_BLOCK, BlockPool, BlockTable, first_visible_block, sliding_blocks
+from .blocks import (BLOCK_SIZE, NO_BLOCK, BlockPool, BlockTable, PooledBuffers, first_visible_block,
+                     sliding_blocks)
 from .lazy_zeros import zeroed
 
 __all__ = ["BLOCK_SIZE", "NO_BLOCK", "BlockPool", "BlockTable", "SlotCache", "check_fits", "first_visible_block"]
 
 
-class SlotCache:
+class SlotCache(PooledBuffers):
     """The K/V buffers of every attention kind behind their ``BlockPool``s.
 
     ``layer_windows``: each layer's window (None: full attention; default: every layer full, one
@@ -88,14 +89,6 @@ class SlotCache:
         for layer, k, v in zip(layers, keys.unbind(0), values.unbind(0)):
             self.layer_keys[layer], self.layer_values[layer] = k, v
         return keys, values
-
-    @property
-    def block_size(self) -> int:
-        return self.pool.block_size
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.pool.block_size
 
     @property
     def windows(self) -> list[int]:

@@ -4,6 +4,11 @@
 // cross_attention(q [B, H, T, D], keys, values [B, H, S, D] contiguous, lengths [B], scale)
 //   -> [B, H, T, D]: query t of row b, head h attends to keys 0 .. lengths[b] - 1 of (b, h) (the
 //   sources are right-padded: padding is never read), softmax in float32, out = sum softmax * v.
+// paged_cross_attention(q [B, H, T, D], keys, values [blocks, H, block, D], table [B, n], lengths [B],
+//   scale) -> [B, H, T, D]: the same over sources held in blocks (the engine's cross store,
+//   engine/cross.py): key j of row b, head h is row j % block of head h in block table[b, j / block],
+//   so each head's keys stay contiguous a block at a time. The contiguous op is the case of one
+//   block per row (block = S, table[b] = [b]): both run the same code, bitwise.
 // Keys and values are float32, or both float16 (half the bytes a step streams: a Whisper window's
 // K/V are 4.6 MB per decoder layer in float32), widened to float32 as they are loaded: the same
 // operations in the same order as on their float32 values.
@@ -36,11 +41,16 @@ template <typename E>  // the keys' and values' element: float or at::Half
 struct Head {
   const float* q;  // [T, D], rows q_t apart
   int64_t q_t;
-  const E* k;  // [L, D] contiguous (the visible keys)
+  const E* k;  // this head's rows of block 0: key j at k + table[j / block] * block_step + (j % block) * D
   const E* v;
+  const int64_t* table;  // the row's block ids
+  int64_t block, block_step;
   int64_t T, L, D;
   float scale;
   float* out;  // [T, D] contiguous
+  int64_t at(int64_t j) const { return table[j / block] * block_step + (j % block) * D; }
+  // keys j .. j + count - 1 lie in one block from j (count <= the rest of j's block)
+  int64_t run(int64_t j) const { return std::min(block - j % block, L - j); }
 };
 
 // scores [T, Lp] (Lp = L rounded up to 8; the padding stays -inf) of every query against every key.
@@ -50,12 +60,20 @@ void head_scores(const Head<E>& h, int64_t Lp, float* scores) {
   constexpr int64_t LINE = 64 / sizeof(E);  // elements per cache line
   int64_t j = 0;
   for (; j + 8 <= h.L; j += 8) {
-    const E* k = h.k + j * D;
+    // The 8 keys j .. j + 7: consecutive where they lie in one block, else each found in its block
+    // (a block size that is not a multiple of 8); the same products either way.
+    const E* keys[8];
+    const bool one_block = h.run(j) >= 8;
+    for (int u = 0; u < 8; ++u) keys[u] = one_block ? h.k + h.at(j) + u * D : h.k + h.at(j + u);
     // Memory, not arithmetic, bounds this op (each key and value is read once): ask for the keys two
-    // blocks ahead and for these keys' values (the next phase's) while the products run.
-    for (int64_t line = 0; line < 8 * D; line += LINE) {
-      if (j + 24 <= h.L) _mm_prefetch(reinterpret_cast<const char*>(k + 16 * D + line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(h.v + j * D + line), _MM_HINT_T1);
+    // eights ahead and for these keys' values (the next phase's) while the products run.
+    if (one_block) {
+      const E* ahead = j + 24 <= h.L ? h.k + h.at(j + 16) : nullptr;
+      const E* v = h.v + h.at(j);
+      for (int64_t line = 0; line < 8 * D; line += LINE) {
+        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(v + line), _MM_HINT_T1);
+      }
     }
     for (int64_t t = 0; t < h.T; ++t) {
       const float* q = h.q + t * h.q_t;
@@ -63,13 +81,13 @@ void head_scores(const Head<E>& h, int64_t Lp, float* scores) {
       for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, load8(k + u * D + d), acc[u]);
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, load8(keys[u] + d), acc[u]);
       }
       _mm256_storeu_ps(scores + t * Lp + j, _mm256_mul_ps(eight_sums(acc), _mm256_set1_ps(h.scale)));
     }
   }
   for (; j < h.L; ++j) {  // the last keys, one at a time
-    const E* k = h.k + j * D;
+    const E* k = h.k + h.at(j);
     for (int64_t t = 0; t < h.T; ++t) {
       const float* q = h.q + t * h.q_t;
       __m256 acc = _mm256_setzero_ps();
@@ -88,13 +106,17 @@ void values_tile(const Head<E>& h, int64_t Lp, const float* p, const float* inve
   __m256 acc[TILE][NV];
   for (int t = 0; t < TILE; ++t)
     for (int n = 0; n < NV; ++n) acc[t][n] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < h.L; ++j) {
-    const E* v = h.v + j * D + d;
-    __m256 x[NV];
-    for (int n = 0; n < NV; ++n) x[n] = load8(v + 8 * n);
-    for (int t = 0; t < TILE; ++t) {
-      const __m256 w = _mm256_broadcast_ss(p + (t0 + t) * Lp + j);
-      for (int n = 0; n < NV; ++n) acc[t][n] = _mm256_fmadd_ps(w, x[n], acc[t][n]);
+  for (int64_t j0 = 0, count = 0; j0 < h.L; j0 += count) {  // a block's keys at a time
+    count = h.run(j0);
+    const E* v0 = h.v + h.at(j0) + d;
+    for (int64_t j = j0; j < j0 + count; ++j) {
+      const E* v = v0 + (j - j0) * D;
+      __m256 x[NV];
+      for (int n = 0; n < NV; ++n) x[n] = load8(v + 8 * n);
+      for (int t = 0; t < TILE; ++t) {
+        const __m256 w = _mm256_broadcast_ss(p + (t0 + t) * Lp + j);
+        for (int n = 0; n < NV; ++n) acc[t][n] = _mm256_fmadd_ps(w, x[n], acc[t][n]);
+      }
     }
   }
   for (int t = 0; t < TILE; ++t) {
@@ -122,9 +144,12 @@ void head_values(const Head<E>& h, int64_t Lp, const float* p, const float* inve
   if (d < h.D) values_dims<1>(h, Lp, p, inverse, d);  // D = 16k + 8
 }
 
+// Row b's head h: keys in blocks table[b * n ..] of block_step elements each, this head's rows
+// head_step elements into a block.
 template <typename E>
-void attend_heads(const at::Tensor& q, const E* kd, const E* vd, const int64_t* len, int64_t S, double scale,
-                  int64_t threads, at::Tensor& out) {
+void attend_heads(const at::Tensor& q, const E* kd, const E* vd, const int64_t* table, int64_t n, int64_t block,
+                  int64_t block_step, int64_t head_step, const int64_t* len, double scale, int64_t threads,
+                  at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   const float* qd = q.data_ptr<float>();
   float* od = out.data_ptr<float>();
@@ -132,8 +157,8 @@ void attend_heads(const at::Tensor& q, const E* kd, const E* vd, const int64_t* 
     std::vector<float> scores, inverse(T);
     for (int64_t item = first; item < last; ++item) {
       const int64_t b = item / H, h = item % H, L = len[b], Lp = (L + 7) / 8 * 8;
-      const Head<E> head{qd + b * q.stride(0) + h * q.stride(1), q.stride(2), kd + item * S * D, vd + item * S * D,
-                         T, L, D, static_cast<float>(scale), od + item * T * D};
+      const Head<E> head{qd + b * q.stride(0) + h * q.stride(1), q.stride(2), kd + h * head_step, vd + h * head_step,
+                         table + b * n, block, block_step, T, L, D, static_cast<float>(scale), od + item * T * D};
       scores.assign(T * Lp, -INFINITY);
       head_scores(head, Lp, scores.data());
       for (int64_t t = 0; t < T; ++t) inverse[t] = softmax_numerators(scores.data() + t * Lp, L, Lp);
@@ -142,32 +167,68 @@ void attend_heads(const at::Tensor& q, const E* kd, const E* vd, const int64_t* 
   });
 }
 
-at::Tensor cross_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                           const at::Tensor& lengths, double scale, int64_t threads) {
+void check_queries(const at::Tensor& q) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.stride(3) == 1 && q.device().is_cpu(),
               "q must be float32 [B, H, T, D] on the CPU with D contiguous");
+  TORCH_CHECK(q.size(3) % 8 == 0, "head dim ", q.size(3), " is not a multiple of 8");
+}
+
+void check_lengths(const at::Tensor& lengths, int64_t B, int64_t S) {
+  TORCH_CHECK(lengths.numel() == B && lengths.scalar_type() == at::kLong && lengths.is_contiguous(),
+              "lengths must be int64 [B]");
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(len[b] >= 1 && len[b] <= S, "row ", b, ": ", len[b], " keys of ", S);
+}
+
+template <typename... Args>
+void attend_either(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& q, Args... args) {
+  if (keys.scalar_type() == at::kHalf) {
+    attend_heads(q, keys.data_ptr<at::Half>(), values.data_ptr<at::Half>(), args...);
+  } else {
+    attend_heads(q, keys.data_ptr<float>(), values.data_ptr<float>(), args...);
+  }
+}
+
+at::Tensor cross_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& lengths, double scale, int64_t threads) {
+  check_queries(q);
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-  TORCH_CHECK(D % 8 == 0, "head dim ", D, " is not a multiple of 8");
   TORCH_CHECK(keys.dim() == 4 && keys.size(0) == B && keys.size(1) == H && keys.size(3) == D &&
                   keys.sizes() == values.sizes() && keys.is_contiguous() && values.is_contiguous() &&
                   keys.scalar_type() == values.scalar_type() &&
                   (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf),
               "keys and values must be contiguous [B, H, S, D] matching q, both float32 or both float16");
   const int64_t S = keys.size(2);
-  TORCH_CHECK(lengths.numel() == B && lengths.scalar_type() == at::kLong && lengths.is_contiguous(),
-              "lengths must be int64 [B]");
-  const int64_t* len = lengths.data_ptr<int64_t>();
-  int64_t longest = 1;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(len[b] >= 1 && len[b] <= S, "row ", b, ": ", len[b], " keys of ", S);
-    longest = std::max(longest, len[b]);
-  }
+  check_lengths(lengths, B, S);
+  std::vector<int64_t> rows(B);  // row b is block b of S keys
+  for (int64_t b = 0; b < B; ++b) rows[b] = b;
   at::Tensor out = at::empty({B, H, T, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  if (keys.scalar_type() == at::kHalf) {
-    attend_heads(q, keys.data_ptr<at::Half>(), values.data_ptr<at::Half>(), len, S, scale, threads, out);
-  } else {
-    attend_heads(q, keys.data_ptr<float>(), values.data_ptr<float>(), len, S, scale, threads, out);
-  }
+  attend_either(keys, values, q, rows.data(), int64_t{1}, S, H * S * D, S * D, lengths.data_ptr<int64_t>(), scale,
+                threads, out);
+  return out;
+}
+
+at::Tensor paged_cross_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                 const at::Tensor& table, const at::Tensor& lengths, double scale, int64_t threads) {
+  check_queries(q);
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  TORCH_CHECK(keys.dim() == 4 && keys.size(1) == H && keys.size(3) == D && keys.sizes() == values.sizes() &&
+                  keys.is_contiguous() && values.is_contiguous() && keys.scalar_type() == values.scalar_type() &&
+                  (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf),
+              "keys and values must be contiguous [blocks, H, block, D] matching q, both float32 or both float16");
+  const int64_t blocks = keys.size(0), block = keys.size(2);
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && table.scalar_type() == at::kLong && table.is_contiguous(),
+              "table must be contiguous int64 [B, n]");
+  const int64_t n = table.size(1);
+  check_lengths(lengths, B, n * block);
+  const int64_t* tab = table.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)  // every block a row reads exists: checked once, so the kernel indexes freely
+    for (int64_t i = 0; i < (len[b] + block - 1) / block; ++i)
+      TORCH_CHECK(tab[b * n + i] >= 0 && tab[b * n + i] < blocks, "row ", b, ": block id ", tab[b * n + i],
+                  " outside the ", blocks, " blocks");
+  at::Tensor out = at::empty({B, H, T, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  attend_either(keys, values, q, tab, n, block, H * block * D, block * D, len, scale, threads, out);
   return out;
 }
 
@@ -175,6 +236,11 @@ at::Tensor cross_attention(const at::Tensor& q, const at::Tensor& keys, const at
 
 TORCH_LIBRARY_FRAGMENT(fastdecode_kernels, m) {
   m.def("cross_attention(Tensor q, Tensor keys, Tensor values, Tensor lengths, float scale, int threads=1) -> Tensor");
+  m.def("paged_cross_attention(Tensor q, Tensor keys, Tensor values, Tensor table, Tensor lengths, float scale, "
+        "int threads=1) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) { m.impl("cross_attention", &cross_attention); }
+TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) {
+  m.impl("cross_attention", &cross_attention);
+  m.impl("paged_cross_attention", &paged_cross_attention);
+}

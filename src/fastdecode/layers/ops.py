@@ -99,6 +99,13 @@ def cross_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, sc
     return _ops().cross_attention(q, keys, values, lengths, scale, threads)
 
 
+def paged_cross_attention(q: Tensor, keys: Tensor, values: Tensor, table: Tensor, lengths: Tensor, scale: float,
+                          threads: int = 1) -> Tensor:
+    """Queries [B, H, T, D] over each row's source in blocks (keys, values [blocks, H, block, D],
+    table [B, n] block ids, ``lengths`` [B]) -> [B, H, T, D]."""
+    return _ops().paged_cross_attention(q, keys, values, table, lengths, scale, threads)
+
+
 def beam_candidates(logits: Tensor, running: Tensor, banned: Tensor, beams: int, keep: int,
                     threads: int = 1) -> tuple[Tensor, Tensor]:
     """A beam step's log-softmax, running scores and top ``keep`` candidates: logits [B*K, V] ->
@@ -257,6 +264,10 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("fastdecode_kernels::cross_attention")
     def _cross_attention_fake(q, keys, values, lengths, scale, threads=1):  # q [B, H, T, D] -> [B, H, T, D]
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("fastdecode_kernels::paged_cross_attention")
+    def _paged_cross_attention_fake(q, keys, values, table, lengths, scale, threads=1):  # -> [B, H, T, D]
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("fastdecode_kernels::float_matmul")

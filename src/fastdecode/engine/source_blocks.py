@@ -1,0 +1,73 @@
+"""The cross store's K/V buffers: encoder-decoder sources in blocks, each head's rows contiguous.
+
+A source's cross K/V are written once, when its sequence is admitted, and then only read, by every
+decoder step of every beam of its group, so their layout follows the read: per decoder layer
+``[blocks, H, block, D]`` for keys and for values (block b holds the source tokens
+``b * block .. (b + 1) * block - 1`` of whichever source owns it; within a block, each head's
+``block`` keys are consecutive). A query then streams a head's keys a block at a time
+(layers/cross_attention.cpp ``paged_cross_attention``, as its contiguous ``cross_attention`` reads a
+source ``[H, S, D]``), where the decoder's own slot cache ``[slots, Hkv, D]`` would put every key of a
+head ``H * D`` floats from the next. The blocks come from a ``BlockPool`` (engine/blocks.py): no
+prefix sharing (a source is never shared between requests), released when the sequence ends.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .blocks import BlockPool, PooledBuffers
+from .lazy_zeros import zeroed
+
+
+class SourceBlocks(PooledBuffers):
+    """``layer_keys[i]`` / ``layer_values[i]``: decoder layer i's ``[blocks, H, block, D]`` buffers."""
+
+    def __init__(self, num_layers: int, num_blocks: int, num_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, block_size: int):
+        self.pool = BlockPool(num_blocks, block_size)
+        shape = (num_layers, num_blocks, num_heads, block_size, head_dim)
+        # Zeros, not empty: a key past a source's end is never read, but 0 * NaN would be NaN if it were.
+        self.keys, self.values = zeroed(shape, dtype, device), zeroed(shape, dtype, device)
+        self.layer_keys, self.layer_values = list(self.keys.unbind(0)), list(self.values.unbind(0))
+
+    @property
+    def block_nbytes(self) -> int:
+        """K and V bytes of one block in every layer."""
+        return 2 * self.keys[:, 0].nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def write(self, layer: int, tables: list[list[int]], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store B right-padded sources' K and V [B, H, S, D] of decoder ``layer``: row b's first
+        ``len(tables[b])`` blocks of tokens in its blocks ``tables[b]`` (one copy per buffer; rows of a
+        last block past its source's length hold the padding's K/V, never read: attention stops at the
+        source's length, or masks them)."""
+        size, S = self.block_size, keys.shape[2]
+        n = -(-S // size)
+        blocks = torch.tensor([b for t in tables for b in t], dtype=torch.long, device=keys.device)  # [sum n_b]
+        real = torch.tensor([[i < len(t) for i in range(n)] for t in tables], device=keys.device)  # [B, n]
+        for source, buffer in ((keys, self.layer_keys[layer]), (values, self.layer_values[layer])):
+            if n * size != S:  # the last block's rows past S: zeros
+                source = torch.nn.functional.pad(source, (0, 0, 0, n * size - S))  # [B, H, n * block, D]
+            chunks = source.unflatten(2, (n, size)).transpose(1, 2)  # [B, H, n, block, D] -> [B, n, H, block, D]
+            buffer.index_copy_(0, blocks, chunks[real].to(buffer.dtype))  # [sum n_b, H, block, D]
+
+    def read(self, layer: int, table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One source's K and V [H, L, D] of decoder ``layer`` (a copy)."""
+        blocks = torch.tensor(table, dtype=torch.long, device=self.keys.device)  # [n]
+        return tuple(buffer.index_select(0, blocks).transpose(0, 1).flatten(1, 2)[:, :length]  # [H, n * block, D]
+                     for buffer in (self.layer_keys[layer], self.layer_values[layer]))
+
+    def block_tables(self, tables: list[list[int]], num_blocks: int) -> torch.Tensor:
+        """The first ``num_blocks`` blocks of each source's table -> [B, num_blocks] (past a shorter
+        source's blocks: block 0, never read)."""
+        rows = [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables]
+        return torch.tensor(rows, dtype=torch.long, device=self.keys.device)
+
+    def gather(self, buffer: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """A layer's K or V [blocks, H, block, D] read through block tables [B, n] -> [B, H, n * block, D]."""
+        B, n = table.shape
+        rows = buffer.index_select(0, table.flatten())  # [B * n, H, block, D]
+        return rows.unflatten(0, (B, n)).transpose(1, 2).flatten(2, 3)  # [B, n, H, block, D] -> [B, H, n * block, D]
