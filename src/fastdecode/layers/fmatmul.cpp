@@ -11,7 +11,8 @@
 //   45 GB/s on two threads, against 34 GB/s when the columns were split and each thread read short runs
 //   of every row; 29 against 25 GB/s on one thread);
 // - several rows: pieces are blocks of columns; each streams the rows of w (runs of its columns, 4 rows
-//   at a time) past accumulators kept in cache, for up to 8 rows at a time.
+//   at a time) past accumulators kept in cache, for up to 8 rows at a time; with AVX-512
+//   (fmatmul_avx512.cpp), 8 rows x 48 columns of sums in registers per pass over a segment.
 //
 // Arithmetic: each output sums its inputs in segments of SEGMENT (k = 0..63, 64..127, ...), each segment
 // one chain of fused multiply-adds in k order starting at 0; then the segment sums are added in order
@@ -29,6 +30,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "fmatmul.h"
+#include "isa.h"
 #include "parallel.h"
 
 namespace fastdecode {
@@ -41,7 +44,7 @@ namespace {
 constexpr int64_t ACCUMULATORS = 4096;
 constexpr int64_t ONE_ROW_ACCUMULATORS = 32768;
 constexpr int MAX_ROWS = 8;  // rows of x per pass over the weights
-constexpr int64_t SEGMENT = 64;  // inputs per partial sum (the arithmetic: see the top)
+constexpr int64_t SEGMENT = FLOAT_SEGMENT;  // inputs per partial sum (the arithmetic: see the top)
 constexpr int64_t SEQUENTIAL_COLUMNS = 8192;  // one row: rows of w up to this wide are read one after another
 // Rows of w prefetched ahead of the ones being read, with several rows per pass (compute keeps the
 // hardware prefetcher behind; with one row software prefetches only slowed it down).
@@ -204,6 +207,11 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const c10
         add_ready(b);
       }
     });
+    return y;
+  }
+  if (use_avx512()) {  // several rows, sums in registers (fmatmul_avx512.cpp): chunks of 48-column passes
+    const int64_t chunk = std::clamp<int64_t>((N / 8 + 47) / 48 * 48, 48, 480);
+    parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) { avx512::float_rows(xp, M, K, wp, N, bp, yp, n0, n1); });
     return y;
   }
   // Several rows: columns per claimed chunk, an eighth of N in multiples of 64 (runs of >= 256 bytes per row

@@ -1,0 +1,86 @@
+// float_matmul for several rows with AVX-512 (fmatmul.h): the same operations per output as fmatmul.cpp's
+// AVX2 kernel, in another order across outputs.
+//
+// The AVX2 kernel keeps its sums in L1 and loads and stores them at every 4 inputs (a decode step of 8 to
+// 32 rows is compute-bound there: ~20 memory operations per 32 multiply-adds). Here a pass holds 8 rows x
+// 48 columns of one segment's sums in 24 registers while the segment's 64 rows of w stream by (3 loads and
+// 8 broadcasts per 24 multiply-adds), then adds them to the running totals (in L1, once per segment). Each
+// output's arithmetic is the contract's: one FMA chain per segment from 0 in k order, the segment sums
+// added in order, then the bias, so a row's bits depend neither on the other rows nor on the ISA.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "fmatmul.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+
+namespace fastdecode {
+namespace avx512 {
+namespace {
+
+constexpr int NV = 3;  // vectors of 16 columns per pass
+constexpr int64_t WIDTH = 16 * NV;
+constexpr int64_t AHEAD = 8;  // rows of w prefetched ahead of the one being read
+
+// Rows [m0, m0 + RB) x columns [n, n + width) (width <= WIDTH; lanes past it masked off).
+template <int RB>
+void tile(const float* x, int64_t K, const float* w, int64_t N, const float* bias, float* y, int64_t m0, int64_t n,
+          int64_t width) {
+  __mmask16 mask[NV];
+  for (int v = 0; v < NV; ++v) {
+    const int64_t valid = std::clamp<int64_t>(width - 16 * v, 0, 16);
+    mask[v] = static_cast<__mmask16>(valid == 16 ? 0xFFFF : (1u << valid) - 1);
+  }
+  const bool full = width == WIDTH;
+  alignas(64) float total[RB][WIDTH];
+  for (int64_t s0 = 0; s0 < K; s0 += FLOAT_SEGMENT) {
+    const int64_t s1 = std::min(K, s0 + FLOAT_SEGMENT);
+    __m512 acc[RB][NV];
+    for (int r = 0; r < RB; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t k = s0; k < s1; ++k) {
+      const float* wk = w + k * N + n;
+      if (k + AHEAD < K)
+        for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(wk + AHEAD * N + 16 * v), _MM_HINT_T0);
+      __m512 wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = full ? _mm512_loadu_ps(wk + 16 * v) : _mm512_maskz_loadu_ps(mask[v], wk + 16 * v);
+      for (int r = 0; r < RB; ++r) {
+        const __m512 xb = _mm512_set1_ps(x[(m0 + r) * K + k]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int v = 0; v < NV; ++v) {
+        float* t = total[r] + 16 * v;
+        _mm512_store_ps(t, s0 == 0 ? acc[r][v] : _mm512_add_ps(_mm512_load_ps(t), acc[r][v]));
+      }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int v = 0; v < NV; ++v) {
+      __m512 sum = _mm512_load_ps(total[r] + 16 * v);
+      if (bias != nullptr) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask[v], bias + n + 16 * v));
+      _mm512_mask_storeu_ps(y + (m0 + r) * N + n + 16 * v, mask[v], sum);
+    }
+}
+
+}  // namespace
+
+void float_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
+                int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += WIDTH) {
+    const int64_t width = std::min(WIDTH, n1 - n);
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8) tile<8>(x, K, w, N, bias, y, m, n, width);
+    for (; m + 4 <= M; m += 4) tile<4>(x, K, w, N, bias, y, m, n, width);
+    for (; m + 2 <= M; m += 2) tile<2>(x, K, w, N, bias, y, m, n, width);
+    for (; m < M; ++m) tile<1>(x, K, w, N, bias, y, m, n, width);
+  }
+}
+
+}  // namespace avx512
+}  // namespace fastdecode
+
+#pragma GCC pop_options
