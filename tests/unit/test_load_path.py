@@ -198,3 +198,25 @@ def test_a_large_vocabularys_tokenizer_is_cached_by_file_identity(q4_1_file, tmp
     assert cache.cache_file(q4_1_file) is None
     load()
     assert len(built) == 5
+
+
+def test_the_garbage_collector_is_paused_while_a_model_loads_then_as_it_was(monkeypatch):
+    import gc
+
+    import fastdecode.api
+
+    seen = []
+    monkeypatch.setattr(fastdecode.api, "load", lambda *args, **kwargs: seen.append(gc.isenabled()) or "loaded")
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            assert fastdecode.load("x") == "loaded" and gc.isenabled() is enabled
+        monkeypatch.setattr(fastdecode.api, "load", lambda *args, **kwargs: 1 / 0)
+        gc.enable()
+        with pytest.raises(ZeroDivisionError):
+            fastdecode.load("x")
+        assert gc.isenabled()  # restored when the load fails too
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen == [False, False]

@@ -312,13 +312,14 @@ def test_the_avx512_row_layout_kernels_give_the_avx2_bits(label, activation_bits
 @pytest.mark.parametrize("label", ["Q4_1 tiled", "Q6_K", "int8", "Q4_1 tiled N=13", "Q8_0 tiled N=5"])
 def test_the_avx512_exact_prompt_kernel_gives_the_avx2_bits(label):
     """Prompt rows' exact products (exact_matmul.cpp) with AVX-512 hold two outputs' 8-lane sums per register:
-    bit for bit the AVX2 kernel's, at every row blocking (6 rows, leftovers) and odd output counts."""
+    bit for bit the AVX2 kernel's, at every row blocking (6 rows, a last block of 1-5; AVX2: 4, then 1-3) and odd
+    output counts."""
     weight = WEIGHTS[label]
     x = torch.randn(61, weight.shape[1], generator=torch.Generator().manual_seed(12))
     op = ops.exact_qmatmul
     _avx512_gives_the_avx2_bits(
         lambda M, threads: op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads,
-                              weight.outputs), (1, 5, 6, 13, 61))
+                              weight.outputs), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 61))
 
 
 def test_the_tiled_layout_is_a_byte_shuffle_of_the_rows_layout():

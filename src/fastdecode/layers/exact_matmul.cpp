@@ -3,7 +3,8 @@
 //
 // The weights go through the `dequantize` op a slice of OUTPUT_CHUNK outputs at a time (the same
 // float32 values as quantized.dequantize(), bit for bit) into a buffer that stays in L2, and a
-// register-blocked loop multiplies them with blocks of rows: 4 rows x 3 outputs, 12 accumulators of 8 lanes,
+// register-blocked loop multiplies them with blocks of rows: 4 rows x 3 outputs, 12 accumulators of 8 lanes
+// (the last 1-3 rows in one block; AVX-512: 6 rows x 8 outputs, the last 1-5 rows in one block),
 // lane l summing the products at inputs k = l (mod 8) in increasing k with FMA, then the 8 lanes
 // added by one fixed tree. So every (row, output) result is computed by the same operations in the
 // same order whatever M, N, the blocking and the threads: a prompt row gets the same bits alone, in a
@@ -106,7 +107,9 @@ at::Tensor exact_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at:
         }
         int64_t m = m0;
         for (; m + 4 <= m1; m += 4) rows_times_outputs<4>(xp + m * K, K, wp, n, yp + m * N + n0, N);
-        for (; m < m1; ++m) rows_times_outputs<1>(xp + m * K, K, wp, n, yp + m * N + n0, N);
+        if (m1 - m == 3) rows_times_outputs<3>(xp + m * K, K, wp, n, yp + m * N + n0, N);  // the last rows in one block
+        if (m1 - m == 2) rows_times_outputs<2>(xp + m * K, K, wp, n, yp + m * N + n0, N);
+        if (m1 - m == 1) rows_times_outputs<1>(xp + m * K, K, wp, n, yp + m * N + n0, N);
       }
     }
   });

@@ -54,7 +54,18 @@ int64_t exact_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t
   const int64_t pairs = n / 2;
   int64_t m = 0;
   for (; m + 6 <= M; m += 6) rows_times_pairs<6>(x + m * K, K, w, pairs, y + m * N, N);
-  for (; m < M; ++m) rows_times_pairs<1>(x + m * K, K, w, pairs, y + m * N, N);
+  // the last 1-5 rows in one block: each decoded output is read from L2 once for them, not once per row
+  // (a short prompt's rows were five passes of one row: loads, not FMAs, bounded them)
+  x += m * K;
+  y += m * N;
+  switch (M - m) {
+    case 5: rows_times_pairs<5>(x, K, w, pairs, y, N); break;
+    case 4: rows_times_pairs<4>(x, K, w, pairs, y, N); break;
+    case 3: rows_times_pairs<3>(x, K, w, pairs, y, N); break;
+    case 2: rows_times_pairs<2>(x, K, w, pairs, y, N); break;
+    case 1: rows_times_pairs<1>(x, K, w, pairs, y, N); break;
+    default: break;
+  }
   return 2 * pairs;
 }
 

@@ -20,7 +20,7 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from ...errors import TokenizerError
 from ..gguf_file import StringArray
 from .cache import cached_backend
-from .end_of_turn import template_end_of_turn_ids
+from .end_of_turn import END_OF_TURN_TOKENS, template_end_of_turn_ids
 from .pretokenizers import BYTE_LEVEL_PRE_TOKENIZERS
 
 # llama.cpp token types (``tokenizer.ggml.token_type``).
@@ -101,12 +101,15 @@ def gguf_tokenizer_parts(
             )
         return backend
 
-    backend = cached_backend(gguf_path, n, build)
+    eot, eom = token_id("tokenizer.ggml.eot_token_id"), token_id("tokenizer.ggml.eom_token_id")
+    special_ids = [i for i in (bos, eos, unk, pad, eot, eom) if i is not None]
+    # what the wrapper asks of the backend while it is built, answered without reading a cached one
+    backend = cached_backend(gguf_path, n, build, texts=END_OF_TURN_TOKENS, ids=special_ids)
 
     template = fields.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise TokenizerError(f"{source}: tokenizer.chat_template is not a string")
-    eos_ids = [eos, token_id("tokenizer.ggml.eot_token_id"), token_id("tokenizer.ggml.eom_token_id")]
+    eos_ids = [eos, eot, eom]
     eos_ids.extend(template_end_of_turn_ids(backend, template))
     options = dict(
         bos_token_id=bos,
