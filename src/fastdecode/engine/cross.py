@@ -145,8 +145,8 @@ class CrossStep:
         self.cache = cache
         self.groups = []  # (first, rows, queries, source block tables [B, n], key mask [B, 1, 1, S])
         self.folds = None  # in place: one SourceFold per count of queries sharing a source
-        device = cache.keys.device
-        if paged_cross_attention_runs(torch.empty(0, dtype=dtype, device=device), cache.keys):
+        device = cache.device
+        if paged_cross_attention_runs(torch.empty(0, dtype=dtype, device=device), cache.layer_keys[0]):
             self.folds = source_folds(cache, groups)
             return
         for first, sequences, queries in groups:
@@ -188,7 +188,7 @@ class SourceFold:
     tokens, or G = 1: a row alone): one row of the paged op per source, its G queries together."""
 
     def __init__(self, cache: SourceBlocks, queries: int, units: list[tuple[int, Sequence]]):
-        device = cache.keys.device
+        device = cache.device
         self.queries = queries
         firsts = torch.tensor([first for first, _ in units], dtype=torch.long, device=device)  # [U]
         self.rows = (firsts[:, None] + torch.arange(queries, device=device)).flatten()  # [U * G] flat tokens
