@@ -262,6 +262,19 @@ class Speculator:
             for sequence, _ in wanted:
                 sequence.draft = sequence.speculation.shaped(sequence.draft)
 
+    def prefill(self, work: list[tuple["Sequence", int]]) -> None:
+        """The step's prompt chunks of sequences drafting with a draft model run on their draft
+        sequences too (engine/draft_model.py), one draft forward per draft model."""
+        chunks: dict[int, tuple[DraftRunner, list[tuple[Sequence, int]]]] = {}
+        for sequence, count in work:
+            spec = sequence.speculation
+            if (spec is not None and isinstance(spec.drafter, ModelDrafter) and sequence.stream is None
+                    and sequence.num_computed < len(sequence.context)):
+                runner = spec.drafter.runner
+                chunks.setdefault(id(runner), (runner, []))[1].append((sequence, count))
+        for runner, wanted in chunks.values():
+            runner.prefill(wanted)
+
     def sample(self, sampled: list["Sequence"], logits: torch.Tensor) -> list[TokenEvent]:
         """A step's tokens when some sequences verify drafts: plain rows as usual, then each verifying
         sequence's 1 + k rows (in ``sampled`` order, as the forward laid them out)."""
