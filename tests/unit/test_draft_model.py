@@ -93,3 +93,21 @@ def test_one_sequence_drafts_alone_as_in_a_batched_step(folders):
     sequence.cancel()
     engine.step()
     assert not drafter.runner.rows
+
+
+def test_draft_sequences_read_the_prompt_chunk_by_chunk_with_the_target(folders):
+    gen = fastdecode.load(folders / "target")
+    engine = gen.engine(max_batch_tokens=4)  # the 11-token prompt runs in chunks of 4, 4, 3
+    sequence = engine.submit(PROMPT, {"max_new_tokens": 12, "speculative": {"draft_model": str(folders / "target")}})
+    runner = None
+    while not sequence.output_ids:
+        engine.step()
+        (runner,) = engine.speculator.runners.values()
+        assert runner.rows[sequence.id].num_computed == min(sequence.num_computed, len(PROMPT))  # in step
+    assert runner.tokens_drafted == 0  # no draft forward ran yet: the prompt was read in the prompt's steps
+    drafter = sequence.speculation.drafter
+    expected = gen.generate_ids([PROMPT], max_new_tokens=4, speculative=False)[0][1:]
+    assert drafter.propose(3) == expected  # the chunked draft cache holds the prompt's K/V
+    sequence.cancel()
+    engine.step()
+    assert runner.engine.cache.pool.num_free == runner.engine.cache.pool.num_blocks

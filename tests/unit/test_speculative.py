@@ -190,6 +190,9 @@ def test_a_costly_drafter_pauses_after_misses():
     spec.paused = 0
     spec.settle(3, 1)
     assert spec.pause_steps == 8 and spec.length == 1
+    lookup = Speculation(NgramDrafter([1, 2, 1, 2, 1], 1, 2), SpeculativeSettings(num_tokens=8), pauses=False)
+    spec.rate = lookup.rate = 0.5  # half the drafted tokens accepted: pays for prompt lookup, not a draft model's
+    assert spec.wanted(3) == 0 and lookup.wanted(3) == 3
 
 
 @pytest.mark.parametrize("value, message", [
@@ -236,7 +239,7 @@ def test_a_prediction_is_drafted_from_its_start():
 
 
 def test_batched_sequences_draft_only_while_drafts_pay():
-    spec = Speculation(NgramDrafter([1, 2, 1, 2, 1], 1, 2), SpeculativeSettings(num_tokens=4))
+    spec = Speculation(NgramDrafter([1, 2, 1, 2, 1], 1, 2), SpeculativeSettings(num_tokens=4), pauses=False)
     assert spec.wanted(4, batched=True) == 3  # optimistic at first
     for _ in range(3):
         spec.settle(7, 1)

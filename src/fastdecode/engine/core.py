@@ -250,6 +250,7 @@ class Engine:
         work = self.scheduler.schedule()
         if work:
             with torch.inference_mode():
+                self.speculator.prefill(work)  # draft models read the step's prompt chunks too
                 logits, sampled = self.runner.run(work)
             self.tokens_run += sum(count for _, count in work)
             self.scheduler.update(work)

@@ -132,13 +132,16 @@ class RequestFactory:
 
     def draft_model(self, path: str, kernels: KernelChoice) -> Any:
         """The draft model at ``path`` (loaded once, on this model's device and dtype, with the kernel
-        choice ``kernels``: the target model's), checked to share this model's tokenizer (engine/draft_model.py)."""
+        choice ``kernels``: the target model's, its prompt rows on the int8 kernels: a draft's
+        arithmetic never changes the output, only how fast its prompt is read), checked to share
+        this model's tokenizer (engine/draft_model.py)."""
         if path not in self._draft_models:
             from ..loading.open import open_checkpoint
             from .draft_model import DraftModel, check_draft_compatible
 
             checkpoint, _ = open_checkpoint(path, str(self.device), str(self.dtype).removeprefix("torch."), None)
-            model = checkpoint.family.build(checkpoint.config, checkpoint.weights, kernels)
+            model = checkpoint.family.build(checkpoint.config, checkpoint.weights,
+                                            dataclasses.replace(kernels, prompt_rows="int8"))
             requests = RequestFactory(checkpoint.config, checkpoint.tokenizer, dtype=self.dtype, device=self.device)
             check_draft_compatible(path, self, requests)
             self._draft_models[path] = DraftModel(model, requests, path)

@@ -24,7 +24,7 @@ lookup proposes only where the sequence repeats an n-gram, so it never pauses: a
 the next draft to one token, and while its recent acceptance stays under ~30% (where a draft costs
 more than it gains) it drafts nothing, probing again now and then. A draft model's proposal costs its forwards whatever follows, and beside
 other decoding sequences a draft's rows cost real compute, so there a miss pauses drafting for a
-while before probing again.
+while before probing again, and drafting needs a higher recent acceptance (~60%) to go on.
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ RATE_RECOVERY = 0.02
 # SmolLM2 at a 100-token context): a draft pays once about 30% of its tokens are accepted. Below that
 # rate a sequence drafts nothing, the rate creeping back up as above (open-ended text: few probes).
 SOLO_MIN_RATE = 0.3
+# A draft model's tokens cost a forward of it each: Qwen2.5-Coder-0.5B Q8_0 drafting for the 1.5B
+# Q4_K_M, ~0.45 of a target step per draft token on this CPU (2 threads), a 4-row verify ~1.5 steps:
+# a 3-token draft pays from ~78% of tokens accepted (a recent rate of ~0.6 accepted / drafted, the
+# batched bar), so a draft model drafts alone only above that rate too.
 
 
 class Drafter(Protocol):
@@ -173,12 +177,12 @@ class Speculation:
     def wanted(self, room: int, batched: bool = False) -> int:
         """How many tokens to draft this step, at most ``room``: 0 while paused or while its recent
         acceptance is too low to pay (``batched``: other sequences decode in the step too, where the
-        bar is higher)."""
+        bar is higher, as it is for a drafter whose proposals cost forwards)."""
         self.batched = batched
         if self.paused:
             self.paused -= 1
             return 0
-        if self.rate < (BATCHED_MIN_RATE if batched else SOLO_MIN_RATE):
+        if self.rate < (BATCHED_MIN_RATE if batched or self.pauses else SOLO_MIN_RATE):
             self.rate += RATE_RECOVERY
             return 0
         return draft_length(min(self.length, room))
@@ -261,6 +265,19 @@ class Speculator:
             runner.propose(wanted)
             for sequence, _ in wanted:
                 sequence.draft = sequence.speculation.shaped(sequence.draft)
+
+    def prefill(self, work: list[tuple["Sequence", int]]) -> None:
+        """The step's prompt chunks of sequences drafting with a draft model run on their draft
+        sequences too (engine/draft_model.py), one draft forward per draft model."""
+        chunks: dict[int, tuple[DraftRunner, list[tuple[Sequence, int]]]] = {}
+        for sequence, count in work:
+            spec = sequence.speculation
+            if (spec is not None and isinstance(spec.drafter, ModelDrafter) and sequence.stream is None
+                    and sequence.num_computed < len(sequence.context)):
+                runner = spec.drafter.runner
+                chunks.setdefault(id(runner), (runner, []))[1].append((sequence, count))
+        for runner, wanted in chunks.values():
+            runner.prefill(wanted)
 
     def sample(self, sampled: list["Sequence"], logits: torch.Tensor) -> list[TokenEvent]:
         """A step's tokens when some sequences verify drafts: plain rows as usual, then each verifying
