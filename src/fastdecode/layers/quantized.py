@@ -260,8 +260,15 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
 
 def _kernel_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """rows [M, K] float32 -> [M, N] (+ bias: float32 [N]) through the AVX2 / AVX-512 kernel."""
+    """rows [M, K] float32 -> [M, N] (+ bias: float32 [N]) through the AVX2 / AVX-512 kernel; many int8 rows
+    of a tiled weight through ``ops.tiled_gemm`` (the same bits; AMX's tile unit where the CPU has it)."""
     M, K, N = rows.shape[0], weight.inputs, weight.outputs
+    if M > 1 and weight.is_tiled and weight.activation_bits == 8:
+        out = ops.tiled_gemm(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale,
+                             weight.mins, weight.bits, weight.outputs, kernel_threads(M * K * N, budget))
+        if bias is not None:
+            out += bias  # (the kernel's own addition: the same float sum)
+        return out
     return ops.qmatmul(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
                        weight.bits, weight.group, kernel_threads(M * K * N, budget), weight.activation_bits,
                        weight.outputs, bias)
