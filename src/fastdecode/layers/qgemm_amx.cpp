@@ -35,7 +35,8 @@ constexpr int64_t PANEL = 32;       // outputs per panel: two B tiles of 16
 constexpr int64_t ROW_GROUP = 32;   // rows per pass: two A tiles of 16
 constexpr int64_t AMX_MIN_ROWS = 8; // fewer rows: the tiled kernels (weights streamed once; tiles mostly empty)
 constexpr int64_t ROW_BLOCK_BYTES = 1 << 20;  // activation bytes of one row block (L2)
-constexpr int MIN_ROWS = 8;         // rows whose mins terms are summed side by side
+constexpr int MIN_ROWS = 8;
+constexpr int64_t CHUNK = 4;        // blocks whose tile products are folded together (2 x 16 KB of int32 in L1)         // rows whose mins terms are summed side by side
 
 // One panel repacked: codes [blocks][2][8][64] (B tiles), scale and mins [blocks][32] float32.
 struct Panel {
@@ -169,18 +170,26 @@ void pack_panel(const Operands& o, int64_t t0, Panel& p) {
   }
 }
 
-// Block b's float32 fold of its 4 C tiles (dots: [row tile * 2 + B tile][row][output]) into acc.
-inline void fold(const int32_t (*dots)[16][16], const float* w_scale, const float* d, int64_t blocks, int64_t rows,
-                 float (*acc)[PANEL]) {
-  const __m512 w0 = _mm512_loadu_ps(w_scale), w1 = _mm512_loadu_ps(w_scale + 16);
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 dr = _mm512_set1_ps(d[r * blocks]);
-    const int32_t* c0 = dots[(r / 16) * 2][r % 16];
-    const int32_t* c1 = dots[(r / 16) * 2 + 1][r % 16];
-    _mm512_store_ps(acc[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c0)), _mm512_mul_ps(w0, dr),
-                                            _mm512_load_ps(acc[r])));
-    _mm512_store_ps(acc[r] + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c1)), _mm512_mul_ps(w1, dr),
-                                                 _mm512_load_ps(acc[r] + 16)));
+// Blocks [b0, b0 + count) folded into acc: dots [count][row tile * 2 + B tile][row][output], w_scale the
+// panel's scales from block b0, d the rows' activation scales from block b0 (rows `blocks` apart). 8 rows at a
+// time, their 16 accumulators in registers across the blocks (each output's operations in block order).
+inline void fold(const int32_t (*dots)[4][16][16], int64_t count, const float* w_scale, const float* d, int64_t blocks,
+                 int64_t rows, float (*acc)[PANEL]) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    __m512 a[8][2];
+    for (int i = 0; i < 8; ++i) a[i][0] = _mm512_load_ps(acc[r0 + i]), a[i][1] = _mm512_load_ps(acc[r0 + i] + 16);
+    for (int64_t b = 0; b < count; ++b) {
+      const __m512 w0 = _mm512_loadu_ps(w_scale + b * PANEL), w1 = _mm512_loadu_ps(w_scale + b * PANEL + 16);
+      for (int i = 0; i < 8; ++i) {  // (rows past `rows`: padding, computed and never stored)
+        const int64_t r = r0 + i;
+        const __m512 dr = _mm512_set1_ps(d[r * blocks + b]);
+        const __m512i dot0 = _mm512_load_si512(dots[b][(r / 16) * 2][r % 16]);
+        const __m512i dot1 = _mm512_load_si512(dots[b][(r / 16) * 2 + 1][r % 16]);
+        a[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(w0, dr), a[i][0]);
+        a[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(w1, dr), a[i][1]);
+      }
+    }
+    for (int i = 0; i < 8; ++i) _mm512_store_ps(acc[r0 + i], a[i][0]), _mm512_store_ps(acc[r0 + i] + 16, a[i][1]);
   }
 }
 
@@ -212,9 +221,7 @@ inline void block_dots(const int8_t* a, int64_t next, const int8_t* b_tiles, int
   _tile_stored(7, dots[3], 64);
 }
 
-// Rows [m0, m1) x the panel's 32 outputs (tiles t0 ..) -> y. Software-pipelined: block b's tile products
-// are issued before block b - 1's dots (stored one iteration earlier) are folded, so the tile unit and the
-// vector units overlap and no load waits on a tile store just issued.
+// Rows [m0, m1) x the panel's 32 outputs (tiles t0 ..) -> y.
 template <int BITS>
 void panel_rows_bits(const Operands& o, int64_t t0, int64_t m0, int64_t m1, Panel& p) {
   const quant::QuantizedRows& q = *o.q;
@@ -222,19 +229,25 @@ void panel_rows_bits(const Operands& o, int64_t t0, int64_t m0, int64_t m1, Pane
   const int64_t valid = std::min<int64_t>(PANEL, o.N - n0);
   const __mmask16 mask0 = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
   const __mmask16 mask1 = valid >= 32 ? __mmask16(0xFFFF) : valid <= 16 ? __mmask16(0) : __mmask16((1u << (valid - 16)) - 1);
-  alignas(64) int32_t dots[2][4][16][16];  // two blocks' C tiles: [b % 2][row tile * 2 + B tile][row][output]
+  alignas(64) int32_t dots[2][CHUNK][4][16][16];  // two chunks of blocks' C tiles: [chunk % 2][block][tile][row][output]
   alignas(64) float acc[ROW_GROUP][PANEL];
+  const int64_t chunks = (blocks + CHUNK - 1) / CHUNK;
   for (int64_t g = m0; g < m1; g += ROW_GROUP) {
     const int64_t rows = std::min<int64_t>(ROW_GROUP, m1 - g);
     std::memset(acc, 0, sizeof(acc));
+
     const int8_t* a = o.act + (g / 16) * blocks * 512;
     const float* d = q.scale.data() + g * blocks;
-    block_dots<BITS>(a, blocks * 512, p.codes.data(), dots[0]);
-    for (int64_t b = 1; b < blocks; ++b) {
-      block_dots<BITS>(a + 512 * b, blocks * 512, p.codes.data() + b * 1024, dots[b % 2]);
-      fold(dots[(b - 1) % 2], p.scale.data() + (b - 1) * PANEL, d + b - 1, blocks, rows, acc);
+    // chunk k's tile products are issued before chunk k - 1 is folded: the tile unit and the vector units overlap
+    for (int64_t k = 0; k <= chunks; ++k) {
+      if (k < chunks)
+        for (int64_t b = k * CHUNK; b < std::min(blocks, (k + 1) * CHUNK); ++b)
+          block_dots<BITS>(a + 512 * b, blocks * 512, p.codes.data() + b * 1024, dots[k % 2][b - k * CHUNK]);
+      if (k > 0) {
+        const int64_t b0 = (k - 1) * CHUNK;
+        fold(dots[(k - 1) % 2], std::min(CHUNK, blocks - b0), p.scale.data() + b0 * PANEL, d + b0, blocks, rows, acc);
+      }
     }
-    fold(dots[(blocks - 1) % 2], p.scale.data() + (blocks - 1) * PANEL, d + blocks - 1, blocks, rows, acc);
     for (int64_t r0 = 0; r0 < rows; r0 += MIN_ROWS) {  // the mins terms of 8 rows side by side: 16 independent chains
       const int64_t n = std::min<int64_t>(MIN_ROWS, rows - r0);
       __m512 off[MIN_ROWS][2];
