@@ -35,8 +35,8 @@ constexpr int64_t PANEL = 32;       // outputs per panel: two B tiles of 16
 constexpr int64_t ROW_GROUP = 32;   // rows per pass: two A tiles of 16
 constexpr int64_t AMX_MIN_ROWS = 8; // fewer rows: the tiled kernels (weights streamed once; tiles mostly empty)
 constexpr int64_t ROW_BLOCK_BYTES = 1 << 20;  // activation bytes of one row block (L2)
-constexpr int MIN_ROWS = 8;
-constexpr int64_t CHUNK = 4;        // blocks whose tile products are folded together (2 x 16 KB of int32 in L1)         // rows whose mins terms are summed side by side
+constexpr int MIN_ROWS = 8;         // rows whose mins terms are summed side by side
+constexpr int64_t CHUNK = 4;        // blocks whose tile products are folded together (2 x 16 KB of int32 in L1)
 
 // One panel repacked: codes [blocks][2][8][64] (B tiles), scale and mins [blocks][32] float32.
 struct Panel {
