@@ -91,7 +91,7 @@ at::Tensor amx_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
     const int64_t m1 = std::min(M, m0 + rows_per_block);
     parallel_chunks(panels, 1, threads, [&](int64_t p0, int64_t p1) {
       configure();
-      Panel panel;
+      thread_local Panel panel;  // (reused: a panel of K = 8960 is 280 KB, which malloc would map and unmap)
       for (int64_t p = p0; p < p1; ++p) {
         pack_panel(o, p * (PANEL / TILE), panel);
         panel_rows(o, p * (PANEL / TILE), m0, m1, panel);

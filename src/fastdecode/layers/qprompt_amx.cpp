@@ -66,7 +66,7 @@ at::Tensor rows16_gemm(const at::Tensor& x, const at::Tensor& codes, const at::T
     parallel_chunks(panels, 1, threads, [&](int64_t p0, int64_t p1) {
       // tmm0, tmm1: A (16 x 16 bytes: the block's two groups); tmm2, tmm3: B (4 x 64); tmm4-7: C (16 x 16 int32)
       configure({16, 16, 4, 4, 16, 16, 16, 16}, {16, 16, 64, 64, 64, 64, 64, 64});
-      Panel16 panel;
+      thread_local Panel16 panel;  // (reused: a panel of K = 8960 is 280 KB, which malloc would map and unmap)
       for (int64_t p = p0; p < p1; ++p) {
         pack(o, p * PANEL, panel);
         panel_rows(o, p * PANEL, m0, m1, panel);
