@@ -41,7 +41,10 @@ Which arithmetic a row gets depends on its role, never on what else is in the st
 Prompt rows on int8 (the model's ``KernelChoice`` with ``prompt_rows="int8"``, carried by ``Products``,
 or ``int8_prompt_rows``) take the decode kernel, except on
 the rows layout's 8-bit codes in groups of 16 (Q6_K), whose prompt rows take the int8 prompt GEMM
-(layers/qprompt.cpp: 16 outputs repacked per pass, VNNI or AVX2; ``has_prompt_kernel``).
+(layers/qprompt.cpp: 16 outputs repacked per pass, VNNI or AVX2; ``has_prompt_kernel``). Int8 products of
+several rows of a tiled weight (such prompt rows, batches, beams, verify steps) go through ``ops.tiled_gemm``:
+the decode kernel's bits, on AMX's tile unit where the CPU has it (layers/qgemm_amx.cpp; likewise Q6_K's
+prompt GEMM, layers/qprompt_amx.cpp).
 
 Each kernel's row result is bitwise the same whatever else is in its product: a row's products never
 depend on its batch or on how its prompt was chunked (attention over prompt chunks is SDPA, whose
