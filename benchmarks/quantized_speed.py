@@ -3,7 +3,7 @@
 
 Engines (each in its own worker process, started one at a time; after one untimed warm-up repetition
 (not with --quick), engines alternate within every repetition; medians):
-fastdecode native (the GGUF's own blocks), fastdecode float32 (blocks dequantized at load),
+fastdecode native (the GGUF's own blocks; -int8: with int8 prompt rows), fastdecode float32 (blocks dequantized at load),
 llama.cpp on the same file (its own llama-server with 8 parallel slots; see peers/llama_cpp.py),
 CTranslate2 float32 and int8 (a conversion of the same weights), transformers (the GGUF dequantized).
 Rows: load time, first token after process start, tokens/s at batch 1 (64 new tokens) and batch 8
@@ -35,7 +35,7 @@ from harness import Worker, limit_tokens_per_s, median, not_run, spread, table
 from peers import llama_cpp
 from peers.ctranslate2 import prepare_ctranslate2
 
-ENGINES = ("fastdecode-native", "fastdecode-float32", "llama.cpp", "ct2-float32", "ct2-int8", "transformers")
+ENGINES = ("fastdecode-native", "fastdecode-native-int8", "fastdecode-float32", "llama.cpp", "ct2-float32", "ct2-int8", "transformers")
 CACHE = Path(tempfile.gettempdir()) / "fastdecode-bench"
 
 
@@ -65,7 +65,8 @@ class Fastdecode(Engine):
             except ImportError:  # an older tree
                 from fastdecode.layers.kernels import set_avx512
             set_avx512(False)
-        self.gen = fastdecode.load(options.get("source"), quantize=options.get("quantize"))
+        self.gen = fastdecode.load(options.get("source"), quantize=options.get("quantize"),
+                                   **({"prompt_rows": options["prompt_rows"]} if "prompt_rows" in options else {}))
         self.bytes_per_token = self.gen.inspect()["weight_bytes_read_per_token"]
 
     def generate(self, prompts, new_tokens, num_beams=1):
@@ -148,7 +149,8 @@ def embedded_section(args) -> str:
     wanted = [n for n in (args.engines.split(",") if args.engines else ENGINES)]
     ct2 = prepare_ctranslate2(harness.embedded_model_path(), CACHE) if any(n.startswith("ct2") for n in wanted) \
         and missing_module("ct2-int8") is None else None
-    per_engine = {"fastdecode-native": {}, "fastdecode-float32": {"quantize": "dequantize"},
+    per_engine = {"fastdecode-native": {}, "fastdecode-native-int8": {"prompt_rows": "int8"},
+                  "fastdecode-float32": {"quantize": "dequantize"},
                   "ct2-float32": {**(ct2 or {}), "compute_type": "float32"},
                   "ct2-int8": {**(ct2 or {}), "compute_type": "int8"}, "transformers": {}}
     missing = {n: missing_module(n) or ("conversion failed" if n.startswith("ct2") and not ct2 else None)
@@ -213,6 +215,9 @@ def targets(rate: dict[str, list[float]], rows: dict[str, list[str]], native_eng
         f"- batch 8, native vs CTranslate2 int8: {ratio('fastdecode-native', 'ct2-int8', 1)} (target >= 1.5x)",
         f"- batch 8, native vs llama.cpp: {ratio('fastdecode-native', 'llama.cpp', 1)}",
         f"- prompt processing, native vs llama.cpp: {ratio('fastdecode-native', 'llama.cpp', 2)} (target >= 1x)",
+        f"- prompt processing, native with int8 prompt rows vs CTranslate2 int8: "
+        f"{ratio('fastdecode-native-int8', 'ct2-int8', 2)} (issue 29: >= 1.0x), vs llama.cpp: "
+        f"{ratio('fastdecode-native-int8', 'llama.cpp', 2)} (issue 29: >= 2x)",
         f"- load {native[1] if native else '?'} s after process start (target <= 1 s; fastdecode.load() itself "
         f"{f'{native_engine_s:.2f}' if native_engine_s is not None else '?'} s, the rest Python and import torch), "
         f"first token {native[2] if native else '?'} s after process start (target <= 1.5 s)",

@@ -3,6 +3,7 @@
 file, joined by tests/qwen_coder.py), the embedded SmolLM2 135M Q4_1 and Gemma 3 270M Q4_K_M.
 
     python benchmarks/qwen_coder_speed.py --llama-cpp-bin DIR [--models qwen,smol,gemma] [--threads 2,1]
+        [--prompt-rows exact,int8]
         [--reps 3] [--new-tokens 128] [--prompt-tokens 512] [--batches 1] [--json out.json]
 
 Every repetition starts a NEW process per engine, fastdecode then llama.cpp (alternating, so drift
@@ -50,7 +51,7 @@ class FastdecodeEngine:
     def __init__(self, options: dict[str, Any]):
         import fastdecode
 
-        self.gen = fastdecode.load(options["source"] or None)
+        self.gen = fastdecode.load(options["source"] or None, prompt_rows=options.get("prompt_rows"))
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         return self.gen.generate_ids(prompts, max_new_tokens=new_tokens, eos_token_id=[])
@@ -80,13 +81,14 @@ def model_file(name: str) -> Path:
 class FastdecodeProcess:
     """One fresh fastdecode worker: ready, first token, then timed generate calls and its peak RSS."""
 
-    name = "fastdecode"
-
-    def __init__(self, source: str, threads: int, first_prompt: list[int] | None, log_dir: Path):
-        """``first_prompt`` None: no first token (the untimed process that tokenizes the prompts)."""
+    def __init__(self, source: str, threads: int, first_prompt: list[int] | None, log_dir: Path,
+                 prompt_rows: str | None = None):
+        """``first_prompt`` None: no first token (the untimed process that tokenizes the prompts);
+        ``prompt_rows``: the load's choice ("exact" / "int8"; None: the default), named in ``name``."""
         launched = time.time()
-        self.worker = harness.Worker(Path(__file__).resolve(), "fastdecode", {"source": source, "threads": threads},
-                                     log_dir)
+        self.name = "fastdecode" if prompt_rows is None else f"fastdecode {prompt_rows}"
+        self.worker = harness.Worker(Path(__file__).resolve(), "fastdecode",
+                                     {"source": source, "threads": threads, "prompt_rows": prompt_rows}, log_dir)
         try:
             self.load_s = self.worker.wait_ready()["load_s"]
             if first_prompt is not None:
@@ -156,7 +158,9 @@ def run_model(model: str, threads: int, args, binary: Path | None, batches: list
     gguf = model_file(model)
     source = "" if model == "smol" else str(gguf)
     log_dir = Path(tempfile.mkdtemp(prefix="qwen-coder-bench-"))
-    runs: dict[str, list[dict]] = {"fastdecode": [], "llama.cpp": []}
+    choices = args.prompt_rows.split(",") if args.prompt_rows else [None]
+    runs: dict[str, list[dict]] = {("fastdecode" if c is None else f"fastdecode {c}"): [] for c in choices}
+    runs["llama.cpp"] = []
     # an untimed first load: tokenizes the prompts, and leaves the file in the page cache and fastdecode's
     # weight and tokenizer caches built (as a user's second load finds them) before any timed start
     first = FastdecodeProcess(source, threads, None, log_dir)
@@ -166,7 +170,7 @@ def run_model(model: str, threads: int, args, binary: Path | None, batches: list
         first.close()
     extra = tuple(args.llama_cpp_args.split())
     for rep in range(args.reps):
-        makers = [lambda: FastdecodeProcess(source, threads, prompts["short"][0], log_dir)]
+        makers = [lambda c=c: FastdecodeProcess(source, threads, prompts["short"][0], log_dir, c) for c in choices]
         if binary is not None:
             makers.append(lambda: LlamaCppProcess(binary, gguf, threads, prompts["short"][0], max(batches),
                                                   args.prompt_tokens + args.new_tokens + 64, extra,
@@ -194,8 +198,13 @@ def same_prefix(a: list[int] | None, b: list[int] | None) -> str:
 
 def report(model: str, threads: int, runs: dict[str, list[dict]], args, batches: list[int],
            why_not: str | None) -> str:
-    """The markdown table of one model at one thread count."""
-    ours, theirs = runs["fastdecode"], runs["llama.cpp"]
+    """The markdown tables of one model at one thread count: each fastdecode variant against llama.cpp."""
+    return "\n".join(variant_report(model, threads, name, runs[name], runs["llama.cpp"], args, batches, why_not)
+                     for name in runs if name != "llama.cpp")
+
+
+def variant_report(model: str, threads: int, name: str, ours: list[dict], theirs: list[dict], args,
+                   batches: list[int], why_not: str | None) -> str:
     rows = []
 
     def row(label: str, key: str, digits: int, faster_is_higher: bool) -> None:
@@ -219,7 +228,7 @@ def report(model: str, threads: int, runs: dict[str, list[dict]], args, batches:
     contention = (f"other processes kept {median(busy):.1f} cores busy (median; max {max(busy):.1f}) "
                   "during the timed calls")
     return "\n".join([f"### {MODELS[model]}, {threads} thread(s), {len(ours)} reps: median (min-max)", "",
-                      table(["", "fastdecode", "llama.cpp", "fastdecode / llama.cpp"], rows), "", contention, ""])
+                      table(["", name, "llama.cpp", f"{name} / llama.cpp"], rows), "", contention, ""])
 
 
 def llama_cpp_version(binary: Path) -> str:
@@ -243,6 +252,9 @@ def main(argv: list[str] | None = None) -> None:
                              "processes to use under 0.3 cores")
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds llama-server may take to start or to answer one request")
+    parser.add_argument("--prompt-rows", default="",
+                        help="comma list of fastdecode's prompt_rows choices to run side by side (exact, int8; "
+                             "default: the load's default), each a fresh process per repetition")
     parser.add_argument("--json", default=None, help="also write every raw number here")
     parser.add_argument("--report-json", default=None, help="print the tables of a --json file; run nothing")
     harness.add_worker_arguments(parser)

@@ -54,6 +54,22 @@ def prompt_qmatmul(x: Tensor, codes: Tensor, scale: Tensor, threads: int) -> Ten
     return _ops().prompt_qmatmul(x, codes, scale, threads)
 
 
+def tiled_gemm(x: Tensor, codes: Tensor, scale: Tensor, mins: Tensor | None, bits: int, outputs: int,
+               threads: int) -> Tensor:
+    """Many int8 rows x [M, K] float32 times a tiled weight -> [M, N]: ``qmatmul``'s bits (activation_bits
+    8), on AMX's tile unit where the CPU has it and the rows are many (layers/qgemm_amx.cpp)."""
+    return _ops().tiled_gemm(x, codes, scale, mins, bits, outputs, threads)
+
+
+def set_amx(enabled: bool | None = None) -> bool:
+    """Whether many-row int8 products use AMX (layers/amx.h; the same results, faster); ``enabled``
+    switches it on (where the CPU and OS allow it, with AVX-512 on) or off first. False without the extension."""
+    ops = _ops()
+    if ops is None:
+        return False
+    return bool(ops.set_amx(-1 if enabled is None else int(enabled)))
+
+
 def dequantize(codes: Tensor, scale: Tensor, mins: Tensor | None, bits: int, group: int, threads: int,
                outputs: int = -1) -> Tensor:
     """A quantized weight's codes -> float32 [N, K]."""
@@ -246,6 +262,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("fastdecode_kernels::prompt_qmatmul")
     def _prompt_qmatmul_fake(x, codes, scale, threads):  # x [M, K] -> [M, N]
         return x.new_empty((x.shape[0], codes.shape[0]))
+
+    @torch.library.register_fake("fastdecode_kernels::tiled_gemm")
+    def _tiled_gemm_fake(x, codes, scale, mins, bits, outputs, threads):  # x [M, K] -> [M, N]
+        return x.new_empty((x.shape[0], _outputs(codes, scale, outputs)))
 
     @torch.library.register_fake("fastdecode_kernels::dequantize")
     def _dequantize_fake(codes, scale, mins, bits, group, threads, outputs=-1):  # -> float32 [N, K]

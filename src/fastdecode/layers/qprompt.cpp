@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx.h"
 #include "isa.h"
 #include "kscales.h"
 #include "parallel.h"
@@ -30,6 +31,8 @@ namespace prompt {
 namespace {
 
 using quant::QuantizedRows;
+
+constexpr int64_t AMX_MIN_ROWS = 8;  // fewer rows: the AVX2 / VNNI kernels (AMX's tiles of 16 rows mostly empty)
 
 // Outputs [n0, n0 + 16) of the rows-layout weight (codes [N, K] int8, scale [N, K/16]) into `tile`: per
 // 8 outputs and block, their 8 x 32 code bytes transposed as 8 x 8 dwords in registers; wide: the code sums
@@ -112,6 +115,7 @@ void pair_rows(const PairTile& tile, const QuantizedRows& q, int64_t M, float* y
 template <typename S>
 at::Tensor prompt_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t threads) {
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  if (M >= AMX_MIN_ROWS && use_amx()) return amx::rows16_gemm(x, codes, scale, threads);  // the same bits
   at::Tensor y = at::empty({M, N}, x.options());
   const QuantizedRows q = quant::quantize_rows<16>(x.data_ptr<float>(), M, K, false);
   const bool wide = use_avx512();  // read once: the whole product on one kernel

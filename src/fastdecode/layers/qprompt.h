@@ -44,4 +44,10 @@ void prompt_pair_rows(const prompt::PairTile& tile, const quant::QuantizedRows& 
                       float* y, int64_t N, int64_t n0, int64_t valid);
 }  // namespace avx512
 
+namespace amx {
+// The same product on AMX's tile unit (qprompt_amx.cpp): x [M, K] float32, codes int8 [N, K], scale float32
+// or float16 [N, K/16] -> y [M, N], the AVX2 / VNNI kernels' bits.
+at::Tensor rows16_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t threads);
+}  // namespace amx
+
 }  // namespace fastdecode

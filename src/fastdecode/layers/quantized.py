@@ -41,7 +41,10 @@ Which arithmetic a row gets depends on its role, never on what else is in the st
 Prompt rows on int8 (the model's ``KernelChoice`` with ``prompt_rows="int8"``, carried by ``Products``,
 or ``int8_prompt_rows``) take the decode kernel, except on
 the rows layout's 8-bit codes in groups of 16 (Q6_K), whose prompt rows take the int8 prompt GEMM
-(layers/qprompt.cpp: 16 outputs repacked per pass, VNNI or AVX2; ``has_prompt_kernel``).
+(layers/qprompt.cpp: 16 outputs repacked per pass, VNNI or AVX2; ``has_prompt_kernel``). Int8 products of
+several rows of a tiled weight (such prompt rows, batches, beams, verify steps) go through ``ops.tiled_gemm``:
+the decode kernel's bits, on AMX's tile unit where the CPU has it (layers/qgemm_amx.cpp; likewise Q6_K's
+prompt GEMM, layers/qprompt_amx.cpp).
 
 Each kernel's row result is bitwise the same whatever else is in its product: a row's products never
 depend on its batch or on how its prompt was chunked (attention over prompt chunks is SDPA, whose
@@ -260,8 +263,15 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
 
 def _kernel_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """rows [M, K] float32 -> [M, N] (+ bias: float32 [N]) through the AVX2 / AVX-512 kernel."""
+    """rows [M, K] float32 -> [M, N] (+ bias: float32 [N]) through the AVX2 / AVX-512 kernel; many int8 rows
+    of a tiled weight through ``ops.tiled_gemm`` (the same bits; AMX's tile unit where the CPU has it)."""
     M, K, N = rows.shape[0], weight.inputs, weight.outputs
+    if M > 1 and weight.is_tiled and weight.activation_bits == 8:
+        out = ops.tiled_gemm(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale,
+                             weight.mins, weight.bits, weight.outputs, kernel_threads(M * K * N, budget))
+        if bias is not None:
+            out += bias  # (the kernel's own addition: the same float sum)
+        return out
     return ops.qmatmul(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
                        weight.bits, weight.group, kernel_threads(M * K * N, budget), weight.activation_bits,
                        weight.outputs, bias)
