@@ -58,6 +58,7 @@ class FusedCrossDecode:
         self.shapes = [[(p.ints, p.shape) for p in products] for products in layers]
         self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.floats = [float(cfg.norm_eps), float(model.scale)]
+        self._ints: dict[tuple[int, int], list[list[int]]] = {}  # (rows, threads) -> per layer (_product_ints)
 
     @classmethod
     def for_model(cls, model) -> FusedCrossDecode | None:
@@ -82,14 +83,23 @@ class FusedCrossDecode:
         sources = cross.decode_sources(rows, self.head_dim)  # [(first row, rows, EncodedSources)] or None
         if sources is None:
             return None
-        D = self.head_dim
+        width = 2 * self.heads * self.head_dim  # multiply-adds per query and key, scores and sums
         source_ints = [i for first, count, source in sources
-                       for i in (first, count, kernel_threads(2 * self.heads * count * D * source.keys[0].shape[2], budget))]
-        ints = [[*(int(i) for i in product_ints), kernel_threads(rows * inputs * outputs, budget)]
-                for layer in self.shapes for product_ints, (inputs, outputs) in layer]
-        per_layer = len(self.shapes[0])
-        products = [[i for p in ints[n * per_layer : (n + 1) * per_layer] for i in p] for n in range(len(self.shapes))]
-        return _Step(self, plan, budget, products, source_ints, [source for _, _, source in sources])
+                       for i in (first, count, kernel_threads(width * count * source.keys[0].shape[2], budget))]
+        return _Step(self, plan, budget, self._product_ints(rows, budget), source_ints,
+                     [source for _, _, source in sources])
+
+    def _product_ints(self, rows: int, budget: int) -> list[list[int]]:
+        """Per layer, its products' 5 ints each (the last: the kernel threads for ``rows`` rows), kept per
+        (rows, budget): a step packs them once, not per layer."""
+        key = (rows, budget)
+        if key not in self._ints:
+            if len(self._ints) > 64:
+                self._ints.clear()
+            self._ints[key] = [[i for product_ints, (inputs, outputs) in layer
+                                for i in (*product_ints, kernel_threads(rows * inputs * outputs, budget))]
+                               for layer in self.shapes]
+        return self._ints[key]
 
 
 class _Step:
