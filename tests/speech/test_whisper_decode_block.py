@@ -60,15 +60,17 @@ def _engine_run(model) -> list[tuple]:
 def test_engine_steps_equal_the_python_loop(model, monkeypatch):
     fused = model.fused_layers
     assert fused is not None
-    calls, op = [0], fused.op
+    calls, sources, op = [0], [], fused.op
 
     def counted(*args):
         calls[0] += 1
+        sources.append(len(args[10]))  # source_keys: the windows of the step
         return op(*args)
 
     monkeypatch.setattr(fused, "op", counted)
     with_op = _engine_run(model)
     assert calls[0] >= 10 * model.config.num_layers  # every pure decode step, every layer
+    assert max(sources) >= 4  # steps with several windows side by side took the op too
     assert any(len(tokens) > 3 for tokens, _, _ in with_op)
     torch.set_num_threads(2)
     try:
