@@ -3,8 +3,8 @@
 - the logits layer's float32-activation kernel (qmatmul.cpp's float_rows, rows_avx512.cpp's pairs) runs
   the last 1-7 rows of a product as one block (a beam-5 step's 5 rows: the codes decoded once, not for 4
   rows then 1): each row's operations are the same whatever its block;
-- the cross-attention (cross_attention.cpp) runs 5 or 6 queries of a source as one tile and widens float16
-  keys once per block of 8 for all the queries: each query's scores and sums are its own, in key order.
+- the cross-attention (cross_attention.cpp) runs a source's queries (a window's beams) in tiles: each
+  query's scores and sums are its own, in key order, whatever its tile.
 Both are compared with the same op on one row (one query) at a time, on 1 and 2 threads.
 """
 

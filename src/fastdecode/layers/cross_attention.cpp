@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -44,27 +43,9 @@ struct Head {
   float* out;  // [T, D] contiguous
 };
 
-// scores [t, j .. j + 7] of every query against 8 keys k [8, D] (float32, or float16 widened as loaded).
-template <typename E, typename K>
-inline void block_scores(const Head<E>& h, const K* k, int64_t Lp, int64_t j, float* scores) {
-  const int64_t D = h.D;
-  for (int64_t t = 0; t < h.T; ++t) {
-    const float* q = h.q + t * h.q_t;
-    __m256 acc[8];
-    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
-      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, load8(k + u * D + d), acc[u]);
-    }
-    _mm256_storeu_ps(scores + t * Lp + j, _mm256_mul_ps(eight_sums(acc), _mm256_set1_ps(h.scale)));
-  }
-}
-
 // scores [T, Lp] (Lp = L rounded up to 8; the padding stays -inf) of every query against every key.
-// float16 keys of several queries (a window's beams) are widened once per block of 8 into `wide` [8 * D]
-// and read from there by every query: the same float32 values in the same operations, so the same bits.
 template <typename E>
-void head_scores(const Head<E>& h, int64_t Lp, float* scores, float* wide) {
+void head_scores(const Head<E>& h, int64_t Lp, float* scores) {
   const int64_t D = h.D;
   constexpr int64_t LINE = 64 / sizeof(E);  // elements per cache line
   int64_t j = 0;
@@ -76,14 +57,16 @@ void head_scores(const Head<E>& h, int64_t Lp, float* scores, float* wide) {
       if (j + 24 <= h.L) _mm_prefetch(reinterpret_cast<const char*>(k + 16 * D + line), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(h.v + j * D + line), _MM_HINT_T1);
     }
-    if constexpr (std::is_same_v<E, at::Half>) {
-      if (h.T > 1) {
-        for (int64_t i = 0; i < 8 * D; i += 8) _mm256_storeu_ps(wide + i, load8(k + i));
-        block_scores(h, static_cast<const float*>(wide), Lp, j, scores);
-        continue;
+    for (int64_t t = 0; t < h.T; ++t) {
+      const float* q = h.q + t * h.q_t;
+      __m256 acc[8];
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, load8(k + u * D + d), acc[u]);
       }
+      _mm256_storeu_ps(scores + t * Lp + j, _mm256_mul_ps(eight_sums(acc), _mm256_set1_ps(h.scale)));
     }
-    block_scores(h, k, Lp, j, scores);
   }
   for (; j < h.L; ++j) {  // the last keys, one at a time
     const E* k = h.k + j * D;
@@ -123,17 +106,7 @@ void values_tile(const Head<E>& h, int64_t Lp, const float* p, const float* inve
 template <int NV, typename E>
 void values_dims(const Head<E>& h, int64_t Lp, const float* p, const float* inverse, int64_t d) {
   int64_t t0 = 0;
-  while (h.T - t0 >= 4) {  // 5 or 6 queries (beams) as one tile: each value loaded (widened) once for all
-    const int64_t left = h.T - t0;
-    if (left == 5) {
-      values_tile<5, NV>(h, Lp, p, inverse, t0, d);
-    } else if (left == 6) {
-      values_tile<6, NV>(h, Lp, p, inverse, t0, d);
-    } else {
-      values_tile<4, NV>(h, Lp, p, inverse, t0, d);
-    }
-    t0 += left == 5 || left == 6 ? left : 4;
-  }
+  for (; t0 + 4 <= h.T; t0 += 4) values_tile<4, NV>(h, Lp, p, inverse, t0, d);
   switch (h.T - t0) {
     case 3: values_tile<3, NV>(h, Lp, p, inverse, t0, d); break;
     case 2: values_tile<2, NV>(h, Lp, p, inverse, t0, d); break;
@@ -156,13 +129,13 @@ void attend_heads(const at::Tensor& q, const E* kd, const E* vd, const int64_t* 
   const float* qd = q.data_ptr<float>();
   float* od = out.data_ptr<float>();
   fastdecode::parallel_chunks(B * H, 1, threads, [&](int64_t first, int64_t last) {
-    std::vector<float> scores, inverse(T), wide(8 * D);
+    std::vector<float> scores, inverse(T);
     for (int64_t item = first; item < last; ++item) {
       const int64_t b = item / H, h = item % H, L = len[b], Lp = (L + 7) / 8 * 8;
       const Head<E> head{qd + b * q.stride(0) + h * q.stride(1), q.stride(2), kd + item * S * D, vd + item * S * D,
                          T, L, D, static_cast<float>(scale), od + item * T * D};
       scores.assign(T * Lp, -INFINITY);
-      head_scores(head, Lp, scores.data(), wide.data());
+      head_scores(head, Lp, scores.data());
       for (int64_t t = 0; t < T; ++t) inverse[t] = softmax_numerators(scores.data() + t * Lp, L, Lp);
       head_values(head, Lp, scores.data(), inverse.data());
     }
