@@ -35,3 +35,23 @@ def vocabulary():
 
     return WhisperVocabulary(tokenizer=None, vocab_size=120, eot=EOT, sot=SOT, transcribe=97, translate=96,
                              sot_prev=95, sot_lm=None, no_timestamps=NO_TIMESTAMPS, no_speech=94, languages={})
+
+
+def run_arriving(engine, model, vocab, sources, windows, after_step=None) -> dict:
+    """Search ``windows`` [(prompt, sot index, SearchOptions, the step it arrives at)] of the encoded
+    ``sources`` in ``engine`` (speech/batching.py's ``speech_engine``), each added at its step -> {window
+    index: its engine sequence}; ``after_step(engine)`` is called after every step."""
+    from fastdecode.speech.batching import search_request, window_sources
+    from fastdecode.speech.requests import Search
+
+    sequences, step = {}, 0
+    while len(sequences) < len(windows) or engine.has_work():
+        for b, (prompt, sot, opts, arrives) in enumerate(windows):
+            if arrives == step:
+                request = Search(window_sources(sources, b), prompt, sot, opts)
+                sequences[b] = engine.add(search_request(vocab, request, model.config.vocab_size, model.device))
+        engine.step()
+        if after_step is not None:
+            after_step(engine)
+        step += 1
+    return sequences

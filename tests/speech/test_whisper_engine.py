@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tiny_encdec import single_thread  # noqa: F401 (autouse fixture: one torch thread)
-from tiny_whisper import EOT, FRAMES, MELS, NO_TIMESTAMPS, SOT, build, save, vocabulary
+from tiny_whisper import EOT, FRAMES, MELS, NO_TIMESTAMPS, SOT, build, run_arriving, save, vocabulary
 
 from fastdecode.errors import InvalidOptionError
 from fastdecode.speech.batching import (answer, decode_windows, encode_windows, search_request, speech_engine,
@@ -49,15 +49,8 @@ def test_windows_arriving_at_different_steps_equal_each_alone(model):
                  for b, (prompt, sot, opts, _) in enumerate(WINDOWS)]
         engine = speech_engine(model, len(WINDOWS) * window_tokens(model, 5))
         free = engine.cache.pool.num_free
-        sequences, step, widths = {}, 0, []
-        while len(sequences) < len(WINDOWS) or engine.has_work():
-            for b, (prompt, sot, opts, arrives) in enumerate(WINDOWS):
-                if arrives == step:
-                    request = Search(window_sources(sources, b), prompt, sot, opts)
-                    sequences[b] = engine.add(search_request(vocab, request, model.config.vocab_size, model.device))
-            engine.step()
-            widths.append(len(engine.running))
-            step += 1
+        widths = []
+        sequences = run_arriving(engine, model, vocab, sources, WINDOWS, lambda e: widths.append(len(e.running)))
         got = [answer(sequences[b], vocab) for b in range(len(WINDOWS))]
     assert max(widths) >= 10  # the groups' rows did share steps (beams, samples and greedy rows)
     for b, (expected, result) in enumerate(zip(alone, got)):

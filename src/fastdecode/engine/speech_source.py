@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidOptionError
-from .cross import CrossStore, EncodedSources, RowGroup
+from .cross import CrossStore, EncodedSources, RowGroup, cross_attention_runs
 from .sequence import Sequence
 
 
@@ -92,6 +92,22 @@ class EncodedStep:
 
     def __init__(self, groups: list[RowGroup]):
         self.groups = groups
+
+    def decode_sources(self, rows: int, head_dim: int) -> list[tuple[int, int, EncodedSources]] | None:
+        """Each sequence's (first flat token, queries, window) in flat order, when they cover the step's
+        ``rows`` tokens and the C++ cross-attention serves every window, as ``attend`` then runs it (the
+        fused decoder layer's sources, models/whisper_decode.py); else None."""
+        probe = torch.empty(0, head_dim)  # the queries' dtype, device and head dim, as cross_attention_runs reads them
+        sources, next_row = [], 0
+        for first, sequences, T in self.groups:
+            for n, sequence in enumerate(sequences):
+                source = sequence.source
+                if (first + n * T != next_row or source.lengths is None
+                        or not all(cross_attention_runs(probe, keys) for keys in source.keys)):
+                    return None
+                sources.append((next_row, T, source))
+                next_row += T
+        return sources if next_row == rows else None
 
     def attend(self, index: int, q: torch.Tensor, scale: float, threads: int) -> torch.Tensor:
         """Cross-attention of decoder layer ``index``: q [1, H, N, D] (flat tokens) -> [1, H, N, D]."""

@@ -202,6 +202,18 @@ def decode_block(x: Tensor, h: Tensor, weights: list[Tensor | None], args: Decod
                                key_start, positions)
 
 
+def cross_decode_block(x: Tensor, weights: list[Tensor | None], ints: list[int], floats: list[float], keys: Tensor,
+                       values: Tensor, slots: Tensor, table: Tensor, key_start: Tensor, positions: Tensor,
+                       source_keys: list[Tensor], source_values: list[Tensor], source_lengths: list[Tensor]) -> Tensor:
+    """One pre-LayerNorm encoder-decoder decoder layer (Whisper's) for a pure decode step over encoded
+    sources: x [1, N, C] -> the next layer's x. ``weights``, ``ints``, ``floats``: as decode_block.cpp's
+    cross_decode_block lays them out (models/whisper_decode.py packs them); keys, values [slots, H, D] of the
+    layer (written in place); slots [N]; table [N, n]; key_start, positions [N]; per source its cross K, V
+    [1, H, S, D] and length [1]."""
+    return _ops().cross_decode_block(x, weights, ints, floats, keys, values, slots, table, key_start, positions,
+                                     source_keys, source_values, source_lengths)
+
+
 # -- loading --------------------------------------------------------------------------------------
 class KernelOps:
     """The extension's ops by name, each its ``default`` overload: calling an OpOverload directly costs

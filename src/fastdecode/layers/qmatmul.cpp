@@ -204,8 +204,21 @@ void outputs_range(const QuantizedRows& q, bool wide, const uint8_t* offset, con
     if (x != nullptr) {  // float32 activations: 8 accumulators + G/8 weight vectors fit in 16 registers
       const int64_t groups = K / G;
       for (; m + 8 <= M; m += 8) float_outputs<BITS, G, S, 8>(wide, x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
-      for (; m + 4 <= M; m += 4) float_outputs<BITS, G, S, 4>(wide, x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
-      for (; m < M; ++m) float_outputs<BITS, G, S, 1>(wide, x + m * K, xsum + m * groups, K, cp, sp, mp, yp + m * N, N, c, c1);
+      // the last 1-7 rows in one block: the codes decoded once for all of them (a beam-5 step's logits layer
+      // ran 4 + 1, decoding twice), each row's operations the same whatever the block (float_rows)
+      const float* xm = x + m * K;
+      const float* sm = xsum + m * groups;
+      float* ym = yp + m * N;
+      switch (M - m) {
+        case 7: float_outputs<BITS, G, S, 7>(wide, xm, sm, K, cp, sp, mp, ym, N, c, c1); break;
+        case 6: float_outputs<BITS, G, S, 6>(wide, xm, sm, K, cp, sp, mp, ym, N, c, c1); break;
+        case 5: float_outputs<BITS, G, S, 5>(wide, xm, sm, K, cp, sp, mp, ym, N, c, c1); break;
+        case 4: float_outputs<BITS, G, S, 4>(wide, xm, sm, K, cp, sp, mp, ym, N, c, c1); break;
+        case 3: float_outputs<BITS, G, S, 3>(wide, xm, sm, K, cp, sp, mp, ym, N, c, c1); break;
+        case 2: float_outputs<BITS, G, S, 2>(wide, xm, sm, K, cp, sp, mp, ym, N, c, c1); break;
+        case 1: float_outputs<BITS, G, S, 1>(wide, xm, sm, K, cp, sp, mp, ym, N, c, c1); break;
+        default: break;
+      }
       continue;
     }
     if constexpr (BITS == 8 && G == 16 && std::is_same_v<S, float>) {

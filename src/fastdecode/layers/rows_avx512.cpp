@@ -158,18 +158,17 @@ int64_t float_row_pairs(const float* x, int64_t K, const uint8_t* codes, const S
   return n;  // (the AVX2 kernel takes the last outputs: fewer than 2 * PAIRS)
 }
 
-#define FD_INSTANCES(G, S)                                                                                  \
-  template int64_t float_row_pairs<G, S, 1>(const float*, int64_t, const uint8_t*, const S*, float*, int64_t, \
-                                            int64_t, int64_t);                                              \
-  template int64_t float_row_pairs<G, S, 4>(const float*, int64_t, const uint8_t*, const S*, float*, int64_t, \
-                                            int64_t, int64_t);                                              \
-  template int64_t float_row_pairs<G, S, 8>(const float*, int64_t, const uint8_t*, const S*, float*, int64_t, \
-                                            int64_t, int64_t);
+#define FD_INSTANCE(G, S, RB) \
+  template int64_t float_row_pairs<G, S, RB>(const float*, int64_t, const uint8_t*, const S*, float*, int64_t, int64_t, int64_t);
+#define FD_INSTANCES(G, S) \
+  FD_INSTANCE(G, S, 1) FD_INSTANCE(G, S, 2) FD_INSTANCE(G, S, 3) FD_INSTANCE(G, S, 4) FD_INSTANCE(G, S, 5) \
+  FD_INSTANCE(G, S, 6) FD_INSTANCE(G, S, 7) FD_INSTANCE(G, S, 8)
 FD_INSTANCES(16, float)
 FD_INSTANCES(16, at::Half)
 FD_INSTANCES(32, float)
 FD_INSTANCES(32, at::Half)
 #undef FD_INSTANCES
+#undef FD_INSTANCE
 
 }  // namespace avx512
 }  // namespace fastdecode

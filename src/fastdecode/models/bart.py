@@ -235,6 +235,7 @@ class BartModel(ModelBase):
         self.encoder = self._stack(weights, "encoder", config.num_encoder_layers, BartEncoderBlock, pos_tables)
         self.decoder = self._stack(weights, "decoder", config.num_layers, BartDecoderBlock, pos_tables)
         self.scale = config.head_dim**-0.5
+        self.fused_layers = None  # one-op decoder layers for pure decode steps (whisper_decode.py)
 
     @staticmethod
     def _stack(weights, stack: str, num_layers: int, block: type[BlockT], pos_tables) -> BartStack[BlockT]:
@@ -301,7 +302,11 @@ class BartModel(ModelBase):
         """
         p = view.products  # the rows' roles and thread budget (layers/products.py)
         x = self._embed(self.decoder, tokens, positions)
+        fused = self.fused_layers.step(view, cross, x) if self.fused_layers is not None else None
         for index, layer in enumerate(self.decoder.layers):
+            if fused is not None and (out := fused(index, x)) is not None:  # the layer as one op, the same bits
+                x = out
+                continue
             x = self._residual(x, layer.attn_norm, layer.attn_norm_bias,
                                lambda h: self._target_self_attention(h, layer, index, view, p))
             x = self._residual(x, layer.cross_norm, layer.cross_norm_bias,

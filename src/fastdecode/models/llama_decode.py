@@ -39,7 +39,7 @@ from ..layers.threads import KERNEL_PARALLEL_MIN_WORK, kernel_threads
 
 
 @dataclass(frozen=True, slots=True)
-class _Product:
+class PackedProduct:
     """One product's op arguments: its 4 weight entries, its ints (bits, group, activation bits, outputs;
     bits 0: float32) and its (inputs, outputs)."""
 
@@ -48,39 +48,40 @@ class _Product:
     shape: tuple[int, int]
 
 
-def _matrix(weight, bias: torch.Tensor | None, kernels: KernelChoice) -> _Product | None:
+def packed_product(weight, bias: torch.Tensor | None, kernels: KernelChoice) -> PackedProduct | None:
     """A product one kernel runs, as the Python loop would run it for generated rows, or None: a
     quantized weight (``quantized_linear``'s kernel), or a float32 [out, in] view of a contiguous
     [in, out] buffer (``linear``'s float_matmul, where the extension has it)."""
     if isinstance(weight, QuantizedWeight):
         if weight.transposed or weight.device.type != "cpu":
             return None
-        return _Product((weight.codes, weight.scale, weight.mins, bias),
-                        (weight.bits, weight.group, weight.activation_bits, weight.outputs),
-                        (weight.inputs, weight.outputs))
+        return PackedProduct((weight.codes, weight.scale, weight.mins, bias),
+                             (weight.bits, weight.group, weight.activation_bits, weight.outputs),
+                             (weight.inputs, weight.outputs))
     if not isinstance(weight, torch.Tensor) or not float_kernel_serves(weight, kernels):
         return None
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()  # as linear() passes it
     N, K = weight.shape
-    return _Product((weight.t(), None, None, bias), (0, 0, 0, N), (K, N))
+    return PackedProduct((weight.t(), None, None, bias), (0, 0, 0, N), (K, N))
 
 
-def _block_products(layer, kernels: KernelChoice) -> list[_Product] | None:
+def _block_products(layer, kernels: KernelChoice) -> list[PackedProduct] | None:
     """A block's products qkv, o, gate_up, down (then the second qkv product where Q/K/V are two fused
     matrices), or None when one is not a single kernel-run matrix."""
     qkv, gate_up = layer.qkv.parts, layer.gate_up.parts
     if len(qkv) > 2 or len(gate_up) != 1:
         return None
-    products = [_matrix(*qkv[0], kernels), _matrix(layer.o, layer.o_bias, kernels), _matrix(*gate_up[0], kernels),
-                _matrix(layer.down, layer.down_bias, kernels), *(_matrix(*part, kernels) for part in qkv[1:])]
+    products = [packed_product(*qkv[0], kernels), packed_product(layer.o, layer.o_bias, kernels),
+                packed_product(*gate_up[0], kernels), packed_product(layer.down, layer.down_bias, kernels),
+                *(packed_product(*part, kernels) for part in qkv[1:])]
     return None if any(p is None for p in products) else products
 
 
 class FusedDecode:
     """Each block's packed arguments for ``decode_block`` (built once per model)."""
 
-    def __init__(self, model, blocks: list[list[_Product]], activation: int):
+    def __init__(self, model, blocks: list[list[PackedProduct]], activation: int):
         cfg = model.config
         self.op = ops.decode_block  # (x, h, weights, DecodeBlockArgs, ...) -> (x, h)
         self.kernels = model.kernels  # the choice the blocks are packed for

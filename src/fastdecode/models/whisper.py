@@ -24,6 +24,7 @@ from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import CheckpointError, UnsupportedModelError
 from ..layers.products import KernelChoice, Products
 from .bart import _DECODER_LAYER, _ENCODER_LAYER, BartModel
+from .whisper_decode import FusedCrossDecode
 from .base import token_id_list
 
 N_FRAMES = 3000  # 30 s of 10 ms feature frames: the encoder's fixed input length
@@ -205,6 +206,8 @@ class WhisperModel(BartModel):
         self.conv1 = (weights["encoder.conv1.weight"], weights["encoder.conv1.bias"])  # [C, M, 3], [C]
         self.conv2 = (weights["encoder.conv2.weight"], weights["encoder.conv2.bias"])  # [C, C, 3], [C]
         self.cross_dtype = cross_dtype or self.dtype
+        self.fused_layers = FusedCrossDecode.for_model(self)  # pure decode steps: one op per layer (not
+        # ``fused_decode``: beams fold as before, engine/beam_group.py's folds_beams)
 
     def cross_kv(self, index: int, memory: torch.Tensor, p: Products) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer ``index``'s cross K, V [B, H, S, D] in ``cross_dtype``."""
