@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import torch
+
 BLOCK_SIZE = 16
 NO_BLOCK = -1  # a sliding kind's entry for a logical block it does not hold (slid out of the window)
 
@@ -159,9 +161,11 @@ class BlockPool:
 
 
 class PooledBuffers:
-    """What K/V buffers behind one ``BlockPool`` (``self.pool``) say of their geometry."""
+    """What K/V buffers behind one ``BlockPool`` (``self.pool``) on ``self.device`` say of their geometry,
+    and their block tables as tensors."""
 
     pool: BlockPool
+    device: torch.device
 
     @property
     def block_size(self) -> int:
@@ -170,6 +174,12 @@ class PooledBuffers:
     @property
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.pool.block_size
+
+    def block_tables(self, tables: list[list[int]], num_blocks: int) -> torch.Tensor:
+        """The first ``num_blocks`` blocks of each table -> [B, num_blocks] (past the end of a shorter
+        table: block 0, which its reader never reads: a position mask or a source's length stops it)."""
+        rows = [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
 
 class BlockTable(list):

@@ -2,11 +2,11 @@
 
 An encoder-decoder sequence is admitted like any other (self-attention blocks for its decoder
 tokens) and also reserves blocks in a second block store, the *cross store* (engine/source_blocks.py:
-each head's keys consecutive within a block), for the K/V its source gives every decoder layer. In the step that admits it, the encoder runs once over its
-source (every source admitted in that step in one right-padded batch: the encoder masks the
-padding, so a source's output never depends on its batch), each decoder layer projects the
-cross K/V once, and only the real tokens' K/V are written to the sequence's cross blocks. They
-stay there, unchanged, until the sequence finishes or is cancelled (``release``).
+each head's keys consecutive within a block), for the K/V its source gives every decoder layer. In the
+step that admits it, the encoder runs once over its source (every source admitted in that step in one
+right-padded batch: the encoder masks the padding, so a source's output never depends on its batch),
+each decoder layer projects the cross K/V once, and only the real tokens' K/V are written to the
+sequence's cross blocks. They stay there, unchanged, until the sequence finishes or is cancelled (``release``).
 
 In the step's one flat forward (tokens of many sequences side by side, ``[1, N]``), each query of
 a decoder layer's cross-attention reads only its own source's K/V, through its sequence's cross
@@ -192,10 +192,11 @@ class SourceFold:
         self.queries = queries
         firsts = torch.tensor([first for first, _ in units], dtype=torch.long, device=device)  # [U]
         self.rows = (firsts[:, None] + torch.arange(queries, device=device)).flatten()  # [U * G] flat tokens
-        num_blocks = cache.pool.blocks_for(max(len(s.source) for _, s in units))
+        lengths = [len(s.source) for _, s in units]
+        self.lengths = torch.tensor(lengths, dtype=torch.long, device=device)  # [U]
+        self.longest = max(lengths)
+        num_blocks = cache.pool.blocks_for(self.longest)
         self.table = cache.block_tables([s.source_table for _, s in units], num_blocks)  # [U, n]
-        self.lengths = torch.tensor([len(s.source) for _, s in units], dtype=torch.long, device=device)  # [U]
-        self.longest = max(len(s.source) for _, s in units)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                threads: int) -> torch.Tensor:

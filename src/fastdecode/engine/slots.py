@@ -68,6 +68,7 @@ class SlotCache(PooledBuffers):
                  window_blocks: int | None = None):
         self.layer_windows = list(layer_windows) if layer_windows is not None else [None] * num_layers
         self.pool = BlockPool(num_blocks, block_size)
+        self.device = device
         windows = sorted({w for w in self.layer_windows if w is not None})
         self.window_pools = {w: BlockPool(window_blocks or num_blocks, block_size) for w in windows}
 
@@ -103,12 +104,6 @@ class SlotCache(PooledBuffers):
         size = self.block_size
         blocks = table if window is None else table.windows[window]  # type: ignore[attr-defined]
         return [blocks[p // size] * size + p % size for p in range(start, end)]
-
-    def block_tables(self, tables: list[list[int]], num_blocks: int) -> torch.Tensor:
-        """The first ``num_blocks`` full-kind blocks of each sequence's table -> [B, num_blocks]
-        (past the end of a shorter table: block 0, whose slots the position mask hides)."""
-        rows = [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables]
-        return torch.tensor(rows, dtype=torch.long, device=self.keys.device)
 
     def window_tables(self, tables: list[list[int]], starts: list[int], ends: list[int], window: int,
                       num_blocks: int | None = None, common_first: bool = False,

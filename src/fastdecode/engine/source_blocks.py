@@ -65,12 +65,6 @@ class SourceBlocks(PooledBuffers):
         return tuple(buffer.index_select(0, blocks).transpose(0, 1).flatten(1, 2)[:, :length]  # [H, n * block, D]
                      for buffer in (self.layer_keys[layer], self.layer_values[layer]))
 
-    def block_tables(self, tables: list[list[int]], num_blocks: int) -> torch.Tensor:
-        """The first ``num_blocks`` blocks of each source's table -> [B, num_blocks] (past a shorter
-        source's blocks: block 0, never read)."""
-        rows = [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
-
     def gather(self, buffer: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """A layer's K or V [blocks, H, block, D] read through block tables [B, n] -> [B, H, n * block, D]."""
         B, n = table.shape
