@@ -179,7 +179,52 @@ def compiled_transformers_row(model, gen, engine, reps: int) -> list:
             f"{b:.3f} s", harness.fmt_ratio(b / a), "-", "-"]
 
 
-def bart_section(reps: int) -> list[list]:
+def host_profile(job, path: str) -> None:
+    """Where the host's time goes in one run of ``job`` (cProfile, the 40 costliest functions by own time):
+    a GPU job whose wall time is mostly host time is bound by Python, not by the GPU."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    seconds, _ = gpu_timed(lambda: profile.runcall(job))
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
+    Path(path).write_text(f"wall {seconds:.3f} s\n{text.getvalue()}")
+
+
+def replay_floor(engine) -> str:
+    """The GPU time of one replay of each captured batch-1 graph (100 back to back): the step's floor."""
+    lines = []
+    for (rows, blocks), captured in sorted(engine.runner.compiled.graphs.items()):
+        if rows != 1:
+            continue
+        seconds, _ = gpu_timed(lambda: [captured.graph.replay() for _ in range(100)])
+        lines.append(f"graph rows 1, blocks {blocks}: {seconds * 10:.3f} ms per replay")
+    return "\n".join(lines)
+
+
+def kernel_profile(engine) -> str:
+    """The GPU kernels of 5 eager runs of the captured batch-1 step on its own static inputs
+    (torch.profiler, by GPU time): what a replay is made of."""
+    from torch.profiler import ProfilerActivity, profile
+
+    compiled = engine.runner.compiled
+    captured = next(c for (rows, _), c in sorted(compiled.graphs.items()) if rows == 1)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            compiled.step(captured.table, captured.tokens, captured.positions, captured.windowed)
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            return averages.table(sort_by=key, row_limit=40)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return averages.table(row_limit=40)
+
+
+def bart_section(reps: int, profile: str | None = None) -> list[list]:
     import fastdecode
 
     model = build_bart_large()
@@ -198,6 +243,8 @@ def bart_section(reps: int) -> list[list]:
         seconds, out = gpu_timed(lambda: hf_job(model, ids, 64, num_beams=4, no_repeat_ngram_size=3))
         theirs.append(seconds)
         same = sum(a == b.tolist()[1:] for a, b in zip(mine, out))  # (transformers': decoder start first)
+    if profile:
+        host_profile(lambda: gen.generate_ids(listed, **options), profile)
     a, b = harness.median(ours), harness.median(theirs)
     return [[f"bart-large fp16, 8 x 512, beam 4, no-repeat 3, 64 tokens ({same}/8 outputs identical)",
              f"{a:.3f} s", f"{b:.3f} s", harness.fmt_ratio(b / a), "-", "-"]]
@@ -210,6 +257,8 @@ def main() -> None:
                         help="Llama jobs as BATCHxPROMPT, comma-separated")
     parser.add_argument("--compile", action="store_true", help="also the engine with the compiled captured step")
     parser.add_argument("--skip-bart", action="store_true")
+    parser.add_argument("--profile-bart", metavar="FILE", help="write a host profile of one BART job to FILE")
+    parser.add_argument("--profile-llama", metavar="FILE", help="write a host profile of one batch-1 job to FILE")
     parser.add_argument("--skip-peer", action="store_true", help="no transformers static cache + compile row")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -219,12 +268,20 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}",
           flush=True)
     bandwidth = copy_bandwidth()
-    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
-    rows, (model, gen, engine) = llama_section(args.reps, shapes, bandwidth, args.compile)
+    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",") if shape]
+    rows, model = [], None
+    if shapes:  # (--shapes "": the BART job alone)
+        rows, (model, gen, engine) = llama_section(args.reps, shapes, bandwidth, args.compile)
     if not args.skip_bart:
-        rows += bart_section(args.reps)
+        rows += bart_section(args.reps, args.profile_bart)
         print(rows[-1], flush=True)
-    if not args.skip_peer:  # last: its compilation takes a while
+    if args.profile_llama and model is not None:  # batch 1, short prompt: host time per step against the replay
+        ids = torch.randint(10, 128000, (1, 32)).tolist()
+        host_profile(lambda: fastdecode_job(gen, ids, NEW_TOKENS, engine), args.profile_llama)
+        with open(args.profile_llama, "a") as file:
+            file.write(replay_floor(engine) + "\n")
+            file.write(kernel_profile(engine) + "\n")
+    if not args.skip_peer and model is not None:  # last: its compilation takes a while
         rows.append(compiled_transformers_row(model, gen, engine, args.reps))
     print(harness.table(["job", "fastdecode", "transformers eager", "speed-up", "decode tok/s", "of HBM limit"],
                         rows))

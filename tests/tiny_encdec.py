@@ -30,6 +30,14 @@ def single_thread():
 
 
 def build(kind: str, seed: int = 0):
+    """``_build_here``'s model, drawn on the CPU whatever torch's default device (the parity suite on a
+    GPU tests the CPU suite's models), then moved to that device."""
+    with torch.device("cpu"):
+        model = _build_here(kind, seed)
+    return model.to(torch.get_default_device())
+
+
+def _build_here(kind: str, seed: int = 0):
     """An eval-mode HF model with seeded random weights; generation defaults that would change
     greedy decoding (forced BOS/EOS) are switched off so tests set them explicitly."""
     import transformers as tf

@@ -32,6 +32,14 @@ def _rope(theta=10000.0, scaling=None):
 
 
 def build(kind: str, seed: int = 0, **overrides):
+    """``_build_here``'s model, drawn on the CPU whatever torch's default device (the same weights on
+    every device: the parity suite on a GPU tests the CPU suite's models), then moved to that device."""
+    with torch.device("cpu"):
+        model = _build_here(kind, seed, **overrides)
+    return model.to(torch.get_default_device())
+
+
+def _build_here(kind: str, seed: int = 0, **overrides):
     """Return an eval-mode HF model of the given kind with seeded random weights; ``overrides`` change
     the sizes shared by the Llama-family kinds (e.g. ``intermediate_size``)."""
     import transformers as tf
@@ -129,7 +137,7 @@ def _with_random_norms(model, seed: int):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator, device="cpu"))
     return model
 GEMMA3_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 
@@ -224,7 +232,7 @@ def build_phi3(kind: str, seed: int = 0, **overrides):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if not name.endswith("norm.weight"):
-                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator, device="cpu"))
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -251,7 +259,7 @@ def build_gemma2(kind: str = "gemma2", seed: int = 0, **overrides):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
+            noise = torch.randn(param.shape, generator=generator, device="cpu")
             param.copy_(0.3 * noise if name.endswith("norm.weight") else 0.15 * noise)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

@@ -213,3 +213,22 @@ def test_load_folder_in_bfloat16_on_cuda(tmp_path):
     assert gen.model.dtype == torch.bfloat16 and gen.device.type == "cuda"
     out = gen.generate_ids(_prompts((7,), seed=6), max_new_tokens=12)[0]
     assert len(out) == 12 and all(0 <= t < VOCAB for t in out)
+
+
+def test_soft_capped_gemma2_logits_are_the_cpu_logits():
+    """Gemma 2 (attention and final logits soft-capped, sliding layers) on the GPU in float32: the
+    same prefill logits as fastdecode's on the CPU, and as transformers' eager attention (the one
+    implementation of it that applies the soft caps) on the GPU. Found on an H200 with transformers
+    5.17: the parity suite's Gemma 2 tests alone differed from transformers by up to 0.66."""
+    from tiny_models import prefill_logits
+
+    ids = _prompts((20,), seed=7)[0]
+    hf = build("gemma2")
+    on_cpu = prefill_logits(fastdecode.from_hf(hf), ids)  # [T, V]
+    hf = hf.to(CUDA)
+    on_gpu = prefill_logits(fastdecode.from_hf(hf), ids).cpu()
+    hf.config._attn_implementation = "eager"
+    with torch.no_grad():
+        eager = hf(torch.tensor([ids], device=CUDA)).logits[0].float().cpu()
+    torch.testing.assert_close(on_gpu, on_cpu, atol=1e-4, rtol=0)
+    torch.testing.assert_close(on_gpu, eager, atol=1e-4, rtol=0)

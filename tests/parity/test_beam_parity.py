@@ -105,6 +105,8 @@ def test_beams_over_long_prompts_read_the_shared_blocks_once_per_sample(pair, mo
     prompts = _prompts((20, 37, 33), seed=4)
     _check(hf, gen, prompts, num_beams=3, max_new_tokens=8, eos_token_id=_eos_for(gen, prompts),
            num_return_sequences=2)
+    if gen.model.device.type == "cuda":  # a GPU's decode steps replay the captured fixed-shape step (not folded)
+        return
     assert folded and min(folded) == 16  # the one prompt block every sample holds in full
 
 

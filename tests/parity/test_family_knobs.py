@@ -22,7 +22,7 @@ SWITCH = 64  # original_max_position_embeddings of the tiny LongRoPE Phi-3
 
 
 def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed), device="cpu").tolist()
 
 
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:

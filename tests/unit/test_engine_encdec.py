@@ -162,8 +162,10 @@ def test_paged_cross_attention_equals_the_gathered_one(monkeypatch):
     assert torch.equal(folded, paged.attend(0, q, 0.25, 2))  # 1 and 2 threads: the same bits
     monkeypatch.setattr(cross_module, "paged_cross_attention_runs", lambda *args: False)
     gathered = cross_module.CrossStep(cache, groups, torch.float32)
-    assert not gathered.paged
+    assert not gathered.paged and [fold.queries for fold in gathered.folds] == [1, 3, 4]
     torch.testing.assert_close(folded, gathered.attend(0, q, 0.25, 1), atol=1e-5, rtol=0)
+    gathered_alone = cross_module.CrossStep(cache, [(i, [s], 1) for i, s in enumerate(rows)], torch.float32)
+    torch.testing.assert_close(gathered.attend(0, q, 0.25, 1), gathered_alone.attend(0, q, 0.25, 1), atol=1e-6, rtol=0)
 
 
 @pytest.mark.skipif(not __import__("fastdecode.layers.ops", fromlist=["available"]).available(),

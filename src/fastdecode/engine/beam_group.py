@@ -70,11 +70,13 @@ class BeamGroup:
         self.folds = folds  # its beams attend folded against their shared prompt blocks (``fold_runs``)
         self.eos_ids, self.tokenizer = list(eos_ids), tokenizer
         root.group = self
-        device = root.selector.eos_ids.device
-        self.scores = policy or BeamScores(config, eos_ids, device)
+        # On a GPU the beams' scores live on the host: the K x V candidates are chosen on the GPU, and
+        # the few dozen small ops on 2K candidates after them cost less there than one launch each.
+        self.scores = policy or BeamScores(config, eos_ids, torch.device("cpu"))
         self.selector = root.selector  # one row per beam from now on
         K = self.num_beams
-        self.selector.start([root.context] * K, device, sources=None if root.source is None else [root.source] * K)
+        self.selector.start([root.context] * K, root.selector.eos_ids.device,
+                            sources=None if root.source is None else [root.source] * K)
         self.beams: list[Sequence] = []
         self.cache: SlotCache | None = None
         self.spare: list[int] = []  # fresh full-kind blocks held for the beams' future writes
@@ -198,8 +200,9 @@ class BeamGroup:
         for beam, table, source, token in zip(self.beams, self.cache.seq_keep(tables, table_sources), sources, token_ids):
             beam.block_table, beam.output_ids = table, outputs[source] + [token]
         self.settle()
-        self.selector.select_rows(origin)
-        self.selector.record(tokens)
+        device = self.selector.eos_ids.device
+        self.selector.select_rows(origin.to(device))
+        self.selector.record(tokens.to(device))
         return None
 
     def _new_beam(self) -> Sequence:

@@ -53,12 +53,15 @@ class BeamScores:
 
     def advance(self, logits: torch.Tensor, selector: TokenSelector) -> tuple[bool, torch.Tensor, torch.Tensor]:
         """The beams' next-token logits [K, V] -> (whether the search goes on, the beam each new
-        beam continues [K], the new beams' last tokens [K])."""
+        beam continues [K], the new beams' last tokens [K]), on the device the scores live on (the
+        logits may be on another: a GPU's, whose candidates are chosen there)."""
         cfg, step = self.config, self.step
         K, max_new, lp = cfg.num_beams, cfg.max_new_tokens, cfg.length_penalty
         V = logits.shape[-1]
         with one_thread():  # small ops, on one thread (a block copy's barrier waits on busy kernel threads)
-            top_lp, top_index = self._candidates(logits, selector, step)  # [1, 2K]
+            top_lp, top_index = self._candidates(logits, selector, step)  # [1, 2K], on the logits' device
+            host = self.running.device  # (a GPU's candidates come over to the host)
+            top_lp, top_index = top_lp.to(host), top_index.to(host)
             top_beam, top_token = top_index // V, top_index % V
             cand_tokens = _gather(self.running_tokens, top_beam)  # [1, 2K, max_new]
             cand_tokens[:, :, step] = top_token
@@ -102,7 +105,7 @@ class BeamScores:
         log_softmax(logits [K, V]), processed, plus the beams' running scores [1, K]. When the
         step's processors only suppress tokens, one pass of the C++ op (layers/beam_search.cpp)
         instead of five [K, V] tensors and a sort of K*V scores."""
-        running, n_keep = self.running, self.n_keep
+        running, n_keep = self.running.to(logits.device), self.n_keep  # [1, K] (the host's on a GPU: copied over)
         B, K = running.shape
         banned = selector.suppressed_only(step)
         op = beam_candidates_op() if banned is not None and logits.dtype == torch.float32 and logits.is_cpu else None

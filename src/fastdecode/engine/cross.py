@@ -11,7 +11,7 @@ sequence's cross blocks. They stay there, unchanged, until the sequence finishes
 In the step's one flat forward (tokens of many sequences side by side, ``[1, N]``), each query of
 a decoder layer's cross-attention reads only its own source's K/V, through its sequence's cross
 block table, up to its source's length (``CrossStep``: in place where the C++ ops run, the queries
-of one source together, else per attention group gathered under a key mask), so no row ever sees
+of one source together, else each fold's sources gathered under a key mask), so no row ever sees
 another request's source or padding.
 
 ``EncodedSources`` (the ``use_cache=False`` reference loop's sources, generation/reference.py; each
@@ -24,6 +24,8 @@ kernel on 4 queries per source.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -138,49 +140,30 @@ class CrossStep:
     source (a beam group's K beams, a decoder prompt chunk's tokens) together: they are one row of the
     op (``SourceFold``), so the source is read once for them. Each query is computed by the same
     operations whatever its row's other queries and the step's other rows: a row's result never
-    depends on its batch. Elsewhere each group gathers its sources' blocks and runs ``attention``
-    under a key mask."""
+    depends on its batch. Elsewhere (a GPU, half precision) each fold gathers its sources' blocks and
+    runs one ``attention`` call under a key mask for all of them."""
 
     def __init__(self, cache: SourceBlocks, groups: list[RowGroup], dtype: torch.dtype):
         self.cache = cache
-        self.groups = []  # (first, rows, queries, source block tables [B, n], key mask [B, 1, 1, S])
-        self.folds = None  # in place: one SourceFold per count of queries sharing a source
-        device = cache.device
-        if paged_cross_attention_runs(torch.empty(0, dtype=dtype, device=device), cache.layer_keys[0]):
-            self.folds = source_folds(cache, groups)
-            return
-        for first, sequences, queries in groups:
-            lengths = torch.tensor([len(s.source) for s in sequences], device=device)  # [B]
-            num_blocks = cache.pool.blocks_for(int(max(len(s.source) for s in sequences)))
-            table = cache.block_tables([s.source_table for s in sequences], num_blocks)  # [B, n]
-            keys = torch.arange(num_blocks * cache.block_size, device=device)  # [S]
-            mask = torch.zeros(len(sequences), keys.shape[0], dtype=dtype, device=device)
-            mask = mask.masked_fill(keys[None, :] >= lengths[:, None], float("-inf"))[:, None, None]  # [B, 1, 1, S]
-            self.groups.append((first, len(sequences), queries, table, mask))
-
-    @property
-    def paged(self) -> bool:
-        return self.folds is not None
+        self.folds = source_folds(cache, groups)  # one SourceFold per count of queries sharing a source
+        self.paged = paged_cross_attention_runs(torch.empty(0, dtype=dtype, device=cache.device), cache.layer_keys[0])
+        self.dtype = dtype
 
     def attend(self, index: int, q: torch.Tensor, scale: float, threads: int) -> torch.Tensor:
         """Cross-attention of decoder layer ``index``: q [1, H, N, D] (flat tokens) -> [1, H, N, D]
         (``threads``: the forward's thread budget)."""
         keys, values = self.cache.layer_keys[index], self.cache.layer_values[index]
-        if self.folds is not None:
-            if len(self.folds) == 1:  # (one count of queries per source: the fold's rows are every row, in order)
-                return self.folds[0].attend(q[0], keys, values, scale, threads)[None]
-            out = torch.empty_like(q[0])  # [H, N, D]
-            for fold in self.folds:
-                out[:, fold.rows] = fold.attend(q[0], keys, values, scale, threads)
-            return out[None]  # [1, H, N, D]
-        outputs = []
-        for first, B, T, table, mask in self.groups:
-            qg = q[0, :, first : first + B * T].unflatten(1, (B, T)).transpose(0, 1)  # [H, B*T, D] -> [B, H, T, D]
-            kg = self.cache.gather(keys, table)  # [B, H, S, D]
-            vg = self.cache.gather(values, table)  # [B, H, S, D]
-            out = attention(qg, kg, vg, mask, scale, threads=threads)  # [B, H, T, D]
-            outputs.append(out.transpose(0, 1).flatten(1, 2))  # [H, B*T, D]
-        return torch.cat(outputs, dim=1)[None] if len(outputs) > 1 else outputs[0][None]  # [1, H, N, D]
+        if self.paged:
+            attend = functools.partial(SourceFold.attend, keys=keys, values=values, scale=scale, threads=threads)
+        else:
+            attend = functools.partial(SourceFold.attend_gathered, cache=self.cache, keys=keys, values=values,
+                                       scale=scale, threads=threads, dtype=self.dtype)
+        if len(self.folds) == 1:  # (one count of queries per source: the fold's rows are every row, in order)
+            return attend(self.folds[0], q[0])[None]
+        out = torch.empty_like(q[0])  # [H, N, D]
+        for fold in self.folds:
+            out[:, fold.rows] = attend(fold, q[0])
+        return out[None]  # [1, H, N, D]
 
 
 class SourceFold:
@@ -197,6 +180,7 @@ class SourceFold:
         self.longest = max(lengths)
         num_blocks = cache.pool.blocks_for(self.longest)
         self.table = cache.block_tables([s.source_table for _, s in units], num_blocks)  # [U, n]
+        self.mask: torch.Tensor | None = None  # the gathered path's key mask [U, 1, 1, S], made at first use
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                threads: int) -> torch.Tensor:
@@ -208,6 +192,23 @@ class SourceFold:
         threads = kernel_threads(2 * rows.numel() * self.longest, threads)  # U*H*G*D * S multiply-adds, twice
         out = ops.paged_cross_attention(rows, keys, values, self.table, self.lengths, scale, threads)  # [U, H, G, D]
         return out.permute(1, 0, 2, 3).reshape(H, U * G, D)  # -> [H, U, G, D] -> [H, U * G, D]
+
+    def attend_gathered(self, q: torch.Tensor, cache: SourceBlocks, keys: torch.Tensor, values: torch.Tensor,
+                        scale: float, threads: int, dtype: torch.dtype) -> torch.Tensor:
+        """``attend`` where the C++ op does not run (a GPU, half precision): the fold's sources
+        gathered [U, H, S, D] and one ``attention`` call under the key mask, for every source at once."""
+        H, D, G = q.shape[0], q.shape[2], self.queries
+        U = self.table.shape[0]
+        mine = q if q.shape[1] == len(self.rows) else q[:, self.rows]  # [H, U * G, D]
+        rows = mine.unflatten(1, (U, G)).transpose(0, 1)  # [H, U, G, D] -> [U, H, G, D]
+        if self.mask is None:
+            slots = torch.arange(self.table.shape[1] * cache.block_size, device=q.device)  # [S]
+            mask = torch.zeros(U, slots.shape[0], dtype=dtype, device=q.device)
+            mask = mask.masked_fill(slots[None, :] >= self.lengths[:, None], float("-inf"))  # [U, S]
+            self.mask = mask[:, None, None]  # [U, 1, 1, S]
+        out = attention(rows, cache.gather(keys, self.table), cache.gather(values, self.table), self.mask, scale,
+                        threads=threads)  # [U, H, G, D]
+        return out.transpose(0, 1).reshape(H, U * G, D)  # -> [H, U, G, D] -> [H, U * G, D]
 
 
 def source_folds(cache: SourceBlocks, groups: list[RowGroup]) -> list[SourceFold]:

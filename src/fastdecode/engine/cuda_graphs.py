@@ -24,6 +24,7 @@ once per bucket at its warm-up.
 from __future__ import annotations
 
 import functools
+import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +115,16 @@ class CapturedDecode:
                     self.step(*static)  # changes what dynamo guards on: the second call recompiles, not the capture
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits, _ = self.step(*static)
+            # No garbage collection inside the capture: an unreachable engine's graph destroyed by a
+            # collection there is a CUDA call the capture forbids, and invalidates it (seen on an H200
+            # in the parity suite: "operation not permitted when stream is capturing (function reset)").
+            gc.collect()
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    logits, _ = self.step(*static)
+            finally:
+                if collecting:
+                    gc.enable()
         return _Captured(graph, *static, logits)
