@@ -186,3 +186,21 @@ def test_engine_sizes_must_be_positive_ints(llama_gen, name, value):
     gen = llama_gen[0]
     with pytest.raises(InvalidOptionError, match=f"{name} must be an integer >= 1, got {value!r}"):
         gen.engine(**{name: value})
+
+
+def test_token_choice_runs_on_one_thread(llama_gen, monkeypatch):
+    """A step's processors and draws run on one torch thread whatever the forward's budget: small ops
+    over one row each, which a second thread's barriers only slow (engine/sampler.py)."""
+    from fastdecode.decoding.sampling import TokenSelector
+
+    seen = []
+    select = TokenSelector.select
+    monkeypatch.setattr(TokenSelector, "select",
+                        lambda self, *args: seen.append(torch.get_num_threads()) or select(self, *args))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llama_gen[0].generate_ids([[3, 4, 5]], max_new_tokens=3, do_sample=True, temperature=0.8, top_p=0.9, seed=0)
+    finally:
+        torch.set_num_threads(previous)
+    assert seen and set(seen) == {1}
