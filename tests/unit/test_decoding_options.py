@@ -36,10 +36,20 @@ def test_top_k_matches_transformers():
 
 
 def test_top_p_matches_transformers():
-    logits = torch.randn(4, VOCAB) * 3
+    """The CPU's cut on the sorted values alone, and torch's sort where a tie straddles the cut (a row of
+    equal logits; a pair of equal logits at the cut), equal transformers' warper bit for bit; rows
+    already cut by top-k (-inf) too."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, VOCAB, generator=generator) * 3
+    logits[1] = 0.5  # every token tied: the cut falls inside the tie
+    logits[2, :2] = logits[2].max() + 1.0  # the two most likely tied
+    logits[3] = apply_top_k(logits[3:4], 20)[0]  # -inf below the 20th
+    logits[4, :40] = torch.randn(40, generator=generator).round()  # many ties among the likely ones
     for p in (0.1, 0.5, 0.9, 0.999):
         expected = transformers.TopPLogitsWarper(top_p=p)(None, logits.clone())
         assert torch.equal(apply_top_p(logits, p), expected)
+        for row in range(logits.shape[0]):  # a row alone: the same cut
+            assert torch.equal(apply_top_p(logits[row : row + 1], p), expected[row : row + 1])
 
 
 def test_repetition_penalty_matches_transformers():

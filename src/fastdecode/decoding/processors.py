@@ -7,6 +7,7 @@ configs), then (sampling only) temperature, top-k, top-p, min-p.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -61,13 +62,35 @@ def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus filtering: keep the smallest set of top tokens whose probability reaches ``top_p``."""
+    """Nucleus filtering: keep the smallest set of top tokens whose probability reaches ``top_p``.
+
+    transformers' arithmetic: the ascending sorted logits' softmax summed from the least likely token,
+    those whose running sum stays <= 1 - top_p dropped (the most likely always kept). The dropped
+    tokens are a prefix of the sorted order, so on the CPU only the sorted *values* are needed (numpy's
+    vectorized sort: 0.3 ms for a 49,152-word row against 7-9 ms for torch's sort with its indices),
+    and the row keeps the logits >= its first kept value. When a tie straddles the cut, which of the
+    tied tokens go depends on the sort's order of ties: torch's sort decides, as in transformers."""
+    if logits.is_cpu and logits.dtype == torch.float32 and not logits.requires_grad:
+        values = torch.from_numpy(np.sort(logits.numpy(), axis=-1))  # [B, V] ascending
+        dropped = _dropped_by_top_p(values, top_p)  # [B] how many of the least likely go
+        first_kept = values.gather(-1, dropped[:, None])  # [B, 1]
+        last_dropped = values.gather(-1, (dropped - 1).clamp(min=0)[:, None])  # [B, 1]
+        if not ((dropped[:, None] > 0) & (last_dropped == first_kept)).any():
+            return logits.masked_fill(logits < first_kept, float("-inf"))
     sorted_logits, sorted_index = torch.sort(logits, descending=False, dim=-1)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove_sorted = cumulative <= (1 - top_p)
-    remove_sorted[..., -1:] = False  # always keep the most likely token
+    positions = torch.arange(logits.shape[-1], device=logits.device)  # [V]
+    remove_sorted = positions < _dropped_by_top_p(sorted_logits, top_p)[:, None]  # [B, V]
     remove = remove_sorted.scatter(-1, sorted_index, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
+
+
+def _dropped_by_top_p(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Ascending sorted logits [B, V] -> how many of each row's least likely tokens top-p drops [B]
+    (a prefix: the running sum of probabilities only grows; never the most likely token)."""
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+    remove = cumulative <= (1 - top_p)
+    remove[..., -1:] = False  # always keep the most likely token
+    return remove.sum(dim=-1)
 
 
 PAD = -1  # history padding value: never a token id, so it never matches a real n-gram
