@@ -5,8 +5,8 @@ Oracles: the kernels it stands in for, bit for bit (the tiled decode kernel ``qm
 activations, the VNNI / AVX2 prompt GEMM), and a float64 emulation of its own arithmetic (activations
 rounded to int8 per 32 inputs, exact integer dot products per block, then the scales and the mins term).
 Every packed format the tiled layout holds, as GGUF blocks repack (compact K-quant scales, float16
-scales, mins) and as quantized at load; row counts straddling every edge (the AMX threshold of 8 rows,
-A tiles of 16, row groups of 32, a row block); output counts straddling panels of 32 and partial tiles;
+scales, mins) and as quantized at load; row counts straddling every edge (the AMX thresholds of 32 rows
+(tiled) and 8 (Q6_K), A tiles of 16, row groups of 32, a row block); output counts straddling panels of 32 and partial tiles;
 1 and 2 threads. Where the CPU (or OS) has no AMX the same ops run their other kernels and the AMX
 cases skip."""
 
