@@ -30,19 +30,21 @@ class WorkerError(RuntimeError):
 class Worker:
     """Parent side of one engine's process: ``script --worker NAME --options JSON``, JSON lines.
 
+    ``env``: the worker's environment (default ``quiet_env()``; e.g. another tree's src on PYTHONPATH).
     ``ready`` is the worker's first line: load_s (from the launch: interpreter, imports, load), engine_s
     (building the engine after torch is imported: its own imports and load), torch's version and
     threads, and whatever the engine's ``ready_info()`` adds.
     """
 
-    def __init__(self, script: str | Path, name: str, options: dict[str, Any], log_dir: Path):
+    def __init__(self, script: str | Path, name: str, options: dict[str, Any], log_dir: Path,
+                 env: dict[str, str] | None = None):
         self.name = name
         self.log_path = log_dir / f"{name.replace('/', '_')}.log"
         self._log = self.log_path.open("w")
         options = {**options, "launched_at": time.time()}
         command = [sys.executable, str(script), "--worker", name, "--options", json.dumps(options)]
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, env=quiet_env())
+                                     text=True, env=env or quiet_env())
         self.ready: dict[str, Any] = {}
 
     def wait_ready(self) -> dict[str, Any]:

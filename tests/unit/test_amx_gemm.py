@@ -5,8 +5,8 @@ Oracles: the kernels it stands in for, bit for bit (the tiled decode kernel ``qm
 activations, the VNNI / AVX2 prompt GEMM), and a float64 emulation of its own arithmetic (activations
 rounded to int8 per 32 inputs, exact integer dot products per block, then the scales and the mins term).
 Every packed format the tiled layout holds, as GGUF blocks repack (compact K-quant scales, float16
-scales, mins) and as quantized at load; row counts straddling every edge (the AMX threshold of 8 rows,
-A tiles of 16, row groups of 32, a row block); output counts straddling panels of 32 and partial tiles;
+scales, mins) and as quantized at load; row counts straddling every edge (the AMX thresholds of 32 rows
+(tiled) and 8 (Q6_K), A tiles of 16, row groups of 32, a row block); output counts straddling panels of 32 and partial tiles;
 1 and 2 threads. Where the CPU (or OS) has no AMX the same ops run their other kernels and the AMX
 cases skip."""
 
@@ -103,6 +103,30 @@ def test_tiled_gemm_is_its_own_arithmetic_in_float64(amx, label):
     for M in (8, 17, 40):
         want = emulated(x[:M], w)
         assert float((gemm(x[:M], w).double() - want).abs().amax() / want.abs().amax()) < 2e-6, (label, M)
+
+
+@pytest.mark.parametrize("label", ["Q4_K N=72", "Q4_1 N=13", "Q8_0 N=72", "int8"])
+def test_a_bias_gives_the_bits_of_adding_it_after_on_every_kernel(amx, label):
+    """tiled_gemm's bias is added to each output as it is stored (AMX's epilogue, the tiled kernels' pass
+    over their outputs): the same float addition as adding it to the product after, on AMX, AVX-512 and
+    AVX2, 1 and 2 threads, outputs straddling panels and partial tiles."""
+    w = TILED[label]
+    bias = torch.randn(w.outputs, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(max(ROWS), w.inputs, generator=torch.Generator().manual_seed(10))
+    try:
+        for avx512 in (True, False):
+            ops.set_avx512(avx512)
+            ops.set_amx(amx)
+            for M in ROWS:
+                want = gemm(x[:M], w) + bias
+                for threads in (1, 2):
+                    got = ops.tiled_gemm(x[:M], w.codes, w.scale, w.mins, w.bits, w.outputs, threads, bias)
+                    assert torch.equal(got, want), (label, avx512, M, threads)
+    finally:
+        ops.set_avx512(True)
+        ops.set_amx(amx)
+    with pytest.raises(RuntimeError, match=f"bias has 5 values for {w.outputs} outputs"):
+        ops.tiled_gemm(x[:9], w.codes, w.scale, w.mins, w.bits, w.outputs, 1, bias[:5].contiguous())
 
 
 def test_a_row_block_edge_and_the_rows_past_it(amx):

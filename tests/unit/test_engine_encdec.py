@@ -131,6 +131,32 @@ def test_a_source_larger_than_the_cross_store_is_refused_at_submit():
         gen.engine(source_tokens=32).submit(list(range(3, 40)), {"max_new_tokens": 2})
 
 
+def test_the_cross_store_keeps_each_source_from_strided_views_in_scattered_blocks():
+    """SourceBlocks.write copies the cross projection's strided [B, H, S, D] views straight into each
+    source's blocks (scattered, not in order; a last block partly filled; sources shorter than the
+    batch's S): reading a source back gives its own K/V, every real token, and the other blocks keep
+    what they held."""
+    from fastdecode.engine.source_blocks import SourceBlocks
+
+    H, D, size, lengths = 3, 8, 16, (5, 33, 16, 32)
+    cache = SourceBlocks(2, 12, H, D, torch.float32, torch.device("cpu"), size)
+    generator = torch.Generator().manual_seed(3)
+    projected = torch.randn(len(lengths), max(lengths), 2 * H * D, generator=generator)  # [B, S, 2 * H * D]
+    keys, values = (p.view(len(lengths), max(lengths), H, D).transpose(1, 2)  # [B, H, S, D] views
+                    for p in projected.split(H * D, dim=-1))
+    order = [9, 2, 3, 0, 5, 10, 11, 8, 1]  # blocks handed out of order, some in consecutive runs
+    tables, taken = [], 0
+    for n in lengths:
+        tables.append(order[taken:taken + -(-n // size)])
+        taken += len(tables[-1])
+    cache.write(1, tables, keys, values)
+    for b, n in enumerate(lengths):
+        k, v = cache.read(1, tables[b], n)  # [H, n, D]
+        assert torch.equal(k, keys[b, :, :n]) and torch.equal(v, values[b, :, :n]), b
+    untouched = [i for i in range(12) if i not in order[:taken]]
+    assert not cache.layer_keys[1][untouched].any() and not cache.layer_keys[0].any()
+
+
 @pytest.mark.skipif(not __import__("fastdecode.layers.ops", fromlist=["available"]).available(),
                     reason="no C++ extension: every step gathers")
 def test_paged_cross_attention_equals_the_gathered_one(monkeypatch):

@@ -103,6 +103,19 @@ def test_the_avx512_kernel_gives_the_avx2_bits():
         ops.set_avx512(True)
 
 
+@pytest.mark.parametrize("N", [13, 40])
+def test_a_bias_gives_the_bits_of_adding_it_after(isa, N):
+    """The optional bias is added to each output as it is stored (AVX2 and VNNI: after each pair tile;
+    AMX, at many rows where the CPU has it: in its epilogue): the bits of adding it after the product."""
+    weight = q6k_like(N, 256, seed=11)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(12))
+    x = torch.randn(max(ROWS), 256, generator=torch.Generator().manual_seed(13))
+    for M in ROWS:
+        want = run(x[:M], weight) + bias
+        assert torch.equal(op(x[:M], weight.codes, weight.scale, 1, bias), want), M
+        assert torch.equal(op(x[:M], weight.codes, weight.scale, 2, bias), want), M
+
+
 def test_int8_prompt_rows_of_a_q6k_weight_take_the_prompt_gemm():
     """With prompt rows on int8 (``KernelChoice(prompt_rows="int8")``, carried by the products), a Q6_K
     weight's prompt rows run the prompt GEMM, its generated rows the decode kernel, and a step mixing
@@ -132,3 +145,5 @@ def test_bad_arguments_are_named():
         op(torch.randn(2, 32), weight.codes, weight.scale, 1)
     with pytest.raises(RuntimeError, match="not one per 16 codes"):
         op(torch.randn(2, 64), weight.codes, weight.scale[:, :2].contiguous(), 1)
+    with pytest.raises(RuntimeError, match=r"bias must be contiguous float32 \[16\]"):
+        op(torch.randn(2, 64), weight.codes, weight.scale, 1, torch.zeros(15))

@@ -77,6 +77,26 @@ def decoder_score_bias(model):
     return model.decoder_position_bias if model.config.position_kind == "relative" else None
 
 
+def _source_rows(model) -> Products:
+    """The products of source rows: prompt rows, on the caller's threads."""
+    return Products.prompt(torch.get_num_threads(), kernels=model.kernels)
+
+
+def encoder_output(model, sources: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The encoder run once over every source, one right-padded batch (the encoder masks the padding,
+    so a source's output never depends on its batch) -> memory [B, S, C], valid [B, S]."""
+    tokens, valid, positions = right_pad(sources, model.device)
+    return model.encode(tokens, positions, valid, products=_source_rows(model)), valid
+
+
+def cross_kv_views(model, memory: torch.Tensor):
+    """Each decoder layer's cross K, V [B, H, S, D] of the encoder output [B, S, C], projected once
+    (views of the projection's output: the caller copies them where it keeps them)."""
+    products = _source_rows(model)
+    for layer in range(model.config.num_layers):
+        yield model.cross_kv(layer, memory, products)
+
+
 class CrossStore:
     """The cross-attention K/V of every admitted encoder-decoder sequence, in blocks of a slot cache
     with one layer per decoder layer: ``[blocks * block_size, H, D]`` per layer for K and for V."""
@@ -120,11 +140,10 @@ class CrossStore:
         """Encode every source admitted since the last step and store its cross K/V."""
         if not self.pending:
             return
-        model, cache = self.model, self.cache
-        encoded = EncodedSources.encode(model, [s.source for s in self.pending])
+        memory, _ = encoder_output(self.model, [s.source for s in self.pending])  # [B, S, C]
         tables = [s.source_table for s in self.pending]
-        for layer, (k, v) in enumerate(zip(encoded.keys, encoded.values)):  # [B, H, S, D] each
-            cache.write(layer, tables, k, v)
+        for layer, (k, v) in enumerate(cross_kv_views(self.model, memory)):  # [B, H, S, D] views each
+            self.cache.write(layer, tables, k, v)  # (one copy: the projection's views straight into the blocks)
         self.pending.clear()
 
     def step(self, groups: list[RowGroup]) -> "CrossStep":
@@ -237,23 +256,20 @@ class EncodedSources:
         """Run the encoder once over every source (one right-padded batch: the encoder masks the
         padding, so a source's output never depends on its batch), then project each decoder
         layer's cross K/V once."""
-        return cls.from_padded(model, *right_pad(sources, model.device))
+        return cls.from_memory(model, *encoder_output(model, sources))
 
     @classmethod
     def from_padded(cls, model, tokens: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> "EncodedSources":
         """Right-padded sources: tokens, valid [B, S], positions [1, S] (``right_pad``). K/V are made
         contiguous here, once: a strided view would be copied by every step's attention."""
-        products = Products.prompt(torch.get_num_threads(), kernels=model.kernels)  # source rows, the caller's threads
-        return cls.from_memory(model, model.encode(tokens, positions, valid, products=products), valid)  # [B, S, C]
+        return cls.from_memory(model, model.encode(tokens, positions, valid, products=_source_rows(model)), valid)
 
     @classmethod
     def from_memory(cls, model, memory: torch.Tensor, valid: torch.Tensor) -> "EncodedSources":
         """An encoder output [B, S, C] (a speech encoder's, say) -> each decoder layer's cross K/V,
         projected once; ``valid`` [B, S] marks its real rows."""
         keys, values = [], []
-        products = Products.prompt(torch.get_num_threads(), kernels=model.kernels)  # source rows, the caller's threads
-        for layer in range(model.config.num_layers):
-            k, v = model.cross_kv(layer, memory, products)  # [B, H, S, D]
+        for k, v in cross_kv_views(model, memory):  # [B, H, S, D]
             keys.append(k.contiguous())
             values.append(v.contiguous())
         return cls(keys, values, valid)

@@ -48,17 +48,19 @@ def exact_qmatmul(x: Tensor, codes: Tensor, scale: Tensor, mins: Tensor | None, 
     return _ops().exact_qmatmul(x, codes, scale, mins, bits, group, threads, outputs)
 
 
-def prompt_qmatmul(x: Tensor, codes: Tensor, scale: Tensor, threads: int) -> Tensor:
+def prompt_qmatmul(x: Tensor, codes: Tensor, scale: Tensor, threads: int, bias: Tensor | None = None) -> Tensor:
     """Int8-rounded prompt rows x [M, K] float32 times rows-layout 8-bit codes in groups of 16 (Q6_K,
-    layers/qprompt.cpp) -> [M, N]: each row the same bits at any row count."""
-    return _ops().prompt_qmatmul(x, codes, scale, threads)
+    layers/qprompt.cpp) (+ bias: float32 [N], the bits of adding it after) -> [M, N]: each row the same
+    bits at any row count."""
+    return _ops().prompt_qmatmul(x, codes, scale, threads, bias)
 
 
 def tiled_gemm(x: Tensor, codes: Tensor, scale: Tensor, mins: Tensor | None, bits: int, outputs: int,
-               threads: int) -> Tensor:
-    """Many int8 rows x [M, K] float32 times a tiled weight -> [M, N]: ``qmatmul``'s bits (activation_bits
-    8), on AMX's tile unit where the CPU has it and the rows are many (layers/qgemm_amx.cpp)."""
-    return _ops().tiled_gemm(x, codes, scale, mins, bits, outputs, threads)
+               threads: int, bias: Tensor | None = None) -> Tensor:
+    """Many int8 rows x [M, K] float32 times a tiled weight (+ bias: float32 [N], added as each output is
+    stored, the bits of adding it after) -> [M, N]: ``qmatmul``'s bits (activation_bits 8), on AMX's tile
+    unit where the CPU has it and the rows are many (layers/qgemm_amx.cpp)."""
+    return _ops().tiled_gemm(x, codes, scale, mins, bits, outputs, threads, bias)
 
 
 def set_amx(enabled: bool | None = None) -> bool:
@@ -272,11 +274,11 @@ def _register_fake() -> None:
         return x.new_empty((x.shape[0], _outputs(codes, scale, outputs)))
 
     @torch.library.register_fake("fastdecode_kernels::prompt_qmatmul")
-    def _prompt_qmatmul_fake(x, codes, scale, threads):  # x [M, K] -> [M, N]
+    def _prompt_qmatmul_fake(x, codes, scale, threads, bias=None):  # x [M, K] -> [M, N]
         return x.new_empty((x.shape[0], codes.shape[0]))
 
     @torch.library.register_fake("fastdecode_kernels::tiled_gemm")
-    def _tiled_gemm_fake(x, codes, scale, mins, bits, outputs, threads):  # x [M, K] -> [M, N]
+    def _tiled_gemm_fake(x, codes, scale, mins, bits, outputs, threads, bias=None):  # x [M, K] -> [M, N]
         return x.new_empty((x.shape[0], _outputs(codes, scale, outputs)))
 
     @torch.library.register_fake("fastdecode_kernels::dequantize")

@@ -4,6 +4,7 @@
 // AVX2 kernels' (exact), and every float operation after them is theirs, lane for lane, in block order:
 //   acc = 0;  for b: acc = fma(float(dot_b), w_scale[n, b] * d[m, b], acc)
 //   mins:     off = 0; for b: off = fma(w_min[n, b], sums[m, b], off);   y = acc + off
+//   bias:     y = y + bias[n]  (optional: the same float addition as adding it after the product)
 // So the choice changes only speed, never an answer (tests/unit/test_amx_gemm.py).
 //
 // The AMX kernel: per panel of 32 outputs (4 tiles of 8, repacked once per row block into the tile unit's
@@ -33,7 +34,11 @@ namespace amx {
 constexpr int64_t TILE = 8;         // outputs per tile of the tiled layout
 constexpr int64_t PANEL = 32;       // outputs per panel: two B tiles of 16
 constexpr int64_t ROW_GROUP = 32;   // rows per pass: two A tiles of 16
-constexpr int64_t AMX_MIN_ROWS = 8; // fewer rows: the tiled kernels (weights streamed once; tiles mostly empty)
+// Fewer rows: the tiled kernels (weights streamed once). Each call repacks the weight into B tiles, which
+// fewer rows do not pay back: a bart-base decoder layer's six products (int8 and int4, 1 thread, loaded
+// 2-core Xeon) ran 2.4-2.6x slower on AMX at 8 rows, 1.7x at 16, 1.4x at 24, alike at 32, 1.1-1.25x
+// faster from 48 rows on.
+constexpr int64_t AMX_MIN_ROWS = 32;
 constexpr int64_t ROW_BLOCK_BYTES = 1 << 20;  // activation bytes of one row block (L2)
 constexpr int MIN_ROWS = 8;         // rows whose mins terms are summed side by side
 constexpr int64_t CHUNK = 4;        // blocks whose tile products are folded together (2 x 16 KB of int32 in L1)
@@ -52,6 +57,7 @@ struct Operands {
   const uint8_t* codes;
   const float* scale;
   const float* mins;  // or nullptr
+  const float* bias;  // [N] or nullptr: added to each output as it is stored
   int64_t M, K, N, tiles, bits;
   float* y;
 };
@@ -70,7 +76,7 @@ at::Tensor float_scales(const at::Tensor& s) {
 }
 
 at::Tensor amx_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                    const c10::optional<at::Tensor>& mins, int64_t bits, int64_t N, int64_t threads) {
+                    const c10::optional<at::Tensor>& mins, int64_t bits, int64_t N, int64_t threads, const float* bias) {
   using namespace amx;
   const int64_t M = x.size(0), K = x.size(1), blocks = K / 32, tiles = codes.size(0);
   const bool has_min = mins.has_value() && mins->defined();
@@ -84,7 +90,7 @@ at::Tensor amx_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   const at::Tensor s = float_scales(scale), mn = has_min ? float_scales(*mins) : at::Tensor();
   at::Tensor y = at::empty({M, N}, x.options());
   const Operands o{&q, act.data(), static_cast<const uint8_t*>(codes.data_ptr()), s.data_ptr<float>(),
-                   has_min ? mn.data_ptr<float>() : nullptr, M, K, N, tiles, bits, y.data_ptr<float>()};
+                   has_min ? mn.data_ptr<float>() : nullptr, bias, M, K, N, tiles, bits, y.data_ptr<float>()};
   const int64_t panels = (tiles + PANEL / TILE - 1) / (PANEL / TILE);
   const int64_t rows_per_block = std::max<int64_t>(ROW_GROUP, ROW_BLOCK_BYTES / K / ROW_GROUP * ROW_GROUP);
   for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
@@ -102,15 +108,22 @@ at::Tensor amx_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   return y;
 }
 
-// x [M, K] float32 -> y [M, outputs]: the tiled kernels' int8 product (qtiles.h's tiled_qmatmul with
+// x [M, K] float32 -> y [M, outputs] (+ bias [outputs] float32, added to each output as it is stored: the
+// same float addition as adding it after): the tiled kernels' int8 product (qtiles.h's tiled_qmatmul with
 // activation_bits 8), on AMX where it is on and the rows are many.
 at::Tensor tiled_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                      const c10::optional<at::Tensor>& mins, int64_t bits, int64_t outputs, int64_t threads) {
+                      const c10::optional<at::Tensor>& mins, int64_t bits, int64_t outputs, int64_t threads,
+                      const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   TORCH_CHECK(codes.dim() == 3, "tiled_gemm takes the tiled layout's codes [tiles, K/32, bytes]");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->dim() == 1 && bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->device().is_cpu(),
+                "bias must be contiguous float32 [N] on the CPU");
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   if (outputs < 0) outputs = codes.size(0) * amx::TILE;
-  if (x.size(0) < amx::AMX_MIN_ROWS || !use_amx())
-    return tiled_qmatmul(x, codes, scale, mins, bits, outputs, threads, 8);  // (which checks the arguments)
+  if (x.size(0) < amx::AMX_MIN_ROWS || !use_amx())  // (tiled_qmatmul checks the arguments, the bias's size too)
+    return tiled_qmatmul(x, codes, scale, mins, bits, outputs, threads, 8, bp, has_bias ? bias->numel() : 0);
   TORCH_CHECK(bits == 4 || bits == 8, "tiled codes are 4 or 8 bits, not ", bits);
   TORCH_CHECK(codes.is_contiguous() && codes.element_size() == 1 && codes.size(2) == amx::TILE * 32 * bits / 8,
               "tiled codes ", codes.sizes(), " are not contiguous ", bits, "-bit tiles");
@@ -121,7 +134,8 @@ at::Tensor tiled_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
   TORCH_CHECK(float_scales(scale).sizes() == want, "tiled scales ", scale.sizes(), " do not match codes ", codes.sizes());
   if (mins.has_value() && mins->defined())
     TORCH_CHECK(mins->sizes() == scale.sizes() && mins->scalar_type() == scale.scalar_type(), "mins must be like the scales");
-  return amx_gemm(x, codes, scale, mins, bits, outputs, threads);
+  TORCH_CHECK(!has_bias || bias->numel() == outputs, "bias has ", bias->numel(), " values for ", outputs, " outputs");
+  return amx_gemm(x, codes, scale, mins, bits, outputs, threads, bp);
 }
 
 bool set_amx(int64_t enabled) {
@@ -269,6 +283,10 @@ void panel_rows_bits(const Operands& o, int64_t t0, int64_t m0, int64_t m1, Pane
           total0 = _mm512_add_ps(total0, off[i][0]);
           total1 = _mm512_add_ps(total1, off[i][1]);
         }
+        if (o.bias != nullptr) {  // (masked loads: the panel may pass the last output)
+          total0 = _mm512_add_ps(total0, _mm512_maskz_loadu_ps(mask0, o.bias + n0));
+          if (mask1) total1 = _mm512_add_ps(total1, _mm512_maskz_loadu_ps(mask1, o.bias + n0 + 16));
+        }
         float* out = o.y + (g + r0 + i) * o.N + n0;
         _mm512_mask_storeu_ps(out, mask0, total0);
         if (mask1) _mm512_mask_storeu_ps(out + 16, mask1, total1);
@@ -291,7 +309,8 @@ void panel_rows(const Operands& o, int64_t t0, int64_t m0, int64_t m1, Panel& p)
 }  // namespace fastdecode
 
 TORCH_LIBRARY_FRAGMENT(fastdecode_kernels, m) {
-  m.def("tiled_gemm(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int outputs, int threads) -> Tensor");
+  m.def("tiled_gemm(Tensor x, Tensor codes, Tensor scale, Tensor? mins, int bits, int outputs, int threads, "
+        "Tensor? bias=None) -> Tensor");
   m.def("set_amx(int enabled) -> bool", &fastdecode::set_amx);
 }
 

@@ -112,10 +112,17 @@ void pair_rows(const PairTile& tile, const QuantizedRows& q, int64_t M, float* y
   }
 }
 
+// y[m, n0 + o] += bias[n0 + o] for every row, o < valid (the pair's outputs, still in cache).
+void add_bias(const float* bias, int64_t M, float* y, int64_t N, int64_t n0, int64_t valid) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t o = 0; o < valid; ++o) y[m * N + n0 + o] += bias[n0 + o];
+}
+
 template <typename S>
-at::Tensor prompt_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t threads) {
+at::Tensor prompt_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t threads,
+                       const float* bias) {
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  if (M >= AMX_MIN_ROWS && use_amx()) return amx::rows16_gemm(x, codes, scale, threads);  // the same bits
+  if (M >= AMX_MIN_ROWS && use_amx()) return amx::rows16_gemm(x, codes, scale, threads, bias);  // the same bits
   at::Tensor y = at::empty({M, N}, x.options());
   const QuantizedRows q = quant::quantize_rows<16>(x.data_ptr<float>(), M, K, false);
   const bool wide = use_avx512();  // read once: the whole product on one kernel
@@ -133,25 +140,34 @@ at::Tensor prompt_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
         avx512::prompt_pair_rows(tile, q, offset.data(), M, yp, N, n0, valid);
       else
         pair_rows(tile, q, M, yp, N, n0, valid);
+      if (bias != nullptr) add_bias(bias, M, yp, N, n0, valid);
     }
   }, PAIR * M * K);
   return y;
 }
 
-// x [M, K] float32 -> y [M, N] float32: codes int8 [N, K], scale [N, K/16] (float32 or float16), no mins.
-at::Tensor prompt_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t threads) {
+// x [M, K] float32 -> y [M, N] float32 (+ bias [N] float32, added to each output once it is summed: the same
+// float addition as adding it after): codes int8 [N, K], scale [N, K/16] (float32 or float16), no mins.
+at::Tensor prompt_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t threads,
+                          const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() && scale.is_contiguous(),
               "prompt_qmatmul takes rows-layout int8 codes [N, K] and their scales [N, K/16]");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->dim() == 1 && bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->device().is_cpu() &&
+                    bias->numel() == codes.size(0),
+                "bias must be contiguous float32 [", codes.size(0), "] on the CPU, not ", bias->sizes());
   if (quant::is_compact(scale))  // decoded once to the float32 layout's values (kscales.h): the same bits
-    return prompt_qmatmul(x, codes, quant::expanded_scales(scale, 16, false), threads);
+    return prompt_qmatmul(x, codes, quant::expanded_scales(scale, 16, false), threads, bias);
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == codes.size(0) && scale.size(1) * 16 == codes.size(1),
               "scales ", scale.sizes(), " are not one per 16 codes of ", codes.sizes());
   TORCH_CHECK(x.size(1) == codes.size(1), "x has ", x.size(1), " inputs, the weight ", codes.size(1));
   TORCH_CHECK(x.size(1) % 32 == 0, "activations are quantized in blocks of 32: ", x.size(1), " inputs");
-  if (scale.scalar_type() == at::kHalf) return prompt_impl<at::Half>(x, codes, scale, threads);
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  if (scale.scalar_type() == at::kHalf) return prompt_impl<at::Half>(x, codes, scale, threads, bp);
   TORCH_CHECK(scale.scalar_type() == at::kFloat, "scales are float32 or float16");
-  return prompt_impl<float>(x, codes, scale, threads);
+  return prompt_impl<float>(x, codes, scale, threads, bp);
 }
 
 }  // namespace
@@ -159,7 +175,7 @@ at::Tensor prompt_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at
 }  // namespace fastdecode
 
 TORCH_LIBRARY_FRAGMENT(fastdecode_kernels, m) {
-  m.def("prompt_qmatmul(Tensor x, Tensor codes, Tensor scale, int threads) -> Tensor");
+  m.def("prompt_qmatmul(Tensor x, Tensor codes, Tensor scale, int threads, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) { m.impl("prompt_qmatmul", &fastdecode::prompt::prompt_qmatmul); }

@@ -34,6 +34,7 @@ struct Rows16 {
   const int8_t* act;     // q's codes as A tiles: [row / 16][group][row % 16][16] (rows past M zero)
   const int8_t* codes;   // [N, K]
   const float* scale;    // [N, K / 16]
+  const float* bias;     // [N] or nullptr
   int64_t M, K, N;
   float* y;
 };
@@ -48,7 +49,8 @@ void panel_rows(const Rows16& o, int64_t n0, int64_t m0, int64_t m1, const Panel
 
 }  // namespace
 
-at::Tensor rows16_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t threads) {
+at::Tensor rows16_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t threads,
+                       const float* bias) {
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), groups = K / 16;
   const at::Tensor s = scale.scalar_type() == at::kFloat ? scale.contiguous() : scale.to(at::kFloat).contiguous();
   const quant::QuantizedRows q = quant::quantize_rows<16>(x.data_ptr<float>(), M, K, false);
@@ -58,7 +60,7 @@ at::Tensor rows16_gemm(const at::Tensor& x, const at::Tensor& codes, const at::T
     for (int64_t g = 0; g < groups; ++g)
       std::memcpy(act.data() + ((m / 16) * groups + g) * 256 + (m % 16) * 16, q.codes.data() + m * K + 16 * g, 16);
   at::Tensor y = at::empty({M, N}, x.options());
-  const Rows16 o{&q, act.data(), codes.data_ptr<int8_t>(), s.data_ptr<float>(), M, K, N, y.data_ptr<float>()};
+  const Rows16 o{&q, act.data(), codes.data_ptr<int8_t>(), s.data_ptr<float>(), bias, M, K, N, y.data_ptr<float>()};
   const int64_t panels = (N + PANEL - 1) / PANEL;
   const int64_t rows_per_block = std::max<int64_t>(ROWS, ROW_BLOCK_BYTES / K / ROWS * ROWS);
   for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
@@ -168,10 +170,15 @@ void panel_rows(const Rows16& o, int64_t n0, int64_t m0, int64_t m1, const Panel
       fold(dots[(b - 1) % 2], p.scale.data() + 2 * (b - 1) * PANEL, d + b - 1, blocks, rows, acc);
     }
     fold(dots[(blocks - 1) % 2], p.scale.data() + 2 * (blocks - 1) * PANEL, d + blocks - 1, blocks, rows, acc);
+    // the bias (masked loads: the panel may pass the last output; zero where there is none)
+    const __m512 bias0 = o.bias != nullptr ? _mm512_maskz_loadu_ps(mask0, o.bias + n0) : _mm512_setzero_ps();
+    const __m512 bias1 = o.bias != nullptr && mask1 ? _mm512_maskz_loadu_ps(mask1, o.bias + n0 + 16) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; ++r) {
       float* out = o.y + (g + r) * o.N + n0;
-      _mm512_mask_storeu_ps(out, mask0, _mm512_load_ps(acc[r]));
-      if (mask1) _mm512_mask_storeu_ps(out + 16, mask1, _mm512_load_ps(acc[r] + 16));
+      __m512 total0 = _mm512_load_ps(acc[r]), total1 = _mm512_load_ps(acc[r] + 16);
+      if (o.bias != nullptr) total0 = _mm512_add_ps(total0, bias0), total1 = _mm512_add_ps(total1, bias1);
+      _mm512_mask_storeu_ps(out, mask0, total0);
+      if (mask1) _mm512_mask_storeu_ps(out + 16, mask1, total1);
     }
   }
 }

@@ -237,15 +237,16 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     threads = products.threads
     exact_prompts = choice.exact_prompt_rows and weight.exact_prompt_rows
     roles = products.roles if weight.activation_bits == 8 and (exact_prompts or has_prompt_kernel(weight)) else None
+    # a float32 [N] bias is added inside the int8 kernels, as each output is stored (the same float addition)
+    fused = bias if bias is not None and bias.dtype == torch.float32 and bias.dim() == 1 and bias.is_contiguous() else None
     if not kernel or (roles is ALL_PROMPT and exact_prompts):
         out = _exact_product(rows, weight, threads, choice.float_gemm)
     elif roles is ALL_PROMPT:
-        out = _int8_prompt_product(rows, weight, threads)
-    elif (roles is None and bias is not None and bias.dtype == torch.float32 and bias.dim() == 1
-          and bias.is_contiguous()):
-        out, bias = _kernel_product(rows, weight, threads, bias), None  # added inside, while the outputs are in cache
+        out = _int8_prompt_product(rows, weight, threads, fused)
+        bias = None if fused is not None else bias
     elif roles is None:
-        out = _kernel_product(rows, weight, threads)
+        out = _kernel_product(rows, weight, threads, fused)
+        bias = None if fused is not None else bias
     else:  # a step mixing prompt and generated rows: each part its own way
         if rows.shape[0] != roles.rows:
             raise RuntimeError(f"row roles were given for {roles.rows} rows, the product has {rows.shape[0]}")
@@ -267,11 +268,8 @@ def _kernel_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int,
     of a tiled weight through ``ops.tiled_gemm`` (the same bits; AMX's tile unit where the CPU has it)."""
     M, K, N = rows.shape[0], weight.inputs, weight.outputs
     if M > 1 and weight.is_tiled and weight.activation_bits == 8:
-        out = ops.tiled_gemm(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale,
-                             weight.mins, weight.bits, weight.outputs, kernel_threads(M * K * N, budget))
-        if bias is not None:
-            out += bias  # (the kernel's own addition: the same float sum)
-        return out
+        return ops.tiled_gemm(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale,
+                              weight.mins, weight.bits, weight.outputs, kernel_threads(M * K * N, budget), bias)
     return ops.qmatmul(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
                        weight.bits, weight.group, kernel_threads(M * K * N, budget), weight.activation_bits,
                        weight.outputs, bias)
@@ -284,14 +282,15 @@ def has_prompt_kernel(weight: QuantizedWeight) -> bool:
     return weight.bits == 8 and weight.group == 16 and weight.mins is None and not weight.is_tiled
 
 
-def _int8_prompt_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int) -> torch.Tensor:
-    """Prompt rows [M, K] float32 -> [M, N] on int8-rounded activations (``prompt_rows="int8"`` or
-    ``int8_prompt_rows``): each row the same bits at any row count (tests/unit/test_prompt_gemm.py)."""
+def _int8_prompt_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Prompt rows [M, K] float32 -> [M, N] (+ bias: float32 [N]) on int8-rounded activations (``prompt_rows="int8"``
+    or ``int8_prompt_rows``): each row the same bits at any row count (tests/unit/test_prompt_gemm.py)."""
     rows = rows if rows.is_contiguous() else rows.contiguous()
     if not (has_prompt_kernel(weight) and rows.is_cpu):
-        return _kernel_product(rows, weight, budget)
+        return _kernel_product(rows, weight, budget, bias)
     return ops.prompt_qmatmul(rows, weight.codes, weight.scale,
-                              kernel_threads(rows.shape[0] * weight.inputs * weight.outputs, budget))
+                              kernel_threads(rows.shape[0] * weight.inputs * weight.outputs, budget), bias)
 
 
 def _exact_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int, float_gemm: str) -> torch.Tensor:

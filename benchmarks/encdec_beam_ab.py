@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""Encoder-decoder beam search on int8 weights, this tree against another fastdecode tree (A/B).
+
+The job of issue 30's quantized BART row: a bart-base-size random BART (quantized_speed.py's, built in
+/tmp/fastdecode-bench/bart-base-random if missing), ``quantize="int8"`` (the native int8 kernels),
+8 sources x 256 tokens, beam 4, 16 new tokens (``min_new_tokens`` too, so both do the same work),
+through the public API both trees share (``fastdecode.load`` + ``generate_ids``).
+
+Every repetition starts a fresh worker process per tree, this tree then the baseline (alternating,
+so drift in machine load hits both alike), each with its own ``src`` first on PYTHONPATH; a worker
+runs the job twice: the second call is the timed one (wall and CPU seconds; the first pays page
+faults, allocator growth and lazy set-up, shown beside it). Medians with min-max, the ratio
+baseline / this tree of the second calls (above 1: this tree is faster), whether both trees' beams
+are identical, and the load average.
+
+    python benchmarks/encdec_beam_ab.py --baseline /work/bench-base [--reps 8] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import harness
+from harness import Worker, median, spread, table
+
+HERE = Path(__file__).resolve().parent
+TREE = HERE.parent
+FOLDER = Path(tempfile.gettempdir()) / "fastdecode-bench" / "bart-base-random"
+
+
+class BeamEngine:
+    """The worker side: one tree's fastdecode with the model loaded natively as int8."""
+
+    def __init__(self, options: dict[str, Any]):
+        import fastdecode
+
+        self.gen = fastdecode.load(options["source"], quantize=options["quantize"])
+        self.module = fastdecode.__file__
+
+    def ready_info(self) -> dict[str, Any]:
+        return {"module": self.module}
+
+    def generate(self, prompts, new_tokens, num_beams):
+        return self.gen.generate_ids(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                     num_beams=num_beams)
+
+
+def run_once(name: str, tree: Path, options: dict[str, Any], job: dict[str, Any],
+             log_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A fresh worker of ``tree``: the job twice -> (the first call's reply, the second's: seconds, cpu_s, rows)."""
+    env = harness.quiet_env(PYTHONPATH=f"{tree / 'src'}:{HERE}")
+    worker = Worker(Path(__file__).resolve(), name, options, log_dir, env=env)
+    try:
+        ready = worker.wait_ready()
+        expected = str(tree / "src")
+        if not ready["module"].startswith(expected):
+            raise SystemExit(f"{name} imported fastdecode from {ready['module']}, not {expected}")
+        first = worker.call("generate", **job)
+        return first, worker.call("generate", **job)
+    finally:
+        worker.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", type=Path, help="the other fastdecode tree (its src/ is used); required")
+    parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--beams", type=int, default=4)
+    parser.add_argument("--quantize", default="int8")
+    harness.add_worker_arguments(parser)
+    args = parser.parse_args()
+    if args.worker:
+        return harness.serve_worker(BeamEngine, json.loads(args.options))
+    if args.baseline is None:
+        parser.error("--baseline is required: the other fastdecode tree")
+    if not (FOLDER / "config.json").exists():
+        from random_models import build_bart
+
+        build_bart().save_pretrained(FOLDER)
+    options = {"threads": args.threads, "source": str(FOLDER), "quantize": args.quantize}
+    sources = [[(7 * i + 13 * j) % 50000 + 4 for j in range(256)] for i in range(8)]  # quantized_speed.py's
+    job = {"prompts": sources, "new_tokens": args.new_tokens, "num_beams": args.beams}
+    trees = {"this tree": TREE, "baseline": args.baseline.resolve()}
+    log_dir = Path(tempfile.mkdtemp(prefix="encdec-ab-"))
+    replies: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    firsts: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    for rep in range(args.reps):
+        for name, tree in trees.items():
+            first, reply = run_once(name, tree, options, job, log_dir)
+            firsts[name].append(first)
+            replies[name].append(reply)
+            print(f"  rep {rep + 1}/{args.reps} {name:<10} {reply['seconds']:7.3f} s wall {reply['cpu_s']:7.3f} s CPU "
+                  f"(first call {first['seconds']:.3f} s)", file=sys.stderr, flush=True)
+    wall = {name: [r["seconds"] for r in rs] for name, rs in replies.items()}
+    cpu = {name: [r["cpu_s"] for r in rs] for name, rs in replies.items()}
+    rows = [[name, spread(wall[name], 3), spread(cpu[name], 3), spread([r["seconds"] for r in firsts[name]], 3),
+             spread([r["cpu_s"] for r in firsts[name]], 3)] for name in trees]
+    ratio_wall = median(wall["baseline"]) / median(wall["this tree"])
+    ratio_cpu = median(cpu["baseline"]) / median(cpu["this tree"])
+    same = all(r["rows"] == replies["baseline"][0]["rows"] for rs in (*replies.values(), *firsts.values()) for r in rs)
+    print(f"## bart-base size (random), {args.quantize}, 8 x 256 source tokens, beam {args.beams}, "
+          f"{args.new_tokens} new tokens, {args.threads} thread(s), {args.reps} fresh processes per tree\n")
+    print(table(["tree", "wall s", "CPU s", "first call wall s", "first call CPU s"], rows))
+    print(f"\n- speed vs baseline (baseline / this tree): wall {ratio_wall:.3f}x, CPU {ratio_cpu:.3f}x")
+    print(f"- beams identical across trees and repetitions: {same}")
+    print(f"- baseline: {args.baseline}; at the end: {harness.machine_line(args.threads)}")
+
+
+if __name__ == "__main__":
+    main()
