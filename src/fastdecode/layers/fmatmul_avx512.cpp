@@ -25,9 +25,18 @@ constexpr int NV = 3;  // vectors of 16 columns per pass
 constexpr int64_t WIDTH = 16 * NV;
 constexpr int64_t AHEAD = 8;  // rows of w prefetched ahead of the one being read
 
+// 16 weights as float32 (the lanes of `mask` only, 0 elsewhere, when not `full`): float32 as they are, float16
+// (IEEE half bits) widened, exactly.
+inline __m512 load16(const float* p, bool full, __mmask16 mask) {
+  return full ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mask, p);
+}
+inline __m512 load16(const uint16_t* p, bool full, __mmask16 mask) {
+  return _mm512_cvtph_ps(full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi16(mask, p));
+}
+
 // Rows [m0, m0 + RB) x columns [n, n + width) (width <= WIDTH; lanes past it masked off).
-template <int RB>
-void tile(const float* x, int64_t K, const float* w, int64_t N, const float* bias, float* y, int64_t m0, int64_t n,
+template <int RB, typename W>
+void tile(const float* x, int64_t K, const W* w, int64_t N, const float* bias, float* y, int64_t m0, int64_t n,
           int64_t width) {
   __mmask16 mask[NV];
   for (int v = 0; v < NV; ++v) {
@@ -42,11 +51,11 @@ void tile(const float* x, int64_t K, const float* w, int64_t N, const float* bia
     for (int r = 0; r < RB; ++r)
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
     for (int64_t k = s0; k < s1; ++k) {
-      const float* wk = w + k * N + n;
+      const W* wk = w + k * N + n;
       if (k + AHEAD < K)
         for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(wk + AHEAD * N + 16 * v), _MM_HINT_T0);
       __m512 wv[NV];
-      for (int v = 0; v < NV; ++v) wv[v] = full ? _mm512_loadu_ps(wk + 16 * v) : _mm512_maskz_loadu_ps(mask[v], wk + 16 * v);
+      for (int v = 0; v < NV; ++v) wv[v] = load16(wk + 16 * v, full, mask[v]);
       for (int r = 0; r < RB; ++r) {
         const __m512 xb = _mm512_set1_ps(x[(m0 + r) * K + k]);
         for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
@@ -66,10 +75,9 @@ void tile(const float* x, int64_t K, const float* w, int64_t N, const float* bia
     }
 }
 
-}  // namespace
-
-void float_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
-                int64_t n0, int64_t n1) {
+template <typename W>
+void rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* y, int64_t n0,
+          int64_t n1) {
   for (int64_t n = n0; n < n1; n += WIDTH) {
     const int64_t width = std::min(WIDTH, n1 - n);
     int64_t m = 0;
@@ -78,6 +86,18 @@ void float_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
     for (; m + 2 <= M; m += 2) tile<2>(x, K, w, N, bias, y, m, n, width);
     for (; m < M; ++m) tile<1>(x, K, w, N, bias, y, m, n, width);
   }
+}
+
+}  // namespace
+
+void float_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
+                int64_t n0, int64_t n1) {
+  rows(x, M, K, w, N, bias, y, n0, n1);
+}
+
+void float_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, float* y,
+                int64_t n0, int64_t n1) {
+  rows(x, M, K, w, N, bias, y, n0, n1);
 }
 
 }  // namespace avx512

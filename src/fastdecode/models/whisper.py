@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import CheckpointError, UnsupportedModelError
+from ..layers.linear import float_kernel_serves
 from ..layers.products import KernelChoice, Products
 from .bart import _DECODER_LAYER, _ENCODER_LAYER, BartModel
 from .whisper_decode import FusedCrossDecode
@@ -194,6 +195,35 @@ def canonical(config: WhisperConfig, tensors: dict[str, torch.Tensor], source: s
     return weights
 
 
+# The decoder's products of every decode step: each row of a step streams these matrices (and the logits
+# layer's), so a float32 model whose values are float16 values keeps them in float16 (``hold_in_half``).
+_STEP_PRODUCTS = ("q", "k", "v", "o", "cross_q", "cross_o", "up", "down")
+
+
+def hold_in_half(config: WhisperConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice) -> list[str]:
+    """Hold the decoder's step products and the tied logits layer in float16 where that loses nothing
+    (every value a float16 value: a CTranslate2 float16 checkpoint read as float32) and the float32
+    kernel runs them (layers/linear.py: generated rows widen each weight as they load it, prompt rows
+    take the GEMM on the float32 values, so every product keeps the float32 model's bits). A decode step
+    then streams half the bytes: base's 48M decoder and logits weights are 97 MB instead of 194.
+    ``weights`` (canonical, float32) is updated in place; returns the names held in half."""
+    names = ["lm_head.weight"] + [f"decoder.layers.{i}.{name}.weight" for i in range(config.num_layers)
+                                  for name in _STEP_PRODUCTS]
+    held = []
+    for name in names:
+        weight = weights[name]  # [in, out] (the logits layer [C, V])
+        if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32  # (quantized: as it is)
+                or not float_kernel_serves(weight.t(), kernels)):
+            continue
+        half = weight.half()
+        if torch.equal(half.float(), weight):  # exact (a value outside float16's range or precision: kept)
+            weights[name] = half
+            held.append(name)
+    if "lm_head.weight" in held:
+        weights["embed.weight"] = weights["lm_head.weight"].t()  # [V, C] view of the same memory
+    return held
+
+
 class WhisperModel(BartModel):
     """``BartModel``'s decoder (``cross_kv``, ``decode``) behind Whisper's convolutional encoder."""
 
@@ -202,12 +232,19 @@ class WhisperModel(BartModel):
         """``cross_dtype``: how the cross K/V of a window are stored (default: the model's dtype);
         float16 halves what every decode step streams (4 x 4.6 MB per step on tiny.en in float32),
         the attention still computed in float32 (layers/cross_attention.cpp)."""
+        self.half_held = hold_in_half(config, weights, kernels)
         super().__init__(config, weights, kernels)
         self.conv1 = (weights["encoder.conv1.weight"], weights["encoder.conv1.bias"])  # [C, M, 3], [C]
         self.conv2 = (weights["encoder.conv2.weight"], weights["encoder.conv2.bias"])  # [C, C, 3], [C]
         self.cross_dtype = cross_dtype or self.dtype
         self.fused_layers = FusedCrossDecode.for_model(self)  # pure decode steps: one op per layer (not
         # ``fused_decode``: beams fold as before, engine/beam_group.py's folds_beams)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's compute dtype (the position tables'; the embedding may be held in float16,
+        ``hold_in_half``)."""
+        return self.encoder.positions.dtype
 
     def cross_kv(self, index: int, memory: torch.Tensor, p: Products) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer ``index``'s cross K, V [B, H, S, D] in ``cross_dtype``."""
