@@ -224,8 +224,9 @@ void multiply(const float* xp, int64_t M, int64_t K, const W* wp, int64_t N, con
     });
     return;
   }
-  if (use_avx512()) {  // several rows, sums in registers (fmatmul_avx512.cpp): chunks of 48-column passes
-    const int64_t chunk = std::clamp<int64_t>((N / 8 + 47) / 48 * 48, 48, 480);
+  if (use_avx512()) {  // several rows, sums in registers (fmatmul_avx512.cpp): chunks of 48-column passes, up to
+    // 1536 columns (each segment reads runs of a chunk's width from each row of w)
+    const int64_t chunk = std::clamp<int64_t>((N / 8 + 47) / 48 * 48, 48, 1536);
     parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) { rows_avx512(xp, M, K, wp, N, bp, yp, n0, n1); });
     return;
   }
