@@ -29,7 +29,9 @@ from . import ops
 from .gemm import ACTIVATIONS, activated, gemm  # noqa: F401 - ACTIVATIONS: one import for models
 from .products import KernelChoice, Products, RowRoles
 from .quantized import QuantizedWeight, embed, quantized_linear  # noqa: F401 - embed: one import for models
-from .threads import kernel_threads
+from .threads import kernel_threads, threads_for
+
+WIDEN_WORK = 4  # a float16 value widened into fresh float32 memory, in multiply-adds (for threads_for)
 
 
 def linear(
@@ -43,14 +45,17 @@ def linear(
     if (not products.all_prompt and x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
             and float_kernel_serves(weight, products.kernels)):
         return activated(_generated_rows_product(x, weight, bias, products), activation, products.threads)
-    return gemm(x, widened(weight, x), bias, activation, products.threads, products.kernels.float_gemm)
+    return gemm(x, widened(weight, x, products.threads), bias, activation, products.threads,
+                products.kernels.float_gemm)
 
 
-def widened(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def widened(weight: torch.Tensor, x: torch.Tensor, threads: int) -> torch.Tensor:
     """A float16-held matrix of a float32 model as its float32 values for the GEMM (the same strides: an
-    [out, in] view of an [in, out] buffer, as the float32 model's), any other weight as it is."""
+    [out, in] view of an [in, out] buffer, as the float32 model's; a big one on up to ``threads``: base's
+    logits layer, 26.5M values, once per prompt step), any other weight as it is."""
     if weight.dtype == torch.float16 and x.dtype == torch.float32:
-        return weight.float()
+        with threads_for(weight.numel() * WIDEN_WORK, threads):
+            return weight.float()
     return weight
 
 
@@ -78,8 +83,8 @@ def _generated_rows_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     else:
         out = rows.new_empty(rows.shape[0], N)
         out[roles.generated] = _kernel_rows(rows[roles.generated], weight, bias, products.threads)
-        out[roles.prompt] = gemm(rows[roles.prompt], widened(weight, rows), bias, None, products.threads,
-                                  products.kernels.float_gemm)
+        out[roles.prompt] = gemm(rows[roles.prompt], widened(weight, rows, products.threads), bias, None,
+                                 products.threads, products.kernels.float_gemm)
     return out.view(*x.shape[:-1], N)  # [..., N]
 
 
