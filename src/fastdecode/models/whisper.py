@@ -22,8 +22,10 @@ import torch.nn.functional as F
 
 from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import CheckpointError, UnsupportedModelError
+from ..layers.gemm import activated
 from ..layers.linear import float_kernel_serves
 from ..layers.products import KernelChoice, Products
+from ..layers.threads import on_one_thread, threads_for
 from .bart import _DECODER_LAYER, _ENCODER_LAYER, BartModel
 from .whisper_decode import FusedCrossDecode
 from .base import token_id_list
@@ -254,16 +256,27 @@ class WhisperModel(BartModel):
         return k.to(self.cross_dtype), v.to(self.cross_dtype)
 
     def encode(self, features: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """Log-mel features [B, M, 3000] -> encoder output [B, 1500, C]. Not one-threaded: every op
-        here is a large product, on the caller's threads. Its rows are prompt rows: float32 weights
-        take the GEMM (1500 rows: oneDNN's is ~3x the fixed-order decode kernel), int8 weights the int8
-        kernel as every other row (``int8_prompt_rows``, as CTranslate2's int8)."""
-        cfg, p = self.config, Products.prompt(torch.get_num_threads(), kernels=self.kernels)
+        """Log-mel features [B, M, 3000] -> encoder output [B, 1500, C], on the caller's threads. Its
+        rows are prompt rows: float32 weights take the GEMM (1500 rows: oneDNN's is ~3x the fixed-order
+        decode kernel), int8 weights the int8 kernel as every other row (``int8_prompt_rows``, as
+        CTranslate2's int8)."""
+        cfg = self.config
         if features.dim() != 3 or features.shape[1] != cfg.num_mel_bins or features.shape[2] != 2 * cfg.max_source_positions:
             raise ValueError(f"Whisper features must be [batch, {cfg.num_mel_bins}, {2 * cfg.max_source_positions}], "
                              f"got {list(features.shape)}")
-        x = F.gelu(F.conv1d(features.to(self.dtype), *self.conv1, padding=1))  # [B, C, 3000]
-        x = F.gelu(F.conv1d(x, *self.conv2, stride=2, padding=1))  # [B, C, 1500]
+        return self._encode(features, Products.prompt(torch.get_num_threads(), kernels=self.kernels))
+
+    @on_one_thread
+    def _encode(self, features: torch.Tensor, p: Products) -> torch.Tensor:
+        """The encoder's body on one torch thread: the convolutions, products, attention and GELUs (every
+        one large) get ``p.threads`` back explicitly, the LayerNorms, residual adds and head merges (a
+        fraction of a millisecond each) stay on one. Each of those was an OpenMP region of its own: with
+        the second core busy elsewhere every region waited for it, and tiny.en's encoder took 1.0 s per
+        window on two threads against 0.55 s on one (load ~2.5). The same bits: no op's result depends on
+        its thread count, and the large ones keep theirs."""
+        cfg = self.config
+        x = activated(self._conv(features.to(self.dtype), self.conv1, 1, p), "gelu", p.threads)  # [B, C, 3000]
+        x = activated(self._conv(x, self.conv2, 2, p), "gelu", p.threads)  # [B, C, 1500]
         x = x.transpose(1, 2) + self.encoder.positions  # [B, 1500, C]
         H = cfg.num_encoder_heads
         D = cfg.hidden_size // H
@@ -272,3 +285,11 @@ class WhisperModel(BartModel):
                                lambda h: self._self_attention(h, layer, H, D, None, p))
             x = self._residual(x, layer.mlp_norm, layer.mlp_norm_bias, lambda h: self._mlp(h, layer, p))
         return self._final_norm(self.encoder, x)
+
+    @staticmethod
+    def _conv(x: torch.Tensor, weight_bias: tuple[torch.Tensor, torch.Tensor], stride: int,
+              p: Products) -> torch.Tensor:
+        """conv1d (kernel 3, padding 1) of x [B, M, T] -> [B, C, T / stride] on up to ``p.threads``."""
+        weight = weight_bias[0]  # [C, M, 3]
+        with threads_for(x.shape[0] * weight.numel() * x.shape[2] // stride, p.threads):  # multiply-adds
+            return F.conv1d(x, *weight_bias, stride=stride, padding=1)
