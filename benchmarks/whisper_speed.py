@@ -20,6 +20,8 @@ speed (audio seconds per second), and each worker's peak resident memory.
 
     python benchmarks/whisper_speed.py [--minutes 5] [--reps 2] [--threads 2] [--models tiny.en,base]
     python benchmarks/whisper_speed.py --quick        # 1 minute of audio, tiny.en, 1 repetition
+    python benchmarks/whisper_speed.py --baseline-src /path/to/main/src   # before/after: each fastdecode
+        engine also runs from that tree (NAME@baseline), alternating with the others in the same run
 
 An engine that cannot run here (its package is not installed) is listed as NOT RUN with the reason.
 """
@@ -31,6 +33,7 @@ import importlib.util
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 import wave
 from pathlib import Path
@@ -114,6 +117,10 @@ def recording(minutes: float) -> Path:
 # --- engines (inside worker processes) -----------------------------------------------------------
 class FastdecodeEngine:
     def __init__(self, options: dict[str, Any]):
+        if options.get("src"):  # NAME@baseline: fastdecode from another tree (--baseline-src)
+            if "fastdecode" in sys.modules:
+                raise RuntimeError("fastdecode was imported before the baseline tree was put first on the path")
+            sys.path.insert(0, options["src"])
         import fastdecode
 
         self.speech = fastdecode.load_speech(options["folder"], quantize=options.get("quantize"))
@@ -226,6 +233,9 @@ def model_section(model: str, audio: Path, seconds_of_audio: float, args) -> str
     chosen = args.engines.split(",") if args.engines else ENGINES
     skipped = {n: missing(n) for n in chosen if missing(n)}
     wanted = {n: {**base, **per_engine[n]} for n in chosen if n not in skipped}
+    if args.baseline_src:  # each fastdecode engine's twin from the baseline tree, alternating with the rest
+        for name in [n for n in wanted if n.startswith("fastdecode")]:
+            wanted[f"{name}@baseline"] = {**wanted[name], "src": str(Path(args.baseline_src).resolve())}
     # fastdecode first: its extractor writes the features the CTranslate2 engines read
     first = {n: wanted.pop(n) for n in [n for n in wanted if n.startswith("fastdecode")][:1]}
     workers, failed = harness.start_workers(Path(__file__).resolve(), first, log_dir)
@@ -284,6 +294,8 @@ def main() -> None:
     parser.add_argument("--beams", default="5,1", help="beam sizes (1: greedy)")
     parser.add_argument("--engines", help=f"comma-separated subset of {', '.join(ENGINES)}")
     parser.add_argument("--quick", action="store_true", help="1 minute of audio, tiny.en, 1 repetition")
+    parser.add_argument("--baseline-src", help="src/ folder of a baseline tree: each fastdecode engine also runs "
+                                               "from it (NAME@baseline), before/after in one run")
     harness.add_worker_arguments(parser)
     args = parser.parse_args()
     if args.worker:

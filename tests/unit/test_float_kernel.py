@@ -157,3 +157,39 @@ def test_without_the_extension_or_for_other_layouts_linear_is_f_linear(monkeypat
     with torch.no_grad():
         torch.testing.assert_close(linear(x, w.t().contiguous(), bias), expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(linear(x, w.t(), bias), expected, atol=1e-4, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("K, N", SHAPES + [(384, 1100)])
+def test_a_float16_held_weight_gives_the_float32_bits(K, N):
+    """A float32 matrix whose values are float16 values, held in float16 (models/whisper.py's
+    hold_in_half): the kernel widens each weight as it loads it, so every row count, thread count and
+    ISA (AVX-512 several-row passes, AVX2 sums in L1, the one-row segments) gives the float32 buffer's bits."""
+    w, bias, x = weights(K, N, seed=K + 7 * N)
+    half = w.half()
+    exact = half.float()  # the float32 model's values
+    avx512 = ops.set_avx512()
+    try:
+        for isa in {avx512, False}:
+            ops.set_avx512(isa)
+            for M in (1, 2, 3, 5, 8, 9, 17):
+                for threads in (1, 2):
+                    for b in (None, bias):
+                        assert torch.equal(ops.float_matmul(x[:M], half, b, threads),
+                                           ops.float_matmul(x[:M], exact, b, threads)), (isa, M, threads)
+    finally:
+        ops.set_avx512(avx512)
+
+
+@needs_kernel
+def test_linear_runs_a_float16_held_weight_as_its_float32_values():
+    """Generated rows through the kernel on the float16 buffer, prompt rows through the GEMM on the
+    widened float32 values, a mixed step each part so: all the float32 weight's bits."""
+    w, bias, x = weights(64, 96, seed=5)
+    exact = w.half().float()
+    held, weight = exact.half().t(), exact.t()  # [out, in] views of the [in, out] buffers
+    is_prompt = [i % 3 == 0 for i in range(40)]
+    with torch.no_grad():
+        for products in (roles(False), roles(True), roles(is_prompt)):
+            assert torch.equal(linear(x, held, bias, activation="gelu", products=products),
+                               linear(x, weight, bias, activation="gelu", products=products))

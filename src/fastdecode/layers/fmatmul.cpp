@@ -21,6 +21,11 @@
 // or column falls in and however the pieces are split between threads or masked at the tail, so a row's
 // result never depends on the other rows of its product (batch composition) nor on the thread count.
 // It differs from a blocked GEMM only by summation order (error ~ K * 2^-24 relative).
+//
+// The weight may be held in float16 (a float32 model's matrix whose every value is a float16 value, as the
+// float16 checkpoints of CTranslate2's Whisper: models/whisper.py): each element is widened to its float32
+// value as it is loaded (exact), then takes the same operations, so the result equals the float32 buffer's
+// bit for bit while a step streams half the bytes.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <immintrin.h>
@@ -28,6 +33,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "fmatmul.h"
@@ -54,25 +60,36 @@ inline __m256i lanes_below(int64_t valid) {  // lane i set where i < valid
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+// 8 weights as float32: a float32 buffer's as they are, a float16 buffer's widened (exact). The masked loads
+// read the first `valid` (= the lanes of `mask`) and give 0 in the other lanes.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8_masked(const float* p, __m256i mask, int64_t) { return _mm256_maskload_ps(p, mask); }
+inline __m256 load8_masked(const at::Half* p, __m256i, int64_t valid) {
+  alignas(16) at::Half part[8] = {};
+  std::memcpy(part, p, valid * sizeof(at::Half));
+  return load8(part);
+}
+
 // acc[r][c] += sum over k in [k0, k0 + KS) of x[m0 + r, k] * w[k, n + c] (c < 8 * vectors), one fused
-// multiply-add per k in order; the last vector masked to `mask` when `masked`.
-template <int RB, int KS>
-void rows_pass(const float* x, int64_t K, const float* w, int64_t N, int64_t m0, int64_t k0, int64_t n, int64_t stride,
-               int64_t vectors, bool masked, __m256i mask, float* acc) {
+// multiply-add per k in order; the last vector masked to `mask` (its first `tail` lanes) when `masked`.
+template <int RB, int KS, typename W>
+void rows_pass(const float* x, int64_t K, const W* w, int64_t N, int64_t m0, int64_t k0, int64_t n, int64_t stride,
+               int64_t vectors, bool masked, __m256i mask, int64_t tail, float* acc) {
   const int64_t ahead = RB == 1 ? 0 : std::min<int64_t>(PREFETCH_ROWS, K - k0 - KS);  // rows to prefetch past these (none at the end)
-  const float* next = w + (k0 + ahead) * N + n;
+  const W* next = w + (k0 + ahead) * N + n;
   __m256 xs[RB][KS];
   for (int r = 0; r < RB; ++r)
     for (int j = 0; j < KS; ++j) xs[r][j] = _mm256_broadcast_ss(x + (m0 + r) * K + k0 + j);
-  const float* wk = w + k0 * N + n;
+  const W* wk = w + k0 * N + n;
   for (int64_t v = 0; v < vectors; ++v) {
     if (ahead > 0 && v % 2 == 0)  // one line of each of the KS rows PREFETCH_ROWS further down
       for (int j = 0; j < KS; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * N + 8 * v), _MM_HINT_T0);
     __m256 wv[KS];
     if (masked && v == vectors - 1) {
-      for (int j = 0; j < KS; ++j) wv[j] = _mm256_maskload_ps(wk + j * N + 8 * v, mask);
+      for (int j = 0; j < KS; ++j) wv[j] = load8_masked(wk + j * N + 8 * v, mask, tail);
     } else {
-      for (int j = 0; j < KS; ++j) wv[j] = _mm256_loadu_ps(wk + j * N + 8 * v);
+      for (int j = 0; j < KS; ++j) wv[j] = load8(wk + j * N + 8 * v);
     }
     for (int r = 0; r < RB; ++r) {
       float* a = acc + r * stride + 8 * v;
@@ -88,8 +105,8 @@ void rows_pass(const float* x, int64_t K, const float* w, int64_t N, int64_t m0,
 // given): each segment of SEGMENT inputs summed from 0, the segment sums added in order. One row streams the
 // rows of w one after another (`sequential`: one long read, measured faster than 4 rows at a time for rows
 // of up to SEQUENTIAL_COLUMNS), several rows take 4 rows of w per pass (fewer accumulator loads).
-template <int RB>
-void block(const float* x, int64_t K, const float* w, int64_t N, int64_t k0, int64_t k1, const float* bias,
+template <int RB, typename W>
+void block(const float* x, int64_t K, const W* w, int64_t N, int64_t k0, int64_t k1, const float* bias,
            float* out, int64_t m0, int64_t n, int64_t width, bool sequential) {
   constexpr int64_t SIZE = RB == 1 ? ONE_ROW_ACCUMULATORS : ACCUMULATORS;
   alignas(32) float total[SIZE];  // [RB, stride]: the first segment's sums, then the running total
@@ -104,8 +121,8 @@ void block(const float* x, int64_t K, const float* w, int64_t N, int64_t k0, int
       for (int64_t v = 0; v < vectors; ++v) _mm256_store_ps(sums + r * stride + 8 * v, _mm256_setzero_ps());
     int64_t k = s0;
     if (!sequential)
-      for (; k + 4 <= s1; k += 4) rows_pass<RB, 4>(x, K, w, N, m0, k, n, stride, vectors, masked, mask, sums);
-    for (; k < s1; ++k) rows_pass<RB, 1>(x, K, w, N, m0, k, n, stride, vectors, masked, mask, sums);
+      for (; k + 4 <= s1; k += 4) rows_pass<RB, 4>(x, K, w, N, m0, k, n, stride, vectors, masked, mask, width % 8, sums);
+    for (; k < s1; ++k) rows_pass<RB, 1>(x, K, w, N, m0, k, n, stride, vectors, masked, mask, width % 8, sums);
     if (s0 != k0)
       for (int64_t i = 0; i < RB * stride; i += 8)
         _mm256_store_ps(total + i, _mm256_add_ps(_mm256_load_ps(total + i), _mm256_load_ps(acc + i)));
@@ -123,7 +140,8 @@ void block(const float* x, int64_t K, const float* w, int64_t N, int64_t k0, int
   }
 }
 
-void columns(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t k0, int64_t k1,
+template <typename W>
+void columns(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t k0, int64_t k1,
              const float* bias, float* out, int64_t n0, int64_t n1) {
   // a multiple of 8: aligned accumulator rows (the one-row blocks of M > 1 use the narrower width too)
   const int64_t widest = M == 1 ? ONE_ROW_ACCUMULATORS : ACCUMULATORS / std::min<int64_t>(M, MAX_ROWS) / 8 * 8;
@@ -139,23 +157,20 @@ void columns(const float* x, int64_t M, int64_t K, const float* w, int64_t N, in
   }
 }
 
-at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                        int64_t threads) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "float_matmul takes float32 x [M, K] and weight [K, N]");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "float_matmul needs contiguous x and weight [K, N]");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(1);
-  TORCH_CHECK(weight.size(0) == K, "x has ", K, " inputs, the weight ", weight.size(0));
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias)
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "bias must be float32 [", N, "]");
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+// avx512::float_rows for either weight element (fmatmul.h)
+void rows_avx512(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
+                 int64_t n0, int64_t n1) {
+  avx512::float_rows(x, M, K, w, N, bias, y, n0, n1);
+}
+void rows_avx512(const float* x, int64_t M, int64_t K, const at::Half* w, int64_t N, const float* bias, float* y,
+                 int64_t n0, int64_t n1) {
+  avx512::float_rows(x, M, K, reinterpret_cast<const uint16_t*>(w), N, bias, y, n0, n1);
+}
+
+// y [M, N] = x [M, K] @ w [K, N] (+ bias), w float32 or float16 (W): the pieces below, on `threads`.
+template <typename W>
+void multiply(const float* xp, int64_t M, int64_t K, const W* wp, int64_t N, const float* bp, float* yp,
+              int64_t threads, const at::TensorOptions& options) {
   const int64_t segments = (K + SEGMENT - 1) / SEGMENT;
   if (M == 1 && segments > 1) {
     // One row (memory-bound): pieces of whole rows of w, (segment, block of up to ONE_ROW_ACCUMULATORS columns),
@@ -164,7 +179,7 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const c10
     // same additions as block's) while the pieces run, not in a serial pass after them: the thread that finishes a
     // piece adds every finished row next in order, its own still in cache (add_ready).
     const int64_t width = ONE_ROW_ACCUMULATORS, blocks = (N + width - 1) / width;
-    at::Tensor partial = at::empty({segments, N}, x.options());
+    at::Tensor partial = at::empty({segments, N}, options);
     float* pp = partial.data_ptr<float>();
     std::vector<std::atomic<bool>> ready(segments * blocks);  // [blocks, segments]: the piece's partial row is written
     std::vector<std::atomic<bool>> adding(blocks);  // per block: a thread is adding its rows into y
@@ -207,12 +222,13 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const c10
         add_ready(b);
       }
     });
-    return y;
+    return;
   }
-  if (use_avx512()) {  // several rows, sums in registers (fmatmul_avx512.cpp): chunks of 48-column passes
-    const int64_t chunk = std::clamp<int64_t>((N / 8 + 47) / 48 * 48, 48, 480);
-    parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) { avx512::float_rows(xp, M, K, wp, N, bp, yp, n0, n1); });
-    return y;
+  if (use_avx512()) {  // several rows, sums in registers (fmatmul_avx512.cpp): chunks of 48-column passes, up to
+    // 1536 columns (each segment reads runs of a chunk's width from each row of w)
+    const int64_t chunk = std::clamp<int64_t>((N / 8 + 47) / 48 * 48, 48, 1536);
+    parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) { rows_avx512(xp, M, K, wp, N, bp, yp, n0, n1); });
+    return;
   }
   // Several rows: columns per claimed chunk, an eighth of N in multiples of 64 (runs of >= 256 bytes per row
   // of w), at most 512; each chunk sums its segments itself.
@@ -220,6 +236,27 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const c10
   parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) {
     columns(xp, M, K, wp, N, 0, K, bp, yp, n0, n1);
   });
+}
+
+at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        int64_t threads) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.scalar_type() == at::kFloat &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kHalf),
+              "float_matmul takes float32 x [M, K] and a float32 or float16 weight [K, N]");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "float_matmul needs contiguous x and weight [K, N]");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(1);
+  TORCH_CHECK(weight.size(0) == K, "x has ", K, " inputs, the weight ", weight.size(0));
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "bias must be float32 [", N, "]");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  if (weight.scalar_type() == at::kHalf) multiply(xp, M, K, weight.data_ptr<at::Half>(), N, bp, yp, threads, x.options());
+  else multiply(xp, M, K, weight.data_ptr<float>(), N, bp, yp, threads, x.options());
   return y;
 }
 

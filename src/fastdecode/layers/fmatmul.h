@@ -17,6 +17,9 @@ namespace avx512 {
 // 8 rows x 48 columns per pass over a segment of w's rows.
 void float_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
                 int64_t n0, int64_t n1);
+// The same with w held in float16 (IEEE half bits), each element widened to its float32 value as it is loaded.
+void float_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, float* y,
+                int64_t n0, int64_t n1);
 
 }  // namespace avx512
 }  // namespace fastdecode

@@ -4,7 +4,9 @@
 // The AVX2 kernel keeps its sums in L1 and loads and stores them at every 4 inputs (a decode step of 8 to
 // 32 rows is compute-bound there: ~20 memory operations per 32 multiply-adds). Here a pass holds 8 rows x
 // 48 columns of one segment's sums in 24 registers while the segment's 64 rows of w stream by (3 loads and
-// 8 broadcasts per 24 multiply-adds), then adds them to the running totals (in L1, once per segment). Each
+// 8 broadcasts per 24 multiply-adds), then adds them to the running totals (in y, once per segment). The
+// passes go along a thread's whole column range segment by segment, so each row of w is read in one run
+// of the range (a beam step's logits layer: 5 rows x 51865 columns), not 48 columns at a time. Each
 // output's arithmetic is the contract's: one FMA chain per segment from 0 in k order, the segment sums
 // added in order, then the bias, so a row's bits depend neither on the other rows nor on the ISA.
 #include <immintrin.h>
@@ -23,46 +25,77 @@ namespace {
 
 constexpr int NV = 3;  // vectors of 16 columns per pass
 constexpr int64_t WIDTH = 16 * NV;
-constexpr int64_t AHEAD = 8;  // rows of w prefetched ahead of the one being read
 
-// Rows [m0, m0 + RB) x columns [n, n + width) (width <= WIDTH; lanes past it masked off).
-template <int RB>
-void tile(const float* x, int64_t K, const float* w, int64_t N, const float* bias, float* y, int64_t m0, int64_t n,
-          int64_t width) {
+// 16 weights as float32 (the lanes of `mask` only, 0 elsewhere, when not `full`): float32 as they are, float16
+// (IEEE half bits) widened, exactly.
+inline __m512 load16(const float* p, bool full, __mmask16 mask) {
+  return full ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mask, p);
+}
+inline __m512 load16(const uint16_t* p, bool full, __mmask16 mask) {
+  return _mm512_cvtph_ps(full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi16(mask, p));
+}
+
+// One segment [s0, s1) of rows [m0, m0 + RB) x columns [n, n + width) (width <= WIDTH; lanes past it masked
+// off): the segment's sums (one FMA chain per output from 0, in k order) stored into y as the running total
+// (the first segment) or added to it. Prefetches the next pass's columns (n + WIDTH) of the rows it reads.
+template <int RB, typename W>
+void tile_segment(const float* x, int64_t K, const W* w, int64_t N, float* y, int64_t m0, int64_t n, int64_t width,
+                  int64_t s0, int64_t s1, bool prefetch_next) {
   __mmask16 mask[NV];
   for (int v = 0; v < NV; ++v) {
     const int64_t valid = std::clamp<int64_t>(width - 16 * v, 0, 16);
     mask[v] = static_cast<__mmask16>(valid == 16 ? 0xFFFF : (1u << valid) - 1);
   }
   const bool full = width == WIDTH;
-  alignas(64) float total[RB][WIDTH];
-  for (int64_t s0 = 0; s0 < K; s0 += FLOAT_SEGMENT) {
-    const int64_t s1 = std::min(K, s0 + FLOAT_SEGMENT);
-    __m512 acc[RB][NV];
-    for (int r = 0; r < RB; ++r)
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-    for (int64_t k = s0; k < s1; ++k) {
-      const float* wk = w + k * N + n;
-      if (k + AHEAD < K)
-        for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(wk + AHEAD * N + 16 * v), _MM_HINT_T0);
-      __m512 wv[NV];
-      for (int v = 0; v < NV; ++v) wv[v] = full ? _mm512_loadu_ps(wk + 16 * v) : _mm512_maskz_loadu_ps(mask[v], wk + 16 * v);
-      for (int r = 0; r < RB; ++r) {
-        const __m512 xb = _mm512_set1_ps(x[(m0 + r) * K + k]);
-        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
-      }
+  __m512 acc[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = s0; k < s1; ++k) {
+    const W* wk = w + k * N + n;
+    if (prefetch_next)  // the next pass's WIDTH columns of this row: the rows of w stream in runs along the chunk
+      for (int64_t byte = 0; byte < WIDTH * static_cast<int64_t>(sizeof(W)); byte += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wk + WIDTH) + byte, _MM_HINT_T0);
+    __m512 wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = load16(wk + 16 * v, full, mask[v]);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[(m0 + r) * K + k]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
     }
-    for (int r = 0; r < RB; ++r)
-      for (int v = 0; v < NV; ++v) {
-        float* t = total[r] + 16 * v;
-        _mm512_store_ps(t, s0 == 0 ? acc[r][v] : _mm512_add_ps(_mm512_load_ps(t), acc[r][v]));
-      }
   }
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v) {
-      __m512 sum = _mm512_load_ps(total[r] + 16 * v);
-      if (bias != nullptr) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask[v], bias + n + 16 * v));
-      _mm512_mask_storeu_ps(y + (m0 + r) * N + n + 16 * v, mask[v], sum);
+      float* t = y + (m0 + r) * N + n + 16 * v;
+      const __m512 sum = s0 == 0 ? acc[r][v] : _mm512_add_ps(_mm512_maskz_loadu_ps(mask[v], t), acc[r][v]);
+      _mm512_mask_storeu_ps(t, mask[v], sum);
+    }
+}
+
+// Columns [n0, n1), every row: segment after segment, each over the whole range 48 columns at a time (so each
+// row of w is read in one run of the range per segment, not 48 columns at a time down all K rows: a wide
+// matrix, a logits layer of 51865 columns, streams at memory speed), row groups of 8, 4, 2, 1 per pass; the
+// running totals in y, then the bias.
+template <typename W>
+void rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* y, int64_t n0,
+          int64_t n1) {
+  for (int64_t s0 = 0; s0 < K; s0 += FLOAT_SEGMENT) {
+    const int64_t s1 = std::min(K, s0 + FLOAT_SEGMENT);
+    for (int64_t n = n0; n < n1; n += WIDTH) {
+      const int64_t width = std::min(WIDTH, n1 - n);
+      const bool ahead = n + WIDTH < n1;
+      int64_t m = 0;
+      for (; m + 8 <= M; m += 8) tile_segment<8>(x, K, w, N, y, m, n, width, s0, s1, ahead && m == 0);
+      for (; m + 4 <= M; m += 4) tile_segment<4>(x, K, w, N, y, m, n, width, s0, s1, ahead && m == 0);
+      for (; m + 2 <= M; m += 2) tile_segment<2>(x, K, w, N, y, m, n, width, s0, s1, ahead && m == 0);
+      for (; m < M; ++m) tile_segment<1>(x, K, w, N, y, m, n, width, s0, s1, ahead && m == 0);
+    }
+  }
+  if (bias == nullptr) return;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; n += 16) {
+      const int64_t valid = std::min<int64_t>(16, n1 - n);
+      const __mmask16 mask = static_cast<__mmask16>(valid == 16 ? 0xFFFF : (1u << valid) - 1);
+      float* t = y + m * N + n;
+      _mm512_mask_storeu_ps(t, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, t), _mm512_maskz_loadu_ps(mask, bias + n)));
     }
 }
 
@@ -70,14 +103,12 @@ void tile(const float* x, int64_t K, const float* w, int64_t N, const float* bia
 
 void float_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
                 int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += WIDTH) {
-    const int64_t width = std::min(WIDTH, n1 - n);
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8) tile<8>(x, K, w, N, bias, y, m, n, width);
-    for (; m + 4 <= M; m += 4) tile<4>(x, K, w, N, bias, y, m, n, width);
-    for (; m + 2 <= M; m += 2) tile<2>(x, K, w, N, bias, y, m, n, width);
-    for (; m < M; ++m) tile<1>(x, K, w, N, bias, y, m, n, width);
-  }
+  rows(x, M, K, w, N, bias, y, n0, n1);
+}
+
+void float_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, float* y,
+                int64_t n0, int64_t n1) {
+  rows(x, M, K, w, N, bias, y, n0, n1);
 }
 
 }  // namespace avx512

@@ -14,6 +14,11 @@ split over the kernel thread pool (at batch 1 segments of whole rows, each threa
 which uses the second core's memory bandwidth that the one-thread GEMM leaves idle. Prompt rows keep
 the GEMM (compute-bound there); a step mixing both runs each part its own way, like the quantized
 kernels (its logits layer, over the rows picked for logits, takes the kernel for every row).
+
+A float32 model may hold a matrix in float16 where every value of it is a float16 value (Whisper's
+float16 checkpoints: models/whisper.py's ``hold_in_half``): generated rows read it as it is (the kernel
+widens each weight as it loads it: the float32 buffer's bits, half the bytes streamed), prompt rows take
+the GEMM on its float32 values (``widened``), so every product is the float32 model's.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from . import ops
 from .gemm import ACTIVATIONS, activated, gemm  # noqa: F401 - ACTIVATIONS: one import for models
 from .products import KernelChoice, Products, RowRoles
 from .quantized import QuantizedWeight, embed, quantized_linear  # noqa: F401 - embed: one import for models
-from .threads import kernel_threads
+from .threads import kernel_threads, threads_for
+
+WIDEN_WORK = 4  # a float16 value widened into fresh float32 memory, in multiply-adds (for threads_for)
 
 
 def linear(
@@ -38,15 +45,26 @@ def linear(
     if (not products.all_prompt and x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
             and float_kernel_serves(weight, products.kernels)):
         return activated(_generated_rows_product(x, weight, bias, products), activation, products.threads)
-    return gemm(x, weight, bias, activation, products.threads, products.kernels.float_gemm)
+    return gemm(x, widened(weight, x, products.threads), bias, activation, products.threads,
+                products.kernels.float_gemm)
+
+
+def widened(weight: torch.Tensor, x: torch.Tensor, threads: int) -> torch.Tensor:
+    """A float16-held matrix of a float32 model as its float32 values for the GEMM (the same strides: an
+    [out, in] view of an [in, out] buffer, as the float32 model's; a big one on up to ``threads``: base's
+    logits layer, 26.5M values, once per prompt step), any other weight as it is."""
+    if weight.dtype == torch.float16 and x.dtype == torch.float32:
+        with threads_for(weight.numel() * WIDEN_WORK, threads):
+            return weight.float()
+    return weight
 
 
 def float_kernel_serves(weight: torch.Tensor, kernels: KernelChoice) -> bool:
     """Whether the extension's float_matmul runs generated rows (float32 on the CPU, no autograd) times
-    this weight: the kernel choice allows it (``float_kernel``; off: the GEMM, the old path), float32 on
-    the CPU, an [out, in] view of a contiguous [in, out] buffer."""
-    return (kernels.float_kernel and weight.dtype == torch.float32 and weight.is_cpu and weight.t().is_contiguous()
-            and ops.available())
+    this weight: the kernel choice allows it (``float_kernel``; off: the GEMM, the old path), float32 (or
+    a float32 model's float16-held matrix) on the CPU, an [out, in] view of a contiguous [in, out] buffer."""
+    return (kernels.float_kernel and weight.dtype in (torch.float32, torch.float16) and weight.is_cpu
+            and weight.t().is_contiguous() and ops.available())
 
 
 def _generated_rows_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -65,8 +83,8 @@ def _generated_rows_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     else:
         out = rows.new_empty(rows.shape[0], N)
         out[roles.generated] = _kernel_rows(rows[roles.generated], weight, bias, products.threads)
-        out[roles.prompt] = gemm(rows[roles.prompt], weight, bias, None, products.threads,
-                                  products.kernels.float_gemm)
+        out[roles.prompt] = gemm(rows[roles.prompt], widened(weight, rows, products.threads), bias, None,
+                                 products.threads, products.kernels.float_gemm)
     return out.view(*x.shape[:-1], N)  # [..., N]
 
 

@@ -324,7 +324,7 @@ class BartModel(ModelBase):
     # -- pieces ----------------------------------------------------------------------------------
     def _embed(self, stack: BartStack, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        x = embed(tokens, self.embed)  # [B, T, C]
+        x = embed(tokens, self.embed).to(self.dtype)  # [B, T, C] (a float16-held embedding widened: whisper.py)
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         x = x + F.embedding(positions + cfg.position_offset, stack.positions)  # [B or 1, T, C] broadcasts

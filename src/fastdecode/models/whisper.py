@@ -22,7 +22,10 @@ import torch.nn.functional as F
 
 from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import CheckpointError, UnsupportedModelError
+from ..layers.gemm import activated
+from ..layers.linear import float_kernel_serves
 from ..layers.products import KernelChoice, Products
+from ..layers.threads import on_one_thread, threads_for
 from .bart import _DECODER_LAYER, _ENCODER_LAYER, BartModel
 from .whisper_decode import FusedCrossDecode
 from .base import token_id_list
@@ -194,6 +197,35 @@ def canonical(config: WhisperConfig, tensors: dict[str, torch.Tensor], source: s
     return weights
 
 
+# The decoder's products of every decode step: each row of a step streams these matrices (and the logits
+# layer's), so a float32 model whose values are float16 values keeps them in float16 (``hold_in_half``).
+_STEP_PRODUCTS = ("q", "k", "v", "o", "cross_q", "cross_o", "up", "down")
+
+
+def hold_in_half(config: WhisperConfig, weights: dict[str, torch.Tensor], kernels: KernelChoice) -> list[str]:
+    """Hold the decoder's step products and the tied logits layer in float16 where that loses nothing
+    (every value a float16 value: a CTranslate2 float16 checkpoint read as float32) and the float32
+    kernel runs them (layers/linear.py: generated rows widen each weight as they load it, prompt rows
+    take the GEMM on the float32 values, so every product keeps the float32 model's bits). A decode step
+    then streams half the bytes: base's 48M decoder and logits weights are 97 MB instead of 194.
+    ``weights`` (canonical, float32) is updated in place; returns the names held in half."""
+    names = ["lm_head.weight"] + [f"decoder.layers.{i}.{name}.weight" for i in range(config.num_layers)
+                                  for name in _STEP_PRODUCTS]
+    held = []
+    for name in names:
+        weight = weights[name]  # [in, out] (the logits layer [C, V])
+        if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32  # (quantized: as it is)
+                or not float_kernel_serves(weight.t(), kernels)):
+            continue
+        half = weight.half()
+        if torch.equal(half.float(), weight):  # exact (a value outside float16's range or precision: kept)
+            weights[name] = half
+            held.append(name)
+    if "lm_head.weight" in held:
+        weights["embed.weight"] = weights["lm_head.weight"].t()  # [V, C] view of the same memory
+    return held
+
+
 class WhisperModel(BartModel):
     """``BartModel``'s decoder (``cross_kv``, ``decode``) behind Whisper's convolutional encoder."""
 
@@ -202,12 +234,19 @@ class WhisperModel(BartModel):
         """``cross_dtype``: how the cross K/V of a window are stored (default: the model's dtype);
         float16 halves what every decode step streams (4 x 4.6 MB per step on tiny.en in float32),
         the attention still computed in float32 (layers/cross_attention.cpp)."""
+        self.half_held = hold_in_half(config, weights, kernels)
         super().__init__(config, weights, kernels)
         self.conv1 = (weights["encoder.conv1.weight"], weights["encoder.conv1.bias"])  # [C, M, 3], [C]
         self.conv2 = (weights["encoder.conv2.weight"], weights["encoder.conv2.bias"])  # [C, C, 3], [C]
         self.cross_dtype = cross_dtype or self.dtype
         self.fused_layers = FusedCrossDecode.for_model(self)  # pure decode steps: one op per layer (not
         # ``fused_decode``: beams fold as before, engine/beam_group.py's folds_beams)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's compute dtype (the position tables'; the embedding may be held in float16,
+        ``hold_in_half``)."""
+        return self.encoder.positions.dtype
 
     def cross_kv(self, index: int, memory: torch.Tensor, p: Products) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer ``index``'s cross K, V [B, H, S, D] in ``cross_dtype``."""
@@ -217,16 +256,27 @@ class WhisperModel(BartModel):
         return k.to(self.cross_dtype), v.to(self.cross_dtype)
 
     def encode(self, features: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """Log-mel features [B, M, 3000] -> encoder output [B, 1500, C]. Not one-threaded: every op
-        here is a large product, on the caller's threads. Its rows are prompt rows: float32 weights
-        take the GEMM (1500 rows: oneDNN's is ~3x the fixed-order decode kernel), int8 weights the int8
-        kernel as every other row (``int8_prompt_rows``, as CTranslate2's int8)."""
-        cfg, p = self.config, Products.prompt(torch.get_num_threads(), kernels=self.kernels)
+        """Log-mel features [B, M, 3000] -> encoder output [B, 1500, C], on the caller's threads. Its
+        rows are prompt rows: float32 weights take the GEMM (1500 rows: oneDNN's is ~3x the fixed-order
+        decode kernel), int8 weights the int8 kernel as every other row (``int8_prompt_rows``, as
+        CTranslate2's int8)."""
+        cfg = self.config
         if features.dim() != 3 or features.shape[1] != cfg.num_mel_bins or features.shape[2] != 2 * cfg.max_source_positions:
             raise ValueError(f"Whisper features must be [batch, {cfg.num_mel_bins}, {2 * cfg.max_source_positions}], "
                              f"got {list(features.shape)}")
-        x = F.gelu(F.conv1d(features.to(self.dtype), *self.conv1, padding=1))  # [B, C, 3000]
-        x = F.gelu(F.conv1d(x, *self.conv2, stride=2, padding=1))  # [B, C, 1500]
+        return self._encode(features, Products.prompt(torch.get_num_threads(), kernels=self.kernels))
+
+    @on_one_thread
+    def _encode(self, features: torch.Tensor, p: Products) -> torch.Tensor:
+        """The encoder's body on one torch thread: the convolutions, products, attention and GELUs (every
+        one large) get ``p.threads`` back explicitly, the LayerNorms, residual adds and head merges (a
+        fraction of a millisecond each) stay on one. Each of those was an OpenMP region of its own: with
+        the second core busy elsewhere every region waited for it, and tiny.en's encoder took 1.0 s per
+        window on two threads against 0.55 s on one (load ~2.5). The same bits: no op's result depends on
+        its thread count, and the large ones keep theirs."""
+        cfg = self.config
+        x = activated(self._conv(features.to(self.dtype), self.conv1, 1, p), "gelu", p.threads)  # [B, C, 3000]
+        x = activated(self._conv(x, self.conv2, 2, p), "gelu", p.threads)  # [B, C, 1500]
         x = x.transpose(1, 2) + self.encoder.positions  # [B, 1500, C]
         H = cfg.num_encoder_heads
         D = cfg.hidden_size // H
@@ -235,3 +285,11 @@ class WhisperModel(BartModel):
                                lambda h: self._self_attention(h, layer, H, D, None, p))
             x = self._residual(x, layer.mlp_norm, layer.mlp_norm_bias, lambda h: self._mlp(h, layer, p))
         return self._final_norm(self.encoder, x)
+
+    @staticmethod
+    def _conv(x: torch.Tensor, weight_bias: tuple[torch.Tensor, torch.Tensor], stride: int,
+              p: Products) -> torch.Tensor:
+        """conv1d (kernel 3, padding 1) of x [B, M, T] -> [B, C, T / stride] on up to ``p.threads``."""
+        weight = weight_bias[0]  # [C, M, 3]
+        with threads_for(x.shape[0] * weight.numel() * x.shape[2] // stride, p.threads):  # multiply-adds
+            return F.conv1d(x, *weight_bias, stride=stride, padding=1)
