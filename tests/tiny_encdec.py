@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import drawn_on_cpu
 
 VOCAB = 160
 ENCDEC_KINDS = ["bart", "mbart", "marian", "t5", "t5-gated"]
@@ -30,11 +31,8 @@ def single_thread():
 
 
 def build(kind: str, seed: int = 0):
-    """``_build_here``'s model, drawn on the CPU whatever torch's default device (the parity suite on a
-    GPU tests the CPU suite's models), then moved to that device."""
-    with torch.device("cpu"):
-        model = _build_here(kind, seed)
-    return model.to(torch.get_default_device())
+    """``_build_here``'s model, drawn on the CPU whatever torch's default device (``drawn_on_cpu``)."""
+    return drawn_on_cpu(_build_here, kind, seed)
 
 
 def _build_here(kind: str, seed: int = 0):

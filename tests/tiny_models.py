@@ -31,12 +31,17 @@ def _rope(theta=10000.0, scaling=None):
     return {"rope_theta": theta, "rope_scaling": scaling}
 
 
-def build(kind: str, seed: int = 0, **overrides):
-    """``_build_here``'s model, drawn on the CPU whatever torch's default device (the same weights on
-    every device: the parity suite on a GPU tests the CPU suite's models), then moved to that device."""
+def drawn_on_cpu(make, *args, **kwargs):
+    """``make(*args, **kwargs)``'s model drawn on the CPU whatever torch's default device (the same weights
+    on every device: the parity suite on a GPU tests the CPU suite's models), then moved to that device."""
     with torch.device("cpu"):
-        model = _build_here(kind, seed, **overrides)
+        model = make(*args, **kwargs)
     return model.to(torch.get_default_device())
+
+
+def build(kind: str, seed: int = 0, **overrides):
+    """``_build_here``'s model, drawn on the CPU (``drawn_on_cpu``)."""
+    return drawn_on_cpu(_build_here, kind, seed, **overrides)
 
 
 def _build_here(kind: str, seed: int = 0, **overrides):

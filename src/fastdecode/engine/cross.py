@@ -25,8 +25,6 @@ kernel on 4 queries per source.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..errors import PromptTooLongError
@@ -166,22 +164,17 @@ class CrossStep:
         self.cache = cache
         self.folds = source_folds(cache, groups)  # one SourceFold per count of queries sharing a source
         self.paged = paged_cross_attention_runs(torch.empty(0, dtype=dtype, device=cache.device), cache.layer_keys[0])
-        self.dtype = dtype
 
     def attend(self, index: int, q: torch.Tensor, scale: float, threads: int) -> torch.Tensor:
         """Cross-attention of decoder layer ``index``: q [1, H, N, D] (flat tokens) -> [1, H, N, D]
         (``threads``: the forward's thread budget)."""
-        keys, values = self.cache.layer_keys[index], self.cache.layer_values[index]
-        if self.paged:
-            attend = functools.partial(SourceFold.attend, keys=keys, values=values, scale=scale, threads=threads)
-        else:
-            attend = functools.partial(SourceFold.attend_gathered, cache=self.cache, keys=keys, values=values,
-                                       scale=scale, threads=threads, dtype=self.dtype)
+        operands = (self.cache, self.cache.layer_keys[index], self.cache.layer_values[index], scale, threads,
+                    self.paged)
         if len(self.folds) == 1:  # (one count of queries per source: the fold's rows are every row, in order)
-            return attend(self.folds[0], q[0])[None]
+            return self.folds[0].attend(q[0], *operands)[None]
         out = torch.empty_like(q[0])  # [H, N, D]
         for fold in self.folds:
-            out[:, fold.rows] = attend(fold, q[0])
+            out[:, fold.rows] = fold.attend(q[0], *operands)
         return out[None]  # [1, H, N, D]
 
 
@@ -199,35 +192,33 @@ class SourceFold:
         self.longest = max(lengths)
         num_blocks = cache.pool.blocks_for(self.longest)
         self.table = cache.block_tables([s.source_table for _, s in units], num_blocks)  # [U, n]
-        self.mask: torch.Tensor | None = None  # the gathered path's key mask [U, 1, 1, S], made at first use
+        self.mask: torch.Tensor | None = None  # the gathered route's key mask [U, 1, 1, S] (``_key_mask``)
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-               threads: int) -> torch.Tensor:
-        """q [H, N, D] (the step's flat queries) -> this fold's rows' outputs [H, U * G, D]."""
+    def attend(self, q: torch.Tensor, cache: SourceBlocks, keys: torch.Tensor, values: torch.Tensor, scale: float,
+               threads: int, paged: bool) -> torch.Tensor:
+        """q [H, N, D] (the step's flat queries) -> this fold's rows' outputs [H, U * G, D]. ``paged``: the
+        C++ op reads the sources in place; else (a GPU, half precision) they are gathered [U, H, S, D]
+        and attend in one ``attention`` call under the key mask, every source at once."""
         H, D, G = q.shape[0], q.shape[2], self.queries
         U = self.table.shape[0]
         mine = q if q.shape[1] == len(self.rows) else q[:, self.rows]  # [H, U * G, D] (every row: in order)
-        rows = mine.unflatten(1, (U, G)).permute(1, 0, 2, 3)  # [H, U, G, D] -> [U, H, G, D] (a view)
-        threads = kernel_threads(2 * rows.numel() * self.longest, threads)  # U*H*G*D * S multiply-adds, twice
-        out = ops.paged_cross_attention(rows, keys, values, self.table, self.lengths, scale, threads)  # [U, H, G, D]
-        return out.permute(1, 0, 2, 3).reshape(H, U * G, D)  # -> [H, U, G, D] -> [H, U * G, D]
+        rows = mine.unflatten(1, (U, G)).transpose(0, 1)  # [H, U, G, D] -> [U, H, G, D] (a view)
+        if paged:
+            threads = kernel_threads(2 * rows.numel() * self.longest, threads)  # U*H*G*D * S multiply-adds, twice
+            out = ops.paged_cross_attention(rows, keys, values, self.table, self.lengths, scale, threads)
+        else:
+            out = attention(rows, cache.gather(keys, self.table), cache.gather(values, self.table),
+                            self._key_mask(cache.block_size, q.dtype), scale, threads=threads)
+        return out.transpose(0, 1).reshape(H, U * G, D)  # [U, H, G, D] -> [H, U, G, D] -> [H, U * G, D]
 
-    def attend_gathered(self, q: torch.Tensor, cache: SourceBlocks, keys: torch.Tensor, values: torch.Tensor,
-                        scale: float, threads: int, dtype: torch.dtype) -> torch.Tensor:
-        """``attend`` where the C++ op does not run (a GPU, half precision): the fold's sources
-        gathered [U, H, S, D] and one ``attention`` call under the key mask, for every source at once."""
-        H, D, G = q.shape[0], q.shape[2], self.queries
-        U = self.table.shape[0]
-        mine = q if q.shape[1] == len(self.rows) else q[:, self.rows]  # [H, U * G, D]
-        rows = mine.unflatten(1, (U, G)).transpose(0, 1)  # [H, U, G, D] -> [U, H, G, D]
+    def _key_mask(self, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """The gathered sources' key mask [U, 1, 1, S]: -inf past each source's length (made once)."""
         if self.mask is None:
-            slots = torch.arange(self.table.shape[1] * cache.block_size, device=q.device)  # [S]
-            mask = torch.zeros(U, slots.shape[0], dtype=dtype, device=q.device)
+            slots = torch.arange(self.table.shape[1] * block_size, device=self.table.device)  # [S]
+            mask = torch.zeros(self.table.shape[0], slots.shape[0], dtype=dtype, device=self.table.device)
             mask = mask.masked_fill(slots[None, :] >= self.lengths[:, None], float("-inf"))  # [U, S]
             self.mask = mask[:, None, None]  # [U, 1, 1, S]
-        out = attention(rows, cache.gather(keys, self.table), cache.gather(values, self.table), self.mask, scale,
-                        threads=threads)  # [U, H, G, D]
-        return out.transpose(0, 1).reshape(H, U * G, D)  # -> [H, U, G, D] -> [H, U * G, D]
+        return self.mask
 
 
 def source_folds(cache: SourceBlocks, groups: list[RowGroup]) -> list[SourceFold]:

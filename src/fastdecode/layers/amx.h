@@ -55,6 +55,22 @@ __attribute__((target("amx-tile"))) inline void configure(const uint8_t (&rows)[
   _tile_loadconfig(&c);
 }
 
+// The four accumulator tiles of a block's 2 x 2 tile products (4: A tile 0 x B tile 0, 5: 0 x 1, 6: 1 x 0,
+// 7: 1 x 1), zeroed before the products, and stored after them into dots[0..3] (16 x 16 int32 each).
+__attribute__((target("amx-tile"))) inline void zero_accumulators() {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+}
+
+__attribute__((target("amx-tile"))) inline void store_accumulators(int32_t (*dots)[16][16]) {
+  _tile_stored(4, dots[0], 64);
+  _tile_stored(5, dots[1], 64);
+  _tile_stored(6, dots[2], 64);
+  _tile_stored(7, dots[3], 64);
+}
+
 // Gives the tile state back (after a thread's last tile instruction of a call).
 __attribute__((target("amx-tile"))) inline void release() { _tile_release(); }
 

@@ -214,10 +214,7 @@ inline void block_dots(const int8_t* a, int64_t next, const int8_t* b_tiles, int
   _tile_loadd(1, a + next, 32);
   _tile_loadd(2, b_tiles, 64);
   _tile_loadd(3, b_tiles + 512, 64);
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+  amx::zero_accumulators();
   if constexpr (BITS == 4) {  // activations signed, codes unsigned 0..15
     _tile_dpbsud(4, 0, 2);
     _tile_dpbsud(5, 0, 3);
@@ -229,10 +226,7 @@ inline void block_dots(const int8_t* a, int64_t next, const int8_t* b_tiles, int
     _tile_dpbssd(6, 1, 2);
     _tile_dpbssd(7, 1, 3);
   }
-  _tile_stored(4, dots[0], 64);
-  _tile_stored(5, dots[1], 64);
-  _tile_stored(6, dots[2], 64);
-  _tile_stored(7, dots[3], 64);
+  amx::store_accumulators(dots);
 }
 
 // Rows [m0, m1) x the panel's 32 outputs (tiles t0 ..) -> y.

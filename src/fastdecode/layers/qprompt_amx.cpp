@@ -119,20 +119,14 @@ inline void block_dots(const int8_t* a, const int8_t* b_tiles, int32_t (*dots)[1
   _tile_loadd(1, a + 256, 16);
   _tile_loadd(2, b_tiles, 64);
   _tile_loadd(3, b_tiles + 256, 64);
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+  amx::zero_accumulators();
   _tile_dpbssd(4, 0, 2);
   _tile_dpbssd(5, 0, 3);
   _tile_loadd(2, b_tiles + 512, 64);
   _tile_loadd(3, b_tiles + 768, 64);
   _tile_dpbssd(6, 1, 2);
   _tile_dpbssd(7, 1, 3);
-  _tile_stored(4, dots[0], 64);
-  _tile_stored(5, dots[1], 64);
-  _tile_stored(6, dots[2], 64);
-  _tile_stored(7, dots[3], 64);
+  amx::store_accumulators(dots);
 }
 
 inline void fold(const int32_t (*dots)[16][16], const float* scale, const float* d, int64_t blocks, int64_t rows,

@@ -241,11 +241,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     fused = bias if bias is not None and bias.dtype == torch.float32 and bias.dim() == 1 and bias.is_contiguous() else None
     if not kernel or (roles is ALL_PROMPT and exact_prompts):
         out = _exact_product(rows, weight, threads, choice.float_gemm)
-    elif roles is ALL_PROMPT:
-        out = _int8_prompt_product(rows, weight, threads, fused)
-        bias = None if fused is not None else bias
-    elif roles is None:
-        out = _kernel_product(rows, weight, threads, fused)
+    elif roles is ALL_PROMPT or roles is None:
+        product = _int8_prompt_product if roles is ALL_PROMPT else _kernel_product
+        out = product(rows, weight, threads, fused)
         bias = None if fused is not None else bias
     else:  # a step mixing prompt and generated rows: each part its own way
         if rows.shape[0] != roles.rows:
