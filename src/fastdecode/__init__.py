@@ -59,8 +59,9 @@ def load(source: str | None = None, device: str = "cpu", dtype: str = "float32",
     lookup), ``{"draft_model": path}`` (a smaller model with the same tokenizer) or a dict of
     settings (fastdecode/config/speculative.py); outputs are the same, only faster.
     prompt_rows: how prompt rows (prompts, scored texts, encoder sources) of quantized weights are
-    multiplied: "exact" (default: by the weights' exact float32 values) or "int8" (rounded to int8 and
-    through the integer kernels, llama.cpp's choice: faster prompts, near ties may flip).
+    multiplied: "int8-mlp" (default: the MLP's products rounded to int8 and through the integer kernels,
+    the attention's exact), "exact" (every product by the weights' exact float32 values) or "int8"
+    (every product on the integer kernels, llama.cpp's choice: faster prompts, near ties may flip).
     kernels: instead of prompt_rows, the whole ``fastdecode.layers.products.KernelChoice`` (also the
     reference paths with the quantized or float kernels off, for tests and benchmarks)."""
     with _collector_paused():

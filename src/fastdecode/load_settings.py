@@ -17,7 +17,7 @@ class LoadSettings:
     device: str = "cpu"
     dtype: str = "float32"
     quantize: str | None = None
-    prompt_rows: str = "exact"  # "exact" | "int8": how prompt rows of quantized weights are multiplied
+    prompt_rows: str | None = None  # "int8-mlp" (None) | "exact" | "int8": how prompt rows of quantized weights are multiplied
 
     def load(self) -> Any:
         from .api import load

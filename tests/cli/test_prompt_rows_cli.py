@@ -1,4 +1,4 @@
-"""``--prompt-rows exact|int8`` on every command that loads a model: the choice reaches the loaded
+"""``--prompt-rows int8-mlp|exact|int8`` on every command that loads a model: the choice reaches the loaded
 model's products (layers/products.py's KernelChoice), and a bad value exits 2."""
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ def run(*args: str):
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_model_command_offers_prompt_rows(command):
     result = run(command, "--help")
-    assert result.exit_code == 0 and "--prompt-rows [exact|int8]" in result.output
+    assert result.exit_code == 0 and "--prompt-rows [int8-mlp|exact|int8]" in result.output
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_a_bad_prompt_rows_value_exits_2(command):
     result = run(command, "--prompt-rows", "fp8")
     assert result.exit_code == 2
-    assert "--prompt-rows" in result.output and "'fp8' is not one of 'exact', 'int8'" in result.output
+    assert "--prompt-rows" in result.output and "'fp8' is not one of 'int8-mlp', 'exact', 'int8'" in result.output
 
 
 @pytest.fixture
@@ -54,9 +54,14 @@ def test_generate_and_batch_hand_the_choice_to_the_model(tiny_folder, tmp_path, 
     result = run("generate", "-p", "w1 w2 w3 w4", *common, "--prompt-rows", "int8")
     assert result.exit_code == 0, result.output
     assert exact_calls["exact"] == 0
-    result = run("generate", "-p", "w1 w2 w3 w4", *common)  # the default: exact
+    result = run("generate", "-p", "w1 w2 w3 w4", *common, "--prompt-rows", "exact")
     assert result.exit_code == 0, result.output
-    assert exact_calls["exact"] > 0
+    all_exact = exact_calls["exact"]
+    assert all_exact > 0
+    exact_calls.clear()
+    result = run("generate", "-p", "w1 w2 w3 w4", *common)  # the default, int8-mlp: attention products exact
+    assert result.exit_code == 0, result.output
+    assert 0 < exact_calls["exact"] < all_exact
     exact_calls.clear()
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1} w{i + 2}"}) + "\n" for i in range(3, 6)))

@@ -33,11 +33,17 @@ def test_pooled_hidden_states_match_transformers(kind):
         assert torch.allclose(ours.norm(dim=-1), torch.ones(len(PROMPTS)), atol=1e-5)
 
 
-def test_the_embedded_model_embeds_as_before(smollm):
+@pytest.mark.parametrize("prompt_rows", ["exact", "int8-mlp"])
+def test_the_embedded_model_embeds_as_before(prompt_rows, smollm_exact, smollm):
+    """To 1e-5 on exact prompt rows. On the default (the MLP's prompt rows on int8) to 0.02: the reference
+    forward's attention sums differ from the engine's in the last bit, which the int8 rounding of the next
+    MLP product can turn into a whole code step."""
+    smollm = smollm_exact if prompt_rows == "exact" else smollm
+    bound = 1e-5 if prompt_rows == "exact" else 0.02
     texts = ["The capital of France is Paris.", "Hi", "A cat sat on the mat and looked at the moon. " * 6]
     ids = [smollm.tokenizer.encode(t) for t in texts]
     for pooling in ("mean", "last"):
         ours = smollm.embed(texts, pooling)
         assert ours.shape == (3, smollm.config.hidden_size)
         expected = torch.stack([reference_embeddings(smollm.model, [p], pooling)[0] for p in ids])
-        torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours, expected, atol=bound, rtol=0)

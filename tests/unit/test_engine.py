@@ -96,6 +96,26 @@ def test_prompt_chunks_are_capped_while_others_decode(llama_gen):
         gen.engine(prefill_chunk=0)
 
 
+def test_prompts_arriving_together_are_read_a_few_per_step(llama_gen):
+    """With nobody decoding, the first prompt runs whole whatever its length (a lone prompt's fastest first
+    token) and the prompts behind it join only up to ``prefill_chunk`` tokens in all, so the first of them
+    get their first token without waiting for everyone's prompt."""
+    gen, requests, alone = llama_gen
+    engine = gen.engine(max_batch_tokens=64, prefill_chunk=8)
+    first, second, third = (engine.submit(_prompt(n, 60 + n), {"max_new_tokens": 3}) for n in (6, 6, 20))
+    engine.step()  # the first prompt whole, then 2 tokens of the second (8 in all)
+    assert (engine.tokens_run, first.num_computed, second.num_computed, third.num_computed) == (8, 6, 2, 0)
+    assert len(first.output_ids) == 1
+    while engine.has_work():
+        engine.step()
+    for sequence, n in ((first, 6), (second, 6), (third, 20)):
+        assert sequence.output_ids == _alone(gen, _prompt(n, 60 + n), {"max_new_tokens": 3})
+    lone = gen.engine(max_batch_tokens=64, prefill_chunk=8)
+    long_prompt = lone.submit(_prompt(30, 5), {"max_new_tokens": 2})
+    lone.step()  # nobody decodes: a 30-token prompt runs in one step, past prefill_chunk
+    assert lone.tokens_run == 30 and len(long_prompt.output_ids) == 1
+
+
 def test_generate_ids_equals_the_engine_alone(llama_gen):
     gen, requests, alone = llama_gen
     greedy = [r for r in requests if not r[1].get("do_sample")]

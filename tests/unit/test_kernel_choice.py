@@ -25,7 +25,7 @@ from fastdecode.layers import ops
 from fastdecode.layers.linear import linear
 from fastdecode.layers.gemm_choice import machine_float_gemm
 from fastdecode.layers.products import KernelChoice, Products
-from fastdecode.layers.quantized import dequantize, quantize_matrix, quantized_linear
+from fastdecode.layers.quantized import QuantizedWeight, dequantize, in_mlp, quantize_matrix, quantized_linear
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "fastdecode"
 INT8 = KernelChoice(prompt_rows="int8")
@@ -34,7 +34,7 @@ needs_kernels = pytest.mark.skipif(not ops.available(), reason="the extension's 
 
 def test_a_bad_choice_is_a_typed_error_before_anything_loads(tmp_path):
     missing = str(tmp_path / "no-such-model")
-    with pytest.raises(InvalidOptionError, match="prompt_rows must be one of exact, int8, got 'fp8'"):
+    with pytest.raises(InvalidOptionError, match="prompt_rows must be one of int8-mlp, exact, int8, got 'fp8'"):
         fastdecode.load(missing, prompt_rows="fp8")  # refused before the path is looked at
     with pytest.raises(InvalidOptionError, match="not both"):
         fastdecode.load(missing, prompt_rows="int8", kernels=KernelChoice())
@@ -48,10 +48,12 @@ def test_a_bad_choice_is_a_typed_error_before_anything_loads(tmp_path):
         Products.prompt(1)  # the choice is required: a caller cannot forget it
 
 
-def test_the_choice_is_held_by_the_model_and_defaults_to_exact_prompt_rows(tmp_path):
+def test_the_choice_is_held_by_the_model_and_defaults_to_int8_mlp_prompt_rows(tmp_path):
     save_tiny_folder(tmp_path, "llama-gqa", with_tokenizer=False, intermediate_size=96)
     machine = machine_float_gemm()  # (layers/gemm_choice.py: this machine's faster float GEMM)
-    assert fastdecode.load(str(tmp_path)).model.kernels == KernelChoice(prompt_rows="exact", float_gemm=machine)
+    assert fastdecode.load(str(tmp_path)).model.kernels == KernelChoice(prompt_rows="int8-mlp", float_gemm=machine)
+    assert fastdecode.load(str(tmp_path), prompt_rows="exact").model.kernels == KernelChoice(prompt_rows="exact",
+                                                                                              float_gemm=machine)
     assert fastdecode.load(str(tmp_path), prompt_rows="int8").model.kernels == KernelChoice(prompt_rows="int8",
                                                                                              float_gemm=machine)
     off = KernelChoice(quantized_kernels=False, float_kernel=False)
@@ -125,14 +127,49 @@ def test_the_loaded_choice_reaches_every_product_of_an_engine_step(qtype, tmp_pa
     else tells them apart."""
     path = write_tiny_llama(tmp_path / f"{qtype.name}.gguf", qtype, tied=False)
     ids = torch.randint(0, 40, (24,), generator=torch.Generator().manual_seed(1)).tolist()
-    exact_nll = fastdecode.load(path).score(ids)
+    exact_nll = fastdecode.load(path, prompt_rows="exact").score(ids)
     assert kernel_calls["exact"] > 0 and kernel_calls["int8"] == 0
-    assert kernel_calls["float32 activations"] > 0  # the logits layer: float32 activations under both choices
+    assert kernel_calls["float32 activations"] > 0  # the logits layer: float32 activations under every choice
+    exact_calls = kernel_calls["exact"]
     kernel_calls.clear()
     int8_nll = fastdecode.load(path, prompt_rows="int8").score(ids)
-    assert kernel_calls["exact"] == 0 and kernel_calls["int8"] > 0
+    assert kernel_calls["exact"] == 0 and kernel_calls["int8"] == exact_calls
     assert int8_nll != exact_nll
     assert max(abs(a - b) for a, b in zip(int8_nll, exact_nll)) < 0.1 * max(exact_nll)  # the same model, rounded
+    kernel_calls.clear()
+    mixed_nll = fastdecode.load(path).score(ids)  # the default, "int8-mlp": each block's gate/up and down on int8
+    blocks = fastdecode.load(path).config.num_layers
+    assert kernel_calls["int8"] == 2 * blocks and kernel_calls["exact"] == exact_calls - 2 * blocks
+    assert mixed_nll not in (exact_nll, int8_nll)
+
+
+@needs_kernels
+def test_int8_mlp_rounds_the_prompt_rows_of_mlp_products_only():
+    """Under "int8-mlp" a weight marked ``in_mlp`` multiplies prompt rows as "int8" does, bit for bit, and
+    any other weight as "exact" does; generated rows are the decode kernel's under every choice."""
+    torch.manual_seed(0)
+    attention = quantize_matrix(torch.randn(64, 128), "int8")
+    mlp = in_mlp(attention)
+    x = torch.randn(5, 128)
+    mixed = KernelChoice(prompt_rows="int8-mlp")
+    for weight, like in ((mlp, INT8), (attention, KernelChoice(prompt_rows="exact"))):
+        assert torch.equal(quantized_linear(x, weight, None, Products.prompt(1, kernels=mixed)),
+                           quantized_linear(x, weight, None, Products.prompt(1, kernels=like)))
+        assert torch.equal(quantized_linear(x, weight, None, Products.generated(1, kernels=mixed)),
+                           quantized_linear(x, weight, None, Products.generated(1, kernels=INT8)))
+    assert not torch.equal(quantized_linear(x, mlp, None, Products.prompt(1, kernels=mixed)),
+                           quantized_linear(x, attention, None, Products.prompt(1, kernels=mixed)))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q6_K, QT.Q4_1], ids=lambda q: q.name)
+def test_a_load_marks_every_mlp_matrix_and_nothing_else(qtype, tmp_path):
+    path = write_tiny_llama(tmp_path / f"{qtype.name}.gguf", qtype, tied=False)
+    weights = fastdecode.load(path).checkpoint.weights
+    quantized = {name: w for name, w in weights.items() if isinstance(w, QuantizedWeight)}
+    marked = sorted(name for name, w in quantized.items() if w.in_mlp)
+    layers = fastdecode.load(path).config.num_layers
+    assert marked == sorted(f"layers.{i}.{part}.weight" for i in range(layers) for part in ("down", "gate", "up"))
+    assert len(quantized) > len(marked)  # Q/K/V, O and the head stay unmarked
 
 
 def test_a_float_model_gives_the_same_tokens_under_either_prompt_rows_choice(tmp_path):

@@ -438,7 +438,7 @@ def test_tiny_gguf_runs_natively_and_matches_its_dequantized_path(qtype, tmp_pat
     prompt_rows="int8"), and every greedy token of the native run is the dense model's best up to
     that error (teacher-forced)."""
     path = write_tiny_llama(tmp_path / f"{qtype.name}.gguf", qtype, tied=qtype == QT.Q8_0)
-    native, dense = fastdecode.load(path), fastdecode.load(path, quantize="dequantize")
+    native, dense = fastdecode.load(path, prompt_rows="exact"), fastdecode.load(path, quantize="dequantize")
     matrices = [w for name, w in native.checkpoint.weights.items() if name.endswith(("q.weight", "embed.weight"))]
     assert matrices and all(isinstance(w, QuantizedWeight) and w.kind == qtype.name for w in matrices)
     assert not any(isinstance(w, QuantizedWeight) for w in dense.checkpoint.weights.values())
@@ -452,6 +452,8 @@ def test_tiny_gguf_runs_natively_and_matches_its_dequantized_path(qtype, tmp_pat
     error = (through_kernel - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt()
     print(f"{qtype.name}: kernel logits RMS error {float(error):.4f} of the logits' RMS")
     assert error < NATIVE_LOGIT_RMS_BOUND
+    by_default = prefill_logits(fastdecode.load(path), ids)  # "int8-mlp": only the MLP's prompt rows rounded
+    assert (by_default - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt() < NATIVE_LOGIT_RMS_BOUND
     generated = native.generate_ids([ids], max_new_tokens=6, eos_token_id=[])[0]
     forced = prefill_logits(dense, ids + generated)[len(ids) - 1 : -1]  # [6, V]: the dense model at each step
     chosen = forced.gather(1, torch.tensor(generated)[:, None])[:, 0]  # [6]
@@ -482,8 +484,8 @@ def test_embedded_model_runs_on_its_own_blocks_with_no_float_copy(smollm, smollm
     assert sum(held.values()) <= file_bytes  # resident weight bytes: the file's, no float32 copy
     floats = [name for name, w in weights.items() if isinstance(w, torch.Tensor) and w.dim() == 2]
     assert floats == []
-    # decode steps take the int8 kernel, the prompt the exact kernel (64 outputs decoded at a time, in
-    # cache): no whole matrix is ever decoded
+    # decode steps take the int8 kernel, the prompt's attention products the exact kernel (64 outputs decoded
+    # at a time, in cache; the MLP's the int8 one: prompt_rows="int8-mlp"): no whole matrix is ever decoded
     real_dense, decoded = quantized.dense_weight, []
     monkeypatch.setattr(quantized, "dense_weight",
                         lambda weight, work, threads: decoded.append(True) or real_dense(weight, work, threads))
@@ -493,8 +495,8 @@ def test_embedded_model_runs_on_its_own_blocks_with_no_float_copy(smollm, smollm
     answer = smollm.tokenizer.decode(smollm.generate_ids([ids], max_new_tokens=12)[0])
     assert "Paris" in answer
     assert decoded == []
-    # one product per fused Q/K/V and gate/up group (layers/fused.py), o and down
-    layer_matrices = sum(len(layer.qkv.parts) + len(layer.gate_up.parts) + 2 for layer in smollm.model.layers)
+    # one product per fused Q/K/V group (layers/fused.py) and o
+    layer_matrices = sum(len(layer.qkv.parts) + 1 for layer in smollm.model.layers)
     assert sum(exact) == layer_matrices  # once each, in the prefill; never in the 11 decode steps
 
 

@@ -108,10 +108,11 @@ def streaming_values(kwargs: dict[str, Any]) -> dict[str, Any]:
 def model_options(command):
     """Which model to load and how: --model, --quantize, --prompt-rows, --device, --dtype (see
     ``load_settings``)."""
-    command = click.option("--prompt-rows", default="exact", show_default=True, type=click.Choice(PROMPT_ROWS),
-                           help="How prompt rows of quantized weights are multiplied: exact (the weights' float32 "
-                                "values) or int8 (the integer kernels, llama.cpp's choice: faster prompts, near "
-                                "ties may flip).")(command)
+    command = click.option("--prompt-rows", default=PROMPT_ROWS[0], show_default=True, type=click.Choice(PROMPT_ROWS),
+                           help="How prompt rows of quantized weights are multiplied: int8-mlp (the MLP's products "
+                                "on the integer kernels, the attention's exact), exact (the weights' float32 values) "
+                                "or int8 (every product on the integer kernels, llama.cpp's choice: faster prompts, "
+                                "near ties may flip).")(command)
     command = click.option("--dtype", default="float32", show_default=True,
                            type=click.Choice(["float32", "bfloat16", "float16"]))(command)
     command = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")(command)

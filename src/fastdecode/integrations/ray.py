@@ -88,7 +88,7 @@ class FastDecodePredictor:
     def __init__(self, model: str | None = None, *, options: dict[str, Any] | None = None, field: str = "prompt",
                  chat: bool | None = None, num_cpus: int | None = None, batch_size: int | None = None,
                  max_batch_tokens: int | None = None, device: str = "cpu", dtype: str = "float32",
-                 quantize: str | None = None, prompt_rows: str = "exact", encoded: bool = False):
+                 quantize: str | None = None, prompt_rows: str | None = None, encoded: bool = False):
         import torch
 
         from .. import load

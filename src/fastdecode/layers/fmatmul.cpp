@@ -227,7 +227,8 @@ void multiply(const float* xp, int64_t M, int64_t K, const W* wp, int64_t N, con
   if (use_avx512()) {  // several rows, sums in registers (fmatmul_avx512.cpp): chunks of 48-column passes, up to
     // 1536 columns (each segment reads runs of a chunk's width from each row of w)
     const int64_t chunk = std::clamp<int64_t>((N / 8 + 47) / 48 * 48, 48, 1536);
-    parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) { rows_avx512(xp, M, K, wp, N, bp, yp, n0, n1); });
+    parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) { rows_avx512(xp, M, K, wp, N, bp, yp, n0, n1); },
+                    M * K * chunk);  // a long job (16 rows x 576 x 3072) is handed out even while the helpers sleep
     return;
   }
   // Several rows: columns per claimed chunk, an eighth of N in multiples of 64 (runs of >= 256 bytes per row

@@ -25,12 +25,12 @@ namespace {
 
 constexpr int NV = 3;  // vectors of 16 columns per pass
 constexpr int64_t WIDTH = 16 * NV;
-// Each pass prefetches the columns of the pass this many later, wrapping into the next segment's rows at the
-// end of the range (a range of 2 passes, a 768-column matrix's, used to prefetch only in its first, and none
-// for the next segment's first). One pass ahead left a decode step's products memory-latency bound on a
-// loaded 2-core Xeon (8 rows, one thread, medians: bart-base's 768 x 50265 logits layer 56 -> 36 ms,
-// 768 x 3072 5.5 -> 1.6 ms, 768 x 2304 1.9 -> 1.2 ms, 3072 x 768 6.0 -> 2.3 ms with 2 passes ahead; 3 or
-// 4 ahead no better): a distance in passes, each some hundreds of cycles of FMAs whatever the CPU.
+// Read in place (one row group), each pass prefetches the columns of the pass this many later, wrapping into the
+// next segment's rows at the end of the range (a range of 2 passes, a 768-column matrix's, used to prefetch only
+// in its first, and none for the next segment's first). One pass ahead left a decode step's products memory-latency
+// bound on a loaded 2-core Xeon (8 rows, one thread, medians: bart-base's 768 x 50265 logits layer 56 -> 36 ms,
+// 768 x 3072 5.5 -> 1.6 ms, 768 x 2304 1.9 -> 1.2 ms, 3072 x 768 6.0 -> 2.3 ms with 2 passes ahead; 3 or 4 ahead
+// no better): a distance in passes, each some hundreds of cycles of FMAs whatever the CPU.
 constexpr int64_t PASSES_AHEAD = 2;
 
 // 16 weights as float32 (the lanes of `mask` only, 0 elsewhere, when not `full`): float32 as they are, float16
@@ -43,12 +43,15 @@ inline __m512 load16(const uint16_t* p, bool full, __mmask16 mask) {
 }
 
 // One segment [s0, s1) of rows [m0, m0 + RB) x columns [n, n + width) (width <= WIDTH; lanes past it masked
-// off): the segment's sums (one FMA chain per output from 0, in k order) stored into y as the running total
-// (the first segment) or added to it. Prefetches the WIDTH columns `ahead` elements past each row k it reads
-// while k < `ahead_until` (a later pass's: PASSES_AHEAD in `rows`; ahead_until <= s0: none).
-template <int RB, typename W>
-void tile_segment(const float* x, int64_t K, const W* w, int64_t N, float* y, int64_t m0, int64_t n, int64_t width,
+// off), w0 pointing at the segment's first weight of column n: w itself (rows N apart; prefetches the WIDTH
+// columns `ahead` elements past each row k it reads while k < `ahead_until`: a later pass's, PASSES_AHEAD) or,
+// PACKED, a pass of a packed block (rows WIDTH apart, aligned, zero past the block's end): the segment's sums
+// (one FMA chain per output from 0, in k order) stored into y as the running total (the first segment) or added
+// to it.
+template <int RB, bool PACKED, typename W>
+void tile_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y, int64_t m0, int64_t n, int64_t width,
                   int64_t s0, int64_t s1, int64_t ahead_until, int64_t ahead) {
+  const int64_t stride = PACKED ? WIDTH : N;
   __mmask16 mask[NV];
   for (int v = 0; v < NV; ++v) {
     const int64_t valid = std::clamp<int64_t>(width - 16 * v, 0, 16);
@@ -59,12 +62,14 @@ void tile_segment(const float* x, int64_t K, const W* w, int64_t N, float* y, in
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t k = s0; k < s1; ++k) {
-    const W* wk = w + k * N + n;
-    if (k < ahead_until)  // a later pass's WIDTH columns (PASSES_AHEAD): the rows of w stream in runs along the chunk
+    const W* wk = w0 + (k - s0) * stride;
+    if (!PACKED && k < ahead_until)  // a later pass's WIDTH columns: the rows of w stream in runs along the chunk
       for (int64_t byte = 0; byte < WIDTH * static_cast<int64_t>(sizeof(W)); byte += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T0);
     __m512 wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = load16(wk + 16 * v, full, mask[v]);
+    for (int v = 0; v < NV; ++v)
+      if constexpr (PACKED) wv[v] = _mm512_load_ps(wk + 16 * v);
+      else wv[v] = load16(wk + 16 * v, full, mask[v]);
     for (int r = 0; r < RB; ++r) {
       const __m512 xb = _mm512_set1_ps(x[(m0 + r) * K + k]);
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
@@ -78,27 +83,80 @@ void tile_segment(const float* x, int64_t K, const W* w, int64_t N, float* y, in
     }
 }
 
+// Several row groups (M > 8) read the same weights: each segment's rows of w for a block of PACK_COLUMNS columns
+// are first copied (a float16 weight widened) into a buffer laid out pass by pass ([pass][k][WIDTH], zero past
+// the block's end), which every row group then reads from L1/L2. Read in place instead, a pass's 64 rows of w lie
+// N apart, and where N * 4 bytes is a multiple of 4 KiB (a 3072-wide FFN, a 49152-word logits layer) they all
+// fall in one L1 set (and two L2 sets for the logits layer): the second row group and the prefetches found them
+// evicted (SmolLM2-135M float32, 16 rows, one thread, each matrix warm in cache, Intel Xeon: its step's products
+// 91-118 -> 66-94 ms, a 576 x 576 product 0.18-0.22 -> 0.10-0.14 ms, the logits layer 25-41 -> 18-36 ms). The copy reads each row of w in one run of the block's width, PACK_AHEAD rows prefetched ahead. One
+// row group reads each weight once: it keeps reading w in place (copying cost more than it saved at 2-8 rows).
+constexpr int64_t PACK_COLUMNS = 16 * WIDTH;  // 768 columns: a 192 KiB buffer (64 rows), within any L2
+constexpr int64_t PACK_AHEAD = 8;  // rows of w prefetched (into L2) ahead of the one being copied
+
+template <typename W>
+void pack_segment(const W* w, int64_t N, int64_t s0, int64_t s1, int64_t nb, int64_t width, float* packed) {
+  const int64_t passes = (width + WIDTH - 1) / WIDTH;
+  for (int64_t k = s0; k < s1; ++k) {
+    const W* row = w + k * N + nb;
+    if (k + PACK_AHEAD < s1)
+      for (int64_t byte = 0; byte < width * static_cast<int64_t>(sizeof(W)); byte += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + PACK_AHEAD * N) + byte, _MM_HINT_T1);
+    float* out = packed + (k - s0) * WIDTH;
+    for (int64_t p = 0; p < passes; ++p)
+      for (int v = 0; v < NV; ++v) {
+        const int64_t c = p * WIDTH + 16 * v, valid = std::clamp<int64_t>(width - c, 0, 16);
+        const __mmask16 mask = static_cast<__mmask16>(valid == 16 ? 0xFFFF : (1u << valid) - 1);
+        _mm512_store_ps(out + p * FLOAT_SEGMENT * WIDTH + 16 * v,
+                        valid == 0 ? _mm512_setzero_ps() : load16(row + c, valid == 16, mask));
+      }
+  }
+}
+
+// Rows [0, M) of one segment over the pass at column n, row groups of 8, 4, 2, 1 (w0, PACKED, ahead_until, ahead:
+// as tile_segment's; the first group prefetches).
+template <bool PACKED, typename W>
+void row_groups(const float* x, int64_t M, int64_t K, const W* w0, int64_t N, float* y, int64_t n, int64_t width,
+                int64_t s0, int64_t s1, int64_t ahead_until, int64_t ahead) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) tile_segment<8, PACKED>(x, K, w0, N, y, m, n, width, s0, s1, m == 0 ? ahead_until : 0, ahead);
+  for (; m + 4 <= M; m += 4) tile_segment<4, PACKED>(x, K, w0, N, y, m, n, width, s0, s1, m == 0 ? ahead_until : 0, ahead);
+  for (; m + 2 <= M; m += 2) tile_segment<2, PACKED>(x, K, w0, N, y, m, n, width, s0, s1, m == 0 ? ahead_until : 0, ahead);
+  for (; m < M; ++m) tile_segment<1, PACKED>(x, K, w0, N, y, m, n, width, s0, s1, m == 0 ? ahead_until : 0, ahead);
+}
+
 // Columns [n0, n1), every row: segment after segment, each over the whole range 48 columns at a time (so each
 // row of w is read in one run of the range per segment, not 48 columns at a time down all K rows: a wide
-// matrix, a logits layer of 51865 columns, streams at memory speed), row groups of 8, 4, 2, 1 per pass; the
-// running totals in y, then the bias.
+// matrix, a logits layer of 51865 columns, streams at memory speed), row groups of 8, 4, 2, 1 per pass (from
+// a packed copy of the segment's block when there are several groups, see above); the running totals in y,
+// then the bias.
 template <typename W>
 void rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* y, int64_t n0,
           int64_t n1) {
-  const int64_t passes = (n1 - n0 + WIDTH - 1) / WIDTH;  // per segment
-  for (int64_t s0 = 0; s0 < K; s0 += FLOAT_SEGMENT) {
-    const int64_t s1 = std::min(K, s0 + FLOAT_SEGMENT);
-    for (int64_t p = 0; p < passes; ++p) {
-      const int64_t n = n0 + p * WIDTH, width = std::min(WIDTH, n1 - n);
-      // the pass PASSES_AHEAD later in this order (segment after segment, passes along the range in each), in
-      // a later segment's rows past the range's last pass: its columns are in flight by the time it runs
-      const int64_t later = p + PASSES_AHEAD, rows_down = later / passes * FLOAT_SEGMENT;
-      const int64_t ahead = rows_down * N + (later % passes - p) * WIDTH, until = K - rows_down;
-      int64_t m = 0;
-      for (; m + 8 <= M; m += 8) tile_segment<8>(x, K, w, N, y, m, n, width, s0, s1, m == 0 ? until : 0, ahead);
-      for (; m + 4 <= M; m += 4) tile_segment<4>(x, K, w, N, y, m, n, width, s0, s1, m == 0 ? until : 0, ahead);
-      for (; m + 2 <= M; m += 2) tile_segment<2>(x, K, w, N, y, m, n, width, s0, s1, m == 0 ? until : 0, ahead);
-      for (; m < M; ++m) tile_segment<1>(x, K, w, N, y, m, n, width, s0, s1, m == 0 ? until : 0, ahead);
+  if (M > 8) {
+    alignas(64) float packed[FLOAT_SEGMENT * PACK_COLUMNS];
+    for (int64_t nb = n0; nb < n1; nb += PACK_COLUMNS) {
+      const int64_t block = std::min(PACK_COLUMNS, n1 - nb);
+      for (int64_t s0 = 0; s0 < K; s0 += FLOAT_SEGMENT) {
+        const int64_t s1 = std::min(K, s0 + FLOAT_SEGMENT);
+        pack_segment(w, N, s0, s1, nb, block, packed);
+        for (int64_t c = 0; c < block; c += WIDTH)
+          row_groups<true>(x, M, K, packed + (c / WIDTH) * FLOAT_SEGMENT * WIDTH, N, y, nb + c,
+                           std::min(WIDTH, block - c), s0, s1, 0, 0);
+      }
+    }
+  } else {
+    const int64_t passes = (n1 - n0 + WIDTH - 1) / WIDTH;  // per segment
+    for (int64_t s0 = 0; s0 < K; s0 += FLOAT_SEGMENT) {
+      const int64_t s1 = std::min(K, s0 + FLOAT_SEGMENT);
+      for (int64_t p = 0; p < passes; ++p) {
+        const int64_t n = n0 + p * WIDTH;
+        // the pass PASSES_AHEAD later in this order (segment after segment, passes along the range in each), in a
+        // later segment's rows past the range's last pass: its columns are in flight by the time it runs
+        const int64_t later = p + PASSES_AHEAD, rows_down = later / passes * FLOAT_SEGMENT;
+        const int64_t ahead = rows_down * N + (later % passes - p) * WIDTH;
+        row_groups<false>(x, M, K, w + s0 * N + n, N, y, n, std::min(WIDTH, n1 - n), s0, s1, K - rows_down, ahead);
+      }
     }
   }
   if (bias == nullptr) return;

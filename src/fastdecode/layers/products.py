@@ -28,7 +28,7 @@ from ..errors import InvalidOptionError
 from .gemm_choice import FLOAT_GEMMS, machine_float_gemm
 
 ALL_PROMPT = "all prompt rows"
-PROMPT_ROWS = ("exact", "int8")  # KernelChoice.prompt_rows
+PROMPT_ROWS = ("int8-mlp", "exact", "int8")  # KernelChoice.prompt_rows; the first: load's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +36,15 @@ class KernelChoice:
     """Which kernels a model's products take: chosen at load, held by the model (``model.kernels``)
     and carried by every forward's ``Products``.
 
-    - ``prompt_rows``: "exact" (default): prompt rows of quantized weights are multiplied by the
-      weights' exact float32 values (layers/quantized.py says why); "int8": rounded to int8 per 32
-      inputs and multiplied by the integer kernels, as generated rows are (llama.cpp's choice: a
-      512-token prompt on Qwen2.5-Coder-1.5B Q4_K_M 1.9-3.4x as fast; near ties may flip);
+    - ``prompt_rows``: how prompt rows of quantized weights are multiplied: "exact" (the reference
+      runs' choice): by the weights' exact float32 values (layers/quantized.py says why); "int8":
+      rounded to int8 per 32 inputs and multiplied by the integer kernels, as generated rows are
+      (llama.cpp's choice: a 512-token prompt on Qwen2.5-Coder-1.5B Q4_K_M 1.9-3.4x as fast; near ties
+      may flip, and on SmolLM2-135M the README's question is answered with a loop); "int8-mlp" (what
+      ``load`` takes by default): the MLP's products (gate, up, down: ~75-90% of a block's multiply-adds)
+      on int8, the attention's (Q/K/V, O) exact, where rounding errors enter every later position
+      through the cached keys and values (measured in DESIGN.md: the int8 answers' loops go away, a
+      Qwen 1.5B prompt costs ~7-10% more than on int8);
     - ``quantized_kernels``: False: every quantized product takes the exact path (the reference of
       tests that check a conversion at 1e-4);
     - ``float_kernel``: False: generated rows of float32 matrices take the GEMM as prompt rows do
@@ -61,17 +66,18 @@ class KernelChoice:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOptionError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
-    @property
-    def exact_prompt_rows(self) -> bool:
-        return self.prompt_rows == "exact"
+    def exact_prompts(self, in_mlp: bool) -> bool:
+        """Whether prompt rows of a quantized weight take its exact values (``in_mlp``: the weight is
+        one of a block's MLP products, ``QuantizedWeight.in_mlp``)."""
+        return self.prompt_rows == "exact" or (self.prompt_rows == "int8-mlp" and not in_mlp)
 
     @classmethod
     def at_load(cls, prompt_rows: str | None, kernels: KernelChoice | None) -> KernelChoice:
-        """The choice of ``load(..., prompt_rows=, kernels=)``: ``prompt_rows`` alone ("exact" when
+        """The choice of ``load(..., prompt_rows=, kernels=)``: ``prompt_rows`` alone ("int8-mlp" when
         None) with this machine's faster float GEMM, or the whole ``kernels`` choice (reference
         runs); InvalidOptionError when both are given."""
         if kernels is None:
-            prompt_rows = "exact" if prompt_rows is None else prompt_rows
+            prompt_rows = PROMPT_ROWS[0] if prompt_rows is None else prompt_rows
             cls(prompt_rows=prompt_rows)  # a bad value fails before anything is measured
             return cls(prompt_rows=prompt_rows, float_gemm=machine_float_gemm())
         if prompt_rows is not None:

@@ -38,8 +38,8 @@ Which arithmetic a row gets depends on its role, never on what else is in the st
 - weights marked by ``int8_prompt_rows`` (encoder-decoder models quantized at load, as CTranslate2 runs
   them): every row the int8 kernel, whatever its role.
 
-Prompt rows on int8 (the model's ``KernelChoice`` with ``prompt_rows="int8"``, carried by ``Products``,
-or ``int8_prompt_rows``) take the decode kernel, except on
+Prompt rows on int8 (the model's ``KernelChoice`` with ``prompt_rows="int8"``, or "int8-mlp" for the weights
+marked ``in_mlp``, carried by ``Products``; or ``int8_prompt_rows``) take the decode kernel, except on
 the rows layout's 8-bit codes in groups of 16 (Q6_K), whose prompt rows take the int8 prompt GEMM
 (layers/qprompt.cpp: 16 outputs repacked per pass, VNNI or AVX2; ``has_prompt_kernel``). Int8 products of
 several rows of a tiled weight (such prompt rows, batches, beams, verify steps) go through ``ops.tiled_gemm``:
@@ -86,6 +86,7 @@ class QuantizedWeight:
     activation_bits: int = 8  # the decode kernel's activations: 8 (int8 per 32 inputs) or 32 (exact; for_logits)
     outputs: int = -1  # N of the stored [out, in] matrix (given for the tiled layout; rows: from scale)
     exact_prompt_rows: bool = True  # False: prompt rows take the int8 kernel too (``int8_prompt_rows``)
+    in_mlp: bool = False  # one of a block's MLP products (gate, up, down: ``in_mlp``), for prompt_rows="int8-mlp"
 
     def __post_init__(self) -> None:  # read by every product: computed once
         if not self.is_tiled:
@@ -235,7 +236,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     choice = products.kernels  # the model's, chosen at load
     kernel = choice.quantized_kernels and rows.is_cpu and ops.available()
     threads = products.threads
-    exact_prompts = choice.exact_prompt_rows and weight.exact_prompt_rows
+    exact_prompts = weight.exact_prompt_rows and choice.exact_prompts(weight.in_mlp)
     roles = products.roles if weight.activation_bits == 8 and (exact_prompts or has_prompt_kernel(weight)) else None
     # a float32 [N] bias is added inside the int8 kernels, as each output is stored (the same float addition)
     fused = bias if bias is not None and bias.dtype == torch.float32 and bias.dim() == 1 and bias.is_contiguous() else None
@@ -329,6 +330,13 @@ def int8_prompt_rows(weight: QuantizedWeight) -> QuantizedWeight:
     products the int8 kernel runs with its own threads (parallel.h) where the float GEMM waits at
     OpenMP barriers on a busy machine. Effect measured in tests/unit/test_quantize_at_load.py."""
     return dataclasses.replace(weight, exact_prompt_rows=False)
+
+
+def in_mlp(weight: QuantizedWeight) -> QuantizedWeight:
+    """The same weight marked as one of a block's MLP products, whose prompt rows the default kernel
+    choice (``prompt_rows="int8-mlp"``: layers/products.py) runs on int8 (loading/quantize.py marks them
+    by their canonical names)."""
+    return dataclasses.replace(weight, in_mlp=True)
 
 
 def embed(tokens: torch.Tensor, table: torch.Tensor | QuantizedWeight) -> torch.Tensor:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidOptionError
-from ..layers.quantized import (QuantizedWeight, for_logits, int8_prompt_rows, keeps_rows_layout, quantize_matrix,
+from ..layers.quantized import (QuantizedWeight, for_logits, in_mlp, int8_prompt_rows, keeps_rows_layout, quantize_matrix,
                                 tiled)
 
 log = logging.getLogger("fastdecode")
@@ -64,7 +64,21 @@ def apply_quantize(checkpoint, quantize: str | None, encoder_decoder_int8: bool 
         checkpoint.weights = int8_everywhere(checkpoint.weights)
     else:
         checkpoint.weights = logits_layer_precise(checkpoint.weights)
+    checkpoint.weights = mlp_products_marked(checkpoint.weights)
     return checkpoint
+
+
+MLP_PRODUCTS = ("gate", "up", "down", "gate_up")  # the canonical names of a block's MLP matrices, every family
+
+
+def mlp_products_marked(weights: dict[str, torch.Tensor | QuantizedWeight]) -> dict:
+    """Quantized MLP matrices (canonical ``....{gate,up,down,gate_up}.weight``) marked ``in_mlp``: the
+    default kernel choice (``prompt_rows="int8-mlp"``) runs their prompt rows on int8."""
+    def marked(name: str, weight):
+        is_mlp = name.endswith(".weight") and name.removesuffix(".weight").rsplit(".", 1)[-1] in MLP_PRODUCTS
+        return in_mlp(weight) if is_mlp and isinstance(weight, QuantizedWeight) else weight
+
+    return {name: marked(name, weight) for name, weight in weights.items()}
 
 
 def logits_layer_precise(weights: dict[str, torch.Tensor | QuantizedWeight]) -> dict:
