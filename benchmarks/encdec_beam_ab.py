@@ -1,10 +1,12 @@
 #!/usr/bin/env python
-"""Encoder-decoder beam search on int8 weights, this tree against another fastdecode tree (A/B).
+"""Encoder-decoder generation, this tree against another fastdecode tree (A/B).
 
 The job of issue 30's quantized BART row: a bart-base-size random BART (quantized_speed.py's, built in
 /tmp/fastdecode-bench/bart-base-random if missing), ``quantize="int8"`` (the native int8 kernels),
 8 sources x 256 tokens, beam 4, 16 new tokens (``min_new_tokens`` too, so both do the same work),
-through the public API both trees share (``fastdecode.load`` + ``generate_ids``).
+through the public API both trees share (``fastdecode.load`` + ``generate_ids``). Issue 29's float32
+rows: ``--quantize none`` (the float32 checkpoint as it is), ``--beams 1`` (greedy) or ``--ngram 3``
+(beam_speed.py's no-repeat-3).
 
 Every repetition starts a fresh worker process per tree, this tree then the baseline (alternating,
 so drift in machine load hits both alike), each with its own ``src`` first on PYTHONPATH; a worker
@@ -14,6 +16,7 @@ baseline / this tree of the second calls (above 1: this tree is faster), whether
 are identical, and the load average.
 
     python benchmarks/encdec_beam_ab.py --baseline /work/bench-base [--reps 8] [--threads 1]
+    python benchmarks/encdec_beam_ab.py --baseline /work/main --quantize none --beams 1 --threads 2
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ class BeamEngine:
     def ready_info(self) -> dict[str, Any]:
         return {"module": self.module}
 
-    def generate(self, prompts, new_tokens, num_beams):
+    def generate(self, prompts, new_tokens, num_beams, ngram=0):
         return self.gen.generate_ids(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                     num_beams=num_beams)
+                                     num_beams=num_beams, no_repeat_ngram_size=ngram)
 
 
 def run_once(name: str, tree: Path, options: dict[str, Any], job: dict[str, Any],
@@ -73,7 +76,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--beams", type=int, default=4)
-    parser.add_argument("--quantize", default="int8")
+    parser.add_argument("--quantize", default="int8", help='"int8", "int4" or "none" (float32 as saved)')
+    parser.add_argument("--ngram", type=int, default=0, help="no_repeat_ngram_size (0: off)")
     harness.add_worker_arguments(parser)
     args = parser.parse_args()
     if args.worker:
@@ -84,9 +88,10 @@ def main() -> None:
         from random_models import build_bart
 
         build_bart().save_pretrained(FOLDER)
-    options = {"threads": args.threads, "source": str(FOLDER), "quantize": args.quantize}
+    quantize = None if args.quantize == "none" else args.quantize
+    options = {"threads": args.threads, "source": str(FOLDER), "quantize": quantize}
     sources = [[(7 * i + 13 * j) % 50000 + 4 for j in range(256)] for i in range(8)]  # quantized_speed.py's
-    job = {"prompts": sources, "new_tokens": args.new_tokens, "num_beams": args.beams}
+    job = {"prompts": sources, "new_tokens": args.new_tokens, "num_beams": args.beams, "ngram": args.ngram}
     trees = {"this tree": TREE, "baseline": args.baseline.resolve()}
     log_dir = Path(tempfile.mkdtemp(prefix="encdec-ab-"))
     replies: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
@@ -106,6 +111,7 @@ def main() -> None:
     ratio_cpu = median(cpu["baseline"]) / median(cpu["this tree"])
     same = all(r["rows"] == replies["baseline"][0]["rows"] for rs in (*replies.values(), *firsts.values()) for r in rs)
     print(f"## bart-base size (random), {args.quantize}, 8 x 256 source tokens, beam {args.beams}, "
+          f"no-repeat {args.ngram}, "
           f"{args.new_tokens} new tokens, {args.threads} thread(s), {args.reps} fresh processes per tree\n")
     print(table(["tree", "wall s", "CPU s", "first call wall s", "first call CPU s"], rows))
     print(f"\n- speed vs baseline (baseline / this tree): wall {ratio_wall:.3f}x, CPU {ratio_cpu:.3f}x")

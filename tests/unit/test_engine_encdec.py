@@ -97,6 +97,30 @@ def test_encoder_runs_once_per_admission_step(pair, monkeypatch):
     assert calls == [2, 1]  # the two admitted together share one encoder call; the joiner has its own
 
 
+def test_the_cross_store_is_written_on_one_thread_under_a_two_thread_caller(pair, monkeypatch):
+    """The sources' cross K/V go into their blocks with torch on one thread whatever the caller's budget (each
+    block run's copy_ is an OpenMP region: on a shared machine every one waited for the busy core), the same
+    tokens as a one-thread caller's."""
+    from fastdecode.engine.source_blocks import SourceBlocks
+
+    kind, hf, gen = pair
+    threads_seen = []
+    original = SourceBlocks.write
+    monkeypatch.setattr(SourceBlocks, "write", lambda self, *args: threads_seen.append(torch.get_num_threads()) or
+                        original(self, *args))
+    def requests():  # (run_arrivals takes them as it admits them)
+        options = {"max_new_tokens": 5, "min_new_tokens": 5}
+        return {0: [(_source(7, 4), options), (_source(19, 5), options)]}
+
+    alone = run_arrivals(gen.engine(), requests())
+    torch.set_num_threads(2)  # (the module's autouse fixture restores the count)
+    try:
+        assert run_arrivals(gen.engine(), requests()) == alone, kind
+    finally:
+        torch.set_num_threads(1)
+    assert threads_seen and set(threads_seen) == {1} and len(threads_seen) == 2 * gen.model.config.num_layers
+
+
 def test_cancel_frees_the_self_attention_blocks_and_the_cross_kv(pair):
     kind, hf, gen = pair
     engine = gen.engine(cache_tokens=256, source_tokens=256)

@@ -194,3 +194,18 @@ def test_linear_runs_a_float16_held_weight_as_its_float32_values():
         for products in (roles(False), roles(True), roles(is_prompt)):
             assert torch.equal(linear(x, held, bias, activation="gelu", products=products),
                                linear(x, weight, bias, activation="gelu", products=products))
+
+
+def test_a_tied_table_looks_its_rows_up_as_f_embedding():
+    """``embed`` gathers a tied table (the [V, C] view of a [C, V] buffer) along the buffer's rows: the same
+    values as F.embedding, whatever the token shape, repeats and order; a contiguous table as before."""
+    from fastdecode.layers.quantized import embed
+
+    g = torch.Generator().manual_seed(3)
+    buffer = torch.randn(24, 301, generator=g)  # [C, V]
+    for tokens in (torch.tensor([[5, 300, 5, 0], [7, 7, 1, 2]]), torch.tensor([9]), torch.tensor([[4], [250]]),
+                   torch.randint(0, 301, (3, 64), generator=g)):
+        for table in (buffer.t(), buffer.t().contiguous()):
+            rows = embed(tokens, table)
+            assert rows.shape == (*tokens.shape, 24) and rows.is_contiguous()
+            assert torch.equal(rows, F.embedding(tokens, table))
