@@ -125,23 +125,28 @@ void values_tile(const Head<E>& h, int64_t Lp, const float* p, const float* inve
   }
 }
 
-template <int NV, typename E>
-void values_dims(const Head<E>& h, int64_t Lp, const float* p, const float* inverse, int64_t d) {
-  int64_t t0 = 0;
-  for (; t0 + 4 <= h.T; t0 += 4) values_tile<4, NV>(h, Lp, p, inverse, t0, d);
-  switch (h.T - t0) {
-    case 3: values_tile<3, NV>(h, Lp, p, inverse, t0, d); break;
-    case 2: values_tile<2, NV>(h, Lp, p, inverse, t0, d); break;
-    case 1: values_tile<1, NV>(h, Lp, p, inverse, t0, d); break;
-    default: break;
-  }
+// All D dims of TILE queries from t0: NV registers of 8 dims per query while the keys stream by (at most 8
+// sums in registers, so one query keeps 8 independent sums instead of a chain of 2, and reads each value
+// row once instead of D / 16 times), the rest in passes of 8 dims. Every output is its own sum in key
+// order whatever the grouping: the same bits at any TILE and NV.
+template <int TILE, typename E>
+void values_rows(const Head<E>& h, int64_t Lp, const float* p, const float* inverse, int64_t t0) {
+  constexpr int NV = TILE == 1 ? 8 : TILE == 2 ? 4 : 2;
+  int64_t d = 0;
+  for (; d + 8 * NV <= h.D; d += 8 * NV) values_tile<TILE, NV>(h, Lp, p, inverse, t0, d);
+  for (; d < h.D; d += 8) values_tile<TILE, 1>(h, Lp, p, inverse, t0, d);
 }
 
 template <typename E>
 void head_values(const Head<E>& h, int64_t Lp, const float* p, const float* inverse) {
-  int64_t d = 0;
-  for (; d + 16 <= h.D; d += 16) values_dims<2>(h, Lp, p, inverse, d);
-  if (d < h.D) values_dims<1>(h, Lp, p, inverse, d);  // D = 16k + 8
+  int64_t t0 = 0;
+  for (; t0 + 4 <= h.T; t0 += 4) values_rows<4>(h, Lp, p, inverse, t0);
+  switch (h.T - t0) {
+    case 3: values_rows<3>(h, Lp, p, inverse, t0); break;
+    case 2: values_rows<2>(h, Lp, p, inverse, t0); break;
+    case 1: values_rows<1>(h, Lp, p, inverse, t0); break;
+    default: break;
+  }
 }
 
 // Row b's head h: keys in blocks table[b * n ..] of block_step elements each, this head's rows

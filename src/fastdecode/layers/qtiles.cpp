@@ -239,9 +239,12 @@ void wide_rows(const QuantizedRows& q, const uint8_t* offset, int64_t m, const u
   int64_t t = p;
   for (; t + 2 <= p1; t += 2) avx512::int8_tile_pair<BITS, S, RB, true>(q, offset, m, cp, sp, mp, blocks, t, yp, N);
   constexpr int AVX2_ROWS = RB < 4 ? RB : 4;
-  if (t < p1)
-    for (int r = 0; r < RB; r += AVX2_ROWS)
+  if (t < p1) {
+    int r = 0;
+    for (; r + AVX2_ROWS <= RB; r += AVX2_ROWS)
       int8_tiles<BITS, S, AVX2_ROWS, 1, RB == 1>(q, m + r, cp, sp, mp, blocks, t, yp, N);
+    for (; r < RB; ++r) int8_tiles<BITS, S, 1, 1, false>(q, m + r, cp, sp, mp, blocks, t, yp, N);  // RB 5's last row
+  }
 }
 
 // Rows [m0, M) x tiles [t0, t1); wide: the AVX-512 kernels (offset: their unsigned activations for 8-bit codes).
@@ -264,6 +267,11 @@ void tiles_range(const QuantizedRows& q, bool wide, const uint8_t* offset, const
     }
     if (wide) {  // AVX-512: the same results, two tiles per instruction (qtiles_avx512.cpp)
       for (; m + 8 <= M; m += 8) wide_rows<BITS, S, 8>(q, offset, m, cp, sp, mp, blocks, p, p1, yp, N);
+      if (M - m == 5) {  // beam search's 5 rows (Whisper's default) in one pass, not 4 then 1: the codes'
+        // sums and loads once for all 5 rows, ~15% fewer instructions (the same operations per row)
+        wide_rows<BITS, S, 5>(q, offset, m, cp, sp, mp, blocks, p, p1, yp, N);
+        m += 5;
+      }
       for (; m + 4 <= M; m += 4) wide_rows<BITS, S, 4>(q, offset, m, cp, sp, mp, blocks, p, p1, yp, N);
       for (; m + 2 <= M; m += 2) wide_rows<BITS, S, 2>(q, offset, m, cp, sp, mp, blocks, p, p1, yp, N);
       for (; m < M; ++m) wide_rows<BITS, S, 1>(q, offset, m, cp, sp, mp, blocks, p, p1, yp, N);

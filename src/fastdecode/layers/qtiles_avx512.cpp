@@ -149,6 +149,8 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
 #define FD_INSTANCES(BITS, S)                                                                                    \
   template void int8_tile_pair<BITS, S, 8, true>(const QuantizedRows&, const uint8_t*, int64_t, const uint8_t*, const S*, const S*, \
                                                   int64_t, int64_t, float*, int64_t);                            \
+  template void int8_tile_pair<BITS, S, 5, true>(const QuantizedRows&, const uint8_t*, int64_t, const uint8_t*, const S*, const S*, \
+                                                  int64_t, int64_t, float*, int64_t);                            \
   template void int8_tile_pair<BITS, S, 4, true>(const QuantizedRows&, const uint8_t*, int64_t, const uint8_t*, const S*, const S*, \
                                                   int64_t, int64_t, float*, int64_t);                            \
   template void int8_tile_pair<BITS, S, 2, true>(const QuantizedRows&, const uint8_t*, int64_t, const uint8_t*, const S*, const S*, \

