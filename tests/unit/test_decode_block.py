@@ -29,14 +29,20 @@ PROMPTS = [[5, 9, 2, 33, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [
 
 
 def _counting(fused: FusedDecode, monkeypatch) -> list[int]:
-    """Counts the op's calls (a list holding one int) for the rest of the test."""
-    calls, op = [0], fused.op
+    """Counts the blocks run in C++ (a list holding one int) for the rest of the test: one per call of the
+    per-block op, every block per call of the whole-stack op (decode_stack.cpp)."""
+    calls, op, stack_op = [0], fused.op, fused.stack_op
 
     def counted(*args):
         calls[0] += 1
         return op(*args)
 
+    def counted_stack(stack, *args):
+        calls[0] += stack.blocks()
+        return stack_op(stack, *args)
+
     monkeypatch.setattr(fused, "op", counted)
+    monkeypatch.setattr(fused, "stack_op", counted_stack)
     return calls
 
 
@@ -117,3 +123,28 @@ def test_blocks_of_mixed_formats_take_the_op_and_equal_the_python_loop(tmp_path,
         with monkeypatch.context() as python_loop:
             python_loop.setattr(model, "fused_decode", None)
             assert with_op == _engine_run(gen, options)
+
+
+def test_every_block_as_one_op_equals_the_per_block_ops(tmp_path, monkeypatch):
+    """Layers of one attention kind and window run as ONE op per step (decode_stack.cpp), bit for bit the
+    per-block ops; per-layer windows (qwen2-swa here) keep the per-block op."""
+    from fastdecode.models import llama_decode
+
+    save_tiny_folder(tmp_path / "gqa", "llama-gqa", with_tokenizer=False, intermediate_size=96)
+    save_tiny_folder(tmp_path / "swa", "qwen2-swa", with_tokenizer=False, intermediate_size=96)
+    for kind, stacked in (("gqa", True), ("swa", False)):
+        gen = fastdecode.load(str(tmp_path / kind), quantize="int8")
+        fused = gen.model.fused_decode
+        stack_calls, stack_op = [0], fused.stack_op
+
+        def counted(*args):
+            stack_calls[0] += 1
+            return stack_op(*args)
+
+        monkeypatch.setattr(fused, "stack_op", counted)
+        for options in ({}, {"do_sample": True, "temperature": 0.9, "seed": 3}):
+            with_stack = _engine_run(gen, options)
+            with monkeypatch.context() as per_block:
+                per_block.setattr(llama_decode._Step, "every_block", lambda *args: None)
+                assert with_stack == _engine_run(gen, options)
+        assert (stack_calls[0] >= 9 * 2) == stacked

@@ -17,6 +17,7 @@ import torch
 from ..config import GenerationConfig
 from ..constraints import CompiledGrammar, GrammarState
 from ..errors import InvalidOptionError
+from ..layers import ops
 from .processors import (
     PAD,
     apply_min_p,
@@ -213,9 +214,19 @@ class TokenSelector:
                 logits = apply_min_p(logits, cfg.min_p)
             tokens = sample_rows(logits.softmax(dim=-1), self.generators)
         else:
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy_tokens(logits)
         self.record(tokens)
         return tokens
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> each row's argmax [B] (long): the index ``argmax(dim=-1)`` picks (the first NaN,
+    else the first maximum), on the extension's two-pass op for float32 rows on the CPU (PyTorch's
+    scalar reduction: 120 us for 49,152 words, 1% of a batch-1 step of SmolLM2-135M)."""
+    if (logits.dim() == 2 and logits.dtype == torch.float32 and logits.is_cpu and logits.shape[-1] > 0
+            and not torch.compiler.is_compiling() and ops.available()):
+        return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def pad_rows(rows: list[list[int]], device: torch.device) -> torch.Tensor:

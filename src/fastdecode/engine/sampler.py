@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..decoding.sampling import greedy_tokens
 from ..layers.threads import one_thread
 from .beam_group import advance_groups
 from .sequence import Sequence, TokenEvent, token_logprobs
@@ -22,7 +23,7 @@ def sample_rows(sampled: list[Sequence], logits: torch.Tensor,
     if not sampled:
         return []
     if all(s.selector.plain_greedy(len(s.output_ids)) for s in sampled):
-        chosen = logits.argmax(dim=-1)  # [K]: one op for a step of plain greedy rows (select's result)
+        chosen = greedy_tokens(logits)  # [K]: one op for a step of plain greedy rows (select's result)
     else:
         chosen = torch.cat([s.selector.select(logits[i : i + 1], len(s.output_ids)) for i, s in enumerate(sampled)])
     token_ids = chosen.tolist()  # the one host sync of the step

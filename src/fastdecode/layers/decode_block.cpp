@@ -36,6 +36,8 @@
 #include <tuple>
 #include <vector>
 
+#include "decode_block.h"
+
 namespace {
 
 using OptionalTensor = c10::optional<at::Tensor>;
@@ -270,6 +272,10 @@ at::Tensor cross_decode_block(const at::Tensor& x, const c10::List<OptionalTenso
 }
 
 }  // namespace
+
+namespace fastdecode {
+DecodeBlockOp* const llama_decode_block = &decode_block;
+}  // namespace fastdecode
 
 TORCH_LIBRARY_FRAGMENT(fastdecode_kernels, m) {
   m.def("cross_decode_block(Tensor x, Tensor?[] weights, int[] ints, float[] floats, Tensor(a!) keys, "

@@ -204,6 +204,29 @@ def decode_block(x: Tensor, h: Tensor, weights: list[Tensor | None], args: Decod
                                key_start, positions)
 
 
+def decode_stack_holder(blocks: list[tuple[list[Tensor | None], int]]):
+    """A ``DecodeStack`` (decode_stack.cpp) holding each block's ``decode_block`` weight list and kind
+    (numbered in order of first use), in block order: made once per model."""
+    stack = torch.classes.fastdecode_kernels.DecodeStack()
+    for weights, kind in blocks:
+        stack.add_block(weights, kind)
+    return stack
+
+
+def decode_stack(stack, x: Tensor, h: Tensor, ints: list[int], floats: list[float], cos: Tensor, sin: Tensor,
+                 keys: list[Tensor], values: list[Tensor], slots: Tensor, table: Tensor, key_start: Tensor,
+                 positions: Tensor) -> tuple[Tensor, Tensor]:
+    """Every block of ``stack`` in order for a pure decode step of a model whose layers share one attention
+    kind: (x, h) [1, N, C] -> after the last block. ``ints``: each kind's ``DecodeBlockArgs.ints`` in kind
+    order; ``floats`` and the step's tensors: ``decode_block``'s; keys, values: every layer's pool."""
+    return _ops().decode_stack(stack, x, h, ints, floats, cos, sin, keys, values, slots, table, key_start, positions)
+
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """float32 logits [R, V] -> each row's argmax [R] (int64), the index ``torch.argmax(dim=-1)`` picks."""
+    return _ops().argmax_rows(logits)
+
+
 def cross_decode_block(x: Tensor, weights: list[Tensor | None], ints: list[int], floats: list[float], keys: Tensor,
                        values: Tensor, slots: Tensor, table: Tensor, key_start: Tensor, positions: Tensor,
                        source_keys: list[Tensor], source_values: list[Tensor], source_lengths: list[Tensor]) -> Tensor:
@@ -323,6 +346,10 @@ def _register_fake() -> None:
         D = width // (num_heads + 2 * num_kv_heads)
         return (qkv.new_empty((B, num_heads, T, D)), qkv.new_empty((B, num_kv_heads, T, D)),
                 qkv.new_empty((B, num_kv_heads, T, D)))  # q [B, H, T, D], k and v [B, Hkv, T, D]
+
+    @torch.library.register_fake("fastdecode_kernels::argmax_rows")
+    def _argmax_rows_fake(logits):  # [R, V] -> [R]
+        return logits.new_empty((logits.shape[0],), dtype=torch.long)
 
     @torch.library.register_fake("fastdecode_kernels::gated")
     def _gated_fake(gate_up, activation):  # [..., 2I] -> [..., I]

@@ -229,7 +229,11 @@ class LlamaModel(ModelBase):
         # h: the normed input of the next sub-block; each residual add is fused with the norm after it
         h = rms_norm(x, self.layers[0].attn_norm, cfg.norm_eps)
         fused = self.fused_decode.step(cache, x) if self.fused_decode is not None else None
-        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
+        stacked = fused.every_block(x, h, *next(iter(tables.values()))) if fused is not None and len(tables) == 1 else None
+        if stacked is not None:
+            x, h = stacked  # every block in one op (models/llama_decode.py); the loop below has nothing to run
+        blocks = enumerate(zip(self.layers, self.next_norms)) if stacked is None else ()
+        for index, (layer, next_norm) in blocks:
             rotary = tables[id(self.layer_ropes[index])]
             if fused is not None and (block := fused(index, x, h, *rotary)) is not None:
                 x, h = block  # the same ops from C++ (models/llama_decode.py)

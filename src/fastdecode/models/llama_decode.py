@@ -98,6 +98,27 @@ class FusedDecode:
         self.block_kinds = [self.kinds.index(signature) for signature in signatures]
         self.heads = (cfg.num_heads, cfg.num_kv_heads, activation)
         self.norm_eps, self.scale = float(cfg.norm_eps), float(model.scale)
+        # every block at once (decode_stack.cpp), for steps whose layers share one attention kind and window
+        self.stack = ops.decode_stack_holder(list(zip(self.weights, self.block_kinds)))
+        self.stack_op = ops.decode_stack
+        # by (rows, threads, block size, window): each kind's scalars, and all kinds' ints in one list
+        self._args: dict[tuple[int, int, int, int], list[DecodeBlockArgs]] = {}
+        self._stack_ints: dict[tuple[int, int, int, int], list[int]] = {}
+
+    def block_args(self, rows: int, threads: int, block_size: int, window: int) -> list[DecodeBlockArgs]:
+        """Each kind's ``decode_block`` scalars for a forward of ``rows`` rows under a thread budget, the
+        cache's block size and a window (0: none); made once per combination."""
+        key = (rows, threads, block_size, window)
+        args = self._args.get(key)
+        if args is None:
+            args = self._args[key] = [
+                DecodeBlockArgs(*self.heads, block_size=block_size, window=window, threads=threads,
+                                attention_min_work=KERNEL_PARALLEL_MIN_WORK, norm_eps=self.norm_eps, scale=self.scale,
+                                products=tuple(BlockProduct(*ints, kernel_threads(rows * inputs * outputs, threads))
+                                               for ints, (inputs, outputs) in kind))
+                for kind in self.kinds]
+            self._stack_ints[key] = [i for kind_args in args for i in kind_args.ints]
+        return args
 
     @property
     def runs_quantized_products(self) -> bool:
@@ -121,36 +142,42 @@ class FusedDecode:
                 or x.dtype != torch.float32 or torch.compiler.is_compiling() or torch.is_grad_enabled()
                 or cache.products.roles is not None or cache.products.kernels != self.kernels):
             return None
-        rows, budget = x.shape[1], cache.products.threads
-        products = [tuple(BlockProduct(*ints, kernel_threads(rows * inputs * outputs, budget))
-                          for ints, (inputs, outputs) in kind) for kind in self.kinds]
-        return _Step(self, cache, budget, products)
+        return _Step(self, cache, cache.products.threads)
 
 
 class _Step:
     """One forward's calls: ``(index, x, h, cos, sin) -> (x, h)`` for a block, or None when the block's
-    attention cannot take the paged op (the caller then runs it in Python)."""
+    attention cannot take the paged op (the caller then runs it in Python); ``every_block(x, h, cos, sin)``
+    for all blocks at once, or None."""
 
-    __slots__ = ("fused", "plan", "threads", "products", "args_by_window")
+    __slots__ = ("fused", "plan", "threads")
 
-    def __init__(self, fused: FusedDecode, plan, threads: int, products: list[tuple[BlockProduct, ...]]):
+    def __init__(self, fused: FusedDecode, plan, threads: int):
         self.fused = fused
         self.plan = plan
-        self.threads = threads  # the forward's thread budget
-        self.products = products  # per block kind: qkv, o, gate_up, down (+ the second qkv product)
-        self.args_by_window: dict[tuple[int, int], DecodeBlockArgs] = {}  # by (block kind, window)
+        self.threads = threads  # the forward's thread budget (each product's threads: ``block_args``)
 
     def __call__(self, index: int, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         operands = self.plan.decode_operands(index)
         if operands is None:
             return None
         keys, values, slots, table, key_start, positions, window = operands
-        fused, window = self.fused, window or 0
-        kind = fused.block_kinds[index]
-        args = self.args_by_window.get((kind, window))
-        if args is None:
-            args = self.args_by_window[kind, window] = DecodeBlockArgs(
-                *fused.heads, block_size=self.plan.cache.block_size, window=window, threads=self.threads,
-                attention_min_work=KERNEL_PARALLEL_MIN_WORK, products=self.products[kind], norm_eps=fused.norm_eps,
-                scale=fused.scale)
+        fused = self.fused
+        args = fused.block_args(x.shape[1], self.threads, self.plan.cache.block_size, window or 0)[fused.block_kinds[index]]
         return fused.op(x, h, fused.weights[index], args, cos, sin, keys, values, slots, table, key_start, positions)
+
+    def every_block(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Every block in one op (decode_stack.cpp: the per-block calls' results bit for bit) -> (x, h), or
+        None where the layers differ in attention kind or window, or the attention cannot take the paged op."""
+        plan, fused = self.plan, self.fused
+        cache = plan.cache
+        if len(set(cache.layer_windows)) != 1 or len(set(plan.windows)) != 1:
+            return None
+        operands = plan.decode_operands(0)
+        if operands is None:
+            return None
+        _, _, slots, table, key_start, positions, window = operands
+        key = (x.shape[1], self.threads, cache.block_size, window or 0)
+        floats = fused.block_args(*key)[0].floats
+        return fused.stack_op(fused.stack, x, h, fused._stack_ints[key], floats, cos, sin,
+                              cache.layer_keys, cache.layer_values, slots, table, key_start, positions)
