@@ -34,7 +34,10 @@ using quant::QuantizedRows;
 constexpr int TILE = 8;
 // Codes this far ahead are prefetched, at every row count: the kernel runs fast enough that a matrix
 // streamed from memory (an LM head) waits for it otherwise (50265 x 768 int8 at 8 rows: 98 -> 205 GMAC/s).
+// At one or two rows it runs fastest per byte, so it looks further ahead (a batch-1 decode step streams a
+// block's matrices from L3 or memory, each only once).
 constexpr int64_t PREFETCH_BYTES = 1024;
+constexpr int64_t FEW_ROWS_PREFETCH_BYTES = 4096;
 
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -86,6 +89,16 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
     act[r] = (BITS == 8 ? reinterpret_cast<const int8_t*>(offset_codes) : q.codes.data()) + (m0 + r) * K;
     act_scale[r] = q.scale.data() + (m0 + r) * blocks;
   }
+  constexpr int64_t ahead = RB <= 2 ? FEW_ROWS_PREFETCH_BYTES : PREFETCH_BYTES;
+  if constexpr (PREFETCH) {  // the next pair's scales and mins (their own streams, read once per pair)
+    const int64_t bytes = 2 * blocks * TILE * static_cast<int64_t>(sizeof(S));
+    const char* next_scales = reinterpret_cast<const char*>(quant::tile_scales(scale, t0 + 2, blocks));
+    const char* next_mins = mins != nullptr ? reinterpret_cast<const char*>(quant::tile_scales(mins, t0 + 2, blocks)) : nullptr;
+    for (int64_t line = 0; line < bytes; line += 64) {  // (prefetches never fault, past the end included)
+      _mm_prefetch(next_scales + line, _MM_HINT_T0);
+      if (next_mins != nullptr) _mm_prefetch(next_mins + line, _MM_HINT_T0);
+    }
+  }
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -93,8 +106,8 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
     const uint8_t* w1 = high_codes + b * BB;
     if constexpr (PREFETCH) {
       for (int64_t line = 0; line < BB; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(w0 + PREFETCH_BYTES + line), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w1 + PREFETCH_BYTES + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w0 + ahead + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w1 + ahead + line), _MM_HINT_T0);
       }
     }
     __m512i dot[RB];
