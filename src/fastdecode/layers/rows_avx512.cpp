@@ -38,6 +38,18 @@ using quant::load_scale;
 constexpr int64_t PREFETCH_BYTES = 8192;
 constexpr int PAIRS = 2;  // output pairs side by side: each row's broadcast inputs serve 4 outputs
 
+// The scales of eight consecutive groups of two outputs as float32 (float16: F16C's exact conversion, the
+// value load_scale gives): output a's in lanes 0-7, b's in 8-15. A group's scale pair is then one permute
+// (pairs_block) instead of two scalar conversions, two broadcasts and an insert.
+inline __m512 eight_scales(const at::Half* a, const at::Half* b) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+inline __m512 eight_scales(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+
 // Rows [0, RB) x outputs n .. n + 2 * PAIRS - 1.
 template <int G, typename S, int RB>
 inline void pairs_block(const float* x, int64_t K, const uint8_t* codes, const S* scale, float* y, int64_t N,
@@ -49,12 +61,21 @@ inline void pairs_block(const float* x, int64_t K, const uint8_t* codes, const S
     rows[j] = codes + (n + j) * K;
     scales[j] = scale + (n + j) * groups;
   }
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);  // + j: group g8 + j's
   __m512 acc[RB][PAIRS];
   for (int r = 0; r < RB; ++r)
     for (int p = 0; p < PAIRS; ++p) acc[r][p] = _mm512_setzero_ps();
+  __m512 eight[PAIRS];  // each pair's scales of groups g8 .. g8 + 7: output 2p in lanes 0-7, 2p + 1 in 8-15
+  __m512i index = spread;  // group g's lanes in them: g - g8 and 8 + g - g8
   for (int64_t g = 0; g < groups; ++g) {
     if ((g * G) % 64 == 0)  // prefetches never fault
       for (int j = 0; j < 2 * PAIRS; ++j) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + g * G + PREFETCH_BYTES), _MM_HINT_T0);
+    const int64_t g8 = g & ~int64_t{7};
+    const bool by_eight = g8 + 8 <= groups;  // the group's scale from eight converted at once (the same value)
+    if (by_eight && g == g8) {
+      for (int p = 0; p < PAIRS; ++p) eight[p] = eight_scales(scales[2 * p] + g8, scales[2 * p + 1] + g8);
+      index = spread;
+    }
     __m512 w[PAIRS][G / 8], s[PAIRS];
     for (int p = 0; p < PAIRS; ++p) {
       for (int h = 0; h < G / 16; ++h) {  // 16 codes of each output: inputs 16h .. 16h + 15 of the group
@@ -63,9 +84,11 @@ inline void pairs_block(const float* x, int64_t K, const uint8_t* codes, const S
         w[p][2 * h] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(low, high)));
         w[p][2 * h + 1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(low, high)));
       }
-      s[p] = _mm512_insertf32x8(_mm512_set1_ps(load_scale(scales[2 * p] + g)),
-                                _mm256_set1_ps(load_scale(scales[2 * p + 1] + g)), 1);
+      s[p] = by_eight ? _mm512_permutexvar_ps(index, eight[p])
+                      : _mm512_insertf32x8(_mm512_set1_ps(load_scale(scales[2 * p] + g)),
+                                           _mm256_set1_ps(load_scale(scales[2 * p + 1] + g)), 1);
     }
+    index = _mm512_add_epi32(index, _mm512_set1_epi32(1));
     for (int r = 0; r < RB; ++r) {
       const float* xr = x + r * K + g * G;
       __m512 dot[PAIRS];
