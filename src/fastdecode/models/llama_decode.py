@@ -120,6 +120,11 @@ class FusedDecode:
             self._stack_ints[key] = [i for kind_args in args for i in kind_args.ints]
         return args
 
+    def stack_scalars(self, rows: int, threads: int, block_size: int, window: int) -> tuple[list[int], list[float]]:
+        """``decode_stack``'s ints (every kind's ``decode_block`` ints, in kind order) and floats."""
+        floats = self.block_args(rows, threads, block_size, window)[0].floats
+        return self._stack_ints[rows, threads, block_size, window], floats
+
     @property
     def runs_quantized_products(self) -> bool:
         """Whether some block's products run on the int8-activation kernels (ints[0]: a product's bits)."""
@@ -177,7 +182,6 @@ class _Step:
         if operands is None:
             return None
         _, _, slots, table, key_start, positions, window = operands
-        key = (x.shape[1], self.threads, cache.block_size, window or 0)
-        floats = fused.block_args(*key)[0].floats
-        return fused.stack_op(fused.stack, x, h, fused._stack_ints[key], floats, cos, sin,
-                              cache.layer_keys, cache.layer_values, slots, table, key_start, positions)
+        ints, floats = fused.stack_scalars(x.shape[1], self.threads, cache.block_size, window or 0)
+        return fused.stack_op(fused.stack, x, h, ints, floats, cos, sin, cache.layer_keys, cache.layer_values, slots,
+                              table, key_start, positions)
