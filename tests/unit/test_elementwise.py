@@ -111,3 +111,29 @@ def test_rotary_tables_are_cos_sin_with_the_signed_sine(scaling):
     table_cos, signed_sin = rope.tables(positions, torch.float32)  # [B, T, 1, rot]
     assert torch.equal(table_cos, cos.transpose(1, 2))
     assert torch.equal(signed_sin, torch.cat((-sin[..., :16], sin[..., 16:]), dim=-1).transpose(1, 2))
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_prompts_rows_split_over_threads_give_the_bits_of_one_thread(threads):
+    """Big inputs (a prompt's rows: ``SPLIT_MIN_FLOATS``) split their rows over the forward's threads; every row
+    is computed alone, so the results are those of one thread, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    B, T, C, H, Hkv, D = 1, 300, 576, 9, 3, 64
+    x, delta = torch.randn(B, T, C, generator=g), torch.randn(B, T, C, generator=g)
+    w, dw = torch.randn(C, generator=g), torch.randn(C, generator=g)
+    assert x.numel() >= elementwise.SPLIT_MIN_FLOATS
+    for post in (None, dw):
+        one, split = elementwise.add_rms_norm(x, delta, w, 1e-6, post), elementwise.add_rms_norm(x, delta, w, 1e-6, post,
+                                                                                                  threads=threads)
+        assert all(torch.equal(a, b) for a, b in zip(one, split))
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g)
+    cos, sin = torch.randn(B, T, 1, D, generator=g), torch.randn(B, T, 1, D, generator=g)
+    norm = torch.randn(H + Hkv, D, generator=g)
+    for weight in (None, norm):
+        one = elementwise.qkv_heads(qkv, H, Hkv, cos, sin, weight, 1e-6)
+        split = elementwise.qkv_heads(qkv, H, Hkv, cos, sin, weight, 1e-6, threads=threads)
+        assert all(torch.equal(a, b) for a, b in zip(one, split))
+    gate_up = torch.randn(B, T, 2 * 1536, generator=g)
+    for activation in ("silu", "gelu_pytorch_tanh"):
+        assert torch.equal(elementwise.gated(gate_up, activation), elementwise.gated(gate_up, activation, threads=threads))

@@ -24,6 +24,8 @@
 #include <tuple>
 #include <vector>
 
+#include "parallel.h"
+
 namespace {
 
 float sum_of_squares(const float* x, int64_t n) {
@@ -65,6 +67,11 @@ const float* weight_data(const c10::optional<at::Tensor>& w, int64_t n, const ch
   return w->data_ptr<float>();
 }
 
+// Rows per piece when an op's rows are split over threads (the `.split` overloads: a prompt's rows; every row is
+// computed alone, so the split changes no bit): about ROW_PIECE_FLOATS floats of a row's width.
+constexpr int64_t ROW_PIECE_FLOATS = 1 << 14;
+inline int64_t row_chunk(int64_t width) { return std::max<int64_t>(1, ROW_PIECE_FLOATS / std::max<int64_t>(1, width)); }
+
 // x [..., C] -> rms_norm(x) * weight [..., C]
 at::Tensor rms_norm(const at::Tensor& x_in, const c10::optional<at::Tensor>& weight, double eps) {
   check_float_rows(x_in, "x");
@@ -80,9 +87,9 @@ at::Tensor rms_norm(const at::Tensor& x_in, const c10::optional<at::Tensor>& wei
 
 // x, delta [..., C] -> (s = x + delta', rms_norm(s) * weight); delta' = rms_norm(delta) * delta_weight
 // where delta_weight is given, else delta.
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& delta_in,
-                                                const c10::optional<at::Tensor>& delta_weight,
-                                                const at::Tensor& weight, double eps) {
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_split(const at::Tensor& x_in, const at::Tensor& delta_in,
+                                                      const c10::optional<at::Tensor>& delta_weight,
+                                                      const at::Tensor& weight, double eps, int64_t threads) {
   check_float_rows(x_in, "x");
   check_float_rows(delta_in, "delta");
   TORCH_CHECK(x_in.sizes() == delta_in.sizes(), "x and delta differ in shape");
@@ -96,7 +103,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
   float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  for (int64_t r = 0; r < rows; ++r) {
+  fastdecode::parallel_chunks(rows, row_chunk(C), threads, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
     const float* xr = xp + r * C;
     float* sr = sp + r * C;
     if (dw) normalize(dp + r * C, dw, e, C, sr);  // the normed delta, then the sum in place
@@ -106,16 +114,24 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
     for (; i < C; ++i) sr[i] = xr[i] + d[i];
     normalize(sr, w, e, C, yp + r * C);
   }
+  });
   return {s, y};
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
+                                                const c10::optional<at::Tensor>& delta_weight,
+                                                const at::Tensor& weight, double eps) {
+  return add_rms_norm_split(x, delta, delta_weight, weight, eps, 1);
 }
 
 // qkv [B, T, (H + 2 Hkv) D] (one product's output: query, key, value heads; last dim contiguous) ->
 // q [B, H, T, D], k, v [B, Hkv, T, D]. Query and key heads are optionally RMS-normed over D with
 // norm_weight [H + Hkv, D] first, then their first rot dims rotated by cos, signed_sin [B, T, 1, rot]
 // (half-split pairs (i, i + rot/2)); dims past rot pass through. Value heads are copied.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_heads(const at::Tensor& qkv, int64_t H, int64_t Hkv,
-                                                         const c10::optional<at::Tensor>& norm_weight, double eps,
-                                                         const at::Tensor& cos_in, const at::Tensor& sin_in) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_heads_split(const at::Tensor& qkv, int64_t H, int64_t Hkv,
+                                                               const c10::optional<at::Tensor>& norm_weight, double eps,
+                                                               const at::Tensor& cos_in, const at::Tensor& sin_in,
+                                                               int64_t threads) {
   check_float_rows(qkv, "qkv");
   TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1 && H > 0 && Hkv > 0 && qkv.size(2) % (H + 2 * Hkv) == 0,
               "qkv must be [B, T, (H + 2 Hkv) * D] with a contiguous last dim");
@@ -128,9 +144,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_heads(const at::Tensor& qkv, 
   at::Tensor q = at::empty({B, H, T, D}, qkv.options()), k = at::empty({B, Hkv, T, D}, qkv.options());
   at::Tensor v = at::empty({B, Hkv, T, D}, qkv.options());
   const float e = static_cast<float>(eps);
+  fastdecode::parallel_chunks(B * T, row_chunk(qkv.size(2)), threads, [&](int64_t bt0, int64_t bt1) {
   std::vector<float> normed(D);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
+  for (int64_t bt = bt0; bt < bt1; ++bt) {
+      const int64_t b = bt / T, t = bt % T;
       const float* row = qkv.data_ptr<float>() + b * qkv.stride(0) + t * qkv.stride(1);
       const float* c = cos.data_ptr<float>() + (b * T + t) * rot;
       const float* s = sin.data_ptr<float>() + (b * T + t) * rot;
@@ -162,7 +179,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_heads(const at::Tensor& qkv, 
         std::copy(x + rot, x + D, y + rot);
       }
     }
+  });
   return {q, k, v};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_heads(const at::Tensor& qkv, int64_t H, int64_t Hkv,
+                                                         const c10::optional<at::Tensor>& norm_weight, double eps,
+                                                         const at::Tensor& cos, const at::Tensor& sin) {
+  return qkv_heads_split(qkv, H, Hkv, norm_weight, eps, cos, sin, 1);
 }
 
 constexpr int64_t SILU = 0, GELU_TANH = 1;
@@ -184,7 +208,7 @@ inline float activate(float x, int64_t kind) {
 }
 
 // gate_up [..., 2I] = [gate | up] (last dim contiguous) -> act(gate) * up [..., I]
-at::Tensor gated(const at::Tensor& gate_up_in, int64_t kind) {
+at::Tensor gated_split(const at::Tensor& gate_up_in, int64_t kind, int64_t threads) {
   check_float_rows(gate_up_in, "gate_up");
   TORCH_CHECK(kind == SILU || kind == GELU_TANH, "activation is 0 (SiLU) or 1 (GELU tanh), not ", kind);
   const at::Tensor gate_up = gate_up_in.contiguous();
@@ -193,7 +217,8 @@ at::Tensor gated(const at::Tensor& gate_up_in, int64_t kind) {
   std::vector<int64_t> sizes(gate_up.sizes().begin(), gate_up.sizes().end());
   sizes.back() = I;
   at::Tensor out = at::empty(sizes, gate_up.options());
-  for (int64_t r = 0; r < rows; ++r) {
+  fastdecode::parallel_chunks(rows, row_chunk(2 * I), threads, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
     const float* g = gate_up.data_ptr<float>() + r * 2 * I;
     const float* u = g + I;
     float* y = out.data_ptr<float>() + r * I;
@@ -202,8 +227,11 @@ at::Tensor gated(const at::Tensor& gate_up_in, int64_t kind) {
       _mm256_storeu_ps(y + i, _mm256_mul_ps(activate(_mm256_loadu_ps(g + i), kind), _mm256_loadu_ps(u + i)));
     for (; i < I; ++i) y[i] = activate(g[i], kind) * u[i];
   }
+  });
   return out;
 }
+
+at::Tensor gated(const at::Tensor& gate_up, int64_t kind) { return gated_split(gate_up, kind, 1); }
 
 }  // namespace
 
@@ -212,6 +240,10 @@ TORCH_LIBRARY_FRAGMENT(fastdecode_kernels, m) {
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor? delta_weight, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("qkv_heads(Tensor qkv, int num_heads, int num_kv_heads, Tensor? norm_weight, float eps, Tensor cos, Tensor sin) -> (Tensor, Tensor, Tensor)");
   m.def("gated(Tensor gate_up, int activation) -> Tensor");
+  // the same ops with their rows split over `threads` (prompt rows: layers/elementwise.py)
+  m.def("add_rms_norm.split(Tensor x, Tensor delta, Tensor? delta_weight, Tensor weight, float eps, int threads) -> (Tensor, Tensor)");
+  m.def("qkv_heads.split(Tensor qkv, int num_heads, int num_kv_heads, Tensor? norm_weight, float eps, Tensor cos, Tensor sin, int threads) -> (Tensor, Tensor, Tensor)");
+  m.def("gated.split(Tensor gate_up, int activation, int threads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) {
@@ -219,4 +251,7 @@ TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("qkv_heads", &qkv_heads);
   m.impl("gated", &gated);
+  m.impl("add_rms_norm.split", &add_rms_norm_split);
+  m.impl("qkv_heads.split", &qkv_heads_split);
+  m.impl("gated.split", &gated_split);
 }

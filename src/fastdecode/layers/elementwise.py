@@ -19,6 +19,14 @@ from .positions import rotate_heads
 
 # activation name -> the kernel's activation code (others run in PyTorch)
 GATED_KINDS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
+# From this many floats (a prompt's rows, not a decode step's) an op's rows are split over the forward's
+# threads (``threads``: ``Products.threads``): each row computed alone, so the same bits.
+SPLIT_MIN_FLOATS = 1 << 16
+
+
+def _split_threads(x: torch.Tensor, threads: int) -> int:
+    """The threads an op over ``x`` splits its rows over: ``threads`` for a big one, else 1."""
+    return threads if threads > 1 and x.numel() >= SPLIT_MIN_FLOATS and not torch.compiler.is_compiling() else 1
 
 
 def elementwise_ops():
@@ -57,26 +65,28 @@ def _half_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> 
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                 delta_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 delta_weight: torch.Tensor | None = None, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the next norm: x, delta [..., C] -> (s, rms_norm(s, weight)) with
     s = x + delta, or x + rms_norm(delta, delta_weight) where ``delta_weight`` is given (Gemma's
-    post-attention and post-MLP norms)."""
+    post-attention and post-MLP norms). ``threads``: the forward's budget (big inputs split their rows)."""
     ops = _kernels(x)
     if ops is None or delta.dtype != x.dtype:
         s = x + (delta if delta_weight is None else rms_norm(delta, delta_weight, eps))
         return s, rms_norm(s, weight, eps)
-    return ops.add_rms_norm(x, delta, delta_weight, weight, eps)
+    return ops.add_rms_norm(x, delta, delta_weight, weight, eps, _split_threads(x, threads))
 
 
 def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
-              norm_weight: torch.Tensor | None = None, eps: float = 0.0
+              norm_weight: torch.Tensor | None = None, eps: float = 0.0, threads: int = 1
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A fused Q/K/V product's output qkv [B, T, (H + 2 Hkv) D] -> q [B, H, T, D], k, v [B, Hkv, T, D].
     Query and key heads are RMS-normed over D and scaled by norm_weight [H + Hkv, D] if given (Gemma),
-    then rotated with ``RotaryEmbedding.tables`` (cos, signed sin [B, T, 1, rot])."""
+    then rotated with ``RotaryEmbedding.tables`` (cos, signed sin [B, T, 1, rot]). ``threads``: as
+    ``add_rms_norm``'s."""
     ops = _kernels(qkv)
     if ops is not None and qkv.stride(-1) == 1:
-        return ops.qkv_heads(qkv, num_heads, num_kv_heads, norm_weight, eps, cos, signed_sin)
+        return ops.qkv_heads(qkv, num_heads, num_kv_heads, norm_weight, eps, cos, signed_sin,
+                             _split_threads(qkv, threads))
     B, T, width = qkv.shape
     H, Hkv = num_heads, num_kv_heads
     heads = qkv.view(B, T, H + 2 * Hkv, width // (H + 2 * Hkv))  # [B, T, H + 2*Hkv, D]: q, k, v heads
@@ -89,11 +99,12 @@ def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.T
     return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), heads[:, :, H + Hkv :].transpose(1, 2)
 
 
-def gated(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """gate_up [..., 2I] = [gate | up] -> act(gate) * up [..., I] (act an ``ACTIVATIONS`` name)."""
+def gated(gate_up: torch.Tensor, activation: str, threads: int = 1) -> torch.Tensor:
+    """gate_up [..., 2I] = [gate | up] -> act(gate) * up [..., I] (act an ``ACTIVATIONS`` name); ``threads``: as
+    ``add_rms_norm``'s."""
     ops = _kernels(gate_up)
     kind = GATED_KINDS.get(activation)
     if ops is None or kind is None:
         gate, up = gate_up.chunk(2, dim=-1)  # [..., I] each
         return ACTIVATIONS[activation](gate) * up
-    return ops.gated(gate_up, kind)
+    return ops.gated(gate_up, kind, _split_threads(gate_up, threads))

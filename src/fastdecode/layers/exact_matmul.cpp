@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "isa.h"
 #include "kscales.h"
@@ -29,13 +30,21 @@ namespace avx512 {
 // Rows [0, M) x the first n - n % 2 decoded outputs (exact_matmul_avx512.cpp: these kernels' bits, two
 // outputs per register); returns that count.
 int64_t exact_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t n, float* y, int64_t N);
+// The first n - n % 2 decoded outputs w [n, K] as pairs wi [n / 2][K / 8][2][8] (each 8 inputs of both outputs
+// side by side), and exact_rows on them (the same bits, one load per pair and 8 inputs).
+void interleave_pairs(const float* w, int64_t n, int64_t K, float* wi);
+int64_t exact_rows_paired(const float* x, int64_t M, int64_t K, const float* wi, int64_t n, float* y, int64_t N);
 }  // namespace avx512
 }  // namespace fastdecode
 
 namespace {
 
 constexpr int64_t OUTPUT_CHUNK = 64;  // decoded outputs per piece: 64 x K floats (147 KB at K = 576)
+// Narrower products (SmolLM2's 576 and 960 outputs: 9 and 15 pieces of 64) in pieces of 32, which two threads
+// share evenly (each output computed alone: the same bits).
+constexpr int64_t NARROW_OUTPUTS = 1024, NARROW_CHUNK = 32;
 constexpr int64_t ROW_CHUNK = 48;     // rows per pass over a piece (x: 48 x K floats beside it in L2)
+constexpr int64_t PAIRED_MIN_ROWS = 12;  // from this many rows the AVX-512 kernel reads its piece interleaved
 
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
                       int64_t bits, int64_t group, int64_t outputs) {
@@ -86,23 +95,32 @@ at::Tensor exact_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at:
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t pieces = (N + OUTPUT_CHUNK - 1) / OUTPUT_CHUNK;
+  const int64_t chunk = N > NARROW_OUTPUTS ? OUTPUT_CHUNK : NARROW_CHUNK;  // a multiple of 8: whole tiles
+  const int64_t pieces = (N + chunk - 1) / chunk;
   const bool wide = fastdecode::use_avx512();  // read once: the whole product on one kernel
+  const bool paired = wide && M >= PAIRED_MIN_ROWS;
   // chunk_work: a prompt's product is a long job (512 x 1536 x 1792, Qwen's Q/K: 27 ms on one core) in few pieces,
   // handed out even while the helpers sleep; without it it ran on the caller alone (the same 27 ms on 2 threads)
   fastdecode::parallel_chunks(pieces, 1, threads, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<float> interleaved;  // (reused: a piece of K = 8960 is 2.3 MB)
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * OUTPUT_CHUNK, n = std::min(OUTPUT_CHUNK, N - n0);
-      const int64_t lead0 = n0 / tile, lead1 = (n0 + n + tile - 1) / tile;  // OUTPUT_CHUNK is a multiple of 8
+      const int64_t n0 = p * chunk, n = std::min(chunk, N - n0);
+      const int64_t lead0 = n0 / tile, lead1 = (n0 + n + tile - 1) / tile;  // chunk is a multiple of 8
       const c10::optional<at::Tensor> piece_mins =
           mins.has_value() && mins->defined() ? c10::optional<at::Tensor>(mins->slice(0, lead0, lead1)) : c10::nullopt;
       const at::Tensor w = dequantize(codes.slice(0, lead0, lead1), scale.slice(0, lead0, lead1), piece_mins, bits,
                                       group, tiled ? n : -1);  // [n, K]
       const float* wp = w.data_ptr<float>();
+      if (paired) {
+        interleaved.resize(n * K);
+        fastdecode::avx512::interleave_pairs(wp, n, K, interleaved.data());
+      }
       for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
         const int64_t m1 = std::min(M, m0 + ROW_CHUNK);
         if (wide) {  // AVX-512: the same bits, two outputs per register; an odd last output here
-          const int64_t done = fastdecode::avx512::exact_rows(xp + m0 * K, m1 - m0, K, wp, n, yp + m0 * N + n0, N);
+          const int64_t done =
+              paired ? fastdecode::avx512::exact_rows_paired(xp + m0 * K, m1 - m0, K, interleaved.data(), n, yp + m0 * N + n0, N)
+                     : fastdecode::avx512::exact_rows(xp + m0 * K, m1 - m0, K, wp, n, yp + m0 * N + n0, N);
           if (done < n)
             for (int64_t m = m0; m < m1; ++m) dot_block<1, 1>(xp + m * K, K, wp + done * K, K, yp + m * N + n0 + done, N);
           continue;
@@ -114,7 +132,7 @@ at::Tensor exact_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at:
         if (m1 - m == 1) rows_times_outputs<1>(xp + m * K, K, wp, n, yp + m * N + n0, N);
       }
     }
-  }, M * K * OUTPUT_CHUNK);
+  }, M * K * chunk);
   return y;
 }
 

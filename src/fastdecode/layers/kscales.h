@@ -73,6 +73,14 @@ inline void expand_rows(const KScale* scale, int64_t G, int64_t groups, int64_t 
   }
 }
 
+// Tiles [t0, t1) of tiled compact scales (blocks of 32 inputs per tile) -> out [tiles, blocks, 8] float32 (rows t0..t1).
+inline void expand_tiles(const KScale* scale, int64_t blocks, int64_t t0, int64_t t1, float* out) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const KScale* tile = tile_scales(scale, t, blocks);
+    for (int64_t b = 0; b < blocks; ++b) _mm256_storeu_ps(out + (t * blocks + b) * TILE_OUTPUTS, block_scales(tile, b));
+  }
+}
+
 // A compact scale (or mins) tensor -> the float32 tensor of the float32 layout: rows [N, K/G], tiled
 // [tiles, K/32, 8]; another dtype is returned as it is. For the ops that run on many rows (prompt GEMMs,
 // dequantization), where decoding every scale once per call costs little beside the product.
@@ -91,11 +99,7 @@ inline at::Tensor expanded_scales(const at::Tensor& scale, int64_t G, bool tiled
   TORCH_CHECK(G == 32 && scale.size(2) == TILE_RECORD, "tiled compact scales have records of ", TILE_RECORD, " bytes");
   const int64_t tiles = scale.size(0), blocks = supers * 8;
   at::Tensor out = at::empty({tiles, blocks, TILE_OUTPUTS}, scale.options().dtype(at::kFloat));
-  float* op = out.data_ptr<float>();
-  for (int64_t t = 0; t < tiles; ++t) {
-    const KScale* tile = tile_scales(sp, t, blocks);
-    for (int64_t b = 0; b < blocks; ++b) _mm256_storeu_ps(op + (t * blocks + b) * TILE_OUTPUTS, block_scales(tile, b));
-  }
+  expand_tiles(sp, blocks, 0, tiles, out.data_ptr<float>());
   return out;
 }
 

@@ -137,19 +137,27 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
 
 def add_rms_norm(x: Tensor, delta: Tensor, delta_weight: Tensor | None, weight: Tensor,
-                 eps: float) -> tuple[Tensor, Tensor]:
-    """(x + delta (* delta_weight's norm), its RMSNorm)."""
+                 eps: float, threads: int = 1) -> tuple[Tensor, Tensor]:
+    """(x + delta (* delta_weight's norm), its RMSNorm); threads > 1: rows split over them (the same bits)."""
+    if threads > 1:
+        return _ops().add_rms_norm__split(x, delta, delta_weight, weight, eps, threads)
     return _ops().add_rms_norm(x, delta, delta_weight, weight, eps)
 
 
 def qkv_heads(qkv: Tensor, num_heads: int, num_kv_heads: int, norm_weight: Tensor | None, eps: float,
-              cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """[B, T, (H + 2 Hkv) D] -> q [B, H, T, D], k, v [B, Hkv, T, D], q/k normed and rotated."""
+              cos: Tensor, sin: Tensor, threads: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """[B, T, (H + 2 Hkv) D] -> q [B, H, T, D], k, v [B, Hkv, T, D], q/k normed and rotated; threads > 1:
+    rows split over them (the same bits)."""
+    if threads > 1:
+        return _ops().qkv_heads__split(qkv, num_heads, num_kv_heads, norm_weight, eps, cos, sin, threads)
     return _ops().qkv_heads(qkv, num_heads, num_kv_heads, norm_weight, eps, cos, sin)
 
 
-def gated(gate_up: Tensor, activation: int) -> Tensor:
-    """[..., 2I] -> act(gate) * up [..., I] (activation 0: SiLU, 1: GELU tanh)."""
+def gated(gate_up: Tensor, activation: int, threads: int = 1) -> Tensor:
+    """[..., 2I] -> act(gate) * up [..., I] (activation 0: SiLU, 1: GELU tanh); threads > 1: rows split over
+    them (the same bits)."""
+    if threads > 1:
+        return _ops().gated__split(gate_up, activation, threads)
     return _ops().gated(gate_up, activation)
 
 
@@ -243,7 +251,8 @@ def cross_decode_block(x: Tensor, weights: list[Tensor | None], ints: list[int],
 class KernelOps:
     """The extension's ops by name, each its ``default`` overload: calling an OpOverload directly costs
     about 5.5 us against 9.4 us through the overload packet (``torch.ops.ns.op``), and a decode step
-    calls about ten per layer. Resolved on first use, then a plain attribute."""
+    calls about ten per layer. Resolved on first use, then a plain attribute. ``op__name``: the op's overload
+    ``name`` (``gated__split``: ``gated.split``)."""
 
     def __init__(self, namespace) -> None:
         self._namespace = namespace
@@ -251,7 +260,8 @@ class KernelOps:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        overload = getattr(self._namespace, name).default
+        op, _, overload_name = name.partition("__")
+        overload = getattr(getattr(self._namespace, op), overload_name or "default")
         setattr(self, name, overload)
         return overload
 

@@ -70,9 +70,18 @@ void configure();
 
 namespace {
 
-at::Tensor float_scales(const at::Tensor& s) {
-  const at::Tensor expanded = quant::expanded_scales(s, 32, true);  // compact -> float32 [tiles, blocks, 8]
-  return expanded.scalar_type() == at::kFloat ? expanded.contiguous() : expanded.to(at::kFloat).contiguous();
+// The tiled scales as float32 [tiles, blocks, 8]; compact ones decoded on up to `threads` threads (a prompt's
+// gate/up scales of Qwen 1.5B: 860 K floats, which one thread decoded while the other waited).
+at::Tensor float_scales(const at::Tensor& s, int64_t threads) {
+  if (!quant::is_compact(s)) return s.scalar_type() == at::kFloat ? s.contiguous() : s.to(at::kFloat).contiguous();
+  TORCH_CHECK(s.dim() == 3 && s.is_contiguous() && s.size(2) == quant::TILE_RECORD, "tiled compact scales have records of ",
+              quant::TILE_RECORD, " bytes, not ", s.sizes());
+  const int64_t tiles = s.size(0), blocks = s.size(1) * 8;
+  at::Tensor out = at::empty({tiles, blocks, amx::TILE}, s.options().dtype(at::kFloat));
+  const quant::KScale* sp = quant::scale_data<quant::KScale>(s);
+  float* op = out.data_ptr<float>();
+  parallel_chunks(tiles, 64, threads, [&](int64_t t0, int64_t t1) { quant::expand_tiles(sp, blocks, t0, t1, op); });
+  return out;
 }
 
 at::Tensor amx_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -80,14 +89,20 @@ at::Tensor amx_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   using namespace amx;
   const int64_t M = x.size(0), K = x.size(1), blocks = K / 32, tiles = codes.size(0);
   const bool has_min = mins.has_value() && mins->defined();
-  quant::QuantizedRows q = quant::quantize_rows<32>(x.data_ptr<float>(), M, K, has_min);
+  const at::Tensor s = float_scales(scale, threads), mn = has_min ? float_scales(*mins, threads) : at::Tensor();
+  const std::vector<int64_t> want{tiles, blocks, amx::TILE};
+  TORCH_CHECK(s.sizes() == want, "tiled scales ", scale.sizes(), " do not match codes ", codes.sizes());
+  quant::QuantizedRows q = quant::sized_rows<32>(M, K, has_min);
   const int64_t padded = (M + ROW_GROUP - 1) / ROW_GROUP * ROW_GROUP;  // A tiles read whole: zero rows past M
   q.scale.resize(padded * blocks, 0.0f);
   std::vector<int8_t> act(padded * K, 0);  // [row / 16][block][row % 16][32]: each A tile 512 contiguous bytes
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < blocks; ++b)
-      std::memcpy(act.data() + ((m / 16) * blocks + b) * 512 + (m % 16) * 32, q.codes.data() + m * K + 32 * b, 32);
-  const at::Tensor s = float_scales(scale), mn = has_min ? float_scales(*mins) : at::Tensor();
+  const float* xp = x.data_ptr<float>();
+  parallel_chunks(M, 16, threads, [&](int64_t m0, int64_t m1) {  // each row quantized alone: the same bits
+    quant::quantize_blocks<32>(xp, m0 * blocks, m1 * blocks, has_min, q);
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < blocks; ++b)
+        std::memcpy(act.data() + ((m / 16) * blocks + b) * 512 + (m % 16) * 32, q.codes.data() + m * K + 32 * b, 32);
+  }, 16 * K);
   at::Tensor y = at::empty({M, N}, x.options());
   const Operands o{&q, act.data(), static_cast<const uint8_t*>(codes.data_ptr()), s.data_ptr<float>(),
                    has_min ? mn.data_ptr<float>() : nullptr, bias, M, K, N, tiles, bits, y.data_ptr<float>()};
@@ -130,8 +145,6 @@ at::Tensor tiled_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
   TORCH_CHECK(x.size(1) == 32 * codes.size(1), "x has ", x.size(1), " inputs, the weight ", 32 * codes.size(1));
   TORCH_CHECK(outputs > (codes.size(0) - 1) * amx::TILE && outputs <= codes.size(0) * amx::TILE, outputs,
               " outputs do not fill ", codes.size(0), " tiles of ", amx::TILE);
-  const std::vector<int64_t> want{codes.size(0), codes.size(1), amx::TILE};
-  TORCH_CHECK(float_scales(scale).sizes() == want, "tiled scales ", scale.sizes(), " do not match codes ", codes.sizes());
   if (mins.has_value() && mins->defined())
     TORCH_CHECK(mins->sizes() == scale.sizes() && mins->scalar_type() == scale.scalar_type(), "mins must be like the scales");
   TORCH_CHECK(!has_bias || bias->numel() == outputs, "bias has ", bias->numel(), " values for ", outputs, " outputs");

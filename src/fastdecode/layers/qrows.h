@@ -60,14 +60,13 @@ struct QuantizedRows {
 };
 
 // with_sums: the code sums too (read only by weights with mins: a third of the quantization's time).
+// Blocks [i0, i1) of 32 inputs (row-major over [M, K / 32]) of x into q, whose vectors are sized for all rows (a
+// caller may quantize row ranges on several threads: each block is computed alone).
 template <int G>
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, bool with_sums = true) {
-  const int64_t blocks = K / 32;
-  QuantizedRows q{K, std::vector<int8_t>(M * K), std::vector<float>(M * blocks),
-                  std::vector<float>(with_sums ? M * K / G : 0)};
+void quantize_blocks(const float* x, int64_t i0, int64_t i1, bool with_sums, QuantizedRows& q) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
-  for (int64_t i = 0; i < M * blocks; ++i) {
+  for (int64_t i = i0; i < i1; ++i) {
     __m256 v[4];
     __m256 amax = _mm256_setzero_ps();
     for (int j = 0; j < 4; ++j) {
@@ -94,6 +93,19 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, bool with_sums
       q.sums[2 * i + 1] = d * high;
     }
   }
+}
+
+// Rows [M, K] sized for quantize_blocks (codes, scales, and the sums where with_sums).
+template <int G>
+QuantizedRows sized_rows(int64_t M, int64_t K, bool with_sums) {
+  return QuantizedRows{K, std::vector<int8_t>(M * K), std::vector<float>(M * (K / 32)),
+                       std::vector<float>(with_sums ? M * K / G : 0)};
+}
+
+template <int G>
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, bool with_sums = true) {
+  QuantizedRows q = sized_rows<G>(M, K, with_sums);
+  quantize_blocks<G>(x, 0, M * (K / 32), with_sums, q);
   return q;
 }
 

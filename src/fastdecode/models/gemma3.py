@@ -307,14 +307,15 @@ class Gemma3Model(ModelBase):
         h = rms_norm(x, self.layers[0].attn_norm, eps)
         for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
             # q [B, H, T, D], k, v [B, Hkv, T, D]; q and k RMS-normed per head (Gemma 3), scaled and rotated
-            q, k, v = qkv_heads(layer.qkv(h, p), H, Hkv, *rotations[self.layer_types[index]], layer.qk_norm, eps)
+            q, k, v = qkv_heads(layer.qkv(h, p), H, Hkv, *rotations[self.layer_types[index]], layer.qk_norm, eps,
+                                threads=p.threads)
             o = cache.attend(index, q, k, v, self.scale,
                              cfg.attention_softcapping)  # [B, H, T, D]
             attended = linear(merge_heads(o), layer.o, products=p)  # [B, T, C]
-            x, h = add_rms_norm(x, attended, layer.mlp_norm, eps, layer.post_attn_norm)
-            mlp = linear(gated(layer.gate_up(h, p), cfg.hidden_act), layer.down, products=p)  # [B, T, C]
+            x, h = add_rms_norm(x, attended, layer.mlp_norm, eps, layer.post_attn_norm, threads=p.threads)
+            mlp = linear(gated(layer.gate_up(h, p), cfg.hidden_act, threads=p.threads), layer.down, products=p)  # [B, T, C]
             # the last block's output goes through the final norm (row-wise, so before output_rows)
-            x, h = add_rms_norm(x, mlp, next_norm, eps, layer.post_mlp_norm)
+            x, h = add_rms_norm(x, mlp, next_norm, eps, layer.post_mlp_norm, threads=p.threads)
         rows = self.output_rows(h, all_logits, logits_at)  # [B, T or K or 1, C]
         return rows if hidden else self.head(rows, p)  # hidden: the final-normed states (embeddings)
 

@@ -239,19 +239,19 @@ class LlamaModel(ModelBase):
                 x, h = block  # the same ops from C++ (models/llama_decode.py)
                 continue
             # [B, H or Hkv, T, D]: q and k normed per head (Qwen3) and rotated
-            q, k, v = qkv_heads(layer.qkv(h, p), H, Hkv, *rotary, layer.qk_norm, cfg.norm_eps)
+            q, k, v = qkv_heads(layer.qkv(h, p), H, Hkv, *rotary, layer.qk_norm, cfg.norm_eps, threads=p.threads)
             o = cache.attend(index, q, k, v, self.scale)  # [B, H, T, D]
             o = o.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
             attended = linear(o, layer.o, layer.o_bias, products=p)  # [B, T, C]
             if residual_scale != 1.0:
                 attended = attended * residual_scale  # Granite
-            x, h = add_rms_norm(x, attended, layer.mlp_norm, cfg.norm_eps)
-            mlp = linear(gated(layer.gate_up(h, p), cfg.hidden_act), layer.down, layer.down_bias,
+            x, h = add_rms_norm(x, attended, layer.mlp_norm, cfg.norm_eps, threads=p.threads)
+            mlp = linear(gated(layer.gate_up(h, p), cfg.hidden_act, threads=p.threads), layer.down, layer.down_bias,
                          products=p)  # [B, T, C]
             if residual_scale != 1.0:
                 mlp = mlp * residual_scale
             # the last block's output goes through the final norm (row-wise, so before output_rows)
-            x, h = add_rms_norm(x, mlp, next_norm, cfg.norm_eps)
+            x, h = add_rms_norm(x, mlp, next_norm, cfg.norm_eps, threads=p.threads)
         rows = self.output_rows(h, all_logits, logits_at)  # [B, T or K or 1, C]
         return rows if hidden else self.head(rows, p)  # hidden: the final-normed states (embeddings)
 

@@ -1,0 +1,72 @@
+"""A prompt's attention in query chunks over the keys each chunk can see (layers/attention.py's
+``QUERY_CHUNK`` / ``KEY_MULTIPLE``): the same bits as SDPA over every key under the whole mask, for a
+causal prompt, a padded batch, a sliding window, a per-head position bias and prompts that do not fill
+their last chunk; the key counts it reads; and masks that hide nothing run as one SDPA call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastdecode.layers import attention as attention_module
+from fastdecode.layers.attention import KEY_MULTIPLE, QUERY_CHUNK, attention, position_mask
+
+
+def sdpa_reference(q, k, v, mask, scale):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def operands(B, H, Hkv, T, S, D, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, T, D, generator=generator), torch.randn(B, Hkv, S, D, generator=generator),
+            torch.randn(B, Hkv, S, D, generator=generator))
+
+
+def prompt_distance(B, T, S, first=0):
+    """Key minus query position [B, T, S] for prompts whose queries start at ``first``."""
+    return (torch.arange(S)[None, None, :] - torch.arange(first, first + T)[None, :, None]).expand(B, T, S)
+
+
+@pytest.mark.parametrize("T, S", [(512, 512), (600, 640), (257, 512), (1000, 1024)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_causal_prompt_gets_the_bits_of_sdpa_over_every_key(T, S, threads):
+    torch.set_num_threads(threads)
+    try:
+        q, k, v = operands(1, 9, 3, T, S, 64)
+        mask = position_mask(prompt_distance(1, T, S), None, None, torch.float32)
+        out = attention(q, k, v, mask, 0.125, threads=threads)
+        assert torch.equal(out, sdpa_reference(q, k, v, mask, 0.125))
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_the_chunks_read_the_keys_they_can_see_rounded_up():
+    T = S = 1000
+    mask = position_mask(prompt_distance(1, T, S), None, None, torch.float32)
+    expected = [min(S, -(-min(T, start + QUERY_CHUNK) // KEY_MULTIPLE) * KEY_MULTIPLE)
+                for start in range(0, T, QUERY_CHUNK)]
+    assert attention_module._key_extents(mask) == expected == [256, 512, 768, 1000]
+
+
+def test_a_padded_batch_a_window_and_a_position_bias_keep_their_bits():
+    B, H, T, S, D = 2, 4, 520, 768, 32
+    q, k, v = operands(B, H, H, T, S, D, seed=1)
+    distance = prompt_distance(B, T, S).clone()
+    distance[1, :, 700:] = 1  # the second row's last keys hidden (padding)
+    slopes = torch.tensor([2.0 ** -(h + 1) for h in range(H)])
+    for window, bias in [(None, None), (300, None), (None, lambda d: slopes[None, :, None, None] * d[:, None])]:
+        mask = position_mask(distance, window, bias, torch.float32)
+        assert torch.equal(attention(q, k, v, mask, D**-0.5, threads=1), sdpa_reference(q, k, v, mask, D**-0.5))
+
+
+def test_a_mask_that_hides_no_key_chunk_is_one_call(monkeypatch):
+    T = S = 600
+    q, k, v = operands(1, 2, 2, T, S, 16)
+    mask = torch.zeros(1, 1, T, S)  # every key visible to every query
+    assert attention_module._key_extents(mask) is None
+    calls = []
+    real = attention_module._sdpa
+    monkeypatch.setattr(attention_module, "_sdpa", lambda *args: calls.append(args[0].shape) or real(*args))
+    assert torch.equal(attention(q, k, v, mask, 0.25, threads=1), sdpa_reference(q, k, v, mask, 0.25))
+    assert calls == [torch.Size([1, 2, T, 16])]
