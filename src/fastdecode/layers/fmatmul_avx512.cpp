@@ -9,6 +9,8 @@
 // of the range (a beam step's logits layer: 5 rows x 51865 columns), not 48 columns at a time. Each
 // output's arithmetic is the contract's: one FMA chain per segment from 0 in k order, the segment sums
 // added in order, then the bias, so a row's bits depend neither on the other rows nor on the ISA.
+// 9 to 16 rows (a serving step) hold every row's sums of one 16-column vector instead (tall_tile_segment), so
+// each weight is loaded once per step; more rows copy each block of w once for several 8-row groups.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -111,19 +113,29 @@ void tall_tile_segment(const float* x, int64_t K, const W* w0, int64_t N, float*
   }
 }
 
-// Columns [n0, n1) of RB rows (9 to 16) by tall_tile_segment: segment after segment, passes along the range in each.
-template <int RB, typename W>
-void tall_rows(const float* x, int64_t K, const W* w, int64_t N, float* y, int64_t n0, int64_t n1) {
+// The in-place passes over columns [n0, n1) of K rows of w: segment after segment, passes of WIDTH columns along
+// the range in each; pass(s0, s1, n, width, ahead_until, ahead) runs one, `ahead` pointing at the pass PASSES_AHEAD
+// later in this order (in a later segment's rows past the range's last pass: its columns are in flight by the
+// time it runs), prefetched while k < ahead_until.
+template <typename Pass>
+void in_place_passes(int64_t K, int64_t N, int64_t n0, int64_t n1, Pass pass) {
   const int64_t passes = (n1 - n0 + WIDTH - 1) / WIDTH;  // per segment
   for (int64_t s0 = 0; s0 < K; s0 += FLOAT_SEGMENT) {
     const int64_t s1 = std::min(K, s0 + FLOAT_SEGMENT);
     for (int64_t p = 0; p < passes; ++p) {
-      const int64_t n = n0 + p * WIDTH;
       const int64_t later = p + PASSES_AHEAD, rows_down = later / passes * FLOAT_SEGMENT;
-      const int64_t ahead = rows_down * N + (later % passes - p) * WIDTH;
-      tall_tile_segment<RB>(x, K, w + s0 * N + n, N, y, n, std::min(WIDTH, n1 - n), s0, s1, K - rows_down, ahead);
+      const int64_t n = n0 + p * WIDTH;
+      pass(s0, s1, n, std::min(WIDTH, n1 - n), K - rows_down, rows_down * N + (later % passes - p) * WIDTH);
     }
   }
+}
+
+// Columns [n0, n1) of RB rows (9 to 16) by tall_tile_segment, in place.
+template <int RB, typename W>
+void tall_rows(const float* x, int64_t K, const W* w, int64_t N, float* y, int64_t n0, int64_t n1) {
+  in_place_passes(K, N, n0, n1, [&](int64_t s0, int64_t s1, int64_t n, int64_t width, int64_t until, int64_t ahead) {
+    tall_tile_segment<RB>(x, K, w + s0 * N + n, N, y, n, width, s0, s1, until, ahead);
+  });
 }
 
 template <typename W>
@@ -205,18 +217,9 @@ void rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const flo
       }
     }
   } else {
-    const int64_t passes = (n1 - n0 + WIDTH - 1) / WIDTH;  // per segment
-    for (int64_t s0 = 0; s0 < K; s0 += FLOAT_SEGMENT) {
-      const int64_t s1 = std::min(K, s0 + FLOAT_SEGMENT);
-      for (int64_t p = 0; p < passes; ++p) {
-        const int64_t n = n0 + p * WIDTH;
-        // the pass PASSES_AHEAD later in this order (segment after segment, passes along the range in each), in a
-        // later segment's rows past the range's last pass: its columns are in flight by the time it runs
-        const int64_t later = p + PASSES_AHEAD, rows_down = later / passes * FLOAT_SEGMENT;
-        const int64_t ahead = rows_down * N + (later % passes - p) * WIDTH;
-        row_groups<false>(x, M, K, w + s0 * N + n, N, y, n, std::min(WIDTH, n1 - n), s0, s1, K - rows_down, ahead);
-      }
-    }
+    in_place_passes(K, N, n0, n1, [&](int64_t s0, int64_t s1, int64_t n, int64_t width, int64_t until, int64_t ahead) {
+      row_groups<false>(x, M, K, w + s0 * N + n, N, y, n, width, s0, s1, until, ahead);
+    });
   }
   if (bias == nullptr) return;
   for (int64_t m = 0; m < M; ++m)
