@@ -63,7 +63,7 @@ def test_a_row_gets_the_same_bits_at_every_row_count_thread_count_and_position(K
     w, bias, x = weights(K, N, seed=7)
     op = ops.float_matmul
     alone = torch.cat([op(x[m : m + 1], w, bias, 1) for m in range(40)])
-    for M in (2, 3, 7, 8, 13, 40):
+    for M in (2, 3, 7, 8, 13, 16, 40):
         for threads in (1, 2):
             assert torch.equal(op(x[:M], w, bias, threads), alone[:M]), (M, threads)
     shuffled = torch.randperm(40, generator=torch.Generator().manual_seed(1))
@@ -98,7 +98,7 @@ def test_the_avx512_kernel_for_several_rows_gives_the_avx2_bits(K, N):
     chunks of several packed blocks (70 x 9000: chunks of 1152 columns, a last block of 168) and 1 or 2 threads."""
     w, bias, x = weights(K, N, seed=K * 3 + N)
     try:
-        for M in (2, 3, 5, 8, 9, 12, 17, 33, 40):
+        for M in (2, 3, 5, 8, 9, 12, 16, 17, 33, 40):
             for threads in (1, 2):
                 assert ops.set_avx512(True)
                 fast = ops.float_matmul(x[:M], w, bias, threads)
@@ -173,7 +173,7 @@ def test_a_float16_held_weight_gives_the_float32_bits(K, N):
     try:
         for isa in {avx512, False}:
             ops.set_avx512(isa)
-            for M in (1, 2, 3, 5, 8, 9, 17):
+            for M in (1, 2, 3, 5, 8, 9, 16, 17):
                 for threads in (1, 2):
                     for b in (None, bias):
                         assert torch.equal(ops.float_matmul(x[:M], half, b, threads),

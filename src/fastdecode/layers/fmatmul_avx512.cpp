@@ -9,6 +9,8 @@
 // of the range (a beam step's logits layer: 5 rows x 51865 columns), not 48 columns at a time. Each
 // output's arithmetic is the contract's: one FMA chain per segment from 0 in k order, the segment sums
 // added in order, then the bias, so a row's bits depend neither on the other rows nor on the ISA.
+// 9 to 16 rows (a serving step) hold every row's sums of one 16-column vector instead (tall_tile_segment), so
+// each weight is loaded once per step; more rows copy each block of w once for several 8-row groups.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -83,7 +85,74 @@ void tile_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y, i
     }
 }
 
-// Several row groups (M > 8) read the same weights: each segment's rows of w for a block of PACK_COLUMNS columns
+// 9 to 16 rows (a serving step's decode rows): all rows' sums of one 16-column vector in registers (up to 16 of
+// them) while a segment's rows of w stream by in place, so every weight is loaded once for every row (one load and
+// RB broadcasts per RB multiply-adds). The pass's three vectors run one after the other (adjacent lines of each
+// row of w); the first prefetches the pass PASSES_AHEAD later, as tile_segment does. The same operations per output.
+template <int RB, typename W>
+void tall_tile_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y, int64_t n, int64_t width,
+                       int64_t s0, int64_t s1, int64_t ahead_until, int64_t ahead) {
+  for (int v = 0; v < NV && 16 * v < width; ++v) {
+    const int64_t valid = std::min<int64_t>(width - 16 * v, 16);
+    const __mmask16 mask = static_cast<__mmask16>(valid == 16 ? 0xFFFF : (1u << valid) - 1);
+    __m512 acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = s0; k < s1; ++k) {
+      const W* wk = w0 + (k - s0) * N;
+      if (v == 0 && k < ahead_until)
+        for (int64_t byte = 0; byte < WIDTH * static_cast<int64_t>(sizeof(W)); byte += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T0);
+      const __m512 wv = load16(wk + 16 * v, valid == 16, mask);
+      for (int r = 0; r < RB; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), wv, acc[r]);
+    }
+    for (int r = 0; r < RB; ++r) {
+      float* t = y + r * N + n + 16 * v;
+      const __m512 sum = s0 == 0 ? acc[r] : _mm512_add_ps(_mm512_maskz_loadu_ps(mask, t), acc[r]);
+      _mm512_mask_storeu_ps(t, mask, sum);
+    }
+  }
+}
+
+// The in-place passes over columns [n0, n1) of K rows of w: segment after segment, passes of WIDTH columns along
+// the range in each; pass(s0, s1, n, width, ahead_until, ahead) runs one, `ahead` pointing at the pass PASSES_AHEAD
+// later in this order (in a later segment's rows past the range's last pass: its columns are in flight by the
+// time it runs), prefetched while k < ahead_until.
+template <typename Pass>
+void in_place_passes(int64_t K, int64_t N, int64_t n0, int64_t n1, Pass pass) {
+  const int64_t passes = (n1 - n0 + WIDTH - 1) / WIDTH;  // per segment
+  for (int64_t s0 = 0; s0 < K; s0 += FLOAT_SEGMENT) {
+    const int64_t s1 = std::min(K, s0 + FLOAT_SEGMENT);
+    for (int64_t p = 0; p < passes; ++p) {
+      const int64_t later = p + PASSES_AHEAD, rows_down = later / passes * FLOAT_SEGMENT;
+      const int64_t n = n0 + p * WIDTH;
+      pass(s0, s1, n, std::min(WIDTH, n1 - n), K - rows_down, rows_down * N + (later % passes - p) * WIDTH);
+    }
+  }
+}
+
+// Columns [n0, n1) of RB rows (9 to 16) by tall_tile_segment, in place.
+template <int RB, typename W>
+void tall_rows(const float* x, int64_t K, const W* w, int64_t N, float* y, int64_t n0, int64_t n1) {
+  in_place_passes(K, N, n0, n1, [&](int64_t s0, int64_t s1, int64_t n, int64_t width, int64_t until, int64_t ahead) {
+    tall_tile_segment<RB>(x, K, w + s0 * N + n, N, y, n, width, s0, s1, until, ahead);
+  });
+}
+
+template <typename W>
+void tall(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t n0, int64_t n1) {
+  switch (M) {
+    case 9: return tall_rows<9>(x, K, w, N, y, n0, n1);
+    case 10: return tall_rows<10>(x, K, w, N, y, n0, n1);
+    case 11: return tall_rows<11>(x, K, w, N, y, n0, n1);
+    case 12: return tall_rows<12>(x, K, w, N, y, n0, n1);
+    case 13: return tall_rows<13>(x, K, w, N, y, n0, n1);
+    case 14: return tall_rows<14>(x, K, w, N, y, n0, n1);
+    case 15: return tall_rows<15>(x, K, w, N, y, n0, n1);
+    default: return tall_rows<16>(x, K, w, N, y, n0, n1);
+  }
+}
+
+// Several row groups (M > 16) read the same weights: each segment's rows of w for a block of PACK_COLUMNS columns
 // are first copied (a float16 weight widened) into a buffer laid out pass by pass ([pass][k][WIDTH], zero past
 // the block's end), which every row group then reads from L1/L2. Read in place instead, a pass's 64 rows of w lie
 // N apart, and where N * 4 bytes is a multiple of 4 KiB (a 3072-wide FFN, a 49152-word logits layer) they all
@@ -133,7 +202,9 @@ void row_groups(const float* x, int64_t M, int64_t K, const W* w0, int64_t N, fl
 template <typename W>
 void rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* y, int64_t n0,
           int64_t n1) {
-  if (M > 8) {
+  if (M > 8 && M <= 16) {
+    tall(x, M, K, w, N, y, n0, n1);
+  } else if (M > 8) {
     alignas(64) float packed[FLOAT_SEGMENT * PACK_COLUMNS];
     for (int64_t nb = n0; nb < n1; nb += PACK_COLUMNS) {
       const int64_t block = std::min(PACK_COLUMNS, n1 - nb);
@@ -146,18 +217,9 @@ void rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const flo
       }
     }
   } else {
-    const int64_t passes = (n1 - n0 + WIDTH - 1) / WIDTH;  // per segment
-    for (int64_t s0 = 0; s0 < K; s0 += FLOAT_SEGMENT) {
-      const int64_t s1 = std::min(K, s0 + FLOAT_SEGMENT);
-      for (int64_t p = 0; p < passes; ++p) {
-        const int64_t n = n0 + p * WIDTH;
-        // the pass PASSES_AHEAD later in this order (segment after segment, passes along the range in each), in a
-        // later segment's rows past the range's last pass: its columns are in flight by the time it runs
-        const int64_t later = p + PASSES_AHEAD, rows_down = later / passes * FLOAT_SEGMENT;
-        const int64_t ahead = rows_down * N + (later % passes - p) * WIDTH;
-        row_groups<false>(x, M, K, w + s0 * N + n, N, y, n, std::min(WIDTH, n1 - n), s0, s1, K - rows_down, ahead);
-      }
-    }
+    in_place_passes(K, N, n0, n1, [&](int64_t s0, int64_t s1, int64_t n, int64_t width, int64_t until, int64_t ahead) {
+      row_groups<false>(x, M, K, w + s0 * N + n, N, y, n, width, s0, s1, until, ahead);
+    });
   }
   if (bias == nullptr) return;
   for (int64_t m = 0; m < M; ++m)
