@@ -73,23 +73,23 @@ class LogitsRules:
     def _stamps_win(logits: torch.Tensor, begin: int) -> list[int]:
         """The rows where logsumexp(logits[row, begin:]) > max(logits[row, :begin]). That total lies
         between the best timestamp's logit and it plus log(timestamps): a row decided by that bound (most
-        steps, by far) needs no logsumexp; only a row within reach takes torch's, so every decision
+        steps) needs no logsumexp; once a row is within reach, torch's totals decide, so every decision
         is the one torch.logsumexp gives (some 15 us a step fewer on one core)."""
         stamps = logits[:, begin:]  # [R, timestamps]
         best_stamp, best_text = stamps.amax(dim=-1).tolist(), logits[:, :begin].amax(dim=-1).tolist()  # [R] each
         reach = math.log(stamps.shape[1]) + 1e-3  # (float32 roundings of the sum: far below 1e-3)
-        wins, close = [], []
+        mass = None  # torch's totals, computed once a row is within reach
+        wins = []
         for row, (stamp, text) in enumerate(zip(best_stamp, best_text)):
             if stamp == float("-inf"):
                 continue  # no timestamp allowed: a total of -inf wins nothing
             if stamp > text:
                 wins.append(row)  # the total is at least its largest term
             elif stamp + reach + 1e-4 * abs(stamp) >= text:
-                close.append(row)
-        if close:
-            mass = torch.logsumexp(stamps[close], dim=-1)  # [close]
-            wins += [row for row, win in zip(close, (mass > logits[close, :begin].amax(dim=-1)).tolist()) if win]
-        return sorted(wins)
+                mass = torch.logsumexp(stamps, dim=-1).tolist() if mass is None else mass  # [R]
+                if mass[row] > text:  # (float32 values compared as Python floats: the same order)
+                    wins.append(row)
+        return wins
 
 
 def _last_timestamp(tokens: list[int], begin: int) -> int | None:
