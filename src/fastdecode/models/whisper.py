@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..config import EncoderDecoderConfig, derived_head_dim
 from ..errors import CheckpointError, UnsupportedModelError
 from ..layers.gemm import activated
-from ..layers.linear import float_kernel_serves
+from ..layers.linear import embed, float_kernel_serves
 from ..layers.products import KernelChoice, Products
 from ..layers.threads import on_one_thread, threads_for
 from .bart import _DECODER_LAYER, _ENCODER_LAYER, BartModel
@@ -31,6 +31,7 @@ from .whisper_decode import FusedCrossDecode
 from .base import token_id_list
 
 N_FRAMES = 3000  # 30 s of 10 ms feature frames: the encoder's fixed input length
+TOKEN_ROWS_KEPT = 4096  # decoder embedding rows a model keeps widened (base: 8 MB at most)
 
 
 @dataclass
@@ -239,6 +240,7 @@ class WhisperModel(BartModel):
         self.conv1 = (weights["encoder.conv1.weight"], weights["encoder.conv1.bias"])  # [C, M, 3], [C]
         self.conv2 = (weights["encoder.conv2.weight"], weights["encoder.conv2.bias"])  # [C, C, 3], [C]
         self.cross_dtype = cross_dtype or self.dtype
+        self._token_rows: dict[int, torch.Tensor] = {}  # token id -> its embedding row [C] in the model's dtype
         self.fused_layers = FusedCrossDecode.for_model(self)  # pure decode steps: one op per layer (not
         # ``fused_decode``: beams fold as before, engine/beam_group.py's folds_beams)
 
@@ -254,6 +256,24 @@ class WhisperModel(BartModel):
         if k.dtype == self.cross_dtype:
             return k, v
         return k.to(self.cross_dtype), v.to(self.cross_dtype)
+
+    def _embed(self, stack, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``BartModel._embed`` (Whisper has no embedding scale or norm), the decoder's token rows taken
+        from a cache of widened rows. The tied table is the logits layer's buffer: an int8 one decodes
+        each row looked up, a float16-held one gathers C values a vocabulary apart and widens them, some
+        0.15 ms of a 3.5 ms tiny.en int8 step. The same values: a row is decoded or widened alone."""
+        if stack is not self.decoder:
+            return super()._embed(stack, tokens, positions)
+        rows = self._token_rows
+        ids = tokens.reshape(-1).tolist()
+        missing = [i for i in dict.fromkeys(ids) if i not in rows]
+        if missing:
+            if len(rows) + len(missing) > TOKEN_ROWS_KEPT:
+                rows.clear()
+            looked_up = embed(torch.tensor(missing, device=tokens.device), self.embed).to(self.dtype)  # [n, C]
+            rows.update(zip(missing, looked_up.unbind(0)))
+        x = torch.stack([rows[i] for i in ids]).view(*tokens.shape, -1)  # [B, T, C]
+        return x + F.embedding(positions + self.config.position_offset, stack.positions)  # [B or 1, T, C]
 
     def encode(self, features: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Log-mel features [B, M, 3000] -> encoder output [B, 1500, C], on the caller's threads. Its

@@ -180,14 +180,16 @@ class WindowSearch:
         return WindowResult(tokens, score, probability)
 
 
+_NO_BANS = torch.zeros(0, dtype=torch.long)  # the rules have masked the logits already
+
+
 def best_candidates(masked: torch.Tensor, running: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``keep`` best continuations of rows with logits ``masked`` [R, V] (the rules applied) and
     summed log-probabilities ``running`` [R]: their scores running[r] + log_softmax(masked)[r, v]
     and flat indices r * V + v [keep], best first (ties: the lower index). One pass of the C++ op
     (layers/beam_search.cpp: no [R, V] tensor written, no sort) where it is built, else PyTorch."""
     if ops.available() and masked.is_cpu:
-        no_bans = torch.zeros(0, dtype=torch.long)
-        scores, flat = ops.beam_candidates(masked.contiguous(), running, no_bans, masked.shape[0], keep, 1)
+        scores, flat = ops.beam_candidates(masked.contiguous(), running, _NO_BANS, masked.shape[0], keep, 1)
         return scores[0], flat[0]
     total = torch.log_softmax(masked, dim=-1) + running.to(masked.device)[:, None]  # [R, V]
     return total.view(-1).topk(keep)
