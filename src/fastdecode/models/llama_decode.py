@@ -101,29 +101,32 @@ class FusedDecode:
         # every block at once (decode_stack.cpp), for steps whose layers share one attention kind and window
         self.stack = ops.decode_stack_holder(list(zip(self.weights, self.block_kinds)))
         self.stack_op = ops.decode_stack
-        # by (rows, threads, block size, window): each kind's scalars, and all kinds' ints in one list
-        self._args: dict[tuple[int, int, int, int], list[DecodeBlockArgs]] = {}
-        self._stack_ints: dict[tuple[int, int, int, int], list[int]] = {}
+        # by (rows, threads, block size, window): each kind's scalars, and decode_stack's (ints, floats)
+        self._scalars: dict[tuple[int, int, int, int], tuple[list[DecodeBlockArgs], tuple[list[int], list[float]]]] = {}
+
+    def _scalars_for(self, rows: int, threads: int, block_size: int, window: int):
+        """(each kind's ``decode_block`` scalars, ``decode_stack``'s ints and floats) for a forward of ``rows``
+        rows under a thread budget, the cache's block size and a window (0: none); made once per combination."""
+        key = (rows, threads, block_size, window)
+        scalars = self._scalars.get(key)
+        if scalars is None:
+            args = [DecodeBlockArgs(*self.heads, block_size=block_size, window=window, threads=threads,
+                                    attention_min_work=KERNEL_PARALLEL_MIN_WORK, norm_eps=self.norm_eps,
+                                    scale=self.scale,
+                                    products=tuple(BlockProduct(*ints, kernel_threads(rows * inputs * outputs, threads))
+                                                   for ints, (inputs, outputs) in kind))
+                    for kind in self.kinds]
+            stack = ([i for kind_args in args for i in kind_args.ints], args[0].floats)  # kinds' ints in kind order
+            scalars = self._scalars[key] = (args, stack)
+        return scalars
 
     def block_args(self, rows: int, threads: int, block_size: int, window: int) -> list[DecodeBlockArgs]:
-        """Each kind's ``decode_block`` scalars for a forward of ``rows`` rows under a thread budget, the
-        cache's block size and a window (0: none); made once per combination."""
-        key = (rows, threads, block_size, window)
-        args = self._args.get(key)
-        if args is None:
-            args = self._args[key] = [
-                DecodeBlockArgs(*self.heads, block_size=block_size, window=window, threads=threads,
-                                attention_min_work=KERNEL_PARALLEL_MIN_WORK, norm_eps=self.norm_eps, scale=self.scale,
-                                products=tuple(BlockProduct(*ints, kernel_threads(rows * inputs * outputs, threads))
-                                               for ints, (inputs, outputs) in kind))
-                for kind in self.kinds]
-            self._stack_ints[key] = [i for kind_args in args for i in kind_args.ints]
-        return args
+        """Each kind's ``decode_block`` scalars (``_scalars_for``)."""
+        return self._scalars_for(rows, threads, block_size, window)[0]
 
     def stack_scalars(self, rows: int, threads: int, block_size: int, window: int) -> tuple[list[int], list[float]]:
         """``decode_stack``'s ints (every kind's ``decode_block`` ints, in kind order) and floats."""
-        floats = self.block_args(rows, threads, block_size, window)[0].floats
-        return self._stack_ints[rows, threads, block_size, window], floats
+        return self._scalars_for(rows, threads, block_size, window)[1]
 
     @property
     def runs_quantized_products(self) -> bool:
