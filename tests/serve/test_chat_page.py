@@ -87,11 +87,14 @@ def test_chat_page_streams_an_answer_keeps_the_conversation_and_stops(server, ch
     max_tokens.send_keys("200")
     generated = server.service.metrics.generated_tokens._value.get()
     browser.find_element(By.ID, "input").send_keys("Tell me a long story")
+    # Stop as soon as the reply streams, from inside the page: an observer of the page's state clicks Stop when
+    # it turns to streaming (a tiny model's 200 tokens take ~0.3 s, which polling every 0.1 s from here missed)
+    browser.execute_script(
+        "new MutationObserver((changes, observer) => {"
+        "  if (document.body.dataset.state !== 'streaming') return;"
+        "  observer.disconnect(); document.getElementById('stop').click();"
+        "}).observe(document.body, {attributes: true, attributeFilter: ['data-state']});")
     browser.find_element(By.ID, "send").click()
-    # Stop as soon as the reply streams (in the page itself: a tiny model's 200 tokens take ~0.3 s)
-    wait_for(lambda: browser.execute_script(
-        "if (document.body.dataset.state !== 'streaming') return false;"
-        "document.getElementById('stop').click(); return true;"))
     wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".message.assistant[data-done]"))
     assert "stopped" in browser.find_element(By.ID, "stats").text
     wait_for(lambda: server.service.active_sequences() == 0, timeout=10)
