@@ -256,8 +256,9 @@ def lent_spares(work: list[tuple[Sequence, int]]):
 
 
 def fold_runs(work: list[tuple[Sequence, int]]) -> dict[int, tuple[int, int]]:
-    """First row -> (beams, shared blocks) of each group whose beams sit side by side in ``work``
-    and share full prompt blocks: one attention group each, folded against those blocks. Only when
+    """First row -> (beams, shared blocks) of each group whose beams (two or more) sit side by side in
+    ``work`` and share full prompt blocks: one attention group each, folded against those blocks (a
+    group of one beam, a greedy Whisper window, shares its blocks with no row: it stays paged). Only when
     every one-token row of the step is such a beam of a folding group (as the beam engine folded a
     batch only when every sample shared a block): otherwise the step's decodes stay one paged
     group, which the fused C++ decode block serves (models/llama_decode.py). On a float model a
@@ -269,7 +270,7 @@ def fold_runs(work: list[tuple[Sequence, int]]) -> dict[int, tuple[int, int]]:
     while index < len(work):
         sequence, count = work[index]
         K = _beam_run(rows, index) if count == 1 else 0
-        shared = len(sequence.group.root.context) // sequence.group.cache.block_size if K and sequence.group.folds else 0
+        shared = len(sequence.group.root.context) // sequence.group.cache.block_size if K > 1 and sequence.group.folds else 0
         if shared:
             runs[index] = (K, shared)
             index += K
