@@ -12,8 +12,10 @@ returned, imports included; llama.cpp: ``llama-server`` answering ``/health``), 
 after start (a 1-token completion of a short prompt), an untimed warm-up (64 prompt tokens, 4 new),
 prompt processing (``--prompt-tokens`` tokens of README.md, 1 new token: tok/s = prompt tokens /
 wall time), greedy decoding of exactly ``--new-tokens`` tokens after a short code prompt at each of
-``--batches`` (whole call, prompt included: tok/s = batch x new tokens / wall time), and the
-process's peak RSS (VmHWM) at the end. Both engines get the same token ids (fastdecode's tokenizer,
+``--batches`` (whole call, prompt included: tok/s = batch x new tokens / wall time), the same
+prompts with 1 new token (the prompt and first token alone), from which the rate of the call's
+decode steps after the first token (batch x (new tokens - 1) / the difference of the two calls'
+wall times, the same arithmetic for both engines), and the process's peak RSS (VmHWM) at the end. Both engines get the same token ids (fastdecode's tokenizer,
 sent to llama-server as ids), greedy, EOS ignored. ``--wait-for-quiet S``: before each start and
 timed call, wait up to S seconds for the other processes to quiet down (a shared machine). Medians over the repetitions with their range;
 the ratio is fastdecode / llama.cpp within each repetition (the two processes ran back to back), its
@@ -147,7 +149,13 @@ def one_process(process, prompts: dict[str, Any], args, batches: list[int]) -> d
         reply = timed_call(process, prompts["short"][:batch], args.new_tokens, args.wait_for_quiet)
         result[f"batch{batch}_tok_s"] = batch * args.new_tokens / reply["seconds"]
         result[f"batch{batch}_row0"] = reply["rows"][0] if reply["rows"] else None
-        busy.append(reply["other_cores"])
+        # the same prompts with 1 new token: the prompt and first token alone; the rest of the call above is the
+        # new_tokens - 1 decode steps after it (measured alike for both engines)
+        first = timed_call(process, prompts["short"][:batch], 1, args.wait_for_quiet)
+        result[f"batch{batch}_prompt_ms"] = first["seconds"] * 1e3
+        steps_s = reply["seconds"] - first["seconds"]
+        result[f"batch{batch}_decode_tok_s"] = batch * (args.new_tokens - 1) / steps_s if steps_s > 0 else float("nan")
+        busy += [reply["other_cores"], first["other_cores"]]
     result["peak_rss_mb"] = process.peak_rss_kib() / 1024
     result["other_cores"] = max(busy)
     return result
@@ -217,6 +225,10 @@ def variant_report(model: str, threads: int, name: str, ours: list[dict], theirs
 
     for batch in batches:
         row(f"batch {batch}, {args.new_tokens} new tokens (tok/s)", f"batch{batch}_tok_s", 1, True)
+        if all(f"batch{batch}_prompt_ms" in r for r in ours + theirs):  # (a --json file of an earlier version: not)
+            row(f"batch {batch}: its prompt and first token (ms)", f"batch{batch}_prompt_ms", 1, False)
+            row(f"batch {batch}: the {args.new_tokens - 1} steps after them (tok/s)", f"batch{batch}_decode_tok_s", 1,
+                True)
     row(f"{args.prompt_tokens}-token prompt processing (tok/s)", "prompt_tok_s", 0, True)
     row("load: process start to ready (s)", "load_s", 2, False)
     row("first token after process start (s)", "first_token_s", 2, False)

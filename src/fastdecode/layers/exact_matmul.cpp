@@ -24,6 +24,7 @@
 #include "kscales.h"
 #include "parallel.h"
 #include "qrows.h"
+#include "qtiles.h"
 
 namespace fastdecode {
 namespace avx512 {
@@ -102,15 +103,25 @@ at::Tensor exact_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at:
   // chunk_work: a prompt's product is a long job (512 x 1536 x 1792, Qwen's Q/K: 27 ms on one core) in few pieces,
   // handed out even while the helpers sleep; without it it ran on the caller alone (the same 27 ms on 2 threads)
   fastdecode::parallel_chunks(pieces, 1, threads, [&](int64_t p0, int64_t p1) {
-    thread_local std::vector<float> interleaved;  // (reused: a piece of K = 8960 is 2.3 MB)
+    thread_local std::vector<float> interleaved, decoded;  // (reused: a piece of K = 8960 is 2.3 MB)
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * chunk, n = std::min(chunk, N - n0);
       const int64_t lead0 = n0 / tile, lead1 = (n0 + n + tile - 1) / tile;  // chunk is a multiple of 8
-      const c10::optional<at::Tensor> piece_mins =
-          mins.has_value() && mins->defined() ? c10::optional<at::Tensor>(mins->slice(0, lead0, lead1)) : c10::nullopt;
-      const at::Tensor w = dequantize(codes.slice(0, lead0, lead1), scale.slice(0, lead0, lead1), piece_mins, bits,
-                                      group, tiled ? n : -1);  // [n, K]
-      const float* wp = w.data_ptr<float>();
+      // [n, K]: a tiled weight's tiles decoded straight into this thread's buffer (the dequantize op's code and
+      // bits, without its dispatch, slices and allocation: a short prompt's products are hundreds of pieces)
+      at::Tensor w;
+      const float* wp = nullptr;
+      if (tiled) {
+        decoded.resize(n * K);
+        if (fastdecode::tiled_dequantize_range(codes, scale, mins, bits, N, lead0, lead1, decoded.data())) wp = decoded.data();
+      }
+      if (wp == nullptr) {
+        const c10::optional<at::Tensor> piece_mins =
+            mins.has_value() && mins->defined() ? c10::optional<at::Tensor>(mins->slice(0, lead0, lead1)) : c10::nullopt;
+        w = dequantize(codes.slice(0, lead0, lead1), scale.slice(0, lead0, lead1), piece_mins, bits, group,
+                       tiled ? n : -1);
+        wp = w.data_ptr<float>();
+      }
       if (paired) {
         interleaved.resize(n * K);
         fastdecode::avx512::interleave_pairs(wp, n, K, interleaved.data());

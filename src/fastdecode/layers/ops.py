@@ -226,8 +226,13 @@ def decode_stack(stack, x: Tensor, h: Tensor, ints: list[int], floats: list[floa
                  positions: Tensor) -> tuple[Tensor, Tensor]:
     """Every block of ``stack`` in order for a pure decode step of a model whose layers share one attention
     kind: (x, h) [1, N, C] -> after the last block. ``ints``: each kind's ``DecodeBlockArgs.ints`` in kind
-    order; ``floats`` and the step's tensors: ``decode_block``'s; keys, values: every layer's pool."""
-    return _ops().decode_stack(stack, x, h, ints, floats, cos, sin, keys, values, slots, table, key_start, positions)
+    order; ``floats`` and the step's tensors: ``decode_block``'s; keys, values: every layer's pool.
+    Called through the overload's C++ entry point (``_op``): the overload of an op taking a TorchBind object
+    walks every argument in Python first, both pool lists included, looking for the fake objects that only
+    tracing makes (~50 us a step over SmolLM2's 30 layers); this op never runs under tracing
+    (models/llama_decode.py's ``step``)."""
+    return _ops().decode_stack._op(stack, x, h, ints, floats, cos, sin, keys, values, slots, table, key_start,
+                                   positions)
 
 
 def argmax_rows(logits: Tensor) -> Tensor:

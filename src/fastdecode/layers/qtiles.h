@@ -14,4 +14,9 @@ at::Tensor tiled_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at:
 at::Tensor tiled_dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
                             int64_t bits, int64_t outputs, int64_t threads);
 
+// Tiles [t0, t1) of those weights (rows t0 * 8 .. min(outputs, t1 * 8) - 1, the same bits) into `out`, K floats
+// apart, on this thread, without a tensor: false (nothing written) for compact K-quant scales.
+bool tiled_dequantize_range(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
+                            int64_t bits, int64_t outputs, int64_t t0, int64_t t1, float* out);
+
 }  // namespace fastdecode
