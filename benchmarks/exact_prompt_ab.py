@@ -98,7 +98,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {tree: [] for tree in trees}
     for rep in range(args.reps):
         for tree in trees:
-            command = [sys.executable, __file__, "--worker", "--trees", tree, "--rows", str(args.rows), "--jobs", args.jobs]
+            command = [sys.executable, __file__, "--worker", "--trees", tree, "--rows", str(args.rows),
+                       "--jobs", args.jobs]
             if args.qwen:
                 command += ["--qwen", args.qwen]
             done = subprocess.run(command, env=dict(os.environ, PYTHONPATH=tree), capture_output=True, text=True)

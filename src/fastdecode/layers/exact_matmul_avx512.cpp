@@ -19,27 +19,24 @@ namespace fastdecode {
 namespace avx512 {
 namespace {
 
-// y[r, 2p], y[r, 2p + 1] = x[r] . w[2p], x[r] . w[2p + 1] for RB rows and NP output pairs, pair p's 2K floats
-// from w + 2pK: as decoded (the two outputs' rows, K floats apart), or PAIRED (interleave_pairs: each 8 inputs of
-// both outputs in one 16-float run, loaded as one register: a vector op fewer per NP x RB FMAs). The same FMAs
-// in the same order either way: the same bits.
+// registers of pairs (p, q) -> per 128-bit lane: [p.l0-3 + p.l4-7][p'.l0-3 + p'.l4-7][q ...][q' ...] (p' the
+// pair's second output): lanes (s0, s1, s2, s3) = (l0 + l4, l1 + l5, l2 + l6, l3 + l7)
+inline __m512 add_halves(__m512 p, __m512 q) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
+}
+// two of those (c: outputs 0-3, d: outputs 4-7) -> per 128-bit lane i: (s0 + s2, s1 + s3) of output i, then of i + 4
+inline __m512 add_quarters(__m512 c, __m512 d) {
+  return _mm512_add_ps(_mm512_shuffle_ps(c, d, 0x44), _mm512_shuffle_ps(c, d, 0xEE));
+}
+
 // The sums of 2 rows x 4 output pairs (a: row 0's pairs, b: row 1's) -> y0[0..8), y1[0..8) (or only y0 where
-// y1 is null), every one by quant::hsum's tree on its 8 lanes l0..l7, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)),
-// each addition with the same operands in the same order: the same bits. The 16 sums are formed side by side (7
-// vector additions and 15 shuffles for 16 sums, against 16 x 3 additions and 4 shuffles one at a time: at K = 576
-// the one-at-a-time sums were a seventh of the kernel's time).
+// y1 is null), each by quant::hsum's tree on its 8 lanes l0..l7, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)),
+// every addition with the same operands in the same order: the same bits. The 16 sums are formed side by side
+// (7 vector additions, 14 shuffles and a permutation, against 16 x (3 additions, 4 shuffles) one at a time: at
+// K = 576 the one-at-a-time sums were a seventh of the kernel's time).
 inline void reduce_rows_2x4(const __m512* a, const __m512* b, float* y0, float* y1) {
-  // register of pairs (p, q) -> per 128-bit lane: [p.l0-3 + p.l4-7][p'.l0-3 + p'.l4-7][q ...][q' ...]
-  // (p' the pair's second output): lanes (s0, s1, s2, s3) = (l0 + l4, l1 + l5, l2 + l6, l3 + l7)
-  auto halves = [](__m512 p, __m512 q) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
-  };
-  const __m512 a01 = halves(a[0], a[1]), a23 = halves(a[2], a[3]), b01 = halves(b[0], b[1]), b23 = halves(b[2], b[3]);
-  // per 128-bit lane i: (s0 + s2, s1 + s3) of output i, then of output i + 4
-  auto quarters = [](__m512 c, __m512 d) {
-    return _mm512_add_ps(_mm512_shuffle_ps(c, d, 0x44), _mm512_shuffle_ps(c, d, 0xEE));
-  };
-  const __m512 ta = quarters(a01, a23), tb = quarters(b01, b23);
+  const __m512 ta = add_quarters(add_halves(a[0], a[1]), add_halves(a[2], a[3]));
+  const __m512 tb = add_quarters(add_halves(b[0], b[1]), add_halves(b[2], b[3]));
   // per 128-bit lane i: the sums of outputs i, i + 4 of row 0, then of row 1
   const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(ta, tb, 0x88), _mm512_shuffle_ps(ta, tb, 0xDD));
   const __m512 ordered =  // [row 0: outputs 0..7][row 1: outputs 0..7]
@@ -48,10 +45,9 @@ inline void reduce_rows_2x4(const __m512* a, const __m512* b, float* y0, float* 
   if (y1 != nullptr) _mm256_storeu_ps(y1, _mm512_extractf32x8_ps(ordered, 1));
 }
 
-// Inputs per pass over a group's weights: the 4 pairs' slice (4 x 2 x KC floats, 16 KB at KC = 512) stays in L1 while
-// the row blocks of a chunk go by; up to MAX_PASS inputs in one pass (K = 576: SmolLM2's whole rows), else passes of
-// about PASS_INPUTS (K = 1536: 3 of 512). Measured at 510 rows on one loaded core (kernel alone): 576 -> 960, 110 ->
-// 128 GFLOP/s (pairs outer, one pass); 1536 -> 1536, 102 -> 110 (passes of 512; one pass: 104).
+// Inputs per pass over a group's weights: the 4 pairs' slice (4 x 2 x KC floats, 16 KB at KC = 512) stays in L1
+// while the row blocks of a chunk go by; up to MAX_PASS inputs in one pass (K = 576: SmolLM2's whole rows), else
+// passes of about PASS_INPUTS (K = 1536: 3 of 512; passes of 256, 384, 768 or one pass were slower there).
 constexpr int64_t PASS_INPUTS = 512, MAX_PASS = 640;
 constexpr int64_t MAX_ROWS = 48;  // rows per call of rows_of (exact_matmul.cpp's ROW_CHUNK): the carried sums' room
 
