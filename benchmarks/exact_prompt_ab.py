@@ -2,7 +2,7 @@
 """Prompt rows' exact float products (layers/exact_matmul.cpp) under two source trees, A/B (issue 29).
 
     python benchmarks/exact_prompt_ab.py --trees /work/wt-b1/src,/work/wt-exact/src [--reps 5] [--rows 512]
-        [--jobs kernel,ops,prompt] [--qwen ~/.cache/fastdecode/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf]
+        [--jobs kernel,ops,prompt,qwen] [--qwen ~/.cache/fastdecode/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf]
 
 Each repetition runs one fresh process per tree, the trees alternating (drift in the machine's load hits
 both alike), each with ``PYTHONPATH`` set to its tree, torch on 1 thread. Timed by the thread's CPU time
@@ -13,7 +13,7 @@ the repetitions:
   shapes: SmolLM2-135M's Q4_1 Q/K/V (576 -> 960) and O (576 -> 576), Qwen2.5-1.5B's Q4_K Q/K/V
   (1536 -> 2048) and O (1536 -> 1536): ms and GFLOP/s (2 x rows x inputs x outputs per call);
 * prompt: the embedded SmolLM2-135M Q4_1 on a 512-token prompt (README text), 1 new token, 1 thread: CPU ms;
-* with ``--qwen PATH``: the same 512-token prompt on that GGUF (best of 2 calls; slow at 1 thread);
+* qwen: the same 512-token prompt on the GGUF given with ``--qwen`` (best of 2 calls; slow at 1 thread);
 * kernel (two trees, AVX-512 CPUs): the AVX-512 multiply of both trees' layers/exact_matmul_avx512.cpp in ONE
   process, calls alternating (benchmarks/exact_kernel_ab.cpp, built here with the C++ compiler): the steadiest
   A/B on a shared machine; decoded weights, the shapes above, best and median GFLOP/s of 4 x ``--reps`` calls,
@@ -117,7 +117,7 @@ def worker(jobs: list[str], rows: int, qwen: str | None) -> None:
             result[label + " GFLOP/s"] = 2 * rows * inputs * outputs / ms / 1e6
     if "prompt" in jobs:
         result["embedded 512-token prompt CPU ms"] = _prompt_ms(fastdecode.load(None), 3)
-    if qwen:
+    if "qwen" in jobs:
         result["Qwen 512-token prompt CPU ms"] = _prompt_ms(fastdecode.load(qwen), 2)
     print(json.dumps(result))
 
@@ -128,10 +128,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--jobs", default="kernel,ops,prompt")
-    parser.add_argument("--qwen", default=None, help="a Qwen2.5 GGUF: also its 512-token prompt")
+    parser.add_argument("--qwen", default=None, help="a Qwen2.5 GGUF (job qwen: its 512-token prompt)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     jobs = args.jobs.split(",")
+    unknown = set(jobs) - {"kernel", "ops", "prompt", "qwen"}
+    if unknown:
+        parser.error(f"unknown jobs {sorted(unknown)}: kernel, ops, prompt, qwen")
+    if "qwen" in jobs and not args.qwen:
+        parser.error("job qwen needs --qwen PATH (a Qwen2.5 GGUF)")
     if args.worker:
         worker(jobs, args.rows, args.qwen)
         return
