@@ -78,3 +78,30 @@ def test_the_decoded_tiles_are_the_dequantized_weights():
     rows, weight = _rows_and_tiles(QT.Q4_1, 13, 32, seed=9)
     eye = torch.eye(32)
     assert torch.equal(_exact(eye, weight, 1), dequantize(rows).T.contiguous())
+
+
+@pytest.mark.parametrize("inputs", [640, 672, 1568])
+def test_every_tile_edge_and_input_pass_gives_the_avx2_and_the_alone_bits(inputs):
+    """The AVX-512 kernel walks groups of 4 output pairs (then single pairs, then an odd last output), passes of
+    up to 640 inputs (672: two of 336; 1568: four of 392; the 8-lane sums carried between passes) and blocks of
+    6 rows (a last block of 1-5) within chunks of 48 rows: at row counts straddling each edge, output counts
+    leaving partial groups (13: 1 group, 2 pairs and 1 output; 30: 3 groups and 3 pairs; 41: a piece of 32 and
+    one of 9), on 1 and 2 threads, every row gets the AVX2 kernel's bits (4 rows x 3 outputs, one pass) and the
+    bits it gets in the 55-row product."""
+    if not ops.set_avx512():
+        pytest.skip("this CPU has no AVX-512 VNNI (the AVX2 kernels serve it)")
+    x = torch.randn(55, inputs, generator=torch.Generator().manual_seed(inputs))
+    for outputs in (13, 30, 41):
+        _, weight = _rows_and_tiles(QT.Q4_1, outputs, inputs, seed=outputs)
+        together = _exact(x, weight, 1)
+        for M in (1, 5, 6, 7, 11, 12, 13, 47, 48, 49, 55):
+            for threads in (1, 2):
+                try:
+                    fast = _exact(x[:M], weight, threads)
+                    assert not ops.set_avx512(False)
+                    assert torch.equal(_exact(x[:M], weight, threads), fast), (outputs, M, threads)
+                finally:
+                    ops.set_avx512(True)
+                assert torch.equal(fast, together[:M]), (outputs, M, threads)
+                tail = _exact(x[M - 1 :].contiguous(), weight, threads)  # the rows from M - 1 on, alone
+                assert torch.equal(tail, together[M - 1 :]), (outputs, M, threads)

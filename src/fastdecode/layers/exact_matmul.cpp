@@ -4,7 +4,9 @@
 // The weights go through the `dequantize` op a slice of OUTPUT_CHUNK outputs at a time (the same
 // float32 values as quantized.dequantize(), bit for bit) into a buffer that stays in L2, and a
 // register-blocked loop multiplies them with blocks of rows: 4 rows x 3 outputs, 12 accumulators of 8 lanes
-// (the last 1-3 rows in one block; AVX-512: 6 rows x 8 outputs, the last 1-5 rows in one block),
+// (the last 1-3 rows in one block; AVX-512: 6 rows x 8 outputs, the last 1-5 rows in one block, the 8 outputs'
+// decoded slice held in L1 while the row blocks go by, in passes of ~512 inputs for wide rows, the 8-lane sums
+// carried between passes as they are),
 // lane l summing the products at inputs k = l (mod 8) in increasing k with FMA, then the 8 lanes
 // added by one fixed tree. So every (row, output) result is computed by the same operations in the
 // same order whatever M, N, the blocking and the threads: a prompt row gets the same bits alone, in a
@@ -44,7 +46,9 @@ constexpr int64_t OUTPUT_CHUNK = 64;  // decoded outputs per piece: 64 x K float
 // Narrower products (SmolLM2's 576 and 960 outputs: 9 and 15 pieces of 64) in pieces of 32, which two threads
 // share evenly (each output computed alone: the same bits).
 constexpr int64_t NARROW_OUTPUTS = 1024, NARROW_CHUNK = 32;
-constexpr int64_t ROW_CHUNK = 48;     // rows per pass over a piece (x: 48 x K floats beside it in L2)
+// rows per pass over a piece (x: 48 x K floats beside it in L2); the AVX-512 kernel's most rows per call (its
+// MAX_ROWS: it walks a chunk's rows once per group of 8 outputs and pass over the inputs)
+constexpr int64_t ROW_CHUNK = 48;
 constexpr int64_t PAIRED_MIN_ROWS = 12;  // from this many rows the AVX-512 kernel reads its piece interleaved
 
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
