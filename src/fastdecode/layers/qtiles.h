@@ -5,12 +5,16 @@
 
 namespace fastdecode {
 
+// TORCH_CHECKs that codes, scale and mins are a tiled weight of `bits`-bit codes and `outputs` outputs.
+void check_tiled(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins, int64_t bits,
+                 int64_t outputs);
+
 // x [M, K] float32 -> y [M, outputs] float32 (see qtiles.cpp for the layout and the arithmetic).
 at::Tensor tiled_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                          const c10::optional<at::Tensor>& mins, int64_t bits, int64_t outputs, int64_t threads,
                          int64_t activation_bits, const float* bias = nullptr, int64_t bias_size = 0);
 
-// The float32 weights [outputs, K], bit-identical to quantized.dequantize().
+// The float32 weights [outputs, K], bit-identical to quantized.dequantize() (qtiles_dequantize.cpp).
 at::Tensor tiled_dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
                             int64_t bits, int64_t outputs, int64_t threads);
 
