@@ -247,6 +247,26 @@ def cross_decode_block(x: Tensor, weights: list[Tensor | None], ints: list[int],
                                      source_keys, source_values, source_lengths)
 
 
+def cross_decode_stack_holder(layers: list[list[Tensor | None]]):
+    """A ``CrossDecodeStack`` (cross_decode_stack.cpp) holding each Whisper decoder layer's
+    ``cross_decode_block`` weight list, in layer order: made once per model."""
+    stack = torch.classes.fastdecode_kernels.CrossDecodeStack()
+    for weights in layers:
+        stack.add_layer(weights)
+    return stack
+
+
+def cross_decode_stack(stack, x: Tensor, ints: list[int], floats: list[float], keys: list[Tensor],
+                       values: list[Tensor], slots: Tensor, table: Tensor, key_start: Tensor, positions: Tensor,
+                       source_keys: list[Tensor], source_values: list[Tensor], source_lengths: list[Tensor]) -> Tensor:
+    """Every layer of ``stack`` in order (``cross_decode_block`` each, the same bits) for a pure decode step
+    whose layers share one attention kind: x [1, N, C] -> after the last layer. ``ints``: the 5 head ints,
+    each layer's 30 product ints, each source's 3; keys, values: every layer's pool; source_keys,
+    source_values: layer-major (each layer's sources in order); source_lengths: per source."""
+    return _ops().cross_decode_stack(stack, x, ints, floats, keys, values, slots, table, key_start, positions,
+                                     source_keys, source_values, source_lengths)
+
+
 # -- loading --------------------------------------------------------------------------------------
 class KernelOps:
     """The extension's ops by name, each its ``default`` overload: calling an OpOverload directly costs
