@@ -131,6 +131,16 @@ def beam_candidates(logits: Tensor, running: Tensor, banned: Tensor, beams: int,
     return _ops().beam_candidates(logits, running, banned, beams, keep, threads)
 
 
+def whisper_logits_rules(logits: Tensor, masked: Tensor, always: Tensor, at_begin: Tensor, rows: list[int],
+                         ints: list[int]) -> None:
+    """Whisper's logits rules (speech/rules.py's ``LogitsRules``) on logits [R, V] in one call
+    (whisper_rules.cpp), written into ``masked`` [R, V] (contiguous float32). ``always``, ``at_begin``: int64
+    token ids suppressed at every step, at a row's first; ``rows``: per row its generated count, whether its
+    last and second-to-last tokens are timestamps (the latter also when it has fewer than 2), its last
+    timestamp or -1; ``ints``: timestamps (0 / 1), timestamp_begin, eot, the latest first timestamp's index."""
+    _ops().whisper_logits_rules(logits, masked, always, at_begin, rows, ints)
+
+
 # -- element-wise steps (elementwise.cpp) -------------------------------------------------------
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return _ops().rms_norm(x, weight, eps)
