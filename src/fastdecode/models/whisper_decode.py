@@ -112,7 +112,7 @@ class _Step:
     cannot take the paged op (the caller then runs it in Python); ``every_layer(x) -> x`` for all layers
     at once, or None."""
 
-    __slots__ = ("fused", "plan", "products", "stack_products", "source_ints", "sources", "threads")
+    __slots__ = ("fused", "plan", "products", "source_ints", "sources", "stack_products", "threads")
 
     def __init__(self, fused: FusedCrossDecode, plan, threads: int, products: list[list[int]],
                  stack_products: list[int], source_ints: list[int], sources: list):
