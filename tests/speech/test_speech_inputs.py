@@ -27,6 +27,24 @@ def test_features_match_whisper_feature_extractor(n_mels, seconds):
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
 
 
+def test_features_are_the_bits_of_a_many_threaded_computation():
+    """log_mel runs on one torch thread: every value is computed alone, so its features are those that
+    its ops give on several threads (full and partial windows, 80 and 128 bins)."""
+    from fastdecode.speech import features
+
+    torch.manual_seed(1)
+    previous = torch.get_num_threads()
+    for n, n_mels in ((16000 * 30, 80), (12345, 128), (16000 * 30 + 160, 80)):
+        samples = torch.randn(n) * 0.1 * torch.sin(torch.arange(n) / 37.0)
+        got = features.log_mel(samples, n_mels)
+        torch.set_num_threads(3)
+        try:
+            assert torch.get_num_threads() == 3
+            assert torch.equal(got, features._log_mel(samples, n_mels))
+        finally:
+            torch.set_num_threads(previous)
+
+
 def write_wav(path, samples: np.ndarray, rate: int, channels: int) -> None:
     with wave.open(str(path), "wb") as out:
         out.setnchannels(channels)

@@ -44,30 +44,36 @@ def model(request, tmp_path_factory):
     return load_whisper(folder, need_vocabulary=False, quantize=quantize).model
 
 
-def _engine_run(model) -> list[tuple]:
+def _engine_run(model, windows=WINDOWS, seed: int = 6) -> list[tuple]:
     """Every window's (tokens, summed log-probability, no-speech probability), windows arriving at
-    different steps of one engine."""
-    torch.manual_seed(6)
+    different steps of one engine (``windows``: as ``WINDOWS``; ``seed``: the features')."""
+    torch.manual_seed(seed)
     vocab = vocabulary()
     with torch.inference_mode():
-        sources = encode_windows(model, torch.randn(len(WINDOWS), MELS, FRAMES))
-        sequences = run_arriving(speech_engine(model, len(WINDOWS) * window_tokens(model, 5)), model, vocab,
-                                 sources, WINDOWS)
-    results = [answer(sequences[b], vocab) for b in range(len(WINDOWS))]
+        sources = encode_windows(model, torch.randn(len(windows), MELS, FRAMES))
+        sequences = run_arriving(speech_engine(model, len(windows) * window_tokens(model, 5)), model, vocab,
+                                 sources, windows)
+    results = [answer(sequences[b], vocab) for b in range(len(windows))]
     return [(r.tokens, r.sum_logprob, r.no_speech_prob) for r in results]
 
 
 def test_engine_steps_equal_the_python_loop(model, monkeypatch):
     fused = model.fused_layers
     assert fused is not None
-    calls, sources, op = [0], [], fused.op
+    calls, sources, op, stack_op = [0], [], fused.op, fused.stack_op
 
     def counted(*args):
         calls[0] += 1
         sources.append(len(args[10]))  # source_keys: the windows of the step
         return op(*args)
 
+    def counted_stack(stack, *args):  # every layer in one op (cross_decode_stack.cpp): a call per layer
+        calls[0] += stack.layers()
+        sources.append(len(args[-1]))  # source_lengths: the windows of the step
+        return stack_op(stack, *args)
+
     monkeypatch.setattr(fused, "op", counted)
+    monkeypatch.setattr(fused, "stack_op", counted_stack)
     with_op = _engine_run(model)
     assert calls[0] >= 10 * model.config.num_layers  # every pure decode step, every layer
     assert max(sources) >= 4  # steps with several windows side by side took the op too

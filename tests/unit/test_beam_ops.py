@@ -145,3 +145,21 @@ def test_beam_search_same_with_and_without_ops(tiny, monkeypatch):
     assert [r.tokens for r in with_ops] == [r.tokens for r in without]
     torch.testing.assert_close(torch.tensor([r.score for r in with_ops]), torch.tensor([r.score for r in without]),
                                atol=1e-5, rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("T", [1, 2, 9, 40])
+def test_cross_attention_float16_keys_widened_once_for_many_queries(T):
+    """Several queries (a prompt's rows, a window's beams) read float16 keys widened once per eight keys into
+    float32 (cross_attention.cpp's head_scores), one query widens them as it loads: every count gives the
+    bits of the op on the keys' float32 values, a tail of keys past the last eight included."""
+    g = torch.Generator().manual_seed(T)
+    B, H, S, D = 2, 3, 53, 64
+    lengths = torch.tensor([53, 20])
+    keys = torch.randn(B, H, S, D, generator=g).half()
+    values = torch.randn(B, H, S, D, generator=g).half()
+    q = torch.randn(B, H, T, D, generator=g)
+    out = ops.cross_attention(q, keys, values, lengths, 0.125)
+    assert torch.equal(out, ops.cross_attention(q, keys.float(), values.float(), lengths, 0.125))
+    for t in range(T):  # each query alone: the same bits
+        assert torch.equal(ops.cross_attention(q[:, :, t : t + 1], keys, values, lengths, 0.125), out[:, :, t : t + 1])

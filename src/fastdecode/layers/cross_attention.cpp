@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -53,11 +54,30 @@ struct Head {
   int64_t run(int64_t j) const { return std::min(block - j % block, L - j); }
 };
 
+// One query's scores against 8 keys (each a sum over d in order, reduced by eight_sums), times the scale.
+template <typename P>
+inline void eight_scores(const float* q, const P* const* keys, int64_t D, float scale, float* out) {
+  __m256 acc[8];
+  for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, load8(keys[u] + d), acc[u]);
+  }
+  _mm256_storeu_ps(out, _mm256_mul_ps(eight_sums(acc), _mm256_set1_ps(scale)));
+}
+
 // scores [T, Lp] (Lp = L rounded up to 8; the padding stays -inf) of every query against every key.
+// float16 keys read by several queries (a prompt's rows, a window's beams) are widened once per eight
+// into a float32 buffer, not once per query (a 168-row prompt's scores were bound by the conversions):
+// the same float32 values in the same operations, so the same bits.
 template <typename E>
 void head_scores(const Head<E>& h, int64_t Lp, float* scores) {
   const int64_t D = h.D;
   constexpr int64_t LINE = 64 / sizeof(E);  // elements per cache line
+  const bool widen = !std::is_same<E, float>::value && h.T > 1;
+  std::vector<float> wide(widen ? 8 * D : 0);  // the eight keys widened, key u at u * D
+  const float* wide_keys[8];
+  for (int u = 0; u < 8 && widen; ++u) wide_keys[u] = wide.data() + u * D;
   int64_t j = 0;
   for (; j + 8 <= h.L; j += 8) {
     // The 8 keys j .. j + 7: consecutive where they lie in one block, else each found in its block
@@ -75,15 +95,12 @@ void head_scores(const Head<E>& h, int64_t Lp, float* scores) {
         _mm_prefetch(reinterpret_cast<const char*>(v + line), _MM_HINT_T1);
       }
     }
-    for (int64_t t = 0; t < h.T; ++t) {
-      const float* q = h.q + t * h.q_t;
-      __m256 acc[8];
-      for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, load8(keys[u] + d), acc[u]);
-      }
-      _mm256_storeu_ps(scores + t * Lp + j, _mm256_mul_ps(eight_sums(acc), _mm256_set1_ps(h.scale)));
+    if (widen) {
+      for (int u = 0; u < 8; ++u)
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(wide.data() + u * D + d, load8(keys[u] + d));
+      for (int64_t t = 0; t < h.T; ++t) eight_scores(h.q + t * h.q_t, wide_keys, D, h.scale, scores + t * Lp + j);
+    } else {
+      for (int64_t t = 0; t < h.T; ++t) eight_scores(h.q + t * h.q_t, keys, D, h.scale, scores + t * Lp + j);
     }
   }
   for (; j < h.L; ++j) {  // the last keys, one at a time

@@ -1,5 +1,5 @@
-// decode_block.cpp's Llama-family block for a pure decode step, for the other ops of the extension that
-// run blocks (decode_stack.cpp); its arguments are decode_block.cpp's (see the top of that file).
+// decode_block.cpp's blocks for a pure decode step, for the other ops of the extension that run blocks
+// (decode_stack.cpp, cross_decode_stack.cpp); their arguments are decode_block.cpp's (see that file).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,5 +14,13 @@ using DecodeBlockOp = std::tuple<at::Tensor, at::Tensor>(
     at::ArrayRef<double>, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 extern DecodeBlockOp* const llama_decode_block;
+
+// decode_block.cpp's Whisper decoder layer (cross_decode_block): (x, weights, ints, floats, keys, values, slots,
+// table, key_start, positions, source_keys, source_values, source_lengths) -> x
+using CrossDecodeBlockOp = at::Tensor(const at::Tensor&, const c10::List<c10::optional<at::Tensor>>&, at::IntArrayRef,
+                                      at::ArrayRef<double>, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList,
+                                      at::TensorList, at::TensorList);
+extern CrossDecodeBlockOp* const whisper_decode_block;
 
 }  // namespace fastdecode

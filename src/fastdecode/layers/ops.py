@@ -131,6 +131,16 @@ def beam_candidates(logits: Tensor, running: Tensor, banned: Tensor, beams: int,
     return _ops().beam_candidates(logits, running, banned, beams, keep, threads)
 
 
+def whisper_logits_rules(logits: Tensor, masked: Tensor, always: Tensor, at_begin: Tensor, rows: list[int],
+                         ints: list[int]) -> None:
+    """Whisper's logits rules (speech/rules.py's ``LogitsRules``) on logits [R, V] in one call
+    (whisper_rules.cpp), written into ``masked`` [R, V] (contiguous float32). ``always``, ``at_begin``: int64
+    token ids suppressed at every step, at a row's first; ``rows``: per row its generated count, whether its
+    last and second-to-last tokens are timestamps (the latter also when it has fewer than 2), its last
+    timestamp or -1; ``ints``: timestamps (0 / 1), timestamp_begin, eot, the latest first timestamp's index."""
+    _ops().whisper_logits_rules(logits, masked, always, at_begin, rows, ints)
+
+
 # -- element-wise steps (elementwise.cpp) -------------------------------------------------------
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return _ops().rms_norm(x, weight, eps)
@@ -249,6 +259,26 @@ def cross_decode_block(x: Tensor, weights: list[Tensor | None], ints: list[int],
     layer (written in place); slots [N]; table [N, n]; key_start, positions [N]; per source its cross K, V
     [1, H, S, D] and length [1]."""
     return _ops().cross_decode_block(x, weights, ints, floats, keys, values, slots, table, key_start, positions,
+                                     source_keys, source_values, source_lengths)
+
+
+def cross_decode_stack_holder(layers: list[list[Tensor | None]]):
+    """A ``CrossDecodeStack`` (cross_decode_stack.cpp) holding each Whisper decoder layer's
+    ``cross_decode_block`` weight list, in layer order: made once per model."""
+    stack = torch.classes.fastdecode_kernels.CrossDecodeStack()
+    for weights in layers:
+        stack.add_layer(weights)
+    return stack
+
+
+def cross_decode_stack(stack, x: Tensor, ints: list[int], floats: list[float], keys: list[Tensor],
+                       values: list[Tensor], slots: Tensor, table: Tensor, key_start: Tensor, positions: Tensor,
+                       source_keys: list[Tensor], source_values: list[Tensor], source_lengths: list[Tensor]) -> Tensor:
+    """Every layer of ``stack`` in order (``cross_decode_block`` each, the same bits) for a pure decode step
+    whose layers share one attention kind: x [1, N, C] -> after the last layer. ``ints``: the 5 head ints,
+    each layer's 30 product ints, each source's 3; keys, values: every layer's pool; source_keys,
+    source_values: layer-major (each layer's sources in order); source_lengths: per source."""
+    return _ops().cross_decode_stack(stack, x, ints, floats, keys, values, slots, table, key_start, positions,
                                      source_keys, source_values, source_lengths)
 
 

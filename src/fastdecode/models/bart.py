@@ -303,7 +303,10 @@ class BartModel(ModelBase):
         p = view.products  # the rows' roles and thread budget (layers/products.py)
         x = self._embed(self.decoder, tokens, positions)
         fused = self.fused_layers.step(view, cross, x) if self.fused_layers is not None else None
-        for index, layer in enumerate(self.decoder.layers):
+        layers = self.decoder.layers
+        if fused is not None and (out := fused.every_layer(x)) is not None:  # every layer as one op, the same bits
+            x, layers = out, []
+        for index, layer in enumerate(layers):
             if fused is not None and (out := fused(index, x)) is not None:  # the layer as one op, the same bits
                 x = out
                 continue

@@ -78,6 +78,14 @@ def _block_products(layer, kernels: KernelChoice) -> list[PackedProduct] | None:
     return None if any(p is None for p in products) else products
 
 
+def stack_operands(plan) -> tuple | None:
+    """A pure decode step's attention operands (``decode_operands`` of the first layer), when every layer
+    shares one attention kind and window, so that one op can run every block; else None."""
+    if len(set(plan.cache.layer_windows)) != 1 or len(set(plan.windows)) != 1:
+        return None
+    return plan.decode_operands(0)
+
+
 class FusedDecode:
     """Each block's packed arguments for ``decode_block`` (built once per model)."""
 
@@ -179,9 +187,7 @@ class _Step:
         None where the layers differ in attention kind or window, or the attention cannot take the paged op."""
         plan, fused = self.plan, self.fused
         cache = plan.cache
-        if len(set(cache.layer_windows)) != 1 or len(set(plan.windows)) != 1:
-            return None
-        operands = plan.decode_operands(0)
+        operands = stack_operands(plan)
         if operands is None:
             return None
         _, _, slots, table, key_start, positions, window = operands

@@ -28,7 +28,7 @@ import torch
 from ..layers import ops
 from ..layers.products import KernelChoice
 from ..layers.threads import KERNEL_PARALLEL_MIN_WORK, kernel_threads
-from .llama_decode import PackedProduct, packed_product
+from .llama_decode import PackedProduct, packed_product, stack_operands
 
 _NORMS = ("attn_norm", "cross_norm", "mlp_norm")
 
@@ -58,7 +58,11 @@ class FusedCrossDecode:
         self.shapes = [[(p.ints, p.shape) for p in products] for products in layers]
         self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.floats = [float(cfg.norm_eps), float(model.scale)]
-        self._ints: dict[tuple[int, int], list[list[int]]] = {}  # (rows, threads) -> per layer (_product_ints)
+        # (rows, threads) -> (per layer its products' ints, every layer's in order): ``_product_ints``
+        self._ints: dict[tuple[int, int], tuple[list[list[int]], list[int]]] = {}
+        # every layer at once (cross_decode_stack.cpp), for steps whose layers share one attention kind and window
+        self.stack = ops.cross_decode_stack_holder(self.weights)
+        self.stack_op = ops.cross_decode_stack
 
     @classmethod
     def for_model(cls, model) -> FusedCrossDecode | None:
@@ -86,32 +90,35 @@ class FusedCrossDecode:
         width = 2 * self.heads * self.head_dim  # multiply-adds per query and key, scores and sums
         source_ints = [i for first, count, source in sources
                        for i in (first, count, kernel_threads(width * count * source.keys[0].shape[2], budget))]
-        return _Step(self, plan, budget, self._product_ints(rows, budget), source_ints,
+        return _Step(self, plan, budget, *self._product_ints(rows, budget), source_ints,
                      [source for _, _, source in sources])
 
-    def _product_ints(self, rows: int, budget: int) -> list[list[int]]:
-        """Per layer, its products' 5 ints each (the last: the kernel threads for ``rows`` rows), kept per
-        (rows, budget): a step packs them once, not per layer."""
+    def _product_ints(self, rows: int, budget: int) -> tuple[list[list[int]], list[int]]:
+        """Per layer, its products' 5 ints each (the last: the kernel threads for ``rows`` rows), and every
+        layer's in layer order (the stack op's), kept per (rows, budget): a step packs them once, not per layer."""
         key = (rows, budget)
         if key not in self._ints:
             if len(self._ints) > 64:
                 self._ints.clear()
-            self._ints[key] = [[i for product_ints, (inputs, outputs) in layer
-                                for i in (*product_ints, kernel_threads(rows * inputs * outputs, budget))]
-                               for layer in self.shapes]
+            layers = [[i for product_ints, (inputs, outputs) in layer
+                       for i in (*product_ints, kernel_threads(rows * inputs * outputs, budget))]
+                      for layer in self.shapes]
+            self._ints[key] = (layers, [i for layer in layers for i in layer])
         return self._ints[key]
 
 
 class _Step:
     """One forward's calls: ``(index, x) -> x`` for a layer, or None when the layer's self-attention
-    cannot take the paged op (the caller then runs it in Python)."""
+    cannot take the paged op (the caller then runs it in Python); ``every_layer(x) -> x`` for all layers
+    at once, or None."""
 
-    __slots__ = ("fused", "plan", "products", "source_ints", "sources", "threads")
+    __slots__ = ("fused", "plan", "products", "source_ints", "sources", "stack_products", "threads")
 
     def __init__(self, fused: FusedCrossDecode, plan, threads: int, products: list[list[int]],
-                 source_ints: list[int], sources: list):
+                 stack_products: list[int], source_ints: list[int], sources: list):
         self.fused, self.plan, self.threads = fused, plan, threads
         self.products = products  # per layer: 5 ints per product
+        self.stack_products = stack_products  # every layer's, in layer order
         self.source_ints = source_ints  # per source: first row, rows, threads
         self.sources = sources  # EncodedSources of one window each
 
@@ -126,3 +133,22 @@ class _Step:
         return fused.op(x, fused.weights[index], ints, fused.floats, keys, values, slots, table, key_start, positions,
                         [s.keys[index] for s in self.sources], [s.values[index] for s in self.sources],
                         [s.lengths for s in self.sources])
+
+    def every_layer(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every layer in one op (cross_decode_stack.cpp: the per-layer calls' results bit for bit) -> x, or
+        None where the layers differ in attention kind or window, or the attention cannot take the paged op."""
+        plan, fused, sources = self.plan, self.fused, self.sources
+        cache = plan.cache
+        operands = stack_operands(plan)
+        if operands is None:
+            return None
+        _, _, slots, table, key_start, positions, window = operands
+        ints = [fused.heads, cache.block_size, window or 0, self.threads, KERNEL_PARALLEL_MIN_WORK,
+                *self.stack_products, *self.source_ints]
+        if len(sources) == 1:  # one window: its per-layer lists are the layer-major lists
+            source_keys, source_values = sources[0].keys, sources[0].values
+        else:
+            source_keys = [s.keys[index] for index in range(len(fused.weights)) for s in sources]
+            source_values = [s.values[index] for index in range(len(fused.weights)) for s in sources]
+        return fused.stack_op(fused.stack, x, ints, fused.floats, cache.layer_keys, cache.layer_values, slots, table,
+                              key_start, positions, source_keys, source_values, [s.lengths for s in sources])

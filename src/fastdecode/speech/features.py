@@ -13,6 +13,8 @@ from functools import lru_cache
 
 import torch
 
+from ..layers.threads import one_thread
+
 SAMPLE_RATE = 16000
 N_FFT = 400
 HOP_LENGTH = 160
@@ -48,7 +50,16 @@ def mel_filters(n_mels: int) -> torch.Tensor:
 
 
 def log_mel(samples: torch.Tensor, n_mels: int = 80) -> torch.Tensor:
-    """Mono 16 kHz samples [N] -> log-mel features [n_mels, N // 160] (float32)."""
+    """Mono 16 kHz samples [N] -> log-mel features [n_mels, N // 160] (float32), on one torch thread: a
+    30 s window is some 20 ms of work in ops of a few ms each; on two threads of a busy machine each op's
+    OpenMP region waited for the other core (130 ms of CPU a window at load ~7 against 21 ms on one).
+    Every value is computed alone (a frame's FFT, a product of 201 terms): the same bits on any count
+    (tests/speech/test_speech_inputs.py)."""
+    with one_thread():
+        return _log_mel(samples, n_mels)
+
+
+def _log_mel(samples: torch.Tensor, n_mels: int) -> torch.Tensor:
     audio = samples.to(torch.float64)
     window = torch.hann_window(N_FFT, dtype=torch.float64)
     stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=window, center=True, pad_mode="reflect",

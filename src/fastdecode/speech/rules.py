@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..layers import ops
 from .vocabulary import WhisperVocabulary
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -31,15 +32,36 @@ class LogitsRules:
         self.always = torch.tensor(sorted(always), dtype=torch.long, device=device)  # token ids suppressed
         self.at_begin = list(options.suppress_at_begin) or [vocabulary.encode(" ")[0], vocabulary.eot]
         self._masked: torch.Tensor | None = None  # the last call's result, overwritten by the next
+        # the one-op rules' (whisper_rules.cpp) token ids and ints
+        self._at_begin_ids = torch.tensor(self.at_begin, dtype=torch.long)
+        self._op_ints = [int(options.timestamps), vocabulary.timestamp_begin if options.timestamps else 0,
+                         vocabulary.eot, options.max_initial_timestamp_index]
 
     def apply(self, logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
         """logits [R, V] for rows with these generated tokens -> masked logits [R, V] (float32, a copy
         in a buffer that the next call overwrites: a beam-5 step's [5, 51864] copy took 146 us into a
-        fresh tensor against 73 us into a kept one, one core)."""
+        fresh tensor against 73 us into a kept one, one core). Float32 rows on the CPU take the one-op rules
+        (whisper_rules.cpp: the same values and decisions, ~20 torch ops a step fewer), else ``apply_python``."""
+        masked = self._buffer(logits)
+        if ops.available() and logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2:
+            begin, rows = self._op_ints[1], []
+            for tokens in generated:
+                latest = _last_timestamp(tokens, begin) if self.options.timestamps else None
+                rows += [len(tokens), int(len(tokens) >= 1 and tokens[-1] >= begin),
+                         int(len(tokens) < 2 or tokens[-2] >= begin), -1 if latest is None else latest]
+            ops.whisper_logits_rules(logits, masked, self.always, self._at_begin_ids, rows, self._op_ints)
+            return masked
+        return self.apply_python(logits, generated)
+
+    def _buffer(self, logits: torch.Tensor) -> torch.Tensor:
         masked = self._masked
         if masked is None or masked.shape != logits.shape or masked.device != logits.device:
             masked = self._masked = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        logits = masked.copy_(logits).index_fill_(1, self.always, float("-inf"))  # [R, V]
+        return masked
+
+    def apply_python(self, logits: torch.Tensor, generated: list[list[int]]) -> torch.Tensor:
+        """``apply`` in torch ops (the reference the one-op rules are tested against)."""
+        logits = self._buffer(logits).copy_(logits).index_fill_(1, self.always, float("-inf"))  # [R, V]
         for row, tokens in enumerate(generated):
             if not tokens:
                 logits[row, self.at_begin] = float("-inf")

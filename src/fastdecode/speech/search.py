@@ -112,8 +112,8 @@ class WindowSearch:
                 sources = self._advance_beams(candidates, last)
         self.step += 1
         go_on = not self._done()
-        device = logits.device
-        return go_on, torch.tensor(sources, device=device), torch.tensor([t[-1] for t in self.tokens], device=device)
+        moves = torch.tensor([sources, [t[-1] for t in self.tokens]], device=logits.device)  # [2, K]: one tensor made
+        return go_on, moves[0], moves[1]
 
     def _advance_beams(self, candidates: list[tuple[float, int, int]], last: bool) -> list[int]:
         """candidates: the 2K best (summed log-probability, source row, token), best first. Each of
