@@ -48,6 +48,7 @@
 #include "qtiles.h"
 #include "qtiles_avx512.h"
 #include "rows_avx512.h"
+#include "six_bit.h"
 
 namespace {
 
@@ -115,7 +116,7 @@ constexpr int64_t PREFETCH_TILES = 2;
 template <int BITS, int G, typename S, int NR, int RB>
 void dot_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S* scale, const S* mins, float* y,
               int64_t N, int64_t n0) {
-  constexpr int64_t block_bytes = 32 * BITS / 8, blocks_per_line = 64 / block_bytes;
+  constexpr int64_t block_bytes = 32 * BITS / 8, blocks_per_line = 64 / block_bytes;  // (6 bits: 24, 2)
   const int64_t K = q.K, blocks = K / 32, groups = K / G, row_bytes = K * BITS / 8;
   const uint8_t* code_rows[NR];
   const S* scale_rows[NR];
@@ -140,12 +141,18 @@ void dot_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S*
     if (i % blocks_per_line == 0)
       for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(code_rows[j] + offset + prefetch_offset), _MM_HINT_T0);
     for (int j = 0; j < NR; ++j) {
-      __m256i signs = _mm256_setzero_si256();  // 8 bits: the codes (their signs); unused for 4 bits
-      const __m256i magnitudes = unsigned_codes<BITS>(code_rows[j] + offset, signs);
+      __m256i signs = _mm256_setzero_si256();  // 8 and 6 bits: the codes (their signs); unused for 4 bits
+      __m256i magnitudes;
+      if constexpr (BITS == 6) {  // unpacked to the 8-bit layout's codes (six_bit.h): then the same operations
+        signs = six_block(code_rows[j], b + i);
+        magnitudes = _mm256_sign_epi8(signs, signs);
+      } else {
+        magnitudes = unsigned_codes<BITS>(code_rows[j] + offset, signs);
+      }
       __m256 w_scales = _mm256_setzero_ps();
       if constexpr (G == 16) w_scales = lane_scales16(scale_rows[j], b + i);
       for (int r = 0; r < RB; ++r) {
-        const __m256 dots = block_dot<BITS>(magnitudes, signs, act_rows[r] + 32 * (b + i));
+        const __m256 dots = block_dot<BITS == 6 ? 8 : BITS>(magnitudes, signs, act_rows[r] + 32 * (b + i));
         __m256 scales;
         if constexpr (G == 32) scales = _mm256_broadcast_ss(combined[j][r] + i);
         else scales = _mm256_mul_ps(w_scales, _mm256_broadcast_ss(act_scales[r] + b + i));
@@ -156,7 +163,8 @@ void dot_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S*
   int64_t b = 0;
   for (; b + CHUNK_BLOCKS <= blocks; b += CHUNK_BLOCKS) {
     if constexpr (G == 32) combine_scales<S, NR, RB>(scale_rows, act_scales, b, CHUNK_BLOCKS, combined);
-    for (int64_t i = 0; i < CHUNK_BLOCKS; ++i) block(b, i);
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < CHUNK_BLOCKS; ++i) block(b, i);  // (6 bits: b % 8 == 0, each block's unpacking fixed)
   }
   if (b < blocks) {
     if constexpr (G == 32) combine_scales<S, NR, RB>(scale_rows, act_scales, b, blocks - b, combined);
@@ -188,8 +196,8 @@ constexpr int64_t OUTPUT_CHUNK = 32;
 template <int BITS, int G, typename S, int RB>
 void float_outputs(bool wide, const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scale,
                    const S* mins, float* y, int64_t N, int64_t n0, int64_t n1) {
-  if constexpr (BITS == 8 && G % 16 == 0)
-    if (wide && mins == nullptr) n0 = fastdecode::avx512::float_row_pairs<G, S, RB>(x, K, codes, scale, y, N, n0, n1);
+  if constexpr ((BITS == 8 && G % 16 == 0) || BITS == 6)
+    if (wide && mins == nullptr) n0 = fastdecode::avx512::float_row_pairs<BITS, G, S, RB>(x, K, codes, scale, y, N, n0, n1);
   float_rows<BITS, G, S, RB>(x, xsum, K, codes, scale, mins, y, N, n0, n1);
 }
 
@@ -221,14 +229,14 @@ void outputs_range(const QuantizedRows& q, bool wide, const uint8_t* offset, con
       }
       continue;
     }
-    if constexpr (BITS == 8 && G == 16 && std::is_same_v<S, float>) {
+    if constexpr ((BITS == 8 || BITS == 6) && G == 16 && std::is_same_v<S, float>) {
       if (offset != nullptr) {  // AVX-512: all but the last few outputs, the same bits
         for (; m + 4 <= M; m += 4)
-          rows_tile<BITS, G, S, 2, 4>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<4>(q, offset, m, cp, sp, yp, N, c, c1), c1);
+          rows_tile<BITS, G, S, 2, 4>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<BITS, 4>(q, offset, m, cp, sp, yp, N, c, c1), c1);
         for (; m + 2 <= M; m += 2)
-          rows_tile<BITS, G, S, 4, 2>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<2>(q, offset, m, cp, sp, yp, N, c, c1), c1);
+          rows_tile<BITS, G, S, 4, 2>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<BITS, 2>(q, offset, m, cp, sp, yp, N, c, c1), c1);
         for (; m < M; ++m)
-          rows_tile<BITS, G, S, 4, 1>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<1>(q, offset, m, cp, sp, yp, N, c, c1), c1);
+          rows_tile<BITS, G, S, 4, 1>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<BITS, 1>(q, offset, m, cp, sp, yp, N, c, c1), c1);
         continue;
       }
     }
@@ -284,7 +292,7 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   const bool wide = fastdecode::use_avx512();  // read once: the whole product on one kernel
   // the AVX-512 int8 kernel's unsigned activations (rows_avx512.cpp: 8-bit codes in groups of 16, float scales, no mins)
   constexpr bool float_scales = std::is_same_v<S, float> || std::is_same_v<S, KScale>;  // (compact: decoded to float)
-  const std::vector<uint8_t> offset = wide && !exact && BITS == 8 && G == 16 && float_scales && !has_min
+  const std::vector<uint8_t> offset = wide && !exact && (BITS == 8 || BITS == 6) && G == 16 && float_scales && !has_min
                                           ? fastdecode::avx512::offset_rows(q) : std::vector<uint8_t>();
   fastdecode::parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) {
     if constexpr (std::is_same_v<S, KScale>)
@@ -295,6 +303,13 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
                                 yp, N, n0, n1);
   }, chunk * M * K);
   return y;
+}
+
+// Rows-layout codes: one row of K * bits / 8 bytes per output (6 bits: whole super-blocks of 256 inputs).
+void check_code_rows(const at::Tensor& codes, const at::Tensor& scale, int64_t K, int64_t bits) {
+  TORCH_CHECK(codes.dim() == 2 && codes.element_size() == 1 && codes.size(0) == scale.size(0) &&
+                  codes.size(1) * 8 == K * bits && (bits != 6 || K % 256 == 0),
+              "rows-layout codes ", codes.sizes(), " do not hold ", scale.size(0), " outputs of ", K, " ", bits, "-bit codes");
 }
 
 // ---- dequantize: the exact float32 weights -----------------------------------------------------------
@@ -312,7 +327,7 @@ at::Tensor dequantize_impl(const at::Tensor& codes, const at::Tensor& scale, con
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t g = 0; g < groups; ++g) {
         __m256 v[G / 8];
-        decode_group<BITS, G>(cp + (n * groups + g) * (G * BITS / 8), v);
+        decode_group<BITS, G>(cp + n * (K * BITS / 8), g, v);
         const __m256 s = _mm256_set1_ps(load_scale(sp + n * groups + g));
         float* out = wp + n * K + g * G;
         if (mp != nullptr) {  // scale * code + min: the same two roundings as quantized.dequantize()
@@ -339,6 +354,7 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c1
         mins.has_value() && mins->defined() ? c10::optional<at::Tensor>(expanded_scales(*mins, group, false)) : c10::nullopt;
     return dequantize(codes, expanded_scales(scale, group, false), expanded_mins, bits, group, threads, outputs);
   }
+  check_code_rows(codes, scale, scale.size(1) * group, bits);
   const bool half = scale.scalar_type() == at::kHalf;
 #define FD_CASE(B, GS)                                                                               \
   if (bits == B && group == GS)                                                                      \
@@ -346,6 +362,7 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c1
                 : dequantize_impl<B, GS, float>(codes, scale, mins, threads);
   FD_CASE(8, 32)
   FD_CASE(8, 16)
+  FD_CASE(6, 16)
   FD_CASE(4, 32)
 #undef FD_CASE
   TORCH_CHECK(false, "no kernel for bits=", bits, " group=", group);
@@ -387,6 +404,7 @@ at::Tensor rows_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(x.size(1) == scale_inputs(scale, group, false), "x has ", x.size(1), " inputs, the weight ",
               scale_inputs(scale, group, false));
   TORCH_CHECK(x.size(1) % 32 == 0, "activations are quantized in blocks of 32: ", x.size(1), " inputs");
+  check_code_rows(codes, scale, x.size(1), bits);
   const bool half = scale.scalar_type() == at::kHalf, compact = is_compact(scale);
 #define FD_CASE(B, GS)                                                                               \
   if (bits == B && group == GS)                                                                      \
@@ -395,6 +413,7 @@ at::Tensor rows_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::
                    : matmul_impl<B, GS, float>(x, codes, scale, mins, threads, activation_bits);
   FD_CASE(8, 32)
   FD_CASE(8, 16)
+  FD_CASE(6, 16)
   FD_CASE(4, 32)
 #undef FD_CASE
   TORCH_CHECK(false, "no kernel for bits=", bits, " group=", group);

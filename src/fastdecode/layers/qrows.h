@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "six_bit.h"
+
 namespace fastdecode {
 namespace quant {
 
@@ -133,10 +135,17 @@ inline float mins_term(const S* mins_row, const float* sums, int64_t groups) {
   return total;
 }
 
-// The G weights of one group decoded to float codes (not yet scaled): G / 8 vectors.
+// The G weights of group g of one output's codes `row` decoded to float codes (not yet scaled): G / 8 vectors
+// (6 bits, G = 16: unpacked to the 8-bit layout's codes first, six_bit.h).
 template <int BITS, int G>
-inline void decode_group(const uint8_t* codes, __m256* w) {
-  if constexpr (BITS == 8) {
+inline void decode_group(const uint8_t* row, int64_t g, __m256* w) {
+  static_assert(BITS != 6 || G == 16, "6-bit codes come in groups of 16");
+  const uint8_t* codes = row + g * (G * BITS / 8);
+  if constexpr (BITS == 6) {
+    const __m128i c = six_group(row, g);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
+  } else if constexpr (BITS == 8) {
     const int8_t* c = reinterpret_cast<const int8_t*>(codes);
     for (int i = 0; i < G / 8; ++i)
       w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * i))));
@@ -169,10 +178,10 @@ void float_rows(const float* x, const float* xsum, int64_t K, const uint8_t* cod
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      if ((g * group_bytes) % 64 == 0)  // prefetches never fault
+      if (g % (64 / group_bytes) == 0)  // about once per cache line (6 bits: 60 bytes); prefetches never fault
         _mm_prefetch(reinterpret_cast<const char*>(codes + n * row_bytes + g * group_bytes + FLOAT_PREFETCH_BYTES), _MM_HINT_T0);
       __m256 w[G / 8];
-      decode_group<BITS, G>(codes + n * row_bytes + g * group_bytes, w);
+      decode_group<BITS, G>(codes + n * row_bytes, g, w);
       const __m256 s = _mm256_set1_ps(load_scale(scale + n * groups + g));
       for (int r = 0; r < RB; ++r) {
         const float* xr = x + r * K + g * G;
