@@ -191,13 +191,23 @@ void rows_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S
 // while every row block passes over them, so each weight byte comes from memory once per call.
 constexpr int64_t OUTPUT_CHUNK = 32;
 
+// rows_avx512.cpp's int8 kernel for groups of 16 (rows6_avx512.cpp's for 6-bit codes, offset: six_corrections).
+template <int BITS, int RB>
+int64_t int8_pairs(const QuantizedRows& q, const uint8_t* offset, int64_t m0, const uint8_t* codes, const float* scale,
+                   float* y, int64_t N, int64_t n0, int64_t n1) {
+  if constexpr (BITS == 6) return fastdecode::avx512::six_int8_row_pairs<RB>(q, offset, m0, codes, scale, y, N, n0, n1);
+  return fastdecode::avx512::int8_row_pairs16<RB>(q, offset, m0, codes, scale, y, N, n0, n1);
+}
+
 // float_rows over outputs [n0, n1); `wide` (AVX-512) with 8-bit codes and no mins: all but the last few
 // outputs on rows_avx512.cpp's kernel (two outputs per register, the same bits).
 template <int BITS, int G, typename S, int RB>
 void float_outputs(bool wide, const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scale,
                    const S* mins, float* y, int64_t N, int64_t n0, int64_t n1) {
-  if constexpr ((BITS == 8 && G % 16 == 0) || BITS == 6)
-    if (wide && mins == nullptr) n0 = fastdecode::avx512::float_row_pairs<BITS, G, S, RB>(x, K, codes, scale, y, N, n0, n1);
+  if constexpr (BITS == 6)  // (groups of 16: rows6_avx512.cpp)
+    if (wide && mins == nullptr) n0 = fastdecode::avx512::six_float_row_pairs<S, RB>(x, K, codes, scale, y, N, n0, n1);
+  if constexpr (BITS == 8 && G % 16 == 0)
+    if (wide && mins == nullptr) n0 = fastdecode::avx512::float_row_pairs<G, S, RB>(x, K, codes, scale, y, N, n0, n1);
   float_rows<BITS, G, S, RB>(x, xsum, K, codes, scale, mins, y, N, n0, n1);
 }
 
@@ -232,11 +242,11 @@ void outputs_range(const QuantizedRows& q, bool wide, const uint8_t* offset, con
     if constexpr ((BITS == 8 || BITS == 6) && G == 16 && std::is_same_v<S, float>) {
       if (offset != nullptr) {  // AVX-512: all but the last few outputs, the same bits
         for (; m + 4 <= M; m += 4)
-          rows_tile<BITS, G, S, 2, 4>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<BITS, 4>(q, offset, m, cp, sp, yp, N, c, c1), c1);
+          rows_tile<BITS, G, S, 2, 4>(q, m, cp, sp, mp, yp, N, int8_pairs<BITS, 4>(q, offset, m, cp, sp, yp, N, c, c1), c1);
         for (; m + 2 <= M; m += 2)
-          rows_tile<BITS, G, S, 4, 2>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<BITS, 2>(q, offset, m, cp, sp, yp, N, c, c1), c1);
+          rows_tile<BITS, G, S, 4, 2>(q, m, cp, sp, mp, yp, N, int8_pairs<BITS, 2>(q, offset, m, cp, sp, yp, N, c, c1), c1);
         for (; m < M; ++m)
-          rows_tile<BITS, G, S, 4, 1>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<BITS, 1>(q, offset, m, cp, sp, yp, N, c, c1), c1);
+          rows_tile<BITS, G, S, 4, 1>(q, m, cp, sp, mp, yp, N, int8_pairs<BITS, 1>(q, offset, m, cp, sp, yp, N, c, c1), c1);
         continue;
       }
     }
@@ -290,10 +300,12 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   float* yp = y.data_ptr<float>();
   const int64_t chunk = fastdecode::chunk_outputs(M * K, 32);
   const bool wide = fastdecode::use_avx512();  // read once: the whole product on one kernel
-  // the AVX-512 int8 kernel's unsigned activations (rows_avx512.cpp: 8-bit codes in groups of 16, float scales, no mins)
+  // the AVX-512 int8 kernel's unsigned activations (rows_avx512.cpp: 8-bit codes in groups of 16, float scales, no mins;
+  // 6-bit codes: the activations' corrections, rows6_avx512.cpp)
   constexpr bool float_scales = std::is_same_v<S, float> || std::is_same_v<S, KScale>;  // (compact: decoded to float)
-  const std::vector<uint8_t> offset = wide && !exact && (BITS == 8 || BITS == 6) && G == 16 && float_scales && !has_min
-                                          ? fastdecode::avx512::offset_rows(q) : std::vector<uint8_t>();
+  const bool pairs_kernel = wide && !exact && (BITS == 8 || BITS == 6) && G == 16 && float_scales && !has_min;
+  const std::vector<uint8_t> offset = !pairs_kernel ? std::vector<uint8_t>()
+                                      : BITS == 6 ? fastdecode::avx512::six_corrections(q) : fastdecode::avx512::offset_rows(q);
   fastdecode::parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) {
     if constexpr (std::is_same_v<S, KScale>)
       compact_outputs_range<BITS, G>(q, wide, offset.empty() ? nullptr : offset.data(), xp, xsum.data(), M, K, cp, sp,

@@ -20,9 +20,9 @@
 #include <immintrin.h>
 #include <cstdint>
 
+#include "pairs_avx512.h"
 #include "qrows.h"
 #include "rows_avx512.h"
-#include "six_bit.h"
 
 // Everything below may use AVX-512; it runs only where isa.h's use_avx512() holds.
 #pragma GCC push_options
@@ -37,29 +37,18 @@ using quant::load_scale;
 
 // Codes this far ahead in each output's row are prefetched (as qmatmul.cpp's FLOAT_PREFETCH_BYTES).
 constexpr int64_t PREFETCH_BYTES = 8192;
-constexpr int PAIRS = 2;  // output pairs side by side: each row's broadcast inputs serve 4 outputs
-
-// The scales of eight consecutive groups of two outputs as float32 (float16: F16C's exact conversion, the
-// value load_scale gives): output a's in lanes 0-7, b's in 8-15. A group's scale pair is then one permute
-// (pairs_block) instead of two scalar conversions, two broadcasts and an insert.
-inline __m512 eight_scales(const at::Half* a, const at::Half* b) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
-}
-inline __m512 eight_scales(const float* a, const float* b) {
-  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
-}
+using pairs::eight_scales;
+using pairs::PAIRS;
 
 // Rows [0, RB) x outputs n .. n + 2 * PAIRS - 1.
-template <int BITS, int G, typename S, int RB>
+template <int G, typename S, int RB>
 inline void pairs_block(const float* x, int64_t K, const uint8_t* codes, const S* scale, float* y, int64_t N,
                         int64_t n) {
-  const int64_t groups = K / G, row_bytes = K * BITS / 8, group_bytes = G * BITS / 8;
+  const int64_t groups = K / G;
   const uint8_t* rows[2 * PAIRS];
   const S* scales[2 * PAIRS];
   for (int j = 0; j < 2 * PAIRS; ++j) {
-    rows[j] = codes + (n + j) * row_bytes;
+    rows[j] = codes + (n + j) * K;
     scales[j] = scale + (n + j) * groups;
   }
   const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);  // + j: group g8 + j's
@@ -69,9 +58,8 @@ inline void pairs_block(const float* x, int64_t K, const uint8_t* codes, const S
   __m512 eight[PAIRS];  // each pair's scales of groups g8 .. g8 + 7: output 2p in lanes 0-7, 2p + 1 in 8-15
   __m512i index = spread;  // group g's lanes in them: g - g8 and 8 + g - g8
   for (int64_t g = 0; g < groups; ++g) {
-    if (g % (64 / group_bytes) == 0)  // about once per cache line (6 bits: 60 bytes); prefetches never fault
-      for (int j = 0; j < 2 * PAIRS; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + g * group_bytes + PREFETCH_BYTES), _MM_HINT_T0);
+    if ((g * G) % 64 == 0)  // prefetches never fault
+      for (int j = 0; j < 2 * PAIRS; ++j) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + g * G + PREFETCH_BYTES), _MM_HINT_T0);
     const int64_t g8 = g & ~int64_t{7};
     const bool by_eight = g8 + 8 <= groups;  // the group's scale from eight converted at once (the same value)
     if (by_eight && g == g8) {
@@ -81,14 +69,8 @@ inline void pairs_block(const float* x, int64_t K, const uint8_t* codes, const S
     __m512 w[PAIRS][G / 8], s[PAIRS];
     for (int p = 0; p < PAIRS; ++p) {
       for (int h = 0; h < G / 16; ++h) {  // 16 codes of each output: inputs 16h .. 16h + 15 of the group
-        __m128i low, high;
-        if constexpr (BITS == 6) {  // (G = 16) unpacked to the 8-bit layout's codes: then the same operations
-          low = quant::six_group(rows[2 * p], g);
-          high = quant::six_group(rows[2 * p + 1], g);
-        } else {
-          low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2 * p] + g * G + 16 * h));
-          high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2 * p + 1] + g * G + 16 * h));
-        }
+        const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2 * p] + g * G + 16 * h));
+        const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2 * p + 1] + g * G + 16 * h));
         w[p][2 * h] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(low, high)));
         w[p][2 * h + 1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(low, high)));
       }
@@ -117,35 +99,31 @@ inline void pairs_block(const float* x, int64_t K, const uint8_t* codes, const S
 }
 
 // Rows [m0, m0 + RB) x outputs n .. n + 2 * PAIRS - 1, int8 activations, groups of 16.
-template <int BITS, int RB>
+template <int RB>
 inline void int8_pairs_block(const quant::QuantizedRows& q, const uint8_t* offset_codes, int64_t m0,
                              const uint8_t* codes, const float* scale, float* y, int64_t N, int64_t n) {
-  const int64_t K = q.K, blocks = K / 32, groups = K / 16, row_bytes = K * BITS / 8;
+  const int64_t K = q.K, blocks = K / 32, groups = K / 16;
   const uint8_t* rows[2 * PAIRS];
   const float* scales[2 * PAIRS];
   for (int j = 0; j < 2 * PAIRS; ++j) {
-    rows[j] = codes + (n + j) * row_bytes;
+    rows[j] = codes + (n + j) * K;
     scales[j] = scale + (n + j) * groups;
   }
   const __m512i ones = _mm512_set1_epi8(1);
   // lanes 0-3: output n's scale of inputs 0-15, 4-7: of 16-31; 8-15: the same for output n + 1
   const __m512i lane_scale = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const int64_t prefetch_offset = 2 * 2 * PAIRS * row_bytes;  // two passes ahead: these rows' successors
+  const int64_t prefetch_offset = 2 * 2 * PAIRS * K;  // two passes ahead: these rows' successors
   __m512 acc[RB][PAIRS];
   for (int r = 0; r < RB; ++r)
     for (int p = 0; p < PAIRS; ++p) acc[r][p] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    if (b % 2 == 0)  // one cache line of each row per two blocks (6 bits: 48 bytes; prefetches never fault)
-      for (int j = 0; j < 2 * PAIRS; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + b * (32 * BITS / 8) + prefetch_offset), _MM_HINT_T0);
+    if (b % 2 == 0)  // one cache line of each row per two blocks (prefetches never fault)
+      for (int j = 0; j < 2 * PAIRS; ++j) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + 32 * b + prefetch_offset), _MM_HINT_T0);
     __m512i w[PAIRS], correction[PAIRS];
     __m512 w_scale[PAIRS];
     for (int p = 0; p < PAIRS; ++p) {
-      if constexpr (BITS == 6)  // unpacked to the 8-bit layout's codes (six_bit.h): then the same operations
-        w[p] = _mm512_inserti64x4(_mm512_castsi256_si512(quant::six_block(rows[2 * p], b)), quant::six_block(rows[2 * p + 1], b), 1);
-      else
-        w[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[2 * p] + 32 * b))),
-                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[2 * p + 1] + 32 * b)), 1);
+      w[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[2 * p] + 32 * b))),
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[2 * p + 1] + 32 * b)), 1);
       correction[p] = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w[p]), 7);  // 128 x code sums
       const __m128 pair = _mm_castpd_ps(_mm_unpacklo_pd(_mm_castsi128_pd(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales[2 * p] + 2 * b))),
                                                         _mm_castsi128_pd(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales[2 * p + 1] + 2 * b)))));
@@ -169,41 +147,39 @@ inline void int8_pairs_block(const quant::QuantizedRows& q, const uint8_t* offse
 
 }  // namespace
 
-template <int BITS, int RB>
+template <int RB>
 int64_t int8_row_pairs16(const quant::QuantizedRows& q, const uint8_t* offset_codes, int64_t m0, const uint8_t* codes,
                          const float* scale, float* y, int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + 2 * PAIRS <= n1; n += 2 * PAIRS) int8_pairs_block<BITS, RB>(q, offset_codes, m0, codes, scale, y, N, n);
+  for (; n + 2 * PAIRS <= n1; n += 2 * PAIRS) int8_pairs_block<RB>(q, offset_codes, m0, codes, scale, y, N, n);
   return n;
 }
 
-#define FD_INT8_INSTANCE(BITS, RB)                                                                                  \
-  template int64_t int8_row_pairs16<BITS, RB>(const quant::QuantizedRows&, const uint8_t*, int64_t, const uint8_t*, \
-                                              const float*, float*, int64_t, int64_t, int64_t);
-FD_INT8_INSTANCE(8, 1) FD_INT8_INSTANCE(8, 2) FD_INT8_INSTANCE(8, 4)
-FD_INT8_INSTANCE(6, 1) FD_INT8_INSTANCE(6, 2) FD_INT8_INSTANCE(6, 4)
-#undef FD_INT8_INSTANCE
+template int64_t int8_row_pairs16<1>(const quant::QuantizedRows&, const uint8_t*, int64_t, const uint8_t*, const float*,
+                                     float*, int64_t, int64_t, int64_t);
+template int64_t int8_row_pairs16<2>(const quant::QuantizedRows&, const uint8_t*, int64_t, const uint8_t*, const float*,
+                                     float*, int64_t, int64_t, int64_t);
+template int64_t int8_row_pairs16<4>(const quant::QuantizedRows&, const uint8_t*, int64_t, const uint8_t*, const float*,
+                                     float*, int64_t, int64_t, int64_t);
 
-template <int BITS, int G, typename S, int RB>
+template <int G, typename S, int RB>
 int64_t float_row_pairs(const float* x, int64_t K, const uint8_t* codes, const S* scale, float* y, int64_t N,
                         int64_t n0, int64_t n1) {
-  static_assert(G % 16 == 0 && (BITS == 8 || G == 16), "groups of 16 or 32 inputs (6 bits: 16)");
+  static_assert(G % 16 == 0, "groups of 16 or 32 inputs");
   int64_t n = n0;
-  for (; n + 2 * PAIRS <= n1; n += 2 * PAIRS) pairs_block<BITS, G, S, RB>(x, K, codes, scale, y, N, n);
+  for (; n + 2 * PAIRS <= n1; n += 2 * PAIRS) pairs_block<G, S, RB>(x, K, codes, scale, y, N, n);
   return n;  // (the AVX2 kernel takes the last outputs: fewer than 2 * PAIRS)
 }
 
-#define FD_INSTANCE(BITS, G, S, RB) \
-  template int64_t float_row_pairs<BITS, G, S, RB>(const float*, int64_t, const uint8_t*, const S*, float*, int64_t, int64_t, int64_t);
-#define FD_INSTANCES(BITS, G, S) \
-  FD_INSTANCE(BITS, G, S, 1) FD_INSTANCE(BITS, G, S, 2) FD_INSTANCE(BITS, G, S, 3) FD_INSTANCE(BITS, G, S, 4) \
-  FD_INSTANCE(BITS, G, S, 5) FD_INSTANCE(BITS, G, S, 6) FD_INSTANCE(BITS, G, S, 7) FD_INSTANCE(BITS, G, S, 8)
-FD_INSTANCES(8, 16, float)
-FD_INSTANCES(8, 16, at::Half)
-FD_INSTANCES(8, 32, float)
-FD_INSTANCES(8, 32, at::Half)
-FD_INSTANCES(6, 16, float)
-FD_INSTANCES(6, 16, at::Half)
+#define FD_INSTANCE(G, S, RB) \
+  template int64_t float_row_pairs<G, S, RB>(const float*, int64_t, const uint8_t*, const S*, float*, int64_t, int64_t, int64_t);
+#define FD_INSTANCES(G, S) \
+  FD_INSTANCE(G, S, 1) FD_INSTANCE(G, S, 2) FD_INSTANCE(G, S, 3) FD_INSTANCE(G, S, 4) FD_INSTANCE(G, S, 5) \
+  FD_INSTANCE(G, S, 6) FD_INSTANCE(G, S, 7) FD_INSTANCE(G, S, 8)
+FD_INSTANCES(16, float)
+FD_INSTANCES(16, at::Half)
+FD_INSTANCES(32, float)
+FD_INSTANCES(32, at::Half)
 #undef FD_INSTANCES
 #undef FD_INSTANCE
 

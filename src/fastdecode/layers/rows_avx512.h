@@ -4,28 +4,49 @@
 
 #include <ATen/ATen.h>
 #include <cstdint>
+#include <vector>
 
 #include "qrows.h"
 
 namespace fastdecode {
 namespace avx512 {
 
-// Rows [0, RB) of x [RB, K] (float32) x outputs [n0, n1) of 8-bit rows-layout codes [N, K] (or 6-bit ones,
-// G = 16: six_bit.h) with scales [N, K/G] and no mins -> y [RB, N] (row stride N): qmatmul.cpp's
-// float_rows<BITS, G, S, RB>, bit for bit,
+// Rows [0, RB) of x [RB, K] (float32) x outputs [n0, n1) of 8-bit rows-layout codes [N, K] with scales
+// [N, K/G] and no mins -> y [RB, N] (row stride N): qmatmul.cpp's float_rows<8, G, S, RB>, bit for bit,
 // two outputs per register, four outputs at a time. Returns where it stopped: the last (n1 - n0) % 4
 // outputs are left to the AVX2 kernel.
-template <int BITS, int G, typename S, int RB>
+template <int G, typename S, int RB>
 int64_t float_row_pairs(const float* x, int64_t K, const uint8_t* codes, const S* scale, float* y, int64_t N,
                         int64_t n0, int64_t n1);
 
-// Rows [m0, m0 + RB) of q (int8 activations) x outputs [n0, n1) of 8-bit (or 6-bit) rows-layout codes in groups
-// of 16 with float32 scales [N, K/16] and no mins -> y [M, N]: qmatmul.cpp's dot_tile<BITS, 16, float, NR, RB>,
+// Rows [m0, m0 + RB) of q (int8 activations) x outputs [n0, n1) of 8-bit rows-layout codes [N, K] in groups
+// of 16 with float32 scales [N, K/16] and no mins -> y [M, N]: qmatmul.cpp's dot_tile<8, 16, float, NR, RB>,
 // bit for bit, two outputs per register; offset_codes: q's codes + 128 as unsigned bytes (qtiles_avx512.h's
 // offset_rows). Returns where it stopped: the last (n1 - n0) % 4 outputs are left to the AVX2 kernel.
-template <int BITS, int RB>
+template <int RB>
 int64_t int8_row_pairs16(const quant::QuantizedRows& q, const uint8_t* offset_codes, int64_t m0, const uint8_t* codes,
                          const float* scale, float* y, int64_t N, int64_t n0, int64_t n1);
+
+// The same two kernels on packed 6-bit codes (Q6_K, six_bit.h: codes [N, 3K/4], groups of 16), bit for bit
+// the 8-bit kernels on the unpacked codes (rows6_avx512.cpp). six_int8_row_pairs takes, for offset_codes,
+// six_corrections(q).
+template <typename S, int RB>
+int64_t six_float_row_pairs(const float* x, int64_t K, const uint8_t* codes, const S* scale, float* y, int64_t N,
+                            int64_t n0, int64_t n1);
+template <int RB>
+int64_t six_int8_row_pairs(const quant::QuantizedRows& q, const uint8_t* corrections, int64_t m0, const uint8_t* codes,
+                           const float* scale, float* y, int64_t N, int64_t n0, int64_t n1);
+
+// -32 x the sum of each 4 consecutive activation codes a of q, int32 [M, K/4] (as bytes: [M, K]): the 6-bit
+// int8 kernel multiplies the unpacked codes before their -32 (c + 32, unsigned) and starts from this, so each
+// int32 lane is sum (c + 32) a - 32 sum a = sum c a, the 8-bit kernel's exactly.
+inline std::vector<uint8_t> six_corrections(const quant::QuantizedRows& q) {
+  std::vector<uint8_t> out(q.codes.size());
+  int32_t* sums = reinterpret_cast<int32_t*>(out.data());
+  for (size_t i = 0; i < q.codes.size() / 4; ++i)
+    sums[i] = -32 * (q.codes[4 * i] + q.codes[4 * i + 1] + q.codes[4 * i + 2] + q.codes[4 * i + 3]);
+  return out;
+}
 
 }  // namespace avx512
 }  // namespace fastdecode

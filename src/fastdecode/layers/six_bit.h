@@ -75,9 +75,5 @@ inline __m128i six_group(const uint8_t* row, int64_t g) {
   }
 }
 
-// Bytes of one output's codes: K inputs at BITS bits (6: 192 per 256).
-template <int BITS>
-constexpr int64_t code_row_bytes(int64_t K) { return K * BITS / 8; }
-
 }  // namespace quant
 }  // namespace fastdecode
