@@ -3,7 +3,7 @@
 
 Each repetition starts one fresh process per tree (in alternating order, so drift in machine load hits
 both alike), each with its tree's ``src`` first on PYTHONPATH: it loads the model (native kernels, the
-weight cache as a later load finds it: the first load of each tree, untimed, writes its entry), decodes
+weight cache as a later load finds it, a folder per tree: the first load of each, untimed, writes its entry), decodes
 ``--new-tokens`` greedily once to warm up, then once timed. Reported per tree, medians with the min-max
 range: tokens/s (wall), the process's CPU seconds per token (every thread: robust to other processes'
 use of the cores, not to their use of the memory bus), peak resident memory (``ru_maxrss``), load time,
@@ -71,8 +71,11 @@ def worker(model: str, threads: int, new_tokens: int) -> None:
                       "source": fastdecode.__file__}))
 
 
-def run(src: str, args) -> dict:
-    env = harness.quiet_env(PYTHONPATH=f"{src}:{HERE}")
+def run(side: str, src: str, args) -> dict:
+    # each tree its own weight cache folder: one entry per GGUF path is kept, so trees sharing one would
+    # evict each other's entry and repack at every load
+    cache = Path(args.weight_cache) / side
+    env = harness.quiet_env(PYTHONPATH=f"{src}:{HERE}", FASTDECODE_WEIGHT_CACHE=str(cache))
     command = [sys.executable, __file__, "--worker", "--model", args.model, "--threads", str(args.threads),
                "--new-tokens", str(args.new_tokens)]
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -83,25 +86,29 @@ def run(src: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline-src", required=True, help="src/ folder of the baseline tree (e.g. main's)")
+    parser.add_argument("--baseline-src", help="src/ folder of the baseline tree (e.g. main's); required")
     parser.add_argument("--src", default=str(HERE.parent / "src"), help="src/ folder of the tree measured")
     parser.add_argument("--model", default=str(QWEN), help="a GGUF file (default: Qwen2.5-Coder-1.5B Q4_K_M)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--weight-cache", default=str(Path.home() / ".cache" / "fastdecode" / "decode-ab"),
+                        help="folder of the trees' weight caches (a subfolder each)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.model, args.threads, args.new_tokens)
         return
+    if args.baseline_src is None:
+        parser.error("--baseline-src is required")
     sides = {"baseline": os.path.abspath(args.baseline_src), "tree": os.path.abspath(args.src)}
-    for src in sides.values():  # untimed: builds the kernels and writes the weight cache where missing
-        run(src, args)
+    for side, src in sides.items():  # untimed: builds the kernels and writes the weight cache where missing
+        run(side, src, args)
     results: dict[str, list[dict]] = {side: [] for side in sides}
     for rep in range(args.reps):
         order = list(sides) if rep % 2 == 0 else list(reversed(sides))
         for side in order:
-            results[side].append(run(sides[side], args))
+            results[side].append(run(side, sides[side], args))
     print(harness.machine_line(args.threads))
     print(f"load average after: {os.getloadavg()[0]:.2f}, {os.getloadavg()[1]:.2f}, {os.getloadavg()[2]:.2f}; "
           f"{args.reps} reps, {args.new_tokens} new tokens, batch 1, {args.threads} threads, {Path(args.model).name}")
