@@ -336,10 +336,11 @@ at::Tensor dequantize_impl(const at::Tensor& codes, const at::Tensor& scale, con
   const S* mp = has_min ? mins->data_ptr<S>() : nullptr;
   float* wp = w.data_ptr<float>();
   fastdecode::parallel_chunks(N, fastdecode::chunk_outputs(K, 8), threads, [&](int64_t n0, int64_t n1) {
+    alignas(32) int8_t unpacked[256];  // 6 bits: the current super-block's codes
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t g = 0; g < groups; ++g) {
         __m256 v[G / 8];
-        decode_group<BITS, G>(cp + n * (K * BITS / 8), g, v);
+        six_or_decode_group<BITS, G>(cp + n * (K * BITS / 8), g, unpacked, v);
         const __m256 s = _mm256_set1_ps(load_scale(sp + n * groups + g));
         float* out = wp + n * K + g * G;
         if (mp != nullptr) {  // scale * code + min: the same two roundings as quantized.dequantize()

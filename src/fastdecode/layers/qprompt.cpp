@@ -48,12 +48,15 @@ void pack_pair(const uint8_t* codes, bool six, const S* scale, int64_t N, int64_
   for (int half = 0; half < 2; ++half) {
     const uint8_t* rows[8];
     for (int o = 0; o < 8; ++o) rows[o] = 8 * half + o < valid ? codes + (n0 + 8 * half + o) * row_bytes : nullptr;
+    alignas(32) int8_t unpacked[8][256];  // six: the 8 outputs' codes of the current super-block
     for (int64_t b = 0; b < blocks; ++b) {
+      if (six && b % 8 == 0)
+        for (int o = 0; o < 8; ++o)
+          if (rows[o] != nullptr) quant::six_super(rows[o] + b / 8 * quant::SIX_SUPER_BYTES, unpacked[o]);
       __m256 v[8];  // dwords as float lanes: moved, never computed on
       for (int o = 0; o < 8; ++o)
         v[o] = rows[o] == nullptr ? _mm256_setzero_ps()
-               : six ? _mm256_castsi256_ps(quant::six_block(rows[o], b))
-                     : _mm256_loadu_ps(reinterpret_cast<const float*>(rows[o] + 32 * b));
+               : _mm256_loadu_ps(reinterpret_cast<const float*>(six ? unpacked[o] + 32 * (b % 8) : reinterpret_cast<const int8_t*>(rows[o]) + 32 * b));
       quant::transpose8(v);  // v[c]: inputs 4c..4c+3 of the 8 outputs
       for (int c = 0; c < 8; ++c)
         _mm256_storeu_ps(reinterpret_cast<float*>(tile.codes.data() + (b * 8 + c) * PAIR * 4 + 32 * half), v[c]);

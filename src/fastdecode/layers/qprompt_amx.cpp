@@ -104,12 +104,15 @@ void pack(const Rows16& o, int64_t n0, Panel16& p) {
     const uint8_t* rows[8];
     for (int i = 0; i < 8; ++i) rows[i] = o0 + i < o.N ? o.codes + (o0 + i) * row_bytes : nullptr;
     int8_t* dst = p.codes.data() + (e / 2) * 256 + (e % 2) * 32;  // B tile half e / 2, outputs 8 (e % 2) ..
+    alignas(32) int8_t unpacked[8][256];  // six: the 8 outputs' codes of the current super-block (six_bit.h)
     for (int64_t b = 0; b < blocks; ++b) {
+      if (o.six && b % 8 == 0)
+        for (int i = 0; i < 8; ++i)
+          if (rows[i] != nullptr) quant::six_super(rows[i] + b / 8 * quant::SIX_SUPER_BYTES, unpacked[i]);
       __m256 v[8];  // dwords as float lanes: moved, never computed on
       for (int i = 0; i < 8; ++i)
         v[i] = rows[i] == nullptr ? _mm256_setzero_ps()
-               : o.six ? _mm256_castsi256_ps(quant::six_block(rows[i], b))  // the 8-bit layout's codes (six_bit.h)
-                       : _mm256_loadu_ps(reinterpret_cast<const float*>(rows[i] + 32 * b));
+               : _mm256_loadu_ps(reinterpret_cast<const float*>(o.six ? unpacked[i] + 32 * (b % 8) : reinterpret_cast<const int8_t*>(rows[i]) + 32 * b));
       quant::transpose8(v);
       for (int c = 0; c < 8; ++c)  // group 2b + c / 4, tile row c % 4
         _mm256_storeu_ps(reinterpret_cast<float*>(dst + (2 * b + c / 4) * 512 + (c % 4) * 64), v[c]);

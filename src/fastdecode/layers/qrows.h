@@ -135,17 +135,12 @@ inline float mins_term(const S* mins_row, const float* sums, int64_t groups) {
   return total;
 }
 
-// The G weights of group g of one output's codes `row` decoded to float codes (not yet scaled): G / 8 vectors
-// (6 bits, G = 16: unpacked to the 8-bit layout's codes first, six_bit.h).
+// The G weights of group g of one output's codes `row` decoded to float codes (not yet scaled): G / 8 vectors.
 template <int BITS, int G>
 inline void decode_group(const uint8_t* row, int64_t g, __m256* w) {
-  static_assert(BITS != 6 || G == 16, "6-bit codes come in groups of 16");
+  static_assert(BITS == 4 || BITS == 8, "6-bit codes are unpacked a super-block at a time first (six_or_decode_group)");
   const uint8_t* codes = row + g * (G * BITS / 8);
-  if constexpr (BITS == 6) {
-    const __m128i c = six_group(row, g);
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
-  } else if constexpr (BITS == 8) {
+  if constexpr (BITS == 8) {
     const int8_t* c = reinterpret_cast<const int8_t*>(codes);
     for (int i = 0; i < G / 8; ++i)
       w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * i))));
@@ -158,6 +153,19 @@ inline void decode_group(const uint8_t* row, int64_t g, __m256* w) {
     w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
     w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
     w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+}
+
+// Group g of one output's codes `row` as decode_group; 6-bit codes (G = 16) through `unpacked`, the int8 codes
+// of the group's super-block, unpacked when g enters it (groups taken in order).
+template <int BITS, int G>
+inline void six_or_decode_group(const uint8_t* row, int64_t g, int8_t* unpacked, __m256* w) {
+  if constexpr (BITS == 6) {
+    static_assert(G == 16, "6-bit codes come in groups of 16");
+    if (g % 16 == 0) six_super(row + g / 16 * SIX_SUPER_BYTES, unpacked);
+    decode_group<8, 16>(reinterpret_cast<const uint8_t*>(unpacked), g % 16, w);
+  } else {
+    decode_group<BITS, G>(row, g, w);
   }
 }
 
@@ -174,6 +182,7 @@ template <int BITS, int G, typename S, int RB>
 void float_rows(const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scale, const S* mins,
                 float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t groups = K / G, row_bytes = K * BITS / 8, group_bytes = G * BITS / 8;
+  alignas(32) int8_t unpacked[256];  // 6 bits: the current super-block's codes
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
@@ -181,7 +190,7 @@ void float_rows(const float* x, const float* xsum, int64_t K, const uint8_t* cod
       if (g % (64 / group_bytes) == 0)  // about once per cache line (6 bits: 60 bytes); prefetches never fault
         _mm_prefetch(reinterpret_cast<const char*>(codes + n * row_bytes + g * group_bytes + FLOAT_PREFETCH_BYTES), _MM_HINT_T0);
       __m256 w[G / 8];
-      decode_group<BITS, G>(codes + n * row_bytes, g, w);
+      six_or_decode_group<BITS, G>(codes + n * row_bytes, g, unpacked, w);
       const __m256 s = _mm256_set1_ps(load_scale(scale + n * groups + g));
       for (int r = 0; r < RB; ++r) {
         const float* xr = x + r * K + g * G;

@@ -18,7 +18,7 @@ namespace quant {
 
 constexpr int64_t SIX_SUPER_BYTES = 192;  // bytes per 256 inputs: ql (128), qh (64)
 
-// The 32 codes of block I of a super-block's bytes (six_half_of: the 16 of its half h).
+// The 32 codes of block I of a super-block's bytes.
 template <int I>
 inline __m256i six_block_of(const uint8_t* super) {
   constexpr int n = I / 4, j = I % 4;
@@ -30,17 +30,6 @@ inline __m256i six_block_of(const uint8_t* super) {
                         : j == 2 ? qh : _mm256_srli_epi16(qh, 2);
   const __m256i high = _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
   return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
-}
-
-template <int I>
-inline __m128i six_half_of(const uint8_t* super, int64_t h) {
-  constexpr int n = I / 4, j = I % 4;
-  const __m128i ql = _mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 64 * n + 32 * (j & 1) + 16 * h));
-  const __m128i qh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 128 + 32 * n + 16 * h));
-  const __m128i low = _mm_and_si128(j >> 1 ? _mm_srli_epi16(ql, 4) : ql, _mm_set1_epi8(0x0F));
-  const __m128i moved = j == 0 ? _mm_slli_epi16(qh, 4) : j == 1 ? _mm_slli_epi16(qh, 2) : j == 2 ? qh : _mm_srli_epi16(qh, 2);
-  const __m128i high = _mm_and_si128(moved, _mm_set1_epi8(0x30));
-  return _mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32));
 }
 
 // Block b (inputs 32b .. 32b + 31) of one output's packed row -> its 32 int8 codes in input order. Where b % 8
@@ -59,20 +48,19 @@ inline __m256i six_block(const uint8_t* row, int64_t b) {
   }
 }
 
-// Group g (inputs 16g .. 16g + 15) of one output's packed row -> its 16 int8 codes.
-inline __m128i six_group(const uint8_t* row, int64_t g) {
-  const uint8_t* super = row + (g >> 4) * SIX_SUPER_BYTES;
-  const int64_t h = g & 1;
-  switch ((g >> 1) & 7) {
-    case 0: return six_half_of<0>(super, h);
-    case 1: return six_half_of<1>(super, h);
-    case 2: return six_half_of<2>(super, h);
-    case 3: return six_half_of<3>(super, h);
-    case 4: return six_half_of<4>(super, h);
-    case 5: return six_half_of<5>(super, h);
-    case 6: return six_half_of<6>(super, h);
-    default: return six_half_of<7>(super, h);
-  }
+// The 256 int8 codes of one super-block (its 192 bytes at `super`) into out[256], in input order: for the
+// kernels that read a row's codes group by group or transpose them (float32 activations without AVX-512,
+// dequantization, the prompt GEMMs' repacking), which then read the 8-bit layout's bytes.
+inline void six_super(const uint8_t* super, int8_t* out) {
+  __m256i* blocks = reinterpret_cast<__m256i*>(out);
+  _mm256_storeu_si256(blocks + 0, six_block_of<0>(super));
+  _mm256_storeu_si256(blocks + 1, six_block_of<1>(super));
+  _mm256_storeu_si256(blocks + 2, six_block_of<2>(super));
+  _mm256_storeu_si256(blocks + 3, six_block_of<3>(super));
+  _mm256_storeu_si256(blocks + 4, six_block_of<4>(super));
+  _mm256_storeu_si256(blocks + 5, six_block_of<5>(super));
+  _mm256_storeu_si256(blocks + 6, six_block_of<6>(super));
+  _mm256_storeu_si256(blocks + 7, six_block_of<7>(super));
 }
 
 }  // namespace quant
