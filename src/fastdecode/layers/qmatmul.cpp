@@ -141,18 +141,21 @@ void dot_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S*
     if (i % blocks_per_line == 0)
       for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(code_rows[j] + offset + prefetch_offset), _MM_HINT_T0);
     for (int j = 0; j < NR; ++j) {
-      __m256i signs = _mm256_setzero_si256();  // 8 and 6 bits: the codes (their signs); unused for 4 bits
-      __m256i magnitudes;
-      if constexpr (BITS == 6) {  // unpacked to the 8-bit layout's codes (six_bit.h): then the same operations
-        signs = six_block(code_rows[j], b + i);
-        magnitudes = _mm256_sign_epi8(signs, signs);
-      } else {
-        magnitudes = unsigned_codes<BITS>(code_rows[j] + offset, signs);
-      }
+      __m256i signs = _mm256_setzero_si256();  // 8 bits: the codes (their signs); unused for 4 and 6 bits
+      // 6 bits: the codes before their -32 (c + 32: 0..63, six_bit.h), the corrections q.six taking the 32 off
+      const __m256i magnitudes = BITS == 6 ? six_unsigned(code_rows[j], b + i)
+                                           : unsigned_codes<BITS == 6 ? 8 : BITS>(code_rows[j] + offset, signs);
       __m256 w_scales = _mm256_setzero_ps();
       if constexpr (G == 16) w_scales = lane_scales16(scale_rows[j], b + i);
       for (int r = 0; r < RB; ++r) {
-        const __m256 dots = block_dot<BITS == 6 ? 8 : BITS>(magnitudes, signs, act_rows[r] + 32 * (b + i));
+        __m256 dots;
+        if constexpr (BITS == 6)  // the 8-bit codes' int32 lanes exactly: |pair sum| <= 2 * 63 * 127, then + q.six
+          dots = _mm256_cvtepi32_ps(_mm256_add_epi32(
+              _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act_rows[r] + 32 * (b + i)))),
+                                _mm256_set1_epi16(1)),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.six.data() + (m0 + r) * K / 4 + 8 * (b + i)))));
+        else
+          dots = block_dot<BITS>(magnitudes, signs, act_rows[r] + 32 * (b + i));
         __m256 scales;
         if constexpr (G == 32) scales = _mm256_broadcast_ss(combined[j][r] + i);
         else scales = _mm256_mul_ps(w_scales, _mm256_broadcast_ss(act_scales[r] + b + i));
@@ -191,11 +194,11 @@ void rows_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S
 // while every row block passes over them, so each weight byte comes from memory once per call.
 constexpr int64_t OUTPUT_CHUNK = 32;
 
-// rows_avx512.cpp's int8 kernel for groups of 16 (rows6_avx512.cpp's for 6-bit codes, offset: six_corrections).
+// rows_avx512.cpp's int8 kernel for groups of 16 (rows6_avx512.cpp's for 6-bit codes, which reads offset's data as q.six).
 template <int BITS, int RB>
 int64_t int8_pairs(const QuantizedRows& q, const uint8_t* offset, int64_t m0, const uint8_t* codes, const float* scale,
                    float* y, int64_t N, int64_t n0, int64_t n1) {
-  if constexpr (BITS == 6) return fastdecode::avx512::six_int8_row_pairs<RB>(q, offset, m0, codes, scale, y, N, n0, n1);
+  if constexpr (BITS == 6) return fastdecode::avx512::six_int8_row_pairs<RB>(q, m0, codes, scale, y, N, n0, n1);
   return fastdecode::avx512::int8_row_pairs16<RB>(q, offset, m0, codes, scale, y, N, n0, n1);
 }
 
@@ -291,7 +294,8 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   at::Tensor y = at::empty({M, N}, x.options());
   const bool exact = activation_bits == 32;
   const bool has_min = mins.has_value() && mins->defined();
-  const QuantizedRows q = exact ? QuantizedRows{K, {}, {}, {}} : quantize_rows<G>(x.data_ptr<float>(), M, K, has_min);
+  QuantizedRows q = exact ? QuantizedRows{K, {}, {}, {}, {}} : quantize_rows<G>(x.data_ptr<float>(), M, K, has_min);
+  if (BITS == 6 && !exact) six_corrections(q);
   const float* xp = exact ? x.data_ptr<float>() : nullptr;
   const std::vector<float> xsum = exact && has_min ? group_sums<G>(xp, M, K) : std::vector<float>();
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
@@ -301,17 +305,17 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t chunk = fastdecode::chunk_outputs(M * K, 32);
   const bool wide = fastdecode::use_avx512();  // read once: the whole product on one kernel
   // the AVX-512 int8 kernel's unsigned activations (rows_avx512.cpp: 8-bit codes in groups of 16, float scales, no mins;
-  // 6-bit codes: the activations' corrections, rows6_avx512.cpp)
+  // 6-bit codes: the corrections q.six, which rows6_avx512.cpp reads)
   constexpr bool float_scales = std::is_same_v<S, float> || std::is_same_v<S, KScale>;  // (compact: decoded to float)
   const bool pairs_kernel = wide && !exact && (BITS == 8 || BITS == 6) && G == 16 && float_scales && !has_min;
-  const std::vector<uint8_t> offset = !pairs_kernel ? std::vector<uint8_t>()
-                                      : BITS == 6 ? fastdecode::avx512::six_corrections(q) : fastdecode::avx512::offset_rows(q);
+  const std::vector<uint8_t> offset = pairs_kernel && BITS == 8 ? fastdecode::avx512::offset_rows(q) : std::vector<uint8_t>();
+  const uint8_t* op = !pairs_kernel ? nullptr : BITS == 6 ? reinterpret_cast<const uint8_t*>(q.six.data()) : offset.data();
   fastdecode::parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) {
     if constexpr (std::is_same_v<S, KScale>)
-      compact_outputs_range<BITS, G>(q, wide, offset.empty() ? nullptr : offset.data(), xp, xsum.data(), M, K, cp, sp,
+      compact_outputs_range<BITS, G>(q, wide, op, xp, xsum.data(), M, K, cp, sp,
                                      mp, yp, N, n0, n1);
     else
-      outputs_range<BITS, G, S>(q, wide, offset.empty() ? nullptr : offset.data(), xp, xsum.data(), M, K, cp, sp, mp,
+      outputs_range<BITS, G, S>(q, wide, op, xp, xsum.data(), M, K, cp, sp, mp,
                                 yp, N, n0, n1);
   }, chunk * M * K);
   return y;

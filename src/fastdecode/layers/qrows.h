@@ -59,7 +59,17 @@ struct QuantizedRows {
   std::vector<int8_t> codes;  // [M, K]
   std::vector<float> scale;   // [M, K/32]: d, x ~ d * code
   std::vector<float> sums;    // [M, K/G]: d * (sum of the codes) per weight group, for the mins term (or empty)
+  // [M, K/4]: -32 x the sum of each 4 codes (six_corrections), for 6-bit weights (or empty): their kernels
+  // multiply the codes before their -32 (c + 32, unsigned) and start from this, so each int32 lane is
+  // sum (c + 32) a - 32 sum a = sum c a, the 8-bit codes' lane exactly
+  std::vector<int32_t> six;
 };
+
+inline void six_corrections(QuantizedRows& q) {
+  q.six.resize(q.codes.size() / 4);
+  for (size_t i = 0; i < q.six.size(); ++i)
+    q.six[i] = -32 * (q.codes[4 * i] + q.codes[4 * i + 1] + q.codes[4 * i + 2] + q.codes[4 * i + 3]);
+}
 
 // with_sums: the code sums too (read only by weights with mins: a third of the quantization's time).
 // Blocks [i0, i1) of 32 inputs (row-major over [M, K / 32]) of x into q, whose vectors are sized for all rows (a

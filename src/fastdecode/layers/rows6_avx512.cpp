@@ -7,7 +7,7 @@
 //
 // int8 activations (down and V matrices at decode): VNNI's dpbusd takes the codes before their -32 (c + 32,
 // 0..63) as its unsigned operand and the activation codes a as the signed one, starting from
-// -32 x the sum of each 4 activations (six_corrections): every int32 lane is sum c a exactly, the lane
+// -32 x the sum of each 4 activations (qrows.h's six_corrections): every int32 lane is sum c a exactly, the lane
 // rows_avx512.cpp's int8_pairs_block makes; the float operations after it are that kernel's.
 // float32 activations (the logits layer): the codes unpacked to int8 and permuted so that each 16-byte
 // quarter is 8 codes of each output of a group (the 8-bit kernel's unpacklo/unpackhi of its two loads),
@@ -80,8 +80,8 @@ inline __m512i unsigned_pair(const uint8_t* a, const uint8_t* b) {
 
 // Rows [m0, m0 + RB) x outputs n .. n + 2 * PAIRS - 1, int8 activations: rows_avx512.cpp's int8_pairs_block.
 template <int RB>
-inline void int8_block(const quant::QuantizedRows& q, const uint8_t* corrections, int64_t m0, const uint8_t* codes,
-                       const float* scale, float* y, int64_t N, int64_t n) {
+inline void int8_block(const quant::QuantizedRows& q, int64_t m0, const uint8_t* codes, const float* scale, float* y,
+                       int64_t N, int64_t n) {
   const int64_t K = q.K, blocks = K / 32, groups = K / 16, row_bytes = K * 6 / 8;
   const uint8_t* rows[2 * PAIRS];
   const float* scales[2 * PAIRS];
@@ -109,7 +109,7 @@ inline void int8_block(const quant::QuantizedRows& q, const uint8_t* corrections
       for (int r = 0; r < RB; ++r) {
         const int64_t at = (m0 + r) * K + 32 * b;
         const __m512i a = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.codes.data() + at)));
-        const __m512i start = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(corrections + at)));
+        const __m512i start = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.six.data() + at / 4)));
         const __m512 d = _mm512_set1_ps(q.scale[(m0 + r) * blocks + b]);
         for (int p = 0; p < PAIRS; ++p) {
           const __m512i dot = _mm512_dpbusd_epi32(start, w[p], a);  // sum c a per 4 inputs
@@ -188,10 +188,10 @@ inline void float_block(const float* x, int64_t K, const uint8_t* codes, const S
 }  // namespace
 
 template <int RB>
-int64_t six_int8_row_pairs(const quant::QuantizedRows& q, const uint8_t* corrections, int64_t m0, const uint8_t* codes,
-                           const float* scale, float* y, int64_t N, int64_t n0, int64_t n1) {
+int64_t six_int8_row_pairs(const quant::QuantizedRows& q, int64_t m0, const uint8_t* codes, const float* scale, float* y,
+                           int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + 2 * PAIRS <= n1; n += 2 * PAIRS) int8_block<RB>(q, corrections, m0, codes, scale, y, N, n);
+  for (; n + 2 * PAIRS <= n1; n += 2 * PAIRS) int8_block<RB>(q, m0, codes, scale, y, N, n);
   return n;  // (the AVX2 kernel takes the last outputs: fewer than 2 * PAIRS)
 }
 
@@ -203,12 +203,12 @@ int64_t six_float_row_pairs(const float* x, int64_t K, const uint8_t* codes, con
   return n;
 }
 
-template int64_t six_int8_row_pairs<1>(const quant::QuantizedRows&, const uint8_t*, int64_t, const uint8_t*,
-                                       const float*, float*, int64_t, int64_t, int64_t);
-template int64_t six_int8_row_pairs<2>(const quant::QuantizedRows&, const uint8_t*, int64_t, const uint8_t*,
-                                       const float*, float*, int64_t, int64_t, int64_t);
-template int64_t six_int8_row_pairs<4>(const quant::QuantizedRows&, const uint8_t*, int64_t, const uint8_t*,
-                                       const float*, float*, int64_t, int64_t, int64_t);
+template int64_t six_int8_row_pairs<1>(const quant::QuantizedRows&, int64_t, const uint8_t*, const float*, float*,
+                                       int64_t, int64_t, int64_t);
+template int64_t six_int8_row_pairs<2>(const quant::QuantizedRows&, int64_t, const uint8_t*, const float*, float*,
+                                       int64_t, int64_t, int64_t);
+template int64_t six_int8_row_pairs<4>(const quant::QuantizedRows&, int64_t, const uint8_t*, const float*, float*,
+                                       int64_t, int64_t, int64_t);
 #define FD_INSTANCE(S, RB) \
   template int64_t six_float_row_pairs<S, RB>(const float*, int64_t, const uint8_t*, const S*, float*, int64_t, int64_t, int64_t);
 #define FD_INSTANCES(S) \

@@ -4,7 +4,6 @@
 
 #include <ATen/ATen.h>
 #include <cstdint>
-#include <vector>
 
 #include "qrows.h"
 
@@ -28,25 +27,14 @@ int64_t int8_row_pairs16(const quant::QuantizedRows& q, const uint8_t* offset_co
                          const float* scale, float* y, int64_t N, int64_t n0, int64_t n1);
 
 // The same two kernels on packed 6-bit codes (Q6_K, six_bit.h: codes [N, 3K/4], groups of 16), bit for bit
-// the 8-bit kernels on the unpacked codes (rows6_avx512.cpp). six_int8_row_pairs takes, for offset_codes,
-// six_corrections(q).
+// the 8-bit kernels on the unpacked codes (rows6_avx512.cpp). six_int8_row_pairs reads q.six (qrows.h's
+// six_corrections).
 template <typename S, int RB>
 int64_t six_float_row_pairs(const float* x, int64_t K, const uint8_t* codes, const S* scale, float* y, int64_t N,
                             int64_t n0, int64_t n1);
 template <int RB>
-int64_t six_int8_row_pairs(const quant::QuantizedRows& q, const uint8_t* corrections, int64_t m0, const uint8_t* codes,
-                           const float* scale, float* y, int64_t N, int64_t n0, int64_t n1);
-
-// -32 x the sum of each 4 consecutive activation codes a of q, int32 [M, K/4] (as bytes: [M, K]): the 6-bit
-// int8 kernel multiplies the unpacked codes before their -32 (c + 32, unsigned) and starts from this, so each
-// int32 lane is sum (c + 32) a - 32 sum a = sum c a, the 8-bit kernel's exactly.
-inline std::vector<uint8_t> six_corrections(const quant::QuantizedRows& q) {
-  std::vector<uint8_t> out(q.codes.size());
-  int32_t* sums = reinterpret_cast<int32_t*>(out.data());
-  for (size_t i = 0; i < q.codes.size() / 4; ++i)
-    sums[i] = -32 * (q.codes[4 * i] + q.codes[4 * i + 1] + q.codes[4 * i + 2] + q.codes[4 * i + 3]);
-  return out;
-}
+int64_t six_int8_row_pairs(const quant::QuantizedRows& q, int64_t m0, const uint8_t* codes, const float* scale, float* y,
+                           int64_t N, int64_t n0, int64_t n1);
 
 }  // namespace avx512
 }  // namespace fastdecode

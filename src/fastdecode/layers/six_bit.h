@@ -18,9 +18,9 @@ namespace quant {
 
 constexpr int64_t SIX_SUPER_BYTES = 192;  // bytes per 256 inputs: ql (128), qh (64)
 
-// The 32 codes of block I of a super-block's bytes.
+// The 32 codes of block I of a super-block's bytes before their -32 (0..63, unsigned).
 template <int I>
-inline __m256i six_block_of(const uint8_t* super) {
+inline __m256i six_unsigned_of(const uint8_t* super) {
   constexpr int n = I / 4, j = I % 4;
   const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 64 * n + 32 * (j & 1)));
   const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 128 + 32 * n));
@@ -29,22 +29,28 @@ inline __m256i six_block_of(const uint8_t* super) {
   const __m256i moved = j == 0 ? _mm256_slli_epi16(qh, 4) : j == 1 ? _mm256_slli_epi16(qh, 2)
                         : j == 2 ? qh : _mm256_srli_epi16(qh, 2);
   const __m256i high = _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
-  return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+  return _mm256_or_si256(low, high);
 }
 
-// Block b (inputs 32b .. 32b + 31) of one output's packed row -> its 32 int8 codes in input order. Where b % 8
-// is known at compile time (an unrolled loop over a super-block) the switch folds away.
-inline __m256i six_block(const uint8_t* row, int64_t b) {
+// The same codes after their -32: the int8 codes.
+template <int I>
+inline __m256i six_block_of(const uint8_t* super) {
+  return _mm256_sub_epi8(six_unsigned_of<I>(super), _mm256_set1_epi8(32));
+}
+
+// Block b (inputs 32b .. 32b + 31) of one output's packed row -> its 32 codes before their -32 in input order.
+// Where b % 8 is known at compile time (an unrolled loop over a super-block) the switch folds away.
+inline __m256i six_unsigned(const uint8_t* row, int64_t b) {
   const uint8_t* super = row + (b >> 3) * SIX_SUPER_BYTES;
   switch (b & 7) {
-    case 0: return six_block_of<0>(super);
-    case 1: return six_block_of<1>(super);
-    case 2: return six_block_of<2>(super);
-    case 3: return six_block_of<3>(super);
-    case 4: return six_block_of<4>(super);
-    case 5: return six_block_of<5>(super);
-    case 6: return six_block_of<6>(super);
-    default: return six_block_of<7>(super);
+    case 0: return six_unsigned_of<0>(super);
+    case 1: return six_unsigned_of<1>(super);
+    case 2: return six_unsigned_of<2>(super);
+    case 3: return six_unsigned_of<3>(super);
+    case 4: return six_unsigned_of<4>(super);
+    case 5: return six_unsigned_of<5>(super);
+    case 6: return six_unsigned_of<6>(super);
+    default: return six_unsigned_of<7>(super);
   }
 }
 
