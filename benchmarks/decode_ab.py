@@ -122,8 +122,10 @@ def main() -> None:
                      f"{first['blocks_mb']:.0f} + {first['logits_mb']:.0f}"])
     print(harness.table(["tree", "src", "tok/s (wall)", "CPU ms / token", "peak RSS MB", "load s",
                          "weights MB / token (blocks + logits)"], rows))
-    base, tree = (results[side][0]["tokens"] for side in sides)
-    print("generated tokens: " + ("identical" if base == tree else f"DIFFER\n  baseline {base}\n  tree     {tree}"))
+    base = results["baseline"][0]["tokens"]
+    differing = [(side, r["tokens"]) for side in sides for r in results[side] if r["tokens"] != base]
+    print("generated tokens: " + ("identical in every run" if not differing
+                                  else "DIFFER\n" + "\n".join(f"  {side} {tokens}" for side, tokens in [("baseline", base), *differing])))
 
 
 if __name__ == "__main__":
