@@ -26,8 +26,8 @@
 // qmatmul with activation_bits = 32 (the logits layer): float32 activations, codes decoded once per
 // 8 rows, exact up to summation order (see float_rows).
 //
-// dequantize (prefill, many rows): codes -> float32 weights bit-identical to quantized.dequantize(),
-// for an exact float GEMM.
+// dequantize (prefill, many rows: dequantize.cpp): codes -> float32 weights bit-identical to
+// quantized.dequantize(), for an exact float GEMM.
 //
 // Both ops dispatch on the codes' layout: 3-D codes are the tiled layout (every 4- and 8-bit format with
 // groups of 32 as loaded: qtiles.cpp, 8 outputs per register, ~1.5-2x faster); this file's kernels serve
@@ -321,70 +321,6 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   return y;
 }
 
-// Rows-layout codes: one row of K * bits / 8 bytes per output (6 bits: whole super-blocks of 256 inputs).
-void check_code_rows(const at::Tensor& codes, const at::Tensor& scale, int64_t K, int64_t bits) {
-  TORCH_CHECK(codes.dim() == 2 && codes.element_size() == 1 && codes.size(0) == scale.size(0) &&
-                  codes.size(1) * 8 == K * bits && (bits != 6 || K % 256 == 0),
-              "rows-layout codes ", codes.sizes(), " do not hold ", scale.size(0), " outputs of ", K, " ", bits, "-bit codes");
-}
-
-// ---- dequantize: the exact float32 weights -----------------------------------------------------------
-template <int BITS, int G, typename S>
-at::Tensor dequantize_impl(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
-                           int64_t threads) {
-  const int64_t N = scale.size(0), groups = scale.size(1), K = groups * G;
-  at::Tensor w = at::empty({N, K}, scale.options().dtype(at::kFloat));
-  const bool has_min = mins.has_value() && mins->defined();
-  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  const S* sp = scale.data_ptr<S>();
-  const S* mp = has_min ? mins->data_ptr<S>() : nullptr;
-  float* wp = w.data_ptr<float>();
-  fastdecode::parallel_chunks(N, fastdecode::chunk_outputs(K, 8), threads, [&](int64_t n0, int64_t n1) {
-    alignas(32) int8_t unpacked[256];  // 6 bits: the current super-block's codes
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t g = 0; g < groups; ++g) {
-        __m256 v[G / 8];
-        six_or_decode_group<BITS, G>(cp + n * (K * BITS / 8), g, unpacked, v);
-        const __m256 s = _mm256_set1_ps(load_scale(sp + n * groups + g));
-        float* out = wp + n * K + g * G;
-        if (mp != nullptr) {  // scale * code + min: the same two roundings as quantized.dequantize()
-          const __m256 m = _mm256_set1_ps(load_scale(mp + n * groups + g));
-          for (int i = 0; i < G / 8; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_add_ps(_mm256_mul_ps(v[i], s), m));
-        } else {
-          for (int i = 0; i < G / 8; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(v[i], s));
-        }
-      }
-  });
-  return w;
-}
-
-// codes, scale, mins of [N, K] -> float32 [N, K] (for products with many rows: then a float GEMM).
-at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
-                      int64_t bits, int64_t group, int64_t threads, int64_t outputs) {
-  if (codes.dim() == 3) {  // the tiled layout (qtiles.cpp)
-    TORCH_CHECK(group == 32, "tiled codes have groups of 32, not ", group);
-    return fastdecode::tiled_dequantize(codes, scale, mins, bits, outputs, threads);
-  }
-  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "codes and scales must be contiguous");
-  if (is_compact(scale)) {  // decoded once to the float32 layout's values (kscales.h): the same bits
-    const c10::optional<at::Tensor> expanded_mins =
-        mins.has_value() && mins->defined() ? c10::optional<at::Tensor>(expanded_scales(*mins, group, false)) : c10::nullopt;
-    return dequantize(codes, expanded_scales(scale, group, false), expanded_mins, bits, group, threads, outputs);
-  }
-  check_code_rows(codes, scale, scale.size(1) * group, bits);
-  const bool half = scale.scalar_type() == at::kHalf;
-#define FD_CASE(B, GS)                                                                               \
-  if (bits == B && group == GS)                                                                      \
-    return half ? dequantize_impl<B, GS, at::Half>(codes, scale, mins, threads)                       \
-                : dequantize_impl<B, GS, float>(codes, scale, mins, threads);
-  FD_CASE(8, 32)
-  FD_CASE(8, 16)
-  FD_CASE(6, 16)
-  FD_CASE(4, 32)
-#undef FD_CASE
-  TORCH_CHECK(false, "no kernel for bits=", bits, " group=", group);
-}
-
 at::Tensor rows_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                         const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group, int64_t threads,
                         int64_t activation_bits);
@@ -446,5 +382,4 @@ TORCH_LIBRARY(fastdecode_kernels, m) {
 
 TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) {
   m.impl("qmatmul", &qmatmul);
-  m.impl("dequantize", &dequantize);
 }

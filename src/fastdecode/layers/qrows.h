@@ -134,6 +134,13 @@ std::vector<float> group_sums(const float* x, int64_t M, int64_t K) {
 }
 
 // ---- the rows layout (qmatmul.cpp) ---------------------------------------------------------------------
+// Rows-layout codes: one row of K * bits / 8 bytes per output (6 bits: whole super-blocks of 256 inputs).
+inline void check_code_rows(const at::Tensor& codes, const at::Tensor& scale, int64_t K, int64_t bits) {
+  TORCH_CHECK(codes.dim() == 2 && codes.element_size() == 1 && codes.size(0) == scale.size(0) &&
+                  codes.size(1) * 8 == K * bits && (bits != 6 || K % 256 == 0),
+              "rows-layout codes ", codes.sizes(), " do not hold ", scale.size(0), " outputs of ", K, " ", bits, "-bit codes");
+}
+
 // sum_g min[g] * xsum[g], 8 groups at a time then one by one (a fixed order for a given K).
 template <typename S>
 inline float mins_term(const S* mins_row, const float* sums, int64_t groups) {

@@ -1,5 +1,5 @@
 // 6-bit codes (Q6_K) held packed as GGUF stores them, unpacked in registers by the kernels into the int8
-// codes they multiply (qmatmul.cpp, rows_avx512.cpp, qprompt.cpp, qprompt_amx.cpp): the same int8 values
+// codes they multiply (qmatmul.cpp, rows6_avx512.cpp, dequantize.cpp, qprompt.cpp, qprompt_amx.cpp): the same int8 values
 // as the 8-bit layout held before, so every product gives the same bits, from 6 bits per weight read
 // instead of 8 (Qwen2.5-Coder-1.5B Q4_K_M: ~100 MB less read per token and held).
 //
