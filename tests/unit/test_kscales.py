@@ -106,11 +106,12 @@ def test_tiled_records_are_a_byte_shuffle_of_the_rows_records(qtype, N):
 
 
 def test_compact_scales_take_what_the_issue_counts():
-    """Q4_K: 4.5 bits per weight in the file, 4 + 0.625 held (float32 scale and mins: 4 + 2); Q6_K: 8 + 0.5625."""
+    """Q4_K: 4.5 bits per weight in the file, 4 + 0.625 held (float32 scale and mins: 4 + 2); Q6_K: 6 + 0.5625,
+    the file's 6.5625 (its codes packed: layers/six_bit.py; 8 + 0.5625 as int8 codes)."""
     q4 = repack("Q4_K", random_blocks(QT.Q4_K, (16, 512), seed=1), (16, 512), tile=True)
     q6 = repack("Q6_K", random_blocks(QT.Q6_K, (16, 512), seed=1), (16, 512))
     assert q4.nbytes * 8 / (16 * 512) == 4 + 0.625
-    assert q6.nbytes * 8 / (16 * 512) == 8 + 0.5625
+    assert q6.nbytes * 8 / (16 * 512) == 6 + 0.5625
     assert q4.shape == q6.shape == (16, 512)
     wide = repack("Q4_K", random_blocks(QT.Q4_K, (16, 512), seed=1), (16, 512), tile=True, compact=False)
     assert wide.scale.dtype == torch.float32 and wide.nbytes * 8 / (16 * 512) == 4 + 2

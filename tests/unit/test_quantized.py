@@ -290,7 +290,7 @@ def test_the_avx512_kernels_give_the_avx2_bits(label):
 @pytest.mark.parametrize("label", ["Q6_K", "Q6_K N=13", "Q8_0", "Q5_0", "Q5_K"])
 @pytest.mark.parametrize("activation_bits", [8, 32])
 def test_the_avx512_row_layout_kernels_give_the_avx2_bits(label, activation_bits):
-    """The rows layout's 8-bit codes (Q6_K: V, down and output matrices) run two outputs per AVX-512
+    """The rows layout's 8-bit codes (and Q6_K's packed 6-bit ones: V, down and output matrices) run two outputs per AVX-512
     register (rows_avx512.cpp): int8 activations in groups of 16 with VNNI (exact int32 lanes), float32
     ones (the logits layer) for groups of 16 and 32, each half the AVX2 kernel's lanes: bit for bit its
     results, at every row blocking (8, 4, 2, 1 rows), output counts that leave 1 to 3 outputs to the AVX2
@@ -299,7 +299,7 @@ def test_the_avx512_row_layout_kernels_give_the_avx2_bits(label, activation_bits
         weight = repack("Q6_K", random_blocks(QT.Q6_K, (13, 512), seed=4), (13, 512))
     else:
         weight = WEIGHTS[label]
-    assert not weight.is_tiled and weight.bits == 8
+    assert not weight.is_tiled and weight.bits == (6 if label.startswith("Q6_K") else 8)
     x = torch.randn(21, weight.shape[1], generator=torch.Generator().manual_seed(13))
     op = ops.qmatmul
     _avx512_gives_the_avx2_bits(

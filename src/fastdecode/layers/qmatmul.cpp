@@ -26,8 +26,8 @@
 // qmatmul with activation_bits = 32 (the logits layer): float32 activations, codes decoded once per
 // 8 rows, exact up to summation order (see float_rows).
 //
-// dequantize (prefill, many rows): codes -> float32 weights bit-identical to quantized.dequantize(),
-// for an exact float GEMM.
+// dequantize (prefill, many rows: dequantize.cpp): codes -> float32 weights bit-identical to
+// quantized.dequantize(), for an exact float GEMM.
 //
 // Both ops dispatch on the codes' layout: 3-D codes are the tiled layout (every 4- and 8-bit format with
 // groups of 32 as loaded: qtiles.cpp, 8 outputs per register, ~1.5-2x faster); this file's kernels serve
@@ -48,6 +48,7 @@
 #include "qtiles.h"
 #include "qtiles_avx512.h"
 #include "rows_avx512.h"
+#include "six_bit.h"
 
 namespace {
 
@@ -115,7 +116,7 @@ constexpr int64_t PREFETCH_TILES = 2;
 template <int BITS, int G, typename S, int NR, int RB>
 void dot_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S* scale, const S* mins, float* y,
               int64_t N, int64_t n0) {
-  constexpr int64_t block_bytes = 32 * BITS / 8, blocks_per_line = 64 / block_bytes;
+  constexpr int64_t block_bytes = 32 * BITS / 8, blocks_per_line = 64 / block_bytes;  // (6 bits: 24, 2)
   const int64_t K = q.K, blocks = K / 32, groups = K / G, row_bytes = K * BITS / 8;
   const uint8_t* code_rows[NR];
   const S* scale_rows[NR];
@@ -140,12 +141,21 @@ void dot_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S*
     if (i % blocks_per_line == 0)
       for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(code_rows[j] + offset + prefetch_offset), _MM_HINT_T0);
     for (int j = 0; j < NR; ++j) {
-      __m256i signs = _mm256_setzero_si256();  // 8 bits: the codes (their signs); unused for 4 bits
-      const __m256i magnitudes = unsigned_codes<BITS>(code_rows[j] + offset, signs);
+      __m256i signs = _mm256_setzero_si256();  // 8 bits: the codes (their signs); unused for 4 and 6 bits
+      // 6 bits: the codes before their -32 (c + 32: 0..63, six_bit.h), the corrections q.six taking the 32 off
+      const __m256i magnitudes = BITS == 6 ? six_unsigned(code_rows[j], b + i)
+                                           : unsigned_codes<BITS == 6 ? 8 : BITS>(code_rows[j] + offset, signs);
       __m256 w_scales = _mm256_setzero_ps();
       if constexpr (G == 16) w_scales = lane_scales16(scale_rows[j], b + i);
       for (int r = 0; r < RB; ++r) {
-        const __m256 dots = block_dot<BITS>(magnitudes, signs, act_rows[r] + 32 * (b + i));
+        __m256 dots;
+        if constexpr (BITS == 6)  // the 8-bit codes' int32 lanes exactly: |pair sum| <= 2 * 63 * 127, then + q.six
+          dots = _mm256_cvtepi32_ps(_mm256_add_epi32(
+              _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act_rows[r] + 32 * (b + i)))),
+                                _mm256_set1_epi16(1)),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.six.data() + (m0 + r) * K / 4 + 8 * (b + i)))));
+        else
+          dots = block_dot<BITS>(magnitudes, signs, act_rows[r] + 32 * (b + i));
         __m256 scales;
         if constexpr (G == 32) scales = _mm256_broadcast_ss(combined[j][r] + i);
         else scales = _mm256_mul_ps(w_scales, _mm256_broadcast_ss(act_scales[r] + b + i));
@@ -156,7 +166,8 @@ void dot_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S*
   int64_t b = 0;
   for (; b + CHUNK_BLOCKS <= blocks; b += CHUNK_BLOCKS) {
     if constexpr (G == 32) combine_scales<S, NR, RB>(scale_rows, act_scales, b, CHUNK_BLOCKS, combined);
-    for (int64_t i = 0; i < CHUNK_BLOCKS; ++i) block(b, i);
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < CHUNK_BLOCKS; ++i) block(b, i);  // (6 bits: b % 8 == 0, each block's unpacking fixed)
   }
   if (b < blocks) {
     if constexpr (G == 32) combine_scales<S, NR, RB>(scale_rows, act_scales, b, blocks - b, combined);
@@ -183,11 +194,21 @@ void rows_tile(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const S
 // while every row block passes over them, so each weight byte comes from memory once per call.
 constexpr int64_t OUTPUT_CHUNK = 32;
 
+// rows_avx512.cpp's int8 kernel for groups of 16 (rows6_avx512.cpp's for 6-bit codes, which reads offset's data as q.six).
+template <int BITS, int RB>
+int64_t int8_pairs(const QuantizedRows& q, const uint8_t* offset, int64_t m0, const uint8_t* codes, const float* scale,
+                   float* y, int64_t N, int64_t n0, int64_t n1) {
+  if constexpr (BITS == 6) return fastdecode::avx512::six_int8_row_pairs<RB>(q, m0, codes, scale, y, N, n0, n1);
+  return fastdecode::avx512::int8_row_pairs16<RB>(q, offset, m0, codes, scale, y, N, n0, n1);
+}
+
 // float_rows over outputs [n0, n1); `wide` (AVX-512) with 8-bit codes and no mins: all but the last few
 // outputs on rows_avx512.cpp's kernel (two outputs per register, the same bits).
 template <int BITS, int G, typename S, int RB>
 void float_outputs(bool wide, const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scale,
                    const S* mins, float* y, int64_t N, int64_t n0, int64_t n1) {
+  if constexpr (BITS == 6)  // (groups of 16: rows6_avx512.cpp)
+    if (wide && mins == nullptr) n0 = fastdecode::avx512::six_float_row_pairs<S, RB>(x, K, codes, scale, y, N, n0, n1);
   if constexpr (BITS == 8 && G % 16 == 0)
     if (wide && mins == nullptr) n0 = fastdecode::avx512::float_row_pairs<G, S, RB>(x, K, codes, scale, y, N, n0, n1);
   float_rows<BITS, G, S, RB>(x, xsum, K, codes, scale, mins, y, N, n0, n1);
@@ -221,14 +242,14 @@ void outputs_range(const QuantizedRows& q, bool wide, const uint8_t* offset, con
       }
       continue;
     }
-    if constexpr (BITS == 8 && G == 16 && std::is_same_v<S, float>) {
+    if constexpr ((BITS == 8 || BITS == 6) && G == 16 && std::is_same_v<S, float>) {
       if (offset != nullptr) {  // AVX-512: all but the last few outputs, the same bits
         for (; m + 4 <= M; m += 4)
-          rows_tile<BITS, G, S, 2, 4>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<4>(q, offset, m, cp, sp, yp, N, c, c1), c1);
+          rows_tile<BITS, G, S, 2, 4>(q, m, cp, sp, mp, yp, N, int8_pairs<BITS, 4>(q, offset, m, cp, sp, yp, N, c, c1), c1);
         for (; m + 2 <= M; m += 2)
-          rows_tile<BITS, G, S, 4, 2>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<2>(q, offset, m, cp, sp, yp, N, c, c1), c1);
+          rows_tile<BITS, G, S, 4, 2>(q, m, cp, sp, mp, yp, N, int8_pairs<BITS, 2>(q, offset, m, cp, sp, yp, N, c, c1), c1);
         for (; m < M; ++m)
-          rows_tile<BITS, G, S, 4, 1>(q, m, cp, sp, mp, yp, N, fastdecode::avx512::int8_row_pairs16<1>(q, offset, m, cp, sp, yp, N, c, c1), c1);
+          rows_tile<BITS, G, S, 4, 1>(q, m, cp, sp, mp, yp, N, int8_pairs<BITS, 1>(q, offset, m, cp, sp, yp, N, c, c1), c1);
         continue;
       }
     }
@@ -273,7 +294,8 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   at::Tensor y = at::empty({M, N}, x.options());
   const bool exact = activation_bits == 32;
   const bool has_min = mins.has_value() && mins->defined();
-  const QuantizedRows q = exact ? QuantizedRows{K, {}, {}, {}} : quantize_rows<G>(x.data_ptr<float>(), M, K, has_min);
+  QuantizedRows q = exact ? QuantizedRows{K, {}, {}, {}, {}} : quantize_rows<G>(x.data_ptr<float>(), M, K, has_min);
+  if (BITS == 6 && !exact) six_corrections(q);
   const float* xp = exact ? x.data_ptr<float>() : nullptr;
   const std::vector<float> xsum = exact && has_min ? group_sums<G>(xp, M, K) : std::vector<float>();
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
@@ -282,73 +304,21 @@ at::Tensor matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   float* yp = y.data_ptr<float>();
   const int64_t chunk = fastdecode::chunk_outputs(M * K, 32);
   const bool wide = fastdecode::use_avx512();  // read once: the whole product on one kernel
-  // the AVX-512 int8 kernel's unsigned activations (rows_avx512.cpp: 8-bit codes in groups of 16, float scales, no mins)
+  // the AVX-512 int8 kernel's unsigned activations (rows_avx512.cpp: 8-bit codes in groups of 16, float scales, no mins;
+  // 6-bit codes: the corrections q.six, which rows6_avx512.cpp reads)
   constexpr bool float_scales = std::is_same_v<S, float> || std::is_same_v<S, KScale>;  // (compact: decoded to float)
-  const std::vector<uint8_t> offset = wide && !exact && BITS == 8 && G == 16 && float_scales && !has_min
-                                          ? fastdecode::avx512::offset_rows(q) : std::vector<uint8_t>();
+  const bool pairs_kernel = wide && !exact && (BITS == 8 || BITS == 6) && G == 16 && float_scales && !has_min;
+  const std::vector<uint8_t> offset = pairs_kernel && BITS == 8 ? fastdecode::avx512::offset_rows(q) : std::vector<uint8_t>();
+  const uint8_t* op = !pairs_kernel ? nullptr : BITS == 6 ? reinterpret_cast<const uint8_t*>(q.six.data()) : offset.data();
   fastdecode::parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) {
     if constexpr (std::is_same_v<S, KScale>)
-      compact_outputs_range<BITS, G>(q, wide, offset.empty() ? nullptr : offset.data(), xp, xsum.data(), M, K, cp, sp,
+      compact_outputs_range<BITS, G>(q, wide, op, xp, xsum.data(), M, K, cp, sp,
                                      mp, yp, N, n0, n1);
     else
-      outputs_range<BITS, G, S>(q, wide, offset.empty() ? nullptr : offset.data(), xp, xsum.data(), M, K, cp, sp, mp,
+      outputs_range<BITS, G, S>(q, wide, op, xp, xsum.data(), M, K, cp, sp, mp,
                                 yp, N, n0, n1);
   }, chunk * M * K);
   return y;
-}
-
-// ---- dequantize: the exact float32 weights -----------------------------------------------------------
-template <int BITS, int G, typename S>
-at::Tensor dequantize_impl(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
-                           int64_t threads) {
-  const int64_t N = scale.size(0), groups = scale.size(1), K = groups * G;
-  at::Tensor w = at::empty({N, K}, scale.options().dtype(at::kFloat));
-  const bool has_min = mins.has_value() && mins->defined();
-  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  const S* sp = scale.data_ptr<S>();
-  const S* mp = has_min ? mins->data_ptr<S>() : nullptr;
-  float* wp = w.data_ptr<float>();
-  fastdecode::parallel_chunks(N, fastdecode::chunk_outputs(K, 8), threads, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t g = 0; g < groups; ++g) {
-        __m256 v[G / 8];
-        decode_group<BITS, G>(cp + (n * groups + g) * (G * BITS / 8), v);
-        const __m256 s = _mm256_set1_ps(load_scale(sp + n * groups + g));
-        float* out = wp + n * K + g * G;
-        if (mp != nullptr) {  // scale * code + min: the same two roundings as quantized.dequantize()
-          const __m256 m = _mm256_set1_ps(load_scale(mp + n * groups + g));
-          for (int i = 0; i < G / 8; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_add_ps(_mm256_mul_ps(v[i], s), m));
-        } else {
-          for (int i = 0; i < G / 8; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(v[i], s));
-        }
-      }
-  });
-  return w;
-}
-
-// codes, scale, mins of [N, K] -> float32 [N, K] (for products with many rows: then a float GEMM).
-at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
-                      int64_t bits, int64_t group, int64_t threads, int64_t outputs) {
-  if (codes.dim() == 3) {  // the tiled layout (qtiles.cpp)
-    TORCH_CHECK(group == 32, "tiled codes have groups of 32, not ", group);
-    return fastdecode::tiled_dequantize(codes, scale, mins, bits, outputs, threads);
-  }
-  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous(), "codes and scales must be contiguous");
-  if (is_compact(scale)) {  // decoded once to the float32 layout's values (kscales.h): the same bits
-    const c10::optional<at::Tensor> expanded_mins =
-        mins.has_value() && mins->defined() ? c10::optional<at::Tensor>(expanded_scales(*mins, group, false)) : c10::nullopt;
-    return dequantize(codes, expanded_scales(scale, group, false), expanded_mins, bits, group, threads, outputs);
-  }
-  const bool half = scale.scalar_type() == at::kHalf;
-#define FD_CASE(B, GS)                                                                               \
-  if (bits == B && group == GS)                                                                      \
-    return half ? dequantize_impl<B, GS, at::Half>(codes, scale, mins, threads)                       \
-                : dequantize_impl<B, GS, float>(codes, scale, mins, threads);
-  FD_CASE(8, 32)
-  FD_CASE(8, 16)
-  FD_CASE(4, 32)
-#undef FD_CASE
-  TORCH_CHECK(false, "no kernel for bits=", bits, " group=", group);
 }
 
 at::Tensor rows_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -387,6 +357,7 @@ at::Tensor rows_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(x.size(1) == scale_inputs(scale, group, false), "x has ", x.size(1), " inputs, the weight ",
               scale_inputs(scale, group, false));
   TORCH_CHECK(x.size(1) % 32 == 0, "activations are quantized in blocks of 32: ", x.size(1), " inputs");
+  check_code_rows(codes, scale, x.size(1), bits);
   const bool half = scale.scalar_type() == at::kHalf, compact = is_compact(scale);
 #define FD_CASE(B, GS)                                                                               \
   if (bits == B && group == GS)                                                                      \
@@ -395,6 +366,7 @@ at::Tensor rows_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::
                    : matmul_impl<B, GS, float>(x, codes, scale, mins, threads, activation_bits);
   FD_CASE(8, 32)
   FD_CASE(8, 16)
+  FD_CASE(6, 16)
   FD_CASE(4, 32)
 #undef FD_CASE
   TORCH_CHECK(false, "no kernel for bits=", bits, " group=", group);
@@ -410,5 +382,4 @@ TORCH_LIBRARY(fastdecode_kernels, m) {
 
 TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) {
   m.impl("qmatmul", &qmatmul);
-  m.impl("dequantize", &dequantize);
 }

@@ -25,6 +25,7 @@
 #include "qprompt.h"
 #include "qrows.h"
 #include "qtiles_avx512.h"
+#include "six_bit.h"
 
 namespace fastdecode {
 namespace prompt {
@@ -34,21 +35,28 @@ using quant::QuantizedRows;
 
 constexpr int64_t AMX_MIN_ROWS = 8;  // fewer rows: the AVX2 / VNNI kernels (AMX's tiles of 16 rows mostly empty)
 
-// Outputs [n0, n0 + 16) of the rows-layout weight (codes [N, K] int8, scale [N, K/16]) into `tile`: per
-// 8 outputs and block, their 8 x 32 code bytes transposed as 8 x 8 dwords in registers; wide: the code sums
-// too (only the VNNI kernel reads them).
+// Outputs [n0, n0 + 16) of the rows-layout weight (codes [N, K] int8, or packed 6-bit [N, 3K/4]: six_bit.h,
+// scale [N, K/16]) into `tile`: per 8 outputs and block, their 8 x 32 code bytes transposed as 8 x 8 dwords in
+// registers; wide: the code sums too (only the VNNI kernel reads them).
 template <typename S>
-void pack_pair(const int8_t* codes, const S* scale, int64_t N, int64_t K, int64_t n0, bool wide, PairTile& tile) {
+void pack_pair(const uint8_t* codes, bool six, const S* scale, int64_t N, int64_t K, int64_t n0, bool wide,
+               PairTile& tile) {
+  const int64_t row_bytes = six ? K * 6 / 8 : K;
   const int64_t blocks = K / 32, valid = std::min<int64_t>(PAIR, N - n0);
   tile.codes.resize(blocks * 8 * PAIR * 4);
   tile.scale.resize(blocks * 2 * PAIR);
   for (int half = 0; half < 2; ++half) {
-    const int8_t* rows[8];
-    for (int o = 0; o < 8; ++o) rows[o] = 8 * half + o < valid ? codes + (n0 + 8 * half + o) * K : nullptr;
+    const uint8_t* rows[8];
+    for (int o = 0; o < 8; ++o) rows[o] = 8 * half + o < valid ? codes + (n0 + 8 * half + o) * row_bytes : nullptr;
+    alignas(32) int8_t unpacked[8][256];  // six: the 8 outputs' codes of the current super-block
     for (int64_t b = 0; b < blocks; ++b) {
+      if (six && b % 8 == 0)
+        for (int o = 0; o < 8; ++o)
+          if (rows[o] != nullptr) quant::six_super(rows[o] + b / 8 * quant::SIX_SUPER_BYTES, unpacked[o]);
       __m256 v[8];  // dwords as float lanes: moved, never computed on
       for (int o = 0; o < 8; ++o)
-        v[o] = rows[o] != nullptr ? _mm256_loadu_ps(reinterpret_cast<const float*>(rows[o] + 32 * b)) : _mm256_setzero_ps();
+        v[o] = rows[o] == nullptr ? _mm256_setzero_ps()
+               : _mm256_loadu_ps(reinterpret_cast<const float*>(six ? unpacked[o] + 32 * (b % 8) : reinterpret_cast<const int8_t*>(rows[o]) + 32 * b));
       quant::transpose8(v);  // v[c]: inputs 4c..4c+3 of the 8 outputs
       for (int c = 0; c < 8; ++c)
         _mm256_storeu_ps(reinterpret_cast<float*>(tile.codes.data() + (b * 8 + c) * PAIR * 4 + 32 * half), v[c]);
@@ -122,12 +130,13 @@ template <typename S>
 at::Tensor prompt_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t threads,
                        const float* bias) {
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  if (M >= AMX_MIN_ROWS && use_amx()) return amx::rows16_gemm(x, codes, scale, threads, bias);  // the same bits
+  const bool six = codes.size(1) != K;  // packed 6-bit codes (checked by prompt_qmatmul)
+  if (M >= AMX_MIN_ROWS && use_amx()) return amx::rows16_gemm(x, codes, six, scale, threads, bias);  // the same bits
   at::Tensor y = at::empty({M, N}, x.options());
   const QuantizedRows q = quant::quantize_rows<16>(x.data_ptr<float>(), M, K, false);
   const bool wide = use_avx512();  // read once: the whole product on one kernel
   const std::vector<uint8_t> offset = wide ? avx512::offset_rows(q) : std::vector<uint8_t>();
-  const int8_t* cp = codes.data_ptr<int8_t>();
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const S* sp = scale.data_ptr<S>();
   float* yp = y.data_ptr<float>();
   const int64_t pairs = (N + PAIR - 1) / PAIR;
@@ -135,7 +144,7 @@ at::Tensor prompt_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
     PairTile tile;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * PAIR, valid = std::min<int64_t>(PAIR, N - n0);
-      pack_pair<S>(cp, sp, N, K, n0, wide, tile);
+      pack_pair<S>(cp, six, sp, N, K, n0, wide, tile);
       if (wide)
         avx512::prompt_pair_rows(tile, q, offset.data(), M, yp, N, n0, valid);
       else
@@ -147,12 +156,15 @@ at::Tensor prompt_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
 }
 
 // x [M, K] float32 -> y [M, N] float32 (+ bias [N] float32, added to each output once it is summed: the same
-// float addition as adding it after): codes int8 [N, K], scale [N, K/16] (float32 or float16), no mins.
+// float addition as adding it after): codes int8 [N, K] or packed 6-bit uint8 [N, 3K/4] (six_bit.h), scale
+// [N, K/16] (float32 or float16), no mins.
 at::Tensor prompt_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t threads,
                           const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() && scale.is_contiguous(),
-              "prompt_qmatmul takes rows-layout int8 codes [N, K] and their scales [N, K/16]");
+  const int64_t K = x.size(1);
+  const bool six = codes.dim() == 2 && codes.scalar_type() == at::kByte && K % 256 == 0 && codes.size(1) * 4 == 3 * K;
+  TORCH_CHECK(codes.dim() == 2 && (codes.scalar_type() == at::kChar || six) && codes.is_contiguous() && scale.is_contiguous(),
+              "prompt_qmatmul takes rows-layout int8 codes [N, K] or packed 6-bit ones [N, 3K/4] and their scales [N, K/16]");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
     TORCH_CHECK(bias->dim() == 1 && bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->device().is_cpu() &&
@@ -160,9 +172,10 @@ at::Tensor prompt_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at
                 "bias must be contiguous float32 [", codes.size(0), "] on the CPU, not ", bias->sizes());
   if (quant::is_compact(scale))  // decoded once to the float32 layout's values (kscales.h): the same bits
     return prompt_qmatmul(x, codes, quant::expanded_scales(scale, 16, false), threads, bias);
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == codes.size(0) && scale.size(1) * 16 == codes.size(1),
+  const int64_t inputs = six ? codes.size(1) * 4 / 3 : codes.size(1);
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == codes.size(0) && scale.size(1) * 16 == inputs,
               "scales ", scale.sizes(), " are not one per 16 codes of ", codes.sizes());
-  TORCH_CHECK(x.size(1) == codes.size(1), "x has ", x.size(1), " inputs, the weight ", codes.size(1));
+  TORCH_CHECK(K == inputs, "x has ", K, " inputs, the weight ", inputs);
   TORCH_CHECK(x.size(1) % 32 == 0, "activations are quantized in blocks of 32: ", x.size(1), " inputs");
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   if (scale.scalar_type() == at::kHalf) return prompt_impl<at::Half>(x, codes, scale, threads, bp);

@@ -45,10 +45,10 @@ void prompt_pair_rows(const prompt::PairTile& tile, const quant::QuantizedRows& 
 }  // namespace avx512
 
 namespace amx {
-// The same product on AMX's tile unit (qprompt_amx.cpp): x [M, K] float32, codes int8 [N, K], scale float32
-// or float16 [N, K/16] (+ bias [N] float32 or nullptr, added as each output is stored) -> y [M, N], the AVX2 /
-// VNNI kernels' bits.
-at::Tensor rows16_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t threads,
+// The same product on AMX's tile unit (qprompt_amx.cpp): x [M, K] float32, codes int8 [N, K] (six: packed
+// 6-bit [N, 3K/4], six_bit.h), scale float32 or float16 [N, K/16] (+ bias [N] float32 or nullptr, added as each
+// output is stored) -> y [M, N], the AVX2 / VNNI kernels' bits.
+at::Tensor rows16_gemm(const at::Tensor& x, const at::Tensor& codes, bool six, const at::Tensor& scale, int64_t threads,
                        const float* bias);
 }  // namespace amx
 

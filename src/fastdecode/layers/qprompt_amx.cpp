@@ -20,6 +20,7 @@
 #include "parallel.h"
 #include "qprompt.h"
 #include "qrows.h"
+#include "six_bit.h"
 
 namespace fastdecode {
 namespace amx {
@@ -32,7 +33,8 @@ constexpr int64_t ROW_BLOCK_BYTES = 1 << 20;  // activation bytes of one row blo
 struct Rows16 {
   const quant::QuantizedRows* q;
   const int8_t* act;     // q's codes as A tiles: [row / 16][group][row % 16][16] (rows past M zero)
-  const int8_t* codes;   // [N, K]
+  const uint8_t* codes;  // int8 [N, K], or packed 6-bit [N, 3K/4] (six)
+  bool six;
   const float* scale;    // [N, K / 16]
   const float* bias;     // [N] or nullptr
   int64_t M, K, N;
@@ -49,7 +51,7 @@ void panel_rows(const Rows16& o, int64_t n0, int64_t m0, int64_t m1, const Panel
 
 }  // namespace
 
-at::Tensor rows16_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t threads,
+at::Tensor rows16_gemm(const at::Tensor& x, const at::Tensor& codes, bool six, const at::Tensor& scale, int64_t threads,
                        const float* bias) {
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), groups = K / 16;
   const at::Tensor s = scale.scalar_type() == at::kFloat ? scale.contiguous() : scale.to(at::kFloat).contiguous();
@@ -60,7 +62,8 @@ at::Tensor rows16_gemm(const at::Tensor& x, const at::Tensor& codes, const at::T
     for (int64_t g = 0; g < groups; ++g)
       std::memcpy(act.data() + ((m / 16) * groups + g) * 256 + (m % 16) * 16, q.codes.data() + m * K + 16 * g, 16);
   at::Tensor y = at::empty({M, N}, x.options());
-  const Rows16 o{&q, act.data(), codes.data_ptr<int8_t>(), s.data_ptr<float>(), bias, M, K, N, y.data_ptr<float>()};
+  const Rows16 o{&q, act.data(), static_cast<const uint8_t*>(codes.data_ptr()), six, s.data_ptr<float>(), bias, M, K, N,
+                 y.data_ptr<float>()};
   const int64_t panels = (N + PANEL - 1) / PANEL;
   const int64_t rows_per_block = std::max<int64_t>(ROWS, ROW_BLOCK_BYTES / K / ROWS * ROWS);
   for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
@@ -97,13 +100,19 @@ void pack(const Rows16& o, int64_t n0, Panel16& p) {
   p.scale.assign(groups * PANEL, 0.0f);
   for (int64_t e = 0; e < PANEL / 8; ++e) {
     const int64_t o0 = n0 + 8 * e;
-    const int8_t* rows[8];
-    for (int i = 0; i < 8; ++i) rows[i] = o0 + i < o.N ? o.codes + (o0 + i) * K : nullptr;
+    const int64_t row_bytes = o.six ? K * 6 / 8 : K;
+    const uint8_t* rows[8];
+    for (int i = 0; i < 8; ++i) rows[i] = o0 + i < o.N ? o.codes + (o0 + i) * row_bytes : nullptr;
     int8_t* dst = p.codes.data() + (e / 2) * 256 + (e % 2) * 32;  // B tile half e / 2, outputs 8 (e % 2) ..
+    alignas(32) int8_t unpacked[8][256];  // six: the 8 outputs' codes of the current super-block (six_bit.h)
     for (int64_t b = 0; b < blocks; ++b) {
+      if (o.six && b % 8 == 0)
+        for (int i = 0; i < 8; ++i)
+          if (rows[i] != nullptr) quant::six_super(rows[i] + b / 8 * quant::SIX_SUPER_BYTES, unpacked[i]);
       __m256 v[8];  // dwords as float lanes: moved, never computed on
       for (int i = 0; i < 8; ++i)
-        v[i] = rows[i] != nullptr ? _mm256_loadu_ps(reinterpret_cast<const float*>(rows[i] + 32 * b)) : _mm256_setzero_ps();
+        v[i] = rows[i] == nullptr ? _mm256_setzero_ps()
+               : _mm256_loadu_ps(reinterpret_cast<const float*>(o.six ? unpacked[i] + 32 * (b % 8) : reinterpret_cast<const int8_t*>(rows[i]) + 32 * b));
       quant::transpose8(v);
       for (int c = 0; c < 8; ++c)  // group 2b + c / 4, tile row c % 4
         _mm256_storeu_ps(reinterpret_cast<float*>(dst + (2 * b + c / 4) * 512 + (c % 4) * 64), v[c]);

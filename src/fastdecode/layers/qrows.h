@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "six_bit.h"
+
 namespace fastdecode {
 namespace quant {
 
@@ -57,7 +59,17 @@ struct QuantizedRows {
   std::vector<int8_t> codes;  // [M, K]
   std::vector<float> scale;   // [M, K/32]: d, x ~ d * code
   std::vector<float> sums;    // [M, K/G]: d * (sum of the codes) per weight group, for the mins term (or empty)
+  // [M, K/4]: -32 x the sum of each 4 codes (six_corrections), for 6-bit weights (or empty): their kernels
+  // multiply the codes before their -32 (c + 32, unsigned) and start from this, so each int32 lane is
+  // sum (c + 32) a - 32 sum a = sum c a, the 8-bit codes' lane exactly
+  std::vector<int32_t> six;
 };
+
+inline void six_corrections(QuantizedRows& q) {
+  q.six.resize(q.codes.size() / 4);
+  for (size_t i = 0; i < q.six.size(); ++i)
+    q.six[i] = -32 * (q.codes[4 * i] + q.codes[4 * i + 1] + q.codes[4 * i + 2] + q.codes[4 * i + 3]);
+}
 
 // with_sums: the code sums too (read only by weights with mins: a third of the quantization's time).
 // Blocks [i0, i1) of 32 inputs (row-major over [M, K / 32]) of x into q, whose vectors are sized for all rows (a
@@ -122,6 +134,13 @@ std::vector<float> group_sums(const float* x, int64_t M, int64_t K) {
 }
 
 // ---- the rows layout (qmatmul.cpp) ---------------------------------------------------------------------
+// Rows-layout codes: one row of K * bits / 8 bytes per output (6 bits: whole super-blocks of 256 inputs).
+inline void check_code_rows(const at::Tensor& codes, const at::Tensor& scale, int64_t K, int64_t bits) {
+  TORCH_CHECK(codes.dim() == 2 && codes.element_size() == 1 && codes.size(0) == scale.size(0) &&
+                  codes.size(1) * 8 == K * bits && (bits != 6 || K % 256 == 0),
+              "rows-layout codes ", codes.sizes(), " do not hold ", scale.size(0), " outputs of ", K, " ", bits, "-bit codes");
+}
+
 // sum_g min[g] * xsum[g], 8 groups at a time then one by one (a fixed order for a given K).
 template <typename S>
 inline float mins_term(const S* mins_row, const float* sums, int64_t groups) {
@@ -133,9 +152,11 @@ inline float mins_term(const S* mins_row, const float* sums, int64_t groups) {
   return total;
 }
 
-// The G weights of one group decoded to float codes (not yet scaled): G / 8 vectors.
+// The G weights of group g of one output's codes `row` decoded to float codes (not yet scaled): G / 8 vectors.
 template <int BITS, int G>
-inline void decode_group(const uint8_t* codes, __m256* w) {
+inline void decode_group(const uint8_t* row, int64_t g, __m256* w) {
+  static_assert(BITS == 4 || BITS == 8, "6-bit codes are unpacked a super-block at a time first (six_or_decode_group)");
+  const uint8_t* codes = row + g * (G * BITS / 8);
   if constexpr (BITS == 8) {
     const int8_t* c = reinterpret_cast<const int8_t*>(codes);
     for (int i = 0; i < G / 8; ++i)
@@ -152,6 +173,19 @@ inline void decode_group(const uint8_t* codes, __m256* w) {
   }
 }
 
+// Group g of one output's codes `row` as decode_group; 6-bit codes (G = 16) through `unpacked`, the int8 codes
+// of the group's super-block, unpacked when g enters it (groups taken in order).
+template <int BITS, int G>
+inline void six_or_decode_group(const uint8_t* row, int64_t g, int8_t* unpacked, __m256* w) {
+  if constexpr (BITS == 6) {
+    static_assert(G == 16, "6-bit codes come in groups of 16");
+    if (g % 16 == 0) six_super(row + g / 16 * SIX_SUPER_BYTES, unpacked);
+    decode_group<8, 16>(reinterpret_cast<const uint8_t*>(unpacked), g % 16, w);
+  } else {
+    decode_group<BITS, G>(row, g, w);
+  }
+}
+
 // ---- float32 activations (activation_bits = 32): exact products, for the logits layer ----------------
 // Per group, the float dot product of the codes (decoded once for RB rows) with x, times the scale; the
 // mins term is sum_g min[n, g] * xsum[r, g] (x summed per group once per call). Exact up to summation
@@ -165,14 +199,15 @@ template <int BITS, int G, typename S, int RB>
 void float_rows(const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scale, const S* mins,
                 float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t groups = K / G, row_bytes = K * BITS / 8, group_bytes = G * BITS / 8;
+  alignas(32) int8_t unpacked[256];  // 6 bits: the current super-block's codes
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      if ((g * group_bytes) % 64 == 0)  // prefetches never fault
+      if (g % (64 / group_bytes) == 0)  // about once per cache line (6 bits: 60 bytes); prefetches never fault
         _mm_prefetch(reinterpret_cast<const char*>(codes + n * row_bytes + g * group_bytes + FLOAT_PREFETCH_BYTES), _MM_HINT_T0);
       __m256 w[G / 8];
-      decode_group<BITS, G>(codes + n * row_bytes + g * group_bytes, w);
+      six_or_decode_group<BITS, G>(codes + n * row_bytes, g, unpacked, w);
       const __m256 s = _mm256_set1_ps(load_scale(scale + n * groups + g));
       for (int r = 0; r < RB; ++r) {
         const float* xr = x + r * K + g * G;

@@ -7,6 +7,9 @@ One format serves every quantized type, so one kernel family serves them all:
 - ``bits=4``: codes are nibbles, 16 bytes per 32-group, byte j holding element j (low nibble) and
   element j + 16 (high nibble): GGUF's own Q4_0/Q4_1 byte order, so those blocks are copied as they are.
 - ``bits=8``: codes are int8, one per weight.
+- ``bits=6`` (Q6_K, rows layout, groups of 16): GGUF's packed ql/qh bytes, 192 per 256 inputs, which the
+  kernels unpack in registers into the int8 codes a ``bits=8`` weight would hold (layers/six_bit.py): the
+  same products, bit for bit, from 6 bits read per weight.
 - scale/min are float16 where they are exact copies of GGUF's fp16 block scales (Q4_0, Q4_1, Q8_0), int8
   records of compact K-quant scales (Q4_K, Q5_K, Q6_K as GGUF stores them: per 256 inputs int8 sub-scale
   codes and a float16 super-scale, decoded in the kernels to the exact float32 products d * code:
@@ -40,7 +43,7 @@ Which arithmetic a row gets depends on its role, never on what else is in the st
 
 Prompt rows on int8 (the model's ``KernelChoice`` with ``prompt_rows="int8"``, or "int8-mlp" for the weights
 marked ``in_mlp``, carried by ``Products``; or ``int8_prompt_rows``) take the decode kernel, except on
-the rows layout's 8-bit codes in groups of 16 (Q6_K), whose prompt rows take the int8 prompt GEMM
+the rows layout's 8- or 6-bit codes in groups of 16 (Q6_K), whose prompt rows take the int8 prompt GEMM
 (layers/qprompt.cpp: 16 outputs repacked per pass, VNNI or AVX2; ``has_prompt_kernel``). Int8 products of
 several rows of a tiled weight (such prompt rows, batches, beams, verify steps) go through ``ops.tiled_gemm``:
 the decode kernel's bits, on AMX's tile unit where the CPU has it (layers/qgemm_amx.cpp; likewise Q6_K's
@@ -60,7 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kscales, ops
+from . import kscales, ops, six_bit
 from .gemm import gemm
 from .products import ALL_PROMPT, Products
 from .threads import kernel_threads
@@ -76,9 +79,9 @@ GEMM_MIN_ROWS = 4
 @dataclass(frozen=True, eq=False)
 class QuantizedWeight:
     kind: str  # what it came from: "Q4_1", "Q8_0", "Q6_K", "int8", "int4"...
-    bits: int  # 4 or 8
+    bits: int  # 4, 6 (packed Q6_K: six_bit.py) or 8
     group: int  # inputs per scale: 32 (16 for Q6_K)
-    codes: torch.Tensor  # int8 [N, K] or uint8 [N, K/2]
+    codes: torch.Tensor  # int8 [N, K], uint8 [N, K/2] (4 bits) or [N, 3K/4] (6 bits)
     scale: torch.Tensor  # [N, K/group] float16 or float32, or compact records int8 [N, K/256, bytes] (kscales.py)
     mins: torch.Tensor | None  # like scale, or None (symmetric codes)
     transposed: bool = False  # True: seen as [K, N] (the canonical [in, out] view)
@@ -203,6 +206,8 @@ def dequantize(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> tor
     if weight.bits == 4:
         nibbles = codes.view(R, groups, 16)  # [R, K/32, 16] bytes
         values = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # [R, K/32, 32]: low then high
+    elif weight.bits == 6:
+        values = six_bit.unpack(codes).view(R, groups, weight.group).float()  # [R, K/G, G]
     else:
         values = codes.view(R, groups, weight.group).float()  # [R, K/G, G]
     values = values * scale.float()[..., None]
@@ -276,9 +281,9 @@ def _kernel_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int,
 
 def has_prompt_kernel(weight: QuantizedWeight) -> bool:
     """Whether int8 prompt rows of ``weight`` take a kernel of their own (layers/qprompt.cpp: the rows
-    layout's 8-bit codes in groups of 16, Q6_K, whose decode kernel is slow at many rows); every other
+    layout's 8- or 6-bit codes in groups of 16, Q6_K, whose decode kernel is slow at many rows); every other
     format's int8 prompt rows take the decode kernel (the tiled one: VNNI, 8 rows at a time)."""
-    return weight.bits == 8 and weight.group == 16 and weight.mins is None and not weight.is_tiled
+    return weight.bits in (6, 8) and weight.group == 16 and weight.mins is None and not weight.is_tiled
 
 
 def _int8_prompt_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int,

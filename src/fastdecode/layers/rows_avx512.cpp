@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #include <cstdint>
 
+#include "pairs_avx512.h"
 #include "qrows.h"
 #include "rows_avx512.h"
 
@@ -36,19 +37,8 @@ using quant::load_scale;
 
 // Codes this far ahead in each output's row are prefetched (as qmatmul.cpp's FLOAT_PREFETCH_BYTES).
 constexpr int64_t PREFETCH_BYTES = 8192;
-constexpr int PAIRS = 2;  // output pairs side by side: each row's broadcast inputs serve 4 outputs
-
-// The scales of eight consecutive groups of two outputs as float32 (float16: F16C's exact conversion, the
-// value load_scale gives): output a's in lanes 0-7, b's in 8-15. A group's scale pair is then one permute
-// (pairs_block) instead of two scalar conversions, two broadcasts and an insert.
-inline __m512 eight_scales(const at::Half* a, const at::Half* b) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
-}
-inline __m512 eight_scales(const float* a, const float* b) {
-  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
-}
+using pairs::eight_scales;
+using pairs::PAIRS;
 
 // Rows [0, RB) x outputs n .. n + 2 * PAIRS - 1.
 template <int G, typename S, int RB>

@@ -26,5 +26,15 @@ template <int RB>
 int64_t int8_row_pairs16(const quant::QuantizedRows& q, const uint8_t* offset_codes, int64_t m0, const uint8_t* codes,
                          const float* scale, float* y, int64_t N, int64_t n0, int64_t n1);
 
+// The same two kernels on packed 6-bit codes (Q6_K, six_bit.h: codes [N, 3K/4], groups of 16), bit for bit
+// the 8-bit kernels on the unpacked codes (rows6_avx512.cpp). six_int8_row_pairs reads q.six (qrows.h's
+// six_corrections).
+template <typename S, int RB>
+int64_t six_float_row_pairs(const float* x, int64_t K, const uint8_t* codes, const S* scale, float* y, int64_t N,
+                            int64_t n0, int64_t n1);
+template <int RB>
+int64_t six_int8_row_pairs(const quant::QuantizedRows& q, int64_t m0, const uint8_t* codes, const float* scale, float* y,
+                           int64_t N, int64_t n0, int64_t n1);
+
 }  // namespace avx512
 }  // namespace fastdecode

@@ -11,13 +11,14 @@ dequantization; only the order of the sums in a product differs):
   Q5_0   5.5          32     int8 q - 16     d (f16)                  none              8 + 0.5
   Q4_K   4.5          32     nibble q        d * sc (compact)         -dmin * m (compact) 4 + 0.625
   Q5_K   5.5          32     int8 q (0..31)  d * sc (compact)         -dmin * m (compact) 8 + 0.625
-  Q6_K   6.5625       16     int8 q - 32     d * sc (compact)         none              8 + 0.5625
+  Q6_K   6.5625       16     6-bit q - 32    d * sc (compact)         none              6 + 0.5625
 
 (-8 d is exact in f16: a power-of-two multiple.) Compact K-quant scales (layers/kscales.py) are GGUF's own
 6- or 8-bit sub-scale codes with the f16 super-scale (d, or -dmin for the mins) of each 256 inputs,
 decoded in the kernels to d * sc: an 11-bit by 6- or 8-bit integer product, exact in float32's 24-bit
-mantissa. Q5_0, Q5_K and Q6_K are held as int8 codes: exact, but they read 1.3-1.6x the file's bytes
-per token; Q4_* read 1.0-1.1x. (Embedding tables and LM heads keep float32 K-quant scales: loading/gguf.py.)
+mantissa. Q6_K's codes stay packed as GGUF's ql/qh bytes (bits 6: layers/six_bit.h, unpacked in registers by
+the kernels into the int8 codes q - 32): its weights read 1.0x the file's bytes. Q5_0 and Q5_K are held as
+int8 codes: exact, but they read 1.45-1.6x the file's bytes per token; Q4_* read 1.0-1.1x. (Embedding tables and LM heads keep float32 K-quant scales: loading/gguf.py.)
 """
 
 from __future__ import annotations
@@ -113,10 +114,8 @@ def _q5_k(raw: np.ndarray, N: int, K: int):
 def _q6_k(raw: np.ndarray, N: int, K: int):
     blocks = raw.reshape(-1, 210)  # [B, ql(128) qh(64) scales(16, int8) d(2)]
     scale = _records(blocks[:, 192:208], _f16(blocks[:, 208:]), N, K)  # compact: d * sc, sc int8
-    ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-    q = (ql & 0x0F).reshape(-1, 8, 32) | ((qh & 3).reshape(-1, 8, 32) << 4)  # [B, 8, 32], 0..63
-    return 8, 16, (q.astype(np.int8) - 32).reshape(N, K // 16, 16), scale, None
+    # the codes packed as the file has them (layers/six_bit.h), a view here: [N, K/256, ql + qh]
+    return 6, 16, blocks[:, :192].reshape(N, K // 256, 192), scale, None
 
 
 REPACKERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q5_K": _q5_k,
