@@ -16,7 +16,7 @@ pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 from gguf import GGMLQuantizationType as QT
-from test_quantized import write_tiny_llama
+from kquant_gguf import write_tiny_llama
 from tiny_models import build, save_tiny_folder
 
 import fastdecode
