@@ -236,11 +236,9 @@ def decode_stack(stack, x: Tensor, h: Tensor, ints: list[int], floats: list[floa
                  positions: Tensor) -> tuple[Tensor, Tensor]:
     """Every block of ``stack`` in order for a pure decode step of a model whose layers share one attention
     kind: (x, h) [1, N, C] -> after the last block. ``ints``: each kind's ``DecodeBlockArgs.ints`` in kind
-    order; ``floats`` and the step's tensors: ``decode_block``'s; keys, values: every layer's pool.
-    Called through the overload's C++ entry point (``_op``): the overload of an op taking a TorchBind object
-    walks every argument in Python first, both pool lists included, looking for the fake objects that only
-    tracing makes (~50 us a step over SmolLM2's 30 layers); this op never runs under tracing
-    (models/llama_decode.py's ``step``)."""
+    order; ``floats`` and the step's tensors: ``decode_block``'s; keys, values: every layer's pool. Called
+    through the C++ entry point (``_op``): the overload walks every argument of an op taking a TorchBind object
+    for tracing's fakes (~50 us a step on SmolLM2), and this op never runs under tracing."""
     return _ops().decode_stack._op(stack, x, h, ints, floats, cos, sin, keys, values, slots, table, key_start,
                                    positions)
 
@@ -263,8 +261,7 @@ def cross_decode_block(x: Tensor, weights: list[Tensor | None], ints: list[int],
 
 
 def cross_decode_stack_holder(layers: list[list[Tensor | None]]):
-    """A ``CrossDecodeStack`` (cross_decode_stack.cpp) holding each Whisper decoder layer's
-    ``cross_decode_block`` weight list, in layer order: made once per model."""
+    """A ``CrossDecodeStack`` (cross_decode_stack.cpp): each Whisper decoder layer's weights, once per model."""
     stack = torch.classes.fastdecode_kernels.CrossDecodeStack()
     for weights in layers:
         stack.add_layer(weights)
