@@ -50,22 +50,28 @@ def on_both_isas(product) -> list[torch.Tensor]:
     return results
 
 
-@needs_kernel
-@pytest.mark.parametrize("label, qtype, N, K, tile", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("activation_bits", [8, 32])
-def test_products_on_compact_scales_are_the_float32_scales_bits(label, qtype, N, K, tile, activation_bits):
-    compact, expanded = compact_and_float(qtype, N, K, tile)
-    x = torch.randn(max(ROWS), K, generator=torch.Generator().manual_seed(3))
-    bias = torch.randn(N, generator=torch.Generator().manual_seed(4))
-    for M in ROWS:
+def products_of_both(a: QuantizedWeight, b: QuantizedWeight, K: int, rows, activation_bits: int):
+    """For each row count in ``rows``, 1 and 2 threads, without and with a bias: ((rows, threads, with bias),
+    a's ``qmatmul`` of the same x on both ISAs, b's), to compare two layouts of the same weights."""
+    x = torch.randn(max(rows), K, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(a.outputs, generator=torch.Generator().manual_seed(4))
+    for M in rows:
         for threads in (1, 2):
             def product(w, with_bias, M=M, threads=threads):
                 return lambda: ops.qmatmul(x[:M], w.codes, w.scale, w.mins, w.bits, w.group, threads, activation_bits,
                                            w.outputs, bias if with_bias else None)
             for with_bias in (False, True):
-                got, want = on_both_isas(product(compact, with_bias)), on_both_isas(product(expanded, with_bias))
-                for g, w in zip(got, want, strict=True):
-                    assert torch.equal(g, w), (M, threads, with_bias)
+                yield (M, threads, with_bias), on_both_isas(product(a, with_bias)), on_both_isas(product(b, with_bias))
+
+
+@needs_kernel
+@pytest.mark.parametrize("label, qtype, N, K, tile", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("activation_bits", [8, 32])
+def test_products_on_compact_scales_are_the_float32_scales_bits(label, qtype, N, K, tile, activation_bits):
+    compact, expanded = compact_and_float(qtype, N, K, tile)
+    for case, got, want in products_of_both(compact, expanded, K, ROWS, activation_bits):
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), case
 
 
 @needs_kernel

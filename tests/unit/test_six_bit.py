@@ -17,7 +17,7 @@ pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf import quants  # noqa: E402
 from kquant_gguf import random_blocks  # noqa: E402
-from test_kscales import on_both_isas  # noqa: E402
+from test_kscales import on_both_isas, products_of_both  # noqa: E402
 
 from fastdecode.layers import kscales, ops, six_bit  # noqa: E402
 from fastdecode.layers.quantized import QuantizedWeight, dequantize, has_prompt_kernel  # noqa: E402
@@ -66,18 +66,10 @@ def test_packed_weights_hold_three_quarters_of_the_codes_bytes():
 @pytest.mark.parametrize("scales", ["compact", "float32", "float16"])
 def test_decode_products_are_the_int8_codes_bits(N, K, activation_bits, scales):
     packed, int8 = packed_and_int8(N, K, seed=N + K, scales=scales)
-    x = torch.randn(max(ROWS), K, generator=torch.Generator().manual_seed(3))
-    bias = torch.randn(N, generator=torch.Generator().manual_seed(4))
-    for M in ROWS:
-        for threads in (1, 2):
-            def product(w, with_bias, M=M, threads=threads):
-                return lambda: ops.qmatmul(x[:M], w.codes, w.scale, w.mins, w.bits, w.group, threads, activation_bits,
-                                           w.outputs, bias if with_bias else None)
-            for with_bias in (False, True):
-                got, want = on_both_isas(product(packed, with_bias)), on_both_isas(product(int8, with_bias))
-                for g, w in zip(got, want, strict=True):
-                    assert torch.equal(g, w), (M, threads, with_bias)
-                assert torch.equal(got[0], got[1]) or activation_bits == 32, (M, threads)  # AVX-512 = AVX2 (int8)
+    for case, got, want in products_of_both(packed, int8, K, ROWS, activation_bits):
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), case
+        assert torch.equal(got[0], got[1]) or activation_bits == 32, case  # AVX-512 = AVX2 (int8)
 
 
 @needs_kernel
