@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_isas import avx512_gives_the_avx2_bits, needs_avx512, rows_and_threads
 
 from fastdecode.layers import gemm, ops
 from fastdecode.layers.linear import linear as linear_with
@@ -89,7 +90,7 @@ def test_one_row_partial_sums_added_while_the_pieces_run_are_the_in_order_additi
 
 
 @needs_kernel
-@pytest.mark.skipif("not ops.set_avx512()", reason="this CPU has no AVX-512 (the AVX2 kernel serves it)")
+@needs_avx512
 @pytest.mark.parametrize("K, N", SHAPES + [(768, 3072), (70, 9000)])
 def test_the_avx512_kernel_for_several_rows_gives_the_avx2_bits(K, N):
     """Several rows on AVX-512 (fmatmul_avx512.cpp: 8 rows x 48 columns of sums in registers, 3, 5, 6 or 7
@@ -98,15 +99,8 @@ def test_the_avx512_kernel_for_several_rows_gives_the_avx2_bits(K, N):
     the same bits, at row counts that straddle the row groups, masked column tails, column chunks of several
     packed blocks (70 x 9000: chunks of 1152 columns, a last block of 168) and 1 or 2 threads."""
     w, bias, x = weights(K, N, seed=K * 3 + N)
-    try:
-        for M in (2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 33, 40):
-            for threads in (1, 2):
-                assert ops.set_avx512(True)
-                fast = ops.float_matmul(x[:M], w, bias, threads)
-                assert not ops.set_avx512(False)
-                assert torch.equal(fast, ops.float_matmul(x[:M], w, bias, threads)), (M, threads)
-    finally:
-        ops.set_avx512(True)
+    avx512_gives_the_avx2_bits(lambda M, threads: ops.float_matmul(x[:M], w, bias, threads),
+                               rows_and_threads((2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 33, 40)))
 
 
 @needs_kernel

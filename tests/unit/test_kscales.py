@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
+from kernel_isas import on_both_isas, products_of_both  # noqa: E402
 from kquant_gguf import random_blocks, write_tiny_llama  # noqa: E402
 
 import fastdecode  # noqa: E402
@@ -36,32 +37,6 @@ def compact_and_float(qtype: QT, N: int, K: int, tile: bool) -> tuple[QuantizedW
     expanded = dataclasses.replace(weight, scale=kscales.expand(weight.scale, weight.group),
                                    mins=None if weight.mins is None else kscales.expand(weight.mins, weight.group))
     return weight, expanded
-
-
-def on_both_isas(product) -> list[torch.Tensor]:
-    """product() on the AVX-512 kernels (where the CPU has them) and on the AVX2 ones."""
-    results = []
-    try:
-        for wide in (True, False):
-            ops.set_avx512(wide)
-            results.append(product())
-    finally:
-        ops.set_avx512(True)
-    return results
-
-
-def products_of_both(a: QuantizedWeight, b: QuantizedWeight, K: int, rows, activation_bits: int):
-    """For each row count in ``rows``, 1 and 2 threads, without and with a bias: ((rows, threads, with bias),
-    a's ``qmatmul`` of the same x on both ISAs, b's), to compare two layouts of the same weights."""
-    x = torch.randn(max(rows), K, generator=torch.Generator().manual_seed(3))
-    bias = torch.randn(a.outputs, generator=torch.Generator().manual_seed(4))
-    for M in rows:
-        for threads in (1, 2):
-            def product(w, with_bias, M=M, threads=threads):
-                return lambda: ops.qmatmul(x[:M], w.codes, w.scale, w.mins, w.bits, w.group, threads, activation_bits,
-                                           w.outputs, bias if with_bias else None)
-            for with_bias in (False, True):
-                yield (M, threads, with_bias), on_both_isas(product(a, with_bias)), on_both_isas(product(b, with_bias))
 
 
 @needs_kernel

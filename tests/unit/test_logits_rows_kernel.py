@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_isas import avx512_gives_the_avx2_bits, needs_avx512, rows_and_threads
 
 from fastdecode.layers import ops
 from fastdecode.layers.quantized import QuantizedWeight
 
 pytestmark = [pytest.mark.skipif(not ops.available(), reason="the extension's kernels are not built here"),
-              pytest.mark.skipif("not ops.set_avx512()", reason="this CPU has no AVX-512 (the AVX2 kernel serves it)")]
+              needs_avx512]
 
 
 @pytest.mark.parametrize("K, group, scale_dtype", [(576, 32, torch.float16), (608, 32, torch.float16),
@@ -25,13 +26,6 @@ def test_the_avx512_logits_kernel_gives_the_avx2_bits(K, group, scale_dtype):
     scale = (torch.rand(N, K // group, generator=generator) * 0.01 + 1e-3).to(scale_dtype)
     weight = QuantizedWeight("Q8_0", 8, group, codes, scale, None)
     x = torch.randn(9, K, generator=generator)
-    try:
-        for M in (1, 2, 3, 5, 8, 9):
-            for threads in (1, 2):
-                assert ops.set_avx512(True)
-                fast = ops.qmatmul(x[:M], weight.codes, weight.scale, None, 8, group, threads, 32, N)
-                assert not ops.set_avx512(False)
-                assert torch.equal(fast, ops.qmatmul(x[:M], weight.codes, weight.scale, None, 8, group, threads, 32,
-                                                     N)), (M, threads)
-    finally:
-        ops.set_avx512(True)
+    avx512_gives_the_avx2_bits(
+        lambda M, threads: ops.qmatmul(x[:M], weight.codes, weight.scale, None, 8, group, threads, 32, N),
+        rows_and_threads((1, 2, 3, 5, 8, 9)))

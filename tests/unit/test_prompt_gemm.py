@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from kernel_isas import HAS_AVX512, avx512_gives_the_avx2_bits
 
 from fastdecode.layers import ops, quantized
 from fastdecode.layers.products import KernelChoice, Products
@@ -19,7 +20,6 @@ from fastdecode.layers.quantized import QuantizedWeight, quantized_linear
 
 op = ops.prompt_qmatmul if ops.available() else None
 pytestmark = pytest.mark.skipif(op is None, reason="no AVX2 kernel on this machine")
-HAS_AVX512 = op is not None and ops.set_avx512()
 ISAS = ["avx2", pytest.param("avx512", marks=pytest.mark.skipif(not HAS_AVX512, reason="no AVX-512 VNNI here"))]
 ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 17, 30)
 
@@ -93,14 +93,7 @@ def test_a_row_gets_the_same_bits_alone_in_any_batch_and_on_2_threads(isa, half)
 def test_the_avx512_kernel_gives_the_avx2_bits():
     weight = q6k_like(45, 1024, seed=7)
     x = torch.randn(37, 1024, generator=torch.Generator().manual_seed(8))
-    try:
-        for M in (1, 2, 3, 8, 9, 37):
-            assert ops.set_avx512(True)
-            fast = run(x[:M], weight)
-            assert not ops.set_avx512(False)
-            assert torch.equal(fast, run(x[:M], weight)), M
-    finally:
-        ops.set_avx512(True)
+    avx512_gives_the_avx2_bits(lambda M: run(x[:M], weight), [(M,) for M in (1, 2, 3, 8, 9, 37)])
 
 
 @pytest.mark.parametrize("N", [13, 40])

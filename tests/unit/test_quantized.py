@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
+from kernel_isas import avx512_gives_the_avx2_bits, needs_avx512, rows_and_threads  # noqa: E402
 from kquant_gguf import random_blocks  # noqa: E402
 
 from fastdecode.layers import ops, quantized  # noqa: E402
@@ -246,24 +247,6 @@ def test_a_bias_added_inside_the_kernel_is_the_same_addition(label):
     assert torch.equal(fused, quantized.quantized_linear(x[:8], weight, None, generated()) + bias)
 
 
-def _avx512_gives_the_avx2_bits(product, rows) -> None:
-    """product(M, threads) -> tensor, once on the AVX-512 kernels and once on the AVX2 ones: bitwise equal
-    for every M in ``rows`` and 1 or 2 threads (the kernels switched back on after)."""
-    try:
-        for M in rows:
-            for threads in (1, 2):
-                assert ops.set_avx512(True)
-                fast = product(M, threads)
-                assert not ops.set_avx512(False)
-                assert torch.equal(fast, product(M, threads)), (M, threads)
-    finally:
-        ops.set_avx512(True)
-
-
-needs_avx512 = pytest.mark.skipif("not ops.set_avx512()",
-                                  reason="this CPU has no AVX-512 VNNI (the AVX2 kernels serve it)")
-
-
 @needs_kernel
 @needs_avx512
 @pytest.mark.parametrize("label", [label for label, weight in WEIGHTS.items() if weight.is_tiled])
@@ -275,9 +258,9 @@ def test_the_avx512_kernels_give_the_avx2_bits(label):
     weight = WEIGHTS[label]
     x = torch.randn(45, weight.shape[1], generator=torch.Generator().manual_seed(11))
     op = ops.qmatmul
-    _avx512_gives_the_avx2_bits(
+    avx512_gives_the_avx2_bits(
         lambda M, threads: op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, 32, threads, 8,
-                              weight.outputs), (1, 2, 3, 4, 5, 8, 13, 45))
+                              weight.outputs), rows_and_threads((1, 2, 3, 4, 5, 8, 13, 45)))
 
 
 @needs_kernel
@@ -297,9 +280,9 @@ def test_the_avx512_row_layout_kernels_give_the_avx2_bits(label, activation_bits
     assert not weight.is_tiled and weight.bits == (6 if label.startswith("Q6_K") else 8)
     x = torch.randn(21, weight.shape[1], generator=torch.Generator().manual_seed(13))
     op = ops.qmatmul
-    _avx512_gives_the_avx2_bits(
+    avx512_gives_the_avx2_bits(
         lambda M, threads: op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads,
-                              activation_bits, weight.outputs), (1, 2, 3, 4, 5, 8, 13, 21))
+                              activation_bits, weight.outputs), rows_and_threads((1, 2, 3, 4, 5, 8, 13, 21)))
 
 
 @needs_kernel
@@ -312,9 +295,9 @@ def test_the_avx512_exact_prompt_kernel_gives_the_avx2_bits(label):
     weight = WEIGHTS[label]
     x = torch.randn(61, weight.shape[1], generator=torch.Generator().manual_seed(12))
     op = ops.exact_qmatmul
-    _avx512_gives_the_avx2_bits(
+    avx512_gives_the_avx2_bits(
         lambda M, threads: op(x[:M], weight.codes, weight.scale, weight.mins, weight.bits, weight.group, threads,
-                              weight.outputs), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 61))
+                              weight.outputs), rows_and_threads((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 61)))
 
 
 def test_the_tiled_layout_is_a_byte_shuffle_of_the_rows_layout():

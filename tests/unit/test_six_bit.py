@@ -16,8 +16,8 @@ pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf import quants  # noqa: E402
+from kernel_isas import on_both_isas, products_of_both  # noqa: E402
 from kquant_gguf import random_blocks  # noqa: E402
-from test_kscales import on_both_isas, products_of_both  # noqa: E402
 
 from fastdecode.layers import kscales, ops, six_bit  # noqa: E402
 from fastdecode.layers.quantized import QuantizedWeight, dequantize, has_prompt_kernel  # noqa: E402

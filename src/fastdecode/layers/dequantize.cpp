@@ -64,10 +64,7 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const c1
   if (bits == B && group == GS)                                                                      \
     return half ? dequantize_impl<B, GS, at::Half>(codes, scale, mins, threads)                       \
                 : dequantize_impl<B, GS, float>(codes, scale, mins, threads);
-  FD_CASE(8, 32)
-  FD_CASE(8, 16)
-  FD_CASE(6, 16)
-  FD_CASE(4, 32)
+  FD_FOR_EACH_ROWS_FORMAT(FD_CASE)
 #undef FD_CASE
   TORCH_CHECK(false, "no kernel for bits=", bits, " group=", group);
 }

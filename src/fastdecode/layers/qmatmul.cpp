@@ -364,10 +364,7 @@ at::Tensor rows_qmatmul(const at::Tensor& x, const at::Tensor& codes, const at::
     return compact ? matmul_impl<B, GS, KScale>(x, codes, scale, mins, threads, activation_bits)                \
            : half  ? matmul_impl<B, GS, at::Half>(x, codes, scale, mins, threads, activation_bits)              \
                    : matmul_impl<B, GS, float>(x, codes, scale, mins, threads, activation_bits);
-  FD_CASE(8, 32)
-  FD_CASE(8, 16)
-  FD_CASE(6, 16)
-  FD_CASE(4, 32)
+  FD_FOR_EACH_ROWS_FORMAT(FD_CASE)
 #undef FD_CASE
   TORCH_CHECK(false, "no kernel for bits=", bits, " group=", group);
 }

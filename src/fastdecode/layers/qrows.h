@@ -141,6 +141,10 @@ inline void check_code_rows(const at::Tensor& codes, const at::Tensor& scale, in
               "rows-layout codes ", codes.sizes(), " do not hold ", scale.size(0), " outputs of ", K, " ", bits, "-bit codes");
 }
 
+// The rows layout's (code bits, scale group) pairs, one kernel instantiation each (qmatmul.cpp, dequantize.cpp):
+// CASE(bits, group) returns when the weight's pair matches; the caller fails after the list.
+#define FD_FOR_EACH_ROWS_FORMAT(CASE) CASE(8, 32) CASE(8, 16) CASE(6, 16) CASE(4, 32)
+
 // sum_g min[g] * xsum[g], 8 groups at a time then one by one (a fixed order for a given K).
 template <typename S>
 inline float mins_term(const S* mins_row, const float* sums, int64_t groups) {
