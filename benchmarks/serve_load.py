@@ -282,7 +282,7 @@ def main() -> None:
                         help="a GGUF file every server runs (default: the embedded SmolLM2-135M Q4_1)")
     parser.add_argument("--requests", type=int, default=2, help="requests per client at each level")
     parser.add_argument("--reps", type=int, default=1)
-    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--turns", type=int, default=10, help="turns of the conversation after the levels (0: none)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--parallel", type=int, default=16, help="llama-server parallel slots (-np)")
     parser.add_argument("--llama-cpp-bin", default=None,
@@ -315,7 +315,7 @@ def main() -> None:
                     print(f"[rep {rep + 1}] {server.name}: {clients} clients", file=sys.stderr, flush=True)
                     results[server.name][clients].append(asyncio.run(run_level(server, clients, args.requests,
                                                                                requests)))
-        for server in servers:
+        for server in servers if args.turns else []:  # --turns 0: no conversation
             print(f"{server.name}: {args.turns}-turn conversation", file=sys.stderr, flush=True)
             turns[server.name] = asyncio.run(conversation(server, args.turns))
         for server in servers if args.multi_turn else []:
