@@ -25,7 +25,7 @@ Anything else runs the Python loop, which stays the reference.
 A step of one row whose logits are wanted is then ONE op (``whole_step``: decode_stack.cpp's
 decode_stack_logits) where the embedding table is quantized in the rows layout that the extension's
 ``dequantize`` decodes (as ``embed`` looks rows up) and the logits layer is quantized (``linear``'s
-kernel): embedding row, first norm, every block, logits, the forward's bits (tests/unit/test_decode_block.py).
+kernel): embedding row, first norm, every block, logits, the forward's bits (tests/unit/test_decode_step_logits.py).
 """
 
 from __future__ import annotations
