@@ -12,6 +12,11 @@ call), alternating; the best of each. Reported per tree: the whole call's tok/s 
 batch-1 row), the prompt call's ms, the decode steps' tok/s after the first token ((new tokens - 1) /
 the difference), and the calling thread's CPU ms per decode step (at 1 thread the whole step's work,
 robust to other processes' use of the cores). Medians over the repetitions with their range.
+
+``--paired ROUNDS`` (two trees): one persistent process per tree instead, the whole call timed in rounds
+A B B A, each round's ratio of the two trees' mean times (load that drifts over seconds hits both alike): the
+ratio's median and quartiles, each tree's median tok/s. On a 2-core machine at load 5-8 its quartiles
+spanned 3-6% where the per-process medians moved by 20%, but whole runs of it still moved by +-4%: repeat it.
 """
 
 from __future__ import annotations
@@ -58,19 +63,78 @@ def worker(threads: int, new_tokens: int) -> None:
                       "step_cpu_ms": (whole_cpu - first_cpu) / (new_tokens - 1) * 1e3}))
 
 
+def serve(threads: int) -> None:
+    """A persistent worker (``--paired``): after the warm-up, one whole call per line read -> its seconds."""
+    import torch
+
+    torch.set_num_threads(threads)
+    import fastdecode
+
+    gen = fastdecode.load(None)
+    prompt = gen.tokenizer.encode(PROMPT)
+    gen.generate_ids([prompt], max_new_tokens=4, eos_token_id=[])
+    print(json.dumps({"tree": fastdecode.__file__}), flush=True)
+    for line in sys.stdin:
+        start = time.perf_counter()
+        gen.generate_ids([prompt], max_new_tokens=int(line), eos_token_id=[])
+        print(time.perf_counter() - start, flush=True)
+
+
+def paired(trees: list[str], threads: int, rounds: int, new_tokens: int) -> None:
+    """Rounds A B B A of two persistent workers -> the per-round speed ratio B / A (see the docstring)."""
+    workers = [subprocess.Popen([sys.executable, __file__, "--serve", str(threads), "--trees", tree],
+                                env=dict(os.environ, PYTHONPATH=tree), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True) for tree in trees[:2]]
+    for worker_process, tree in zip(workers, trees):
+        if not json.loads(worker_process.stdout.readline())["tree"].startswith(tree):
+            raise SystemExit(f"{tree}: fastdecode was imported from elsewhere")
+
+    def call(index: int) -> float:
+        workers[index].stdin.write(f"{new_tokens}\n")
+        workers[index].stdin.flush()
+        return float(workers[index].stdout.readline())
+
+    times: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        a1, b1, b2, a2 = call(0), call(1), call(1), call(0)
+        times[0].append((a1 + a2) / 2)
+        times[1].append((b1 + b2) / 2)
+    for worker_process in workers:
+        worker_process.stdin.close()
+        worker_process.wait()
+    ratios = sorted(a / b for a, b in zip(*times))
+    print(f"\n{threads} thread(s), {rounds} rounds A B B A, {new_tokens} new tokens; load average "
+          f"{os.getloadavg()[0]:.2f} at the end\n")
+    rows = [[tree, f"{new_tokens / sorted(t)[len(t) // 2]:.1f}"] for tree, t in zip(trees, times)]
+    quartiles = f"{ratios[len(ratios) // 4]:.3f}-{ratios[3 * len(ratios) // 4]:.3f}"
+    rows.append(["B / A speed, per round", f"{ratios[len(ratios) // 2]:.3f} (quartiles {quartiles})"])
+    print(table(["tree", f"{new_tokens} new tokens (tok/s, median)"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trees", required=True, help="comma list of source folders (each put first on PYTHONPATH)")
     parser.add_argument("--threads", default="2,1")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--paired", type=int, default=0, help="rounds A B B A of two persistent workers")
     parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.new_tokens)
         return
+    if args.serve:
+        serve(args.serve)
+        return
     trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
     print(machine_line(args.threads))
+    if args.paired:
+        if len(trees) != 2:
+            raise SystemExit("--paired compares two trees")
+        for threads in (int(t) for t in args.threads.split(",")):
+            paired(trees, threads, args.paired, args.new_tokens)
+        return
     for threads in (int(t) for t in args.threads.split(",")):
         runs: dict[str, list[dict]] = {tree: [] for tree in trees}
         for rep in range(args.reps):

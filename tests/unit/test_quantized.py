@@ -41,6 +41,10 @@ def test_repacked_blocks_decode_exactly_as_the_gguf_package(qtype):
     assert torch.equal(quantized.dense_weight(weight, work=1 << 30, threads=torch.get_num_threads()), reference)
     rows = torch.tensor([5, 0, 47, 5])
     assert torch.equal(dequantize(weight, rows), reference[rows])  # embedding lookups decode rows only
+    # embedding rows: the extension's decoder on the rows looked up where it has the format, else ``dequantize``
+    assert torch.equal(quantized.embed(rows.view(2, 2), weight), reference[rows].view(2, 2, -1))
+    assert torch.equal(quantized.embed(rows.view(2, 2), repack(qtype.name, raw, shape, compact=False)),
+                       reference[rows].view(2, 2, -1))
 
 
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda q: q.name)

@@ -239,7 +239,9 @@ def attention_group(cache: SlotCache, first: int, rows: list[tuple[list[int], in
     count = rows[0][2]
     tables, starts = [row[0] for row in rows], [row[1] for row in rows]
     ends = [start + count for start in starts]
-    query_positions = torch.tensor(starts, device=device)[:, None] + torch.arange(count, device=device)  # [B, T]
+    query_positions = torch.tensor(starts, device=device)[:, None]  # [B, 1]
+    if count > 1:
+        query_positions = query_positions + torch.arange(count, device=device)  # [B, T]
     block_table = cache.block_tables(tables, cache.pool.blocks_for(max(ends)))
     window_tables = {w: cache.window_tables(tables, starts, ends, w, common_first=shared_blocks > 0)
                      for w in cache.windows}

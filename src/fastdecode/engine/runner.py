@@ -63,7 +63,6 @@ class ModelRunner:
         """One flat varlen forward over ``work`` (engine/layout.py), its rows already writable."""
         device = self.model.device
         layout = flat_layout(work)  # engine/layout.py
-        groups = row_groups([(s, count) for s, _, count in layout.rows])
         runs = fold_runs([(s, count) for s, _, count in layout.rows])  # FastSeq: beams folded on their prompt
         products = Products.of_rows(layout.is_prompt, self.threads, device,  # a row's arithmetic follows its role
                                     kernels=self.model.kernels)
@@ -75,6 +74,7 @@ class ModelRunner:
         if self.cross is None:
             logits = forward_outputs(self.model, token_tensor, position_tensor, plan, logits_at, layout)  # [K, V]
         else:
+            groups = row_groups([(s, count) for s, _, count in layout.rows])
             logits = self.model.decode(token_tensor, position_tensor, plan, self.cross.step(groups),
                                        logits_at=logits_at)[0]  # [K, V]
         return keep_logits(layout.scored, logits, len(layout.logit_rows)), layout.sampled  # scoring rows handed over

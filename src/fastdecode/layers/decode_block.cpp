@@ -275,6 +275,7 @@ at::Tensor cross_decode_block(const at::Tensor& x, const c10::List<OptionalTenso
 
 namespace fastdecode {
 DecodeBlockOp* const llama_decode_block = &decode_block;
+BlockProductOp* const block_product = &product_at;
 CrossDecodeBlockOp* const whisper_decode_block = &cross_decode_block;
 }  // namespace fastdecode
 

@@ -2,11 +2,10 @@
 oneDNN's ``torch.ops.mkldnn`` GEMM), one typed wrapper per op, as vLLM's ``_custom_ops.py``.
 
 The extension (every ``layers/*.cpp``) is built by ``layers/kernels.py`` and loaded here on first
-use. ``available()`` is False (logged once, with why) where it cannot be had: no AVX2/FMA/F16C, no
-compiler; callers then take their PyTorch path. Every op has a fake (meta) kernel, so
-``torch.compile(fullgraph=True)`` traces through the wrappers. Each wrapper calls the op's
-``default`` overload (about 5.5 us against 9.4 us through the overload packet).
-"""
+use. ``available()`` is False (logged once, with why) where it cannot be had: no AVX2/FMA/F16C, no compiler;
+callers then take their PyTorch path. Every op has a fake (meta) kernel, so ``torch.compile(fullgraph=True)``
+traces through the wrappers. Each wrapper calls the op's ``default`` overload (5.5 us against 9.4 us through
+the overload packet)."""
 
 from __future__ import annotations
 
@@ -67,9 +66,7 @@ def set_amx(enabled: bool | None = None) -> bool:
     """Whether many-row int8 products use AMX (layers/amx.h; the same results, faster); ``enabled``
     switches it on (where the CPU and OS allow it, with AVX-512 on) or off first. False without the extension."""
     ops = _ops()
-    if ops is None:
-        return False
-    return bool(ops.set_amx(-1 if enabled is None else int(enabled)))
+    return ops is not None and bool(ops.set_amx(-1 if enabled is None else int(enabled)))
 
 
 def dequantize(codes: Tensor, scale: Tensor, mins: Tensor | None, bits: int, group: int, threads: int,
@@ -87,9 +84,7 @@ def set_avx512(enabled: bool | None = None) -> bool:
     """Whether the kernels use AVX-512 + VNNI (layers/isa.h; the same results as AVX2, faster); ``enabled``
     switches them on (where the CPU has them) or off first. False without the extension."""
     ops = _ops()
-    if ops is None:
-        return False
-    return bool(ops.set_avx512(-1 if enabled is None else int(enabled)))
+    return ops is not None and bool(ops.set_avx512(-1 if enabled is None else int(enabled)))
 
 
 def onednn_available() -> bool:
@@ -133,11 +128,10 @@ def beam_candidates(logits: Tensor, running: Tensor, banned: Tensor, beams: int,
 
 def whisper_logits_rules(logits: Tensor, masked: Tensor, always: Tensor, at_begin: Tensor, rows: list[int],
                          ints: list[int]) -> None:
-    """Whisper's logits rules (speech/rules.py's ``LogitsRules``) on logits [R, V] in one call
-    (whisper_rules.cpp), written into ``masked`` [R, V] (contiguous float32). ``always``, ``at_begin``: int64
-    token ids suppressed at every step, at a row's first; ``rows``: per row its generated count, whether its
-    last and second-to-last tokens are timestamps (the latter also when it has fewer than 2), its last
-    timestamp or -1; ``ints``: timestamps (0 / 1), timestamp_begin, eot, the latest first timestamp's index."""
+    """Whisper's logits rules (speech/rules.py's ``LogitsRules``) on logits [R, V] (whisper_rules.cpp), into ``masked``
+    [R, V] (contiguous float32). ``always``, ``at_begin``: token ids suppressed at every step, at a row's first;
+    ``rows``: per row its generated count, whether its last and second-to-last tokens are timestamps (the latter also
+    with fewer than 2), its last timestamp or -1; ``ints``: timestamps, timestamp_begin, eot, the last first one."""
     _ops().whisper_logits_rules(logits, masked, always, at_begin, rows, ints)
 
 
@@ -234,13 +228,19 @@ def decode_stack_holder(blocks: list[tuple[list[Tensor | None], int]]):
 def decode_stack(stack, x: Tensor, h: Tensor, ints: list[int], floats: list[float], cos: Tensor, sin: Tensor,
                  keys: list[Tensor], values: list[Tensor], slots: Tensor, table: Tensor, key_start: Tensor,
                  positions: Tensor) -> tuple[Tensor, Tensor]:
-    """Every block of ``stack`` in order for a pure decode step of a model whose layers share one attention
-    kind: (x, h) [1, N, C] -> after the last block. ``ints``: each kind's ``DecodeBlockArgs.ints`` in kind
-    order; ``floats`` and the step's tensors: ``decode_block``'s; keys, values: every layer's pool. Called
-    through the C++ entry point (``_op``): the overload walks every argument of an op taking a TorchBind object
-    for tracing's fakes (~50 us a step on SmolLM2), and this op never runs under tracing."""
+    """Every block of ``stack`` for a pure decode step of a model whose layers share one attention kind: (x, h)
+    [1, N, C] -> after the last block. ``ints``: each kind's ``DecodeBlockArgs.ints`` in kind order; the rest:
+    ``decode_block``'s (keys, values: every layer's pool). Through the C++ entry point (``_op``): the overload
+    walks the arguments of an op taking a TorchBind object for tracing (~50 us a step), which never traces it."""
     return _ops().decode_stack._op(stack, x, h, ints, floats, cos, sin, keys, values, slots, table, key_start,
                                    positions)
+
+
+def decode_stack_logits(stack, tokens: Tensor, end_ints: list[int], ints: list[int], floats: list[float], *step_tensors
+                        ) -> Tensor:
+    """The whole step over a stack whose ends are set (decode_stack.cpp): tokens [N] -> logits [1, N, V];
+    ``step_tensors``: ``decode_stack``'s cos, sin, keys, values, slots, table, key_start, positions."""
+    return _ops().decode_stack_logits._op(stack, tokens, end_ints, ints, floats, *step_tensors)
 
 
 def argmax_rows(logits: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ import torch
 from ..errors import UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ONE_POSITION_TABLES = 4096  # single positions whose rotation tables a RotaryEmbedding keeps (about 1 KB each)
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
@@ -144,6 +145,9 @@ class RotaryEmbedding:
         # inv_freq on each device it was used on: a forward on a GPU copies nothing from the host (a
         # captured CUDA graph cannot), the first (warm-up) call copies it once
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+        # (position, dtype) -> ``tables`` of that one CPU position, as computed for it: a batch-1 decode step
+        # looks its tables up instead of running seven small ops (at most ONE_POSITION_TABLES kept)
+        self._one_position: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, scaled: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +164,19 @@ class RotaryEmbedding:
         """positions [B, T] -> (cos, signed sin) [B, T, 1, rotary_dim] for ``rotate_heads`` on heads laid
         out [B, T, H, D] (a projection's output before its transpose). The sine's first half is
         negated once here instead of negating half of every rotated vector; otherwise the values of
-        ``cos_sin``."""
+        ``cos_sin``. A single CPU position's tables are kept (the same tensors, never written to)."""
+        if positions.shape != (1, 1) or positions.device.type != "cpu" or torch.compiler.is_compiling():
+            return self._tables(positions, dtype)
+        key = (int(positions.item()), dtype)
+        kept = self._one_position.get(key)
+        if kept is None:
+            kept = self._tables(positions, dtype)
+            if len(self._one_position) < ONE_POSITION_TABLES:
+                self._one_position[key] = kept
+        return kept
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tables``, computed."""
         cos, sin = self._half_cos_sin(positions)  # [B, T, rot/2]
         cos = torch.cat((cos, cos), dim=-1).to(dtype)  # [B, T, rot]
         signed_sin = torch.cat((-sin, sin), dim=-1).to(dtype)  # [B, T, rot]

@@ -80,6 +80,6 @@ class ModelBase:
     def output_rows(x: torch.Tensor, all_logits: bool, logits_at: torch.Tensor | None) -> torch.Tensor:
         """The hidden states [B, T, C] whose logits are wanted: those at ``logits_at`` (token indices
         [K], as an engine step asks: one per sequence it samples), all, or the last -> [B, K|T|1, C]."""
-        if logits_at is not None:
-            return x[:, logits_at]
+        if logits_at is not None:  # (the one index a single token can have is its own: x as it is)
+            return x if x.shape[1] == 1 and logits_at.shape == (1,) else x[:, logits_at]
         return x if all_logits else x[:, -1:]

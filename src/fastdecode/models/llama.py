@@ -220,6 +220,10 @@ class LlamaModel(ModelBase):
         cfg, p = self.config, cache.products  # the rows' roles and thread budget (layers/products.py)
         B, T = tokens.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if self.fused_decode is not None and not (hidden or all_logits):  # one token: maybe the whole step in one op
+            logits = self.fused_decode.whole_step(cache, tokens, positions, logits_at)  # [1, 1, V] or None
+            if logits is not None:
+                return logits
         x = embed(tokens, self.embed)  # [B, T, C]
         if cfg.embedding_multiplier != 1.0:
             x = x * cfg.embedding_multiplier  # Granite

@@ -21,6 +21,11 @@ It allows it when (checked once per model, then once per forward):
   choice the blocks were packed for;
 - torch.compile is not tracing (the compiled decode step traces the Python loop).
 Anything else runs the Python loop, which stays the reference.
+
+A step of one row whose logits are wanted is then ONE op (``whole_step``: decode_stack.cpp's
+decode_stack_logits) where the embedding table is quantized in the rows layout that the extension's
+``dequantize`` decodes (as ``embed`` looks rows up) and the logits layer is quantized (``linear``'s
+kernel): embedding row, first norm, every block, logits, the forward's bits (tests/unit/test_decode_step_logits.py).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from ..layers.elementwise import GATED_KINDS
 from ..layers.linear import float_kernel_serves
 from ..layers.ops import BlockProduct, DecodeBlockArgs
 from ..layers.products import KernelChoice
-from ..layers.quantized import QuantizedWeight
+from ..layers.quantized import DECODED_ROWS, QuantizedWeight
 from ..layers.threads import KERNEL_PARALLEL_MIN_WORK, kernel_threads
 
 
@@ -78,6 +83,23 @@ def _block_products(layer, kernels: KernelChoice) -> list[PackedProduct] | None:
     return None if any(p is None for p in products) else products
 
 
+def step_ends(model) -> tuple[list, tuple[int, int], PackedProduct] | None:
+    """The whole step's ends (decode_stack.cpp's ``set_ends``: the embedding table's codes, scale and mins, the
+    first block's input norm, the logits layer's 4 entries), the table's (bits, group) and the logits layer's
+    packing; or None where ``embed`` or ``head`` would not run the ops the whole step runs."""
+    table, head, cfg = model.embed, model.lm_head, model.config
+    if (not isinstance(table, QuantizedWeight) or table.is_tiled or table.device.type != "cpu"
+            or (table.bits, table.group) not in DECODED_ROWS or table.dtype != torch.float32
+            or not isinstance(head, QuantizedWeight) or cfg.embedding_multiplier != 1.0 or cfg.logits_divisor != 1.0
+            or any(rope is not model.rope for rope in model.layer_ropes)):
+        return None
+    packed = packed_product(head, None, model.kernels)
+    if packed is None:
+        return None
+    return [table.codes, table.scale, table.mins, model.layers[0].attn_norm, *packed.entries], \
+        (table.bits, table.group), packed
+
+
 def stack_operands(plan) -> tuple | None:
     """A pure decode step's attention operands (``decode_operands`` of the first layer), when every layer
     shares one attention kind and window, so that one op can run every block; else None."""
@@ -109,6 +131,12 @@ class FusedDecode:
         # every block at once (decode_stack.cpp), for steps whose layers share one attention kind and window
         self.stack = ops.decode_stack_holder(list(zip(self.weights, self.block_kinds)))
         self.stack_op = ops.decode_stack
+        # the whole step in one op (decode_stack_logits), where the table and the logits layer allow it
+        ends = step_ends(model)
+        self.table_ints, self.head = (None, None) if ends is None else ends[1:]
+        if ends is not None:
+            self.stack.set_ends(ends[0])
+        self.rope = model.rope
         # by (rows, threads, block size, window): each kind's scalars, and decode_stack's (ints, floats)
         self._scalars: dict[tuple[int, int, int, int], tuple[list[DecodeBlockArgs], tuple[list[int], list[float]]]] = {}
 
@@ -136,6 +164,11 @@ class FusedDecode:
         """``decode_stack``'s ints (every kind's ``decode_block`` ints, in kind order) and floats."""
         return self._scalars_for(rows, threads, block_size, window)[1]
 
+    def end_ints(self, rows: int, threads: int) -> list[int]:
+        """decode_stack_logits' ints: the table's (bits, group), the logits layer's 5 product ints."""
+        inputs, outputs = self.head.shape
+        return [*self.table_ints, *self.head.ints, kernel_threads(rows * inputs * outputs, threads)]
+
     @property
     def runs_quantized_products(self) -> bool:
         """Whether some block's products run on the int8-activation kernels (ints[0]: a product's bits)."""
@@ -154,8 +187,21 @@ class FusedDecode:
 
     def step(self, cache, x: torch.Tensor) -> "_Step | None":
         """This forward's per-block runner, or None when the step must take the Python loop."""
-        if (not hasattr(cache, "decode_operands") or cache.score_bias is not None or x.shape[0] != 1 or not x.is_cpu
-                or x.dtype != torch.float32 or torch.compiler.is_compiling() or torch.is_grad_enabled()
+        return self._step(cache, x) if x.dtype == torch.float32 else None
+
+    def whole_step(self, cache, tokens: torch.Tensor, positions: torch.Tensor,
+                   logits_at: torch.Tensor | None) -> torch.Tensor | None:
+        """A forward of one token (tokens, positions [1, 1]) whose logits are wanted (``logits_at`` [1]) in one
+        op -> logits [1, 1, V]; or None (the forward then runs as it would without it)."""
+        if self.head is None or tokens.shape != (1, 1) or logits_at is None or logits_at.shape != (1,):
+            return None
+        step = self._step(cache, tokens)
+        return None if step is None else step.logits(tokens, *self.rope.tables(positions, torch.float32))
+
+    def _step(self, cache, rows: torch.Tensor) -> _Step | None:
+        """``step`` for rows [B, ...] (the forward's x, or its tokens)."""
+        if (not hasattr(cache, "decode_operands") or cache.score_bias is not None or rows.shape[0] != 1
+                or not rows.is_cpu or torch.compiler.is_compiling() or torch.is_grad_enabled()
                 or cache.products.roles is not None or cache.products.kernels != self.kernels):
             return None
         return _Step(self, cache, cache.products.threads)
@@ -194,3 +240,16 @@ class _Step:
         ints, floats = fused.stack_scalars(x.shape[1], self.threads, cache.block_size, window or 0)
         return fused.stack_op(fused.stack, x, h, ints, floats, cos, sin, cache.layer_keys, cache.layer_values, slots,
                               table, key_start, positions)
+
+    def logits(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """The whole step (decode_stack_logits): tokens [1, N] -> logits [1, N, V], or None as ``every_block``."""
+        plan, fused = self.plan, self.fused
+        operands = stack_operands(plan)
+        if operands is None:
+            return None
+        _, _, slots, table, key_start, positions, window = operands
+        N = tokens.shape[1]
+        ints, floats = fused.stack_scalars(N, self.threads, plan.cache.block_size, window or 0)
+        return ops.decode_stack_logits(fused.stack, tokens.view(N), fused.end_ints(N, self.threads), ints, floats,
+                                       cos, sin, plan.cache.layer_keys, plan.cache.layer_values, slots, table,
+                                       key_start, positions)  # tokens [1, N] -> [N]
