@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops
-from .threads import pool_threads_for, threads_for
+from .threads import PARALLEL_MIN_WORK, pool_threads_for, threads_for
 
 
 def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -52,11 +52,22 @@ def attention(
         return out.reshape(B, H, 1, D)  # [B, Hkv, G, D] -> [B, H, 1, D]
     extents = (_key_extents(mask) if mask is not None and T > QUERY_CHUNK and not q.is_cuda
                and not torch.compiler.is_compiling() else None)
+    if _on_the_pool(q, k, mask, threads):  # the same calls as below, split over the kernel pool's threads
+        return ops.prompt_attention(q, k, v, mask, extents or [], QUERY_CHUNK, scale, threads)
     if extents is not None:  # a prompt's queries in chunks, each over the keys it can see (rounded up)
         return torch.cat([_sdpa(q[:, :, start:start + QUERY_CHUNK], k[:, :, :keys], v[:, :, :keys],
                                 mask[:, :, start:start + QUERY_CHUNK, :keys], scale, threads)
                           for start, keys in zip(range(0, T, QUERY_CHUNK), extents)], dim=2)  # [B, H, T, D]
     return _sdpa(q, k, v, mask, scale, threads)
+
+
+def _on_the_pool(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, threads: int) -> bool:
+    """Whether SDPA's calls run per (query chunk, row, head) on the kernel pool (layers/prompt_attention.cpp:
+    their bits, without OpenMP's threads beside the pool's): float32 on the CPU, outside torch.compile, where
+    SDPA would take several threads (``threads_for``)."""
+    return (threads > 1 and q.dtype == torch.float32 and k.dtype == torch.float32 and q.device.type == "cpu"
+            and (mask is None or mask.dtype == torch.float32) and q.numel() * k.shape[2] >= PARALLEL_MIN_WORK
+            and not torch.compiler.is_compiling() and ops.available())
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
