@@ -133,5 +133,7 @@ def test_small_products_and_one_thread_stay_on_sdpa(monkeypatch):
     attention(q, k, v, mask, 0.25, threads=2)
     q, k, v = operands(1, 9, 3, 512, 512, 64)
     attention(q, k, v, position_mask(prompt_distance(1, 512, 512), None, None, torch.float32), 0.125, threads=1)
+    q, k, v = operands(16, 9, 3, 1, 2048, 64)  # decode rows over a gathered cache: 19M multiply-adds, 128K a call
+    attention(q, k, v, position_mask(prompt_distance(16, 1, 2048, 2047), None, None, torch.float32), 0.125, threads=2)
     assert calls == []
     assert not attention_module._on_the_pool(q.double(), k.double(), None, 2)

@@ -61,13 +61,20 @@ def attention(
     return _sdpa(q, k, v, mask, scale, threads)
 
 
+# Multiply-adds of one (row, head) call on the pool at least (q . k over the keys: a few microseconds, beside the
+# ~10 us a call costs): rows of one or a few queries (decode rows over a gathered cache) stay one SDPA call.
+POOL_CALL_MIN_WORK = 1 << 20
+
+
 def _on_the_pool(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, threads: int) -> bool:
     """Whether SDPA's calls run per (query chunk, row, head) on the kernel pool (layers/prompt_attention.cpp:
     their bits, without OpenMP's threads beside the pool's): float32 on the CPU, outside torch.compile, where
-    SDPA would take several threads (``threads_for``)."""
+    SDPA would take several threads (``threads_for``) and each call has work enough."""
+    T, D, S = q.shape[2], q.shape[3], k.shape[2]
     return (threads > 1 and q.dtype == torch.float32 and k.dtype == torch.float32 and q.device.type == "cpu"
-            and (mask is None or mask.dtype == torch.float32) and q.numel() * k.shape[2] >= PARALLEL_MIN_WORK
-            and not torch.compiler.is_compiling() and ops.available())
+            and (mask is None or mask.dtype == torch.float32) and q.numel() * S >= PARALLEL_MIN_WORK
+            and min(T, QUERY_CHUNK) * S * D >= POOL_CALL_MIN_WORK and not torch.compiler.is_compiling()
+            and ops.available())
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
