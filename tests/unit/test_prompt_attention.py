@@ -136,4 +136,16 @@ def test_small_products_and_one_thread_stay_on_sdpa(monkeypatch):
     q, k, v = operands(16, 9, 3, 1, 2048, 64)  # decode rows over a gathered cache: 19M multiply-adds, 128K a call
     attention(q, k, v, position_mask(prompt_distance(16, 1, 2048, 2047), None, None, torch.float32), 0.125, threads=2)
     assert calls == []
-    assert not attention_module._on_the_pool(q.double(), k.double(), None, 2)
+    assert not attention_module._on_the_pool(q.double(), k.double(), v.double(), None, 2)
+
+
+@pytest.mark.skipif(not ops.available(), reason="the compiled kernels are not available")
+def test_rows_strided_in_their_last_dim_stay_on_sdpa(monkeypatch):
+    """SDPA takes its math kernel there (its flash kernel reads rows as contiguous): so do 2 threads."""
+    q, k, v = operands(1, 4, 2, 300, 300, 64, seed=3)
+    q = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # [1, 4, 300, 64], last dim 300 floats apart
+    calls = pool_calls(monkeypatch)
+    assert torch.equal(attention(q, k, v, None, 0.125, threads=2), attention(q, k, v, None, 0.125, threads=1))
+    assert calls == []
+    with pytest.raises(RuntimeError, match="contiguous in their last dim"):
+        ops.prompt_attention(q, k, v, None, [], 256, 0.125, 2)

@@ -20,7 +20,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <exception>
+#include <mutex>
 
 #include "parallel.h"
 
@@ -64,8 +65,13 @@ class OneAtenThread {
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& mask, at::IntArrayRef key_counts, int64_t query_chunk,
                             double scale, int64_t threads) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat && q.device().is_cpu(),
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat && q.device().is_cpu() &&
+                  k.device().is_cpu() && v.device().is_cpu(),
               "q, k, v must be float32 [B, H, T, D] / [B, Hkv, S, D] on the CPU");
+  // (SDPA runs its flash kernel only on rows whose last dim is contiguous: it reads them so)
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && (!mask.has_value() || !mask->defined() ||
+                                                                           mask->stride(3) == 1),
+              "q, k, v and the mask must be contiguous in their last dim");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && Hkv > 0 && H % Hkv == 0,
               "k, v must be [B, Hkv, S, D] with H a multiple of Hkv");
@@ -99,11 +105,19 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
     out.select(0, b).slice(0, t0, t1).select(1, h).copy_(result.select(0, 0).select(0, 0));  // [t, D]
   };
   const int64_t item_work = std::min(T, chunk) * S * D * 2;  // multiply-adds, about (the longest chunk)
+  std::mutex failure_mutex;
+  std::exception_ptr failure;  // the first error of any thread's calls, raised on the caller after the job
   fastdecode::parallel_chunks(items, 1, threads, [&](int64_t i0, int64_t i1) {
-    c10::InferenceMode inference;  // (no autograd bookkeeping, on the helpers as on the caller)
-    OneAtenThread one;
-    for (int64_t i = i0; i < i1; ++i) item(i);
+    try {
+      c10::InferenceMode inference;  // (no autograd bookkeeping, on the helpers as on the caller)
+      OneAtenThread one;
+      for (int64_t i = i0; i < i1; ++i) item(i);
+    } catch (...) {  // (an exception must not leave a helper thread: it would end the process)
+      std::lock_guard<std::mutex> lock(failure_mutex);
+      if (!failure) failure = std::current_exception();
+    }
   }, item_work);
+  if (failure) std::rethrow_exception(failure);
   return out.transpose(1, 2);  // [B, T, H, D] -> [B, H, T, D]
 }
 
