@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops
-from .threads import pool_threads_for, threads_for
+from .threads import PARALLEL_MIN_WORK, pool_threads_for, threads_for
 
 
 def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -52,11 +52,31 @@ def attention(
         return out.reshape(B, H, 1, D)  # [B, Hkv, G, D] -> [B, H, 1, D]
     extents = (_key_extents(mask) if mask is not None and T > QUERY_CHUNK and not q.is_cuda
                and not torch.compiler.is_compiling() else None)
+    if _on_the_pool(q, k, v, mask, threads):  # the same calls as below, split over the kernel pool's threads
+        return ops.prompt_attention(q, k, v, mask, extents or [], QUERY_CHUNK, scale, threads)
     if extents is not None:  # a prompt's queries in chunks, each over the keys it can see (rounded up)
         return torch.cat([_sdpa(q[:, :, start:start + QUERY_CHUNK], k[:, :, :keys], v[:, :, :keys],
                                 mask[:, :, start:start + QUERY_CHUNK, :keys], scale, threads)
                           for start, keys in zip(range(0, T, QUERY_CHUNK), extents)], dim=2)  # [B, H, T, D]
     return _sdpa(q, k, v, mask, scale, threads)
+
+
+# Multiply-adds of one (row, head) call on the pool at least (q . k over the keys: a few microseconds, beside the
+# ~10 us a call costs): rows of one or a few queries (decode rows over a gathered cache) stay one SDPA call.
+POOL_CALL_MIN_WORK = 1 << 20
+
+
+def _on_the_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, threads: int) -> bool:
+    """Whether SDPA's calls run per (query chunk, row, head) on the kernel pool (layers/prompt_attention.cpp:
+    their bits, without OpenMP's threads beside the pool's): float32 on the CPU with rows contiguous in their last
+    dim (where SDPA takes its flash kernel), outside torch.compile, where SDPA would take several threads
+    (``threads_for``) and each call has work enough."""
+    T, D, S = q.shape[2], q.shape[3], k.shape[2]
+    return (threads > 1 and q.dtype == torch.float32 and k.dtype == torch.float32 and q.device.type == "cpu"
+            and (mask is None or (mask.dtype == torch.float32 and mask.stride(-1) == 1)) and q.stride(-1) == 1
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and q.numel() * S >= PARALLEL_MIN_WORK
+            and min(T, QUERY_CHUNK) * S * D >= POOL_CALL_MIN_WORK and not torch.compiler.is_compiling()
+            and ops.available())
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

@@ -16,7 +16,8 @@ sets it to its caller's thread count):
   and helper threads take part only while they have a core of their own, so a second thread that is
   late or busy never makes the step wait;
 - the decode attention op (``pool_threads_for``) splits its (row, KV head) items over the same pool,
-  from the same size;
+  from the same size; a prompt's attention from 2 threads its (query chunk, row, head) SDPA calls
+  (layers/attention.py, ``PARALLEL_MIN_WORK`` up: no OpenMP team beside the pool's helpers);
 - OpenMP ops (``threads_for``: the float GEMM) get them only from ``PARALLEL_MIN_WORK``
   multiply-adds (an LM head over several rows, prompt chunks), where the split pays for the wait.
 
