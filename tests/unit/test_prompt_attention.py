@@ -1,7 +1,8 @@
 """A prompt's attention in query chunks over the keys each chunk can see (layers/attention.py's
-``QUERY_CHUNK`` / ``KEY_MULTIPLE``): the same bits as SDPA over every key under the whole mask, for a
-causal prompt, a padded batch, a sliding window, a per-head position bias and prompts that do not fill
-their last chunk; the key counts it reads; and masks that hide nothing run as one SDPA call.
+``QUERY_CHUNK`` / ``KEY_MULTIPLE``): the same bits as SDPA over every key under the whole mask (where this
+machine's SDPA gives them: ``SDPA_IGNORES_HIDDEN_KEYS``), for a causal prompt, a padded batch, a sliding
+window, a per-head position bias and prompts that do not fill their last chunk; the key counts it reads;
+and masks that hide nothing run as one SDPA call.
 
 From 2 threads the same SDPA calls run on the kernel pool (layers/prompt_attention.cpp): the bits of the
 one-thread path for the same cases, whatever torch's own thread count; small products and one thread stay
@@ -33,6 +34,28 @@ def prompt_distance(B, T, S, first=0):
     return (torch.arange(S)[None, None, :] - torch.arange(first, first + T)[None, :, None]).expand(B, T, S)
 
 
+def _sdpa_ignores_hidden_keys() -> bool:
+    """Whether SDPA gives queries the same bits over 256 keys as over 512 with the last 256 hidden. PyTorch's CPU
+    flash kernel multiplies blocks of up to 512 keys with MKL's GEMMs, whose rounding may depend on the block's
+    width: the same bits on the Intel Xeon (AVX-512) of the benchmarks; up to 3e-7 apart on AMD EPYC Zen 5."""
+    q, k, v = operands(1, 1, 1, 256, 512, 64, seed=5)
+    mask = position_mask(prompt_distance(1, 256, 512), None, None, torch.float32)  # keys 256.. hidden from all
+    return torch.equal(sdpa_reference(q, k[:, :, :256], v[:, :, :256], mask[..., :256], 0.125),
+                       sdpa_reference(q, k, v, mask, 0.125))
+
+
+SDPA_IGNORES_HIDDEN_KEYS = _sdpa_ignores_hidden_keys()
+
+
+def assert_sdpa_result(out, reference):
+    """``out`` is SDPA's result over every key: bit for bit where SDPA_IGNORES_HIDDEN_KEYS, else to float32
+    rounding (a last-place difference from the key blocks' widths; a wrong chunk's keys differ by ~1)."""
+    if SDPA_IGNORES_HIDDEN_KEYS:
+        assert torch.equal(out, reference)
+    else:
+        torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("T, S", [(512, 512), (600, 640), (257, 512), (1000, 1024)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_causal_prompt_gets_the_bits_of_sdpa_over_every_key(T, S, threads):
@@ -41,7 +64,7 @@ def test_a_causal_prompt_gets_the_bits_of_sdpa_over_every_key(T, S, threads):
         q, k, v = operands(1, 9, 3, T, S, 64)
         mask = position_mask(prompt_distance(1, T, S), None, None, torch.float32)
         out = attention(q, k, v, mask, 0.125, threads=threads)
-        assert torch.equal(out, sdpa_reference(q, k, v, mask, 0.125))
+        assert_sdpa_result(out, sdpa_reference(q, k, v, mask, 0.125))
     finally:
         torch.set_num_threads(1)
 
@@ -62,7 +85,7 @@ def test_a_padded_batch_a_window_and_a_position_bias_keep_their_bits():
     slopes = torch.tensor([2.0 ** -(h + 1) for h in range(H)])
     for window, bias in [(None, None), (300, None), (None, lambda d: slopes[None, :, None, None] * d[:, None])]:
         mask = position_mask(distance, window, bias, torch.float32)
-        assert torch.equal(attention(q, k, v, mask, D**-0.5, threads=1), sdpa_reference(q, k, v, mask, D**-0.5))
+        assert_sdpa_result(attention(q, k, v, mask, D**-0.5, threads=1), sdpa_reference(q, k, v, mask, D**-0.5))
 
 
 def test_a_mask_that_hides_no_key_chunk_is_one_call(monkeypatch):

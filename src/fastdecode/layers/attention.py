@@ -91,7 +91,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 # twice the work a 512-token prompt needs. Its queries in chunks of QUERY_CHUNK rows, each over the keys up to
 # the last one its mask shows rounded up to KEY_MULTIPLE, skip most of it (a 512-token prompt: 3/4 of the work,
 # 2048 tokens: 9/16). Rounded up to 256 keys, PyTorch's CPU flash kernel gives the same bits as over all the
-# keys (tests/unit/test_prompt_attention.py; finer cuts save more and change the last bit).
+# keys on the Intel Xeon of the benchmarks (finer cuts save more and change the last bit); on AMD EPYC Zen 5, where
+# MKL's GEMMs round a block of 256 keys differently from one of 512, up to 3e-7 apart
+# (tests/unit/test_prompt_attention.py).
 QUERY_CHUNK = 256
 KEY_MULTIPLE = 256
 _extents: WeakIdKeyDictionary = WeakIdKeyDictionary()  # mask -> its chunks' key counts (or None): a forward's
