@@ -215,3 +215,19 @@ def test_writing_an_entry_removes_abandoned_partial_files(tmp_path, cache_dir):
     os.utime(abandoned, ns=(hour_ago, hour_ago))
     fastdecode.load(write_gguf(tmp_path / "m.gguf", "qwen2", QT.Q4_0))
     assert not abandoned.exists() and live.exists() and len(_entries(cache_dir)) == 1
+
+
+def test_two_code_versions_keep_their_entries_and_a_third_removes_the_older(tmp_path, cache_dir, monkeypatch):
+    """Two installs (or source trees) loading one file in turn map their own entries; no repacking at every load."""
+    path = write_gguf(tmp_path / "m.gguf", "llama-gqa", QT.Q8_0)
+
+    def load_as(version: str):
+        monkeypatch.setattr(weight_cache, "_code_version", lambda: version)
+        return fastdecode.load(path).checkpoint.weight_cache  # None: mapped from an entry; else a miss, saved
+
+    assert load_as("a" * 16) is not None and load_as("b" * 16) is not None
+    assert load_as("a" * 16) is None and load_as("b" * 16) is None  # both entries kept, both hits
+    assert len(_entries(cache_dir)) == 2
+    assert load_as("c" * 16) is not None  # a third version keeps the newest other one (b's) beside its own
+    assert sorted(entry.name.split("-")[1][0] for entry in _entries(cache_dir)) == ["b", "c"]
+    assert load_as("b" * 16) is None and load_as("a" * 16) is not None

@@ -8,10 +8,12 @@ map the file (copy-on-write, so every process loading it shares the same page-ca
 make each weight a view of the mapping: no repacking, no copy, and only the pages a step reads
 become resident (an embedding table's rows as they are looked up).
 
-Entry name: a hash of the GGUF's identity (resolved path, size, inode, modification and change
-times, a hash of its first MiB), the load's dtype and the version of the code that decides the
-bytes (the sources of the repacker, the quantized layout, the GGUF loader, the family's module and
-this file): a GGUF file changed in any way, or a new repacker, misses and is repacked again.
+Entry name: a hash of the GGUF's resolved path, the version of the code that decides the bytes (a hash
+of the sources of the repacker, the quantized layout, the GGUF loader, the families' modules and this
+file), and a hash of the whole identity (path, size, inode, modification and change times, a hash of
+its first MiB, the load's dtype, that version): a GGUF file changed in any way, or a new repacker,
+misses and is repacked again. Saving an entry removes the path's entries for its earlier contents and
+keeps one made by another code version (another install or source tree loading the same file).
 
 An entry is checked before use: its header (magic, format version, a hash of the index, the
 identity it was made for) and its size; its modification time is set to a value written in its
@@ -54,6 +56,7 @@ _PREAMBLE = struct.Struct("<8sIQ")  # magic, format version, index length
 MIN_CACHED_BYTES = 32 << 20  # smaller GGUF files (tests' tiny models) repack in milliseconds: not cached
 ABANDONED_SECONDS = 3600  # a partial entry untouched this long was left by a writer that died
 HASHED_BYTES = 1 << 20  # the GGUF's first MiB (header, metadata, the first tensors) joins its identity
+KEPT_OTHER_VERSIONS = 1  # entries of a GGUF path kept for other code versions than the one saving
 # what decides the cached bytes besides the GGUF: their sources' hash is part of every entry's name
 _LAYOUT_SOURCES = ("loading/gguf_blocks.py", "loading/gguf.py", "layers/quantized.py", "loading/weight_cache.py")
 _QUANTIZED_FIELDS = ("kind", "bits", "group", "transposed", "activation_bits", "outputs", "exact_prompt_rows")
@@ -108,15 +111,29 @@ def entry_path(identity: dict) -> Path | None:
         return None
     of_path = hashlib.sha256(identity["path"].encode()).hexdigest()[:16]
     of_identity = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    return root / f"{of_path}-{of_identity}.fdw"
+    return root / f"{of_path}-{identity['code']}-{of_identity}.fdw"
+
+
+def _made_at(entry: Path) -> int:
+    """When an entry was written (its modification time, which ``save`` sets; 0 if it is gone)."""
+    try:
+        return entry.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _remove_older_entries(where: Path) -> None:
-    """Remove the entries made for earlier contents of the same GGUF path (or another code version):
-    one entry per file is kept (a process mapping a removed entry keeps its pages); and the partial
-    files of writers that died (untouched for an hour: a live writer's file grows)."""
-    prefix = where.name.split("-")[0]
-    stale = [other for other in where.parent.glob(f"{prefix}-*.fdw") if other != where]
+    """Remove the entries of the same GGUF path made by this code version for its earlier contents, and those
+    made by other code versions but the newest (``KEPT_OTHER_VERSIONS``): a second install or source tree
+    beside this one keeps its entry, so that two of them loading the same file in turn (a before/after
+    benchmark) map their entries instead of repacking at every load; a process mapping a removed entry
+    keeps its pages. Also the partial files of writers that died (untouched for an hour: a live writer's
+    file grows)."""
+    of_path, code = (where.name.split("-") + ["", ""])[:2]  # (a name outside entry_path's scheme: no others)
+    others = [other for other in where.parent.glob(f"{of_path}-*.fdw") if other != where] if code else []
+    other_codes = [other for other in others if len(other.name.split("-")) == 3 and other.name.split("-")[1] != code]
+    kept = sorted(other_codes, key=_made_at, reverse=True)[:KEPT_OTHER_VERSIONS]
+    stale = [other for other in others if other not in kept]
     for other in stale + list(where.parent.glob("*.part")):
         try:
             if other.suffix == ".fdw" or time.time() - other.stat().st_mtime > ABANDONED_SECONDS:
