@@ -287,7 +287,13 @@ def folds_beams(model) -> bool:
     that block, and the int8 rounding of a quantized model's decode rows turns the float-rounding
     difference between a folded and a paged step into different beams (measured on the embedded
     SmolLM2 Q4_1: a 16-token prompt's beams differ from the first token), so that a request's
-    answer would depend on what runs beside it."""
+    answer would depend on what runs beside it. Nor where a model's decoder layers run as one op per
+    step (Whisper's ``fused_layers``, models/whisper_decode.py): that op takes paged steps only, so a fold
+    took every beam step after a full prompt block (long-form windows, conditioned on the previous text)
+    onto the Python loop (tiny.en int8 long-form, beam 5: 1,068 of 1,428 layer-steps), and an int8
+    window's beams then depended on whether a row beside them kept the step paged."""
+    if getattr(model, "fused_layers", None) is not None:
+        return False
     fused = getattr(model, "fused_decode", None)
     return fused is None or not fused.runs_quantized_products
 

@@ -241,8 +241,8 @@ class WhisperModel(BartModel):
         self.conv2 = (weights["encoder.conv2.weight"], weights["encoder.conv2.bias"])  # [C, C, 3], [C]
         self.cross_dtype = cross_dtype or self.dtype
         self._token_rows: dict[int, torch.Tensor] = {}  # token id -> its embedding row [C] in the model's dtype
-        self.fused_layers = FusedCrossDecode.for_model(self)  # pure decode steps: one op per layer (not
-        # ``fused_decode``: beams fold as before, engine/beam_group.py's folds_beams)
+        self.fused_layers = FusedCrossDecode.for_model(self)  # pure decode steps: one op per layer; where it
+        # runs, beams do not fold (engine/beam_group.py's folds_beams: a folded step would leave it)
 
     @property
     def dtype(self) -> torch.dtype:
