@@ -140,7 +140,7 @@ def test_a_row_block_edge_and_the_rows_past_it(amx):
 
 def test_many_rows_quantized_on_2_threads_keep_their_bits(amx):
     """600 x 512 activations: 9600 blocks of 32, quantized in chunks over both threads (qrows.h's
-    quantize_rows_split), the product repeated so that the helper is awake for it."""
+    quantize_rows with the caller's threads), the product repeated so that the helper is awake for it."""
     w = TILED["Q4_K N=72"]
     x = torch.randn(600, 512, generator=torch.Generator().manual_seed(4))
     want = torch.cat([decode_kernel(x[m:m + 50], w) for m in range(0, 600, 50)])

@@ -133,7 +133,7 @@ at::Tensor prompt_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   const bool six = codes.size(1) != K;  // packed 6-bit codes (checked by prompt_qmatmul)
   if (M >= AMX_MIN_ROWS && use_amx()) return amx::rows16_gemm(x, codes, six, scale, threads, bias);  // the same bits
   at::Tensor y = at::empty({M, N}, x.options());
-  const QuantizedRows q = quant::quantize_rows_split<16>(x.data_ptr<float>(), M, K, false, threads);
+  const QuantizedRows q = quant::quantize_rows<16>(x.data_ptr<float>(), M, K, false, threads);
   const bool wide = use_avx512();  // read once: the whole product on one kernel
   const std::vector<uint8_t> offset = wide ? avx512::offset_rows(q) : std::vector<uint8_t>();
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());

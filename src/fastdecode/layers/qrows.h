@@ -115,19 +115,12 @@ QuantizedRows sized_rows(int64_t M, int64_t K, bool with_sums) {
                        std::vector<float>(with_sums ? M * K / G : 0)};
 }
 
-template <int G>
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, bool with_sums = true) {
-  QuantizedRows q = sized_rows<G>(M, K, with_sums);
-  quantize_blocks<G>(x, 0, M * (K / 32), with_sums, q);
-  return q;
-}
-
-// quantize_rows with the blocks split over up to `threads` threads (the kernel pool; each block computed alone:
-// the same bits): a prompt's activations (512 x 1536 per MLP down product) are otherwise quantized by the caller
-// alone while the helpers wait for the product.
+// Rows [M, K] quantized per block of 32 (quantize_blocks), the blocks split over up to `threads` threads of the
+// kernel pool (parallel.h; each block computed alone: the same bits at any thread count): a prompt's activations (512 x 1536 per MLP down product) are otherwise
+// quantized by the caller alone while the helpers wait for the product.
 constexpr int64_t QUANTIZE_CHUNK_BLOCKS = 1024;  // 32K inputs: ~10 us
 template <int G>
-QuantizedRows quantize_rows_split(const float* x, int64_t M, int64_t K, bool with_sums, int64_t threads) {
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, bool with_sums = true, int64_t threads = 1) {
   QuantizedRows q = sized_rows<G>(M, K, with_sums);
   parallel_chunks(M * (K / 32), QUANTIZE_CHUNK_BLOCKS, threads,
                   [&](int64_t i0, int64_t i1) { quantize_blocks<G>(x, i0, i1, with_sums, q); });
@@ -154,8 +147,9 @@ inline void check_code_rows(const at::Tensor& codes, const at::Tensor& scale, in
               "rows-layout codes ", codes.sizes(), " do not hold ", scale.size(0), " outputs of ", K, " ", bits, "-bit codes");
 }
 
-// The rows layout's (code bits, scale group) pairs, one kernel instantiation each (qmatmul.cpp, dequantize.cpp):
-// CASE(bits, group) returns when the weight's pair matches; the caller fails after the list.
+// The rows layout's (code bits, scale group) pairs, one kernel instantiation each (qmatmul.cpp, dequantize.cpp;
+// layers/quantized.py's DECODED_ROWS lists them for Python): CASE(bits, group) returns when the weight's pair
+// matches; the caller fails after the list.
 #define FD_FOR_EACH_ROWS_FORMAT(CASE) CASE(8, 32) CASE(8, 16) CASE(6, 16) CASE(4, 32)
 
 // sum_g min[g] * xsum[g], 8 groups at a time then one by one (a fixed order for a given K).

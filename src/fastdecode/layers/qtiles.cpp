@@ -296,7 +296,7 @@ at::Tensor tiled_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const
   const int64_t M = x.size(0), K = x.size(1), tiles = codes.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   const bool exact = activation_bits == 32, has_min = mins.has_value() && mins->defined();
-  const QuantizedRows q = exact ? QuantizedRows{K, {}, {}, {}} : quantize_rows_split<32>(x.data_ptr<float>(), M, K, has_min, threads);
+  const QuantizedRows q = exact ? QuantizedRows{K, {}, {}, {}} : quantize_rows<32>(x.data_ptr<float>(), M, K, has_min, threads);
   const float* xp = exact ? x.data_ptr<float>() : nullptr;
   const std::vector<float> xsum = exact && has_min ? group_sums<32>(xp, M, K) : std::vector<float>();
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());

@@ -344,7 +344,8 @@ def in_mlp(weight: QuantizedWeight) -> QuantizedWeight:
     return dataclasses.replace(weight, in_mlp=True)
 
 
-DECODED_ROWS = ((8, 32), (8, 16), (6, 16), (4, 32))  # (bits, group) of the rows layout ops.dequantize decodes
+# (bits, group) of the rows layout that ops.dequantize decodes (qrows.h FD_FOR_EACH_ROWS_FORMAT)
+DECODED_ROWS = ((8, 32), (8, 16), (6, 16), (4, 32))
 
 
 def embed(tokens: torch.Tensor, table: torch.Tensor | QuantizedWeight) -> torch.Tensor:
