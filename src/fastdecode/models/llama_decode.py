@@ -228,28 +228,33 @@ class _Step:
         args = fused.block_args(x.shape[1], self.threads, self.plan.cache.block_size, window or 0)[fused.block_kinds[index]]
         return fused.op(x, h, fused.weights[index], args, cos, sin, keys, values, slots, table, key_start, positions)
 
+    def _stack_args(self, rows: int) -> tuple | None:
+        """decode_stack's (ints, floats) and its step tensors after cos, sin (every layer's keys and values, slots,
+        table, key_start, positions) for ``rows`` rows; None where the layers differ in attention kind or window,
+        or the attention cannot take the paged op."""
+        operands = stack_operands(self.plan)
+        if operands is None:
+            return None
+        _, _, slots, table, key_start, positions, window = operands
+        cache = self.plan.cache
+        ints, floats = self.fused.stack_scalars(rows, self.threads, cache.block_size, window or 0)
+        return ints, floats, (cache.layer_keys, cache.layer_values, slots, table, key_start, positions)
+
     def every_block(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Every block in one op (decode_stack.cpp: the per-block calls' results bit for bit) -> (x, h), or
-        None where the layers differ in attention kind or window, or the attention cannot take the paged op."""
-        plan, fused = self.plan, self.fused
-        cache = plan.cache
-        operands = stack_operands(plan)
-        if operands is None:
+        None as ``_stack_args``."""
+        args = self._stack_args(x.shape[1])
+        if args is None:
             return None
-        _, _, slots, table, key_start, positions, window = operands
-        ints, floats = fused.stack_scalars(x.shape[1], self.threads, cache.block_size, window or 0)
-        return fused.stack_op(fused.stack, x, h, ints, floats, cos, sin, cache.layer_keys, cache.layer_values, slots,
-                              table, key_start, positions)
+        ints, floats, step = args
+        return self.fused.stack_op(self.fused.stack, x, h, ints, floats, cos, sin, *step)
 
     def logits(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-        """The whole step (decode_stack_logits): tokens [1, N] -> logits [1, N, V], or None as ``every_block``."""
-        plan, fused = self.plan, self.fused
-        operands = stack_operands(plan)
-        if operands is None:
-            return None
-        _, _, slots, table, key_start, positions, window = operands
+        """The whole step (decode_stack_logits): tokens [1, N] -> logits [1, N, V], or None as ``_stack_args``."""
         N = tokens.shape[1]
-        ints, floats = fused.stack_scalars(N, self.threads, plan.cache.block_size, window or 0)
-        return ops.decode_stack_logits(fused.stack, tokens.view(N), fused.end_ints(N, self.threads), ints, floats,
-                                       cos, sin, plan.cache.layer_keys, plan.cache.layer_values, slots, table,
-                                       key_start, positions)  # tokens [1, N] -> [N]
+        args = self._stack_args(N)
+        if args is None:
+            return None
+        ints, floats, step = args
+        return ops.decode_stack_logits(self.fused.stack, tokens.view(N), self.fused.end_ints(N, self.threads), ints,
+                                       floats, cos, sin, *step)  # tokens [1, N] -> [N]
