@@ -99,15 +99,28 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
       if (next_mins != nullptr) _mm_prefetch(next_mins + line, _MM_HINT_T0);
     }
   }
+  // Each of the two code streams (tile t0's, tile t0 + 1's) is prefetched `ahead` bytes ahead along itself,
+  // continued past its tile's end by the same stream of the following pairs (tiles t0 + 2 and t0 + 3, ...):
+  // where the look-ahead crossed into the neighbouring tile instead (which the other stream has loaded
+  // already), a stream ran without prefetches over its tile's start: Qwen2.5-Coder-1.5B's Q4_K matrices
+  // (6 KB tiles) streamed at 20 -> 26 GB/s on one Zen 5 core, 33 -> 42 on two.
+  const int64_t tile_bytes = blocks * BB;
+  int64_t ahead_pair = ahead / tile_bytes, ahead_offset = ahead % tile_bytes;  // pairs ahead, bytes into the tile
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* w0 = low_codes + b * BB;
     const uint8_t* w1 = high_codes + b * BB;
     if constexpr (PREFETCH) {
+      const int64_t at = ahead_pair * 2 * tile_bytes + ahead_offset;  // from low_codes (high_codes: the same)
       for (int64_t line = 0; line < BB; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(w0 + ahead + line), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w1 + ahead + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(low_codes + at + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(high_codes + at + line), _MM_HINT_T0);
+      }
+      ahead_offset += BB;
+      if (ahead_offset >= tile_bytes) {
+        ahead_offset -= tile_bytes;
+        ++ahead_pair;
       }
     }
     __m512i dot[RB];
