@@ -106,8 +106,15 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
   // (6 KB tiles) streamed at 20 -> 26 GB/s on one Zen 5 core, 33 -> 42 on two.
   const int64_t tile_bytes = blocks * BB;
   int64_t ahead_pair = ahead / tile_bytes, ahead_offset = ahead % tile_bytes;  // pairs ahead, bytes into the tile
-  __m512 acc[RB];
-  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  // The mins term (K-quants and Q4_1: each block's mins times the row's activation sum) accumulates beside
+  // acc, block by block in the same order as a separate pass over the blocks would: each block's mins are
+  // decoded once for all RB rows, not once per row.
+  const S* low_mins = mins != nullptr ? quant::tile_scales(mins, t0, blocks) : nullptr;
+  const S* high_mins = mins != nullptr ? quant::tile_scales(mins, t0 + 1, blocks) : nullptr;
+  const float* sums[RB];
+  for (int r = 0; r < RB; ++r) sums[r] = mins != nullptr ? q.sums.data() + (m0 + r) * blocks : nullptr;
+  __m512 acc[RB], min_term[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = min_term[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* w0 = low_codes + b * BB;
     const uint8_t* w1 = high_codes + b * BB;
@@ -154,20 +161,15 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
     for (int r = 0; r < RB; ++r)
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(w_scale, _mm512_set1_ps(act_scale[r][b])),
                                acc[r]);
+    if (mins != nullptr) {
+      const __m512 w_mins = pair_scales(low_mins, high_mins, b);
+      for (int r = 0; r < RB; ++r) min_term[r] = _mm512_fmadd_ps(w_mins, _mm512_set1_ps(sums[r][b]), min_term[r]);
+    }
   }
   const int64_t n = t0 * TILE;
   const __mmask16 valid = N - n >= 2 * TILE ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
   for (int r = 0; r < RB; ++r) {
-    __m512 total = acc[r];
-    if (mins != nullptr) {
-      const S* low_mins = quant::tile_scales(mins, t0, blocks);
-      const S* high_mins = quant::tile_scales(mins, t0 + 1, blocks);
-      const float* sums = q.sums.data() + (m0 + r) * blocks;
-      __m512 min_term = _mm512_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b)
-        min_term = _mm512_fmadd_ps(pair_scales(low_mins, high_mins, b), _mm512_set1_ps(sums[b]), min_term);
-      total = _mm512_add_ps(total, min_term);
-    }
+    const __m512 total = mins != nullptr ? _mm512_add_ps(acc[r], min_term[r]) : acc[r];
     _mm512_mask_storeu_ps(y + (m0 + r) * N + n, valid, total);
   }
 }
