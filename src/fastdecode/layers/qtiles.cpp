@@ -71,6 +71,27 @@ inline void store_outputs(float* y, __m256 v, int64_t valid) {
 constexpr int64_t PREFETCH_BYTES = 1024;
 
 // ---- int8 activations ---------------------------------------------------------------------------------
+// total[r] += the mins term of rows [m0, m0 + RB) on one tile: sum over the blocks b, in order, of the tile's
+// mins of block b times the row's activation sum, in its own accumulator from zero. The mins are decoded a
+// chunk of blocks at a time, once for all RB rows (compact K-quant mins cost a few operations each).
+template <typename S, int RB>
+inline void add_mins_term(const QuantizedRows& q, int64_t m0, const S* tile_mins, int64_t blocks, __m256* total) {
+  constexpr int64_t CHUNK = 32;  // blocks decoded at a time: 1 KB of float32 mins
+  alignas(32) float decoded[CHUNK * TILE];
+  __m256 offset[RB];
+  for (int r = 0; r < RB; ++r) offset[r] = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < blocks; b0 += CHUNK) {
+    const int64_t count = std::min(CHUNK, blocks - b0);
+    for (int64_t i = 0; i < count; ++i) _mm256_store_ps(decoded + i * TILE, block_scales(tile_mins, b0 + i));
+    for (int r = 0; r < RB; ++r) {
+      const float* sums = q.sums.data() + (m0 + r) * blocks + b0;
+      for (int64_t i = 0; i < count; ++i)
+        offset[r] = _mm256_fmadd_ps(_mm256_load_ps(decoded + i * TILE), _mm256_set1_ps(sums[i]), offset[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) total[r] = _mm256_add_ps(total[r], offset[r]);
+}
+
 // Rows [m0, m0 + RB) x tiles t0 .. t0 + NT: each weight vector is loaded once for the RB rows; NT tiles
 // side by side give independent accumulators (instruction-level parallelism at one row).
 template <int BITS, typename S, int RB, int NT, bool PREFETCH>
@@ -127,20 +148,13 @@ void int8_tiles(const QuantizedRows& q, int64_t m0, const uint8_t* codes, const 
                                     acc[t][r]);
     }
   }
-  for (int t = 0; t < NT; ++t)
+  for (int t = 0; t < NT; ++t) {
+    if (mins != nullptr) add_mins_term<S, RB>(q, m0, tile_scales(mins, t0 + t, blocks), blocks, acc[t]);
     for (int r = 0; r < RB; ++r) {
-      __m256 total = acc[t][r];
-      if (mins != nullptr) {
-        const S* m = tile_scales(mins, t0 + t, blocks);
-        const float* sums = q.sums.data() + (m0 + r) * blocks;
-        __m256 offset = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b)
-          offset = _mm256_fmadd_ps(block_scales(m, b), _mm256_set1_ps(sums[b]), offset);
-        total = _mm256_add_ps(total, offset);
-      }
       const int64_t n = (t0 + t) * TILE;
-      store_outputs(y + (m0 + r) * N + n, total, N - n);
+      store_outputs(y + (m0 + r) * N + n, acc[t][r], N - n);
     }
+  }
 }
 
 // ---- float32 activations ------------------------------------------------------------------------------
