@@ -1,10 +1,13 @@
 """The C++ paged decode attention (layers/attention.cpp) against the gather + mask + SDPA path it
 replaces, on random block pools: every attention kind (MHA, GQA, MQA, a sliding window read
 through a layered table that starts past position 0, ALiBi's per-head bias), head dims 64/128/256
-and an odd one, rows of different lengths ending on and across block boundaries; and the K/V it
-writes in the same op. A row's result is bitwise the same alone as in a batch."""
+and an odd one, rows of different lengths ending on and across block boundaries and past the keys the op
+fetches ahead; and the K/V it writes in the same op. A row's result is bitwise the same alone as in a batch,
+and the op's bits are pinned (a digest of its outputs on exact inputs)."""
 
 from __future__ import annotations
+
+import hashlib
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from fastdecode.layers import ops
 from fastdecode.layers.attention import attention, paged_attention
 
 BLOCK = 4
-POSITIONS = [0, 3, 4, 9, 15, 21]  # first slot, last of a block, first of the next, inside, long rows
+POSITIONS = [0, 3, 4, 9, 15, 21, 40]  # first slot, last of a block, first of the next, inside, long rows
 needs_kernel = pytest.mark.skipif(not ops.available(),
                                   reason="no AVX2 extension on this machine: the PyTorch path runs")
 
@@ -61,6 +64,8 @@ def reference(q, keys, values, table, key_start, positions, window, scale, score
 KINDS = {  # name: (H, Hkv, D, window, bias)
     "mha-64": (4, 4, 64, None, False),
     "gqa-64": (9, 3, 64, None, False),
+    "gqa-5-64": (10, 2, 64, None, False),  # groups of 5 and 8: the value sums' head tiles of 4 and what is left
+    "gqa-8-64": (8, 1, 64, 9, False),
     "mqa-256": (4, 1, 256, None, False),
     "gqa-128": (8, 2, 128, None, False),
     "sliding-mqa-256": (4, 1, 256, 6, False),
@@ -94,6 +99,41 @@ def test_paged_attention_matches_gather_mask_sdpa(name):
                                 positions[b : b + 1], BLOCK, window, scale, None if bias is None else bias[b : b + 1],
                                 threads=torch.get_num_threads())
         assert torch.equal(alone, out[b : b + 1])
+
+
+def exact_floats(count: int, salt: int) -> torch.Tensor:
+    """``count`` multiples of 1/64 in [-4, 4) from integers alone (no RNG whose stream could change)."""
+    i = torch.arange(count, dtype=torch.int64)
+    return (((i * 7919 + salt * 104729) % 512) - 256).float() / 64
+
+
+# The op's outputs below, hashed (SHA-256 of their float32 bytes): computed by the kernel as of commit 3a3561e. A
+# change of its arithmetic (the order of a sum, an exp) changes the greedy tokens of models whose goldens were
+# taken with it; a faster kernel must keep them.
+PINNED_DIGEST = "b64508ffe166b28e7ab3b426c67d923bca4651fc0df76c9d25d2904e038a3fac"
+
+
+@needs_kernel
+def test_paged_attention_keeps_its_bits():
+    """GQA groups of 3, 5 and 8 (4-head tiles and what is left), head dims 64 and 24 (16-dim slices and a tail),
+    rows of 1 to 70 keys (8-key groups and single keys, past the 32 fetched ahead), blocks of 16 and 4
+    scattered over the pool, with and without a window: the digest of every output."""
+    digest = hashlib.sha256()
+    lengths = [1, 7, 8, 9, 31, 32, 33, 40, 70]
+    B = len(lengths)
+    for H, Hkv, D, block in [(9, 3, 64, 16), (10, 2, 64, 16), (8, 1, 64, 4), (6, 2, 24, 4)]:
+        n = max(lengths) // block + 2
+        slots = B * n * block
+        keys = exact_floats(slots * Hkv * D, 1).view(slots, Hkv, D)
+        values = exact_floats(slots * Hkv * D, 2).view(slots, Hkv, D)
+        table = ((torch.arange(B * n) * 37) % (B * n)).view(B, n).contiguous()  # [B, n] distinct scattered blocks
+        q = exact_floats(B * H * D, 3).view(B, H, D) / 8
+        positions = torch.tensor(lengths) - 1
+        for window in (None, 5):
+            out = paged_attention(q, keys, values, table, torch.zeros(B, dtype=torch.long), positions, block, window,
+                                  D**-0.5, None, threads=1)
+            digest.update(out.numpy().tobytes())
+    assert digest.hexdigest() == PINNED_DIGEST, digest.hexdigest()
 
 
 @needs_kernel

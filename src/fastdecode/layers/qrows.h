@@ -204,7 +204,13 @@ inline void six_or_decode_group(const uint8_t* row, int64_t g, int8_t* unpacked,
 
 // The codes are read row after row: prefetched this far ahead (measured on the 262144x640 and 49152x576
 // Q8_0 logits layers at M = 1, loaded machine: ~15-25% faster than the hardware prefetcher alone; 4-8 KB
-// were alike, 1 KB less).
+// were alike, 1 KB less), non-temporal: the logits layer is read once per step, and its tens of MB
+// fetched into the caches as usual pushed out what the next step reads again (the layers' K/V, the
+// activations, the kernels' own buffers). SmolLM2-135M's 30 MB Q8_0 layer, batch 1, on a shared Zen 5
+// (2 cores, 32 MB L3): the whole step 1.03-1.09x at 1 thread and 1.05-1.12x at 2 with the AVX-512
+// kernel's (rows_avx512.cpp) prefetches non-temporal where the machine's load was 2-5, 0.99-1.01x
+// at 5-7 (the other processes then push the cache out anyway); this kernel (AVX-512 off) 1.02x
+// (quartiles 0.97-1.08). The layers' products' prefetches (qtiles_avx512.cpp) made non-temporal: no change.
 constexpr int64_t FLOAT_PREFETCH_BYTES = 8192;
 template <int BITS, int G, typename S, int RB>
 void float_rows(const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* scale, const S* mins,
@@ -216,7 +222,7 @@ void float_rows(const float* x, const float* xsum, int64_t K, const uint8_t* cod
     for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       if (g % (64 / group_bytes) == 0)  // about once per cache line (6 bits: 60 bytes); prefetches never fault
-        _mm_prefetch(reinterpret_cast<const char*>(codes + n * row_bytes + g * group_bytes + FLOAT_PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(codes + n * row_bytes + g * group_bytes + FLOAT_PREFETCH_BYTES), _MM_HINT_NTA);
       __m256 w[G / 8];
       six_or_decode_group<BITS, G>(codes + n * row_bytes, g, unpacked, w);
       const __m256 s = _mm256_set1_ps(load_scale(scale + n * groups + g));
