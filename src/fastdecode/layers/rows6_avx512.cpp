@@ -3,15 +3,15 @@
 // the high ones, and per super-block of 256 inputs its 8 blocks unrolled, each block's unpacking (which
 // nibble, which 2 high bits) fixed at compile time. Per block and pair of outputs one 64-byte register of
 // codes from two 32-byte loads of each output's nibbles and high bits: two inserts, a shift or two, an and
-// and one ternary-logic op (and, for float32 activations, the -32 and a qword permute).
+// and one ternary-logic op.
 //
 // int8 activations (down and V matrices at decode): VNNI's dpbusd takes the codes before their -32 (c + 32,
 // 0..63) as its unsigned operand and the activation codes a as the signed one, starting from
 // -32 x the sum of each 4 activations (qrows.h's six_corrections): every int32 lane is sum c a exactly, the lane
 // rows_avx512.cpp's int8_pairs_block makes; the float operations after it are that kernel's.
-// float32 activations (the logits layer): the codes unpacked to int8 and permuted so that each 16-byte
-// quarter is 8 codes of each output of a group (the 8-bit kernel's unpacklo/unpackhi of its two loads),
-// converted from there: pairs_block's operations on the same values.
+// float32 activations (the logits layer): per group the codes' 128-bit lanes duplicated (a's 16, a's 16, b's
+// 16, b's 16), then each half of the group shuffled byte by byte into 32-bit lanes as floats (shuffled_codes):
+// pairs_block's operations on the same values.
 #include <ATen/ATen.h>
 #include <immintrin.h>
 #include <cstdint>
@@ -45,7 +45,7 @@ template <typename F>
 inline __attribute__((always_inline)) void for_super_blocks(F&& f) {
   each_block(f, std::make_integer_sequence<int, 8>{});
 }
-constexpr int64_t PREFETCH_SUPERS = 2;  // super-blocks ahead in each output's row
+constexpr int64_t PREFETCH_SUPERS = 16;  // float_block: super-blocks ahead in each output's row (~3 KB)
 
 // Outputs n .. n + 2 * PAIRS - 1: their code rows and scale rows.
 template <typename S>
@@ -122,40 +122,61 @@ inline void int8_block(const quant::QuantizedRows& q, int64_t m0, const uint8_t*
     for (int p = 0; p < PAIRS; ++p) pairs::store_pair(acc[r][p], y + (m0 + r) * N + n + 2 * p);
 }
 
-inline __m512 float_codes(const int8_t* sixteen) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sixteen))));
+// Float32 codes by the exponent trick: a code c (0..63) as the low byte of 0x4B000000 is the float 2^23 + c,
+// and (2^23 + c) - (2^23 + 32) = c - 32 exactly: the value (and bits, +0 for c = 32) that converting the int8
+// code gives, from one byte shuffle and one subtraction per 16 codes.
+inline __m512 shuffled_codes(__m512i lanes, __m512i index) {
+  const __m512i exponent = _mm512_set1_epi32(0x4B000000);
+  constexpr __mmask64 low_bytes = 0x1111111111111111ull;  // byte 0 of each 32-bit lane from `lanes`
+  return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_mask_shuffle_epi8(exponent, low_bytes, lanes, index)),
+                       _mm512_set1_ps(8388608.0f + 32.0f));
+}
+
+// vpshufb's index for half k of a group (its codes 8k .. 8k + 7) from 128-bit lanes [a's 16, a's 16, b's 16,
+// b's 16]: 32-bit lane 4q + i (i < 4) gets byte 8k + 4 (q & 1) + i of its 128-bit lane, so lanes 0-7 hold a's
+// codes 8k .. 8k + 7 and lanes 8-15 b's.
+inline __m512i half_index(int k) {
+  alignas(64) int8_t bytes[64] = {};
+  for (int lane = 0; lane < 16; ++lane) bytes[4 * lane] = static_cast<int8_t>(8 * k + 4 * ((lane / 4) & 1) + lane % 4);
+  return _mm512_load_si512(bytes);
 }
 
 // Rows [0, RB) x outputs n .. n + 2 * PAIRS - 1, float32 activations: rows_avx512.cpp's pairs_block<16, S, RB>
-// (K a multiple of 256, so every group's scale comes from eight converted at once, as there).
+// (K a multiple of 256, so every group's scale comes from eight converted at once, as there). Per block and
+// pair, group h's codes are the register's 128-bit lanes [h, h, 2 + h, 2 + h] (a's 16 codes twice, b's twice:
+// one shuffle), then per half of the group shuffled_codes.
 template <typename S, int RB>
 inline void float_block(const float* x, int64_t K, const uint8_t* codes, const S* scale, float* y, int64_t N,
                         int64_t n) {
-  const int64_t groups = K / 16, row_bytes = K * 6 / 8;
+  const int64_t groups = K / 16, row_bytes = K * 6 / 8, supers = K / 256;
   const uint8_t* rows[2 * PAIRS];
   const S* scales[2 * PAIRS];
   pair_rows(codes, scale, row_bytes, groups, n, rows, scales);
   const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
-  // qwords [a 0-7, b 0-7 | a 8-15, b 8-15 | a 16-23, b 16-23 | a 24-31, b 24-31]: per group's half a quarter
-  const __m512i quarters = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
-  const int64_t prefetch_offset = PREFETCH_SUPERS * SIX_SUPER_BYTES * 16;  // ~6 KB ahead in each row
+  const __m512i halves[2] = {half_index(0), half_index(1)};
+  // Each output's codes and scales are prefetched PREFETCH_SUPERS super-blocks ahead along its own row,
+  // continued past the row's end by the same output of the following blocks (n + 2 * PAIRS, ...).
+  int64_t ahead_block = PREFETCH_SUPERS / supers, ahead_super = PREFETCH_SUPERS % supers;
   __m512 acc[RB][PAIRS];
   for (int r = 0; r < RB; ++r)
     for (int p = 0; p < PAIRS; ++p) acc[r][p] = _mm512_setzero_ps();
   __m512 eight[PAIRS];
   __m512i index = spread;
-  alignas(64) int8_t unpacked[PAIRS][64];
-  for (int64_t s = 0; s < groups / 16; ++s) {
-    for (int j = 0; j < 2 * PAIRS; ++j)
-      for (int64_t line = 0; line < SIX_SUPER_BYTES; line += 64)  // prefetches never fault
-        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + s * SIX_SUPER_BYTES + line + prefetch_offset), _MM_HINT_T0);
+  for (int64_t s = 0; s < supers; ++s) {
+    for (int j = 0; j < 2 * PAIRS; ++j) {  // prefetches never fault
+      const uint8_t* ahead = rows[j] + ahead_block * 2 * PAIRS * row_bytes + ahead_super * SIX_SUPER_BYTES;
+      for (int64_t line = 0; line < SIX_SUPER_BYTES; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(scales[j] + ahead_block * 2 * PAIRS * groups + ahead_super * 16), _MM_HINT_T0);
+    }
+    if (++ahead_super == supers) {
+      ahead_super = 0;
+      ++ahead_block;
+    }
     for_super_blocks([&](auto block) __attribute__((always_inline)) {
       constexpr int I = decltype(block)::value;
-      for (int p = 0; p < PAIRS; ++p) {
-        const __m512i c = _mm512_sub_epi8(unsigned_pair<I>(rows[2 * p] + s * SIX_SUPER_BYTES, rows[2 * p + 1] + s * SIX_SUPER_BYTES),
-                                          _mm512_set1_epi8(32));
-        _mm512_store_si512(unpacked[p], _mm512_permutexvar_epi64(quarters, c));
-      }
+      __m512i c[PAIRS];
+      for (int p = 0; p < PAIRS; ++p)
+        c[p] = unsigned_pair<I>(rows[2 * p] + s * SIX_SUPER_BYTES, rows[2 * p + 1] + s * SIX_SUPER_BYTES);
       for (int h = 0; h < 2; ++h) {  // group g = 16 s + 2 I + h
         const int64_t g = 16 * s + 2 * I + h;
         if (g % 8 == 0) {
@@ -164,8 +185,9 @@ inline void float_block(const float* x, int64_t K, const uint8_t* codes, const S
         }
         __m512 w[PAIRS][2], sc[PAIRS];
         for (int p = 0; p < PAIRS; ++p) {
-          w[p][0] = float_codes(unpacked[p] + 32 * h);
-          w[p][1] = float_codes(unpacked[p] + 32 * h + 16);
+          const __m512i lanes = h == 0 ? _mm512_shuffle_i64x2(c[p], c[p], 0xA0) : _mm512_shuffle_i64x2(c[p], c[p], 0xF5);
+          w[p][0] = shuffled_codes(lanes, halves[0]);
+          w[p][1] = shuffled_codes(lanes, halves[1]);
           sc[p] = _mm512_permutexvar_ps(index, eight[p]);
         }
         index = _mm512_add_epi32(index, _mm512_set1_epi32(1));
