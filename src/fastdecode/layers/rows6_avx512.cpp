@@ -2,15 +2,15 @@
 // those kernels on the unpacked int8 codes: two outputs per register, output n in the low 256 bits, n + 1 in
 // the high ones, and per super-block of 256 inputs its 8 blocks unrolled, each block's unpacking (which
 // nibble, which 2 high bits) fixed at compile time. Per block and pair of outputs one 64-byte register of
-// codes from two 32-byte loads of each output's nibbles and high bits: two inserts, a shift or two, an and
-// and one ternary-logic op.
+// codes from two 32-byte loads of each output's nibbles and high bits: two inserts (or two-source permutes), a
+// shift or two, an and and one ternary-logic op.
 //
 // int8 activations (down and V matrices at decode): VNNI's dpbusd takes the codes before their -32 (c + 32,
 // 0..63) as its unsigned operand and the activation codes a as the signed one, starting from
 // -32 x the sum of each 4 activations (qrows.h's six_corrections): every int32 lane is sum c a exactly, the lane
 // rows_avx512.cpp's int8_pairs_block makes; the float operations after it are that kernel's.
-// float32 activations (the logits layer): per group the codes' 128-bit lanes duplicated (a's 16, a's 16, b's
-// 16, b's 16), then each half of the group shuffled byte by byte into 32-bit lanes as floats (shuffled_codes):
+// float32 activations (the logits layer): the codes' 4-byte words spread over the 128-bit lanes as they are
+// loaded, then each half of a group shuffled byte by byte into 32-bit lanes as floats (shuffled_codes):
 // pairs_block's operations on the same values.
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -63,13 +63,23 @@ inline __m512i both(const uint8_t* x, const uint8_t* y) {
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y)), 1);
 }
 
+// 32 bytes at x and 32 at y with their 4-byte words spread over the 128-bit lanes: [x's even words, x's odd
+// words, y's even words, y's odd words] (one two-source permute in place of both's insert).
+inline __m512i spread_words(const uint8_t* x, const uint8_t* y) {
+  const __m512i words = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 16, 18, 20, 22, 17, 19, 21, 23);
+  return _mm512_permutex2var_epi32(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), words,
+                                   _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y))));
+}
+
 // Block I of the super-blocks at a and b (two outputs' rows): the 64 codes before their -32 (0..63), a's 32
-// in the low half.
-template <int I>
+// in the low half (SPREAD: their 4-byte words as spread_words places them; the unpacking below is per byte
+// and per 16-bit word, so it gives each code the same value wherever its word sits).
+template <int I, bool SPREAD = false>
 inline __m512i unsigned_pair(const uint8_t* a, const uint8_t* b) {
   constexpr int n = I / 4, j = I % 4;
   constexpr int64_t low_at = 64 * n + 32 * (j & 1), high_at = 128 + 32 * n;
-  const __m512i ql = both(a + low_at, b + low_at), qh = both(a + high_at, b + high_at);
+  const __m512i ql = SPREAD ? spread_words(a + low_at, b + low_at) : both(a + low_at, b + low_at);
+  const __m512i qh = SPREAD ? spread_words(a + high_at, b + high_at) : both(a + high_at, b + high_at);
   const __m512i low = j >> 1 ? _mm512_srli_epi16(ql, 4) : ql;  // the nibble in bits 0-3 (the rest masked below)
   // bits 2j, 2j + 1 of qh to bits 4, 5 (the 16-bit shifts move no kept bit across a byte)
   const __m512i moved = j == 0 ? _mm512_slli_epi16(qh, 4) : j == 1 ? _mm512_slli_epi16(qh, 2)
@@ -125,26 +135,26 @@ inline void int8_block(const quant::QuantizedRows& q, int64_t m0, const uint8_t*
 // Float32 codes by the exponent trick: a code c (0..63) as the low byte of 0x4B000000 is the float 2^23 + c,
 // and (2^23 + c) - (2^23 + 32) = c - 32 exactly: the value (and bits, +0 for c = 32) that converting the int8
 // code gives, from one byte shuffle and one subtraction per 16 codes.
-inline __m512 shuffled_codes(__m512i lanes, __m512i index) {
+inline __m512 shuffled_codes(__m512i codes, __m512i index) {
   const __m512i exponent = _mm512_set1_epi32(0x4B000000);
-  constexpr __mmask64 low_bytes = 0x1111111111111111ull;  // byte 0 of each 32-bit lane from `lanes`
-  return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_mask_shuffle_epi8(exponent, low_bytes, lanes, index)),
+  constexpr __mmask64 low_bytes = 0x1111111111111111ull;  // byte 0 of each 32-bit lane from `codes`
+  return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_mask_shuffle_epi8(exponent, low_bytes, codes, index)),
                        _mm512_set1_ps(8388608.0f + 32.0f));
 }
 
-// vpshufb's index for half k of a group (its codes 8k .. 8k + 7) from 128-bit lanes [a's 16, a's 16, b's 16,
-// b's 16]: 32-bit lane 4q + i (i < 4) gets byte 8k + 4 (q & 1) + i of its 128-bit lane, so lanes 0-7 hold a's
-// codes 8k .. 8k + 7 and lanes 8-15 b's.
-inline __m512i half_index(int k) {
+// vpshufb's index for half k of group h of a spread block (unsigned_pair<I, true>): 32-bit lane 4q + i (i < 4)
+// gets byte 4 (2h + k) + i of its 128-bit lane, code 16h + 8k + i of a (q = 0), 16h + 8k + 4 + i of a (q = 1),
+// the same of b (q = 2, 3): lanes 0-7 hold a's codes 16h + 8k .. 16h + 8k + 7, lanes 8-15 b's.
+inline __m512i half_index(int h, int k) {
   alignas(64) int8_t bytes[64] = {};
-  for (int lane = 0; lane < 16; ++lane) bytes[4 * lane] = static_cast<int8_t>(8 * k + 4 * ((lane / 4) & 1) + lane % 4);
+  for (int lane = 0; lane < 16; ++lane) bytes[4 * lane] = static_cast<int8_t>(4 * (2 * h + k) + lane % 4);
   return _mm512_load_si512(bytes);
 }
 
 // Rows [0, RB) x outputs n .. n + 2 * PAIRS - 1, float32 activations: rows_avx512.cpp's pairs_block<16, S, RB>
 // (K a multiple of 256, so every group's scale comes from eight converted at once, as there). Per block and
-// pair, group h's codes are the register's 128-bit lanes [h, h, 2 + h, 2 + h] (a's 16 codes twice, b's twice:
-// one shuffle), then per half of the group shuffled_codes.
+// pair the codes spread (unsigned_pair<I, true>), so that each half of each group is one byte shuffle away
+// from its 32-bit lanes (shuffled_codes).
 template <typename S, int RB>
 inline void float_block(const float* x, int64_t K, const uint8_t* codes, const S* scale, float* y, int64_t N,
                         int64_t n) {
@@ -153,7 +163,7 @@ inline void float_block(const float* x, int64_t K, const uint8_t* codes, const S
   const S* scales[2 * PAIRS];
   pair_rows(codes, scale, row_bytes, groups, n, rows, scales);
   const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
-  const __m512i halves[2] = {half_index(0), half_index(1)};
+  const __m512i halves[2][2] = {{half_index(0, 0), half_index(0, 1)}, {half_index(1, 0), half_index(1, 1)}};
   // Each output's codes and scales are prefetched PREFETCH_SUPERS super-blocks ahead along its own row,
   // continued past the row's end by the same output of the following blocks (n + 2 * PAIRS, ...).
   int64_t ahead_block = PREFETCH_SUPERS / supers, ahead_super = PREFETCH_SUPERS % supers;
@@ -176,7 +186,7 @@ inline void float_block(const float* x, int64_t K, const uint8_t* codes, const S
       constexpr int I = decltype(block)::value;
       __m512i c[PAIRS];
       for (int p = 0; p < PAIRS; ++p)
-        c[p] = unsigned_pair<I>(rows[2 * p] + s * SIX_SUPER_BYTES, rows[2 * p + 1] + s * SIX_SUPER_BYTES);
+        c[p] = unsigned_pair<I, true>(rows[2 * p] + s * SIX_SUPER_BYTES, rows[2 * p + 1] + s * SIX_SUPER_BYTES);
       for (int h = 0; h < 2; ++h) {  // group g = 16 s + 2 I + h
         const int64_t g = 16 * s + 2 * I + h;
         if (g % 8 == 0) {
@@ -185,9 +195,8 @@ inline void float_block(const float* x, int64_t K, const uint8_t* codes, const S
         }
         __m512 w[PAIRS][2], sc[PAIRS];
         for (int p = 0; p < PAIRS; ++p) {
-          const __m512i lanes = h == 0 ? _mm512_shuffle_i64x2(c[p], c[p], 0xA0) : _mm512_shuffle_i64x2(c[p], c[p], 0xF5);
-          w[p][0] = shuffled_codes(lanes, halves[0]);
-          w[p][1] = shuffled_codes(lanes, halves[1]);
+          w[p][0] = shuffled_codes(c[p], halves[h][0]);
+          w[p][1] = shuffled_codes(c[p], halves[h][1]);
           sc[p] = _mm512_permutexvar_ps(index, eight[p]);
         }
         index = _mm512_add_epi32(index, _mm512_set1_epi32(1));
