@@ -33,7 +33,10 @@ namespace {
 using quant::SIX_SUPER_BYTES;
 
 using pairs::eight_scales;
+using pairs::eighth_index;
 using pairs::PAIRS;
+using pairs::shuffled_codes;
+using pairs::spread_words;
 
 // f(std::integral_constant<int, I>{}) for the blocks I = 0 .. 7 of a super-block in order (defined here, under
 // this file's target, so that the AVX-512 lambdas inline into it).
@@ -61,14 +64,6 @@ inline void pair_rows(const uint8_t* codes, const S* scale, int64_t row_bytes, i
 inline __m512i both(const uint8_t* x, const uint8_t* y) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y)), 1);
-}
-
-// 32 bytes at x and 32 at y with their 4-byte words spread over the 128-bit lanes: [x's even words, x's odd
-// words, y's even words, y's odd words] (one two-source permute in place of both's insert).
-inline __m512i spread_words(const uint8_t* x, const uint8_t* y) {
-  const __m512i words = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 16, 18, 20, 22, 17, 19, 21, 23);
-  return _mm512_permutex2var_epi32(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), words,
-                                   _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y))));
 }
 
 // Block I of the super-blocks at a and b (two outputs' rows): the 64 codes before their -32 (0..63), a's 32
@@ -132,29 +127,10 @@ inline void int8_block(const quant::QuantizedRows& q, int64_t m0, const uint8_t*
     for (int p = 0; p < PAIRS; ++p) pairs::store_pair(acc[r][p], y + (m0 + r) * N + n + 2 * p);
 }
 
-// Float32 codes by the exponent trick: a code c (0..63) as the low byte of 0x4B000000 is the float 2^23 + c,
-// and (2^23 + c) - (2^23 + 32) = c - 32 exactly: the value (and bits, +0 for c = 32) that converting the int8
-// code gives, from one byte shuffle and one subtraction per 16 codes.
-inline __m512 shuffled_codes(__m512i codes, __m512i index) {
-  const __m512i exponent = _mm512_set1_epi32(0x4B000000);
-  constexpr __mmask64 low_bytes = 0x1111111111111111ull;  // byte 0 of each 32-bit lane from `codes`
-  return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_mask_shuffle_epi8(exponent, low_bytes, codes, index)),
-                       _mm512_set1_ps(8388608.0f + 32.0f));
-}
-
-// vpshufb's index for half k of group h of a spread block (unsigned_pair<I, true>): 32-bit lane 4q + i (i < 4)
-// gets byte 4 (2h + k) + i of its 128-bit lane, code 16h + 8k + i of a (q = 0), 16h + 8k + 4 + i of a (q = 1),
-// the same of b (q = 2, 3): lanes 0-7 hold a's codes 16h + 8k .. 16h + 8k + 7, lanes 8-15 b's.
-inline __m512i half_index(int h, int k) {
-  alignas(64) int8_t bytes[64] = {};
-  for (int lane = 0; lane < 16; ++lane) bytes[4 * lane] = static_cast<int8_t>(4 * (2 * h + k) + lane % 4);
-  return _mm512_load_si512(bytes);
-}
-
 // Rows [0, RB) x outputs n .. n + 2 * PAIRS - 1, float32 activations: rows_avx512.cpp's pairs_block<16, S, RB>
 // (K a multiple of 256, so every group's scale comes from eight converted at once, as there). Per block and
 // pair the codes spread (unsigned_pair<I, true>), so that each half of each group is one byte shuffle away
-// from its 32-bit lanes (shuffled_codes).
+// from its 32-bit lanes (pairs_avx512.h's shuffled_codes).
 template <typename S, int RB>
 inline void float_block(const float* x, int64_t K, const uint8_t* codes, const S* scale, float* y, int64_t N,
                         int64_t n) {
@@ -163,7 +139,7 @@ inline void float_block(const float* x, int64_t K, const uint8_t* codes, const S
   const S* scales[2 * PAIRS];
   pair_rows(codes, scale, row_bytes, groups, n, rows, scales);
   const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
-  const __m512i halves[2][2] = {{half_index(0, 0), half_index(0, 1)}, {half_index(1, 0), half_index(1, 1)}};
+  const __m512i eighths[4] = {eighth_index(0), eighth_index(1), eighth_index(2), eighth_index(3)};  // of a block
   // Each output's codes and scales are prefetched PREFETCH_SUPERS super-blocks ahead along its own row,
   // continued past the row's end by the same output of the following blocks (n + 2 * PAIRS, ...).
   int64_t ahead_block = PREFETCH_SUPERS / supers, ahead_super = PREFETCH_SUPERS % supers;
@@ -195,8 +171,8 @@ inline void float_block(const float* x, int64_t K, const uint8_t* codes, const S
         }
         __m512 w[PAIRS][2], sc[PAIRS];
         for (int p = 0; p < PAIRS; ++p) {
-          w[p][0] = shuffled_codes(c[p], halves[h][0]);
-          w[p][1] = shuffled_codes(c[p], halves[h][1]);
+          w[p][0] = shuffled_codes<32>(c[p], eighths[2 * h]);
+          w[p][1] = shuffled_codes<32>(c[p], eighths[2 * h + 1]);
           sc[p] = _mm512_permutexvar_ps(index, eight[p]);
         }
         index = _mm512_add_epi32(index, _mm512_set1_epi32(1));
