@@ -130,7 +130,10 @@ inline void int8_block(const quant::QuantizedRows& q, int64_t m0, const uint8_t*
 // Rows [0, RB) x outputs n .. n + 2 * PAIRS - 1, float32 activations: rows_avx512.cpp's pairs_block<16, S, RB>
 // (K a multiple of 256, so every group's scale comes from eight converted at once, as there). Per block and
 // pair the codes spread (unsigned_pair<I, true>), so that each half of each group is one byte shuffle away
-// from its 32-bit lanes (pairs_avx512.h's shuffled_codes).
+// from its 32-bit lanes (pairs_avx512.h's shuffled_codes). Qwen2.5-Coder-1.5B's 151936 x 1536 head (233 MB)
+// on one Zen 5 core: 15-18 GB/s before the scales were prefetched (their loads missed and stalled the
+// accumulator chains) and the conversion was this one (a qword permute, a store and 4 vpmovsxbd +
+// vcvtdq2ps per block and pair), ~31 GB/s after, as fast as on codes already in L2 (compute-bound).
 template <typename S, int RB>
 inline void float_block(const float* x, int64_t K, const uint8_t* codes, const S* scale, float* y, int64_t N,
                         int64_t n) {
