@@ -1,14 +1,15 @@
 """The C++ ops of encoder-decoder beam search against the PyTorch paths they replace:
 
-- ``beam_candidates`` (layers/beam_search.cpp): log-softmax + suppressed tokens + running scores +
-  per-sample top-k in one pass == the PyTorch beam step below (scores within float32
-  roundings, the same candidates in the same order), a sample's result bitwise the same alone;
+- ``beam_candidates`` (layers/beam_search.cpp): log-softmax + suppressed tokens (in every row, and each
+  beam's own: no-repeat-n-gram blocking) + running scores + per-sample top-k in one pass == the PyTorch
+  beam step below (scores within float32 roundings, the same candidates in the same order), a sample's
+  result bitwise the same alone;
 - ``cross_attention`` (layers/cross_attention.cpp): each row's queries over its own source's first
   ``length`` keys == SDPA under the padding mask, head dims with and without a 16-wide tail, folded
   (strided) queries, a row bitwise the same alone; float16 keys and values == the op on their
   float32 values, bitwise;
-- a whole beam search (tiny BART and T5, padded sources, min_new_tokens suppressing EOS) gives the
-  same tokens and scores with the ops as without them.
+- a whole beam search (tiny BART and T5, padded sources, min_new_tokens suppressing EOS, with and without
+  (encoder) no-repeat-n-gram blocking) gives the same tokens and scores with the ops as without them.
 """
 
 from __future__ import annotations
@@ -62,6 +63,39 @@ def test_beam_candidates_match_torch(V, banned, first_step):
 
 
 @needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_beam_candidates_row_bans_match_torch(threads):
+    """Each beam's own banned ids (no-repeat-n-gram blocking: a few per row, V where none, repeats, one also in
+    the common list) score -inf in that row only: the PyTorch step with the same bans, a sample bitwise the
+    same alone."""
+    g = torch.Generator().manual_seed(5)
+    B, K, V = 3, 4, 1003
+    logits = torch.randn(B * K, V, generator=g) * 4
+    running = torch.randn(B, K, generator=g) * 3
+    common = torch.tensor([2], dtype=torch.long)
+    top = logits.argmax(dim=-1)  # each row's best token: banning it changes the answer
+    row_bans = torch.full((B * K, 3), V, dtype=torch.long)  # [B*K, W]
+    row_bans[:, 0] = top
+    row_bans[::2, 1] = top[::2]  # a repeat
+    row_bans[1::3, 2] = 2  # also banned in every row
+    keep = 2 * K
+    scores, indices = ops.beam_candidates(logits, running.reshape(-1).contiguous(), common, K, keep, threads, row_bans)
+    logp = torch.log_softmax(logits, dim=-1)
+    logp[:, common] = float("-inf")
+    for row in range(B * K):
+        logp[row, [int(i) for i in row_bans[row] if i < V]] = float("-inf")
+    expected = torch.topk((logp.view(B, K, V) + running[:, :, None]).view(B, K * V), keep)
+    assert torch.equal(indices, expected.indices)
+    torch.testing.assert_close(scores, expected.values, atol=1e-5, rtol=0)
+    assert not any(int(i) % V == int(top[int(i) // V + b * K]) for b in range(B) for i in indices[b])
+    for b in range(B):
+        rows = slice(b * K, (b + 1) * K)
+        alone = ops.beam_candidates(logits[rows].contiguous(), running[b].contiguous(), common, K, keep, 1,
+                                    row_bans[rows].contiguous())
+        assert torch.equal(alone[0], scores[b : b + 1]) and torch.equal(alone[1], indices[b : b + 1])
+
+
+@needs_kernels
 def test_beam_candidates_keep_more_than_finite():
     """Fewer finite scores than ``keep`` (a tiny vocabulary mostly banned): the finite ones first,
     best first, then -inf entries."""
@@ -78,6 +112,8 @@ def test_beam_candidates_rejects_bad_input():
         op(torch.zeros(4, 10), torch.zeros(4), torch.tensor([10]), 2, 2)
     with pytest.raises(RuntimeError, match="multiple of the beams"):
         op(torch.zeros(3, 10), torch.zeros(3), torch.tensor([], dtype=torch.long), 2, 2)
+    with pytest.raises(RuntimeError, match="row_banned token id 11 outside"):
+        op(torch.zeros(4, 10), torch.zeros(4), torch.tensor([], dtype=torch.long), 2, 2, 1, torch.full((4, 2), 11))
 
 
 @needs_kernels
@@ -133,10 +169,11 @@ def tiny(request, tmp_path_factory):
 
 
 @needs_kernels
-def test_beam_search_same_with_and_without_ops(tiny, monkeypatch):
+@pytest.mark.parametrize("ngrams", [{}, {"no_repeat_ngram_size": 2}, {"encoder_no_repeat_ngram_size": 2}])
+def test_beam_search_same_with_and_without_ops(tiny, monkeypatch, ngrams):
     g = torch.Generator().manual_seed(3)
     sources = [torch.randint(3, VOCAB - 1, (n,), generator=g).tolist() for n in (9, 4, 13)]
-    options = dict(num_beams=3, max_new_tokens=6, min_new_tokens=3, num_return_sequences=2)
+    options = dict(num_beams=3, max_new_tokens=6, min_new_tokens=3, num_return_sequences=2, **ngrams)
     with_ops = tiny.generate_ids_with_details(sources, **options)
     monkeypatch.setattr(beam_module, "beam_candidates_op", lambda: None)
     monkeypatch.setattr(EncodedSources, "attend", lambda self, index, q, scale, threads: attention(

@@ -106,17 +106,23 @@ def ngram_bans(corpus: torch.Tensor, tails: torch.Tensor, n: int, vocab_size: in
     The one kernel behind no-repeat-n-gram blocking (corpus = own history) and encoder
     no-repeat-n-gram blocking (corpus = the source), as the FastSeq paper vectorizes it.
     """
+    banned = torch.zeros(corpus.shape[0], vocab_size + 1, dtype=torch.bool, device=corpus.device)  # [N, V+1]
+    banned.scatter_(1, ngram_ban_ids(corpus, tails, n, vocab_size), True)
+    return banned[:, :vocab_size]
+
+
+def ngram_ban_ids(corpus: torch.Tensor, tails: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
+    """``ngram_bans`` as ids: [N, W] long, each row's banned token ids and ``vocab_size`` where a position
+    bans nothing (W = the corpus's n-grams, at least 1). For a kernel that takes a few ids per row
+    (layers/beam_search.cpp) instead of a [N, V] mask."""
     N, L = corpus.shape
-    banned = torch.zeros(N, vocab_size + 1, dtype=torch.bool, device=corpus.device)  # [N, V+1]
     if L < n:
-        return banned[:, :vocab_size]
+        return torch.full((N, 1), vocab_size, dtype=torch.long, device=corpus.device)
     grams = corpus.unfold(1, n, 1)  # [N, L-n+1, n]
     prefix, following = grams[..., :-1], grams[..., -1]  # [N, L-n+1, n-1], [N, L-n+1]
     hit = (prefix == tails[:, None, :]).all(dim=-1) & (following != PAD)  # [N, L-n+1]
     hit &= (tails != PAD).all(dim=-1, keepdim=True)
-    columns = torch.where(hit, following, vocab_size)  # [N, L-n+1]
-    banned.scatter_(1, columns, True)
-    return banned[:, :vocab_size]
+    return torch.where(hit, following, vocab_size)  # [N, L-n+1]
 
 
 def no_repeat_ngram_mask(history: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
@@ -125,6 +131,11 @@ def no_repeat_ngram_mask(history: torch.Tensor, n: int, vocab_size: int) -> torc
     if n <= 0:
         return torch.zeros(history.shape[0], vocab_size, dtype=torch.bool, device=history.device)
     return ngram_bans(history, history[:, history.shape[1] - (n - 1):], n, vocab_size)
+
+
+def no_repeat_ngram_ids(history: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
+    """``no_repeat_ngram_mask`` as ids [N, W] (``vocab_size``: none; ``ngram_ban_ids``); n > 0."""
+    return ngram_ban_ids(history, history[:, history.shape[1] - (n - 1):], n, vocab_size)
 
 
 def encoder_no_repeat_ngram_mask(source: torch.Tensor, history: torch.Tensor, n: int,

@@ -28,6 +28,8 @@ from .processors import (
     dense_logit_bias,
     encoder_no_repeat_ngram_mask,
     force_tokens,
+    ngram_ban_ids,
+    no_repeat_ngram_ids,
     no_repeat_ngram_mask,
     suppress_tokens,
 )
@@ -153,17 +155,23 @@ class TokenSelector:
             logits = force_tokens(logits, forced)
         return logits
 
-    def suppressed_only(self, num_generated: int) -> torch.Tensor | None:
-        """The token ids [E] (E may be 0) that ``process`` sets to -inf at this step when that is all
-        it does, else None: a processor that changes scores in another way is active (beam search's
-        one-pass step, layers/beam_search.cpp, serves only the first case)."""
+    def bans_only(self, num_generated: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """When all ``process`` does at this step is set token ids to -inf: (the ids [E] every row bans, E
+        may be 0; each row's own [N, W] ids, ``vocab_size`` where none, from no-repeat-n-gram blocking, or
+        None), else None: a processor that changes scores in another way is active (beam search's one-pass
+        step, layers/beam_search.cpp, serves only the first case)."""
         cfg = self.config
         if (self.seen is not None or self.counts is not None or self.bias is not None
-                or self.grammar_states is not None or cfg.no_repeat_ngram_size > 0
-                or self._forced(num_generated) is not None
-                or (cfg.encoder_no_repeat_ngram_size > 0 and self.sources is not None)):
+                or self.grammar_states is not None or self._forced(num_generated) is not None):
             return None
-        return self.eos_ids if num_generated < cfg.min_new_tokens else self.eos_ids[:0]
+        common = self.eos_ids if num_generated < cfg.min_new_tokens else self.eos_ids[:0]
+        per_row = []
+        if cfg.no_repeat_ngram_size > 0:
+            per_row.append(no_repeat_ngram_ids(self.history, cfg.no_repeat_ngram_size, vocab_size))
+        n = cfg.encoder_no_repeat_ngram_size
+        if n > 0 and self.sources is not None and self.history.shape[1] >= n - 1:
+            per_row.append(ngram_ban_ids(self.sources, self.history[:, self.history.shape[1] - (n - 1):], n, vocab_size))
+        return common, (torch.cat(per_row, dim=1) if per_row else None)  # [N, W] of the row's n-grams
 
     def plain_greedy(self, num_generated: int) -> bool:
         """True when ``select`` at this step is the argmax of the logits as they are (greedy, no processor

@@ -103,15 +103,17 @@ class BeamScores:
     def _candidates(self, logits: torch.Tensor, selector: TokenSelector, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``n_keep`` best continuations: scores and indices (beam * V + token) [1, n_keep] of
         log_softmax(logits [K, V]), processed, plus the beams' running scores [1, K]. When the
-        step's processors only suppress tokens, one pass of the C++ op (layers/beam_search.cpp)
-        instead of five [K, V] tensors and a sort of K*V scores."""
+        step's processors only ban tokens (suppression, no-repeat-n-gram blocking), one pass of the
+        C++ op (layers/beam_search.cpp) instead of five [K, V] tensors and a sort of K*V scores."""
         running, n_keep = self.running.to(logits.device), self.n_keep  # [1, K] (the host's on a GPU: copied over)
         B, K = running.shape
-        banned = selector.suppressed_only(step)
-        op = beam_candidates_op() if banned is not None and logits.dtype == torch.float32 and logits.is_cpu else None
-        if op is not None:
-            return op(logits.contiguous(), running.reshape(-1).contiguous(), banned.cpu(), K, n_keep, self.threads)
         V = logits.shape[-1]
+        bans = selector.bans_only(step, V)
+        op = beam_candidates_op() if bans is not None and logits.dtype == torch.float32 and logits.is_cpu else None
+        if op is not None:
+            common, per_row = bans
+            return op(logits.contiguous(), running.reshape(-1).contiguous(), common.cpu(), K, n_keep, self.threads,
+                      None if per_row is None else per_row.cpu().contiguous())
         logp = selector.process(torch.log_softmax(logits.float(), dim=-1), step)  # [K, V]
         total = (logp.view(B, K, V) + running[:, :, None]).view(B, K * V)
         return torch.topk(total, n_keep)

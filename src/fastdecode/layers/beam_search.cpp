@@ -1,10 +1,12 @@
 // Beam search's step selection in one pass over the logits (AVX2; generation/beam.py holds the
 // PyTorch path, which this op replaces when nothing but token suppression processes the step).
 //
-// beam_candidates(logits [B*K, V], running [B*K], banned [E], K, keep, threads) -> (scores [B, keep],
-// indices [B, keep]): for each sample b (rows b*K .. b*K+K-1, its beams) the `keep` best of
+// beam_candidates(logits [B*K, V], running [B*K], banned [E], K, keep, threads, row_banned [B*K, W]?)
+// -> (scores [B, keep], indices [B, keep]): for each sample b (rows b*K .. b*K+K-1, its beams) the `keep`
+// best of
 //     score[k, v] = ((x[k, v] - max_k) - log(sum_v exp(x[k, v] - max_k))) + running[b*K + k]
-// (log_softmax in PyTorch's operation order, plus the beam's running score; a banned token id scores
+// (log_softmax in PyTorch's operation order, plus the beam's running score; a token id in `banned`, or in
+// the beam's row of `row_banned` (no-repeat-n-gram blocking: a few ids per beam, V where none), scores
 // -inf), best first, with index k * V + v: what torch.topk(total.view(B, K*V), keep) returns for
 // total = log_softmax(logits) (banned ids -inf) + running. Equal scores keep the lower index first.
 // The PyTorch chain writes five [B*K, V] tensors per step (log_softmax, the suppression's copy,
@@ -79,9 +81,20 @@ struct Best {
   }
 };
 
-void sample_candidates(const float* logits, const float* running, const std::vector<char>& banned, int64_t K,
-                       int64_t V, Best& best) {
+// banned: the ids every row bans (1) or not (0); row_banned: each row's own W ids (V: none), or null. A row's
+// own ids are marked in `banned` while its scores are taken, then unmarked.
+void sample_candidates(const float* logits, const float* running, std::vector<char>& banned,
+                       const int64_t* row_banned, int64_t W, int64_t K, int64_t V, Best& best) {
+  std::vector<int64_t> marked;
   for (int64_t k = 0; k < K; ++k) {
+    marked.clear();
+    for (int64_t w = 0; row_banned != nullptr && w < W; ++w) {
+      const int64_t id = row_banned[k * W + w];
+      if (id < V && !banned[id]) {
+        banned[id] = 1;
+        marked.push_back(id);
+      }
+    }
     const float* x = logits + k * V;
     const float m = row_max(x, V);
     const float log_sum = std::log(row_sum_exp(x, V, m));
@@ -103,11 +116,13 @@ void sample_candidates(const float* logits, const float* running, const std::vec
       const float value = score(v);
       if (value > best.threshold()) best.offer(value, k * V + v);
     }
+    for (const int64_t id : marked) banned[id] = 0;
   }
 }
 
 std::tuple<at::Tensor, at::Tensor> beam_candidates(const at::Tensor& logits, const at::Tensor& running,
-                                                   const at::Tensor& banned, int64_t K, int64_t keep, int64_t threads) {
+                                                   const at::Tensor& banned, int64_t K, int64_t keep, int64_t threads,
+                                                   const c10::optional<at::Tensor>& row_banned) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
                   logits.device().is_cpu(),
               "logits must be contiguous float32 [B*K, V] on the CPU");
@@ -124,6 +139,16 @@ std::tuple<at::Tensor, at::Tensor> beam_candidates(const at::Tensor& logits, con
     TORCH_CHECK(ids[e] >= 0 && ids[e] < V, "banned token id ", ids[e], " outside the vocabulary of ", V);
     is_banned[ids[e]] = 1;
   }
+  const bool per_row = row_banned.has_value() && row_banned->defined();
+  if (per_row)
+    TORCH_CHECK(row_banned->dim() == 2 && row_banned->size(0) == N && row_banned->scalar_type() == at::kLong &&
+                    row_banned->is_contiguous() && row_banned->device().is_cpu(),
+                "row_banned must be contiguous int64 [B*K, W] on the CPU");
+  const int64_t W = per_row ? row_banned->size(1) : 0;
+  const int64_t* rb = per_row ? row_banned->data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; i < N * W; ++i)
+    TORCH_CHECK(rb[i] >= 0 && rb[i] <= V, "row_banned token id ", rb[i], " outside the vocabulary of ", V,
+                " (V itself: none)");
   const int64_t B = N / K;
   at::Tensor scores = at::empty({B, keep}, logits.options());
   at::Tensor indices = at::empty({B, keep}, logits.options().dtype(at::kLong));
@@ -134,9 +159,12 @@ std::tuple<at::Tensor, at::Tensor> beam_candidates(const at::Tensor& logits, con
   // Samples on the kernel pool; one takes about 0.4 ns per score on one core (810 us for 8 x 4 x 50265 in
   // all), the time of ~80 of the products' multiply-adds.
   fastdecode::parallel_chunks(B, 1, threads, [&](int64_t b0, int64_t b1) {
+    std::vector<char> marks;  // a piece's own copy where beams mark their own bans in it
+    if (per_row) marks = is_banned;
     for (int64_t b = b0; b < b1; ++b) {
       Best best{sp + b * keep, ip + b * keep, keep};
-      sample_candidates(x + b * K * V, r + b * K, is_banned, K, V, best);
+      sample_candidates(x + b * K * V, r + b * K, per_row ? marks : is_banned, per_row ? rb + b * K * W : nullptr, W,
+                        K, V, best);
     }
   }, 80 * K * V);
   return {scores, indices};
@@ -145,7 +173,8 @@ std::tuple<at::Tensor, at::Tensor> beam_candidates(const at::Tensor& logits, con
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fastdecode_kernels, m) {
-  m.def("beam_candidates(Tensor logits, Tensor running, Tensor banned, int K, int keep, int threads=1) -> (Tensor, Tensor)");
+  m.def("beam_candidates(Tensor logits, Tensor running, Tensor banned, int K, int keep, int threads=1, "
+        "Tensor? row_banned=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) { m.impl("beam_candidates", &beam_candidates); }

@@ -51,7 +51,7 @@ def register_fake() -> None:
         return q.new_empty((B, T, H, D)).transpose(1, 2)  # [B, T, H, D] -> [B, H, T, D]
 
     @torch.library.register_fake("fastdecode_kernels::beam_candidates")
-    def _beam_candidates_fake(logits, running, banned, K, keep, threads=1):  # [B*K, V] -> scores, indices [B, keep]
+    def _beam_candidates_fake(logits, running, banned, K, keep, threads=1, row_banned=None):  # [B*K, V] -> [B, keep] x2
         B = logits.shape[0] // K
         return logits.new_empty((B, keep)), logits.new_empty((B, keep), dtype=torch.long)
 

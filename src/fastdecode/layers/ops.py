@@ -129,10 +129,11 @@ def paged_cross_attention(q: Tensor, keys: Tensor, values: Tensor, table: Tensor
 
 
 def beam_candidates(logits: Tensor, running: Tensor, banned: Tensor, beams: int, keep: int,
-                    threads: int = 1) -> tuple[Tensor, Tensor]:
+                    threads: int = 1, row_banned: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """A beam step's log-softmax, running scores and top ``keep`` candidates: logits [B*K, V] ->
-    (scores, flat indices) [B, keep]."""
-    return _ops().beam_candidates(logits, running, banned, beams, keep, threads)
+    (scores, flat indices) [B, keep]; ``banned`` [E] ids score -inf in every row, ``row_banned`` [B*K, W]
+    ids (V: none) in their own row."""
+    return _ops().beam_candidates(logits, running, banned, beams, keep, threads, row_banned)
 
 
 def whisper_logits_rules(logits: Tensor, masked: Tensor, always: Tensor, at_begin: Tensor, rows: list[int],
