@@ -96,25 +96,18 @@ def _dropped_by_top_p(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor
 PAD = -1  # history padding value: never a token id, so it never matches a real n-gram
 
 
-def ngram_bans(corpus: torch.Tensor, tails: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
+def ngram_ban_ids(corpus: torch.Tensor, tails: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
     """Tokens that would complete an n-gram of ``corpus`` whose first n-1 tokens equal ``tails``.
 
     corpus [N, L] long, left-padded with ``PAD``; tails [N, n-1] (a row holding PAD bans nothing).
-    Returns banned [N, V] bool. All rows at once, no loop and no host copy: the corpus is unfolded
-    into its n-grams, every (n-1)-prefix is compared with the row's tail, and the following tokens
-    of the matches are scattered into the mask (misses go to a spare column V, then dropped).
-    The one kernel behind no-repeat-n-gram blocking (corpus = own history) and encoder
-    no-repeat-n-gram blocking (corpus = the source), as the FastSeq paper vectorizes it.
+    Returns [N, W] long: each row's banned token ids, ``vocab_size`` where a position bans nothing
+    (W = the corpus's n-grams, at least 1); ``ban_mask`` makes the [N, V] mask, and beam search's
+    one-pass step (layers/beam_search.cpp) takes the ids as they are. All rows at once, no loop and no
+    host copy: the corpus is unfolded into its n-grams, every (n-1)-prefix is compared with the row's
+    tail, and the matches give their following tokens. The one kernel behind no-repeat-n-gram blocking
+    (corpus = own history) and encoder no-repeat-n-gram blocking (corpus = the source), as the FastSeq
+    paper vectorizes it.
     """
-    banned = torch.zeros(corpus.shape[0], vocab_size + 1, dtype=torch.bool, device=corpus.device)  # [N, V+1]
-    banned.scatter_(1, ngram_ban_ids(corpus, tails, n, vocab_size), True)
-    return banned[:, :vocab_size]
-
-
-def ngram_ban_ids(corpus: torch.Tensor, tails: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
-    """``ngram_bans`` as ids: [N, W] long, each row's banned token ids and ``vocab_size`` where a position
-    bans nothing (W = the corpus's n-grams, at least 1). For a kernel that takes a few ids per row
-    (layers/beam_search.cpp) instead of a [N, V] mask."""
     N, L = corpus.shape
     if L < n:
         return torch.full((N, 1), vocab_size, dtype=torch.long, device=corpus.device)
@@ -125,23 +118,40 @@ def ngram_ban_ids(corpus: torch.Tensor, tails: torch.Tensor, n: int, vocab_size:
     return torch.where(hit, following, vocab_size)  # [N, L-n+1]
 
 
-def no_repeat_ngram_mask(history: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
-    """history [N, L] (left-padded with PAD) -> banned [N, V]: tokens that would repeat an n-gram
-    of the row's own history (transformers' NoRepeatNGramLogitsProcessor, padding-aware)."""
-    if n <= 0:
-        return torch.zeros(history.shape[0], vocab_size, dtype=torch.bool, device=history.device)
-    return ngram_bans(history, history[:, history.shape[1] - (n - 1):], n, vocab_size)
+def ban_mask(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """ids [N, W] (``vocab_size``: none) -> banned [N, V] bool (the misses scattered into a spare column V,
+    then dropped)."""
+    banned = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)  # [N, V+1]
+    return banned.scatter_(1, ids, True)[:, :vocab_size]
 
 
 def no_repeat_ngram_ids(history: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
-    """``no_repeat_ngram_mask`` as ids [N, W] (``vocab_size``: none; ``ngram_ban_ids``); n > 0."""
+    """history [N, L] (left-padded with PAD), n > 0 -> the ids [N, W] (``ngram_ban_ids``) that would repeat an
+    n-gram of the row's own history (transformers' NoRepeatNGramLogitsProcessor, padding-aware)."""
     return ngram_ban_ids(history, history[:, history.shape[1] - (n - 1):], n, vocab_size)
+
+
+def encoder_no_repeat_ngram_ids(source: torch.Tensor, history: torch.Tensor, n: int,
+                                vocab_size: int) -> torch.Tensor | None:
+    """source [N, S] (PAD-padded), history [N, L] -> the ids [N, W] (``ngram_ban_ids``) that would copy an
+    n-gram of the source (transformers' EncoderNoRepeatNGramLogitsProcessor); None where nothing can be
+    banned (n <= 0, or fewer than n - 1 tokens generated)."""
+    if n <= 0 or history.shape[1] < n - 1:
+        return None
+    return ngram_ban_ids(source, history[:, history.shape[1] - (n - 1):], n, vocab_size)
+
+
+def no_repeat_ngram_mask(history: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
+    """``no_repeat_ngram_ids`` as a mask [N, V] (nothing banned for n <= 0)."""
+    if n <= 0:
+        return torch.zeros(history.shape[0], vocab_size, dtype=torch.bool, device=history.device)
+    return ban_mask(no_repeat_ngram_ids(history, n, vocab_size), vocab_size)
 
 
 def encoder_no_repeat_ngram_mask(source: torch.Tensor, history: torch.Tensor, n: int,
                                  vocab_size: int) -> torch.Tensor:
-    """source [N, S] (PAD-padded), history [N, L] -> banned [N, V]: tokens that would copy an
-    n-gram of the source (transformers' EncoderNoRepeatNGramLogitsProcessor)."""
-    if n <= 0 or history.shape[1] < n - 1:
+    """``encoder_no_repeat_ngram_ids`` as a mask [N, V]."""
+    ids = encoder_no_repeat_ngram_ids(source, history, n, vocab_size)
+    if ids is None:
         return torch.zeros(history.shape[0], vocab_size, dtype=torch.bool, device=history.device)
-    return ngram_bans(source, history[:, history.shape[1] - (n - 1):], n, vocab_size)
+    return ban_mask(ids, vocab_size)

@@ -26,9 +26,9 @@ from .processors import (
     apply_top_k,
     apply_top_p,
     dense_logit_bias,
+    encoder_no_repeat_ngram_ids,
     encoder_no_repeat_ngram_mask,
     force_tokens,
-    ngram_ban_ids,
     no_repeat_ngram_ids,
     no_repeat_ngram_mask,
     suppress_tokens,
@@ -168,9 +168,9 @@ class TokenSelector:
         per_row = []
         if cfg.no_repeat_ngram_size > 0:
             per_row.append(no_repeat_ngram_ids(self.history, cfg.no_repeat_ngram_size, vocab_size))
-        n = cfg.encoder_no_repeat_ngram_size
-        if n > 0 and self.sources is not None and self.history.shape[1] >= n - 1:
-            per_row.append(ngram_ban_ids(self.sources, self.history[:, self.history.shape[1] - (n - 1):], n, vocab_size))
+        if self.sources is not None:
+            ids = encoder_no_repeat_ngram_ids(self.sources, self.history, cfg.encoder_no_repeat_ngram_size, vocab_size)
+            per_row += [ids] if ids is not None else []
         return common, (torch.cat(per_row, dim=1) if per_row else None)  # [N, W] of the row's n-grams
 
     def plain_greedy(self, num_generated: int) -> bool:
