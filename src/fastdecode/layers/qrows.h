@@ -197,6 +197,23 @@ inline void six_or_decode_group(const uint8_t* row, int64_t g, int8_t* unpacked,
   }
 }
 
+// Where a kernel prefetches, `ahead` units on, along a stream it reads in passes of `period` units (a tile's
+// code bytes, an output row's super-blocks), each pass's stream continued by the same stream of the next
+// pass (the next tile pair's, the next block of rows'): `pass` passes on, `offset` units into it. A look-ahead
+// that ran on into the neighbouring stream instead found it loaded already, and left each stream's start
+// unprefetched (qtiles_avx512.cpp, rows6_avx512.cpp).
+struct StreamAhead {
+  int64_t pass, offset, period;
+  StreamAhead(int64_t ahead, int64_t period) : pass(ahead / period), offset(ahead % period), period(period) {}
+  void advance(int64_t units) {  // the stream read `units` (<= period) further
+    offset += units;
+    if (offset >= period) {
+      offset -= period;
+      ++pass;
+    }
+  }
+};
+
 // ---- float32 activations (activation_bits = 32): exact products, for the logits layer ----------------
 // Per group, the float dot product of the codes (decoded once for RB rows) with x, times the scale; the
 // mins term is sum_g min[n, g] * xsum[r, g] (x summed per group once per call). Exact up to summation

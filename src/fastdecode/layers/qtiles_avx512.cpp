@@ -105,7 +105,7 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
   // already), a stream ran without prefetches over its tile's start: Qwen2.5-Coder-1.5B's Q4_K matrices
   // (6 KB tiles) streamed at 20 -> 26 GB/s on one Zen 5 core, 33 -> 42 on two.
   const int64_t tile_bytes = blocks * BB;
-  int64_t ahead_pair = ahead / tile_bytes, ahead_offset = ahead % tile_bytes;  // pairs ahead, bytes into the tile
+  quant::StreamAhead prefetch(ahead, tile_bytes);  // passes: tile pairs
   // The mins term (K-quants and Q4_1: each block's mins times the row's activation sum) accumulates beside
   // acc, block by block in the same order as a separate pass over the blocks would: each block's mins are
   // decoded once for all RB rows, not once per row.
@@ -119,16 +119,12 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
     const uint8_t* w0 = low_codes + b * BB;
     const uint8_t* w1 = high_codes + b * BB;
     if constexpr (PREFETCH) {
-      const int64_t at = ahead_pair * 2 * tile_bytes + ahead_offset;  // from low_codes (high_codes: the same)
+      const int64_t at = prefetch.pass * 2 * tile_bytes + prefetch.offset;  // from low_codes (high_codes: the same)
       for (int64_t line = 0; line < BB; line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(low_codes + at + line), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(high_codes + at + line), _MM_HINT_T0);
       }
-      ahead_offset += BB;
-      if (ahead_offset >= tile_bytes) {
-        ahead_offset -= tile_bytes;
-        ++ahead_pair;
-      }
+      prefetch.advance(BB);
     }
     __m512i dot[RB];
     for (int r = 0; r < RB; ++r) dot[r] = _mm512_setzero_si512();

@@ -145,7 +145,7 @@ inline void float_block(const float* x, int64_t K, const uint8_t* codes, const S
   const __m512i eighths[4] = {eighth_index(0), eighth_index(1), eighth_index(2), eighth_index(3)};  // of a block
   // Each output's codes and scales are prefetched PREFETCH_SUPERS super-blocks ahead along its own row,
   // continued past the row's end by the same output of the following blocks (n + 2 * PAIRS, ...).
-  int64_t ahead_block = PREFETCH_SUPERS / supers, ahead_super = PREFETCH_SUPERS % supers;
+  quant::StreamAhead prefetch(PREFETCH_SUPERS, supers);  // passes: blocks of 2 * PAIRS rows
   __m512 acc[RB][PAIRS];
   for (int r = 0; r < RB; ++r)
     for (int p = 0; p < PAIRS; ++p) acc[r][p] = _mm512_setzero_ps();
@@ -153,14 +153,11 @@ inline void float_block(const float* x, int64_t K, const uint8_t* codes, const S
   __m512i index = spread;
   for (int64_t s = 0; s < supers; ++s) {
     for (int j = 0; j < 2 * PAIRS; ++j) {  // prefetches never fault
-      const uint8_t* ahead = rows[j] + ahead_block * 2 * PAIRS * row_bytes + ahead_super * SIX_SUPER_BYTES;
+      const uint8_t* ahead = rows[j] + prefetch.pass * 2 * PAIRS * row_bytes + prefetch.offset * SIX_SUPER_BYTES;
       for (int64_t line = 0; line < SIX_SUPER_BYTES; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(scales[j] + ahead_block * 2 * PAIRS * groups + ahead_super * 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(scales[j] + prefetch.pass * 2 * PAIRS * groups + prefetch.offset * 16), _MM_HINT_T0);
     }
-    if (++ahead_super == supers) {
-      ahead_super = 0;
-      ++ahead_block;
-    }
+    prefetch.advance(1);
     for_super_blocks([&](auto block) __attribute__((always_inline)) {
       constexpr int I = decltype(block)::value;
       __m512i c[PAIRS];

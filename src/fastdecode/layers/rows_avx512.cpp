@@ -35,9 +35,9 @@ namespace {
 using quant::hsum;
 using quant::load_scale;
 
-// Codes this far ahead in each output's row are prefetched (as qrows.h's FLOAT_PREFETCH_BYTES), non-temporal
-// where the activations are float32 (the logits layer: see qrows.h).
-constexpr int64_t PREFETCH_BYTES = 8192;
+// Float32 activations (the logits layer): codes qrows.h's FLOAT_PREFETCH_BYTES ahead in each output's row are
+// prefetched, non-temporal (see there), as the AVX2 kernel does.
+using quant::FLOAT_PREFETCH_BYTES;
 using pairs::eight_scales;
 using pairs::PAIRS;
 
@@ -60,7 +60,7 @@ inline void pairs_block(const float* x, int64_t K, const uint8_t* codes, const S
   __m512i index = spread;  // group g's lanes in them: g - g8 and 8 + g - g8
   for (int64_t g = 0; g < groups; ++g) {
     if ((g * G) % 64 == 0)  // prefetches never fault
-      for (int j = 0; j < 2 * PAIRS; ++j) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + g * G + PREFETCH_BYTES), _MM_HINT_NTA);
+      for (int j = 0; j < 2 * PAIRS; ++j) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + g * G + FLOAT_PREFETCH_BYTES), _MM_HINT_NTA);
     const int64_t g8 = g & ~int64_t{7};
     const bool by_eight = g8 + 8 <= groups;  // the group's scale from eight converted at once (the same value)
     if (by_eight && g == g8) {
