@@ -1,5 +1,6 @@
-// Beam search's step selection in one pass over the logits (AVX2; generation/beam.py holds the
-// PyTorch path, which this op replaces when nothing but token suppression processes the step).
+// Beam search's step selection in one pass over the logits (AVX2; engine/beam_scores.py holds the
+// PyTorch path, which this op replaces when nothing but token bans, suppression and no-repeat-n-gram
+// blocking, processes the step: decoding/sampling.py's bans_only).
 //
 // beam_candidates(logits [B*K, V], running [B*K], banned [E], K, keep, threads, row_banned [B*K, W]?)
 // -> (scores [B, keep], indices [B, keep]): for each sample b (rows b*K .. b*K+K-1, its beams) the `keep`

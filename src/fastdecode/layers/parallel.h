@@ -16,9 +16,9 @@
 // another process holds up. A short job (a batch-1 decode step's product: under LONG_JOB_WORK multiply-adds,
 // some 20-40 chunks, tens of microseconds) claims 1/threads of what is left instead: half the claims, and
 // the embedded model's batch-1 decoding ran 1.06x faster on 2 threads (2-core AMD Zen 5; a prompt's long jobs
-// kept 1/(2 x threads): 1/threads made them 3-7% slower there). Piece boundaries are multiples of `chunk` (or n) and depend on timing, so `body`
-// must compute every output the same whatever range it is part of (the kernels do: each output is
-// its own dot product); results then do not depend on the thread count.
+// kept 1/(2 x threads): 1/threads made them 3-7% slower there). Piece boundaries are multiples of `chunk`
+// (or n) and depend on timing, so `body` must compute every output the same whatever range it is part of
+// (the kernels do: each output is its own dot product); results then do not depend on the thread count.
 //
 // Helpers are persistent threads (made on first use, never joined). A helper spins between jobs (a
 // decode step calls the kernels every ~20-100 us, and step to step within SPIN_MICROSECONDS) and is

@@ -116,8 +116,9 @@ QuantizedRows sized_rows(int64_t M, int64_t K, bool with_sums) {
 }
 
 // Rows [M, K] quantized per block of 32 (quantize_blocks), the blocks split over up to `threads` threads of the
-// kernel pool (parallel.h; each block computed alone: the same bits at any thread count): a prompt's activations (512 x 1536 per MLP down product) are otherwise
-// quantized by the caller alone while the helpers wait for the product.
+// kernel pool (parallel.h; each block computed alone: the same bits at any thread count): a prompt's
+// activations (512 x 1536 per MLP down product) are otherwise quantized by the caller alone while the
+// helpers wait for the product.
 constexpr int64_t QUANTIZE_CHUNK_BLOCKS = 1024;  // 32K inputs: ~10 us
 template <int G>
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, bool with_sums = true, int64_t threads = 1) {
