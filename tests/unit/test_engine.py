@@ -224,3 +224,27 @@ def test_token_choice_runs_on_one_thread(llama_gen, monkeypatch):
     finally:
         torch.set_num_threads(previous)
     assert seen and set(seen) == {1}
+
+
+def test_copy_on_write_of_beam_blocks_runs_on_one_thread(llama_gen, monkeypatch):
+    """Beams that fork from one parent share its partial last block; the first write copies it (engine/slots.py),
+    on one torch thread whatever the forward's budget: each copy is a small op, which waited at OpenMP's barrier
+    for a busy second core (engine/runner.py)."""
+    from fastdecode.engine.slots import SlotCache
+
+    seen = []
+    copy_shared = SlotCache._copy_shared
+
+    def recorded(self, window, blocks, first, last):
+        if any(self.pool_of(window).ref_counts[blocks[i]] > 1 for i in range(first, last)):
+            seen.append(torch.get_num_threads())
+        return copy_shared(self, window, blocks, first, last)
+
+    monkeypatch.setattr(SlotCache, "_copy_shared", recorded)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llama_gen[0].generate_ids([[3, 4, 5, 6, 7]], max_new_tokens=6, min_new_tokens=6, num_beams=3)
+    finally:
+        torch.set_num_threads(previous)
+    assert seen and set(seen) == {1}
