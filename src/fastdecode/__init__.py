@@ -22,6 +22,7 @@ from .errors import (
     TokenizerError,
     UnsupportedModelError,
 )
+from .heap import keep_freed_buffers
 
 __version__ = "0.1.0"
 
@@ -64,6 +65,7 @@ def load(source: str | None = None, device: str = "cpu", dtype: str = "float32",
     (every product on the integer kernels, llama.cpp's choice: faster prompts, near ties may flip).
     kernels: instead of prompt_rows, the whole ``fastdecode.layers.products.KernelChoice`` (also the
     reference paths with the quantized or float kernels off, for tests and benchmarks)."""
+    keep_freed_buffers()  # the forward's big activations reuse the heap's pages (fastdecode/heap.py)
     with _collector_paused():
         from .api import load as _load
 
@@ -93,6 +95,7 @@ def from_hf(hf_model: Any, tokenizer: Any = None, quantize: str | None = None, p
     does; the model itself is left as it is); prompt_rows, kernels: as for ``load``."""
     from .api import from_hf as _from_hf
 
+    keep_freed_buffers()
     return _from_hf(hf_model, tokenizer=tokenizer, quantize=quantize, prompt_rows=prompt_rows, kernels=kernels)
 
 
@@ -103,6 +106,7 @@ def load_speech(path: str, quantize: str | None = None) -> "Transcriber":
     from .speech.loading import load_whisper
     from .speech.transcribe import Transcriber
 
+    keep_freed_buffers()
     return Transcriber(load_whisper(path, quantize=quantize))
 
 

@@ -19,7 +19,7 @@ PACKAGE = SRC / "fastdecode"
 # compiled ops); caches; model families; loaders; token choice; the engine; the generation strategies; the things
 # built on them (speech, the batch pipeline); the public API and what stands on it.
 ROOMS = [
-    "errors", "validation", "constraints", "memory", "config", "prompt_checks",
+    "errors", "validation", "constraints", "memory", "heap", "config", "prompt_checks",
     "layers", "cache", "models", "loading", "decoding", "engine", "generation", "inspect", "speech", "pipeline",
     "api", "__init__", "load_settings", "serve", "integrations", "cli",
 ]
