@@ -75,6 +75,9 @@ def test_a_padded_batch_a_window_and_a_position_bias_get_the_float64_result():
     for window, bias in [(None, None), (40, None), (None, lambda d: slopes[None, :, None, None] * d[:, None])]:
         mask = position_mask(distance, window, bias, torch.float32)
         assert_near_float64(attention(q, k, v, mask, D**-0.5, threads=1), q, k, v, mask, D**-0.5)
+    mask = position_mask(distance, 40, None, torch.float32)  # [B, 1, T, S]
+    per_head = mask.expand(B, H, T, S)  # a mask per head, the same for each (stride 0)
+    assert torch.equal(attention(q, k, v, mask, D**-0.5, threads=2), attention(q, k, v, per_head, D**-0.5, threads=2))
 
 
 @pytest.mark.parametrize("torch_threads", [1, 2])

@@ -191,7 +191,8 @@ struct Operands {
   const float* kt;  // the keys in blocks of KEY_BLOCK, each transposed: [B * Hkv, SP / KEY_BLOCK, D, KEY_BLOCK]
   float* out;  // [B, T, H, D] contiguous
   int64_t q_b, q_h, q_t, v_b, v_h, v_t, m_b, m_h, m_t;  // m_h 0: one mask for every head
-  int64_t T, H, Hkv, S, SP, D, G, tile;  // tile: queries per item
+  const int64_t* keys_seen;  // [B, 1 or H, T, 2]: each mask row's visible keys (visible_keys), with a mask
+  int64_t T, H, Hkv, S, SP, D, G, tile, Hm;  // tile: queries per item; Hm: the mask's heads (1 or H)
   float scale;
   bool wide;  // AVX-512
 };
@@ -201,7 +202,6 @@ struct Scratch {
   std::vector<float*> out;
   std::vector<int64_t> lo, hi;
   std::vector<float> p;
-  int64_t lo_row = 0, hi_row = 0;  // the last row's visible keys
 };
 
 // Rows of queries t0 .. t1 - 1 of batch row b, KV head kv (its G query heads each).
@@ -217,11 +217,10 @@ void attend_tile(const Operands& o, int64_t b, int64_t kv, int64_t t0, int64_t t
       s.out[r] = o.out + ((b * o.T + t) * o.H + h) * D;
       s.mask[r] = o.mask ? o.mask + b * o.m_b + h * o.m_h + t * o.m_t : nullptr;
       int64_t lo = 0, hi = o.S;
-      if (o.mask && r > 0 && s.mask[r] == s.mask[r - 1])  // (a shared mask: a query's G heads read one row)
-        lo = s.lo_row, hi = s.hi_row;
-      else if (o.mask)
-        visible_keys(s.mask[r], o.S, lo, hi);
-      s.lo_row = lo, s.hi_row = hi;
+      if (o.mask) {
+        const int64_t* seen = o.keys_seen + ((b * o.Hm + (o.Hm == 1 ? 0 : h)) * o.T + t) * 2;
+        lo = seen[0], hi = seen[1];
+      }
       if (lo < hi) glo = std::min(glo, lo), ghi = std::max(ghi, hi);
     }
     s.lo[g] = glo, s.hi[g] = std::max(glo, ghi);
@@ -279,22 +278,34 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t SP = (S + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK, G = H / Hkv;
   // The keys in blocks of KEY_BLOCK, each transposed (its D x KEY_BLOCK floats in a row; the padding keys 0):
   // [B * Hkv, SP / KEY_BLOCK, D, KEY_BLOCK].
-  at::Tensor kt = at::zeros({B * Hkv, SP / KEY_BLOCK, D, KEY_BLOCK}, q.options());
+  at::Tensor kt = at::empty({B * Hkv, SP / KEY_BLOCK, D, KEY_BLOCK}, q.options());
   float* ktp = kt.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
-  fastdecode::parallel_chunks(B * Hkv, 1, threads, [&](int64_t i0, int64_t i1) {
+  // With them, in the same job, each mask row's visible keys (the mask is read once per call, not per KV head).
+  const int64_t Hm = masked ? mask->size(1) : 0;
+  std::vector<int64_t> keys_seen(B * Hm * T * 2);
+  fastdecode::parallel_chunks(B * Hkv + B * Hm, 1, threads, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
+      if (i >= B * Hkv) {  // the T rows of a (batch row, mask head)
+        const int64_t bm = i - B * Hkv;
+        const float* m = mask->data_ptr<float>() + bm / Hm * mask->stride(0) + bm % Hm * mask->stride(1);
+        for (int64_t t = 0; t < T; ++t)
+          visible_keys(m + t * mask->stride(2), S, keys_seen[(bm * T + t) * 2], keys_seen[(bm * T + t) * 2 + 1]);
+        continue;
+      }
       const float* ki = kp + i / Hkv * k.stride(0) + i % Hkv * k.stride(1);
       float* ti = ktp + i * D * SP;
-      for (int64_t j = 0; j < S; ++j)
-        for (int64_t d = 0; d < D; ++d) ti[(j / KEY_BLOCK * D + d) * KEY_BLOCK + j % KEY_BLOCK] = ki[j * k.stride(2) + d];
+      for (int64_t j0 = 0; j0 < SP; j0 += KEY_BLOCK)  // a block: D rows of 32 keys, written in order
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t j = j0; j < j0 + KEY_BLOCK; ++j) *ti++ = j < S ? ki[j * k.stride(2) + d] : 0.0f;
     }
   }, S * D);
   const int64_t tile = std::max<int64_t>(1, TILE_ROWS / G), tiles = (T + tile - 1) / tile;
   Operands o{q.data_ptr<float>(), v.data_ptr<float>(), masked ? mask->data_ptr<float>() : nullptr, ktp,
              out.data_ptr<float>(), q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2),
              masked ? mask->stride(0) : 0, masked && mask->size(1) != 1 ? mask->stride(1) : 0,
-             masked ? mask->stride(2) : 0, T, H, Hkv, S, SP, D, G, tile, static_cast<float>(scale),
+             masked ? mask->stride(2) : 0, keys_seen.data(), T, H, Hkv, S, SP, D, G, tile, Hm,
+             static_cast<float>(scale),
              fastdecode::use_avx512()};
   // Items (tile, batch row, KV head), the last tiles first: under a causal mask they see the most keys, so the
   // last pieces claimed are the short ones.
