@@ -128,8 +128,8 @@ def test_every_row_gets_its_alone_tokens_in_batches_and_mixed_engine_steps(smoll
 
 
 def test_a_long_prompt_gets_the_same_scores_on_1_and_2_threads(smollm):
-    """On 2 threads a prompt's products, element-wise steps and attention (its query chunks' SDPA calls on the
-    kernel pool: layers/prompt_attention.cpp) split over both threads, each output computed as on one."""
+    """On 2 threads a prompt's products, element-wise steps and attention (layers/prompt_attention.cpp's items on
+    the kernel pool) split over both threads, each output computed as on one."""
     prompt = (smollm.tokenizer.encode("The history of the printing press, told in short numbered facts: ") * 30)[:300]
     scores = []
     for threads in (1, 2):

@@ -1,8 +1,9 @@
 """The one attention entry point every family uses, and the mask builder.
 
 Grouped-query and multi-query attention never repeat K/V (DESIGN.md section 2): ``attention``
-uses SDPA's native grouped heads (each KV head read once for its group), and the two-segment
-attention folds the query heads of a group into the query-time axis.
+runs our kernel for float32 on the CPU (layers/prompt_attention.cpp: the query heads of a group folded into
+the query axis, each K/V block read once for them), else SDPA's native grouped heads (each KV head read once
+for its group), and the two-segment attention folds the query heads of a group into the query-time axis.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops
-from .threads import PARALLEL_MIN_WORK, pool_threads_for, threads_for
+from .threads import KERNEL_PARALLEL_MIN_WORK, pool_threads_for, threads_for
 
 
 def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -50,33 +51,30 @@ def attention(
         q = q.reshape(B, Hkv, H // Hkv, D)  # [B, H, 1, D] -> [B, Hkv, G, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # mask [B, 1, 1, S] broadcasts
         return out.reshape(B, H, 1, D)  # [B, Hkv, G, D] -> [B, H, 1, D]
-    extents = (_key_extents(mask) if mask is not None and T > QUERY_CHUNK and not q.is_cuda
-               and not torch.compiler.is_compiling() else None)
-    if _on_the_pool(q, k, v, mask, threads):  # the same calls as below, split over the kernel pool's threads
-        return ops.prompt_attention(q, k, v, mask, extents or [], QUERY_CHUNK, scale, threads)
-    if extents is not None:  # a prompt's queries in chunks, each over the keys it can see (rounded up)
-        return torch.cat([_sdpa(q[:, :, start:start + QUERY_CHUNK], k[:, :, :keys], v[:, :, :keys],
-                                mask[:, :, start:start + QUERY_CHUNK, :keys], scale, threads)
-                          for start, keys in zip(range(0, T, QUERY_CHUNK), extents)], dim=2)  # [B, H, T, D]
+    if _kernel_runs(q, k, v, mask):  # float32 on the CPU: our kernel (layers/prompt_attention.cpp)
+        if mask is not None:
+            mask = mask.expand(B, mask.shape[1], T, k.shape[2])  # [B, 1|H, T, S] (broadcast dims: stride 0)
+        work = q.numel() * k.shape[2]  # B*H*T*D * S multiply-adds, twice
+        return ops.prompt_attention(q, k, v, mask, scale, threads if work >= KERNEL_PARALLEL_MIN_WORK else 1)
+    if mask is not None and T > QUERY_CHUNK and not q.is_cuda and not torch.compiler.is_compiling():
+        extents = _key_extents(mask)
+        if extents is not None:  # a prompt's queries in chunks, each over the keys it can see (rounded up)
+            return torch.cat([_sdpa(q[:, :, start:start + QUERY_CHUNK], k[:, :, :keys], v[:, :, :keys],
+                                    mask[:, :, start:start + QUERY_CHUNK, :keys], scale, threads)
+                              for start, keys in zip(range(0, T, QUERY_CHUNK), extents)], dim=2)  # [B, H, T, D]
     return _sdpa(q, k, v, mask, scale, threads)
 
 
-# Multiply-adds of one (row, head) call on the pool at least (q . k over the keys: a few microseconds, beside the
-# ~10 us a call costs): rows of one or a few queries (decode rows over a gathered cache) stay one SDPA call.
-POOL_CALL_MIN_WORK = 1 << 20
-
-
-def _on_the_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, threads: int) -> bool:
-    """Whether SDPA's calls run per (query chunk, row, head) on the kernel pool (layers/prompt_attention.cpp:
-    their bits, without OpenMP's threads beside the pool's): float32 on the CPU with rows contiguous in their last
-    dim (where SDPA takes its flash kernel), outside torch.compile, where SDPA would take several threads
-    (``threads_for``) and each call has work enough."""
-    T, D, S = q.shape[2], q.shape[3], k.shape[2]
-    return (threads > 1 and q.dtype == torch.float32 and k.dtype == torch.float32 and q.device.type == "cpu"
-            and (mask is None or (mask.dtype == torch.float32 and mask.stride(-1) == 1)) and q.stride(-1) == 1
-            and k.stride(-1) == 1 and v.stride(-1) == 1 and q.numel() * S >= PARALLEL_MIN_WORK
-            and min(T, QUERY_CHUNK) * S * D >= POOL_CALL_MIN_WORK and not torch.compiler.is_compiling()
-            and ops.available())
+def _kernel_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether our attention kernel (layers/prompt_attention.cpp) serves these operands: float32 on the CPU, rows
+    contiguous in their last dim, a float32 mask (or none) of one or H heads and S keys contiguous, outside
+    torch.compile, the extension built."""
+    return (q.dtype == torch.float32 and k.dtype == torch.float32 and v.dtype == torch.float32
+            and q.device.type == "cpu"
+            and (mask is None or (mask.dtype == torch.float32 and mask.dim() == 4 and mask.shape[1] in (1, q.shape[1])
+                                  and mask.shape[-1] == k.shape[2] and mask.stride(-1) == 1))
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+            and not torch.compiler.is_compiling() and ops.available())
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -87,13 +85,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-# A prompt's causal mask hides the keys after each query: SDPA (with a mask, not ``is_causal``) scores them all,
-# twice the work a 512-token prompt needs. Its queries in chunks of QUERY_CHUNK rows, each over the keys up to
-# the last one its mask shows rounded up to KEY_MULTIPLE, skip most of it (a 512-token prompt: 3/4 of the work,
-# 2048 tokens: 9/16). Rounded up to 256 keys, PyTorch's CPU flash kernel gives the same bits as over all the
-# keys on the Intel Xeon of the benchmarks (finer cuts save more and change the last bit); on AMD EPYC Zen 5, where
-# MKL's GEMMs round a block of 256 keys differently from one of 512, up to 3e-7 apart
-# (tests/unit/test_prompt_attention.py).
+# On SDPA's path (other dtypes on the CPU; float32 runs our kernel, which skips hidden keys exactly) a prompt's
+# causal mask hides the keys after each query: SDPA (with a mask, not ``is_causal``) scores them all, twice the
+# work a 512-token prompt needs. Its queries in chunks of QUERY_CHUNK rows, each over the keys up to the last one
+# its mask shows rounded up to KEY_MULTIPLE, skip most of it (a 512-token prompt: 3/4 of the work, 2048 tokens:
+# 9/16). Rounded up to 256 keys, PyTorch's CPU flash kernel gave float32 the same bits as over all the keys on the
+# Intel Xeon of the benchmarks; on AMD EPYC Zen 5, where MKL's GEMMs round a block of 256 keys differently from
+# one of 512, up to 3e-7 apart.
 QUERY_CHUNK = 256
 KEY_MULTIPLE = 256
 _extents: WeakIdKeyDictionary = WeakIdKeyDictionary()  # mask -> its chunks' key counts (or None): a forward's

@@ -46,7 +46,7 @@ def register_fake() -> None:
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("fastdecode_kernels::prompt_attention")
-    def _prompt_attention_fake(q, k, v, mask, key_counts, query_chunk, scale, threads):  # q [B, H, T, D] -> same
+    def _prompt_attention_fake(q, k, v, mask, scale, threads):  # q [B, H, T, D] -> same
         B, H, T, D = q.shape
         return q.new_empty((B, T, H, D)).transpose(1, 2)  # [B, T, H, D] -> [B, H, T, D]
 

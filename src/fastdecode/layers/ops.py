@@ -108,11 +108,10 @@ def paged_attention(q: Tensor, keys: Tensor, values: Tensor, k_new: Tensor | Non
                                   window, scale, bias)
 
 
-def prompt_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, key_counts: list[int], query_chunk: int,
-                     scale: float, threads: int) -> Tensor:
-    """SDPA per (chunk of ``query_chunk`` queries over its ``key_counts`` keys, row, head) on the kernel pool:
-    q [B, H, T, D], k, v [B, Hkv, S, D], mask [B, 1 | H, T, S] -> [B, H, T, D]."""
-    return _ops().prompt_attention(q, k, v, mask, key_counts, query_chunk, scale, threads)
+def prompt_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, threads: int) -> Tensor:
+    """Attention on the kernel pool (layers/prompt_attention.cpp): q [B, H, T, D], k, v [B, Hkv, S, D],
+    mask [B, 1 | H, T, S] or None -> [B, H, T, D]."""
+    return _ops().prompt_attention(q, k, v, mask, scale, threads)
 
 
 def cross_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, scale: float,
