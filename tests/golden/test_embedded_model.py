@@ -61,15 +61,32 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(smollm_path, smollm, gguf
     assert smollm.tokenizer.encode(text) == hf_tok.encode(text)
 
 
-def test_answers_the_capital_of_france(smollm):
-    answer = smollm.generate("What is the capital of France?", chat=True, max_new_tokens=32)
-    assert "Paris" in answer
+def test_answers_the_capital_of_france(smollm_exact, smollm_float):
+    """The exact prompt path (``make demo``'s) and the float32 path answer Paris."""
+    for gen in (smollm_exact, smollm_float):
+        assert "Paris" in gen.generate("What is the capital of France?", chat=True, max_new_tokens=32)
 
 
-def test_chat_messages_and_streaming_agree(smollm):
+def test_the_default_path_differs_from_the_float_path_only_at_a_near_tie(smollm, smollm_float):
+    """The default path (the MLP's prompt products in int8) follows the float path's greedy tokens up to the first
+    step where the float path's own top two logits lie within 0.25: on "What is the capital of France?" its
+    first token, "The" 25.325 against "L" 25.243 (README: the near tie that int8 rounding flips)."""
+    from engine_helpers import prompt_logits
+
+    ids = smollm_float.encode_prompt("What is the capital of France?", chat=True)
+    float_tokens = smollm_float.generate_ids([ids], max_new_tokens=12)[0]
+    native_tokens = smollm.generate_ids([ids], max_new_tokens=12)[0]
+    agree = next((i for i, (a, b) in enumerate(zip(float_tokens, native_tokens)) if a != b), len(float_tokens))
+    if agree < len(float_tokens):
+        top = prompt_logits(smollm_float, ids + float_tokens[:agree])[-1].topk(2).values
+        assert float(top[0] - top[1]) < 0.25, (agree, top)
+
+
+def test_chat_messages_and_streaming_agree(smollm, smollm_exact):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    streamed = "".join(smollm.stream(messages, max_new_tokens=20))
-    assert streamed == smollm.generate(messages, max_new_tokens=20)
+    for gen in (smollm, smollm_exact):
+        streamed = "".join(gen.stream(messages, max_new_tokens=20))
+        assert streamed == gen.generate(messages, max_new_tokens=20)
     assert "Paris" in streamed
 
 
@@ -80,7 +97,8 @@ def test_batch_of_chat_prompts_equals_each_alone(smollm):
     assert batched == alone
 
 
-def test_stop_string_ends_generation_and_is_not_shown(smollm):
+def test_stop_string_ends_generation_and_is_not_shown(smollm_exact):
+    smollm = smollm_exact
     full = smollm.generate("What is the capital of France?", chat=True, max_new_tokens=32)
     assert " is " in full
     cut = smollm.generate("What is the capital of France?", chat=True, max_new_tokens=32, stop=" is ")

@@ -191,7 +191,7 @@ def test_embedded_model_on_ray_equals_single_process(ray_address, smollm_path, t
     source = tmp_path / "in.txt"
     source.write_text("What is the capital of France?\nName a primary colour.\n\nCount to three.\n"
                       "Say hello in Spanish.\n")
-    single, on_ray = run_both(source, tmp_path, "-m", str(smollm_path), "--max-new-tokens", "8")
+    single, on_ray = run_both(source, tmp_path, "-m", str(smollm_path), "--max-new-tokens", "8", "--prompt-rows", "exact")
     assert on_ray == single
     records = [json.loads(line) for line in on_ray.splitlines()]
     assert [r["line"] for r in records] == [1, 2, 4, 5] and "Paris" in records[0]["output"]

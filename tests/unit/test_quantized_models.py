@@ -97,9 +97,9 @@ def test_embedded_model_runs_on_its_own_blocks_with_no_float_copy(smollm, smollm
                         lambda weight, work, threads: decoded.append(True) or real_dense(weight, work, threads))
     real_exact, exact = ops.exact_qmatmul, []
     monkeypatch.setattr(ops, "exact_qmatmul", lambda *args: exact.append(True) or real_exact(*args))
-    ids = smollm.encode_prompt("What is the capital of France?", chat=True)
+    ids = smollm.encode_prompt("Name three colors.", chat=True)
     answer = smollm.tokenizer.decode(smollm.generate_ids([ids], max_new_tokens=12)[0])
-    assert "Paris" in answer
+    assert "Red" in answer and "Blue" in answer
     assert decoded == []
     # one product per fused Q/K/V group (layers/fused.py) and o
     layer_matrices = sum(len(layer.qkv.parts) + 1 for layer in smollm.model.layers)
