@@ -8,6 +8,8 @@ rows the GEMM and generated rows the kernel, each row as it would be alone in it
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,6 +103,34 @@ def test_the_avx512_kernel_for_several_rows_gives_the_avx2_bits(K, N):
     w, bias, x = weights(K, N, seed=K * 3 + N)
     avx512_gives_the_avx2_bits(lambda M, threads: ops.float_matmul(x[:M], w, bias, threads),
                                rows_and_threads((2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 33, 40)))
+
+
+def exact_floats(count: int, salt: int) -> torch.Tensor:
+    """``count`` floats of 24 significant bits in (-1, 1) from integers alone (no RNG whose stream could change):
+    products and sums that round, so that another order of the additions gives other bits."""
+    i = torch.arange(count, dtype=torch.int64)
+    return (((i * 2654435761 + salt * 40503) % (1 << 24)) - (1 << 23)).double().div(1 << 23).float()
+
+
+# The outputs below, hashed (SHA-256 of their float32 bytes): computed by the kernel as of commit 5619467, before
+# the 9-16-row kernel was retiled. The row-alone and AVX2 comparisons above would not see every path change
+# together; the greedy tokens of float32 models' goldens were taken with these bits.
+PINNED_DIGEST = "14e019d8d6d5bcd56a7f8ae13ec0cbddb3924e87105cedb2b9c8b7320df61791"
+
+
+@needs_kernel
+def test_the_kernel_keeps_its_bits_at_9_to_16_rows():
+    """A serving step's 9 to 16 rows (and 8 and 17 beside them) on decode shapes of the embedded model's float32
+    products (Q/K/V 576 x 960, gate/up 576 x 3072 whose rows lie 12 KiB apart, down 1536 x 576) and a masked
+    tail (200 x 100), with a bias, on 1 and 2 threads: the digest of every output."""
+    digest = hashlib.sha256()
+    for K, N in [(576, 960), (576, 3072), (1536, 576), (200, 100)]:
+        w, bias, x = exact_floats(K * N, 1).view(K, N), exact_floats(N, 2), exact_floats(17 * K, 3).view(17, K)
+        for M in range(8, 18):
+            out = ops.float_matmul(x[:M], w, bias, 1)
+            assert torch.equal(ops.float_matmul(x[:M], w, bias, 2), out), (K, N, M)
+            digest.update(out.numpy().tobytes())
+    assert digest.hexdigest() == PINNED_DIGEST, digest.hexdigest()
 
 
 @needs_kernel
