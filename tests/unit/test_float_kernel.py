@@ -93,13 +93,14 @@ def test_one_row_partial_sums_added_while_the_pieces_run_are_the_in_order_additi
 
 @needs_kernel
 @needs_avx512
-@pytest.mark.parametrize("K, N", SHAPES + [(768, 3072), (70, 9000)])
+@pytest.mark.parametrize("K, N", SHAPES + [(768, 3072), (70, 9000), (70, 16384)])
 def test_the_avx512_kernel_for_several_rows_gives_the_avx2_bits(K, N):
     """Several rows on AVX-512 (fmatmul_avx512.cpp: 8 rows x 48 columns of sums in registers, 3, 5, 6 or 7
-    rows as one group; 9 to 16 rows as a group of 8 and one of the rest taking turns over chunks of w's rows; past 16 rows from a packed
+    rows as one group; 9 to 16 rows as a group of 8 and one of the rest taking turns over runs of w's rows; past 16 rows from a packed
     copy of each segment's block of columns) and on AVX2 (sums in L1): every output the same operations, so
     the same bits, at row counts that straddle the row groups, masked column tails, column chunks of several
-    packed blocks (70 x 9000: chunks of 1152 columns, a last block of 168) and 1 or 2 threads."""
+    packed blocks (70 x 9000: chunks of 1152 columns, a last block of 168), rows 64 KiB apart (70 x 16384: 9 to 16
+    rows prefetched into L3, further ahead) and 1 or 2 threads."""
     w, bias, x = weights(K, N, seed=K * 3 + N)
     avx512_gives_the_avx2_bits(lambda M, threads: ops.float_matmul(x[:M], w, bias, threads),
                                rows_and_threads((2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 33, 40)))
