@@ -118,13 +118,12 @@ int64_t turn_rows(int64_t N) {
 
 // Rows [0, RB) of x (rows K apart) over rows [k0, k1) of one pass of w (w0: the segment's row s0; lanes past the
 // width masked off), the sums from 0 when `first`, else from `park` ([RB][NV][16]), left in `park`; prefetching
-// into L3 when `far` (FAR_PASSES_AHEAD), else into L1. Inlined: with a run's length known only at run time, GCC
+// into L3 when FAR (FAR_PASSES_AHEAD), else into L1. Inlined: with a run's length known only at run time, GCC
 // kept it a call and its 24 sums in memory, stored at every multiply-add (half the speed).
-template <int RB, typename W>
+template <int RB, bool FAR, typename W>
 __attribute__((always_inline)) inline void group_chunk(const float* x, int64_t K, const W* w0, int64_t N, int64_t s0,
                                                        int64_t k0, int64_t k1, bool first, const __mmask16* mask,
-                                                       bool full, float* park, int64_t ahead_until, int64_t ahead,
-                                                       bool far) {
+                                                       bool full, float* park, int64_t ahead_until, int64_t ahead) {
   __m512 acc[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(park + (r * NV + v) * 16);
@@ -132,7 +131,7 @@ __attribute__((always_inline)) inline void group_chunk(const float* x, int64_t K
     const W* wk = w0 + (k - s0) * N;
     if (k < ahead_until)
       for (int64_t byte = 0; byte < WIDTH * static_cast<int64_t>(sizeof(W)); byte += 64)
-        if (far) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T2);
+        if constexpr (FAR) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T2);
         else _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T0);
     __m512 wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = load16(wk + 16 * v, full, mask[v]);
@@ -146,8 +145,8 @@ __attribute__((always_inline)) inline void group_chunk(const float* x, int64_t K
 }
 
 // One segment [s0, s1) of 8 + REST rows x columns [n, n + width) read in place (w0, ahead_until, ahead: as
-// tile_segment's; the first group prefetches, `far` as group_chunk's), the two groups taking turns over runs of
-// `turn` rows (turn_rows); the segment's sums stored into y as the running total (the first segment) or added to it.
+// tile_segment's; the first group prefetches, into L3 where `far`), the two groups taking turns over runs of `turn`
+// rows (turn_rows); the segment's sums stored into y as the running total (the first segment) or added to it.
 template <int REST, typename W>
 void paired_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y, int64_t n, int64_t width,
                     int64_t s0, int64_t s1, int64_t turn, bool far, int64_t ahead_until, int64_t ahead) {
@@ -160,8 +159,9 @@ void paired_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y,
   alignas(64) float park[(8 + REST) * NV * 16];  // [row][vector][16]: the sums between turns
   for (int64_t k0 = s0; k0 < s1; k0 += turn) {
     const int64_t k1 = std::min(s1, k0 + turn);
-    group_chunk<8>(x, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park, ahead_until, ahead, far);
-    group_chunk<REST>(x + 8 * K, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park + 8 * NV * 16, 0, 0, false);
+    if (far) group_chunk<8, true>(x, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park, ahead_until, ahead);
+    else group_chunk<8, false>(x, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park, ahead_until, ahead);
+    group_chunk<REST, false>(x + 8 * K, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park + 8 * NV * 16, 0, 0);
   }
   for (int r = 0; r < 8 + REST; ++r)
     for (int v = 0; v < NV; ++v) {
