@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <random>
 #include <vector>
 
 namespace fastdecode {
@@ -34,27 +35,35 @@ double thread_seconds() {
 }
 
 double product(Rows rows, const std::vector<float>& x, int64_t M, int64_t K, const std::vector<float>& w, int64_t N,
-               int copies, std::vector<float>& y) {
+               int64_t copies, std::vector<float>& y) {
   const double start = thread_seconds();
-  for (int c = 0; c < copies; ++c) rows(x.data(), M, K, w.data() + c * K * N, N, nullptr, y.data(), 0, N);
+  for (int64_t c = 0; c < copies; ++c) rows(x.data(), M, K, w.data() + c * K * N, N, nullptr, y.data(), 0, N);
   return thread_seconds() - start;
 }
 
 }  // namespace
 
+// count floats uniform in [-0.5, 0.5), the same for a seed
+std::vector<float> uniform(int64_t count, unsigned seed) {
+  std::mt19937 generator(seed);
+  std::uniform_real_distribution<float> value(-0.5f, 0.5f);
+  std::vector<float> out(count);
+  for (float& v : out) v = value(generator);
+  return out;
+}
+
 int main(int argc, char** argv) {
+  int64_t arg[5];  // K N M copies reps
   if (argc != 6) {
     std::fprintf(stderr, "usage: %s K N M copies reps\n", argv[0]);
     return 2;
   }
-  const int64_t K = std::atol(argv[1]), N = std::atol(argv[2]), M = std::atol(argv[3]);
-  const int copies = std::atoi(argv[4]), reps = std::atoi(argv[5]);
-  std::vector<float> x(M * K), w(copies * K * N), ya(M * N), yb(M * N);
-  std::srand(1);
-  for (float& v : x) v = std::rand() / static_cast<float>(RAND_MAX) - 0.5f;
-  for (float& v : w) v = std::rand() / static_cast<float>(RAND_MAX) - 0.5f;
-  std::vector<double> a, b;
-  for (int r = 0; r < reps; ++r) {
+  for (int i = 0; i < 5; ++i) arg[i] = std::atol(argv[i + 1]);
+  const auto [K, N, M, copies, reps] = arg;
+  const std::vector<float> x = uniform(M * K, 1), w = uniform(copies * K * N, 2);
+  std::vector<float> ya(M * N), yb(M * N);
+  std::vector<double> a, b;  // seconds per call, each tree's
+  for (int64_t r = 0; r < reps; ++r) {
     a.push_back(product(fastdecode::avx512_a::float_rows, x, M, K, w, N, copies, ya));
     b.push_back(product(fastdecode::avx512_b::float_rows, x, M, K, w, N, copies, yb));
   }
