@@ -8,6 +8,8 @@ rows the GEMM and generated rows the kernel, each row as it would be alone in it
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,16 +93,45 @@ def test_one_row_partial_sums_added_while_the_pieces_run_are_the_in_order_additi
 
 @needs_kernel
 @needs_avx512
-@pytest.mark.parametrize("K, N", SHAPES + [(768, 3072), (70, 9000)])
+@pytest.mark.parametrize("K, N", SHAPES + [(768, 3072), (70, 9000), (70, 16384)])
 def test_the_avx512_kernel_for_several_rows_gives_the_avx2_bits(K, N):
     """Several rows on AVX-512 (fmatmul_avx512.cpp: 8 rows x 48 columns of sums in registers, 3, 5, 6 or 7
-    rows as one group; 9 to 16 rows as a group of 8 and one of the rest taking turns over chunks of w's rows; past 16 rows from a packed
+    rows as one group; 9 to 16 rows as a group of 8 and one of the rest taking turns over runs of w's rows; past 16 rows from a packed
     copy of each segment's block of columns) and on AVX2 (sums in L1): every output the same operations, so
     the same bits, at row counts that straddle the row groups, masked column tails, column chunks of several
-    packed blocks (70 x 9000: chunks of 1152 columns, a last block of 168) and 1 or 2 threads."""
+    packed blocks (70 x 9000: chunks of 1152 columns, a last block of 168), rows 64 KiB apart (70 x 16384: 9 to 16
+    rows prefetched into L3, further ahead) and 1 or 2 threads."""
     w, bias, x = weights(K, N, seed=K * 3 + N)
     avx512_gives_the_avx2_bits(lambda M, threads: ops.float_matmul(x[:M], w, bias, threads),
                                rows_and_threads((2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 33, 40)))
+
+
+def exact_floats(count: int, salt: int) -> torch.Tensor:
+    """``count`` floats of 24 significant bits in (-1, 1) from integers alone (no RNG whose stream could change):
+    products and sums that round, so that another order of the additions gives other bits."""
+    i = torch.arange(count, dtype=torch.int64)
+    return (((i * 2654435761 + salt * 40503) % (1 << 24)) - (1 << 23)).double().div(1 << 23).float()
+
+
+# The outputs below, hashed (SHA-256 of their float32 bytes): computed by the kernel as of commit 5619467, before
+# the 9-16-row kernel was retiled. The row-alone and AVX2 comparisons above would not see every path change
+# together; the greedy tokens of float32 models' goldens were taken with these bits.
+PINNED_DIGEST = "14e019d8d6d5bcd56a7f8ae13ec0cbddb3924e87105cedb2b9c8b7320df61791"
+
+
+@needs_kernel
+def test_the_kernel_keeps_its_bits_at_9_to_16_rows():
+    """A serving step's 9 to 16 rows (and 8 and 17 beside them) on decode shapes of the embedded model's float32
+    products (Q/K/V 576 x 960, gate/up 576 x 3072 whose rows lie 12 KiB apart, down 1536 x 576) and a masked
+    tail (200 x 100), with a bias, on 1 and 2 threads: the digest of every output."""
+    digest = hashlib.sha256()
+    for K, N in [(576, 960), (576, 3072), (1536, 576), (200, 100)]:
+        w, bias, x = exact_floats(K * N, 1).view(K, N), exact_floats(N, 2), exact_floats(17 * K, 3).view(17, K)
+        for M in range(8, 18):
+            out = ops.float_matmul(x[:M], w, bias, 1)
+            assert torch.equal(ops.float_matmul(x[:M], w, bias, 2), out), (K, N, M)
+            digest.update(out.numpy().tobytes())
+    assert digest.hexdigest() == PINNED_DIGEST, digest.hexdigest()
 
 
 @needs_kernel

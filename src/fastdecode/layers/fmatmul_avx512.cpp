@@ -9,12 +9,14 @@
 // of the range (a beam step's logits layer: 5 rows x 51865 columns), not 48 columns at a time. Each
 // output's arithmetic is the contract's: one FMA chain per segment from 0 in k order, the segment sums
 // added in order, then the bias, so a row's bits depend neither on the other rows nor on the ISA.
-// 9 to 16 rows (a serving step) run as two such groups taking turns over chunks of 8 rows of w read in place
-// (paired_segment); more rows copy each block of w once for several 8-row groups.
+// 9 to 16 rows (a serving step) run as two such groups taking turns over runs of w's rows read in place
+// (paired_segment: a whole segment, or 8 rows where w's rows share L1 sets); more rows copy each block of w once
+// for several 8-row groups.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 
 #include "fmatmul.h"
 
@@ -34,6 +36,13 @@ constexpr int64_t WIDTH = 16 * NV;
 // 768 x 3072 5.5 -> 1.6 ms, 768 x 2304 1.9 -> 1.2 ms, 3072 x 768 6.0 -> 2.3 ms with 2 passes ahead; 3 or 4 ahead
 // no better): a distance in passes, each some hundreds of cycles of FMAs whatever the CPU.
 constexpr int64_t PASSES_AHEAD = 2;
+// 9 to 16 rows where every row of w falls in the same L2 sets (N * sizeof(W) a multiple of L2_PERIOD: a 49152-word
+// logits layer's, 192 KiB apart): lines prefetched into L1 or L2 two passes ahead are evicted by the other rows'
+// before they are read, so the passes prefetch into L3 (T2), FAR_PASSES_AHEAD passes ahead (SmolLM2-135M's
+// 576 x 49152 logits layer, 16 rows, one thread, streamed from memory, AMD Zen 5: 55-59 -> 65-66 GMAC/s; the
+// same prefetch on the other products' shapes slowed them down).
+constexpr int64_t FAR_PASSES_AHEAD = 4;
+constexpr int64_t L2_PERIOD = 64 * 1024;  // bytes: a 1 MiB 16-way L2's set period (2 MiB 16-way: 128 KiB)
 
 // 16 weights as float32 (the lanes of `mask` only, 0 elsewhere, when not `full`): float32 as they are, float16
 // (IEEE half bits) widened, exactly.
@@ -87,19 +96,34 @@ void tile_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y, i
 
 // 9 to 16 rows (a serving step's decode rows) run as two row groups, the first 8 rows and the rest, each holding
 // its rows' sums of the pass's 48 columns in registers (3 loads and up to 8 broadcasts per 24 multiply-adds). The
-// groups take turns over chunks of CHUNK rows of w, parking their sums in a buffer between turns, so the second
-// group reads each chunk's weights from L1 right after the first: a chunk's lines stay within an L1 set's ways even
-// where w's rows lie a multiple of 4 KiB apart (a 3072-wide FFN). One group of 16 rows x 1 vector instead (one
-// load and 16 broadcasts per 16 multiply-adds) is bound by the loads: SmolLM2-135M's 30 layers' products, 16 rows,
-// one thread, weights streamed from memory, Intel Xeon: 76.5-115.8 ms as one group, 64.4-93.1 ms as two (the
-// same run, alternating). Each output's arithmetic is tile_segment's: one FMA chain from 0 in k order per segment.
+// groups take turns over runs of w's rows, parking their sums in a buffer between turns, so the second group
+// reads each run's weights from L1 right after the first. A run's lines must stay in L1: where w's rows lie a
+// multiple of 4 KiB apart (a 3072-wide FFN, a 49152-word logits layer) all their lines fall in the same L1 sets,
+// and a run is CHUNK rows, within a set's ways; where the rows spread over the sets (SmolLM2-135M's 576-, 960- and
+// 1536-wide rows) a run is up to the whole segment, fewer sums parked (turn_rows). One group of 16 rows x 1
+// vector instead (one load and 16 broadcasts per 16 multiply-adds) is bound by the loads: SmolLM2-135M's 30
+// layers' products, 16 rows, one thread, weights streamed from memory, Intel Xeon: 76.5-115.8 ms as one group,
+// 64.4-93.1 ms as two (the same run, alternating). Each output's arithmetic is tile_segment's: one FMA chain from 0
+// in k order per segment, however the turns cut it.
 constexpr int64_t CHUNK = 8;
 
+// Rows of w per turn of the two groups: CHUNK times the rows before w's rows repeat modulo 4 KiB (the period of
+// their L1 sets: 1 where N * sizeof(W) is a multiple of 4 KiB, 16 for 576 floats), at most a segment.
+template <typename W>
+int64_t turn_rows(int64_t N) {
+  const int64_t stride = N * static_cast<int64_t>(sizeof(W)) % 4096;
+  const int64_t period = stride == 0 ? 1 : 4096 / std::gcd<int64_t>(stride, 4096);
+  return std::min(FLOAT_SEGMENT, CHUNK * period);
+}
+
 // Rows [0, RB) of x (rows K apart) over rows [k0, k1) of one pass of w (w0: the segment's row s0; lanes past the
-// width masked off), the sums from 0 when `first`, else from `park` ([RB][NV][16]), left in `park`.
-template <int RB, typename W>
-inline void group_chunk(const float* x, int64_t K, const W* w0, int64_t N, int64_t s0, int64_t k0, int64_t k1,
-                        bool first, const __mmask16* mask, bool full, float* park, int64_t ahead_until, int64_t ahead) {
+// width masked off), the sums from 0 when `first`, else from `park` ([RB][NV][16]), left in `park`; prefetching
+// into L3 when FAR (FAR_PASSES_AHEAD), else into L1. Inlined: with a run's length known only at run time, GCC
+// kept it a call and its 24 sums in memory, stored at every multiply-add (half the speed).
+template <int RB, bool FAR, typename W>
+__attribute__((always_inline)) inline void group_chunk(const float* x, int64_t K, const W* w0, int64_t N, int64_t s0,
+                                                       int64_t k0, int64_t k1, bool first, const __mmask16* mask,
+                                                       bool full, float* park, int64_t ahead_until, int64_t ahead) {
   __m512 acc[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(park + (r * NV + v) * 16);
@@ -107,7 +131,8 @@ inline void group_chunk(const float* x, int64_t K, const W* w0, int64_t N, int64
     const W* wk = w0 + (k - s0) * N;
     if (k < ahead_until)
       for (int64_t byte = 0; byte < WIDTH * static_cast<int64_t>(sizeof(W)); byte += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T0);
+        if constexpr (FAR) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T2);
+        else _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T0);
     __m512 wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = load16(wk + 16 * v, full, mask[v]);
     for (int r = 0; r < RB; ++r) {
@@ -120,11 +145,11 @@ inline void group_chunk(const float* x, int64_t K, const W* w0, int64_t N, int64
 }
 
 // One segment [s0, s1) of 8 + REST rows x columns [n, n + width) read in place (w0, ahead_until, ahead: as
-// tile_segment's; the first group prefetches), the two groups taking turns chunk by chunk; the segment's sums
-// stored into y as the running total (the first segment) or added to it.
+// tile_segment's; the first group prefetches, into L3 where `far`), the two groups taking turns over runs of `turn`
+// rows (turn_rows); the segment's sums stored into y as the running total (the first segment) or added to it.
 template <int REST, typename W>
 void paired_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y, int64_t n, int64_t width,
-                    int64_t s0, int64_t s1, int64_t ahead_until, int64_t ahead) {
+                    int64_t s0, int64_t s1, int64_t turn, bool far, int64_t ahead_until, int64_t ahead) {
   __mmask16 mask[NV];
   for (int v = 0; v < NV; ++v) {
     const int64_t valid = std::clamp<int64_t>(width - 16 * v, 0, 16);
@@ -132,10 +157,11 @@ void paired_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y,
   }
   const bool full = width == WIDTH;
   alignas(64) float park[(8 + REST) * NV * 16];  // [row][vector][16]: the sums between turns
-  for (int64_t k0 = s0; k0 < s1; k0 += CHUNK) {
-    const int64_t k1 = std::min(s1, k0 + CHUNK);
-    group_chunk<8>(x, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park, ahead_until, ahead);
-    group_chunk<REST>(x + 8 * K, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park + 8 * NV * 16, 0, 0);
+  for (int64_t k0 = s0; k0 < s1; k0 += turn) {
+    const int64_t k1 = std::min(s1, k0 + turn);
+    if (far) group_chunk<8, true>(x, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park, ahead_until, ahead);
+    else group_chunk<8, false>(x, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park, ahead_until, ahead);
+    group_chunk<REST, false>(x + 8 * K, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park + 8 * NV * 16, 0, 0);
   }
   for (int r = 0; r < 8 + REST; ++r)
     for (int v = 0; v < NV; ++v) {
@@ -150,12 +176,12 @@ void paired_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y,
 // later in this order (in a later segment's rows past the range's last pass: its columns are in flight by the
 // time it runs), prefetched while k < ahead_until.
 template <typename Pass>
-void in_place_passes(int64_t K, int64_t N, int64_t n0, int64_t n1, Pass pass) {
+void in_place_passes(int64_t K, int64_t N, int64_t n0, int64_t n1, Pass pass, int64_t passes_ahead = PASSES_AHEAD) {
   const int64_t passes = (n1 - n0 + WIDTH - 1) / WIDTH;  // per segment
   for (int64_t s0 = 0; s0 < K; s0 += FLOAT_SEGMENT) {
     const int64_t s1 = std::min(K, s0 + FLOAT_SEGMENT);
     for (int64_t p = 0; p < passes; ++p) {
-      const int64_t later = p + PASSES_AHEAD, rows_down = later / passes * FLOAT_SEGMENT;
+      const int64_t later = p + passes_ahead, rows_down = later / passes * FLOAT_SEGMENT;
       const int64_t n = n0 + p * WIDTH;
       pass(s0, s1, n, std::min(WIDTH, n1 - n), K - rows_down, rows_down * N + (later % passes - p) * WIDTH);
     }
@@ -165,9 +191,11 @@ void in_place_passes(int64_t K, int64_t N, int64_t n0, int64_t n1, Pass pass) {
 // Columns [n0, n1) of 8 + REST rows (9 to 16) by paired_segment, in place.
 template <int REST, typename W>
 void paired_rows(const float* x, int64_t K, const W* w, int64_t N, float* y, int64_t n0, int64_t n1) {
+  const int64_t turn = turn_rows<W>(N);
+  const bool far = N * static_cast<int64_t>(sizeof(W)) % L2_PERIOD == 0;
   in_place_passes(K, N, n0, n1, [&](int64_t s0, int64_t s1, int64_t n, int64_t width, int64_t until, int64_t ahead) {
-    paired_segment<REST>(x, K, w + s0 * N + n, N, y, n, width, s0, s1, until, ahead);
-  });
+    paired_segment<REST>(x, K, w + s0 * N + n, N, y, n, width, s0, s1, turn, far, until, ahead);
+  }, far ? FAR_PASSES_AHEAD : PASSES_AHEAD);
 }
 
 template <typename W>
