@@ -20,6 +20,7 @@ user chose malloc's settings (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOL
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 
@@ -28,15 +29,11 @@ TRIM_THRESHOLD = 256 << 20  # free memory kept at the heap's top
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
-_applied: bool | None = None  # None: not tried yet in this process
 
-
+@functools.cache  # once per process
 def keep_freed_buffers() -> bool:
     """Raise glibc's mmap and trim thresholds once per process -> whether they are raised (see the module)."""
-    global _applied
-    if _applied is None:
-        _applied = _user_allows() and _set_thresholds()
-    return _applied
+    return _user_allows() and _set_thresholds()
 
 
 def _user_allows() -> bool:
