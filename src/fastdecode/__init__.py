@@ -106,7 +106,6 @@ def load_speech(path: str, quantize: str | None = None) -> "Transcriber":
     from .speech.loading import load_whisper
     from .speech.transcribe import Transcriber
 
-    keep_freed_buffers()
     return Transcriber(load_whisper(path, quantize=quantize))
 
 

@@ -8,11 +8,13 @@ every layer faulted its buffers' pages in again, each one zeroed by the kernel: 
 prompt's CPU time on both models (sys 0.29-0.39 s of 3.9 s for Qwen, 0.04-0.06 of 0.6 s for SmolLM2, one
 thread on an AMD EPYC Zen 5; 150,000-190,000 minor faults per Qwen prompt, 9,000-12,000 after).
 
-``keep_freed_buffers()`` raises both thresholds once per process (``load``, ``from_hf`` and
-``load_speech`` call it): requests up to MMAP_THRESHOLD come from the heap, and up to TRIM_THRESHOLD of
-freed memory stays at its top for the next layer and the next step. The peak resident memory does not grow
-(the buffers were resident at the peak anyway; the embedded model's batch-1 run: 415-426 MB either way);
-what changes is that the memory a prompt used stays with the process after it. Not applied where the
+``keep_freed_buffers()`` raises both thresholds once per process (``load`` and ``from_hf`` call it):
+requests up to MMAP_THRESHOLD come from the heap, and up to TRIM_THRESHOLD of freed memory stays at its top
+for the next layer and the next step. The memory a prompt used stays with the process after it; the peak
+resident memory of the language-model benchmarks did not grow (the embedded model's batch-1 run 415-426 MB
+either way; `qwen_coder_speed.py`'s peaks 391 MB and 1,401 MB, against 413 and 1,449 before). ``load_speech``
+leaves glibc as it is: a Whisper process's encoder and decoder buffers of many sizes then fragmented the heap,
+base's peak 120-210 MiB higher (805 against 685 MiB int8, 1,107 against 896 float32) for 4-16% of speed. Not applied where the
 user chose malloc's settings (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or a
 ``glibc.malloc`` tunable in ``GLIBC_TUNABLES``), where ``FASTDECODE_HEAP=default``, or off glibc.
 """
