@@ -4,6 +4,7 @@ transformers gives), on every attention kind; cancellation, leaks, the prefix ca
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -153,6 +154,31 @@ def test_a_thousand_short_requests_leave_nothing_behind(llama_gen):
     refs = run_short_requests(engine, 1000, range(2, VOCAB), 4)
     gc.collect()
     assert all(ref() is None for ref in refs)  # the engine keeps no finished sequence alive
+
+
+@pytest.mark.parametrize("options", [{}, {"do_sample": True, "seed": 1}, {"num_beams": 2},
+                                     {"speculative": "ngram"}], ids=["greedy", "sampling", "beam", "ngram"])
+def test_a_calls_engine_is_freed_when_the_call_returns_not_at_a_collection(llama_gen, monkeypatch, options):
+    """No reference cycle holds a generate call's engine: its K/V cache is freed when the call returns
+    (in a cycle it lived until the next garbage collection, and each call's cache took fresh memory)."""
+    import fastdecode.api
+
+    engines = []
+
+    def submit_call(*args):
+        engine, sequences = submit(*args)
+        engines.append(weakref.ref(engine))
+        return engine, sequences
+
+    submit, gen = fastdecode.api.submit_call, llama_gen[0]
+    monkeypatch.setattr(fastdecode.api, "submit_call", submit_call)
+    gc.collect()
+    gc.disable()
+    try:
+        gen.generate_ids([_prompt(20, 3)], max_new_tokens=6, **options)
+        assert len(engines) == 1 and engines[0]() is None
+    finally:
+        gc.enable()
 
 
 def test_prefix_cache_runs_only_the_rest_and_equals_a_coldrun_arrivals(llama_gen):

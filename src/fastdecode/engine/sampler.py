@@ -7,6 +7,7 @@ The chosen ids come back to the host once per step; a finished sequence is relea
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -50,7 +51,11 @@ class Sampler:
     sampled with its own options and generator (``sample_rows``)."""
 
     def __init__(self, speculator, release: Callable[[Sequence], None]):
-        self.speculator, self.release = speculator, release
+        """``release``: the engine's bound method, held weakly (the engine owns this sampler: see Engine.__init__)."""
+        self.speculator, self._release = speculator, weakref.WeakMethod(release)
+
+    def release(self, sequence: Sequence) -> None:
+        self._release()(sequence)
 
     def sample(self, sampled: list[Sequence], logits: torch.Tensor, running: list[Sequence]) -> list[TokenEvent]:
         """logits [K, V] of the K ``sampled`` sequences (``running``: the engine's, which beam groups reorder).

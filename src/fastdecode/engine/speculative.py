@@ -29,6 +29,7 @@ while before probing again, and drafting needs a higher recent acceptance (~60%)
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -223,8 +224,14 @@ class Speculator:
     their verified rows confirm after it."""
 
     def __init__(self, engine: "Engine"):
-        self.engine = engine
+        # held weakly: the engine owns its speculator, and a cycle would keep a finished call's engine (and
+        # its K/V cache) alive until Python's next garbage collection (see Engine.__init__)
+        self._engine = weakref.ref(engine)
         self.runners: dict[str, DraftRunner] = {}  # draft model path -> its sequences beside this engine
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine()
 
     def attach(self, sequence: "Sequence") -> None:
         settings = speculative_settings(sequence.config.speculative)
