@@ -68,10 +68,12 @@ def attention_terms(model) -> tuple[list[int | None], Callable | None]:
 class StepPlan:
     def __init__(self, cache: SlotCache, write_slots: dict[int | None, torch.Tensor], groups: list[AttentionGroup],
                  windows: list[int | None], score_bias: Callable[[torch.Tensor], torch.Tensor] | None,
-                 dtype: torch.dtype, products: Products):
+                 dtype: torch.dtype, products: Products, write_starts: dict[int | None, int] | None = None):
         self.cache = cache
         self.products = products  # the flat tokens' roles and the step's thread budget
         self.write_slots = write_slots  # kind (None: full, else the window) -> [N] slot of each flat token
+        # kind -> s where the flat tokens' slots are s, s + 1, ... (one prompt chunk): written with one copy
+        self.write_starts = write_starts or {}
         self.groups = groups
         self.windows = windows
         self.score_bias = score_bias  # ALiBi: distances [B, T, S] -> bias [B, H, T, S]
@@ -113,7 +115,8 @@ class StepPlan:
             groups.append(attention_group(cache, first, run, fold, shared_blocks))
             first += sum(row[2] for row in run)
         write_slots = {kind: torch.tensor(s, dtype=torch.long, device=device) for kind, s in slots.items()}
-        return cls(cache, write_slots, groups, windows, score_bias, dtype, products)
+        write_starts = {kind: s[0] for kind, s in slots.items() if s and s == list(range(s[0], s[0] + len(s)))}
+        return cls(cache, write_slots, groups, windows, score_bias, dtype, products, write_starts)
 
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -136,8 +139,13 @@ class StepPlan:
                                   self.cache.block_size, window, scale, self._bias(0, kind), write,
                                   threads=threads)  # [B, H, D]
             return out.transpose(0, 1)[None]  # [1, H, B, D]
-        keys.index_copy_(0, self.write_slots[kind], k[0].transpose(0, 1))  # [N, Hkv, D]
-        values.index_copy_(0, self.write_slots[kind], v[0].transpose(0, 1))
+        start = self.write_starts.get(kind)
+        if start is None:
+            keys.index_copy_(0, self.write_slots[kind], k[0].transpose(0, 1))  # [N, Hkv, D]
+            values.index_copy_(0, self.write_slots[kind], v[0].transpose(0, 1))
+        else:  # consecutive slots (a prompt chunk): a plain copy, 2.4x as fast as index_copy_ (one thread)
+            keys[start : start + k.shape[2]].copy_(k[0].transpose(0, 1))  # [N, Hkv, D]
+            values[start : start + v.shape[2]].copy_(v[0].transpose(0, 1))
         outputs = []
         for index, group in enumerate(self.groups):
             B, T = group.rows, group.queries
@@ -155,11 +163,26 @@ class StepPlan:
             if shared_blocks:
                 out = self._attend_shared(group, table, shared_blocks, keys, values, qg, mask, scale, softcap)
             else:
-                kg = self.cache.gather(keys, table)  # [B, Hkv, S, D]
-                vg = self.cache.gather(values, table)  # [B, Hkv, S, D]
+                kg, vg = self._keys_values(index, kind, table, keys, values)  # [B, Hkv, S, D] each
                 out = attention(qg, kg, vg, mask, scale, softcap, threads=threads)  # [B, H, T, D]
             outputs.append(out.transpose(0, 1).flatten(1, 2))  # [H, B*T, D]
         return torch.cat(outputs, dim=1)[None] if len(outputs) > 1 else outputs[0][None]  # [1, H, N, D]
+
+    def _keys_values(self, index: int, kind: int | None, table: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A group's keys and values [B, Hkv, S, D] in a kind through its table [B, n]: gathered, or where
+        the group is one row whose blocks are consecutive (a sequence's first prompt chunk in a new engine),
+        a view of the layer's buffers, the same layout as the gather's without copying it."""
+        key = ("first block", index, kind)
+        if key not in self._masks:
+            consecutive = table.shape[0] == 1 and bool((table[0, 1:] - table[0, :-1] == 1).all())
+            self._masks[key] = int(table[0, 0]) if consecutive else None
+        first = self._masks[key]
+        if first is None:
+            return self.cache.gather(keys, table), self.cache.gather(values, table)
+        size, n = self.cache.block_size, table.shape[1]
+        return tuple(buffer[first * size : (first + n) * size][None].transpose(1, 2)  # [1, S, Hkv, D] -> [1, Hkv, S, D]
+                     for buffer in (keys, values))
 
     def decode_operands(self, layer: int) -> tuple | None:
         """When every row of the step decodes one token and the layer's attention is one paged op:
