@@ -13,6 +13,7 @@ from fastdecode.layers import elementwise
 from fastdecode.layers.elementwise import elementwise_ops
 from fastdecode.layers.positions import RotaryEmbedding, rope_inverse_frequencies, rotate_heads
 from fastdecode.layers.products import KernelChoice, Products
+from kernel_isas import avx512_gives_the_avx2_bits, needs_avx512
 from tiny_models import VOCAB, build, build_gemma3
 
 
@@ -137,3 +138,18 @@ def test_a_prompts_rows_split_over_threads_give_the_bits_of_one_thread(threads):
     gate_up = torch.randn(B, T, 2 * 1536, generator=g)
     for activation in ("silu", "gelu_pytorch_tanh"):
         assert torch.equal(elementwise.gated(gate_up, activation), elementwise.gated(gate_up, activation, threads=threads))
+
+
+@needs_kernels
+@needs_avx512
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_gated_gives_the_avx2_bits_on_avx512(activation):
+    """gated's AVX-512 loop (gated_avx512.cpp: 16 lanes, SLEEF's 16-lane functions) equals the AVX2 one bit for
+    bit, NaNs included: inputs over the whole float range (random bit patterns: huge, tiny, subnormal, inf,
+    NaN), a normal spread, widths with every tail (16-lane blocks, an 8-lane block, scalars)."""
+    g = torch.Generator().manual_seed(4)
+    patterns = torch.randint(-2**31, 2**31, (64, 2 * 1536), generator=g, dtype=torch.int64).to(torch.int32)
+    spread = torch.randn(64, 2 * 1536, generator=g) * torch.logspace(-3, 2, 64)[:, None]
+    cases = [(rows[:, : 2 * I].contiguous(),) for rows in (patterns.view(torch.float32), spread)
+             for I in (1536, 27, 19, 8)]
+    avx512_gives_the_avx2_bits(lambda gate_up: elementwise.gated(gate_up, activation).view(torch.int32), cases)

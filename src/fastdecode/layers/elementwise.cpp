@@ -10,7 +10,8 @@
 //                 and key heads optionally RMS-normed per head first (Gemma's q/k norms), then
 //                 rotated in the half-split layout:
 //                 y[i] = x[i] * cos[i] + x[i +- rot/2] * signed_sin[i] (rotate_heads' op order)
-//   gated         act(gate) * up over [..., 2I] = [gate | up] (SiLU, or GELU with tanh)
+//   gated         act(gate) * up over [..., 2I] = [gate | up] (SiLU, or GELU with tanh); 16 lanes at a
+//                 time where the CPU has AVX-512 (gated_avx512.cpp: the same bits)
 // Every product and sum is rounded as the PyTorch ops round it (mul, then add; no FMA: kernels.py
 // builds with -ffp-contract=off); only the sum of squares runs in another order. The activations
 // use the SLEEF functions PyTorch's own vectorized kernels call.
@@ -24,7 +25,12 @@
 #include <tuple>
 #include <vector>
 
+#include "isa.h"
 #include "parallel.h"
+
+namespace fastdecode::avx512 {
+int64_t gated_row(const float* g, const float* u, float* y, int64_t n, int64_t kind);  // gated_avx512.cpp
+}
 
 namespace {
 
@@ -217,12 +223,13 @@ at::Tensor gated_split(const at::Tensor& gate_up_in, int64_t kind, int64_t threa
   std::vector<int64_t> sizes(gate_up.sizes().begin(), gate_up.sizes().end());
   sizes.back() = I;
   at::Tensor out = at::empty(sizes, gate_up.options());
+  const bool avx512 = fastdecode::use_avx512();
   fastdecode::parallel_chunks(rows, row_chunk(2 * I), threads, [&](int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const float* g = gate_up.data_ptr<float>() + r * 2 * I;
     const float* u = g + I;
     float* y = out.data_ptr<float>() + r * I;
-    int64_t i = 0;
+    int64_t i = avx512 ? fastdecode::avx512::gated_row(g, u, y, I, kind) : 0;  // 16 lanes, the same bits
     for (; i + 8 <= I; i += 8)
       _mm256_storeu_ps(y + i, _mm256_mul_ps(activate(_mm256_loadu_ps(g + i), kind), _mm256_loadu_ps(u + i)));
     for (; i < I; ++i) y[i] = activate(g[i], kind) * u[i];
