@@ -130,21 +130,29 @@ int64_t in_place_rows(int64_t N) {
 
 // Rows [0, RB) of x (rows K apart) over rows [k0, k1) of one pass of w (w0: the segment's row s0; lanes past the
 // width masked off), the sums from 0 when `first`, else from `park` ([RB][NV][16]), left in `park`; prefetching
-// into L3 when FAR (FAR_PASSES_AHEAD), else into L1. Inlined: with a run's length known only at run time, GCC
-// kept it a call and its 24 sums in memory, stored at every multiply-add (half the speed).
-template <int RB, bool FAR, typename W>
+// the later pass's columns of its rows while k < ahead_until (every row, or where SHARED the rows *next, *next +
+// every, ...: *next left at the first past k1), into L3 when FAR (FAR_PASSES_AHEAD), else into L1. Inlined: with a
+// run's length known only at run time, GCC kept it a call and its 24 sums in memory, stored at every multiply-add
+// (half the speed). SHARED at compile time: a row count in the loop of a group that prefetches every row slowed 13
+// rows' 3072 x 768 product by 10%.
+template <int RB, bool FAR, bool SHARED = false, typename W>
 __attribute__((always_inline)) inline void group_chunk(const float* x, int64_t K, const W* w0, int64_t N, int64_t s0,
                                                        int64_t k0, int64_t k1, bool first, const __mmask16* mask,
-                                                       bool full, float* park, int64_t ahead_until, int64_t ahead) {
+                                                       bool full, float* park, int64_t ahead_until, int64_t ahead,
+                                                       int64_t every = 1, int64_t* shared_next = nullptr) {
   __m512 acc[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(park + (r * NV + v) * 16);
+  int64_t next = SHARED ? *shared_next : k0;
   for (int64_t k = k0; k < k1; ++k) {
     const W* wk = w0 + (k - s0) * N;
-    if (k < ahead_until)
-      for (int64_t byte = 0; byte < WIDTH * static_cast<int64_t>(sizeof(W)); byte += 64)
-        if constexpr (FAR) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T2);
-        else _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T0);
+    if (!SHARED || k == next) {
+      next += every;
+      if (k < ahead_until)
+        for (int64_t byte = 0; byte < WIDTH * static_cast<int64_t>(sizeof(W)); byte += 64)
+          if constexpr (FAR) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T2);
+          else _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T0);
+    }
     __m512 wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = load16(wk + 16 * v, full, mask[v]);
     for (int r = 0; r < RB; ++r) {
@@ -154,12 +162,18 @@ __attribute__((always_inline)) inline void group_chunk(const float* x, int64_t K
   }
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v) _mm512_store_ps(park + (r * NV + v) * 16, acc[r][v]);
+  if constexpr (SHARED) *shared_next = next;
 }
 
 // One segment [s0, s1) of 8 * groups + REST rows (groups >= 1, REST < 8) x columns [n, n + width) read in place
-// (w0, ahead_until, ahead: as tile_segment's; the first group prefetches, into L3 where `far`), the groups taking
-// turns over runs of `turn` rows (turn_rows), the rest last; the segment's sums stored into y as the running total
-// (the first segment) or added to it.
+// (w0, ahead_until, ahead: as tile_segment's), the groups taking turns over runs of `turn` rows (turn_rows), the rest
+// last; the segment's sums stored into y as the running total (the first segment) or added to it. Where the turns
+// are longer than CHUNK rows, the 8-row groups share the prefetches, group g the rows k = g (mod groups) of the
+// segment, where the first alone asked for a whole pass's lines in one burst (one thread, streamed, Zen 5, G
+// multiply-adds/s, medians of two runs: 32 rows, the logits layer 84.5 -> 95.6 and 86.1 -> 95.4, 3072 x 768 73.3 ->
+// 82.0 and 71.3 -> 80.5, 768 x 2304 alike; 16 rows, the logits layer 72.5 -> 87.0 and 71.9 -> 87.2, 768 x 2304
+// 79.2 -> 86.5 and 81.2 -> 90.6; turns of CHUNK rows (768 x 3072) shared: 0.75-0.9x; the rest group taking a share
+// too: 9 rows no better); the first group alone prefetches into L3 where `far`.
 template <int REST, typename W>
 void grouped_segment(const float* x, int64_t K, int64_t groups, const W* w0, int64_t N, float* y, int64_t n,
                      int64_t width, int64_t s0, int64_t s1, int64_t turn, bool far, int64_t ahead_until, int64_t ahead) {
@@ -170,12 +184,16 @@ void grouped_segment(const float* x, int64_t K, int64_t groups, const W* w0, int
   }
   const bool full = width == WIDTH;
   alignas(64) float park[IN_PLACE_ROWS * NV * 16];  // [row][vector][16]: the sums between turns
+  int64_t next[IN_PLACE_ROWS / 8];  // shared prefetches: group g's next row, g (mod groups) from s0
+  for (int64_t g = 0; g < groups; ++g) next[g] = s0 + g;
   for (int64_t k0 = s0; k0 < s1; k0 += turn) {
     const int64_t k1 = std::min(s1, k0 + turn);
+    const bool shared = !far && groups > 1 && turn > CHUNK;  // the 8-row groups share the prefetches
     if (far) group_chunk<8, true>(x, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park, ahead_until, ahead);
-    else group_chunk<8, false>(x, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park, ahead_until, ahead);
-    for (int64_t g = 1; g < groups; ++g)
-      group_chunk<8, false>(x + 8 * g * K, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park + 8 * g * NV * 16, 0, 0);
+    else if (!shared) group_chunk<8, false>(x, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park, ahead_until, ahead);
+    for (int64_t g = shared ? 0 : 1; g < groups; ++g)
+      group_chunk<8, false, true>(x + 8 * g * K, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park + 8 * g * NV * 16,
+                                  shared ? ahead_until : 0, ahead, groups, next + g);
     if constexpr (REST > 0)
       group_chunk<REST, false>(x + 8 * groups * K, K, w0, N, s0, k0, k1, k0 == s0, mask, full,
                                park + 8 * groups * NV * 16, 0, 0);
