@@ -220,7 +220,7 @@ def test_a_float16_held_weight_gives_the_float32_bits(K, N):
     try:
         for isa in {avx512, False}:
             ops.set_avx512(isa)
-            for M in (1, 2, 3, 5, 8, 9, 16, 17):
+            for M in (1, 2, 3, 5, 8, 9, 16, 17, 32, 40):
                 for threads in (1, 2):
                     for b in (None, bias):
                         assert torch.equal(ops.float_matmul(x[:M], half, b, threads),
