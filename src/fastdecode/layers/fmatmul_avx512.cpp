@@ -9,9 +9,9 @@
 // of the range (a beam step's logits layer: 5 rows x 51865 columns), not 48 columns at a time. Each
 // output's arithmetic is the contract's: one FMA chain per segment from 0 in k order, the segment sums
 // added in order, then the bias, so a row's bits depend neither on the other rows nor on the ISA.
-// 9 to 16 rows (a serving step) run as two such groups taking turns over runs of w's rows read in place
-// (paired_segment: a whole segment, or 8 rows where w's rows share L1 sets); more rows copy each block of w once
-// for several 8-row groups.
+// 9 to 64 rows (a serving step, a beam step: 8 sources x 4 beams) run as such groups of 8 (and one of the rest)
+// taking turns over runs of w's rows read in place (grouped_segment: a whole segment, or 8 rows where w's rows
+// share L1 sets; up to 32 rows there); more rows copy each block of w once for several 8-row groups.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -36,9 +36,9 @@ constexpr int64_t WIDTH = 16 * NV;
 // 768 x 3072 5.5 -> 1.6 ms, 768 x 2304 1.9 -> 1.2 ms, 3072 x 768 6.0 -> 2.3 ms with 2 passes ahead; 3 or 4 ahead
 // no better): a distance in passes, each some hundreds of cycles of FMAs whatever the CPU.
 constexpr int64_t PASSES_AHEAD = 2;
-// 9 to 16 rows where every row of w falls in the same L2 sets (N * sizeof(W) a multiple of L2_PERIOD: a 49152-word
-// logits layer's, 192 KiB apart): lines prefetched into L1 or L2 two passes ahead are evicted by the other rows'
-// before they are read, so the passes prefetch into L3 (T2), FAR_PASSES_AHEAD passes ahead (SmolLM2-135M's
+// 9 to in_place_rows rows where every row of w falls in the same L2 sets (N * sizeof(W) a multiple of L2_PERIOD: a
+// 49152-word logits layer's, 192 KiB apart): lines prefetched into L1 or L2 two passes ahead are evicted by the
+// other rows' before they are read, so the passes prefetch into L3 (T2), FAR_PASSES_AHEAD passes ahead (SmolLM2-135M's
 // 576 x 49152 logits layer, 16 rows, one thread, streamed from memory, AMD Zen 5: 55-59 -> 65-66 GMAC/s; the
 // same prefetch on the other products' shapes slowed them down).
 constexpr int64_t FAR_PASSES_AHEAD = 4;
@@ -94,10 +94,10 @@ void tile_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y, i
     }
 }
 
-// 9 to 16 rows (a serving step's decode rows) run as two row groups, the first 8 rows and the rest, each holding
-// its rows' sums of the pass's 48 columns in registers (3 loads and up to 8 broadcasts per 24 multiply-adds). The
-// groups take turns over runs of w's rows, parking their sums in a buffer between turns, so the second group
-// reads each run's weights from L1 right after the first. A run's lines must stay in L1: where w's rows lie a
+// 9 to 64 rows (a serving step's decode rows, a beam step's) run as row groups of 8 rows and one of the rest, each
+// holding its rows' sums of the pass's 48 columns in registers (3 loads and up to 8 broadcasts per 24
+// multiply-adds). The groups take turns over runs of w's rows, parking their sums in a buffer between turns, so the
+// later groups read each run's weights from L1 right after the first. A run's lines must stay in L1: where w's rows lie a
 // multiple of 4 KiB apart (a 3072-wide FFN, a 49152-word logits layer) all their lines fall in the same L1 sets,
 // and a run is CHUNK rows, within a set's ways; where the rows spread over the sets (SmolLM2-135M's 576-, 960- and
 // 1536-wide rows) a run is up to the whole segment, fewer sums parked (turn_rows). One group of 16 rows x 1
@@ -106,6 +106,13 @@ void tile_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y, i
 // 64.4-93.1 ms as two (the same run, alternating). Each output's arithmetic is tile_segment's: one FMA chain from 0
 // in k order per segment, however the turns cut it.
 constexpr int64_t CHUNK = 8;
+// Rows up to which the groups read w in place (more: from a packed copy, below), IN_PLACE_ROWS, or ALIASED_ROWS where
+// the turns are CHUNK rows (every group parks and reloads its sums every 8 rows of w). Against the packed copy, one
+// thread, bart-base's decoder products streamed from memory, AMD Zen 5, G multiply-adds/s: 32 rows, the logits layer
+// (768 x 50265) 58.5 -> 87.3, 768 x 2304 59 -> 86, 3072 x 768 53 -> 73, 768 x 3072 (rows 12 KiB apart) 60 -> 68;
+// 64 rows 74 -> 92, 92, 83, but 768 x 3072 74 -> 64 (48 rows: 68 -> 63).
+constexpr int64_t IN_PLACE_ROWS = 64;
+constexpr int64_t ALIASED_ROWS = 32;
 
 // Rows of w per turn of the two groups: CHUNK times the rows before w's rows repeat modulo 4 KiB (the period of
 // their L1 sets: 1 where N * sizeof(W) is a multiple of 4 KiB, 16 for 576 floats), at most a segment.
@@ -116,23 +123,36 @@ int64_t turn_rows(int64_t N) {
   return std::min(FLOAT_SEGMENT, CHUNK * period);
 }
 
+template <typename W>
+int64_t in_place_rows(int64_t N) {
+  return turn_rows<W>(N) == CHUNK ? ALIASED_ROWS : IN_PLACE_ROWS;
+}
+
 // Rows [0, RB) of x (rows K apart) over rows [k0, k1) of one pass of w (w0: the segment's row s0; lanes past the
 // width masked off), the sums from 0 when `first`, else from `park` ([RB][NV][16]), left in `park`; prefetching
-// into L3 when FAR (FAR_PASSES_AHEAD), else into L1. Inlined: with a run's length known only at run time, GCC
-// kept it a call and its 24 sums in memory, stored at every multiply-add (half the speed).
-template <int RB, bool FAR, typename W>
+// the later pass's columns of its rows while k < ahead_until (every row, or where SHARED the rows *next, *next +
+// every, ...: *next left at the first past k1), into L3 when FAR (FAR_PASSES_AHEAD), else into L1. Inlined: with a
+// run's length known only at run time, GCC kept it a call and its 24 sums in memory, stored at every multiply-add
+// (half the speed). SHARED at compile time: a row count in the loop of a group that prefetches every row slowed 13
+// rows' 3072 x 768 product by 10%.
+template <int RB, bool FAR, bool SHARED = false, typename W>
 __attribute__((always_inline)) inline void group_chunk(const float* x, int64_t K, const W* w0, int64_t N, int64_t s0,
                                                        int64_t k0, int64_t k1, bool first, const __mmask16* mask,
-                                                       bool full, float* park, int64_t ahead_until, int64_t ahead) {
+                                                       bool full, float* park, int64_t ahead_until, int64_t ahead,
+                                                       int64_t every = 1, int64_t* shared_next = nullptr) {
   __m512 acc[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(park + (r * NV + v) * 16);
+  int64_t next = SHARED ? *shared_next : k0;
   for (int64_t k = k0; k < k1; ++k) {
     const W* wk = w0 + (k - s0) * N;
-    if (k < ahead_until)
-      for (int64_t byte = 0; byte < WIDTH * static_cast<int64_t>(sizeof(W)); byte += 64)
-        if constexpr (FAR) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T2);
-        else _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T0);
+    if (!SHARED || k == next) {
+      next += every;
+      if (k < ahead_until)
+        for (int64_t byte = 0; byte < WIDTH * static_cast<int64_t>(sizeof(W)); byte += 64)
+          if constexpr (FAR) _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T2);
+          else _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T0);
+    }
     __m512 wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = load16(wk + 16 * v, full, mask[v]);
     for (int r = 0; r < RB; ++r) {
@@ -142,28 +162,43 @@ __attribute__((always_inline)) inline void group_chunk(const float* x, int64_t K
   }
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v) _mm512_store_ps(park + (r * NV + v) * 16, acc[r][v]);
+  if constexpr (SHARED) *shared_next = next;
 }
 
-// One segment [s0, s1) of 8 + REST rows x columns [n, n + width) read in place (w0, ahead_until, ahead: as
-// tile_segment's; the first group prefetches, into L3 where `far`), the two groups taking turns over runs of `turn`
-// rows (turn_rows); the segment's sums stored into y as the running total (the first segment) or added to it.
+// One segment [s0, s1) of 8 * groups + REST rows (groups >= 1, REST < 8) x columns [n, n + width) read in place
+// (w0, ahead_until, ahead: as tile_segment's), the groups taking turns over runs of `turn` rows (turn_rows), the rest
+// last; the segment's sums stored into y as the running total (the first segment) or added to it. Where the turns
+// are longer than CHUNK rows, the 8-row groups share the prefetches, group g the rows k = g (mod groups) of the
+// segment, where the first alone asked for a whole pass's lines in one burst (one thread, streamed, Zen 5, G
+// multiply-adds/s, medians of two runs: 32 rows, the logits layer 84.5 -> 95.6 and 86.1 -> 95.4, 3072 x 768 73.3 ->
+// 82.0 and 71.3 -> 80.5, 768 x 2304 alike; 16 rows, the logits layer 72.5 -> 87.0 and 71.9 -> 87.2, 768 x 2304
+// 79.2 -> 86.5 and 81.2 -> 90.6; turns of CHUNK rows (768 x 3072) shared: 0.75-0.9x; the rest group taking a share
+// too: 9 rows no better); the first group alone prefetches into L3 where `far`.
 template <int REST, typename W>
-void paired_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y, int64_t n, int64_t width,
-                    int64_t s0, int64_t s1, int64_t turn, bool far, int64_t ahead_until, int64_t ahead) {
+void grouped_segment(const float* x, int64_t K, int64_t groups, const W* w0, int64_t N, float* y, int64_t n,
+                     int64_t width, int64_t s0, int64_t s1, int64_t turn, bool far, int64_t ahead_until, int64_t ahead) {
   __mmask16 mask[NV];
   for (int v = 0; v < NV; ++v) {
     const int64_t valid = std::clamp<int64_t>(width - 16 * v, 0, 16);
     mask[v] = static_cast<__mmask16>(valid == 16 ? 0xFFFF : (1u << valid) - 1);
   }
   const bool full = width == WIDTH;
-  alignas(64) float park[(8 + REST) * NV * 16];  // [row][vector][16]: the sums between turns
+  alignas(64) float park[IN_PLACE_ROWS * NV * 16];  // [row][vector][16]: the sums between turns
+  int64_t next[IN_PLACE_ROWS / 8];  // shared prefetches: group g's next row, g (mod groups) from s0
+  for (int64_t g = 0; g < groups; ++g) next[g] = s0 + g;
   for (int64_t k0 = s0; k0 < s1; k0 += turn) {
     const int64_t k1 = std::min(s1, k0 + turn);
+    const bool shared = !far && groups > 1 && turn > CHUNK;  // the 8-row groups share the prefetches
     if (far) group_chunk<8, true>(x, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park, ahead_until, ahead);
-    else group_chunk<8, false>(x, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park, ahead_until, ahead);
-    group_chunk<REST, false>(x + 8 * K, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park + 8 * NV * 16, 0, 0);
+    else if (!shared) group_chunk<8, false>(x, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park, ahead_until, ahead);
+    for (int64_t g = shared ? 0 : 1; g < groups; ++g)
+      group_chunk<8, false, true>(x + 8 * g * K, K, w0, N, s0, k0, k1, k0 == s0, mask, full, park + 8 * g * NV * 16,
+                                  shared ? ahead_until : 0, ahead, groups, next + g);
+    if constexpr (REST > 0)
+      group_chunk<REST, false>(x + 8 * groups * K, K, w0, N, s0, k0, k1, k0 == s0, mask, full,
+                               park + 8 * groups * NV * 16, 0, 0);
   }
-  for (int r = 0; r < 8 + REST; ++r)
+  for (int64_t r = 0; r < 8 * groups + REST; ++r)
     for (int v = 0; v < NV; ++v) {
       float* t = y + r * N + n + 16 * v;
       const __m512 acc = _mm512_load_ps(park + (r * NV + v) * 16);
@@ -188,31 +223,31 @@ void in_place_passes(int64_t K, int64_t N, int64_t n0, int64_t n1, Pass pass, in
   }
 }
 
-// Columns [n0, n1) of 8 + REST rows (9 to 16) by paired_segment, in place.
+// Columns [n0, n1) of 9 to in_place_rows rows by grouped_segment, in place.
 template <int REST, typename W>
-void paired_rows(const float* x, int64_t K, const W* w, int64_t N, float* y, int64_t n0, int64_t n1) {
-  const int64_t turn = turn_rows<W>(N);
+void grouped_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t n0, int64_t n1) {
+  const int64_t turn = turn_rows<W>(N), groups = M / 8;
   const bool far = N * static_cast<int64_t>(sizeof(W)) % L2_PERIOD == 0;
   in_place_passes(K, N, n0, n1, [&](int64_t s0, int64_t s1, int64_t n, int64_t width, int64_t until, int64_t ahead) {
-    paired_segment<REST>(x, K, w + s0 * N + n, N, y, n, width, s0, s1, turn, far, until, ahead);
+    grouped_segment<REST>(x, K, groups, w + s0 * N + n, N, y, n, width, s0, s1, turn, far, until, ahead);
   }, far ? FAR_PASSES_AHEAD : PASSES_AHEAD);
 }
 
 template <typename W>
-void nine_to_sixteen(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t n0, int64_t n1) {
-  switch (M - 8) {
-    case 1: return paired_rows<1>(x, K, w, N, y, n0, n1);
-    case 2: return paired_rows<2>(x, K, w, N, y, n0, n1);
-    case 3: return paired_rows<3>(x, K, w, N, y, n0, n1);
-    case 4: return paired_rows<4>(x, K, w, N, y, n0, n1);
-    case 5: return paired_rows<5>(x, K, w, N, y, n0, n1);
-    case 6: return paired_rows<6>(x, K, w, N, y, n0, n1);
-    case 7: return paired_rows<7>(x, K, w, N, y, n0, n1);
-    default: return paired_rows<8>(x, K, w, N, y, n0, n1);
+void in_place_groups(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t n0, int64_t n1) {
+  switch (M % 8) {
+    case 1: return grouped_rows<1>(x, M, K, w, N, y, n0, n1);
+    case 2: return grouped_rows<2>(x, M, K, w, N, y, n0, n1);
+    case 3: return grouped_rows<3>(x, M, K, w, N, y, n0, n1);
+    case 4: return grouped_rows<4>(x, M, K, w, N, y, n0, n1);
+    case 5: return grouped_rows<5>(x, M, K, w, N, y, n0, n1);
+    case 6: return grouped_rows<6>(x, M, K, w, N, y, n0, n1);
+    case 7: return grouped_rows<7>(x, M, K, w, N, y, n0, n1);
+    default: return grouped_rows<0>(x, M, K, w, N, y, n0, n1);
   }
 }
 
-// Several row groups (M > 16) read the same weights: each segment's rows of w for a block of PACK_COLUMNS columns
+// More row groups (past in_place_rows) read the same weights: each segment's rows of w for a block of PACK_COLUMNS columns
 // are first copied (a float16 weight widened) into a buffer laid out pass by pass ([pass][k][WIDTH], zero past
 // the block's end), which every row group then reads from L1/L2. Read in place instead, a pass's 64 rows of w lie
 // N apart, and where N * 4 bytes is a multiple of 4 KiB (a 3072-wide FFN, a 49152-word logits layer) they all
@@ -273,8 +308,8 @@ void row_groups(const float* x, int64_t M, int64_t K, const W* w0, int64_t N, fl
 template <typename W>
 void rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* y, int64_t n0,
           int64_t n1) {
-  if (M > 8 && M <= 16) {
-    nine_to_sixteen(x, M, K, w, N, y, n0, n1);
+  if (M > 8 && M <= in_place_rows<W>(N)) {
+    in_place_groups(x, M, K, w, N, y, n0, n1);
   } else if (M > 8) {
     alignas(64) float packed[FLOAT_SEGMENT * PACK_COLUMNS];
     for (int64_t nb = n0; nb < n1; nb += PACK_COLUMNS) {
