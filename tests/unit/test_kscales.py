@@ -27,7 +27,10 @@ ROWS = (1, 2, 3, 5, 8, 9)
 # (label, GGUF type, N, K, tiled): odd N pads the last tile (tiled) or leaves outputs to the AVX2 kernel (rows)
 CASES = [("Q4_K tiled", QT.Q4_K, 24, 512, True), ("Q4_K tiled N=13", QT.Q4_K, 13, 256, True),
          ("Q5_K tiled N=21", QT.Q5_K, 21, 512, True), ("Q4_K rows", QT.Q4_K, 10, 512, False),
-         ("Q6_K rows", QT.Q6_K, 24, 512, False), ("Q6_K rows N=13", QT.Q6_K, 13, 256, False)]
+         ("Q6_K rows", QT.Q6_K, 24, 512, False), ("Q6_K rows N=13", QT.Q6_K, 13, 256, False),
+         # several super-blocks per row and tile pairs (the AVX-512 kernels decode records once per super-block),
+         # more outputs than one piece of 32 (rows6_avx512.cpp's six_compact_outputs), a tail of 2
+         ("Q4_K tiled N=40 K=1536", QT.Q4_K, 40, 1536, True), ("Q6_K rows N=70 K=768", QT.Q6_K, 70, 768, False)]
 
 
 def compact_and_float(qtype: QT, N: int, K: int, tile: bool) -> tuple[QuantizedWeight, QuantizedWeight]:
