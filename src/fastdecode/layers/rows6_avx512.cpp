@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -72,7 +73,9 @@ inline void pair_rows(const uint8_t* codes, const S* scale, int64_t row_bytes, i
 // d * code, the float multiply of the same two values that kscales.h's expand_rows makes (the same bits).
 inline __m512 super_scales(const quant::KScale* record) {
   const int8_t* p = &record->byte;
-  const __m512 d = _mm512_set1_ps(quant::half_at(p + quant::SUPER / 16));
+  uint16_t d_bits;  // d broadcast as float16, then converted: F16C's exact conversion, as half_at's
+  std::memcpy(&d_bits, p + quant::SUPER / 16, 2);
+  const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(d_bits)));
   return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
 }
 constexpr int64_t RECORD16 = quant::SUPER / 16 + 2;  // bytes of a compact record of groups of 16
