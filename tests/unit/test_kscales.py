@@ -27,7 +27,10 @@ ROWS = (1, 2, 3, 5, 8, 9)
 # (label, GGUF type, N, K, tiled): odd N pads the last tile (tiled) or leaves outputs to the AVX2 kernel (rows)
 CASES = [("Q4_K tiled", QT.Q4_K, 24, 512, True), ("Q4_K tiled N=13", QT.Q4_K, 13, 256, True),
          ("Q5_K tiled N=21", QT.Q5_K, 21, 512, True), ("Q4_K rows", QT.Q4_K, 10, 512, False),
-         ("Q6_K rows", QT.Q6_K, 24, 512, False), ("Q6_K rows N=13", QT.Q6_K, 13, 256, False)]
+         ("Q6_K rows", QT.Q6_K, 24, 512, False), ("Q6_K rows N=13", QT.Q6_K, 13, 256, False),
+         # several super-blocks per row and tile pairs (the AVX-512 kernels decode records once per super-block),
+         # more outputs than one piece of 32 (rows6_avx512.cpp's six_compact_outputs), a tail of 2
+         ("Q4_K tiled N=40 K=1536", QT.Q4_K, 40, 1536, True), ("Q6_K rows N=70 K=768", QT.Q6_K, 70, 768, False)]
 
 
 def compact_and_float(qtype: QT, N: int, K: int, tile: bool) -> tuple[QuantizedWeight, QuantizedWeight]:
@@ -99,14 +102,17 @@ def test_compact_scales_take_what_the_issue_counts():
     assert torch.equal(wide.scale, kscales.expand(q4.scale, 32)) and torch.equal(wide.mins, kscales.expand(q4.mins, 32))
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
 @pytest.mark.parametrize("tied", [False, True])
-def test_k_quant_products_hold_compact_scales_and_tables_and_the_head_float32_ones(tied, tmp_path):
+def test_k_quant_products_and_a_q6_k_head_hold_compact_scales_and_tables_float32_ones(qtype, tied, tmp_path):
     """The K-quant matrices of products keep GGUF's sub-scale codes and float16 super-scales (layers/kscales.py);
-    the embedding table and the LM head float32 scales (the head's float-activation kernel is compute-bound:
-    loading/gguf.py), tied or not."""
-    weights = fastdecode.load(write_tiny_llama(tmp_path / "q4_k.gguf", QT.Q4_K, tied=tied)).checkpoint.weights
+    the embedding table float32 scales, tied or not; an untied LM head compact ones where it is Q6_K (its kernel
+    decodes the records in registers: rows6_avx512.cpp), float32 ones otherwise (loading/gguf.py)."""
+    weights = fastdecode.load(write_tiny_llama(tmp_path / "k.gguf", qtype, tied=tied)).checkpoint.weights
     held = {name: w for name, w in weights.items() if isinstance(w, QuantizedWeight)}
     assert any(keeps_rows_layout(name) for name in held) and not all(keeps_rows_layout(name) for name in held)
+    assert ("lm_head.weight" in held) and ("embed.weight" in held)
     for name, weight in held.items():
-        assert kscales.is_compact(weight.scale) != keeps_rows_layout(name), name
-        assert (weight.scale.dtype == torch.float32) == keeps_rows_layout(name), name
+        compact = not keeps_rows_layout(name) or (name == "lm_head.weight" and qtype == QT.Q6_K and not tied)
+        assert kscales.is_compact(weight.scale) == compact, name
+        assert (weight.scale.dtype == torch.float32) != compact, name

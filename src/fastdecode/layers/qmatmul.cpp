@@ -198,7 +198,7 @@ constexpr int64_t OUTPUT_CHUNK = 32;
 template <int BITS, int RB>
 int64_t int8_pairs(const QuantizedRows& q, const uint8_t* offset, int64_t m0, const uint8_t* codes, const float* scale,
                    float* y, int64_t N, int64_t n0, int64_t n1) {
-  if constexpr (BITS == 6) return fastdecode::avx512::six_int8_row_pairs<RB>(q, m0, codes, scale, y, N, n0, n1);
+  if constexpr (BITS == 6) return fastdecode::avx512::six_int8_row_pairs<float, RB>(q, m0, codes, scale, y, N, n0, n1);
   return fastdecode::avx512::int8_row_pairs16<RB>(q, offset, m0, codes, scale, y, N, n0, n1);
 }
 
@@ -268,11 +268,15 @@ constexpr int64_t DECODED_SCALE_BYTES = 16 << 10;
 // Outputs [n0, n1) of a weight with compact scales (kscales.h): each piece's scales and mins decoded to
 // float32 (the float32 layout's values: the same bits) in L1, then outputs_range on them. A piece is
 // OUTPUT_CHUNK outputs, or fewer where their scales would not fit DECODED_SCALE_BYTES (a multiple of 4:
-// the AVX-512 kernels' step; 4 outputs of the 1536 x 8960 Q6_K down matrix hold 9 KB of scales).
+// the AVX-512 kernels' step; 4 outputs of the 1536 x 8960 Q6_K down matrix hold 9 KB of scales). Q6_K on
+// AVX-512 skips this for all but its last (N % 4) outputs: rows6_avx512.cpp decodes the records in registers.
 template <int BITS, int G>
 void compact_outputs_range(const QuantizedRows& q, bool wide, const uint8_t* offset, const float* x, const float* xsum,
                            int64_t M, int64_t K, const uint8_t* cp, const KScale* sp, const KScale* mp, float* yp,
                            int64_t N, int64_t n0, int64_t n1) {
+  if constexpr (BITS == 6 && G == 16)  // AVX-512: the records decoded in registers, all but the last few outputs
+    if (wide && mp == nullptr) n0 = fastdecode::avx512::six_compact_outputs(q, x, M, K, cp, sp, yp, N, n0, n1);
+  if (n0 >= n1) return;
   const int64_t groups = K / G, row_bytes = K * BITS / 8;
   const int64_t fit = DECODED_SCALE_BYTES / (sizeof(float) * groups * (mp != nullptr ? 2 : 1)) / 4 * 4;
   const int64_t piece = std::clamp<int64_t>(fit, 4, OUTPUT_CHUNK);

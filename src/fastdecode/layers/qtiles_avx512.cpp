@@ -67,9 +67,36 @@ template <typename S>
 inline __m512 pair_scales(const S* low, const S* high, int64_t b) {
   return load_scales(low + b * TILE, high + b * TILE);
 }
-inline __m512 pair_scales(const quant::KScale* low, const quant::KScale* high, int64_t b) {  // decoded (kscales.h)
-  return _mm512_insertf32x8(_mm512_castps256_ps512(quant::block_scales(low, b)), quant::block_scales(high, b), 1);
-}
+
+// The block scales (or mins) of a tile pair, block after block: pair_scales; compact records (kscales.h) decoded
+// with their 16 float16 super-scales converted once per super-block (8 blocks), not once per block: per block
+// one 16-byte gather of the two tiles' codes, a widening, a conversion and the multiply of quant::block_scales
+// (d * code, the same lanes: the same bits).
+template <typename S>
+struct PairScales {
+  const S *low, *high;
+  PairScales(const S* low, const S* high) : low(low), high(high) {}
+  __m512 at(int64_t b) { return pair_scales(low, high, b); }
+};
+template <>
+struct PairScales<quant::KScale> {
+  const int8_t *low, *high;
+  int64_t super = -1;
+  __m512 d = _mm512_setzero_ps();  // the super-block's scales: tile t0's 8 outputs, then t0 + 1's
+  PairScales(const quant::KScale* low, const quant::KScale* high) : low(&low->byte), high(&high->byte) {}
+  __m512 at(int64_t b) {
+    const int64_t record = (b >> 3) * quant::TILE_RECORD;
+    if ((b >> 3) != super) {
+      super = b >> 3;
+      d = _mm512_cvtph_ps(_mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + record + 64))),
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(high + record + 64)), 1));
+    }
+    const __m128i codes = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(low + record + 8 * (b & 7))),
+                                             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(high + record + 8 * (b & 7))));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)));
+  }
+};
 
 }  // namespace
 
@@ -96,7 +123,8 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
   // --paired 16, ratios 1.079 and 1.078); Qwen2.5-Coder-1.5B Q4_K_M 33.3 -> 33.4 (decode_ab.py).
   constexpr _mm_hint hint = RB <= 2 ? _MM_HINT_NTA : _MM_HINT_T0;
   if constexpr (PREFETCH) {  // the next pair's scales and mins (their own streams, read once per pair)
-    const int64_t bytes = 2 * blocks * TILE * static_cast<int64_t>(sizeof(S));
+    const int64_t bytes = 2 * (reinterpret_cast<const char*>(quant::tile_scales(scale, 1, blocks)) -
+                               reinterpret_cast<const char*>(scale));  // (compact: 80 bytes per 8 blocks)
     const char* next_scales = reinterpret_cast<const char*>(quant::tile_scales(scale, t0 + 2, blocks));
     const char* next_mins = mins != nullptr ? reinterpret_cast<const char*>(quant::tile_scales(mins, t0 + 2, blocks)) : nullptr;
     for (int64_t line = 0; line < bytes; line += 64) {  // (prefetches never fault, past the end included)
@@ -114,8 +142,9 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
   // The mins term (K-quants and Q4_1: each block's mins times the row's activation sum) accumulates beside
   // acc, block by block in the same order as a separate pass over the blocks would: each block's mins are
   // decoded once for all RB rows, not once per row.
-  const S* low_mins = mins != nullptr ? quant::tile_scales(mins, t0, blocks) : nullptr;
-  const S* high_mins = mins != nullptr ? quant::tile_scales(mins, t0 + 1, blocks) : nullptr;
+  PairScales<S> w_scales(low_scale, high_scale);
+  PairScales<S> w_mins(mins != nullptr ? quant::tile_scales(mins, t0, blocks) : nullptr,
+                       mins != nullptr ? quant::tile_scales(mins, t0 + 1, blocks) : nullptr);
   const float* sums[RB];
   for (int r = 0; r < RB; ++r) sums[r] = mins != nullptr ? q.sums.data() + (m0 + r) * blocks : nullptr;
   __m512 acc[RB], min_term[RB];
@@ -158,13 +187,13 @@ void int8_tile_pair(const QuantizedRows& q, const uint8_t* offset_codes, int64_t
       const __m512i correction = _mm512_slli_epi32(code_sum, 7);  // 128 * sum of the codes
       for (int r = 0; r < RB; ++r) dot[r] = _mm512_sub_epi32(dot[r], correction);
     }
-    const __m512 w_scale = pair_scales(low_scale, high_scale, b);
+    const __m512 w_scale = w_scales.at(b);
     for (int r = 0; r < RB; ++r)
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(w_scale, _mm512_set1_ps(act_scale[r][b])),
                                acc[r]);
     if (mins != nullptr) {
-      const __m512 w_mins = pair_scales(low_mins, high_mins, b);
-      for (int r = 0; r < RB; ++r) min_term[r] = _mm512_fmadd_ps(w_mins, _mm512_set1_ps(sums[r][b]), min_term[r]);
+      const __m512 block_mins = w_mins.at(b);
+      for (int r = 0; r < RB; ++r) min_term[r] = _mm512_fmadd_ps(block_mins, _mm512_set1_ps(sums[r][b]), min_term[r]);
     }
   }
   const int64_t n = t0 * TILE;
