@@ -133,3 +133,28 @@ def test_ray_passes_the_api_surface_flags_to_its_service(model_folder, monkeypat
     assert settings.allowed_origins == ("http://x.test",)
     assert (settings.embeddings, settings.lenient) == ("last", True)
     assert seen["load"].quantize == "int8" and seen["options"].replicas == 2
+
+
+def test_the_server_freezes_its_start_up_heap_before_serving(monkeypatch):
+    """`run` hands uvicorn an app with start-up's objects frozen: a full garbage collection while
+    requests stream does not walk the modules and the model again."""
+    import gc
+
+    from fastdecode.serve import server
+
+    from serve_helpers import shared_chat_generator
+
+    generator = shared_chat_generator()
+    seen = {}
+
+    def record(app, host, port):
+        seen["frozen"] = gc.get_freeze_count()
+        return 0
+
+    monkeypatch.setattr(server, "serve_until_drained", record)
+    gc.unfreeze()
+    try:
+        assert server.run(generator, "127.0.0.1", 0, model_name="tiny") == 0
+    finally:
+        gc.unfreeze()
+    assert seen["frozen"] > 10_000

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import signal
 from typing import Any
 
@@ -22,7 +23,19 @@ def run(generator: Any, host: str, port: int, **settings: Any) -> int:
         app = create_app(generator, ServeSettings(**settings))
     except APIError as exc:
         raise InvalidOptionError(exc.message) from exc
+    freeze_startup_heap()
     return serve_until_drained(app, host, port)
+
+
+def freeze_startup_heap() -> int:
+    """Move what start-up left (modules, the model's Python objects: ~170,000 after loading the
+    embedded model) out of the garbage collector's sight -> how many objects it froze.
+
+    The server process is ours and these live until it exits; left tracked, every full collection
+    walks them again (~70 ms on one Zen 5 core), a pause in the middle of streaming requests."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def serve_until_drained(app: Any, host: str, port: int) -> int:
