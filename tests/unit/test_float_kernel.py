@@ -180,16 +180,21 @@ def test_linear_gives_generated_rows_the_kernel_and_prompt_rows_the_gemm():
 def test_prompt_rows_take_the_kernel_where_the_choice_says_so(monkeypatch):
     """``KernelChoice(prompt_kernel=True)`` (layers/gemm_choice.py chooses it at load where the kernel runs prompt
     rows about as fast as the GEMM): prompt rows through the kernel too, so a prompt, a decode step and a step
-    mixing both give every row the bits of that row alone (a mixed step is one product), and no GEMM runs."""
-    monkeypatch.setattr("fastdecode.layers.linear.gemm", lambda *args: pytest.fail("the GEMM ran"))
+    mixing both give every row the bits of that row alone (a mixed step is one product), and no GEMM runs;
+    except a product whose activation the GEMM fuses (oneDNN's ReLU), whose prompt rows keep the GEMM."""
     w, bias, x = weights(64, 96, seed=6)
     weight = w.t()  # [out, in] view of the [in, out] buffer
     alone = torch.cat([ops.float_matmul(x[m : m + 1], w, bias, 1) for m in range(40)])  # [40, 96]
     choice = KernelChoice(prompt_kernel=True)
     with torch.no_grad():
+        fused = linear(x, weight, bias, activation="relu", products=roles(True, choice))
+        assert torch.equal(fused, linear(x, weight, bias, activation="relu", products=roles(True)))  # the GEMM's
+        monkeypatch.setattr("fastdecode.layers.linear.gemm", lambda *args: pytest.fail("the GEMM ran"))
         for is_prompt in (True, False, [i % 3 == 0 for i in range(40)]):
-            out = linear(x.view(5, 8, 64), weight, bias, activation="relu", products=roles(is_prompt, choice))
-            assert torch.equal(out, F.relu(alone).view(5, 8, 96)), is_prompt
+            out = linear(x.view(5, 8, 64), weight, bias, activation="silu", products=roles(is_prompt, choice))
+            assert torch.equal(out, F.silu(alone).view(5, 8, 96)), is_prompt
+        assert torch.equal(linear(x, weight, bias, activation="relu", products=roles(True, KernelChoice(
+            float_gemm="mkl", prompt_kernel=True))), F.relu(alone))  # MKL fuses nothing: the kernel
         held = w.half().float()  # a float16-held matrix: the kernel widens it, prompt rows too
         assert torch.equal(linear(x, held.half().t(), bias, products=roles(True, choice)),
                            linear(x, held.t(), bias, products=roles(False)))

@@ -14,7 +14,8 @@ split over the kernel thread pool (at batch 1 segments of whole rows, each threa
 which uses the second core's memory bandwidth that the one-thread GEMM leaves idle. Prompt rows take
 the kernel too where the model's kernel choice says so (``KernelChoice.prompt_kernel``: measured at load,
 layers/gemm_choice.py; a step's prompt and generated rows are then one product, on the kernel pool, with
-no OpenMP team beside it); otherwise they keep the GEMM, and a step mixing both runs each part its own
+no OpenMP team beside it), except where the GEMM fuses their activation (oneDNN's GELU or ReLU: a pass over
+the output saved); otherwise they keep the GEMM, and a step mixing both runs each part its own
 way, like the quantized kernels (its logits layer, over the rows picked for logits, takes the kernel for
 every row).
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .gemm import ACTIVATIONS, activated, gemm  # noqa: F401 - ACTIVATIONS: one import for models
+from .gemm import ACTIVATIONS, activated, fuses, gemm  # noqa: F401 - ACTIVATIONS: one import for models
 from .products import KernelChoice, Products, RowRoles
 from .quantized import QuantizedWeight, embed, quantized_linear  # noqa: F401 - embed: one import for models
 from .threads import kernel_threads, threads_for
@@ -47,7 +48,10 @@ def linear(
         return activated(quantized_linear(x, weight, bias, products), activation, products.threads)
     if (x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
             and float_kernel_serves(weight, products.kernels)):
-        if products.kernels.prompt_kernel or products.roles is None:  # every row through the kernel
+        kernels = products.kernels
+        # every row through the kernel: generated rows, and prompt rows where the choice says so, unless the GEMM
+        # would fuse their activation (a GELU FFN's: a pass over [rows, out] saved)
+        if products.roles is None or (kernels.prompt_kernel and not fuses(activation, kernels.float_gemm)):
             return activated(_kernel_product(x, weight, bias, products.threads), activation, products.threads)
         if not products.all_prompt:
             return activated(_generated_rows_product(x, weight, bias, products), activation, products.threads)
