@@ -180,7 +180,7 @@ def test_linear_gives_generated_rows_the_kernel_and_prompt_rows_the_gemm():
 def test_prompt_rows_take_the_kernel_where_the_choice_says_so(monkeypatch):
     """``KernelChoice(prompt_kernel=True)`` (layers/gemm_choice.py chooses it at load where the kernel runs prompt
     rows about as fast as the GEMM): prompt rows through the kernel too, so a prompt, a decode step and a step
-    mixing both give every row the bits of that row alone (a mixed step is one product), and no GEMM runs;
+    mixing both give every row the bits of that row alone, and no GEMM runs;
     except a product whose activation the GEMM fuses (oneDNN's ReLU), whose prompt rows keep the GEMM."""
     w, bias, x = weights(64, 96, seed=6)
     weight = w.t()  # [out, in] view of the [in, out] buffer

@@ -20,7 +20,7 @@ generated rows take) on the same products, and prompt rows of the float matrices
 what a one-thread contest cannot see: both GEMMs split a prompt's products over an OpenMP team, which on a
 2-core machine spins beside the kernel thread pool that a serving step's generated rows and attention run on
 (a ``perf`` of 16 float32 SmolLM2-135M prompts on 2 threads: torch's OpenMP worker in libgomp's spin ~19% of
-the samples); on the kernel, a step's prompt and generated rows are one product on one pool.
+the samples); on the kernel, a step's prompt and generated rows run on one pool.
 """
 
 from __future__ import annotations

@@ -52,9 +52,9 @@ class KernelChoice:
     - ``float_gemm``: the float32 GEMM of prompt rows (layers/gemm.py), "onednn" or "mkl": at load,
       the one this machine runs faster (layers/gemm_choice.py measures it once per machine);
     - ``prompt_kernel``: prompt rows of the float matrices the float kernel serves (layers/linear.py) take
-      it too, a step's prompt and generated rows as one product on the kernel thread pool, no OpenMP team
-      beside it; each row's result then depends only on the row, as a generated row's. At load: where the
-      kernel runs prompt rows about as fast as the faster GEMM (layers/gemm_choice.py)."""
+      it too, on the kernel thread pool as generated rows do, no OpenMP team beside it; each row's result
+      then depends only on the row, as a generated row's. At load: where the kernel runs prompt rows about
+      as fast as the faster GEMM (layers/gemm_choice.py)."""
 
     prompt_rows: str = "exact"
     quantized_kernels: bool = True
