@@ -13,9 +13,9 @@ inputs, added in order), so a row's result is the same whatever else is in the p
 split over the kernel thread pool (at batch 1 segments of whole rows, each thread streaming its own),
 which uses the second core's memory bandwidth that the one-thread GEMM leaves idle. Prompt rows take
 the kernel too where the model's kernel choice says so (``KernelChoice.prompt_kernel``: measured at load,
-layers/gemm_choice.py; a step's prompt and generated rows then each run as one product of their own, on
-the kernel pool, with no OpenMP team beside it), except where the GEMM fuses their activation (oneDNN's GELU
-or ReLU: a pass over the output saved); otherwise they keep the GEMM, and a step mixing both runs each part its own
+layers/gemm_choice.py; a step's prompt and generated rows are then one product, on the kernel pool, with
+no OpenMP team beside it), except where the GEMM fuses their activation (oneDNN's GELU or ReLU: a pass over
+the output saved); otherwise they keep the GEMM, and a step mixing both runs each part its own
 way, like the quantized kernels (its logits layer, over the rows picked for logits, takes the kernel for
 every row).
 
@@ -51,12 +51,10 @@ def linear(
         kernels = products.kernels
         # prompt rows through the kernel where the choice says so, unless the GEMM would fuse their activation (a
         # GELU FFN's: a pass over [rows, out] saved)
-        prompts_on_kernel = kernels.prompt_kernel and not fuses(activation, kernels.float_gemm)
-        if products.roles is None or (products.all_prompt and prompts_on_kernel):
+        if products.roles is None or (kernels.prompt_kernel and not fuses(activation, kernels.float_gemm)):
             return activated(_kernel_product(x, weight, bias, products.threads), activation, products.threads)
         if not products.all_prompt:
-            return activated(_generated_rows_product(x, weight, bias, products, prompts_on_kernel), activation,
-                             products.threads)
+            return activated(_generated_rows_product(x, weight, bias, products), activation, products.threads)
     return gemm(x, widened(weight, x, products.threads), bias, activation, products.threads,
                 products.kernels.float_gemm)
 
@@ -94,16 +92,11 @@ def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _generated_rows_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                            products: Products, prompts_on_kernel: bool) -> torch.Tensor:
+                            products: Products) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T + bias -> [..., N] of a step mixing roles (``products.roles``: a
-    ``RowRoles``): generated rows through the kernel, prompt rows through the GEMM, or through the kernel as
-    a product of their own (``prompts_on_kernel``: a serving step's 16 decode rows keep the in-place kernel
-    of up to 16 rows; with a few prompt rows beside them, 17 to 64 rows in one call took the packed path,
-    whose copy of each block from memory is not overlapped with its multiply-adds: 16 + 2 rows of SmolLM2's
-    float32 products, weights streamed, one Zen 5 core, 44 ms in one call, 33 ms in two, as with oneDNN for
-    the 2). A product of other rows than the roles' (the logits layer of a mixed step: the rows
-    ``output_rows`` picked) runs every row through the kernel, as the quantized logits layer (``for_logits``)
-    does whatever the roles."""
+    ``RowRoles``): generated rows through the kernel, prompt rows through the GEMM. A product of other
+    rows than the roles' (the logits layer of a mixed step: the rows ``output_rows`` picked) runs every
+    row through the kernel, as the quantized logits layer (``for_logits``) does whatever the roles."""
     N, K = weight.shape
     roles = products.roles
     if not isinstance(roles, RowRoles) or x.numel() // K != roles.rows:  # (the logits layer's other rows)
@@ -111,11 +104,8 @@ def _generated_rows_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     rows, bias = x.reshape(-1, K), _float_bias(bias)  # [M, K]
     out = rows.new_empty(rows.shape[0], N)
     out[roles.generated] = _kernel_rows(rows[roles.generated], weight, bias, products.threads)
-    if prompts_on_kernel:
-        out[roles.prompt] = _kernel_rows(rows[roles.prompt], weight, bias, products.threads)
-    else:
-        out[roles.prompt] = gemm(rows[roles.prompt], widened(weight, rows, products.threads), bias, None,
-                                 products.threads, products.kernels.float_gemm)
+    out[roles.prompt] = gemm(rows[roles.prompt], widened(weight, rows, products.threads), bias, None,
+                             products.threads, products.kernels.float_gemm)
     return out.view(*x.shape[:-1], N)  # [..., N]
 
 
