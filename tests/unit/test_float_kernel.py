@@ -4,7 +4,8 @@ Every output is summed in one fixed order (FMA chains over segments of 64 inputs
 tests pin it against a float64 product (summation-order error only) and check that a row's bits never
 depend on the other rows of its product (batch 1 splits segments, more rows split columns), the thread
 count or how its work is split, and that ``linear`` gives prompt
-rows the GEMM and generated rows the kernel, each row as it would be alone in its role."""
+rows the GEMM (or the kernel, where the kernel choice says so) and generated rows the kernel, each row as it
+would be alone in its role."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from fastdecode.layers.products import KernelChoice, Products
 needs_kernel = pytest.mark.skipif("not ops.available()", reason="no AVX2 extension on this machine")
 
 
-def roles(is_prompt: bool | list[bool]) -> Products:
-    return Products.of_rows(is_prompt, torch.get_num_threads(), kernels=KernelChoice())
+def roles(is_prompt: bool | list[bool], kernels: KernelChoice | None = None) -> Products:
+    return Products.of_rows(is_prompt, torch.get_num_threads(), kernels=kernels or KernelChoice())
 
 
 def linear(x, weight, bias=None, activation=None, products=None):
@@ -93,17 +94,21 @@ def test_one_row_partial_sums_added_while_the_pieces_run_are_the_in_order_additi
 
 @needs_kernel
 @needs_avx512
-@pytest.mark.parametrize("K, N", SHAPES + [(768, 3072), (70, 9000), (70, 16384)])
+@pytest.mark.parametrize("K, N", SHAPES + [(768, 3072), (70, 9000), (70, 16384), (3072, 100)])
 def test_the_avx512_kernel_for_several_rows_gives_the_avx2_bits(K, N):
     """Several rows on AVX-512 (fmatmul_avx512.cpp: 8 rows x 48 columns of sums in registers, 3, 5, 6 or 7
     rows as one group; 9 to 64 rows (32 where w's rows lie 4 KiB apart) as groups of 8 and one of the rest taking
-    turns over runs of w's rows; more rows from a packed copy of each segment's block of columns) and on AVX2 (sums in L1): every output the same operations, so
-    the same bits, at row counts that straddle the row groups, masked column tails, column chunks of several
-    packed blocks (70 x 9000: chunks of 1152 columns, a last block of 168), rows 64 KiB apart (70 x 16384: 9 to 16
-    rows prefetched into L3, further ahead) and 1 or 2 threads."""
+    turns over runs of w's rows read in place; more rows (a prompt) from a packed copy of a block of columns for
+    all K rows, each group of 8 rows, then the last 1-7, through the whole block) and on AVX2 (sums in L1): every
+    output the same operations, so the same bits, at row counts that straddle the row groups, masked column
+    tails, column chunks of several packed blocks (70 x 9000: chunks of 1152 columns; 768 x 3072: blocks of 96
+    columns), one pass per block (3072 x 100), rows 64 KiB apart (70 x 16384: 9 to 16 rows prefetched into L3,
+    further ahead) and 1 or 2 threads."""
     w, bias, x = weights(K, N, seed=K * 3 + N)
+    x = torch.cat([x, x.flip(0) * 0.5, x[:20] - 1])  # [100, K]: a prompt chunk's rows
     avx512_gives_the_avx2_bits(lambda M, threads: ops.float_matmul(x[:M], w, bias, threads),
-                               rows_and_threads((2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 32, 33, 40, 65)))
+                               rows_and_threads((2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 32, 33, 40, 64,
+                                                 65, 100)))
 
 
 def exact_floats(count: int, salt: int) -> torch.Tensor:
@@ -192,6 +197,30 @@ def test_linear_gives_generated_rows_the_kernel_and_prompt_rows_the_gemm():
         # the logits layer: other rows than the roles'
         assert torch.equal(linear(x[:3], weight, bias, products=roles(is_prompt[:39] + [False])),
                            generated.reshape(40, 96)[:3])
+
+
+@needs_kernel
+def test_prompt_rows_take_the_kernel_where_the_choice_says_so(monkeypatch):
+    """``KernelChoice(prompt_kernel=True)`` (layers/gemm_choice.py chooses it at load where the kernel runs prompt
+    rows about as fast as the GEMM): prompt rows through the kernel too, so a prompt, a decode step and a step
+    mixing both give every row the bits of that row alone, and no GEMM runs;
+    except a product whose activation the GEMM fuses (oneDNN's ReLU), whose prompt rows keep the GEMM."""
+    w, bias, x = weights(64, 96, seed=6)
+    weight = w.t()  # [out, in] view of the [in, out] buffer
+    alone = torch.cat([ops.float_matmul(x[m : m + 1], w, bias, 1) for m in range(40)])  # [40, 96]
+    choice = KernelChoice(prompt_kernel=True)
+    with torch.no_grad():
+        fused = linear(x, weight, bias, activation="relu", products=roles(True, choice))
+        assert torch.equal(fused, linear(x, weight, bias, activation="relu", products=roles(True)))  # the GEMM's
+        monkeypatch.setattr("fastdecode.layers.linear.gemm", lambda *args: pytest.fail("the GEMM ran"))
+        for is_prompt in (True, False, [i % 3 == 0 for i in range(40)]):
+            out = linear(x.view(5, 8, 64), weight, bias, activation="silu", products=roles(is_prompt, choice))
+            assert torch.equal(out, F.silu(alone).view(5, 8, 96)), is_prompt
+        assert torch.equal(linear(x, weight, bias, activation="relu", products=roles(True, KernelChoice(
+            float_gemm="mkl", prompt_kernel=True))), F.relu(alone))  # MKL fuses nothing: the kernel
+        held = w.half().float()  # a float16-held matrix: the kernel widens it, prompt rows too
+        assert torch.equal(linear(x, held.half().t(), bias, products=roles(True, choice)),
+                           linear(x, held.t(), bias, products=roles(False)))
 
 
 def test_without_the_extension_or_for_other_layouts_linear_is_f_linear(monkeypatch):

@@ -1,6 +1,7 @@
-"""The float32 GEMM of prompt rows, chosen per machine (layers/gemm_choice.py): measured once and kept
-in a file, read by later loads; carried by the model's KernelChoice; both GEMMs give the same
-products to float32 rounding, with and without a fused activation."""
+"""The float32 products of prompt rows, chosen per machine (layers/gemm_choice.py): the GEMM and whether
+prompt rows take the float kernel, measured once and kept in a file, read by later loads; carried by the
+model's KernelChoice; both GEMMs give the same products to float32 rounding, with and without a fused
+activation."""
 
 from __future__ import annotations
 
@@ -27,32 +28,54 @@ def cache_dir(tmp_path, monkeypatch):
 def test_the_faster_gemm_is_measured_once_then_read(cache_dir, monkeypatch):
     timings = iter([{"onednn": 0.2, "mkl": 0.1}])
     monkeypatch.setattr(gemm_choice, "time_float_gemms", lambda: next(timings))  # a second measurement fails
-    assert gemm_choice.machine_float_gemm() == "mkl"
+    assert gemm_choice.machine_float_choice() == ("mkl", False)
     record = json.loads(gemm_choice.choice_path().read_text())
     assert record["float_gemm"] == "mkl" and record["cpu"] == gemm_choice.cpu_model()
     assert gemm_choice.choice_path().parent == cache_dir
-    assert gemm_choice.machine_float_gemm() == "mkl"  # read from the file: not measured again
+    assert gemm_choice.machine_float_choice() == ("mkl", False)  # read from the file: not measured again
+
+
+@pytest.mark.parametrize(("kernel", "takes_prompts"), [(0.1, True), (0.109, True), (0.111, False), (None, False)])
+def test_prompt_rows_take_the_kernel_within_the_margin_of_the_faster_gemm(cache_dir, monkeypatch, kernel,
+                                                                           takes_prompts):
+    timings = {"onednn": 0.1, "mkl": 0.3} | ({} if kernel is None else {"kernel": kernel})  # None: not built
+    monkeypatch.setattr(gemm_choice, "time_float_gemms", lambda: timings)
+    assert gemm_choice.machine_float_choice() == ("onednn", takes_prompts)
+    assert json.loads(gemm_choice.choice_path().read_text())["prompt_kernel"] is takes_prompts
+    assert KernelChoice.at_load(None, None) == KernelChoice(prompt_rows="int8-mlp", prompt_kernel=takes_prompts)
 
 
 def test_an_unreadable_record_is_measured_again(cache_dir, monkeypatch):
     gemm_choice.choice_path().write_text('{"float_gemm": "cuBLAS"')  # cut short, and not a choice
     monkeypatch.setattr(gemm_choice, "time_float_gemms", lambda: {"onednn": 0.1, "mkl": 0.3})
-    assert gemm_choice.machine_float_gemm() == "onednn"
+    assert gemm_choice.machine_float_choice() == ("onednn", False)
     assert json.loads(gemm_choice.choice_path().read_text())["float_gemm"] == "onednn"
 
 
-def test_without_onednn_it_is_mkl(cache_dir, monkeypatch):
+def test_a_record_from_before_the_kernel_took_part_is_measured_again(cache_dir, monkeypatch):
+    gemm_choice.choice_path().write_text('{"float_gemm": "onednn"}')  # no "prompt_kernel"
+    monkeypatch.setattr(gemm_choice, "time_float_gemms", lambda: {"onednn": 0.1, "mkl": 0.3, "kernel": 0.1})
+    assert gemm_choice.machine_float_choice() == ("onednn", True)
+
+
+def test_without_onednn_and_the_kernel_it_is_mkl(cache_dir, monkeypatch):
     monkeypatch.setattr(ops, "onednn_available", lambda: False)
+    monkeypatch.setattr(ops, "available", lambda: False)
     monkeypatch.setattr(gemm_choice, "time_float_gemms", lambda: pytest.fail("nothing to measure"))
-    assert gemm_choice.machine_float_gemm() == "mkl"
+    assert gemm_choice.machine_float_choice() == ("mkl", False)
 
 
-def test_the_measurement_times_both_on_one_thread():
-    if not ops.onednn_available():
-        pytest.skip("no oneDNN GEMM in this PyTorch")
+def test_without_onednn_the_kernel_is_timed_against_mkl(cache_dir, monkeypatch):
+    monkeypatch.setattr(ops, "onednn_available", lambda: False)
+    monkeypatch.setattr(gemm_choice, "time_float_gemms", lambda: {"mkl": 0.2, "kernel": 0.1})
+    assert gemm_choice.machine_float_choice() == ("mkl", True)
+
+
+def test_the_measurement_times_each_on_one_thread():
     threads = torch.get_num_threads()
     timings = gemm_choice.time_float_gemms()
-    assert set(timings) == {"onednn", "mkl"} and all(t > 0 for t in timings.values())
+    expected = {"mkl"} | ({"onednn"} if ops.onednn_available() else set()) | ({"kernel"} if ops.available() else set())
+    assert set(timings) == expected and all(t > 0 for t in timings.values())
     assert torch.get_num_threads() == threads  # restored
 
 
@@ -64,6 +87,8 @@ def test_a_load_carries_the_machine_choice(cache_dir, monkeypatch):
     assert KernelChoice.at_load(None, explicit) is explicit  # a reference run's choice is kept as given
     with pytest.raises(InvalidOptionError, match="float_gemm must be one of onednn, mkl"):
         KernelChoice(float_gemm="blas")
+    with pytest.raises(InvalidOptionError, match="prompt_kernel must be True or False"):
+        KernelChoice(prompt_kernel=1)
 
 
 @pytest.mark.parametrize("activation", [None, "gelu", "gelu_new", "relu", "silu"])
@@ -81,17 +106,27 @@ def test_both_gemms_give_the_product(activation, float_gemm):
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
 
 
-def test_a_model_gives_the_same_answer_on_either_gemm(tmp_path):
+def test_a_model_gives_the_same_answer_on_either_gemm_and_on_the_kernel(tmp_path):
+    """The same greedy tokens whichever product prompt rows take; on the kernel a prompt's logits are the
+    bits of the prompt alone, batched with another or not (each row's result depends only on the row)."""
     from tiny_models import save_tiny_folder
 
     save_tiny_folder(tmp_path, "llama-gqa", with_tokenizer=False)
     prompts = [[5, 9, 31, 7, 64, 3, 18], [11, 2, 40]]
     runs = {}
-    for float_gemm in ("onednn", "mkl"):
-        gen = fastdecode.load(str(tmp_path), kernels=KernelChoice(float_gemm=float_gemm))
-        assert gen.model.kernels.float_gemm == float_gemm
-        runs[float_gemm] = gen.generate_ids(prompts, max_new_tokens=8)
-    assert runs["onednn"] == runs["mkl"]
+    for name, choice in [("onednn", KernelChoice(float_gemm="onednn")), ("mkl", KernelChoice(float_gemm="mkl")),
+                         ("kernel", KernelChoice(prompt_kernel=True))]:
+        gen = fastdecode.load(str(tmp_path), kernels=choice)
+        assert gen.model.kernels == choice
+        runs[name] = gen.generate_ids(prompts, max_new_tokens=8)
+    assert runs["onednn"] == runs["mkl"] == runs["kernel"]
+    if ops.available():  # gen: the kernel's
+        engine = gen.engine()
+        together = [engine.submit_scoring(prompt) for prompt in prompts]  # both prompts in one step
+        while engine.has_work():
+            engine.step()
+        for prompt, sequence in zip(prompts, together):
+            assert sequence.logprobs == [-nll for nll in gen.score(prompt)]  # alone
 
 
 def test_with_the_caches_off_it_measures_and_writes_nothing(tmp_path, monkeypatch):
@@ -101,5 +136,5 @@ def test_with_the_caches_off_it_measures_and_writes_nothing(tmp_path, monkeypatc
     timings = iter([{"onednn": 0.2, "mkl": 0.1}, {"onednn": 0.1, "mkl": 0.2}])
     monkeypatch.setattr(gemm_choice, "time_float_gemms", lambda: next(timings))
     assert gemm_choice.choice_path() is None
-    assert [gemm_choice.machine_float_gemm(), gemm_choice.machine_float_gemm()] == ["mkl", "onednn"]  # measured twice
+    assert [gemm_choice.machine_float_choice()[0], gemm_choice.machine_float_choice()[0]] == ["mkl", "onednn"]  # twice
     assert list(tmp_path.iterdir()) == []

@@ -23,7 +23,7 @@ import fastdecode
 from fastdecode.errors import InvalidOptionError
 from fastdecode.layers import ops
 from fastdecode.layers.linear import linear
-from fastdecode.layers.gemm_choice import machine_float_gemm
+from fastdecode.layers.gemm_choice import machine_float_choice
 from fastdecode.layers.products import KernelChoice, Products
 from fastdecode.layers.quantized import QuantizedWeight, dequantize, in_mlp, quantize_matrix, quantized_linear
 
@@ -50,17 +50,18 @@ def test_a_bad_choice_is_a_typed_error_before_anything_loads(tmp_path):
 
 def test_the_choice_is_held_by_the_model_and_defaults_to_int8_mlp_prompt_rows(tmp_path):
     save_tiny_folder(tmp_path, "llama-gqa", with_tokenizer=False, intermediate_size=96)
-    machine = machine_float_gemm()  # (layers/gemm_choice.py: this machine's faster float GEMM)
-    assert fastdecode.load(str(tmp_path)).model.kernels == KernelChoice(prompt_rows="int8-mlp", float_gemm=machine)
+    gemm, prompt_kernel = machine_float_choice()  # (layers/gemm_choice.py: this machine's float products)
+    machine = {"float_gemm": gemm, "prompt_kernel": prompt_kernel}
+    assert fastdecode.load(str(tmp_path)).model.kernels == KernelChoice(prompt_rows="int8-mlp", **machine)
     assert fastdecode.load(str(tmp_path), prompt_rows="exact").model.kernels == KernelChoice(prompt_rows="exact",
-                                                                                              float_gemm=machine)
+                                                                                              **machine)
     assert fastdecode.load(str(tmp_path), prompt_rows="int8").model.kernels == KernelChoice(prompt_rows="int8",
-                                                                                             float_gemm=machine)
+                                                                                             **machine)
     off = KernelChoice(quantized_kernels=False, float_kernel=False)
     assert fastdecode.load(str(tmp_path), kernels=off).model.kernels is off
     hf = build("llama-gqa", intermediate_size=96)
     assert fastdecode.from_hf(hf, quantize="int8", prompt_rows="int8").model.kernels == KernelChoice(
-        prompt_rows="int8", float_gemm=machine)
+        prompt_rows="int8", **machine)
     with pytest.raises(InvalidOptionError, match="prompt_rows"):
         fastdecode.from_hf(hf, prompt_rows="exactly")
 

@@ -225,8 +225,10 @@ void multiply(const float* xp, int64_t M, int64_t K, const W* wp, int64_t N, con
     return;
   }
   if (use_avx512()) {  // several rows, sums in registers (fmatmul_avx512.cpp): chunks of 48-column passes, up to
-    // 1536 columns (each segment reads runs of a chunk's width from each row of w)
-    const int64_t chunk = std::clamp<int64_t>((N / 8 + 47) / 48 * 48, 48, 1536);
+    // 1536 columns (each segment reads runs of a chunk's width from each row of w); past 64 rows (a prompt) chunks of
+    // one pass, each already long (256 x 576 x 48 multiply-adds), so that two threads end together (a 960-wide
+    // product in 7 chunks of 144 columns split 4 : 3)
+    const int64_t chunk = M > 64 ? 48 : std::clamp<int64_t>((N / 8 + 47) / 48 * 48, 48, 1536);
     parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) { rows_avx512(xp, M, K, wp, N, bp, yp, n0, n1); },
                     M * K * chunk);  // a long job (16 rows x 576 x 3072) is handed out even while the helpers sleep
     return;

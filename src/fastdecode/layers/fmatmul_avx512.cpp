@@ -11,12 +11,14 @@
 // added in order, then the bias, so a row's bits depend neither on the other rows nor on the ISA.
 // 9 to 64 rows (a serving step, a beam step: 8 sources x 4 beams) run as such groups of 8 (and one of the rest)
 // taking turns over runs of w's rows read in place (grouped_segment: a whole segment, or 8 rows where w's rows
-// share L1 sets; up to 32 rows there); more rows copy each block of w once for several 8-row groups.
+// share L1 sets; up to 32 rows there); more rows (a prompt) copy each block of w once for all K rows, which every
+// 8-row group then runs through whole, its running totals kept beside it.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
+#include <vector>
 
 #include "fmatmul.h"
 
@@ -54,15 +56,13 @@ inline __m512 load16(const uint16_t* p, bool full, __mmask16 mask) {
 }
 
 // One segment [s0, s1) of rows [m0, m0 + RB) x columns [n, n + width) (width <= WIDTH; lanes past it masked
-// off), w0 pointing at the segment's first weight of column n: w itself (rows N apart; prefetches the WIDTH
-// columns `ahead` elements past each row k it reads while k < `ahead_until`: a later pass's, PASSES_AHEAD) or,
-// PACKED, a pass of a packed block (rows WIDTH apart, aligned, zero past the block's end): the segment's sums
+// off), w0 pointing at the segment's first weight of column n (rows N apart; prefetches the WIDTH columns `ahead`
+// elements past each row k it reads while k < `ahead_until`: a later pass's, PASSES_AHEAD): the segment's sums
 // (one FMA chain per output from 0, in k order) stored into y as the running total (the first segment) or added
 // to it.
-template <int RB, bool PACKED, typename W>
+template <int RB, typename W>
 void tile_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y, int64_t m0, int64_t n, int64_t width,
                   int64_t s0, int64_t s1, int64_t ahead_until, int64_t ahead) {
-  const int64_t stride = PACKED ? WIDTH : N;
   __mmask16 mask[NV];
   for (int v = 0; v < NV; ++v) {
     const int64_t valid = std::clamp<int64_t>(width - 16 * v, 0, 16);
@@ -73,14 +73,12 @@ void tile_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y, i
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t k = s0; k < s1; ++k) {
-    const W* wk = w0 + (k - s0) * stride;
-    if (!PACKED && k < ahead_until)  // a later pass's WIDTH columns: the rows of w stream in runs along the chunk
+    const W* wk = w0 + (k - s0) * N;
+    if (k < ahead_until)  // a later pass's WIDTH columns: the rows of w stream in runs along the chunk
       for (int64_t byte = 0; byte < WIDTH * static_cast<int64_t>(sizeof(W)); byte += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T0);
     __m512 wv[NV];
-    for (int v = 0; v < NV; ++v)
-      if constexpr (PACKED) wv[v] = _mm512_load_ps(wk + 16 * v);
-      else wv[v] = load16(wk + 16 * v, full, mask[v]);
+    for (int v = 0; v < NV; ++v) wv[v] = load16(wk + 16 * v, full, mask[v]);
     for (int r = 0; r < RB; ++r) {
       const __m512 xb = _mm512_set1_ps(x[(m0 + r) * K + k]);
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
@@ -247,84 +245,177 @@ void in_place_groups(const float* x, int64_t M, int64_t K, const W* w, int64_t N
   }
 }
 
-// More row groups (past in_place_rows) read the same weights: each segment's rows of w for a block of PACK_COLUMNS columns
-// are first copied (a float16 weight widened) into a buffer laid out pass by pass ([pass][k][WIDTH], zero past
-// the block's end), which every row group then reads from L1/L2. Read in place instead, a pass's 64 rows of w lie
-// N apart, and where N * 4 bytes is a multiple of 4 KiB (a 3072-wide FFN, a 49152-word logits layer) they all
-// fall in one L1 set (and two L2 sets for the logits layer): the second row group and the prefetches found them
-// evicted (SmolLM2-135M float32, 16 rows, one thread, each matrix warm in cache, Intel Xeon: its step's products
-// 91-118 -> 66-94 ms, a 576 x 576 product 0.18-0.22 -> 0.10-0.14 ms, the logits layer 25-41 -> 18-36 ms). The copy reads each row of w in one run of the block's width, PACK_AHEAD rows prefetched ahead. One
-// row group reads each weight once: it keeps reading w in place (copying cost more than it saved at 2-8 rows).
-constexpr int64_t PACK_COLUMNS = 16 * WIDTH;  // 768 columns: a 192 KiB buffer (64 rows), within any L2
+// Several row groups past in_place_rows (a prompt's rows) read the same weights. A block of the
+// range's columns is first copied for all K rows of w (a float16 weight widened) into a buffer laid out pass by pass
+// ([pass][k][WIDTH], aligned, zero past the block's end; at most PACK_FLOATS, in L2), each row of w read in one run
+// of the block's width, PACK_AHEAD rows prefetched ahead. Then each group of 8 rows (the last 1-7 rows one group)
+// runs the block's passes in turn: its rows of x stay in L1, a pass's packed weights stream from L2, its 8 x 48
+// sums stay in registers through a segment and the running totals in a small buffer of its own between segments,
+// and each output is stored once, with the bias. (Segment by segment with the running totals in y, the earlier
+// order, read and wrote y at every segment of every group, and where y's rows lie a multiple of 4 KiB apart, a
+// 3072-wide FFN's, all of a pass's rows of y fell in the same L1 sets: 256 prompt rows of SmolLM2-135M's 576 x 3072
+// gate/up ran at 86 G multiply-adds/s on one Zen 5 core, oneDNN's GEMM at 107.) Read in place instead, a pass's rows
+// of w lie N apart, and where N * 4 bytes is a multiple of 4 KiB they all fall in one L1 set: every group after the
+// first found them evicted. One row group reads each weight once: it keeps reading w in place (copying cost more
+// than it saved at 2-8 rows).
+constexpr int64_t PACK_FLOATS = 96 * 1024;  // a block's buffer: 384 KiB (at least one pass of K rows)
 constexpr int64_t PACK_AHEAD = 8;  // rows of w prefetched (into L2) ahead of the one being copied
 
 template <typename W>
-void pack_segment(const W* w, int64_t N, int64_t s0, int64_t s1, int64_t nb, int64_t width, float* packed) {
+void pack_block(const W* w, int64_t K, int64_t N, int64_t nb, int64_t width, float* packed) {
   const int64_t passes = (width + WIDTH - 1) / WIDTH;
-  for (int64_t k = s0; k < s1; ++k) {
+  for (int64_t k = 0; k < K; ++k) {
     const W* row = w + k * N + nb;
-    if (k + PACK_AHEAD < s1)
+    if (k + PACK_AHEAD < K)
       for (int64_t byte = 0; byte < width * static_cast<int64_t>(sizeof(W)); byte += 64)
         _mm_prefetch(reinterpret_cast<const char*>(row + PACK_AHEAD * N) + byte, _MM_HINT_T1);
-    float* out = packed + (k - s0) * WIDTH;
     for (int64_t p = 0; p < passes; ++p)
       for (int v = 0; v < NV; ++v) {
         const int64_t c = p * WIDTH + 16 * v, valid = std::clamp<int64_t>(width - c, 0, 16);
         const __mmask16 mask = static_cast<__mmask16>(valid == 16 ? 0xFFFF : (1u << valid) - 1);
-        _mm512_store_ps(out + p * FLOAT_SEGMENT * WIDTH + 16 * v,
+        _mm512_store_ps(packed + (p * K + k) * WIDTH + 16 * v,
                         valid == 0 ? _mm512_setzero_ps() : load16(row + c, valid == 16, mask));
       }
   }
 }
 
-// Rows [0, M) of one segment over the pass at column n, row groups of 8, 4, 2, 1 (w0, PACKED, ahead_until, ahead:
-// as tile_segment's; the first group prefetches). 3, 5, 6 or 7 rows read in place are one group: each weight
-// loaded (and widened) once, not once per group, the second group's re-read missing L1 where w's rows lie 4 KiB
-// apart (a beam-5 step of Whisper base, float16-held, one thread: its 512 x 2048 products 425 us as 4 + 1 rows).
-template <bool PACKED, typename W>
-void row_groups(const float* x, int64_t M, int64_t K, const W* w0, int64_t N, float* y, int64_t n, int64_t width,
-                int64_t s0, int64_t s1, int64_t ahead_until, int64_t ahead) {
-  if (!PACKED) {
-    switch (M) {
-      case 3: return tile_segment<3, false>(x, K, w0, N, y, 0, n, width, s0, s1, ahead_until, ahead);
-      case 5: return tile_segment<5, false>(x, K, w0, N, y, 0, n, width, s0, s1, ahead_until, ahead);
-      case 6: return tile_segment<6, false>(x, K, w0, N, y, 0, n, width, s0, s1, ahead_until, ahead);
-      case 7: return tile_segment<7, false>(x, K, w0, N, y, 0, n, width, s0, s1, ahead_until, ahead);
+// The next block's rows of w, prefetched into L2 a line at a time while the row groups run through this block, so
+// that streaming w from memory overlaps the multiply-adds instead of stalling the next pack_block (16 decode rows
+// and 2 prompt rows of SmolLM2's float32 products, weights streamed, one Zen 5 core: 44 ms in one call without it,
+// 33 ms as 16 + 2 in two). `total` lines spread evenly over `slots` steps (one per k of each pass of each group).
+struct NextBlock {
+  const char* row = nullptr;  // the next line's row of w (null: no next block)
+  int64_t row_bytes = 0, row_lines = 0, line = 0, total = 0, slots = 1, credit = 0, issued = 0;
+
+  inline void step() {
+    if (row == nullptr) return;
+    for (credit += total; credit >= slots && issued < total; credit -= slots, ++issued) {
+      _mm_prefetch(row + line * 64, _MM_HINT_T1);
+      if (++line == row_lines) line = 0, row += row_bytes;
+    }
+  }
+};
+
+// Rows [m0, m0 + RB) x one packed pass (wp: its [K][WIDTH] weights) -> y's columns [n, n + width) (+ bias when
+// given): per output, each segment one FMA chain from 0 in k order, the segment sums added in order, then the bias
+// (the contract's operations, as tile_segment's and the bias pass of `rows`); a step of `next` per k.
+template <int RB>
+void packed_pass(const float* x, int64_t K, const float* wp, int64_t N, const float* bias, float* y, int64_t m0,
+                 int64_t n, int64_t width, NextBlock& next) {
+  __mmask16 mask[NV];
+  for (int v = 0; v < NV; ++v) {
+    const int64_t valid = std::clamp<int64_t>(width - 16 * v, 0, 16);
+    mask[v] = static_cast<__mmask16>(valid == 16 ? 0xFFFF : (1u << valid) - 1);
+  }
+  alignas(64) float total[RB * NV * 16];  // [row][vector][16]: the running totals between segments
+  for (int64_t s0 = 0; s0 < K; s0 += FLOAT_SEGMENT) {
+    const int64_t s1 = std::min(K, s0 + FLOAT_SEGMENT);
+    __m512 acc[RB][NV];
+    for (int r = 0; r < RB; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t k = s0; k < s1; ++k) {
+      next.step();
+      __m512 wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = _mm512_load_ps(wp + k * WIDTH + 16 * v);
+      for (int r = 0; r < RB; ++r) {
+        const __m512 xb = _mm512_set1_ps(x[(m0 + r) * K + k]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int v = 0; v < NV; ++v) {
+        float* t = total + (r * NV + v) * 16;
+        _mm512_store_ps(t, s0 == 0 ? acc[r][v] : _mm512_add_ps(_mm512_load_ps(t), acc[r][v]));
+      }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int v = 0; v < NV; ++v) {
+      __m512 sum = _mm512_load_ps(total + (r * NV + v) * 16);
+      if (bias != nullptr) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask[v], bias + n + 16 * v));
+      _mm512_mask_storeu_ps(y + (m0 + r) * N + n + 16 * v, mask[v], sum);
+    }
+}
+
+// Rows [m0, m0 + RB) over every pass of a packed block of `width` columns from column nb.
+template <int RB>
+void packed_group(const float* x, int64_t K, const float* packed, int64_t N, const float* bias, float* y, int64_t m0,
+                  int64_t nb, int64_t width, NextBlock& next) {
+  for (int64_t c = 0; c < width; c += WIDTH)
+    packed_pass<RB>(x, K, packed + (c / WIDTH) * K * WIDTH, N, bias, y, m0, nb + c, std::min(WIDTH, width - c), next);
+}
+
+// Columns [n0, n1) of M > 16 rows (+ bias when given): block by block, row group by row group (see above).
+template <typename W>
+void many_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* y, int64_t n0,
+               int64_t n1) {
+  const int64_t block_columns = std::max<int64_t>(1, PACK_FLOATS / (K * WIDTH)) * WIDTH;
+  thread_local std::vector<float> buffer;  // a thread's block buffer, kept between calls
+  const int64_t floats = std::min(block_columns, (n1 - n0 + WIDTH - 1) / WIDTH * WIDTH) * K;
+  if (static_cast<int64_t>(buffer.size()) < floats + 15) buffer.resize(floats + 15);
+  float* packed = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+  for (int64_t nb = n0; nb < n1; nb += block_columns) {
+    const int64_t width = std::min(block_columns, n1 - nb);
+    pack_block(w, K, N, nb, width, packed);
+    NextBlock next;
+    if (nb + width < n1) {
+      const int64_t next_width = std::min(block_columns, n1 - nb - width);
+      next.row = reinterpret_cast<const char*>(w + nb + width);
+      next.row_bytes = N * static_cast<int64_t>(sizeof(W));
+      next.row_lines = (next_width * static_cast<int64_t>(sizeof(W)) + 63) / 64;
+      next.total = K * next.row_lines;
+      next.slots = (M + 7) / 8 * ((width + WIDTH - 1) / WIDTH) * K;
+    }
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8) packed_group<8>(x, K, packed, N, bias, y, m, nb, width, next);
+    switch (M - m) {
+      case 1: packed_group<1>(x, K, packed, N, bias, y, m, nb, width, next); break;
+      case 2: packed_group<2>(x, K, packed, N, bias, y, m, nb, width, next); break;
+      case 3: packed_group<3>(x, K, packed, N, bias, y, m, nb, width, next); break;
+      case 4: packed_group<4>(x, K, packed, N, bias, y, m, nb, width, next); break;
+      case 5: packed_group<5>(x, K, packed, N, bias, y, m, nb, width, next); break;
+      case 6: packed_group<6>(x, K, packed, N, bias, y, m, nb, width, next); break;
+      case 7: packed_group<7>(x, K, packed, N, bias, y, m, nb, width, next); break;
       default: break;
     }
   }
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) tile_segment<8, PACKED>(x, K, w0, N, y, m, n, width, s0, s1, m == 0 ? ahead_until : 0, ahead);
-  for (; m + 4 <= M; m += 4) tile_segment<4, PACKED>(x, K, w0, N, y, m, n, width, s0, s1, m == 0 ? ahead_until : 0, ahead);
-  for (; m + 2 <= M; m += 2) tile_segment<2, PACKED>(x, K, w0, N, y, m, n, width, s0, s1, m == 0 ? ahead_until : 0, ahead);
-  for (; m < M; ++m) tile_segment<1, PACKED>(x, K, w0, N, y, m, n, width, s0, s1, m == 0 ? ahead_until : 0, ahead);
 }
 
-// Columns [n0, n1), every row: segment after segment, each over the whole range 48 columns at a time (so each
-// row of w is read in one run of the range per segment, not 48 columns at a time down all K rows: a wide
-// matrix, a logits layer of 51865 columns, streams at memory speed), row groups of 8, 4, 2, 1 per pass (from
-// a packed copy of the segment's block when there are several groups, see above); the running totals in y,
-// then the bias.
+// Rows [0, M <= 8) of one segment over the pass at column n, read in place (w0, ahead_until, ahead: as
+// tile_segment's; the first group prefetches). 3, 5, 6 or 7 rows are one group: each weight loaded (and widened)
+// once, not once per group, the second group's re-read missing L1 where w's rows lie 4 KiB apart (a beam-5 step of
+// Whisper base, float16-held, one thread: its 512 x 2048 products 425 us as 4 + 1 rows).
+template <typename W>
+void row_groups(const float* x, int64_t M, int64_t K, const W* w0, int64_t N, float* y, int64_t n, int64_t width,
+                int64_t s0, int64_t s1, int64_t ahead_until, int64_t ahead) {
+  switch (M) {
+    case 3: return tile_segment<3>(x, K, w0, N, y, 0, n, width, s0, s1, ahead_until, ahead);
+    case 5: return tile_segment<5>(x, K, w0, N, y, 0, n, width, s0, s1, ahead_until, ahead);
+    case 6: return tile_segment<6>(x, K, w0, N, y, 0, n, width, s0, s1, ahead_until, ahead);
+    case 7: return tile_segment<7>(x, K, w0, N, y, 0, n, width, s0, s1, ahead_until, ahead);
+    default: break;
+  }
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) tile_segment<8>(x, K, w0, N, y, m, n, width, s0, s1, m == 0 ? ahead_until : 0, ahead);
+  for (; m + 4 <= M; m += 4) tile_segment<4>(x, K, w0, N, y, m, n, width, s0, s1, m == 0 ? ahead_until : 0, ahead);
+  for (; m + 2 <= M; m += 2) tile_segment<2>(x, K, w0, N, y, m, n, width, s0, s1, m == 0 ? ahead_until : 0, ahead);
+  for (; m < M; ++m) tile_segment<1>(x, K, w0, N, y, m, n, width, s0, s1, m == 0 ? ahead_until : 0, ahead);
+}
+
+// Columns [n0, n1), every row. Up to 8 rows: segment after segment, each over the whole range 48 columns at a
+// time (so each row of w is read in one run of the range per segment, not 48 columns at a time down all K rows: a
+// wide matrix, a logits layer of 51865 columns, streams at memory speed), row groups of 8, 4, 2, 1 per pass or
+// groups taking turns (9 to in_place_rows rows); the running totals in y, then the bias. More rows: many_rows
+// (packed blocks).
 template <typename W>
 void rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* y, int64_t n0,
           int64_t n1) {
   if (M > 8 && M <= in_place_rows<W>(N)) {
     in_place_groups(x, M, K, w, N, y, n0, n1);
   } else if (M > 8) {
-    alignas(64) float packed[FLOAT_SEGMENT * PACK_COLUMNS];
-    for (int64_t nb = n0; nb < n1; nb += PACK_COLUMNS) {
-      const int64_t block = std::min(PACK_COLUMNS, n1 - nb);
-      for (int64_t s0 = 0; s0 < K; s0 += FLOAT_SEGMENT) {
-        const int64_t s1 = std::min(K, s0 + FLOAT_SEGMENT);
-        pack_segment(w, N, s0, s1, nb, block, packed);
-        for (int64_t c = 0; c < block; c += WIDTH)
-          row_groups<true>(x, M, K, packed + (c / WIDTH) * FLOAT_SEGMENT * WIDTH, N, y, nb + c,
-                           std::min(WIDTH, block - c), s0, s1, 0, 0);
-      }
-    }
+    return many_rows(x, M, K, w, N, bias, y, n0, n1);  // the bias with the outputs
   } else {
     in_place_passes(K, N, n0, n1, [&](int64_t s0, int64_t s1, int64_t n, int64_t width, int64_t until, int64_t ahead) {
-      row_groups<false>(x, M, K, w + s0 * N + n, N, y, n, width, s0, s1, until, ahead);
+      row_groups(x, M, K, w + s0 * N + n, N, y, n, width, s0, s1, until, ahead);
     });
   }
   if (bias == nullptr) return;

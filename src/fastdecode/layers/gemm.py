@@ -69,6 +69,11 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activ
     return activated(out, activation, threads)
 
 
+def fuses(activation: str | None, float_gemm: str) -> bool:
+    """Whether the GEMM ``float_gemm`` runs ``activation`` as its epilogue (oneDNN's ReLU and GELU)."""
+    return activation in _FUSED and float_gemm == "onednn" and _ONEDNN
+
+
 def activated(out: torch.Tensor, activation: str | None, threads: int) -> torch.Tensor:
     """act(out) of a product's fresh output, in place (out of place under autograd), on up to ``threads``
     where it is big (an encoder's [2048, 3072]: GELU takes 3.9 ms on one core, 1.4 ms on two; ATen's

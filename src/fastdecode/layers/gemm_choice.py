@@ -1,4 +1,4 @@
-"""Which float32 GEMM prompt rows take on this machine: measured once, then read from a file.
+"""Which float32 product prompt rows take on this machine: measured once, then read from a file.
 
 PyTorch offers two exact float32 GEMMs on the CPU: MKL's sgemm (``F.linear``) and oneDNN's
 (``torch.ops.mkldnn._linear_pointwise``, which can fuse ReLU / GELU). Which is faster depends on the
@@ -13,6 +13,14 @@ read the file (with ``FASTDECODE_CACHE=off``, every load measures). The choice b
 model's ``KernelChoice`` (layers/products.py): it is made at load and carried by every forward,
 never looked up while a product runs. Both GEMMs are exact float32; their results differ only by
 summation order (~1e-6).
+
+The same measurement times the project's own float kernel (``float_matmul``, layers/fmatmul.cpp: the one
+generated rows take) on the same products, and prompt rows of the float matrices it serves take it too
+(``KernelChoice.prompt_kernel``) where it runs them within ``KERNEL_MARGIN`` of the faster GEMM. The margin is
+what a one-thread contest cannot see: both GEMMs split a prompt's products over an OpenMP team, which on a
+2-core machine spins beside the kernel thread pool that a serving step's generated rows and attention run on
+(a ``perf`` of 16 float32 SmolLM2-135M prompts on 2 threads: torch's OpenMP worker in libgomp's spin ~19% of
+the samples); on the kernel, a step's prompt and generated rows run on one pool.
 """
 
 from __future__ import annotations
@@ -24,6 +32,9 @@ import time
 from pathlib import Path
 
 FLOAT_GEMMS = ("onednn", "mkl")  # KernelChoice.float_gemm (layers/products.py)
+KERNEL = "kernel"  # the float kernel's entry in the timings
+# Prompt rows take the kernel where its time is at most this many times the faster GEMM's (see above).
+KERNEL_MARGIN = 1.1
 # The timed products: 256 prompt rows through an attention projection and the two FFN products of a
 # small model, on the layout the models hold (the ratio between the GEMMs varies with the shape: one
 # shape alone can mislead).
@@ -32,28 +43,31 @@ SHAPES = ((1536, 1536), (768, 3072), (3072, 768))  # (inputs, outputs)
 REPETITIONS = 3
 
 
-def machine_float_gemm() -> str:
-    """This machine's faster float32 GEMM ("onednn" or "mkl"): from the cache file, else measured
-    (and written there). "mkl" when PyTorch has no oneDNN GEMM."""
+def machine_float_choice() -> tuple[str, bool]:
+    """(this machine's faster float32 GEMM, "onednn" or "mkl"; whether prompt rows of the float matrices the
+    kernel serves take it): from the cache file, else measured (and written there). ("mkl", False) without
+    oneDNN and the kernel, nothing to measure."""
     from . import ops
 
-    if not ops.onednn_available():
-        return "mkl"
+    if not ops.onednn_available() and not ops.available():
+        return "mkl", False
     path = choice_path()
     try:
         if path is None:
             raise OSError("the caches are off")
-        choice = json.loads(path.read_text())["float_gemm"]
-        if choice in FLOAT_GEMMS:
-            return choice
+        record = json.loads(path.read_text())
+        choice, prompt_kernel = record["float_gemm"], record["prompt_kernel"]
+        if choice in FLOAT_GEMMS and isinstance(prompt_kernel, bool):
+            return choice, prompt_kernel
     except (OSError, ValueError, KeyError, TypeError):
-        pass  # not measured here yet (or an unreadable file): measure
+        pass  # not measured here yet (or an unreadable file, or one from before the kernel took part): measure
     timings = time_float_gemms()
-    choice = min(timings, key=timings.get)
+    choice = min((name for name in FLOAT_GEMMS if name in timings), key=timings.get)
+    prompt_kernel = KERNEL in timings and timings[KERNEL] <= KERNEL_MARGIN * timings[choice]
     if path is not None:
-        _write_atomically(path, {"float_gemm": choice, "median_seconds": timings, "rows": ROWS,
-                                 "shapes": [list(shape) for shape in SHAPES], "cpu": cpu_model()})
-    return choice
+        _write_atomically(path, {"float_gemm": choice, "prompt_kernel": prompt_kernel, "median_seconds": timings,
+                                 "rows": ROWS, "shapes": [list(shape) for shape in SHAPES], "cpu": cpu_model()})
+    return choice, prompt_kernel
 
 
 def choice_path() -> Path | None:
@@ -81,15 +95,18 @@ def cpu_model() -> str:
 
 
 def time_float_gemms() -> dict[str, float]:
-    """Each GEMM's summed median seconds over ``SHAPES``: [ROWS, in] x an [out, in] view of a
-    contiguous [in, out] buffer, one thread, the two alternating (so a busy neighbour slows both)."""
+    """Each GEMM's (oneDNN's where PyTorch has it, MKL's) and the float kernel's (where the extension is built)
+    summed median seconds over ``SHAPES``: [ROWS, in] x an [out, in] view of a contiguous [in, out] buffer (the
+    kernel reads the buffer itself), one thread (the calling one: its CPU time), alternating (so a busy
+    neighbour's use of the memory bus slows them alike)."""
     import torch
     import torch.nn.functional as F
 
     from . import ops
 
     generator = torch.Generator().manual_seed(0)
-    total = dict.fromkeys(FLOAT_GEMMS, 0.0)
+    total: dict[str, float] = {}
+    present = {"onednn": ops.onednn_available(), "mkl": True, KERNEL: ops.available()}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -99,17 +116,19 @@ def time_float_gemms() -> dict[str, float]:
                 weight = torch.randn(inputs, outputs, generator=generator).t()  # [out, in] view, as layers/linear.py holds
                 bias = torch.randn(outputs, generator=generator)
                 runs = {"onednn": lambda: ops.onednn_linear(x, weight, bias, "none", ""),
-                        "mkl": lambda: F.linear(x, weight, bias)}
+                        "mkl": lambda: F.linear(x, weight, bias),
+                        KERNEL: lambda: ops.float_matmul(x, weight.t(), bias, 1)}
+                runs = {name: run for name, run in runs.items() if present[name]}
                 seconds: dict[str, list[float]] = {name: [] for name in runs}
                 for run in runs.values():
                     run()  # warm-up: oneDNN builds its primitive on the first call
                 for _ in range(REPETITIONS):
                     for name, run in runs.items():
-                        start = time.perf_counter()
+                        start = time.thread_time()  # this thread's CPU time: a busy neighbour's turns do not count
                         run()
-                        seconds[name].append(time.perf_counter() - start)
+                        seconds[name].append(time.thread_time() - start)
                 for name, values in seconds.items():
-                    total[name] += sorted(values)[len(values) // 2]
+                    total[name] = total.get(name, 0.0) + sorted(values)[len(values) // 2]
     finally:
         torch.set_num_threads(threads)
     return total

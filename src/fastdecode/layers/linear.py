@@ -11,9 +11,13 @@ as a contiguous [in, out] buffer take the extension's ``float_matmul`` (layers/f
 of the GEMM: each output summed in one fixed order (fused multiply-add chains over segments of 64
 inputs, added in order), so a row's result is the same whatever else is in the product, and the work
 split over the kernel thread pool (at batch 1 segments of whole rows, each thread streaming its own),
-which uses the second core's memory bandwidth that the one-thread GEMM leaves idle. Prompt rows keep
-the GEMM (compute-bound there); a step mixing both runs each part its own way, like the quantized
-kernels (its logits layer, over the rows picked for logits, takes the kernel for every row).
+which uses the second core's memory bandwidth that the one-thread GEMM leaves idle. Prompt rows take
+the kernel too where the model's kernel choice says so (``KernelChoice.prompt_kernel``: measured at load,
+layers/gemm_choice.py; a step's prompt and generated rows are then one product, on the kernel pool, with
+no OpenMP team beside it), except where the GEMM fuses their activation (oneDNN's GELU or ReLU: a pass over
+the output saved); otherwise they keep the GEMM, and a step mixing both runs each part its own
+way, like the quantized kernels (its logits layer, over the rows picked for logits, takes the kernel for
+every row).
 
 A float32 model may hold a matrix in float16 where every value of it is a float16 value (Whisper's
 float16 checkpoints: models/whisper.py's ``hold_in_half``): generated rows read it as it is (the kernel
@@ -26,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .gemm import ACTIVATIONS, activated, gemm  # noqa: F401 - ACTIVATIONS: one import for models
+from .gemm import ACTIVATIONS, activated, fuses, gemm  # noqa: F401 - ACTIVATIONS: one import for models
 from .products import KernelChoice, Products, RowRoles
 from .quantized import QuantizedWeight, embed, quantized_linear  # noqa: F401 - embed: one import for models
 from .threads import kernel_threads, threads_for
@@ -42,9 +46,15 @@ def linear(
     entry; ``products``: the forward's row roles, thread budget and kernel choice."""
     if isinstance(weight, QuantizedWeight):
         return activated(quantized_linear(x, weight, bias, products), activation, products.threads)
-    if (not products.all_prompt and x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
+    if (x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
             and float_kernel_serves(weight, products.kernels)):
-        return activated(_generated_rows_product(x, weight, bias, products), activation, products.threads)
+        kernels = products.kernels
+        # prompt rows through the kernel where the choice says so, unless the GEMM would fuse their activation (a
+        # GELU FFN's: a pass over [rows, out] saved)
+        if products.roles is None or (kernels.prompt_kernel and not fuses(activation, kernels.float_gemm)):
+            return activated(_kernel_product(x, weight, bias, products.threads), activation, products.threads)
+        if not products.all_prompt:
+            return activated(_generated_rows_product(x, weight, bias, products), activation, products.threads)
     return gemm(x, widened(weight, x, products.threads), bias, activation, products.threads,
                 products.kernels.float_gemm)
 
@@ -67,24 +77,35 @@ def float_kernel_serves(weight: torch.Tensor, kernels: KernelChoice) -> bool:
             and weight.t().is_contiguous() and ops.available())
 
 
+def _kernel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, budget: int) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T + bias -> [..., N], every row through the kernel."""
+    N, K = weight.shape
+    rows = x.reshape(-1, K)  # [M, K]
+    return _kernel_rows(rows, weight, _float_bias(bias), budget).view(*x.shape[:-1], N)  # [..., N]
+
+
+def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias as the kernel reads it: contiguous float32 (a float16-held model's, widened)."""
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return bias.float().contiguous()
+    return bias
+
+
 def _generated_rows_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             products: Products) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T + bias -> [..., N]: generated rows through the kernel, prompt rows
-    (``products.roles``: a ``RowRoles``; None: every row generated) through the GEMM. A product of other
+    """x [..., K] @ weight [N, K]^T + bias -> [..., N] of a step mixing roles (``products.roles``: a
+    ``RowRoles``): generated rows through the kernel, prompt rows through the GEMM. A product of other
     rows than the roles' (the logits layer of a mixed step: the rows ``output_rows`` picked) runs every
     row through the kernel, as the quantized logits layer (``for_logits``) does whatever the roles."""
     N, K = weight.shape
-    rows = x.reshape(-1, K)  # [M, K]
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        bias = bias.float().contiguous()
     roles = products.roles
-    if not isinstance(roles, RowRoles) or rows.shape[0] != roles.rows:  # (the logits layer's other rows)
-        out = _kernel_rows(rows, weight, bias, products.threads)
-    else:
-        out = rows.new_empty(rows.shape[0], N)
-        out[roles.generated] = _kernel_rows(rows[roles.generated], weight, bias, products.threads)
-        out[roles.prompt] = gemm(rows[roles.prompt], widened(weight, rows, products.threads), bias, None,
-                                 products.threads, products.kernels.float_gemm)
+    if not isinstance(roles, RowRoles) or x.numel() // K != roles.rows:  # (the logits layer's other rows)
+        return _kernel_product(x, weight, bias, products.threads)
+    rows, bias = x.reshape(-1, K), _float_bias(bias)  # [M, K]
+    out = rows.new_empty(rows.shape[0], N)
+    out[roles.generated] = _kernel_rows(rows[roles.generated], weight, bias, products.threads)
+    out[roles.prompt] = gemm(rows[roles.prompt], widened(weight, rows, products.threads), bias, None,
+                             products.threads, products.kernels.float_gemm)
     return out.view(*x.shape[:-1], N)  # [..., N]
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidOptionError
-from .gemm_choice import FLOAT_GEMMS, machine_float_gemm
+from .gemm_choice import FLOAT_GEMMS, machine_float_choice
 
 ALL_PROMPT = "all prompt rows"
 PROMPT_ROWS = ("int8-mlp", "exact", "int8")  # KernelChoice.prompt_rows; the first: load's default
@@ -50,19 +50,24 @@ class KernelChoice:
     - ``float_kernel``: False: generated rows of float32 matrices take the GEMM as prompt rows do
       (the path before layers/fmatmul.cpp: tests and benchmarks compare against it);
     - ``float_gemm``: the float32 GEMM of prompt rows (layers/gemm.py), "onednn" or "mkl": at load,
-      the one this machine runs faster (layers/gemm_choice.py measures it once per machine)."""
+      the one this machine runs faster (layers/gemm_choice.py measures it once per machine);
+    - ``prompt_kernel``: prompt rows of the float matrices the float kernel serves (layers/linear.py) take
+      it too, on the kernel thread pool as generated rows do, no OpenMP team beside it; each row's result
+      then depends only on the row, as a generated row's. At load: where the kernel runs prompt rows about
+      as fast as the faster GEMM (layers/gemm_choice.py)."""
 
     prompt_rows: str = "exact"
     quantized_kernels: bool = True
     float_kernel: bool = True
     float_gemm: str = "onednn"
+    prompt_kernel: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_rows not in PROMPT_ROWS:
             raise InvalidOptionError(f"prompt_rows must be one of {', '.join(PROMPT_ROWS)}, got {self.prompt_rows!r}")
         if self.float_gemm not in FLOAT_GEMMS:
             raise InvalidOptionError(f"float_gemm must be one of {', '.join(FLOAT_GEMMS)}, got {self.float_gemm!r}")
-        for name in ("quantized_kernels", "float_kernel"):
+        for name in ("quantized_kernels", "float_kernel", "prompt_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOptionError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -74,12 +79,13 @@ class KernelChoice:
     @classmethod
     def at_load(cls, prompt_rows: str | None, kernels: KernelChoice | None) -> KernelChoice:
         """The choice of ``load(..., prompt_rows=, kernels=)``: ``prompt_rows`` alone ("int8-mlp" when
-        None) with this machine's faster float GEMM, or the whole ``kernels`` choice (reference
-        runs); InvalidOptionError when both are given."""
+        None) with this machine's float products (its faster float GEMM, and whether prompt rows take the
+        float kernel), or the whole ``kernels`` choice (reference runs); InvalidOptionError when both are given."""
         if kernels is None:
             prompt_rows = PROMPT_ROWS[0] if prompt_rows is None else prompt_rows
             cls(prompt_rows=prompt_rows)  # a bad value fails before anything is measured
-            return cls(prompt_rows=prompt_rows, float_gemm=machine_float_gemm())
+            float_gemm, prompt_kernel = machine_float_choice()
+            return cls(prompt_rows=prompt_rows, float_gemm=float_gemm, prompt_kernel=prompt_kernel)
         if prompt_rows is not None:
             raise InvalidOptionError("give prompt_rows or kernels (a KernelChoice, which has prompt_rows), not both")
         if not isinstance(kernels, KernelChoice):
