@@ -3,7 +3,8 @@
 Quantized: every linear weight (canonical [in, out], quantized as its [out, in] rows) and the token
 embedding tables ([V, C], one row per token; a tied LM head shares the embedding's quantized table).
 Kept float: norms, biases, position tables (learned, T5's relative buckets), anything 1-D, and a
-matrix whose input size is not a multiple of the group (32); quantized GGUF blocks stay as they are.
+matrix whose input size is not a multiple of the group (32: laid out as ``load`` lays it out, so an in-memory
+model's shared view is copied); quantized GGUF blocks stay as they are.
 """
 
 from __future__ import annotations
@@ -144,7 +145,9 @@ def quantize_weights(weights: dict[str, torch.Tensor], kind: str) -> dict[str, t
             out[name] = tensor if tensor.shape[1] % 32 else quantized(tensor, name)
         elif tensor.shape[0] % 32:  # [in, out] with `in` not a multiple of the group
             skipped.append(name)
-            out[name] = tensor
+            # kept float in load's layout ([in, out] contiguous; from_hf's shared [out, in] view copied), so
+            # that it takes the same product, with the same bits, whichever way the model came
+            out[name] = tensor.contiguous()  # [in, out]
         else:
             out[name] = quantized(tensor.t(), name).t()  # rows of [out, in], seen as [in, out]
     if skipped:
