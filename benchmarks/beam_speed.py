@@ -60,8 +60,8 @@ class Settings:
 
 class NgramTimer:
     """Seconds spent on no-repeat-n-gram blocking inside fastdecode calls, while installed (a context
-    manager): the ban ids (``no_repeat_ngram_ids``, or the PyTorch step's ``no_repeat_ngram_mask``) and
-    the history kept for them (``record`` / ``select_rows`` of selectors holding a history and no other
+    manager): the ban ids (``NgramTable.ids`` on the CPU, else ``no_repeat_ngram_ids`` or the PyTorch step's
+    ``no_repeat_ngram_mask``) and the history kept for them (``record`` / ``select_rows`` of selectors holding a history and no other
     per-row state, so that nothing else is counted)."""
 
     def __init__(self):
@@ -80,13 +80,14 @@ class NgramTimer:
         return run
 
     def __enter__(self):
-        from fastdecode.decoding import sampling
+        from fastdecode.decoding import ngram_table, sampling
 
         def history_only(selector, *rest):
-            return selector.history is not None and all(
+            return (selector.history is not None or selector.ngrams is not None) and all(
                 getattr(selector, name) is None for name in ("seen", "counts", "generators", "grammar_states"))
 
         for owner, name, counts in ((sampling, "no_repeat_ngram_ids", None), (sampling, "no_repeat_ngram_mask", None),
+                                    (ngram_table.NgramTable, "ids", None),
                                     (sampling.TokenSelector, "record", history_only),
                                     (sampling.TokenSelector, "select_rows", history_only)):
             fn = getattr(owner, name)
