@@ -18,6 +18,7 @@ from ..config import GenerationConfig
 from ..constraints import CompiledGrammar, GrammarState
 from ..errors import InvalidOptionError
 from ..layers import ops
+from .ngram_table import NgramTable
 from .processors import (
     PAD,
     apply_min_p,
@@ -25,6 +26,7 @@ from .processors import (
     apply_repetition_penalty,
     apply_top_k,
     apply_top_p,
+    ban_mask,
     dense_logit_bias,
     encoder_no_repeat_ngram_ids,
     encoder_no_repeat_ngram_mask,
@@ -52,8 +54,10 @@ class TokenSelector:
         self.forced_eos = torch.tensor(list(forced_eos), dtype=torch.long, device=device) if forced_eos else None
         self.vocab_size = vocab_size
         self.seen: torch.Tensor | None = None
-        # Token history [N, L] (left-padded with PAD) and sources [N, S] for n-gram blocking.
+        # Token history [N, L] (left-padded with PAD) and sources [N, S] for n-gram blocking: the tensor
+        # kernels' input (encoder no-repeat-n-gram blocking; no-repeat-n-gram blocking off the CPU).
         self.history: torch.Tensor | None = None
+        self.ngrams: NgramTable | None = None  # no-repeat-n-gram blocking on the CPU: kept incrementally
         self.sources: torch.Tensor | None = None
         self.generators: list[torch.Generator] | None = None  # one per row (sampling only)
         self.counts: torch.Tensor | None = None  # [N, V] float: generated tokens (presence / frequency penalty)
@@ -82,7 +86,9 @@ class TokenSelector:
                     raise InvalidOptionError("a list of seeds (one per prompt) is for generate / generate_ids")
                 row_seeds = [derive_seed(cfg.seed, row) for row in range(len(prompts))]
             self.generators = row_generators(row_seeds, len(prompts), device)
-        if cfg.no_repeat_ngram_size > 0 or cfg.encoder_no_repeat_ngram_size > 0:
+        if cfg.no_repeat_ngram_size > 0 and device.type == "cpu":
+            self.ngrams = NgramTable(prompts, cfg.no_repeat_ngram_size)
+        if cfg.encoder_no_repeat_ngram_size > 0 or (cfg.no_repeat_ngram_size > 0 and self.ngrams is None):
             self.history = pad_rows(prompts, device)
         if cfg.encoder_no_repeat_ngram_size > 0 and sources is not None:
             self.sources = pad_rows(sources, device)
@@ -101,6 +107,8 @@ class TokenSelector:
             self.seen = self.seen.index_select(0, rows)
         if self.history is not None:
             self.history = self.history.index_select(0, rows)
+        if self.ngrams is not None:
+            self.ngrams.select_rows(rows.tolist())
         if self.sources is not None:
             self.sources = self.sources.index_select(0, rows)
         if self.counts is not None:
@@ -122,6 +130,8 @@ class TokenSelector:
             self.seen.scatter_(1, tokens[:, None], True)  # row i's token seen (no host copy of the value on a GPU)
         if self.history is not None:
             self.history = torch.cat([self.history, tokens[:, None]], dim=1)  # [N, L+1]
+        if self.ngrams is not None:
+            self.ngrams.record(tokens.tolist())
         if self.counts is not None:
             self.counts[torch.arange(tokens.shape[0], device=tokens.device), tokens] += 1.0
         if self.grammar_states is not None:
@@ -142,7 +152,9 @@ class TokenSelector:
         if self.bias is not None:
             logits = logits + self.bias
         if cfg.no_repeat_ngram_size > 0:
-            banned = no_repeat_ngram_mask(self.history, cfg.no_repeat_ngram_size, logits.shape[-1])
+            banned = (ban_mask(self.ngrams.ids(logits.shape[-1]), logits.shape[-1])
+                      if self.ngrams is not None
+                      else no_repeat_ngram_mask(self.history, cfg.no_repeat_ngram_size, logits.shape[-1]))
             logits = logits.masked_fill(banned, float("-inf"))
         if cfg.encoder_no_repeat_ngram_size > 0 and self.sources is not None:
             banned = encoder_no_repeat_ngram_mask(self.sources, self.history, cfg.encoder_no_repeat_ngram_size,
@@ -166,18 +178,22 @@ class TokenSelector:
             return None
         common = self.eos_ids if num_generated < cfg.min_new_tokens else self.eos_ids[:0]
         per_row = []
-        if cfg.no_repeat_ngram_size > 0:
+        if self.ngrams is not None:
+            per_row.append(self.ngrams.ids(vocab_size))
+        elif cfg.no_repeat_ngram_size > 0:
             per_row.append(no_repeat_ngram_ids(self.history, cfg.no_repeat_ngram_size, vocab_size))
         if self.sources is not None:
             ids = encoder_no_repeat_ngram_ids(self.sources, self.history, cfg.encoder_no_repeat_ngram_size, vocab_size)
             per_row += [ids] if ids is not None else []
-        return common, (torch.cat(per_row, dim=1) if per_row else None)  # [N, W] of the row's n-grams
+        if len(per_row) < 2:
+            return common, (per_row[0] if per_row else None)  # [N, W] of the row's n-grams
+        return common, torch.cat(per_row, dim=1)  # [N, W1 + W2]
 
     def plain_greedy(self, num_generated: int) -> bool:
         """True when ``select`` at this step is the argmax of the logits as they are (greedy, no processor
         active), so an engine may pick many such rows with one argmax."""
         cfg = self.config
-        return (not cfg.is_sampling and self.seen is None and self.history is None
+        return (not cfg.is_sampling and self.seen is None and self.history is None and self.ngrams is None
                 and self.counts is None and self.bias is None
                 and not (num_generated < cfg.min_new_tokens and self.eos_ids.numel())
                 and self.grammar_states is None and self._forced(num_generated) is None)
