@@ -248,7 +248,9 @@ def build_gemma2(kind: str = "gemma2", seed: int = 0, **overrides):
     logits at 3 (low caps, so that tanh bends the scores and logits of these random weights), a
     query scale that is not head_dim, RoPE base 20,000, non-zero (1 + w) norm weights and the other
     weights re-drawn at std 0.15 (scores large enough for the cap to bend them). ``gemma2``:
-    GQA (4 query heads on 2), head_dim 32, tied; ``gemma2-mha``: 4 heads of 16, untied."""
+    GQA (4 query heads on 2), head_dim 32, tied; ``gemma2-mha``: 4 heads of 16, untied.
+    transformers' eager attention, the one implementation of it that applies the attention cap: its SDPA
+    ignores it (transformers 5.17 chose SDPA on an H100, and the GPU parity suite's Gemma 2 tests failed)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -257,7 +259,7 @@ def build_gemma2(kind: str = "gemma2", seed: int = 0, **overrides):
     options = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
                    num_attention_heads=4, query_pre_attn_scalar=24, sliding_window=8, max_position_embeddings=256,
                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0, bos_token_id=1, eos_token_id=None,
-                   pad_token_id=0, tie_word_embeddings=True, **_rope(20000.0))
+                   pad_token_id=0, tie_word_embeddings=True, attn_implementation="eager", **_rope(20000.0))
     options.update(heads)
     options.update(overrides)
     model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**options)).eval()

@@ -20,6 +20,7 @@ from fastdecode.layers.products import KernelChoice
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
+    ops.available()  # the kernels loaded from the real cache first: a file run alone does not rebuild them in tmp_path
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path))
     monkeypatch.setattr(ops, "onednn_available", lambda: True)
     return tmp_path
@@ -138,3 +139,24 @@ def test_with_the_caches_off_it_measures_and_writes_nothing(tmp_path, monkeypatc
     assert gemm_choice.choice_path() is None
     assert [gemm_choice.machine_float_choice()[0], gemm_choice.machine_float_choice()[0]] == ["mkl", "onednn"]  # twice
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_measurement_runs_on_the_cpu_whatever_the_default_device(monkeypatch):
+    """A user's ``torch.set_default_device("cuda")`` (found on an H100: every load in the GPU parity suite
+    failed on the CPU generator) or "meta" (empty operations timed, and that choice cached) must not reach
+    the measured operands."""
+    devices = set()
+
+    def spy(run):
+        def wrapped(x, weight, *rest):
+            devices.update({x.device.type, weight.device.type})
+            return run(x, weight, *rest)
+        return wrapped
+
+    monkeypatch.setattr(ops, "float_matmul", spy(ops.float_matmul))
+    monkeypatch.setattr(ops, "onednn_linear", spy(ops.onednn_linear))
+    monkeypatch.setattr(gemm_choice, "REPETITIONS", 1)
+    monkeypatch.setattr(gemm_choice, "SHAPES", gemm_choice.SHAPES[:1])
+    with torch.device("meta"):
+        timings = gemm_choice.time_float_gemms()
+    assert devices == {"cpu"} and all(seconds > 0 for seconds in timings.values())

@@ -98,7 +98,9 @@ def time_float_gemms() -> dict[str, float]:
     """Each GEMM's (oneDNN's where PyTorch has it, MKL's) and the float kernel's (where the extension is built)
     summed median seconds over ``SHAPES``: [ROWS, in] x an [out, in] view of a contiguous [in, out] buffer (the
     kernel reads the buffer itself), one thread (the calling one: its CPU time), alternating (so a busy
-    neighbour's use of the memory bus slows them alike)."""
+    neighbour's use of the memory bus slows them alike). The operands are made on the CPU whatever torch's
+    default device: a user's ``torch.set_default_device("cuda")`` made the CPU generator fail every load,
+    and "meta" timed empty operations and cached a choice from them."""
     import torch
     import torch.nn.functional as F
 
@@ -112,9 +114,9 @@ def time_float_gemms() -> dict[str, float]:
     try:
         with torch.inference_mode():
             for inputs, outputs in SHAPES:
-                x = torch.randn(ROWS, inputs, generator=generator)
-                weight = torch.randn(inputs, outputs, generator=generator).t()  # [out, in] view, as layers/linear.py holds
-                bias = torch.randn(outputs, generator=generator)
+                x = torch.randn(ROWS, inputs, generator=generator, device="cpu")
+                weight = torch.randn(inputs, outputs, generator=generator, device="cpu").t()  # [out, in] view, as linear.py
+                bias = torch.randn(outputs, generator=generator, device="cpu")
                 runs = {"onednn": lambda: ops.onednn_linear(x, weight, bias, "none", ""),
                         "mkl": lambda: F.linear(x, weight, bias),
                         KERNEL: lambda: ops.float_matmul(x, weight.t(), bias, 1)}
