@@ -62,17 +62,24 @@ inline __m512 load16(const uint16_t* p, bool full, __mmask16 mask) {
 // to it.
 // Inlined into row_groups: out of line (as GCC left it once the packed variant was gone), 8 rows of a product
 // streamed from memory ran 1.25-1.6x slower (2 threads, Zen 5: 512 x 1536 float32 0.070 -> 0.099-0.111 ms).
+// Its loops over rows and vectors unrolled whole by pragma, before GCC's scalar replacement of acc: left to GCC's own
+// estimate (GCC 12), 3, 5, 6 and 7 rows kept acc an array in memory, every sum stored to the stack at every k (15
+// stores per 15 multiply-adds at 5 rows; 8, 4, 2 and 1 rows were spared), and Whisper base's 5-row products held in
+// float16, streamed, ran 0.7-0.8x as fast as before the packed variant went.
 template <int RB, typename W>
 __attribute__((always_inline)) inline void tile_segment(const float* x, int64_t K, const W* w0, int64_t N, float* y, int64_t m0, int64_t n, int64_t width,
                   int64_t s0, int64_t s1, int64_t ahead_until, int64_t ahead) {
   __mmask16 mask[NV];
+#pragma GCC unroll 3
   for (int v = 0; v < NV; ++v) {
     const int64_t valid = std::clamp<int64_t>(width - 16 * v, 0, 16);
     mask[v] = static_cast<__mmask16>(valid == 16 ? 0xFFFF : (1u << valid) - 1);
   }
   const bool full = width == WIDTH;
   __m512 acc[RB][NV];
+#pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 3
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t k = s0; k < s1; ++k) {
     const W* wk = w0 + (k - s0) * N;
@@ -80,13 +87,18 @@ __attribute__((always_inline)) inline void tile_segment(const float* x, int64_t 
       for (int64_t byte = 0; byte < WIDTH * static_cast<int64_t>(sizeof(W)); byte += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wk + ahead) + byte, _MM_HINT_T0);
     __m512 wv[NV];
+#pragma GCC unroll 3
     for (int v = 0; v < NV; ++v) wv[v] = load16(wk + 16 * v, full, mask[v]);
+#pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       const __m512 xb = _mm512_set1_ps(x[(m0 + r) * K + k]);
+#pragma GCC unroll 3
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 3
     for (int v = 0; v < NV; ++v) {
       float* t = y + (m0 + r) * N + n + 16 * v;
       const __m512 sum = s0 == 0 ? acc[r][v] : _mm512_add_ps(_mm512_maskz_loadu_ps(mask[v], t), acc[r][v]);
