@@ -179,15 +179,18 @@ def shared_candidates(searches: list[tuple[BeamScores, TokenSelector, int]],
     if len(searches) < 2 or op is None or logits.dtype != torch.float32 or not logits.is_cpu:
         return None
     policies = [policy for policy, _, _ in searches]
+    if not all(isinstance(p, BeamScores) for p in policies):  # (a request's own policy: Whisper's search)
+        return None
     first, K, keep, V = searches[0][2], policies[0].config.num_beams, policies[0].n_keep, logits.shape[-1]
-    if any(not isinstance(p, BeamScores) or p.config.num_beams != K or p.n_keep != keep or row != first + i * K
+    if any(p.config.num_beams != K or p.n_keep != keep or row != first + i * K
            for i, (p, _, row) in enumerate(searches)):
         return None
     bans = [selector.bans_only(policy.step, V) for policy, selector, _ in searches]
     if any(b is None for b in bans):
         return None
     common = bans[0][0].cpu()
-    if any(b[0].tolist() != common.tolist() for b in bans[1:]):
+    common_ids = common.tolist()
+    if any(b[0].tolist() != common_ids for b in bans[1:]):
         return None
     row_banned = None
     if any(b[1] is not None for b in bans):  # each beam's own ids, V where none: [G * K, W]
