@@ -13,7 +13,9 @@ so drift in machine load hits both alike), each with its own ``src`` first on PY
 runs the job twice: the second call is the timed one (wall and CPU seconds; the first pays page
 faults, allocator growth and lazy set-up, shown beside it). Medians with min-max, the ratio
 baseline / this tree of the second calls (above 1: this tree is faster), whether both trees' beams
-are identical, and the load average.
+are identical, and the load average; then where the timed calls' time went, in ms per new token: the
+encoder and cross K/V projection (``CrossStore.encode_pending``), the decoder's forwards (``BartModel.decode``),
+the beam selection (the sampler's ``advance_groups``) and the rest (step planning, the cache's copies).
 
     python benchmarks/encdec_beam_ab.py --baseline /work/bench-base [--reps 8] [--threads 1]
     python benchmarks/encdec_beam_ab.py --baseline /work/main --quantize none --beams 1 --threads 2
@@ -25,6 +27,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,21 +39,56 @@ TREE = HERE.parent
 FOLDER = Path(tempfile.gettempdir()) / "fastdecode-bench" / "bart-base-random"
 
 
+# The parts of a call timed inside the worker: (module, attribute path, part), where the tree has them.
+PARTS = (("fastdecode.engine.cross", "CrossStore.encode_pending", "encoder + cross K/V"),
+         ("fastdecode.models.bart", "BartModel.decode", "decoder forward"),
+         ("fastdecode.engine.sampler", "advance_groups", "beam selection"))
+
+
 class BeamEngine:
-    """The worker side: one tree's fastdecode with the model loaded natively as int8."""
+    """The worker side: one tree's fastdecode with the model loaded natively as int8 (or as saved), the
+    seconds of each of ``PARTS`` in the last call kept for ``op_parts``."""
 
     def __init__(self, options: dict[str, Any]):
         import fastdecode
 
         self.gen = fastdecode.load(options["source"], quantize=options["quantize"])
         self.module = fastdecode.__file__
+        self.spent: dict[str, float] = {}
+        for module, path, part in PARTS:
+            self._time(module, path, part)
+
+    def _time(self, module: str, path: str, part: str) -> None:
+        import importlib
+
+        *owner_names, name = path.split(".")
+        owner = importlib.import_module(module)
+        for owner_name in owner_names:
+            owner = getattr(owner, owner_name, None)
+        fn = getattr(owner, name, None)
+        if fn is None:
+            return
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[part] = self.spent.get(part, 0.0) + time.perf_counter() - started
+
+        setattr(owner, name, timed)
 
     def ready_info(self) -> dict[str, Any]:
         return {"module": self.module}
 
     def generate(self, prompts, new_tokens, num_beams, ngram=0):
+        self.spent = {}
         return self.gen.generate_ids(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                      num_beams=num_beams, no_repeat_ngram_size=ngram)
+
+    def op_parts(self) -> dict[str, float]:
+        """Seconds of each timed part in the last ``generate``."""
+        return dict(self.spent)
 
 
 def run_once(name: str, tree: Path, options: dict[str, Any], job: dict[str, Any],
@@ -64,7 +102,8 @@ def run_once(name: str, tree: Path, options: dict[str, Any], job: dict[str, Any]
         if not ready["module"].startswith(expected):
             raise SystemExit(f"{name} imported fastdecode from {ready['module']}, not {expected}")
         first = worker.call("generate", **job)
-        return first, worker.call("generate", **job)
+        second = worker.call("generate", **job)
+        return first, {**second, "parts": worker.call("parts")}
     finally:
         worker.close()
 
@@ -117,6 +156,16 @@ def main() -> None:
     print(f"\n- speed vs baseline (baseline / this tree): wall {ratio_wall:.3f}x, CPU {ratio_cpu:.3f}x")
     print(f"- beams identical across trees and repetitions: {same}")
     print(f"- baseline: {args.baseline}; at the end: {harness.machine_line(args.threads)}")
+    print("\nWhere a timed call's time went, ms per new token (medians; the source side once per call, divided too):\n")
+    print(table(["tree", *(part for _, _, part in PARTS), "the rest"],
+                [[name, *(f"{median(parts(r, part) for r in replies[name]) * 1e3 / args.new_tokens:.2f}"
+                          for part in [p for _, _, p in PARTS] + ["the rest"])] for name in trees]))
+
+
+def parts(reply: dict[str, Any], part: str) -> float:
+    """Seconds of one timed part of a reply's call ("the rest": the call's wall time less every part)."""
+    spent = reply["parts"]
+    return reply["seconds"] - sum(spent.values()) if part == "the rest" else spent.get(part, 0.0)
 
 
 if __name__ == "__main__":

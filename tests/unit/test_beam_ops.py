@@ -9,21 +9,23 @@
   (strided) queries, a row bitwise the same alone; float16 keys and values == the op on their
   float32 values, bitwise;
 - a whole beam search (tiny BART and T5, padded sources, min_new_tokens suppressing EOS, with and without
-  (encoder) no-repeat-n-gram blocking) gives the same tokens and scores with the ops as without them.
+  (encoder) no-repeat-n-gram blocking) gives the same tokens and scores with the ops as without them; with
+  ``beam_update`` as without it, and with the samples' candidates chosen in one call as each alone, bitwise.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from tiny_encdec import VOCAB, build, single_thread  # noqa: F401 (autouse fixture)
 
 import fastdecode
-from fastdecode.engine.cross import EncodedSources, source_lengths
+from fastdecode.engine import beam_group
 from fastdecode.engine import beam_scores as beam_module  # the beam policy of the engine's groups
-from fastdecode.layers.attention import attention
+from fastdecode.engine.cross import EncodedSources, source_lengths
 from fastdecode.layers import ops
+from fastdecode.layers.attention import attention
 from fastdecode.models.seq2seq import padding_bias
-from tiny_encdec import VOCAB, build, single_thread  # noqa: F401 (autouse fixture)
 
 NEG = beam_module.NEG
 needs_kernels = pytest.mark.skipif(not ops.available(), reason="no AVX2 extension: PyTorch paths run")
@@ -168,20 +170,57 @@ def tiny(request, tmp_path_factory):
     return fastdecode.load(str(folder))
 
 
+def beam_results(gen, lengths: tuple[int, ...], seed: int, **options) -> tuple[list, list]:
+    """(tokens, scores) of every hypothesis a beam search returns over random sources of these lengths."""
+    g = torch.Generator().manual_seed(seed)
+    sources = [torch.randint(3, VOCAB - 1, (n,), generator=g).tolist() for n in lengths]
+    results = gen.generate_ids_with_details(sources, **options)
+    return [r.tokens for r in results], [r.score for r in results]
+
+
 @needs_kernels
 @pytest.mark.parametrize("ngrams", [{}, {"no_repeat_ngram_size": 2}, {"encoder_no_repeat_ngram_size": 2}])
 def test_beam_search_same_with_and_without_ops(tiny, monkeypatch, ngrams):
-    g = torch.Generator().manual_seed(3)
-    sources = [torch.randint(3, VOCAB - 1, (n,), generator=g).tolist() for n in (9, 4, 13)]
     options = dict(num_beams=3, max_new_tokens=6, min_new_tokens=3, num_return_sequences=2, **ngrams)
-    with_ops = tiny.generate_ids_with_details(sources, **options)
+    with_ops = beam_results(tiny, (9, 4, 13), 3, **options)
     monkeypatch.setattr(beam_module, "beam_candidates_op", lambda: None)
+    monkeypatch.setattr(beam_module, "beam_update_op", lambda: None)
     monkeypatch.setattr(EncodedSources, "attend", lambda self, index, q, scale, threads: attention(
         q, self.keys[index], self.values[index], self.bias, scale, threads=threads))
-    without = tiny.generate_ids_with_details(sources, **options)
-    assert [r.tokens for r in with_ops] == [r.tokens for r in without]
-    torch.testing.assert_close(torch.tensor([r.score for r in with_ops]), torch.tensor([r.score for r in without]),
-                               atol=1e-5, rtol=0)
+    without = beam_results(tiny, (9, 4, 13), 3, **options)
+    assert with_ops[0] == without[0]
+    torch.testing.assert_close(torch.tensor(with_ops[1]), torch.tensor(without[1]), atol=1e-5, rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("options", [{"no_repeat_ngram_size": 2, "length_penalty": 2.0},
+                                     {"early_stopping": True, "length_penalty": 0.6}])
+def test_beam_search_same_with_and_without_the_update_op(tiny, monkeypatch, options):
+    """``beam_update`` (tests/unit/test_beam_update.py) against the tensor ops it replaces: the same bits."""
+    options = dict(num_beams=3, max_new_tokens=6, min_new_tokens=2, num_return_sequences=2, **options)
+    with_op = beam_results(tiny, (9, 4, 13), 5, **options)
+    monkeypatch.setattr(beam_module, "beam_update_op", lambda: None)
+    assert beam_results(tiny, (9, 4, 13), 5, **options) == with_op
+
+
+@needs_kernels
+@pytest.mark.parametrize("options", [{"no_repeat_ngram_size": 2}, {"min_new_tokens": 4}])
+def test_beam_searches_sharing_a_candidates_call_keep_their_bits(tiny, monkeypatch, options):
+    """Several samples' beam steps choose their candidates in one call of the op (``shared_candidates``, their
+    bans padded to one width): the tokens and scores of each search as when each chose its own."""
+    options = dict(num_beams=3, max_new_tokens=7, num_return_sequences=3, **options)
+    shared = []
+
+    def counted(searches, logits):
+        answer = beam_module.shared_candidates(searches, logits)
+        shared.append(answer is not None)
+        return answer
+
+    monkeypatch.setattr(beam_group, "shared_candidates", counted)
+    together = beam_results(tiny, (9, 4, 13, 6), 7, **options)
+    assert any(shared)  # the steps with several searches' beams shared
+    monkeypatch.setattr(beam_group, "shared_candidates", lambda searches, logits: None)
+    assert beam_results(tiny, (9, 4, 13, 6), 7, **options) == together
 
 
 @needs_kernels

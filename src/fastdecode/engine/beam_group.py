@@ -33,7 +33,7 @@ import torch
 
 from ..errors import InvalidOptionError, PromptTooLongError
 from ..layers.threads import one_thread
-from .beam_scores import BeamScores
+from .beam_scores import BeamScores, shared_candidates
 from .sequence import Sequence, SequenceResult, TokenEvent
 from .slots import SlotCache
 
@@ -179,14 +179,18 @@ class BeamGroup:
         self.cache = None
 
     # -- the policy ----------------------------------------------------------------------------------
-    def advance(self, logits: torch.Tensor, running: list[Sequence]) -> TokenEvent | None:
+    def advance(self, logits: torch.Tensor, running: list[Sequence],
+                candidates: tuple[torch.Tensor, torch.Tensor] | None = None) -> TokenEvent | None:
         """The group's rows' logits (the root's one row at the first step, then one per beam, in
         beam order) -> the root's final event when the search ends; else the beams move on (new
-        beams join ``running``)."""
+        beams join ``running``). ``candidates``: the step's, where ``shared_candidates`` chose them."""
         K = self.num_beams
         if not self.beams:
             logits = logits.repeat_interleave(K, dim=0)  # [K, V]: every beam starts from the same prompt
-        go_on, origin, tokens = self.scores.advance(logits, self.selector)
+        if candidates is None:
+            go_on, origin, tokens = self.scores.advance(logits, self.selector)
+        else:
+            go_on, origin, tokens = self.scores.advance(logits, self.selector, candidates)
         if not go_on:
             return self._finish()
         sources, token_ids = origin.tolist(), tokens.tolist()
@@ -340,8 +344,11 @@ def advance_groups(sampled: list[Sequence], logits: torch.Tensor, running: list[
             plain_rows += range(first, first + 1 + len(s.draft))
         first += 1 + len(s.draft)
     events = []
-    for group, rows in grouped.values():
-        event = group.advance(_take_rows(logits, rows), running)
+    groups = list(grouped.values())  # the beam steps of groups past their first share one candidates call
+    shared = shared_candidates([(g.scores, g.selector, rows[0]) for g, rows in groups], logits) if all(
+        g.beams and rows == list(range(rows[0], rows[0] + g.num_beams)) for g, rows in groups) else None
+    for index, (group, rows) in enumerate(groups):
+        event = group.advance(_take_rows(logits, rows), running, None if shared is None else shared[index])
         if event is not None:
             release(group.root)
             events.append(event)

@@ -55,6 +55,11 @@ def register_fake() -> None:
         B = logits.shape[0] // K
         return logits.new_empty((B, keep)), logits.new_empty((B, keep), dtype=torch.long)
 
+    @torch.library.register_fake("fastdecode_kernels::beam_update")
+    def _beam_update_fake(top_scores, top_index, eos, V, step, max_new, offer_divisor, best_divisor, stop_when_done,
+                          running, running_tokens, fin_tokens, fin_length, fin_scores, fin_done, improvable):
+        return top_index.new_empty((2 * running.numel() + 1,))  # [2K + 1] int64 (the state updated in place)
+
     @torch.library.register_fake("fastdecode_kernels::cross_attention")
     def _cross_attention_fake(q, keys, values, lengths, scale, threads=1):  # q [B, H, T, D] -> [B, H, T, D]
         return torch.empty_like(q, memory_format=torch.contiguous_format)

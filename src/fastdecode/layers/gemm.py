@@ -34,9 +34,9 @@ ACTIVATIONS = {
 # again at every layer once two such buffers were free at the top of its heap: ~50-90k page faults per
 # bart-base int8 beam call, 8 x 256 sources).
 _IN_PLACE = {
-    "gelu": lambda x: torch.ops.aten.gelu_(x),
-    "gelu_new": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+    "gelu": lambda x: torch.ops.aten.gelu_.default(x),  # the overload, not the packet: ~5 us less a call
+    "gelu_new": lambda x: torch.ops.aten.gelu_.default(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: torch.ops.aten.gelu_.default(x, approximate="tanh"),
     "relu": F.relu_,
     "silu": lambda x: F.silu(x, inplace=True),
     "swish": lambda x: F.silu(x, inplace=True),

@@ -135,6 +135,17 @@ def beam_candidates(logits: Tensor, running: Tensor, banned: Tensor, beams: int,
     return _ops().beam_candidates(logits, running, banned, beams, keep, threads, row_banned)
 
 
+def beam_update(top_scores: Tensor, top_index: Tensor, eos: Tensor, vocab_size: int, step: int, max_new: int,
+                offer_divisor: float, best_divisor: float, stop_when_done: bool, running: Tensor,
+                running_tokens: Tensor, fin_tokens: Tensor, fin_length: Tensor, fin_scores: Tensor, fin_done: Tensor,
+                improvable: Tensor) -> Tensor:
+    """One sample's beam bookkeeping after its step's candidates (engine/beam_scores.py), the state updated in
+    place -> int64 [2K + 1]: the beam each new beam continues [K], their last tokens [K], whether to go on."""
+    return _ops().beam_update(top_scores, top_index, eos, vocab_size, step, max_new, offer_divisor, best_divisor,
+                              stop_when_done, running, running_tokens, fin_tokens, fin_length, fin_scores, fin_done,
+                              improvable)
+
+
 def whisper_logits_rules(logits: Tensor, masked: Tensor, always: Tensor, at_begin: Tensor, rows: list[int],
                          ints: list[int]) -> None:
     """Whisper's logits rules (speech/rules.py's ``LogitsRules``) on logits [R, V] (whisper_rules.cpp), into ``masked``
