@@ -23,6 +23,8 @@ def cache_dir(tmp_path, monkeypatch):
     ops.available()  # the kernels loaded from the real cache first: a file run alone does not rebuild them in tmp_path
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path))
     monkeypatch.setattr(ops, "onednn_available", lambda: True)
+    # the float kernel's in-place row limits: layers/float_rows_choice.py's (tests/unit/test_float_rows_choice.py)
+    monkeypatch.setattr("fastdecode.layers.products.machine_in_place_rows", lambda: KernelChoice().in_place_rows)
     return tmp_path
 
 

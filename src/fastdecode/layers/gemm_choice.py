@@ -65,7 +65,7 @@ def machine_float_choice() -> tuple[str, bool]:
     choice = min((name for name in FLOAT_GEMMS if name in timings), key=timings.get)
     prompt_kernel = KERNEL in timings and timings[KERNEL] <= KERNEL_MARGIN * timings[choice]
     if path is not None:
-        _write_atomically(path, {"float_gemm": choice, "prompt_kernel": prompt_kernel, "median_seconds": timings,
+        write_atomically(path, {"float_gemm": choice, "prompt_kernel": prompt_kernel, "median_seconds": timings,
                                  "rows": ROWS, "shapes": [list(shape) for shape in SHAPES], "cpu": cpu_model()})
     return choice, prompt_kernel
 
@@ -119,7 +119,8 @@ def time_float_gemms() -> dict[str, float]:
                 bias = torch.randn(outputs, generator=generator, device="cpu")
                 runs = {"onednn": lambda: ops.onednn_linear(x, weight, bias, "none", ""),
                         "mkl": lambda: F.linear(x, weight, bias),
-                        KERNEL: lambda: ops.float_matmul(x, weight.t(), bias, 1)}
+                        # ROWS: past the in-place limits (at most 64)
+                        KERNEL: lambda: ops.float_matmul(x, weight.t(), bias, 1, 64, 64)}
                 runs = {name: run for name, run in runs.items() if present[name]}
                 seconds: dict[str, list[float]] = {name: [] for name in runs}
                 for run in runs.values():
@@ -136,7 +137,7 @@ def time_float_gemms() -> dict[str, float]:
     return total
 
 
-def _write_atomically(path: Path, record: dict) -> None:
+def write_atomically(path: Path, record: dict) -> None:
     """Write the record where concurrent first loads cannot see half a file (a failure is harmless:
     the next load measures again)."""
     try:
