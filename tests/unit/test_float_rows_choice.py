@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastdecode.errors import InvalidOptionError
-from fastdecode.layers import float_rows_choice, kernels, ops
+from fastdecode.layers import float_rows_choice, gemm_choice, kernels, ops
 from fastdecode.layers.float_rows_choice import DEFAULT_IN_PLACE_ROWS, chosen_limit, machine_in_place_rows
 from fastdecode.layers.linear import linear
 from fastdecode.layers.products import KernelChoice, Products
@@ -50,8 +50,8 @@ def test_another_kernel_build_or_cpu_is_measured_again(cache_dir, monkeypatch, c
     if change == "kernels":  # a changed kernel source: another build folder (layers/kernels.py)
         monkeypatch.setattr(kernels, "library_path", lambda: cache_dir / "kernels-0123456789abcdef" / "lib.so")
     else:
-        monkeypatch.setattr(float_rows_choice, "cpu_model", lambda: "Intel(R) Xeon(R) Platinum 8481C")
-    assert float_rows_choice.limits_path() != first
+        monkeypatch.setattr(gemm_choice, "cpu_model", lambda: "Intel(R) Xeon(R) Platinum 8481C")
+    assert float_rows_choice.limits_path() != first and gemm_choice.choice_path() not in (None, first)
     assert machine_in_place_rows() == (8, 8)  # measured: packed wins at 16 rows
     assert json.loads(first.read_text())["in_place_rows"] == [48, 32]  # the first machine's record stays
 

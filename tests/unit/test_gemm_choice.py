@@ -48,6 +48,15 @@ def test_prompt_rows_take_the_kernel_within_the_margin_of_the_faster_gemm(cache_
     assert KernelChoice.at_load(None, None) == KernelChoice(prompt_rows="int8-mlp", prompt_kernel=takes_prompts)
 
 
+def test_another_kernel_build_is_measured_again(cache_dir, monkeypatch):
+    """The kernel takes part in the measurement: a changed kernel source (another build folder) measures again."""
+    timings = iter([{"onednn": 0.2, "mkl": 0.1, "kernel": 0.3}, {"onednn": 0.2, "mkl": 0.1, "kernel": 0.1}])
+    monkeypatch.setattr(gemm_choice, "time_float_gemms", lambda: next(timings))
+    assert gemm_choice.machine_float_choice() == ("mkl", False)
+    monkeypatch.setattr("fastdecode.layers.kernels.library_path", lambda: cache_dir / "kernels-0123456789abcdef" / "x.so")
+    assert gemm_choice.machine_float_choice() == ("mkl", True)
+
+
 def test_an_unreadable_record_is_measured_again(cache_dir, monkeypatch):
     gemm_choice.choice_path().write_text('{"float_gemm": "cuBLAS"')  # cut short, and not a choice
     monkeypatch.setattr(gemm_choice, "time_float_gemms", lambda: {"onednn": 0.1, "mkl": 0.3})

@@ -23,7 +23,7 @@ import math
 import time
 from pathlib import Path
 
-from .gemm_choice import cpu_model, write_atomically
+from .gemm_choice import cpu_model, machine_record_path, write_atomically
 
 # (w's rows spread over L1's sets, w's rows in the same sets): in place up to these rows on AMD Zen 5 (against the
 # packed copy, one thread, bart-base's decoder products streamed from memory, G multiply-adds/s: 32 rows 768 x 2304
@@ -79,14 +79,8 @@ def valid_limits(value) -> tuple[int, int] | None:
 
 def limits_path() -> Path | None:
     """The record's file, or None when the caches are off (then every load measures): keyed by the CPU model and
-    the kernels' build (layers/kernels.py: a folder named by their sources, PyTorch version and flags)."""
-    import hashlib
-
-    from .kernels import cache_folder, library_path
-
-    root = cache_folder()
-    key = hashlib.sha256(f"{cpu_model()}|{library_path().parent.name}".encode()).hexdigest()[:16]
-    return None if root is None else root / f"float-rows-{key}.json"
+    the kernels' build (gemm_choice.machine_record_path)."""
+    return machine_record_path("float-rows")
 
 
 def chosen_limit(ratios: dict[int, float], default: int) -> int:

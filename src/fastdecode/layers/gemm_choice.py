@@ -8,8 +8,8 @@ on the AMD EPYC this project was first measured on, and 2.0-2.4x *slower* on the
 later session (a bart-base encoder over 8 x 256 tokens: 6.7 s of GEMMs against MKL's 3.4 s). So no
 constant decides it: the first load on a machine times both on that layout (about a second, on
 one thread, alternating) and keeps the answer in ``$FASTDECODE_CACHE`` (default
-``~/.cache/fastdecode``) under a name keyed by the CPU model and the PyTorch version; later loads
-read the file (with ``FASTDECODE_CACHE=off``, every load measures). The choice becomes part of the
+``~/.cache/fastdecode``) under a name keyed by the CPU model and the kernels' build (their sources, the PyTorch
+version and flags: the float kernel takes part, below); later loads read the file (with ``FASTDECODE_CACHE=off``, every load measures). The choice becomes part of the
 model's ``KernelChoice`` (layers/products.py): it is made at load and carried by every forward,
 never looked up while a product runs. Both GEMMs are exact float32; their results differ only by
 summation order (~1e-6).
@@ -72,13 +72,18 @@ def machine_float_choice() -> tuple[str, bool]:
 
 def choice_path() -> Path | None:
     """The record's file, or None when the caches are off (then every load measures)."""
-    import torch
+    return machine_record_path("float-gemm")
 
-    from .kernels import cache_folder
+
+def machine_record_path(name: str) -> Path | None:
+    """The file of a measurement named ``name`` made on this machine with these kernels (keyed by the CPU model and
+    layers/kernels.py's build folder, named by the kernels' sources, the PyTorch version and flags), or None when
+    the caches are off."""
+    from .kernels import cache_folder, library_path
 
     root = cache_folder()
-    key = hashlib.sha256(f"{cpu_model()}|{torch.__version__}".encode()).hexdigest()[:16]
-    return None if root is None else root / f"float-gemm-{key}.json"
+    key = hashlib.sha256(f"{cpu_model()}|{library_path().parent.name}".encode()).hexdigest()[:16]
+    return None if root is None else root / f"{name}-{key}.json"
 
 
 def cpu_model() -> str:
