@@ -38,6 +38,7 @@ def test_the_limits_are_measured_once_then_read(cache_dir, monkeypatch):
     record = json.loads(path.read_text())
     assert path.parent == cache_dir and record["in_place_rows"] == [48, 32]
     assert record["in_place_over_packed"]["aliased"]["48"] == 1.02 and record["cpu"] == float_rows_choice.cpu_model()
+    assert record["procedure"] == float_rows_choice.procedure()
     assert machine_in_place_rows() == (48, 32)  # read from the file: not measured again
 
 
@@ -56,10 +57,15 @@ def test_another_kernel_build_or_cpu_is_measured_again(cache_dir, monkeypatch, c
     assert json.loads(first.read_text())["in_place_rows"] == [48, 32]  # the first machine's record stays
 
 
-@pytest.mark.parametrize("record", ['{"in_place_rows": [64, 32]', '{"in_place_rows": [64, 65]}',
-                                    '{"in_place_rows": [64.0, 32]}', '{"in_place_rows": [64]}', '{}'])
-def test_an_unreadable_or_invalid_record_is_measured_again(cache_dir, monkeypatch, record):
-    float_rows_choice.limits_path().write_text(record)
+@pytest.mark.parametrize(("limits", "procedure"), [
+    (limits, procedure) for limits in ("[64, 32]", "[64, 65]", "[64.0, 32]", "[64]", '"(64, 32)"', None)
+    for procedure in ("this", "another", None) if (limits, procedure) != ("[64, 32]", "this")])  # all but a valid one
+def test_an_unreadable_or_invalid_record_is_measured_again(cache_dir, monkeypatch, limits, procedure):
+    """Records cut short (limits None), with limits out of range or of another type, or made by another procedure
+    (other row counts timed), or without one: measured again."""
+    made = {"this": float_rows_choice.procedure(), "another": {**float_rows_choice.procedure(), "rows": [16, 32]}}
+    record = json.dumps({"in_place_rows": limits and json.loads(limits), "procedure": made.get(procedure)})
+    float_rows_choice.limits_path().write_text(record if limits else record[:-5])
     monkeypatch.setattr(float_rows_choice, "time_in_place_rows", lambda: TIMES)
     assert machine_in_place_rows() == (48, 32)
     assert json.loads(float_rows_choice.limits_path().read_text())["in_place_rows"] == [48, 32]

@@ -9,7 +9,7 @@ sizes and on the prefetchers. On the 2-core AMD EPYC Zen 5 they were tuned on, i
 rows spread over L1's sets and up to 32 where they all fall in the same sets (rows a multiple of 4 KiB long: a
 3072-wide FFN, a 49152-word logits layer); ``DEFAULT_IN_PLACE_ROWS``. Another CPU may move either crossover (an
 Intel Xeon's L1 and L2 are other sizes and ways, its prefetchers others), so no constant decides it: the first
-load on a machine times both paths on one thread, alternating, at 16, 24, 32, 48 and 64 rows, on a matrix of each
+load on a machine times both paths on one thread, alternating, at 16 to 64 rows (``ROWS``), on a matrix of each
 layout that streams from memory as a decode step's do (the copies together larger than L3), and keeps the limits
 in ``$FASTDECODE_CACHE`` under a name keyed by the CPU model and the kernels' build (their sources, PyTorch
 version and flags: a changed kernel is measured again). They become ``KernelChoice.in_place_rows``
@@ -32,7 +32,9 @@ from .gemm_choice import cpu_model, machine_record_path, write_atomically
 # packed path) and of reference KernelChoices.
 DEFAULT_IN_PLACE_ROWS = (64, 32)
 LIMITS = (8, 64)  # fmatmul.h: 8 (no 9+ rows in place) to MAX_IN_PLACE_ROWS
-ROWS = (16, 24, 32, 48, 64)  # the row counts timed; a limit is one of them, or 8
+# The row counts timed; a limit is one of them, or 8. 28 as well: on the loaded Zen 5 with w's rows aliased, 768 x
+# 3072 and 576 x 16384 ran in place 0.87-1.01x packed's time at 28 rows, 1.12-1.16x at 32 (one thread, medians of 10).
+ROWS = (16, 24, 28, 32, 48, 64)
 # A path wins a row count where it takes this factor less time than the other; nearer, the default's path (on the
 # loaded 2-core Zen 5, the paired ratio of one row count moved by up to ~0.3 between runs where the paths are close:
 # 32 rows with w's rows aliased, 0.85-1.21; medians of 5).
@@ -55,18 +57,26 @@ def machine_in_place_rows() -> tuple[int, int]:
     try:
         if path is None:
             raise OSError("the caches are off")
-        limits = valid_limits(json.loads(path.read_text())["in_place_rows"])
-        if limits is not None:
+        record = json.loads(path.read_text())
+        limits = valid_limits(record["in_place_rows"])
+        if limits is not None and record["procedure"] == procedure():
             return limits
     except (OSError, ValueError, KeyError, TypeError):
-        pass  # not measured with these kernels here yet (or an unreadable file): measure
+        pass  # not measured with these kernels (or this procedure) here yet, or an unreadable file: measure
     ratios = time_in_place_rows()
     limits = tuple(chosen_limit(ratios[layout], default) for layout, default in zip(SHAPES, DEFAULT_IN_PLACE_ROWS))
     if path is not None:
         write_atomically(path, {"in_place_rows": list(limits), "in_place_over_packed": {
             layout: {str(rows): ratio for rows, ratio in by_rows.items()} for layout, by_rows in ratios.items()},
-            "shapes": SHAPES, "cpu": cpu_model()})
+            "procedure": procedure(), "cpu": cpu_model()})
     return limits  # type: ignore[return-value]
+
+
+def procedure() -> dict:
+    """What the measurement times and how it decides, as its record holds it: a record made another way is measured
+    again."""
+    return {"rows": list(ROWS), "shapes": {layout: list(shape) for layout, shape in SHAPES.items()},
+            "repetitions": REPETITIONS, "margin": MARGIN, "defaults": list(DEFAULT_IN_PLACE_ROWS)}
 
 
 def valid_limits(value) -> tuple[int, int] | None:
