@@ -230,7 +230,8 @@ void multiply(const float* xp, int64_t M, int64_t K, const W* wp, int64_t N, con
     // one pass, each already long (256 x 576 x 48 multiply-adds), so that two threads end together (a 960-wide
     // product in 7 chunks of 144 columns split 4 : 3)
     const int64_t chunk = M > MAX_IN_PLACE_ROWS ? 48 : std::clamp<int64_t>((N / 8 + 47) / 48 * 48, 48, 1536);
-    parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) { rows_avx512(xp, M, K, wp, N, bp, yp, n0, n1, limits); },
+    parallel_chunks(N, chunk, threads,
+                    [&](int64_t n0, int64_t n1) { rows_avx512(xp, M, K, wp, N, bp, yp, n0, n1, limits); },
                     M * K * chunk);  // a long job (16 rows x 576 x 3072) is handed out even while the helpers sleep
     return;
   }
@@ -263,15 +264,18 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const c10
   const float* xp = x.data_ptr<float>();
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  if (weight.scalar_type() == at::kHalf) multiply(xp, M, K, weight.data_ptr<at::Half>(), N, bp, yp, threads, limits, x.options());
-  else multiply(xp, M, K, weight.data_ptr<float>(), N, bp, yp, threads, limits, x.options());
+  if (weight.scalar_type() == at::kHalf)
+    multiply(xp, M, K, weight.data_ptr<at::Half>(), N, bp, yp, threads, limits, x.options());
+  else
+    multiply(xp, M, K, weight.data_ptr<float>(), N, bp, yp, threads, limits, x.options());
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fastdecode_kernels, m) {
-  m.def("float_matmul(Tensor x, Tensor weight, Tensor? bias, int threads, int in_place_rows, int aliased_in_place_rows) -> Tensor");
+  m.def("float_matmul(Tensor x, Tensor weight, Tensor? bias, int threads, int in_place_rows, "
+        "int aliased_in_place_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) { m.impl("float_matmul", &float_matmul); }

@@ -9,7 +9,8 @@ later session (a bart-base encoder over 8 x 256 tokens: 6.7 s of GEMMs against M
 constant decides it: the first load on a machine times both on that layout (about a second, on
 one thread, alternating) and keeps the answer in ``$FASTDECODE_CACHE`` (default
 ``~/.cache/fastdecode``) under a name keyed by the CPU model and the kernels' build (their sources, the PyTorch
-version and flags: the float kernel takes part, below); later loads read the file (with ``FASTDECODE_CACHE=off``, every load measures). The choice becomes part of the
+version and flags: the float kernel takes part, below); later loads read the file (with
+``FASTDECODE_CACHE=off``, every load measures). The choice becomes part of the
 model's ``KernelChoice`` (layers/products.py): it is made at load and carried by every forward,
 never looked up while a product runs. Both GEMMs are exact float32; their results differ only by
 summation order (~1e-6).

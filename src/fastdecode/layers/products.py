@@ -77,7 +77,8 @@ class KernelChoice:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOptionError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if valid_limits(self.in_place_rows) != self.in_place_rows:
-            raise InvalidOptionError(f"in_place_rows must be a tuple of two ints from 8 to 64, got {self.in_place_rows!r}")
+            raise InvalidOptionError(
+                f"in_place_rows must be a tuple of two ints from 8 to 64, got {self.in_place_rows!r}")
 
     def exact_prompts(self, in_mlp: bool) -> bool:
         """Whether prompt rows of a quantized weight take its exact values (``in_mlp``: the weight is
@@ -88,7 +89,8 @@ class KernelChoice:
     def at_load(cls, prompt_rows: str | None, kernels: KernelChoice | None) -> KernelChoice:
         """The choice of ``load(..., prompt_rows=, kernels=)``: ``prompt_rows`` alone ("int8-mlp" when
         None) with this machine's float products (its faster float GEMM, whether prompt rows take the
-        float kernel, the kernel's in-place row limits), or the whole ``kernels`` choice (reference runs); InvalidOptionError when both are given."""
+        float kernel, the kernel's in-place row limits), or the whole ``kernels`` choice (reference runs);
+        InvalidOptionError when both are given."""
         if kernels is None:
             prompt_rows = PROMPT_ROWS[0] if prompt_rows is None else prompt_rows
             cls(prompt_rows=prompt_rows)  # a bad value fails before anything is measured
