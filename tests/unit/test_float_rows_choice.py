@@ -112,6 +112,21 @@ def test_the_measurement_times_both_paths_at_every_row_count():
         assert set(by_rows) == set(float_rows_choice.ROWS) and all(ratio > 0 for ratio in by_rows.values())
 
 
+def test_the_measurement_runs_on_the_cpu_whatever_the_default_device(monkeypatch):
+    """As gemm_choice's: a user's ``torch.set_default_device`` ("cuda", "meta") must not reach the operands."""
+    if not (ops.available() and ops.set_avx512()):
+        pytest.skip("no AVX-512 float kernel on this machine")
+    devices = set()
+    run = ops.float_matmul
+    monkeypatch.setattr(ops, "float_matmul", lambda x, w, *rest: devices.update({x.device.type, w.device.type})
+                        or run(x, w, *rest))
+    monkeypatch.setattr(float_rows_choice, "REPETITIONS", 1)
+    monkeypatch.setattr(float_rows_choice, "ROWS", (16,))
+    with torch.device("meta"):
+        ratios = float_rows_choice.time_in_place_rows()
+    assert devices == {"cpu"} and all(ratio > 0 for by_rows in ratios.values() for ratio in by_rows.values())
+
+
 def test_the_kernel_choice_carries_the_machine_limits(monkeypatch):
     monkeypatch.setattr("fastdecode.layers.products.machine_float_choice", lambda: ("mkl", False))
     monkeypatch.setattr("fastdecode.layers.products.machine_in_place_rows", lambda: (48, 16))

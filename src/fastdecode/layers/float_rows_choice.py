@@ -25,8 +25,8 @@ from pathlib import Path
 
 from .gemm_choice import cpu_model, machine_record_path, write_atomically
 
-# (w's rows spread over L1's sets, w's rows in the same sets): in place up to these rows on AMD Zen 5 (against the
-# packed copy, one thread, bart-base's decoder products streamed from memory, G multiply-adds/s: 32 rows 768 x 2304
+# (w's rows spread over L1's sets, w's rows in the same sets): in place up to these rows on AMD Zen 5 (packed copy ->
+# in place, one thread, bart-base's decoder products streamed from memory, G multiply-adds/s: 32 rows 768 x 2304
 # 59 -> 86, 768 x 3072 (rows 12 KiB apart) 60 -> 68; 64 rows 768 x 2304 74 -> 92, but 768 x 3072 74 -> 64, 48 rows
 # 68 -> 63), fmatmul.h's ZEN5_IN_PLACE_ROWS; the limits where nothing is measured (no AVX-512: the AVX2 kernel has no
 # packed path) and of reference KernelChoices.
@@ -109,7 +109,7 @@ def time_in_place_rows() -> dict[str, dict[int, float]]:
     the median of ``REPETITIONS`` pairs of calls one after the other (so that the machine's load, which drifts,
     hits both alike), on one thread (the calling thread's CPU time: a busy neighbour's turns do not count), each
     call on the next of enough copies of the matrix that it was evicted from L3 since its last use (a decode
-    step's weights stream from memory)."""
+    step's weights stream from memory). On the CPU whatever torch's default device (as gemm_choice's)."""
     import torch
 
     from . import ops
@@ -119,9 +119,9 @@ def time_in_place_rows() -> dict[str, dict[int, float]]:
     ratios: dict[str, dict[int, float]] = {}
     with torch.inference_mode():
         for layout, (inputs, outputs) in SHAPES.items():
-            base = torch.rand(inputs, outputs, generator=generator) - 0.5  # [in, out], as the kernel reads it
+            base = torch.rand(inputs, outputs, generator=generator, device="cpu") - 0.5  # [in, out], as the kernel reads
             copies = [base.clone() for _ in range(_copies(base.numel() * base.element_size()))]
-            x = torch.rand(max(ROWS), inputs, generator=generator) - 0.5
+            x = torch.rand(max(ROWS), inputs, generator=generator, device="cpu") - 0.5
             pair_ratios: dict[int, list[float]] = {rows: [] for rows in ROWS}
             for path in range(2):
                 ops.float_matmul(x, copies[0], None, 1, *forced[path])  # warm-up: the packed path's buffer
