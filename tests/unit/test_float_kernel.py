@@ -17,10 +17,16 @@ import torch.nn.functional as F
 from kernel_isas import avx512_gives_the_avx2_bits, needs_avx512, rows_and_threads
 
 from fastdecode.layers import gemm, ops
+from fastdecode.layers.float_rows_choice import DEFAULT_IN_PLACE_ROWS
 from fastdecode.layers.linear import linear as linear_with
 from fastdecode.layers.products import KernelChoice, Products
 
 needs_kernel = pytest.mark.skipif("not ops.available()", reason="no AVX2 extension on this machine")
+
+
+def float_matmul(x, w, bias, threads, limits=DEFAULT_IN_PLACE_ROWS):
+    """The op with the in-place row limits of a reference KernelChoice (layers/float_rows_choice.py)."""
+    return ops.float_matmul(x, w, bias, threads, *limits)
 
 
 def roles(is_prompt: bool | list[bool], kernels: KernelChoice | None = None) -> Products:
@@ -51,7 +57,7 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> float:
 @pytest.mark.parametrize("K, N", SHAPES)
 def test_kernel_is_the_float_product_up_to_summation_order(K, N):
     w, bias, x = weights(K, N, seed=K + N)
-    op = ops.float_matmul
+    op = float_matmul
     for M in (1, 2, 3, 5, 8, 9, 17, 40):
         exact = x[:M].double() @ w.double()
         torch.testing.assert_close(op(x[:M], w, None, 1).double(), exact, atol=bound(x[:M], w), rtol=0)
@@ -65,7 +71,7 @@ def test_a_row_gets_the_same_bits_at_every_row_count_thread_count_and_position(K
     """Rows are grouped by 8, 4, 2 and 1 and columns cut into chunks the threads claim: a row alone and the
     same row among others (any count, any position) must be the same bits, and the bias one more add."""
     w, bias, x = weights(K, N, seed=7)
-    op = ops.float_matmul
+    op = float_matmul
     alone = torch.cat([op(x[m : m + 1], w, bias, 1) for m in range(40)])
     for M in (2, 3, 7, 8, 13, 16, 40):
         for threads in (1, 2):
@@ -83,7 +89,7 @@ def test_one_row_partial_sums_added_while_the_pieces_run_are_the_in_order_additi
     varying order), a row is the bits of the serial run and of the several-rows path's in-order additions;
     24 segments in one column block, and 4 segments in two blocks (the second 8 columns wide)."""
     w, bias, x = weights(K, N, seed=11)
-    op = ops.float_matmul
+    op = float_matmul
     row = x[:1].contiguous()
     serial = op(row, w, bias, 1)
     assert torch.equal(op(x[:2], w, bias, 1)[:1], serial)  # the several-rows path adds in the same order
@@ -106,7 +112,7 @@ def test_the_avx512_kernel_for_several_rows_gives_the_avx2_bits(K, N):
     further ahead) and 1 or 2 threads."""
     w, bias, x = weights(K, N, seed=K * 3 + N)
     x = torch.cat([x, x.flip(0) * 0.5, x[:20] - 1])  # [100, K]: a prompt chunk's rows
-    avx512_gives_the_avx2_bits(lambda M, threads: ops.float_matmul(x[:M], w, bias, threads),
+    avx512_gives_the_avx2_bits(lambda M, threads: float_matmul(x[:M], w, bias, threads),
                                rows_and_threads((2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 32, 33, 40, 64,
                                                  65, 100)))
 
@@ -124,17 +130,25 @@ def exact_floats(count: int, salt: int) -> torch.Tensor:
 PINNED_DIGEST = "14e019d8d6d5bcd56a7f8ae13ec0cbddb3924e87105cedb2b9c8b7320df61791"
 
 
+# The in-place row limits (layers/float_rows_choice.py): the default's; every row count past 8 from packed copies of w;
+# every one up to 64 read in place (768 x 3072's 33 to 64 rows too, which the default packs). The limit chooses the
+# speed, never the bits.
+FORCED_LIMITS = [DEFAULT_IN_PLACE_ROWS, (8, 8), (64, 64)]
+
+
 @needs_kernel
-def test_the_kernel_keeps_its_bits_at_9_to_16_rows():
+@pytest.mark.parametrize("limits", FORCED_LIMITS)
+def test_the_kernel_keeps_its_bits_at_9_to_16_rows(limits):
     """A serving step's 9 to 16 rows (and 8 and 17 beside them) on decode shapes of the embedded model's float32
     products (Q/K/V 576 x 960, gate/up 576 x 3072 whose rows lie 12 KiB apart, down 1536 x 576) and a masked
-    tail (200 x 100), with a bias, on 1 and 2 threads: the digest of every output."""
+    tail (200 x 100), with a bias, on 1 and 2 threads, whatever the in-place row limits: the digest of every
+    output."""
     digest = hashlib.sha256()
     for K, N in [(576, 960), (576, 3072), (1536, 576), (200, 100)]:
         w, bias, x = exact_floats(K * N, 1).view(K, N), exact_floats(N, 2), exact_floats(17 * K, 3).view(17, K)
         for M in range(8, 18):
-            out = ops.float_matmul(x[:M], w, bias, 1)
-            assert torch.equal(ops.float_matmul(x[:M], w, bias, 2), out), (K, N, M)
+            out = float_matmul(x[:M], w, bias, 1, limits)
+            assert torch.equal(float_matmul(x[:M], w, bias, 2, limits), out), (K, N, M)
             digest.update(out.numpy().tobytes())
     assert digest.hexdigest() == PINNED_DIGEST, digest.hexdigest()
 
@@ -145,24 +159,26 @@ PINNED_DIGEST_PAST_16 = "24a9dec149d16b4894d06c635661463199fb203e814719ad6f4a94b
 
 
 @needs_kernel
-def test_the_kernel_keeps_its_bits_past_16_rows():
+@pytest.mark.parametrize("limits", FORCED_LIMITS)
+def test_the_kernel_keeps_its_bits_past_16_rows(limits):
     """A beam step's 32 rows (8 sources x beam 4) and the row counts around the in-place groups' limits, on bart-base's
     decode shapes (768 x 2304: rows 9 KiB apart; 768 x 3072: 12 KiB apart, in place up to 32 rows only), a wide matrix
     of odd width in several column chunks (96 x 20001), rows 64 KiB apart (70 x 16384: prefetched into L3) and a
-    masked tail (200 x 100), with a bias, on 1 and 2 threads: the digest of every output."""
+    masked tail (200 x 100), with a bias, on 1 and 2 threads, whatever the in-place row limits: the digest of every
+    output."""
     digest = hashlib.sha256()
     for K, N in [(768, 2304), (768, 3072), (96, 20001), (70, 16384), (200, 100)]:
         w, bias, x = exact_floats(K * N, 4).view(K, N), exact_floats(N, 5), exact_floats(65 * K, 6).view(65, K)
         for M in (17, 24, 31, 32, 33, 40, 63, 64, 65):
-            out = ops.float_matmul(x[:M], w, bias, 1)
-            assert torch.equal(ops.float_matmul(x[:M], w, bias, 2), out), (K, N, M)
+            out = float_matmul(x[:M], w, bias, 1, limits)
+            assert torch.equal(float_matmul(x[:M], w, bias, 2, limits), out), (K, N, M)
             digest.update(out.numpy().tobytes())
     assert digest.hexdigest() == PINNED_DIGEST_PAST_16, digest.hexdigest()
 
 
 @needs_kernel
 def test_kernel_rejects_what_it_cannot_read():
-    op = ops.float_matmul
+    op = float_matmul
     w = torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="inputs"):
         op(torch.randn(2, 9), w, None, 1)
@@ -171,6 +187,9 @@ def test_kernel_rejects_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="bias"):
         op(torch.randn(2, 8), w, torch.randn(15), 1)
     assert op(torch.randn(0, 8), w, None, 1).shape == (0, 16)
+    for limits in ((7, 32), (64, 65)):
+        with pytest.raises(RuntimeError, match="rows read in place must be 8 to 64"):
+            op(torch.randn(2, 8), w, None, 1, limits)
 
 
 @needs_kernel
@@ -182,7 +201,7 @@ def test_linear_gives_generated_rows_the_kernel_and_prompt_rows_the_gemm():
     with torch.no_grad():
         generated = linear(x.view(5, 8, 64), weight, bias)  # [5, 8, 96]
         assert generated.shape == (5, 8, 96)
-        assert torch.equal(generated.reshape(40, 96), ops.float_matmul(x, w, bias, 1))
+        assert torch.equal(generated.reshape(40, 96), float_matmul(x, w, bias, 1))
         prompt = linear(x, weight, bias, products=roles(True))
         assert torch.equal(prompt, gemm.gemm(x, weight, bias, None, torch.get_num_threads(), KernelChoice().float_gemm))
         torch.testing.assert_close(prompt, generated.reshape(40, 96), atol=1e-4, rtol=0)
@@ -207,7 +226,7 @@ def test_prompt_rows_take_the_kernel_where_the_choice_says_so(monkeypatch):
     except a product whose activation the GEMM fuses (oneDNN's ReLU), whose prompt rows keep the GEMM."""
     w, bias, x = weights(64, 96, seed=6)
     weight = w.t()  # [out, in] view of the [in, out] buffer
-    alone = torch.cat([ops.float_matmul(x[m : m + 1], w, bias, 1) for m in range(40)])  # [40, 96]
+    alone = torch.cat([float_matmul(x[m : m + 1], w, bias, 1) for m in range(40)])  # [40, 96]
     choice = KernelChoice(prompt_kernel=True)
     with torch.no_grad():
         fused = linear(x, weight, bias, activation="relu", products=roles(True, choice))
@@ -252,8 +271,8 @@ def test_a_float16_held_weight_gives_the_float32_bits(K, N):
             for M in (1, 2, 3, 5, 8, 9, 16, 17, 32, 40):
                 for threads in (1, 2):
                     for b in (None, bias):
-                        assert torch.equal(ops.float_matmul(x[:M], half, b, threads),
-                                           ops.float_matmul(x[:M], exact, b, threads)), (isa, M, threads)
+                        assert torch.equal(float_matmul(x[:M], half, b, threads),
+                                           float_matmul(x[:M], exact, b, threads)), (isa, M, threads)
     finally:
         ops.set_avx512(avx512)
 

@@ -23,6 +23,8 @@ def cache_dir(tmp_path, monkeypatch):
     ops.available()  # the kernels loaded from the real cache first: a file run alone does not rebuild them in tmp_path
     monkeypatch.setenv("FASTDECODE_CACHE", str(tmp_path))
     monkeypatch.setattr(ops, "onednn_available", lambda: True)
+    # the float kernel's in-place row limits: layers/float_rows_choice.py's (tests/unit/test_float_rows_choice.py)
+    monkeypatch.setattr("fastdecode.layers.products.machine_in_place_rows", lambda: KernelChoice().in_place_rows)
     return tmp_path
 
 
@@ -44,6 +46,15 @@ def test_prompt_rows_take_the_kernel_within_the_margin_of_the_faster_gemm(cache_
     assert gemm_choice.machine_float_choice() == ("onednn", takes_prompts)
     assert json.loads(gemm_choice.choice_path().read_text())["prompt_kernel"] is takes_prompts
     assert KernelChoice.at_load(None, None) == KernelChoice(prompt_rows="int8-mlp", prompt_kernel=takes_prompts)
+
+
+def test_another_kernel_build_is_measured_again(cache_dir, monkeypatch):
+    """The kernel takes part in the measurement: a changed kernel source (another build folder) measures again."""
+    timings = iter([{"onednn": 0.2, "mkl": 0.1, "kernel": 0.3}, {"onednn": 0.2, "mkl": 0.1, "kernel": 0.1}])
+    monkeypatch.setattr(gemm_choice, "time_float_gemms", lambda: next(timings))
+    assert gemm_choice.machine_float_choice() == ("mkl", False)
+    monkeypatch.setattr("fastdecode.layers.kernels.library_path", lambda: cache_dir / "kernels-0123456789abcd" / "x.so")
+    assert gemm_choice.machine_float_choice() == ("mkl", True)
 
 
 def test_an_unreadable_record_is_measured_again(cache_dir, monkeypatch):

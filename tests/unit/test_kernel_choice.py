@@ -23,6 +23,7 @@ import fastdecode
 from fastdecode.errors import InvalidOptionError
 from fastdecode.layers import ops
 from fastdecode.layers.linear import linear
+from fastdecode.layers.float_rows_choice import machine_in_place_rows
 from fastdecode.layers.gemm_choice import machine_float_choice
 from fastdecode.layers.products import KernelChoice, Products
 from fastdecode.layers.quantized import QuantizedWeight, dequantize, in_mlp, quantize_matrix, quantized_linear
@@ -51,7 +52,8 @@ def test_a_bad_choice_is_a_typed_error_before_anything_loads(tmp_path):
 def test_the_choice_is_held_by_the_model_and_defaults_to_int8_mlp_prompt_rows(tmp_path):
     save_tiny_folder(tmp_path, "llama-gqa", with_tokenizer=False, intermediate_size=96)
     gemm, prompt_kernel = machine_float_choice()  # (layers/gemm_choice.py: this machine's float products)
-    machine = {"float_gemm": gemm, "prompt_kernel": prompt_kernel}
+    # (layers/float_rows_choice.py: this machine's in-place row limits for the float kernel)
+    machine = {"float_gemm": gemm, "prompt_kernel": prompt_kernel, "in_place_rows": machine_in_place_rows()}
     assert fastdecode.load(str(tmp_path)).model.kernels == KernelChoice(prompt_rows="int8-mlp", **machine)
     assert fastdecode.load(str(tmp_path), prompt_rows="exact").model.kernels == KernelChoice(prompt_rows="exact",
                                                                                               **machine)

@@ -96,11 +96,13 @@ at::Tensor gated(const at::Tensor& gate_up, int64_t kind) {
   return op.call(gate_up, kind);
 }
 
-at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, int64_t threads) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fastdecode_kernels::float_matmul", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t)>();
-  return op.call(x, weight, bias, threads);
+at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, int64_t threads,
+                        int64_t in_place_rows, int64_t aliased_in_place_rows) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastdecode_kernels::float_matmul", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, int64_t, int64_t)>();
+  return op.call(x, weight, bias, threads, in_place_rows, aliased_in_place_rows);
 }
 
 // layers/attention.py's paged_attention (q [N, H, D]; k_new, v_new [N, Hkv, D] written first) -> [N, H, D], on
@@ -121,14 +123,14 @@ at::Tensor paged_attention_on(const at::Tensor& q, const at::Tensor& keys, const
 }
 
 // rows [M, K] @ a product's weight (+ its bias) -> [M, N]: a quantized weight as layers/quantized.py's
-// quantized_linear runs it, a float32 one (bits 0: its [in, out] buffer, no scale) as layers/linear.py
-// runs generated rows (float_matmul, the bias added inside); its 5 ints start at ints' entry i, its 4
-// tensors at weights' entry t.
+// quantized_linear runs it, a float32 one (bits 0: its [in, out] buffer, no scale; then float_matmul's two in-place
+// row limits) as layers/linear.py runs generated rows (float_matmul, the bias added inside); its 5 ints start at
+// ints' entry i, its 4 tensors at weights' entry t.
 at::Tensor product_at(const at::Tensor& rows, const c10::List<OptionalTensor>& weights, at::IntArrayRef ints, int64_t i,
                       int64_t t) {
   const OptionalTensor codes = weights.get(t), scale = weights.get(t + 1), bias = weights.get(t + 3);
   TORCH_CHECK(codes.has_value(), "decode block: the product at weight entry ", t, " has no weight");
-  if (ints[i] == 0) return float_matmul(rows, *codes, bias, ints[i + 4]);
+  if (ints[i] == 0) return float_matmul(rows, *codes, bias, ints[i + 4], ints[i + 1], ints[i + 2]);
   TORCH_CHECK(scale.has_value(), "decode block: the quantized product at weight entry ", t, " has no scales");
   // a float32 bias is added inside (as quantized_linear passes it), another after (promoted the same way)
   const bool inside = bias.has_value() && bias->scalar_type() == at::kFloat && bias->is_contiguous();

@@ -69,7 +69,7 @@ def register_fake() -> None:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("fastdecode_kernels::float_matmul")
-    def _float_matmul_fake(x, weight, bias, threads):  # x [M, K] @ weight [K, N] -> [M, N]
+    def _float_matmul_fake(x, weight, bias, threads, in_place_rows, aliased_rows):  # x [M, K] @ weight [K, N] -> [M, N]
         return x.new_empty((x.shape[0], weight.shape[1]))
 
     @torch.library.register_fake("fastdecode_kernels::rms_norm")

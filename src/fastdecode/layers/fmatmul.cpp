@@ -159,18 +159,19 @@ void columns(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_
 
 // avx512::float_rows for either weight element (fmatmul.h)
 void rows_avx512(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
-                 int64_t n0, int64_t n1) {
-  avx512::float_rows(x, M, K, w, N, bias, y, n0, n1);
+                 int64_t n0, int64_t n1, InPlaceRows limits) {
+  avx512::float_rows(x, M, K, w, N, bias, y, n0, n1, limits);
 }
 void rows_avx512(const float* x, int64_t M, int64_t K, const at::Half* w, int64_t N, const float* bias, float* y,
-                 int64_t n0, int64_t n1) {
-  avx512::float_rows(x, M, K, reinterpret_cast<const uint16_t*>(w), N, bias, y, n0, n1);
+                 int64_t n0, int64_t n1, InPlaceRows limits) {
+  avx512::float_rows(x, M, K, reinterpret_cast<const uint16_t*>(w), N, bias, y, n0, n1, limits);
 }
 
-// y [M, N] = x [M, K] @ w [K, N] (+ bias), w float32 or float16 (W): the pieces below, on `threads`.
+// y [M, N] = x [M, K] @ w [K, N] (+ bias), w float32 or float16 (W): the pieces below, on `threads`; `limits`: the
+// AVX-512 kernel's rows read in place (fmatmul.h; speed only, the same bits).
 template <typename W>
 void multiply(const float* xp, int64_t M, int64_t K, const W* wp, int64_t N, const float* bp, float* yp,
-              int64_t threads, const at::TensorOptions& options) {
+              int64_t threads, InPlaceRows limits, const at::TensorOptions& options) {
   const int64_t segments = (K + SEGMENT - 1) / SEGMENT;
   if (M == 1 && segments > 1) {
     // One row (memory-bound): pieces of whole rows of w, (segment, block of up to ONE_ROW_ACCUMULATORS columns),
@@ -228,8 +229,9 @@ void multiply(const float* xp, int64_t M, int64_t K, const W* wp, int64_t N, con
     // 1536 columns (each segment reads runs of a chunk's width from each row of w); past 64 rows (a prompt) chunks of
     // one pass, each already long (256 x 576 x 48 multiply-adds), so that two threads end together (a 960-wide
     // product in 7 chunks of 144 columns split 4 : 3)
-    const int64_t chunk = M > 64 ? 48 : std::clamp<int64_t>((N / 8 + 47) / 48 * 48, 48, 1536);
-    parallel_chunks(N, chunk, threads, [&](int64_t n0, int64_t n1) { rows_avx512(xp, M, K, wp, N, bp, yp, n0, n1); },
+    const int64_t chunk = M > MAX_IN_PLACE_ROWS ? 48 : std::clamp<int64_t>((N / 8 + 47) / 48 * 48, 48, 1536);
+    parallel_chunks(N, chunk, threads,
+                    [&](int64_t n0, int64_t n1) { rows_avx512(xp, M, K, wp, N, bp, yp, n0, n1, limits); },
                     M * K * chunk);  // a long job (16 rows x 576 x 3072) is handed out even while the helpers sleep
     return;
   }
@@ -242,7 +244,7 @@ void multiply(const float* xp, int64_t M, int64_t K, const W* wp, int64_t N, con
 }
 
 at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                        int64_t threads) {
+                        int64_t threads, int64_t in_place_rows, int64_t aliased_in_place_rows) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.scalar_type() == at::kFloat &&
                   (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kHalf),
               "float_matmul takes float32 x [M, K] and a float32 or float16 weight [K, N]");
@@ -253,20 +255,27 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight, const c10
   if (has_bias)
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "bias must be float32 [", N, "]");
+  for (const int64_t limit : {in_place_rows, aliased_in_place_rows})
+    TORCH_CHECK(limit >= 8 && limit <= MAX_IN_PLACE_ROWS, "float_matmul's rows read in place must be 8 to ",
+                MAX_IN_PLACE_ROWS, ", got ", limit);
+  const InPlaceRows limits{in_place_rows, aliased_in_place_rows};
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  if (weight.scalar_type() == at::kHalf) multiply(xp, M, K, weight.data_ptr<at::Half>(), N, bp, yp, threads, x.options());
-  else multiply(xp, M, K, weight.data_ptr<float>(), N, bp, yp, threads, x.options());
+  if (weight.scalar_type() == at::kHalf)
+    multiply(xp, M, K, weight.data_ptr<at::Half>(), N, bp, yp, threads, limits, x.options());
+  else
+    multiply(xp, M, K, weight.data_ptr<float>(), N, bp, yp, threads, limits, x.options());
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fastdecode_kernels, m) {
-  m.def("float_matmul(Tensor x, Tensor weight, Tensor? bias, int threads) -> Tensor");
+  m.def("float_matmul(Tensor x, Tensor weight, Tensor? bias, int threads, int in_place_rows, "
+        "int aliased_in_place_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastdecode_kernels, CPU, m) { m.impl("float_matmul", &float_matmul); }

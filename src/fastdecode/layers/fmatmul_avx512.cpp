@@ -9,10 +9,10 @@
 // of the range (a beam step's logits layer: 5 rows x 51865 columns), not 48 columns at a time. Each
 // output's arithmetic is the contract's: one FMA chain per segment from 0 in k order, the segment sums
 // added in order, then the bias, so a row's bits depend neither on the other rows nor on the ISA.
-// 9 to 64 rows (a serving step, a beam step: 8 sources x 4 beams) run as such groups of 8 (and one of the rest)
-// taking turns over runs of w's rows read in place (grouped_segment: a whole segment, or 8 rows where w's rows
-// share L1 sets; up to 32 rows there); more rows (a prompt) copy each block of w once for all K rows, which every
-// 8-row group then runs through whole, its running totals kept beside it.
+// 9 rows up to the caller's limits (InPlaceRows, fmatmul.h: at most 64; a serving step, a beam step: 8 sources x 4
+// beams) run as such groups of 8 (and one of the rest) taking turns over runs of w's rows read in place
+// (grouped_segment: a whole segment, or 8 rows where w's rows share L1 sets); more rows (a prompt) copy each block of
+// w once for all K rows, which every 8-row group then runs through whole, its running totals kept beside it.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -118,13 +118,13 @@ __attribute__((always_inline)) inline void tile_segment(const float* x, int64_t 
 // 64.4-93.1 ms as two (the same run, alternating). Each output's arithmetic is tile_segment's: one FMA chain from 0
 // in k order per segment, however the turns cut it.
 constexpr int64_t CHUNK = 8;
-// Rows up to which the groups read w in place (more: from a packed copy, below), IN_PLACE_ROWS, or ALIASED_ROWS where
-// the turns are CHUNK rows (every group parks and reloads its sums every 8 rows of w). Against the packed copy, one
-// thread, bart-base's decoder products streamed from memory, AMD Zen 5, G multiply-adds/s: 32 rows, the logits layer
-// (768 x 50265) 58.5 -> 87.3, 768 x 2304 59 -> 86, 3072 x 768 53 -> 73, 768 x 3072 (rows 12 KiB apart) 60 -> 68;
-// 64 rows 74 -> 92, 92, 83, but 768 x 3072 74 -> 64 (48 rows: 68 -> 63).
-constexpr int64_t IN_PLACE_ROWS = 64;
-constexpr int64_t ALIASED_ROWS = 32;
+// Rows up to which the groups read w in place (more: from a packed copy, below): the caller's InPlaceRows (fmatmul.h),
+// `aliased` where the turns are CHUNK rows (every group parks and reloads its sums every 8 rows of w), at most
+// IN_PLACE_ROWS (the buffers below). Against the packed copy, one thread, bart-base's decoder products streamed from
+// memory, AMD Zen 5, G multiply-adds/s: 32 rows, the logits layer (768 x 50265) 58.5 -> 87.3, 768 x 2304 59 -> 86,
+// 3072 x 768 53 -> 73, 768 x 3072 (rows 12 KiB apart) 60 -> 68; 64 rows 74 -> 92, 92, 83, but 768 x 3072 74 -> 64
+// (48 rows: 68 -> 63): ZEN5_IN_PLACE_ROWS, which another CPU's caches and prefetchers may move.
+constexpr int64_t IN_PLACE_ROWS = MAX_IN_PLACE_ROWS;
 
 // Rows of w per turn of the two groups: CHUNK times the rows before w's rows repeat modulo 4 KiB (the period of
 // their L1 sets: 1 where N * sizeof(W) is a multiple of 4 KiB, 16 for 576 floats), at most a segment.
@@ -136,8 +136,8 @@ int64_t turn_rows(int64_t N) {
 }
 
 template <typename W>
-int64_t in_place_rows(int64_t N) {
-  return turn_rows<W>(N) == CHUNK ? ALIASED_ROWS : IN_PLACE_ROWS;
+int64_t in_place_rows(int64_t N, InPlaceRows limits) {
+  return std::min(IN_PLACE_ROWS, turn_rows<W>(N) == CHUNK ? limits.aliased : limits.spread);
 }
 
 // Rows [0, RB) of x (rows K apart) over rows [k0, k1) of one pass of w (w0: the segment's row s0; lanes past the
@@ -422,8 +422,8 @@ void row_groups(const float* x, int64_t M, int64_t K, const W* w0, int64_t N, fl
 // (packed blocks).
 template <typename W>
 void rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* y, int64_t n0,
-          int64_t n1) {
-  if (M > 8 && M <= in_place_rows<W>(N)) {
+          int64_t n1, InPlaceRows limits) {
+  if (M > 8 && M <= in_place_rows<W>(N, limits)) {
     in_place_groups(x, M, K, w, N, y, n0, n1);
   } else if (M > 8) {
     return many_rows(x, M, K, w, N, bias, y, n0, n1);  // the bias with the outputs
@@ -445,13 +445,18 @@ void rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const flo
 }  // namespace
 
 void float_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
-                int64_t n0, int64_t n1) {
-  rows(x, M, K, w, N, bias, y, n0, n1);
+                int64_t n0, int64_t n1, InPlaceRows limits) {
+  rows(x, M, K, w, N, bias, y, n0, n1, limits);
 }
 
 void float_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, float* y,
+                int64_t n0, int64_t n1, InPlaceRows limits) {
+  rows(x, M, K, w, N, bias, y, n0, n1, limits);
+}
+
+void float_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* y,
                 int64_t n0, int64_t n1) {
-  rows(x, M, K, w, N, bias, y, n0, n1);
+  rows(x, M, K, w, N, bias, y, n0, n1, ZEN5_IN_PLACE_ROWS);
 }
 
 }  // namespace avx512

@@ -8,8 +8,9 @@ on the AMD EPYC this project was first measured on, and 2.0-2.4x *slower* on the
 later session (a bart-base encoder over 8 x 256 tokens: 6.7 s of GEMMs against MKL's 3.4 s). So no
 constant decides it: the first load on a machine times both on that layout (about a second, on
 one thread, alternating) and keeps the answer in ``$FASTDECODE_CACHE`` (default
-``~/.cache/fastdecode``) under a name keyed by the CPU model and the PyTorch version; later loads
-read the file (with ``FASTDECODE_CACHE=off``, every load measures). The choice becomes part of the
+``~/.cache/fastdecode``) under a name keyed by the CPU model and the kernels' build (their sources, the PyTorch
+version and flags: the float kernel takes part, below); later loads read the file (with
+``FASTDECODE_CACHE=off``, every load measures). The choice becomes part of the
 model's ``KernelChoice`` (layers/products.py): it is made at load and carried by every forward,
 never looked up while a product runs. Both GEMMs are exact float32; their results differ only by
 summation order (~1e-6).
@@ -65,20 +66,25 @@ def machine_float_choice() -> tuple[str, bool]:
     choice = min((name for name in FLOAT_GEMMS if name in timings), key=timings.get)
     prompt_kernel = KERNEL in timings and timings[KERNEL] <= KERNEL_MARGIN * timings[choice]
     if path is not None:
-        _write_atomically(path, {"float_gemm": choice, "prompt_kernel": prompt_kernel, "median_seconds": timings,
+        write_atomically(path, {"float_gemm": choice, "prompt_kernel": prompt_kernel, "median_seconds": timings,
                                  "rows": ROWS, "shapes": [list(shape) for shape in SHAPES], "cpu": cpu_model()})
     return choice, prompt_kernel
 
 
 def choice_path() -> Path | None:
     """The record's file, or None when the caches are off (then every load measures)."""
-    import torch
+    return machine_record_path("float-gemm")
 
-    from .kernels import cache_folder
+
+def machine_record_path(name: str) -> Path | None:
+    """The file of a measurement named ``name`` made on this machine with these kernels (keyed by the CPU model and
+    layers/kernels.py's build folder, named by the kernels' sources, the PyTorch version and flags), or None when
+    the caches are off."""
+    from .kernels import cache_folder, library_path
 
     root = cache_folder()
-    key = hashlib.sha256(f"{cpu_model()}|{torch.__version__}".encode()).hexdigest()[:16]
-    return None if root is None else root / f"float-gemm-{key}.json"
+    key = hashlib.sha256(f"{cpu_model()}|{library_path().parent.name}".encode()).hexdigest()[:16]
+    return None if root is None else root / f"{name}-{key}.json"
 
 
 def cpu_model() -> str:
@@ -119,7 +125,8 @@ def time_float_gemms() -> dict[str, float]:
                 bias = torch.randn(outputs, generator=generator, device="cpu")
                 runs = {"onednn": lambda: ops.onednn_linear(x, weight, bias, "none", ""),
                         "mkl": lambda: F.linear(x, weight, bias),
-                        KERNEL: lambda: ops.float_matmul(x, weight.t(), bias, 1)}
+                        # ROWS: past the in-place limits (at most 64)
+                        KERNEL: lambda: ops.float_matmul(x, weight.t(), bias, 1, 64, 64)}
                 runs = {name: run for name, run in runs.items() if present[name]}
                 seconds: dict[str, list[float]] = {name: [] for name in runs}
                 for run in runs.values():
@@ -136,7 +143,7 @@ def time_float_gemms() -> dict[str, float]:
     return total
 
 
-def _write_atomically(path: Path, record: dict) -> None:
+def write_atomically(path: Path, record: dict) -> None:
     """Write the record where concurrent first loads cannot see half a file (a failure is harmless:
     the next load measures again)."""
     try:

@@ -52,7 +52,7 @@ def linear(
         # prompt rows through the kernel where the choice says so, unless the GEMM would fuse their activation (a
         # GELU FFN's: a pass over [rows, out] saved)
         if products.roles is None or (kernels.prompt_kernel and not fuses(activation, kernels.float_gemm)):
-            return activated(_kernel_product(x, weight, bias, products.threads), activation, products.threads)
+            return activated(_kernel_product(x, weight, bias, products), activation, products.threads)
         if not products.all_prompt:
             return activated(_generated_rows_product(x, weight, bias, products), activation, products.threads)
     return gemm(x, widened(weight, x, products.threads), bias, activation, products.threads,
@@ -77,11 +77,12 @@ def float_kernel_serves(weight: torch.Tensor, kernels: KernelChoice) -> bool:
             and weight.t().is_contiguous() and ops.available())
 
 
-def _kernel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, budget: int) -> torch.Tensor:
+def _kernel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    products: Products) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T + bias -> [..., N], every row through the kernel."""
     N, K = weight.shape
     rows = x.reshape(-1, K)  # [M, K]
-    return _kernel_rows(rows, weight, _float_bias(bias), budget).view(*x.shape[:-1], N)  # [..., N]
+    return _kernel_rows(rows, weight, _float_bias(bias), products).view(*x.shape[:-1], N)  # [..., N]
 
 
 def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -100,17 +101,19 @@ def _generated_rows_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     N, K = weight.shape
     roles = products.roles
     if not isinstance(roles, RowRoles) or x.numel() // K != roles.rows:  # (the logits layer's other rows)
-        return _kernel_product(x, weight, bias, products.threads)
+        return _kernel_product(x, weight, bias, products)
     rows, bias = x.reshape(-1, K), _float_bias(bias)  # [M, K]
     out = rows.new_empty(rows.shape[0], N)
-    out[roles.generated] = _kernel_rows(rows[roles.generated], weight, bias, products.threads)
+    out[roles.generated] = _kernel_rows(rows[roles.generated], weight, bias, products)
     out[roles.prompt] = gemm(rows[roles.prompt], widened(weight, rows, products.threads), bias, None,
                              products.threads, products.kernels.float_gemm)
     return out.view(*x.shape[:-1], N)  # [..., N]
 
 
-def _kernel_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, budget: int) -> torch.Tensor:
-    """rows [M, K] -> [M, N] through float_matmul (weight.t(): the [in, out] buffer)."""
+def _kernel_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 products: Products) -> torch.Tensor:
+    """rows [M, K] -> [M, N] through float_matmul (weight.t(): the [in, out] buffer), on the forward's thread
+    budget, with the model's in-place row limits (``KernelChoice.in_place_rows``)."""
     M, K = rows.shape
     return ops.float_matmul(rows if rows.is_contiguous() else rows.contiguous(), weight.t(), bias,
-                            kernel_threads(M * K * weight.shape[0], budget))
+                            kernel_threads(M * K * weight.shape[0], products.threads), *products.kernels.in_place_rows)

@@ -77,9 +77,11 @@ def dequantize(codes: Tensor, scale: Tensor, mins: Tensor | None, bits: int, gro
     return _ops().dequantize(codes, scale, mins, bits, group, threads, outputs)
 
 
-def float_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, threads: int) -> Tensor:
-    """float32 x [M, K] @ weight [K, N] (+ bias) -> [M, N], each output summed in one fixed order."""
-    return _ops().float_matmul(x, weight, bias, threads)
+def float_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, threads: int, in_place_rows: int,
+                 aliased_in_place_rows: int) -> Tensor:
+    """float32 x [M, K] @ weight [K, N] (+ bias) -> [M, N], each output summed in one fixed order; the in-place
+    row limits (``KernelChoice.in_place_rows``, layers/float_rows_choice.py) choose the speed, not the bits."""
+    return _ops().float_matmul(x, weight, bias, threads, in_place_rows, aliased_in_place_rows)
 
 
 def set_avx512(enabled: bool | None = None) -> bool:

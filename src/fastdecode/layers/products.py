@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidOptionError
+from .float_rows_choice import DEFAULT_IN_PLACE_ROWS, machine_in_place_rows, valid_limits
 from .gemm_choice import FLOAT_GEMMS, machine_float_choice
 
 ALL_PROMPT = "all prompt rows"
@@ -54,13 +55,18 @@ class KernelChoice:
     - ``prompt_kernel``: prompt rows of the float matrices the float kernel serves (layers/linear.py) take
       it too, on the kernel thread pool as generated rows do, no OpenMP team beside it; each row's result
       then depends only on the row, as a generated row's. At load: where the kernel runs prompt rows about
-      as fast as the faster GEMM (layers/gemm_choice.py)."""
+      as fast as the faster GEMM (layers/gemm_choice.py);
+    - ``in_place_rows``: (spread, aliased): up to how many rows (9 or more) the float kernel reads the weights in
+      place rather than from packed copies, where their rows spread over L1's sets and where they share them
+      (layers/float_rows_choice.py); the same bits either way, only the speed differs. At load: this machine's,
+      measured once."""
 
     prompt_rows: str = "exact"
     quantized_kernels: bool = True
     float_kernel: bool = True
     float_gemm: str = "onednn"
     prompt_kernel: bool = False
+    in_place_rows: tuple[int, int] = DEFAULT_IN_PLACE_ROWS
 
     def __post_init__(self) -> None:
         if self.prompt_rows not in PROMPT_ROWS:
@@ -70,6 +76,9 @@ class KernelChoice:
         for name in ("quantized_kernels", "float_kernel", "prompt_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOptionError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if valid_limits(self.in_place_rows) != self.in_place_rows:
+            raise InvalidOptionError(
+                f"in_place_rows must be a tuple of two ints from 8 to 64, got {self.in_place_rows!r}")
 
     def exact_prompts(self, in_mlp: bool) -> bool:
         """Whether prompt rows of a quantized weight take its exact values (``in_mlp``: the weight is
@@ -79,13 +88,15 @@ class KernelChoice:
     @classmethod
     def at_load(cls, prompt_rows: str | None, kernels: KernelChoice | None) -> KernelChoice:
         """The choice of ``load(..., prompt_rows=, kernels=)``: ``prompt_rows`` alone ("int8-mlp" when
-        None) with this machine's float products (its faster float GEMM, and whether prompt rows take the
-        float kernel), or the whole ``kernels`` choice (reference runs); InvalidOptionError when both are given."""
+        None) with this machine's float products (its faster float GEMM, whether prompt rows take the
+        float kernel, the kernel's in-place row limits), or the whole ``kernels`` choice (reference runs);
+        InvalidOptionError when both are given."""
         if kernels is None:
             prompt_rows = PROMPT_ROWS[0] if prompt_rows is None else prompt_rows
             cls(prompt_rows=prompt_rows)  # a bad value fails before anything is measured
             float_gemm, prompt_kernel = machine_float_choice()
-            return cls(prompt_rows=prompt_rows, float_gemm=float_gemm, prompt_kernel=prompt_kernel)
+            return cls(prompt_rows=prompt_rows, float_gemm=float_gemm, prompt_kernel=prompt_kernel,
+                       in_place_rows=machine_in_place_rows())
         if prompt_rows is not None:
             raise InvalidOptionError("give prompt_rows or kernels (a KernelChoice, which has prompt_rows), not both")
         if not isinstance(kernels, KernelChoice):

@@ -46,7 +46,8 @@ from ..layers.threads import KERNEL_PARALLEL_MIN_WORK, kernel_threads
 @dataclass(frozen=True, slots=True)
 class PackedProduct:
     """One product's op arguments: its 4 weight entries, its ints (bits, group, activation bits, outputs;
-    bits 0: float32) and its (inputs, outputs)."""
+    bits 0: float32, then float_matmul's in-place row limits, ``KernelChoice.in_place_rows``, for group and
+    activation bits) and its (inputs, outputs)."""
 
     entries: tuple
     ints: tuple[int, int, int, int]
@@ -68,7 +69,7 @@ def packed_product(weight, bias: torch.Tensor | None, kernels: KernelChoice) -> 
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()  # as linear() passes it
     N, K = weight.shape
-    return PackedProduct((weight.t(), None, None, bias), (0, 0, 0, N), (K, N))
+    return PackedProduct((weight.t(), None, None, bias), (0, *kernels.in_place_rows, N), (K, N))
 
 
 def _block_products(layer, kernels: KernelChoice) -> list[PackedProduct] | None:
