@@ -82,11 +82,12 @@ def _kernel_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """x [..., K] @ weight [N, K]^T + bias -> [..., N], every row through the kernel."""
     N, K = weight.shape
     rows = x.reshape(-1, K)  # [M, K]
-    return _kernel_rows(rows, weight, _float_bias(bias), products).view(*x.shape[:-1], N)  # [..., N]
+    return _kernel_rows(rows, weight, kernel_bias(bias), products).view(*x.shape[:-1], N)  # [..., N]
 
 
-def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The bias as the kernel reads it: contiguous float32 (a float16-held model's, widened)."""
+def kernel_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias as the float kernel reads it: contiguous float32 (a float16-held model's, widened); also the fused
+    decode blocks' (models/llama_decode.py)."""
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return bias.float().contiguous()
     return bias
@@ -102,7 +103,7 @@ def _generated_rows_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     roles = products.roles
     if not isinstance(roles, RowRoles) or x.numel() // K != roles.rows:  # (the logits layer's other rows)
         return _kernel_product(x, weight, bias, products)
-    rows, bias = x.reshape(-1, K), _float_bias(bias)  # [M, K]
+    rows, bias = x.reshape(-1, K), kernel_bias(bias)  # [M, K]
     out = rows.new_empty(rows.shape[0], N)
     out[roles.generated] = _kernel_rows(rows[roles.generated], weight, bias, products)
     out[roles.prompt] = gemm(rows[roles.prompt], widened(weight, rows, products.threads), bias, None,

@@ -36,7 +36,7 @@ import torch
 
 from ..layers import ops
 from ..layers.elementwise import GATED_KINDS
-from ..layers.linear import float_kernel_serves
+from ..layers.linear import float_kernel_serves, kernel_bias
 from ..layers.ops import BlockProduct, DecodeBlockArgs
 from ..layers.products import KernelChoice
 from ..layers.quantized import DECODED_ROWS, QuantizedWeight
@@ -66,10 +66,8 @@ def packed_product(weight, bias: torch.Tensor | None, kernels: KernelChoice) -> 
                              (weight.inputs, weight.outputs))
     if not isinstance(weight, torch.Tensor) or not float_kernel_serves(weight, kernels):
         return None
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        bias = bias.float().contiguous()  # as linear() passes it
     N, K = weight.shape
-    return PackedProduct((weight.t(), None, None, bias), (0, *kernels.in_place_rows, N), (K, N))
+    return PackedProduct((weight.t(), None, None, kernel_bias(bias)), (0, *kernels.in_place_rows, N), (K, N))
 
 
 def _block_products(layer, kernels: KernelChoice) -> list[PackedProduct] | None:
