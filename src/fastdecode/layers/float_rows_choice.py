@@ -18,12 +18,11 @@ version and flags: a changed kernel is measured again). They become ``KernelChoi
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
 
-from .gemm_choice import cpu_model, machine_record_path, write_atomically
+from .gemm_choice import cpu_model, machine_record_path, read_record, write_atomically
 
 # (w's rows spread over L1's sets, w's rows in the same sets): in place up to these rows on AMD Zen 5 (packed copy ->
 # in place, one thread, bart-base's decoder products streamed from memory, G multiply-adds/s: 32 rows 768 x 2304
@@ -54,15 +53,11 @@ def machine_in_place_rows() -> tuple[int, int]:
     if not ops.available() or not ops.set_avx512():
         return DEFAULT_IN_PLACE_ROWS
     path = limits_path()
-    try:
-        if path is None:
-            raise OSError("the caches are off")
-        record = json.loads(path.read_text())
-        limits = valid_limits(record["in_place_rows"])
-        if limits is not None and record["procedure"] == procedure():
-            return limits
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # not measured with these kernels (or this procedure) here yet, or an unreadable file: measure
+    record = read_record(path)
+    limits = valid_limits(record.get("in_place_rows"))
+    if limits is not None and record.get("procedure") == procedure():
+        return limits
+    # not measured with these kernels (or this procedure) here yet, or an unreadable file: measure
     ratios = time_in_place_rows()
     limits = tuple(chosen_limit(ratios[layout], default) for layout, default in zip(SHAPES, DEFAULT_IN_PLACE_ROWS))
     if path is not None:

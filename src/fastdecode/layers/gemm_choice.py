@@ -53,15 +53,11 @@ def machine_float_choice() -> tuple[str, bool]:
     if not ops.onednn_available() and not ops.available():
         return "mkl", False
     path = choice_path()
-    try:
-        if path is None:
-            raise OSError("the caches are off")
-        record = json.loads(path.read_text())
-        choice, prompt_kernel = record["float_gemm"], record["prompt_kernel"]
-        if choice in FLOAT_GEMMS and isinstance(prompt_kernel, bool):
-            return choice, prompt_kernel
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # not measured here yet (or an unreadable file, or one from before the kernel took part): measure
+    record = read_record(path)
+    choice, prompt_kernel = record.get("float_gemm"), record.get("prompt_kernel")
+    if choice in FLOAT_GEMMS and isinstance(prompt_kernel, bool):
+        return choice, prompt_kernel
+    # not measured here yet (or an unreadable file, or one from before the kernel took part): measure
     timings = time_float_gemms()
     choice = min((name for name in FLOAT_GEMMS if name in timings), key=timings.get)
     prompt_kernel = KERNEL in timings and timings[KERNEL] <= KERNEL_MARGIN * timings[choice]
@@ -141,6 +137,18 @@ def time_float_gemms() -> dict[str, float]:
     finally:
         torch.set_num_threads(threads)
     return total
+
+
+def read_record(path: Path | None) -> dict:
+    """A measurement's record as ``write_atomically`` left it, or {} where there is none to read (the caches off,
+    not measured here yet, an unreadable file): the caller then measures."""
+    if path is None:
+        return {}
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def write_atomically(path: Path, record: dict) -> None:
