@@ -195,8 +195,8 @@ async def one_request(client: httpx.AsyncClient, server: Server, request: dict) 
     try:
         async with client.stream("POST", server.base + "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
-                await response.aread()
-                return {"error": f"HTTP {response.status_code}"}
+                body = (await response.aread()).decode(errors="replace")
+                return {"error": f"HTTP {response.status_code}: {body[:200]}"}
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -208,9 +208,9 @@ async def one_request(client: httpx.AsyncClient, server: Server, request: dict) 
                         arrivals.append(time.perf_counter())
                         pieces.append(choice["delta"]["content"])
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        return {"error": type(exc).__name__}
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
     if not arrivals:
-        return {"error": "no content"}
+        return {"error": f"no content (usage: {usage_tokens} tokens)"}
     return {"ttft": arrivals[0] - sent, "itl": [b - a for a, b in zip(arrivals, arrivals[1:])],
             "tokens": usage_tokens or len(arrivals), "text": "".join(pieces)}
 
@@ -357,6 +357,11 @@ def report(servers, skipped, levels, results, turns, args) -> None:
                          f"{1000 * _median(runs, 'itl_p99'):.0f}", sum(r["errors"] for r in runs)])
     rows += [not_run(name, why, len(header)) for name, why in skipped.items()]
     print("\n" + table(header, rows))
+    for server in servers:
+        for clients in levels:
+            kinds = sorted({kind for run in results[server.name][clients] for kind in run["error_kinds"]})
+            if kinds:
+                print(f"\n{server.name} at {clients} clients, errors: " + "; ".join(kinds))
     for ours_name in ("fastdecode", "fastdecode-float32"):
         if ours_name not in results or 16 not in levels:
             continue
