@@ -58,13 +58,12 @@ def _layer_types(hf: dict[str, Any], model_type: str, sliding_window: int | None
     return []
 
 
-def rmsnorm_decoder_fields(hf: dict[str, Any], default_architecture: str) -> dict[str, Any]:
-    """The ``ModelConfig`` fields every Llama-shaped HF config spells the same way (sizes, norm,
-    activation, RoPE base and scaling, special tokens); an unknown RoPE scaling type refused by name."""
+def hf_decoder_fields(hf: dict[str, Any], default_architecture: str) -> dict[str, Any]:
+    """The ``ModelConfig`` fields every Llama-shaped HF config (Llama's variants, OLMo 2, Phi-3) spells
+    the same way: sizes, activation, RoPE base and rotated share, tied head, special tokens. The
+    context, the norm epsilon and the RoPE scaling, whose defaults or readings differ, are the family's."""
     num_heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     rope = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    rope_type(scaling)
     return dict(
         architecture=(hf.get("architectures") or [default_architecture])[0],
         vocab_size=hf["vocab_size"],
@@ -74,16 +73,27 @@ def rmsnorm_decoder_fields(hf: dict[str, Any], default_architecture: str) -> dic
         num_kv_heads=num_heads if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"],
         head_dim=hf.get("head_dim") or derived_head_dim(hidden, num_heads),
         intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
         hidden_act=hf.get("hidden_act", "silu"),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rope_scaling=scaling,
         partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=token_id_list(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def rmsnorm_decoder_fields(hf: dict[str, Any], default_architecture: str) -> dict[str, Any]:
+    """``hf_decoder_fields`` with Llama's context and norm epsilon defaults and its RoPE scaling
+    (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``), an unknown type refused by name."""
+    rope = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    rope_type(scaling)
+    return dict(
+        hf_decoder_fields(hf, default_architecture),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_scaling=scaling,
     )
 
 

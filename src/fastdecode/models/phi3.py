@@ -39,6 +39,7 @@ from ..layers.positions import longrope_switches
 from ..layers.products import KernelChoice
 from .base import token_id_list
 from .llama import LlamaModel
+from .llama_config import hf_decoder_fields
 
 HF_NAMES = {
     "embed.weight": "model.embed_tokens.weight",
@@ -114,7 +115,6 @@ def _context(max_positions: int, scaling: dict[str, Any] | None) -> int:
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Map a HF ``phi3`` config (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
     refuse_unimplemented(hf, (), (hf.get("architectures") or ["Phi3ForCausalLM"])[0])
-    num_heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     rope = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or rope)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -129,25 +129,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(f"Phi-3 rope scaling type {rope_type!r} is not supported; supported: longrope (su)")
     return ModelConfig(
         family="phi3",
-        architecture=(hf.get("architectures") or ["Phi3ForCausalLM"])[0],
-        vocab_size=hf["vocab_size"],
-        hidden_size=hidden,
-        num_layers=hf["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=num_heads if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"],
-        head_dim=hf.get("head_dim") or derived_head_dim(hidden, num_heads),
-        intermediate_size=hf["intermediate_size"],
+        **hf_decoder_fields(hf, "Phi3ForCausalLM"),
         max_position_embeddings=_context(max_positions, scaling),
         norm_eps=hf.get("rms_norm_eps", 1e-5),
-        hidden_act=hf.get("hidden_act", "silu"),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rope_scaling=scaling,
-        partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
         sliding_window=hf.get("sliding_window"),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=token_id_list(hf.get("eos_token_id")),
-        pad_token_id=hf.get("pad_token_id"),
     )
 
 
