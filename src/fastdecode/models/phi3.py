@@ -31,15 +31,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import ModelConfig, derived_head_dim
+from ..config import ModelConfig
 from ..config.unsupported import refuse_unimplemented, refuse_unimplemented_gguf
 from ..errors import UnsupportedModelError
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.positions import longrope_switches
 from ..layers.products import KernelChoice
-from .base import token_id_list
 from .llama import LlamaModel
-from .llama_config import hf_decoder_fields
+from .llama_config import gguf_decoder_fields, hf_decoder_fields
 
 HF_NAMES = {
     "embed.weight": "model.embed_tokens.weight",
@@ -143,44 +142,21 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
     distinct lists; the cap keeps the short ones exact)."""
 
     refuse_unimplemented_gguf(meta, ())
-
-    def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"phi3.{key}", default)
-
-    def require(key: str) -> Any:
-        return meta[f"phi3.{key}"]  # KeyError: the loader reports the missing key
-
-    hidden, num_heads = require("embedding_length"), require("attention.head_count")
-    head_dim = get("attention.key_length") or derived_head_dim(hidden, num_heads, ("embedding_length",
-                                                                                  "attention.head_count"))
-    max_positions = get("context_length", 4096)
+    fields = gguf_decoder_fields(meta, tensor_names)
+    max_positions = meta.get("phi3.context_length", 4096)
     scaling = None
     if "rope_factors_long.weight" in tensor_names or "rope_factors_short.weight" in tensor_names:
-        original = require("rope.scaling.original_context_length")
+        original = meta["phi3.rope.scaling.original_context_length"]  # KeyError: the loader reports it
         scaling = {"rope_type": "longrope", "original_max_position_embeddings": int(original),
-                   "factor": max_positions / original, "attention_factor": get("rope.scaling.attn_factor"),
+                   "factor": max_positions / original, "attention_factor": meta.get("phi3.rope.scaling.attn_factor"),
                    "factors_in_file": True}
         max_positions = min(max_positions, int(original))
     return ModelConfig(
         family="phi3",
-        architecture="phi3",
-        vocab_size=get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])),
-        hidden_size=hidden,
-        num_layers=require("block_count"),
-        num_heads=num_heads,
-        num_kv_heads=get("attention.head_count_kv", num_heads),
-        head_dim=head_dim,
-        intermediate_size=require("feed_forward_length"),
+        **fields,
         max_position_embeddings=max_positions,
-        norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        partial_rotary_factor=(get("rope.dimension_count") or head_dim) / head_dim,
-        sliding_window=get("attention.sliding_window") or None,  # 0: none (Phi-4)
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=token_id_list(meta.get("tokenizer.ggml.eos_token_id")),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        sliding_window=meta.get("phi3.attention.sliding_window") or None,  # 0: none (Phi-4)
     )
 
 
