@@ -60,19 +60,13 @@ def test_config_missing_a_field(tiny_folder, tmp_path):
 
 
 def test_unsupported_architecture_lists_supported(tiny_folder, tmp_path):
-    folder = copy_folder(tiny_folder, tmp_path / "m")
-    config = json.loads((folder / "config.json").read_text())
-    config["architectures"], config["model_type"] = ["BertForMaskedLM"], "bert"
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = copy_folder(tiny_folder, tmp_path / "m", architectures=["BertForMaskedLM"], model_type="bert")
     with pytest.raises(UnsupportedModelError, match="BertForMaskedLM.*LlamaForCausalLM.*GPT2LMHeadModel"):
         fastdecode.load(str(folder))
 
 
 def test_unsupported_rope_scaling(tiny_folder, tmp_path):
-    folder = copy_folder(tiny_folder, tmp_path / "m")
-    config = json.loads((folder / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": "longrope", "factor": 2.0}
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = copy_folder(tiny_folder, tmp_path / "m", rope_scaling={"rope_type": "longrope", "factor": 2.0})
     with pytest.raises(UnsupportedModelError, match="longrope"):
         fastdecode.load(str(folder))
 

@@ -82,3 +82,12 @@ def test_unknown_gguf_rope_scaling_type_is_refused(tmp_path):
                       extra_metadata=lambda writer: writer.add_string("llama.rope.scaling.type", "longrope"))
     with pytest.raises(UnsupportedModelError, match="longrope"):
         fastdecode.load(str(path))
+
+
+def test_olmo2_gguf_rotating_part_of_each_head_is_refused(tmp_path):
+    """OLMo 2 rotates whole heads: a file whose rope.dimension_count is half the head size is refused, as
+    a HF config's partial_rotary_factor is, not run with every head rotated whole."""
+    path = write_gguf(tmp_path / "partial.gguf", "olmo2",
+                      extra_metadata=lambda writer: writer.add_uint32("olmo2.rope.dimension_count", 8))
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.5"):
+        fastdecode.load(str(path))

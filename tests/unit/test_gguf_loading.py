@@ -219,6 +219,15 @@ def _data_region(path: Path) -> tuple[int, int]:
     return start, end
 
 
+def load_error(path: Path, error: type[Exception], match: str | None = None) -> str:
+    """The message of the ``error`` (matching ``match``) that loading ``path`` raises, which names the file."""
+    with pytest.raises(error, match=match) as info:
+        fastdecode.load(str(path))
+    message = str(info.value)
+    assert str(path) in message
+    return message
+
+
 def _truncated_copy(source: Path, folder: Path, size: int) -> Path:
     target = folder / f"cut-{size}.gguf"
     target.write_bytes(source.read_bytes()[:size])
@@ -229,10 +238,7 @@ def test_truncated_inside_tensor_data_names_the_file(gguf_file, tmp_path):
     source = gguf_file("llama-gqa", QT.Q4_0)
     start, end = _data_region(source)
     for size in [start, start + 1, (start + end) // 2, end - 1]:
-        path = _truncated_copy(source, tmp_path, size)
-        with pytest.raises(CheckpointError, match="truncated") as info:
-            fastdecode.load(str(path))
-        assert str(path) in str(info.value)
+        load_error(_truncated_copy(source, tmp_path, size), CheckpointError, "truncated")
 
 
 def test_truncated_anywhere_in_the_header_is_a_checkpoint_error(gguf_file, tmp_path):
@@ -244,10 +250,7 @@ def test_truncated_anywhere_in_the_header_is_a_checkpoint_error(gguf_file, tmp_p
         with pytest.raises(CheckpointError) as info:
             GGUFFile(path)
         assert str(path) in str(info.value), size
-    path = _truncated_copy(source, tmp_path, start // 2)
-    with pytest.raises(CheckpointError) as info:
-        fastdecode.load(str(path))
-    assert str(path) in str(info.value)
+    load_error(_truncated_copy(source, tmp_path, start // 2), CheckpointError)
 
 
 @pytest.mark.parametrize("header,match", [(b"GGML", "not a GGUF file"), (b"GGUF\x01\x00\x00\x00", "version"),
@@ -258,9 +261,7 @@ def test_bad_magic_or_version(header, match, gguf_file, tmp_path):
     data[: len(header)] = header
     path = tmp_path / "bad.gguf"
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=match) as info:
-        fastdecode.load(str(path))
-    assert str(path) in str(info.value)
+    load_error(path, CheckpointError, match)
 
 
 def test_unknown_architecture_lists_the_supported_ones(tmp_path):
@@ -275,21 +276,16 @@ def test_missing_and_unexpected_tensors_are_reported_together(tmp_path):
     tensors = gguf_tensors("llama-gqa")
     del tensors["blk.1.ffn_gate.weight"]
     tensors["blk.0.attn_extra.weight"] = np.zeros((64, 64), np.float32)
-    path = write_gguf(tmp_path / "mismatch.gguf", "llama-gqa", tensors=tensors)
-    with pytest.raises(CheckpointError) as info:
-        fastdecode.load(str(path))
-    message = str(info.value)
+    message = load_error(write_gguf(tmp_path / "mismatch.gguf", "llama-gqa", tensors=tensors), CheckpointError)
     assert "blk.1.ffn_gate.weight" in message and "blk.0.attn_extra.weight" in message
-    assert "missing" in message and "unexpected" in message and str(path) in message
+    assert "missing" in message and "unexpected" in message
 
 
 def test_tensor_of_a_type_that_cannot_be_decoded(tmp_path):
     tensors = gguf_tensors("llama-gqa")
     tensors["blk.0.ffn_up.weight"] = tensors["blk.0.ffn_up.weight"].astype(np.int32)  # ggml I32
-    path = write_gguf(tmp_path / "i32.gguf", "llama-gqa", tensors=tensors)
-    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_up\.weight.*I32") as info:
-        fastdecode.load(str(path))
-    assert str(path) in str(info.value)
+    load_error(write_gguf(tmp_path / "i32.gguf", "llama-gqa", tensors=tensors), CheckpointError,
+               r"blk\.0\.ffn_up\.weight.*I32")
 
 
 def test_tensor_of_an_unknown_ggml_type_code(gguf_file, tmp_path):
@@ -312,16 +308,11 @@ def test_missing_required_metadata_is_a_checkpoint_error(key, gguf_file, tmp_pat
     renamed = struct.pack("<Q", len(key)) + b"x" * len(key)  # same length: the file stays valid
     path = tmp_path / "missing-key.gguf"
     path.write_bytes(data.replace(encoded, renamed))
-    with pytest.raises(CheckpointError, match=key.replace(".", r"\.")) as info:
-        fastdecode.load(str(path))
-    assert str(path) in str(info.value)
+    load_error(path, CheckpointError, key.replace(".", r"\."))
 
 
 def test_unsupported_pre_tokenizer_is_a_tokenizer_error_naming_the_file(tmp_path):
-    path = write_gguf(tmp_path / "pre.gguf", "llama-gqa", pre="no-such-split")
-    with pytest.raises(TokenizerError, match="no-such-split") as info:
-        fastdecode.load(str(path))
-    assert str(path) in str(info.value)
+    load_error(write_gguf(tmp_path / "pre.gguf", "llama-gqa", pre="no-such-split"), TokenizerError, "no-such-split")
 
 
 @pytest.mark.parametrize("alignment", [0, 3, 48])
@@ -371,7 +362,4 @@ def test_bad_metadata_values_are_checkpoint_errors(method, value, match, tmp_pat
         monkeypatch.setattr(GGUFWriter, method, lambda self, _: self.add_string(key, value))
     else:
         monkeypatch.setattr(GGUFWriter, method, lambda self, _: self.add_uint32(key, value))
-    path = write_gguf(tmp_path / "bad-meta.gguf", "llama-gqa")
-    with pytest.raises(CheckpointError, match=match) as info:
-        fastdecode.load(str(path))
-    assert str(path) in str(info.value)
+    load_error(write_gguf(tmp_path / "bad-meta.gguf", "llama-gqa"), CheckpointError, match)

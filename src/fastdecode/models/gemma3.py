@@ -33,6 +33,7 @@ from ..layers.threads import on_one_thread
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies
 from ..layers.elementwise import add_rms_norm, gated, qkv_heads, rms_norm
 from .base import ModelBase, Weight, token_id_list
+from .gguf_fields import gguf_text_fields
 
 _PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 _NORMS = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
@@ -133,37 +134,27 @@ def hf_fields(hf: dict[str, Any], default_context: int) -> dict[str, Any]:
 
 def gguf_fields(meta: dict[str, Any], tensor_names: set[str], default_context: int) -> dict[str, Any]:
     """The ``ModelConfig`` fields Gemma 2 and Gemma 3 GGUF files name alike (keys under the file's
-    architecture). llama.cpp derives the query scale from the model size: its largest model (Gemma 2
-    27B, 46 layers; Gemma 3 27B, 62 layers) scales by hidden / heads instead of head_dim."""
+    architecture; ``gguf_text_fields`` and Gemma's own defaults). llama.cpp derives the query scale
+    from the model size: its largest model (Gemma 2 27B, 46 layers; Gemma 3 27B, 62 layers) scales by
+    hidden / heads instead of head_dim."""
     arch = meta["general.architecture"]
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
-    def require(key: str) -> Any:
-        return meta[f"{arch}.{key}"]  # KeyError: the loader reports the missing key
-
-    hidden, num_heads, num_layers = require("embedding_length"), require("attention.head_count"), require("block_count")
+    fields = gguf_text_fields(meta, tensor_names)
+    hidden, num_heads, num_layers = fields["hidden_size"], fields["num_heads"], fields["num_layers"]
     head_dim = get("attention.key_length") or 256
     query_pre_attn_scalar = hidden // num_heads if (arch, num_layers) in (("gemma2", 46), ("gemma3", 62)) else head_dim
     return dict(
-        architecture=arch,
-        vocab_size=get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])),
-        hidden_size=hidden,
-        num_layers=num_layers,
-        num_heads=num_heads,
+        fields,
         num_kv_heads=get("attention.head_count_kv") or num_heads,
         head_dim=head_dim,
-        intermediate_size=require("feed_forward_length"),
         max_position_embeddings=get("context_length", default_context),
         norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
         hidden_act="gelu_pytorch_tanh",
-        tie_word_embeddings="output.weight" not in tensor_names,
         attention_scale=float(query_pre_attn_scalar) ** -0.5,
         final_logit_softcapping=get("final_logit_softcapping"),
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=token_id_list(meta.get("tokenizer.ggml.eos_token_id")),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
 
 

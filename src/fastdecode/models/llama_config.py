@@ -23,6 +23,7 @@ from ..config.unsupported import refuse_unimplemented, refuse_unimplemented_gguf
 from ..errors import UnsupportedModelError
 from ..layers.positions import rope_type
 from .base import token_id_list
+from .gguf_fields import gguf_text_fields
 
 NOPE_INTERVAL = 4  # SmolLM3's default no_rope_layer_interval, and llama.cpp's fixed step
 # HF model_type -> the math keys (config/unsupported.py) the family implements
@@ -58,13 +59,12 @@ def _layer_types(hf: dict[str, Any], model_type: str, sliding_window: int | None
     return []
 
 
-def rmsnorm_decoder_fields(hf: dict[str, Any], default_architecture: str) -> dict[str, Any]:
-    """The ``ModelConfig`` fields every Llama-shaped HF config spells the same way (sizes, norm,
-    activation, RoPE base and scaling, special tokens); an unknown RoPE scaling type refused by name."""
+def hf_decoder_fields(hf: dict[str, Any], default_architecture: str) -> dict[str, Any]:
+    """The ``ModelConfig`` fields every Llama-shaped HF config (Llama's variants, OLMo 2, Phi-3) spells
+    the same way: sizes, activation, RoPE base and rotated share, tied head, special tokens. The
+    context, the norm epsilon and the RoPE scaling, whose defaults or readings differ, are the family's."""
     num_heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     rope = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    rope_type(scaling)
     return dict(
         architecture=(hf.get("architectures") or [default_architecture])[0],
         vocab_size=hf["vocab_size"],
@@ -74,16 +74,27 @@ def rmsnorm_decoder_fields(hf: dict[str, Any], default_architecture: str) -> dic
         num_kv_heads=num_heads if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"],
         head_dim=hf.get("head_dim") or derived_head_dim(hidden, num_heads),
         intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
         hidden_act=hf.get("hidden_act", "silu"),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rope_scaling=scaling,
         partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=token_id_list(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def rmsnorm_decoder_fields(hf: dict[str, Any], default_architecture: str) -> dict[str, Any]:
+    """``hf_decoder_fields`` with Llama's context and norm epsilon defaults and its RoPE scaling
+    (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``), an unknown type refused by name."""
+    rope = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    rope_type(scaling)
+    return dict(
+        hf_decoder_fields(hf, default_architecture),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_scaling=scaling,
     )
 
 
@@ -130,6 +141,26 @@ def _gguf_rope_scaling(get) -> dict[str, Any] | None:
     raise UnsupportedModelError(f"GGUF rope.scaling.type {kind!r} is not supported; supported: none, linear, yarn")
 
 
+def gguf_decoder_fields(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """``gguf_text_fields`` and what llama.cpp writes alike for the Llama-shaped architectures (Llama's
+    variants, OLMo 2, Phi-3): the K/V heads, the head size (hidden / heads unless the file says), the
+    norm epsilon, the RoPE base and rotated share. The context, whose default differs, the RoPE
+    scaling and the rest are the family's."""
+    arch = meta["general.architecture"]
+    fields = gguf_text_fields(meta, tensor_names)
+    hidden, num_heads = fields["hidden_size"], fields["num_heads"]
+    head_dim = meta.get(f"{arch}.attention.key_length") or derived_head_dim(
+        hidden, num_heads, ("embedding_length", "attention.head_count"))
+    return dict(
+        fields,
+        num_kv_heads=meta.get(f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        norm_eps=meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        partial_rotary_factor=(meta.get(f"{arch}.rope.dimension_count") or head_dim) / head_dim,
+    )
+
+
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
     arch = meta["general.architecture"]
     refuse_unimplemented_gguf(meta, GGUF_IMPLEMENTED.get(arch, ()))
@@ -137,34 +168,17 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
-    def require(key: str) -> Any:
-        return meta[f"{arch}.{key}"]  # KeyError: the loader reports the missing key
-
-    hidden = require("embedding_length")
-    num_heads = require("attention.head_count")
-    num_layers = require("block_count")
-    head_dim = get("attention.key_length") or derived_head_dim(hidden, num_heads, ("embedding_length", "attention.head_count"))
-    rotary_dim = get("rope.dimension_count") or head_dim
+    fields = gguf_decoder_fields(meta, tensor_names)
+    num_layers = fields["num_layers"]
     # llama.cpp reads 0 for an absent scale and then leaves that multiplication out
     attention_scale = get("attention.scale") or None
     return ModelConfig(
         family="llama",
-        architecture=arch,
-        vocab_size=get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])),
-        hidden_size=hidden,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=get("attention.head_count_kv", num_heads),
-        head_dim=head_dim,
-        intermediate_size=require("feed_forward_length"),
+        **fields,
         max_position_embeddings=get("context_length", 2048),
-        norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
-        tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         attention_out_bias="blk.0.attn_output.bias" in tensor_names,
-        rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=_gguf_rope_scaling(get),
-        partial_rotary_factor=rotary_dim / head_dim,
         sliding_window=get("attention.sliding_window"),
         attention_scale=None if attention_scale is None else float(attention_scale),
         qk_norm="head" if arch == "qwen3" else None,
@@ -172,7 +186,4 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         embedding_multiplier=float(get("embedding_scale") or 1.0),
         residual_multiplier=float(get("residual_scale") or 1.0),
         logits_divisor=float(get("logit_scale") or 1.0),
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=token_id_list(meta.get("tokenizer.ggml.eos_token_id")),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..cache.view import CacheView
-from ..config import ModelConfig, derived_head_dim
+from ..config import ModelConfig
 from ..config.unsupported import refuse_unimplemented, refuse_unimplemented_gguf
 from ..errors import UnsupportedModelError
 from ..layers.attention import merge_heads
@@ -28,8 +28,8 @@ from ..layers.linear import embed, linear
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies
 from ..layers.products import KernelChoice
 from ..layers.threads import on_one_thread
-from .base import ModelBase, Weight, token_id_list
-from .llama_config import rmsnorm_decoder_fields
+from .base import ModelBase, Weight
+from .llama_config import gguf_decoder_fields, rmsnorm_decoder_fields
 
 _PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 _NORMS = ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
@@ -89,48 +89,34 @@ def _refuse_sliding(sliding_window: Any) -> None:
         raise UnsupportedModelError(f"OLMo 2 with a sliding window ({sliding_window}; OLMo 3) is not supported")
 
 
+def _refuse_partial_rotary(fields: dict[str, Any]) -> None:
+    if fields["partial_rotary_factor"] != 1.0:
+        raise UnsupportedModelError(f"OLMo 2 with partial_rotary_factor {fields['partial_rotary_factor']} is not supported")
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     fields = rmsnorm_decoder_fields(hf, "Olmo2ForCausalLM")
     refuse_unimplemented(hf, (), fields["architecture"])
     _refuse_sliding(hf.get("sliding_window"))
-    if fields["partial_rotary_factor"] != 1.0:
-        raise UnsupportedModelError(f"OLMo 2 with partial_rotary_factor {fields['partial_rotary_factor']} is not supported")
+    _refuse_partial_rotary(fields)
     return ModelConfig(family="olmo2", **fields, attention_bias=bool(hf.get("attention_bias", False)),
                        qk_norm="projection")
 
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
     refuse_unimplemented_gguf(meta, ())
-
-    def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"olmo2.{key}", default)
-
-    def require(key: str) -> Any:
-        return meta[f"olmo2.{key}"]  # KeyError: the loader reports the missing key
-
-    _refuse_sliding(get("attention.sliding_window"))
-    if get("rope.scaling.type") not in (None, "none"):
-        raise UnsupportedModelError(f"GGUF olmo2 with rope.scaling.type {get('rope.scaling.type')!r} is not supported")
-    hidden, num_heads = require("embedding_length"), require("attention.head_count")
+    _refuse_sliding(meta.get("olmo2.attention.sliding_window"))
+    scaling = meta.get("olmo2.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF olmo2 with rope.scaling.type {scaling!r} is not supported")
+    fields = gguf_decoder_fields(meta, tensor_names)
+    _refuse_partial_rotary(fields)  # a rope.dimension_count below the head size
     return ModelConfig(
         family="olmo2",
-        architecture="olmo2",
-        vocab_size=get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])),
-        hidden_size=hidden,
-        num_layers=require("block_count"),
-        num_heads=num_heads,
-        num_kv_heads=get("attention.head_count_kv", num_heads),
-        head_dim=derived_head_dim(hidden, num_heads, ("embedding_length", "attention.head_count")),
-        intermediate_size=require("feed_forward_length"),
-        max_position_embeddings=get("context_length", 4096),
-        norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
-        tie_word_embeddings="output.weight" not in tensor_names,
+        **fields,
+        max_position_embeddings=meta.get("olmo2.context_length", 4096),
         attention_bias="blk.0.attn_q.bias" in tensor_names,
-        rope_theta=float(get("rope.freq_base", 10000.0)),
         qk_norm="projection",
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=token_id_list(meta.get("tokenizer.ggml.eos_token_id")),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
 
 

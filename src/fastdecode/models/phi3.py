@@ -31,14 +31,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import ModelConfig, derived_head_dim
+from ..config import ModelConfig
 from ..config.unsupported import refuse_unimplemented, refuse_unimplemented_gguf
 from ..errors import UnsupportedModelError
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.positions import longrope_switches
 from ..layers.products import KernelChoice
-from .base import token_id_list
 from .llama import LlamaModel
+from .llama_config import gguf_decoder_fields, hf_decoder_fields
 
 HF_NAMES = {
     "embed.weight": "model.embed_tokens.weight",
@@ -114,7 +114,6 @@ def _context(max_positions: int, scaling: dict[str, Any] | None) -> int:
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Map a HF ``phi3`` config (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
     refuse_unimplemented(hf, (), (hf.get("architectures") or ["Phi3ForCausalLM"])[0])
-    num_heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     rope = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or rope)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -129,25 +128,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise UnsupportedModelError(f"Phi-3 rope scaling type {rope_type!r} is not supported; supported: longrope (su)")
     return ModelConfig(
         family="phi3",
-        architecture=(hf.get("architectures") or ["Phi3ForCausalLM"])[0],
-        vocab_size=hf["vocab_size"],
-        hidden_size=hidden,
-        num_layers=hf["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=num_heads if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"],
-        head_dim=hf.get("head_dim") or derived_head_dim(hidden, num_heads),
-        intermediate_size=hf["intermediate_size"],
+        **hf_decoder_fields(hf, "Phi3ForCausalLM"),
         max_position_embeddings=_context(max_positions, scaling),
         norm_eps=hf.get("rms_norm_eps", 1e-5),
-        hidden_act=hf.get("hidden_act", "silu"),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rope_scaling=scaling,
-        partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
         sliding_window=hf.get("sliding_window"),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=token_id_list(hf.get("eos_token_id")),
-        pad_token_id=hf.get("pad_token_id"),
     )
 
 
@@ -157,44 +142,21 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
     distinct lists; the cap keeps the short ones exact)."""
 
     refuse_unimplemented_gguf(meta, ())
-
-    def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"phi3.{key}", default)
-
-    def require(key: str) -> Any:
-        return meta[f"phi3.{key}"]  # KeyError: the loader reports the missing key
-
-    hidden, num_heads = require("embedding_length"), require("attention.head_count")
-    head_dim = get("attention.key_length") or derived_head_dim(hidden, num_heads, ("embedding_length",
-                                                                                  "attention.head_count"))
-    max_positions = get("context_length", 4096)
+    fields = gguf_decoder_fields(meta, tensor_names)
+    max_positions = meta.get("phi3.context_length", 4096)
     scaling = None
     if "rope_factors_long.weight" in tensor_names or "rope_factors_short.weight" in tensor_names:
-        original = require("rope.scaling.original_context_length")
+        original = meta["phi3.rope.scaling.original_context_length"]  # KeyError: the loader reports it
         scaling = {"rope_type": "longrope", "original_max_position_embeddings": int(original),
-                   "factor": max_positions / original, "attention_factor": get("rope.scaling.attn_factor"),
+                   "factor": max_positions / original, "attention_factor": meta.get("phi3.rope.scaling.attn_factor"),
                    "factors_in_file": True}
         max_positions = min(max_positions, int(original))
     return ModelConfig(
         family="phi3",
-        architecture="phi3",
-        vocab_size=get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])),
-        hidden_size=hidden,
-        num_layers=require("block_count"),
-        num_heads=num_heads,
-        num_kv_heads=get("attention.head_count_kv", num_heads),
-        head_dim=head_dim,
-        intermediate_size=require("feed_forward_length"),
+        **fields,
         max_position_embeddings=max_positions,
-        norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        partial_rotary_factor=(get("rope.dimension_count") or head_dim) / head_dim,
-        sliding_window=get("attention.sliding_window") or None,  # 0: none (Phi-4)
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=token_id_list(meta.get("tokenizer.ggml.eos_token_id")),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        sliding_window=meta.get("phi3.attention.sliding_window") or None,  # 0: none (Phi-4)
     )
 
 

@@ -36,9 +36,11 @@ def _forwarded(pending_request: Any) -> ForwardedRequest | None:
 
 
 class _PinnedRequests:
-    """Requests pinned to one replica, and the registry of routers, for either policy."""
+    """Requests pinned to one replica, and the registry of routers, for either policy (first in the
+    bases: its ``initialize_state`` runs the policy's, then registers the router)."""
 
-    def _register(self) -> None:
+    def initialize_state(self, **kwargs: Any) -> None:
+        super().initialize_state(**kwargs)
         register(self._deployment_id.app_name, self._deployment_id.name, self)
 
     @staticmethod
@@ -53,10 +55,6 @@ class _PinnedRequests:
 
 
 class PrefixAwareRouter(_PinnedRequests, PrefixCacheAffinityRouter):
-    def initialize_state(self, **kwargs: Any) -> None:
-        super().initialize_state(**kwargs)
-        self._register()
-
     async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
         pinned = self._pinned(candidate_replicas, pending_request)
         if pinned is not None:
@@ -73,10 +71,6 @@ class PrefixAwareRouter(_PinnedRequests, PrefixCacheAffinityRouter):
 
 
 class PowerOfTwoRouter(_PinnedRequests, PowerOfTwoChoicesRequestRouter):
-    def initialize_state(self, **kwargs: Any) -> None:
-        super().initialize_state(**kwargs)
-        self._register()
-
     async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
         pinned = self._pinned(candidate_replicas, pending_request)
         if pinned is not None:
