@@ -35,9 +35,13 @@ constexpr int TILE = 8;
 // Codes this far ahead are prefetched, at every row count: the kernel runs fast enough that a matrix
 // streamed from memory (an LM head) waits for it otherwise (50265 x 768 int8 at 8 rows: 98 -> 205 GMAC/s).
 // At one or two rows it runs fastest per byte, so it looks further ahead (a batch-1 decode step streams a
-// block's matrices from L3 or memory, each only once).
+// block's matrices from L3 or memory, each only once): 3 KB per stream. Qwen2.5-Coder-1.5B Q4_K_M's matrices,
+// each layer's in turn, one Zen 5 core beside others' load (CPU time, alternating builds of the same tree):
+// gate/up 1536 x 17920 5-6% and the Q4_K down matrices ~5% faster than 4 KB ahead (2 KB: gate/up alike, down
+// 1.5%; 8 KB: 1-4% slower). benchmarks/read_ceiling.py's reader with a 4-bit product's work per byte tells why
+// it matters: one core streams 24-28 GB/s without prefetches, 32-39 with them, 38-43 reading alone.
 constexpr int64_t PREFETCH_BYTES = 1024;
-constexpr int64_t FEW_ROWS_PREFETCH_BYTES = 4096;
+constexpr int64_t FEW_ROWS_PREFETCH_BYTES = 3072;
 
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
