@@ -191,6 +191,10 @@ def test_prompt_longer_than_context(tiny):
         ({"stop": [""]}, "stop"),
         ({"seed": "abc"}, "seed"),
         ({"temprature": 0.5}, "unknown generation option"),
+        # streaming-cache options without a streaming cache (they were silently ignored)
+        ({"n_keep": 8}, "n_keep=8 applies only to a streaming cache: set n_ctx"),
+        ({"n_keep": "eight"}, "n_keep='eight'"),
+        ({"n_discard": 3, "policy": "reevaluate"}, "n_discard=3, policy='reevaluate' apply only"),
     ],
 )
 def test_impossible_options(tiny, options, pattern):

@@ -92,7 +92,7 @@ def streaming_options(command):
     options = [
         click.option("--n-ctx", type=int, default=None, help="Streaming cache size in tokens (enables streaming)."),
         click.option("--n-keep", type=int, default=4, show_default=True, help="Attention-sink tokens kept."),
-        click.option("--n-discard", type=int, default=None, help="Tokens dropped when full (default: half)."),
+        click.option("--n-discard", type=int, default=None, help="Tokens dropped when full (default: 1 for shift, half the window for reevaluate)."),
         click.option("--policy", type=click.Choice(["shift", "reevaluate"]), default="shift", show_default=True),
     ]
     for option in reversed(options):

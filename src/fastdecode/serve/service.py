@@ -115,6 +115,10 @@ class GenerationService:
             raise APIError(400, f"n_ctx={settings.n_ctx} exceeds the model's context "
                                 f"({config.max_position_embeddings} positions)")
         self.overflow = settings.context_overflow in ("shift", "reevaluate") and not self.encoder_decoder
+        if not self.overflow and settings.n_keep != ServeSettings.n_keep:
+            raise APIError(400, f"n_keep={settings.n_keep} applies only to conversations past the context, which "
+                                "this server answers with an error: set --context-overflow shift or reevaluate"
+                                + (" (an encoder-decoder model has none)" if self.encoder_decoder else ""))
         streaming = {"n_ctx": self.context, "n_keep": settings.n_keep, "policy": settings.context_overflow}
         self.streams = KeptStreams(generator, streaming) if self.overflow else None
         self.worker = EngineWorker(
