@@ -113,6 +113,18 @@ def test_logprobs_are_the_models(server, chat_generator):
     assert entries[0].top_logprobs[0].logprob == pytest.approx(entries[0].logprob)  # greedy: the best token
 
 
+def test_logprob_bytes_are_the_tokens_own_also_within_a_character(server, chat_generator):
+    """A byte-level token holding the first byte of "é" reads as U+FFFD alone; its ``bytes`` are still
+    its own byte (0xC3), so that the bytes of the tokens join into the text (OpenAI's ``bytes``)."""
+    lead = chat_generator.tokenizer.token_to_id(chr(0xC3))  # byte 0xC3 is the printable "Ã" in GPT-2's table
+    assert chat_generator.tokenizer.decode([lead]) == "\ufffd"
+    response = server.client().chat.completions.create(model="tiny", messages=QUESTION, max_tokens=3, temperature=0,
+                                                       logprobs=True, top_logprobs=1, logit_bias={str(lead): 100})
+    entries = response.choices[0].logprobs.content
+    assert [e.bytes for e in entries] == [[0xC3]] * 3
+    assert all(bytes(top.bytes).decode("utf-8", "replace") == top.token for e in entries for top in e.top_logprobs)
+
+
 def test_beam_search(server, chat_generator):
     client = server.client()
     options = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, length_penalty=0.8)

@@ -134,11 +134,11 @@ class ResponseBuilder:
                     "top_logprobs": [_by_text(top, self._token) for _, _, top in entries] if self.logprobs else None,
                     "text_offset": offsets}
         content = []
-        for token_id, logprob, top in entries:
-            token = self._token(token_id)
-            content.append({"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
+        for token_id, logprob, top in entries:  # bytes: the token's own, also part of a character (as OpenAI)
+            content.append({"token": self._token(token_id), "logprob": logprob,
+                            "bytes": list(self.tokenizer.token_bytes(token_id)),
                             "top_logprobs": [{"token": self._token(i), "logprob": v,
-                                              "bytes": list(self._token(i).encode("utf-8"))} for i, v in top or []]})
+                                              "bytes": list(self.tokenizer.token_bytes(i))} for i, v in top or []]})
         return {"content": content}
 
 
