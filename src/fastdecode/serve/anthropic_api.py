@@ -23,7 +23,7 @@ from .body import read_json_body
 from .fields import check_known
 from .names import ModelNames
 from .output_items import ItemEvent, OutputItems
-from .protocol import APIError
+from .protocol import MAX_STOPS, APIError
 from .service import GenerationService, ServeSettings
 
 PATH = "/v1/messages"
@@ -68,8 +68,16 @@ def messages_chat_body(body: dict[str, Any], names: ModelNames, lenient: bool) -
 
 
 def _chat_body(body: dict[str, Any], model: str) -> dict[str, Any]:
-    if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
-        raise APIError(400, "max_tokens (an integer >= 1) is required", param="max_tokens")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise APIError(400, f"model must be a string, got {type(body['model']).__name__}", param="model")
+    max_tokens = body.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise APIError(400, f"max_tokens (an integer >= 1) is required, got {max_tokens!r}", param="max_tokens")
+    stops = body.get("stop_sequences")
+    if stops is not None and (not isinstance(stops, list) or len(stops) > MAX_STOPS
+                              or not all(isinstance(stop, str) and stop for stop in stops)):
+        raise APIError(400, f"stop_sequences must be a list of at most {MAX_STOPS} non-empty strings",
+                       param="stop_sequences")
     temperature = body.get("temperature")
     if temperature is not None and (not isinstance(temperature, (int, float)) or not 0 <= temperature <= 1):
         raise APIError(400, f"temperature must be a number in [0, 1], got {temperature!r}", param="temperature")
