@@ -188,6 +188,7 @@ def test_prompt_longer_than_context(tiny):
         ({"num_return_sequences": 2}, "do_sample"),
         ({"early_stopping": "sometimes"}, "early_stopping"),
         ({"eos_token_id": -3}, "eos_token_id"),
+        ({"eos_token_id": [5, 10**6]}, "eos_token_id names token id 1000000, past the vocabulary"),  # was never met
         ({"stop": [""]}, "stop"),
         ({"seed": "abc"}, "seed"),
         ({"temprature": 0.5}, "unknown generation option"),
