@@ -118,6 +118,13 @@ def test_prompt_too_long_exits_2(tiny_folder):
     assert result.exit_code == 2 and "context is 256" in result.stderr
 
 
+def test_python_dash_m_fastdecode_is_the_command():
+    """`python -m fastdecode ...` (it answered "No module named fastdecode.__main__")."""
+    result = subprocess.run([sys.executable, "-m", "fastdecode", "inspect", "--supported"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "LlamaForCausalLM" in result.stdout, result.stderr
+
+
 @pytest.mark.slow
 def test_console_script_answers_on_the_embedded_model(smollm_path):
     """The README's main job (``make demo``), as a user runs it: a real process, the default model, streamed, its
