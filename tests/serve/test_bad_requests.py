@@ -54,6 +54,10 @@ def chat(**fields) -> dict:
     (dict(messages=[{"role": "user", "content": "Hi", "tool_call_id": "c1"}]), "messages[0].tool_call_id"),
     (dict(messages=[{"role": "user", "content": "Hi", "name": 5}]), "messages[0].name"),
     (dict(messages=[{"role": "user", "content": "Hi", "nmae": "bob"}]), "messages[0].nmae"),
+    # a tool's keys (they were silently dropped)
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "colour": 1}}]),
+     "tools[0].function.colour"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}, "colour": 1}]), "tools[0].colour"),
     # stream_options: only with stream, include_usage a bool (the string "false" was taken as true)
     (dict(stream_options={"include_usage": True}), "stream_options"),
     (dict(stream=True, stream_options={"include_usage": "false"}), "stream_options.include_usage"),

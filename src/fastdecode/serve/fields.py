@@ -68,6 +68,27 @@ def check_fields(body: dict[str, Any], endpoint: str, lenient: bool) -> None:
     check_known(body, SERVED[endpoint] | NO_EFFECT | set(NEUTRAL_VALUES), NOT_SERVED, lenient, f"{endpoint} API", hint)
     if endpoint == "chat":
         check_message_fields(body.get("messages"), lenient)
+        check_tool_fields(body.get("tools"), lenient)
+
+
+TOOL_KEYS = {"type", "function"}
+FUNCTION_KEYS = {"name", "description", "parameters", "strict"}  # strict: "required" / a named call is enforced
+
+
+def check_tool_fields(tools: Any, lenient: bool) -> None:
+    """A 400 naming ``tools[i].key`` / ``tools[i].function.key`` for a non-null key a function tool does not
+    take (unless ``lenient``: logged); bad shapes are serve/tools.py's to name."""
+    for index, tool in enumerate(tools if isinstance(tools, list) else []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        for where, part, keys in ((f"tools[{index}]", tool, TOOL_KEYS),
+                                  (f"tools[{index}].function", function, FUNCTION_KEYS)):
+            unknown = [k for k, v in part.items() if v is not None and k not in keys] if isinstance(part, dict) else []
+            if unknown and lenient:
+                log.warning("ignoring the unknown key %r of %s (--lenient)", unknown[0], where)
+            elif unknown:
+                raise APIError(400, f"unknown field {where}.{unknown[0]}: it takes {', '.join(sorted(keys))} (start "
+                                    "the server with --lenient to ignore unknown fields)",
+                               param=f"{where}.{unknown[0]}", code="unknown_field")
 
 
 # Keys of a chat message beyond role and content (serve/protocol.py reads them), by the roles that carry them.
