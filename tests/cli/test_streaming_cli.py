@@ -60,6 +60,12 @@ def test_generate_streaming_flags(tiny_folder):
     assert gpt2_like.exit_code == 2 and "n_keep" in gpt2_like.stderr
 
 
+def test_endless_with_max_new_tokens_exits_2(tiny_folder):
+    """--endless set max_new_tokens to None over the flag's value, silently."""
+    result = run("generate", "-m", tiny_folder, "-p", "w1", "--endless", "--max-new-tokens", "5")
+    assert result.exit_code == 2 and "--max-new-tokens does not apply" in result.stderr
+
+
 @pytest.mark.parametrize("command, flags, named", [
     ("generate", ["--n-keep", "2"], "n_keep=2"), ("generate", ["--n-discard", "3"], "n_discard=3"),
     ("generate", ["--policy", "reevaluate"], "policy='reevaluate'"), ("perplexity", ["--n-keep", "8"], "n_keep=8"),
