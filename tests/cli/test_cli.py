@@ -65,6 +65,11 @@ def test_inspect_table_and_json(tiny_folder):
         (["generate", "-p", "hi", "--num-beams", "2", "--num-return-sequences", "3"], "num_return_sequences"),
         (["generate", "-p", "hi", "--no-repeat-ngram-size", "-1"], "no_repeat_ngram_size"),
         (["generate", "-p", "hi", "--num-beams", "2", "--do-sample"], "beam sampling"),
+        # sampling flags without --do-sample: greedy decoding ignored them, silently
+        (["generate", "-p", "hi", "--temperature", "0.5"], "temperature=0.5 shapes sampling"),
+        (["generate", "-p", "hi", "--seed", "3", "--top-k", "5"], "top_k=5, seed=3 shape sampling"),
+        (["batch", "-", "-o", "-", "--top-p", "0.9"], "top_p=0.9 shapes sampling"),
+        (["chat", "--seed", "3"], "add --do-sample"),
     ],
 )
 def test_bad_input_exits_2_with_message(args, message):
@@ -111,6 +116,13 @@ def test_help_and_inspect_list_the_supported_architectures():
 def test_prompt_too_long_exits_2(tiny_folder):
     result = run("generate", "-m", tiny_folder, "-p", " ".join(["w1"] * 300), "--max-new-tokens", "4")
     assert result.exit_code == 2 and "context is 256" in result.stderr
+
+
+def test_python_dash_m_fastdecode_is_the_command():
+    """`python -m fastdecode ...` (it answered "No module named fastdecode.__main__")."""
+    result = subprocess.run([sys.executable, "-m", "fastdecode", "inspect", "--supported"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "LlamaForCausalLM" in result.stdout, result.stderr
 
 
 @pytest.mark.slow

@@ -60,6 +60,26 @@ def test_generate_streaming_flags(tiny_folder):
     assert gpt2_like.exit_code == 2 and "n_keep" in gpt2_like.stderr
 
 
+def test_endless_with_max_new_tokens_exits_2(tiny_folder):
+    """--endless set max_new_tokens to None over the flag's value, silently."""
+    result = run("generate", "-m", tiny_folder, "-p", "w1", "--endless", "--max-new-tokens", "5")
+    assert result.exit_code == 2 and "--max-new-tokens does not apply" in result.stderr
+
+
+@pytest.mark.parametrize("command, flags, named", [
+    ("generate", ["--n-keep", "2"], "n_keep=2"), ("generate", ["--n-discard", "3"], "n_discard=3"),
+    ("generate", ["--policy", "reevaluate"], "policy='reevaluate'"), ("perplexity", ["--n-keep", "8"], "n_keep=8"),
+])
+def test_streaming_flags_without_n_ctx_exit_2(tiny_folder, tmp_path, command, flags, named):
+    """They shape a streaming cache; without --n-ctx there is none, and they were silently ignored."""
+    text = tmp_path / "text.txt"
+    text.write_text("w1 w2 w3")
+    where = ["-p", "w1 w2"] if command == "generate" else [str(text)]
+    result = run(command, *where, "-m", tiny_folder, "--max-new-tokens", "2", *flags) if command == "generate" \
+        else run(command, *where, "-m", tiny_folder, *flags)
+    assert result.exit_code == 2 and named in result.stderr and "n_ctx" in result.stderr
+
+
 def test_endless_generation_stops_cleanly_on_ctrl_c(tiny_folder):
     command = [sys.executable, "-m", "fastdecode.cli", "generate", "-m", tiny_folder, "-p", "w1 w2", "--endless",
                "--n-ctx", "32", "--no-chat"]

@@ -69,6 +69,31 @@ def test_unsupported_parts_are_refused_by_name(server):
     assert "max_tokens" in error["error"]["message"]
 
 
+def test_a_message_or_block_key_it_does_not_take_is_named_not_dropped(server, chat_generator):
+    text = {"type": "text", "text": QUESTION, "cache_control": {"type": "ephemeral"}}  # cache_control: accepted
+    for messages, key in [([{"role": "user", "content": QUESTION, "name": "Ada"}], "messages[0].name"),
+                          ([{"role": "user", "content": [{**text, "colour": "red"}]}], "messages[0].content[0].colour")]:
+        body = {"model": "tiny", "max_tokens": 2, "messages": messages}
+        answer = server.http.post("/v1/messages", json=body)
+        assert answer.status_code == 400 and key in answer.json()["error"]["message"], answer.text
+        with serve(chat_generator, lenient=True) as running:
+            assert running.http.post("/v1/messages", json=body).status_code == 200
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [text]}]}
+    assert server.http.post("/v1/messages", json=body).status_code == 200
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"model": 5}, "model must be a string"),  # was answered as the served model
+    ({"max_tokens": 0}, "max_tokens (an integer >= 1)"),  # was refused as "only allowed with echo"
+    ({"stop_sequences": "Paris"}, "stop_sequences must be a list"),  # a string was taken as one stop
+    ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences must be a list of at most 4"),  # named "stop"
+])
+def test_bad_fields_are_named_as_the_messages_api_names_them(server, fields, named):
+    body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": QUESTION}], **fields}
+    answer = server.http.post("/v1/messages", json=body)
+    assert answer.status_code == 400 and named in answer.json()["error"]["message"], answer.text
+
+
 def test_x_api_key_is_accepted(chat_generator):
     with serve(chat_generator, api_key="sekret") as running:
         messages = [{"role": "user", "content": QUESTION}]

@@ -49,6 +49,24 @@ def chat(**fields) -> dict:
     (dict(messages="Hi"), "messages"),
     (dict(messages=[{"role": "robot", "content": "beep"}]), "messages[0].role"),
     (dict(messages=[{"role": "user", "content": 7}]), "messages[0].content"),
+    # a message's keys: OpenAI's that cannot be taken back, one role's on another, unknown ones
+    (dict(messages=[{"role": "assistant", "content": "x", "refusal": "No."}, *QUESTION]), "messages[0].refusal"),
+    (dict(messages=[{"role": "user", "content": "Hi", "tool_call_id": "c1"}]), "messages[0].tool_call_id"),
+    (dict(messages=[{"role": "user", "content": "Hi", "name": 5}]), "messages[0].name"),
+    (dict(messages=[{"role": "user", "content": "Hi", "nmae": "bob"}]), "messages[0].nmae"),
+    # a tool's keys (they were silently dropped)
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "colour": 1}}]),
+     "tools[0].function.colour"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}, "colour": 1}]), "tools[0].colour"),
+    # stream_options: only with stream, include_usage a bool (the string "false" was taken as true)
+    (dict(stream_options={"include_usage": True}), "stream_options"),
+    (dict(stream=True, stream_options={"include_usage": "false"}), "stream_options.include_usage"),
+    (dict(stream=True, stream_options={"continuous_usage_stats": True}), "stream_options.continuous_usage_stats"),
+    (dict(stream=True, stream_options={"include_obfuscation": True}), "stream_options.include_obfuscation"),
+    # checks that came from the engine without naming their field (or naming a seed the client never sent)
+    (dict(seed=2**64), "seed"),
+    (dict(seed=2**64 - 1, n=2, temperature=1.0), "seed"),
+    (dict(num_beams=2, stop=["x"]), "stop"),
 ])
 def test_bad_chat_fields(server, fields, param):
     error = post(server, "/chat/completions", chat(**fields))
@@ -73,7 +91,8 @@ def test_context_limits(server):
     too_many = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000}
     assert post(server, "/completions", too_many)["code"] == "context_length_exceeded"
     outside_vocab = {"model": "tiny", "prompt": [5, 10_000], "max_tokens": 4}
-    assert "vocabulary" in post(server, "/completions", outside_vocab)["message"]
+    error = post(server, "/completions", outside_vocab)
+    assert "vocabulary" in error["message"] and error["param"] == "prompt"
 
 
 def test_junk_in_every_field_is_never_a_500(server):

@@ -113,6 +113,32 @@ def test_logprobs_are_the_models(server, chat_generator):
     assert entries[0].top_logprobs[0].logprob == pytest.approx(entries[0].logprob)  # greedy: the best token
 
 
+def test_text_offsets_count_split_characters_once(server, chat_generator):
+    """echo + logprobs (how harnesses score a text): each token's text_offset points at it in the text, also
+    after characters split over byte tokens (each piece's U+FFFD was counted as a character)."""
+    prompt = "Numbers like café 12, crème 345"
+    ids = chat_generator.tokenizer.encode(prompt)
+    assert any(chat_generator.tokenizer.decode([i]) == "\ufffd" for i in ids)  # é and è are split
+    choice = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True,
+                                                logprobs=0).choices[0]
+    logprobs = choice.logprobs
+    assert choice.text == prompt and len(logprobs.text_offset) == len(ids)
+    assert all(prompt[offset:].startswith(token) for token, offset in zip(logprobs.tokens, logprobs.text_offset)
+               if "\ufffd" not in token)
+
+
+def test_logprob_bytes_are_the_tokens_own_also_within_a_character(server, chat_generator):
+    """A byte-level token holding the first byte of "é" reads as U+FFFD alone; its ``bytes`` are still
+    its own byte (0xC3), so that the bytes of the tokens join into the text (OpenAI's ``bytes``)."""
+    lead = chat_generator.tokenizer.token_to_id(chr(0xC3))  # byte 0xC3 is the printable "Ã" in GPT-2's table
+    assert chat_generator.tokenizer.decode([lead]) == "\ufffd"
+    response = server.client().chat.completions.create(model="tiny", messages=QUESTION, max_tokens=3, temperature=0,
+                                                       logprobs=True, top_logprobs=1, logit_bias={str(lead): 100})
+    entries = response.choices[0].logprobs.content
+    assert [e.bytes for e in entries] == [[0xC3]] * 3
+    assert all(bytes(top.bytes).decode("utf-8", "replace") == top.token for e in entries for top in e.top_logprobs)
+
+
 def test_beam_search(server, chat_generator):
     client = server.client()
     options = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, length_penalty=0.8)

@@ -189,3 +189,21 @@ def test_unknown_fields_are_refused_unless_lenient(server, chat_generator):
         assert running.http.post("/v1/completions", json=body).status_code == 200
         tools = running.http.post("/v1/completions", json={**body, "tools": [{"type": "function"}]})
         assert tools.status_code == 400  # a known field it cannot honour stays refused
+        typo = {"model": "tiny", "messages": [{"role": "user", "content": "Hi", "nmae": "bob"}], "max_tokens": 2}
+        assert running.http.post("/v1/chat/completions", json=typo).status_code == 200  # a message's too
+    answer = server.http.post("/v1/chat/completions", json=typo)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages[0].nmae"
+
+
+def test_a_message_name_reaches_the_chat_template(chat_generator):
+    """OpenAI's ``name`` of a participant is given to the template (as vLLM does), never dropped."""
+    shows_names = ("{% for m in messages %}<|im_start|>{{ m['role'] }}{% if m.name %} {{ m.name }}{% endif %}\n"
+                   "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                   "{% endif %}")
+    gen = tiny_chat_generator(chat_template=shows_names)
+    named = [{"role": "user", "content": "Hi", "name": "Ada"}]
+    expected = gen.generate(named, max_new_tokens=6)
+    assert expected != gen.generate([{"role": "user", "content": "Hi"}], max_new_tokens=6)
+    with serve(gen) as running:
+        answer = running.client().chat.completions.create(model="tiny", messages=named, max_tokens=6, temperature=0)
+    assert answer.choices[0].message.content == expected

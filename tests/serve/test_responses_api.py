@@ -55,6 +55,14 @@ def test_unsupported_parts_are_refused_by_name(server):
         with pytest.raises(openai.BadRequestError) as caught:
             client.responses.create(model="tiny", input=QUESTION, max_output_tokens=4, **extra)
         assert caught.value.body["param"] == param, fields
+    # named as the client sent them: max_output_tokens (was "max_completion_tokens", the chat field it maps to),
+    # text's unknown key (every one was reported as "text.verbosity")
+    for fields, param, named in [(dict(max_output_tokens=0), "max_output_tokens", "max_output_tokens must be"),
+                                 (dict(text={"format": {"type": "text"}, "colour": "red"}), "text", "text.colour")]:
+        answer = server.http.post("/v1/responses", json={"model": "tiny", "input": QUESTION, "max_output_tokens": 4,
+                                                         **fields})
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["param"] == param and named in error["message"], answer.text
     item = [{"type": "item_reference", "id": "msg_1"}]  # a stored item: nothing is stored
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model="tiny", input=item, max_output_tokens=4)

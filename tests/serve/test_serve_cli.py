@@ -91,6 +91,9 @@ def test_cli_rejects_bad_settings_in_one_line(model_folder):
     assert result.exit_code == 2
     assert result.output.strip().startswith("error:") and "n_ctx" in result.output
     assert len(result.output.strip().splitlines()) == 1
+    # --n-keep shapes the streaming cache of conversations past the context: without one it was ignored
+    result = CliRunner().invoke(main, ["serve", "-m", str(model_folder), "--n-keep", "8"])
+    assert result.exit_code == 2 and "n_keep=8" in result.output and "--context-overflow" in result.output
 
 
 def test_cli_passes_the_api_surface_flags(model_folder, monkeypatch):

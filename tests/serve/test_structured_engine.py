@@ -117,6 +117,10 @@ def test_other_forms_streaming_cache_and_sampling_follow_the_grammar(gen):
                          response_format={"type": "grammar", "grammar": 'root ::= "id" [0-9] [0-9]?'})
     assert all(t.startswith("id") and t[2:].isdigit() for t in texts)
     assert gen.generate(prompt, max_new_tokens=8, response_format={"type": "json_object"}).startswith("{")
+    # llama.cpp's json_object with a schema constrains to that schema (it was silently any JSON object)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    text = gen.generate(prompt, max_new_tokens=20, response_format={"type": "json_object", "schema": schema})
+    jsonschema.validate(json.loads(text), schema)
 
 
 def test_pydantic_model_class_and_the_compile_cache(gen):
@@ -144,6 +148,9 @@ def test_pydantic_model_class_and_the_compile_cache(gen):
     ({"type": "grammar", "grammar": "start: " + " ".join(f"x{i}" for i in range(20_000)) + "\n"
       + "".join(f'x{i}: "a" | "b"\n' for i in range(20_000))}, "the limit is"),
     ("json", "response_format must be"),
+    # keys a form does not take (silently dropped before)
+    ({"type": "regex", "regex": "a+", "flags": "i"}, "response_format.flags is not a key"),
+    ({"type": "json_schema", "json_schema": {"schema": {}, "strictly": True}}, "response_format.json_schema.strictly"),
 ])
 def test_bad_constraints_are_typed_errors_naming_the_problem(gen, response_format, message):
     with pytest.raises(InvalidOptionError, match="response_format") as caught:

@@ -94,6 +94,16 @@ def test_bad_requests_are_openai_errors(server, speech_file, tmp_path):
     assert info.value.status_code == 400 and "cannot translate" in info.value.message
     response = server.http.post("/v1/audio/transcriptions", content=b"{}", headers={"content-type": "application/json"})
     assert response.status_code == 400 and json.loads(response.text)["error"]["param"] == "file"
+    # fields a route does not take, and words without the format that holds them (all were silently dropped)
+    for route, fields, param in [("transcriptions", {"stream": "true"}, "stream"),
+                                 ("transcriptions", {"include[]": "logprobs"}, "include[]"),
+                                 ("transcriptions", {"colour": "red"}, "colour"),
+                                 ("translations", {"language": "de"}, "language"),
+                                 ("transcriptions", {"timestamp_granularities[]": "word"}, "timestamp_granularities")]:
+        with open(path, "rb") as audio:
+            response = server.http.post(f"/v1/audio/{route}", data={"model": "tiny.en", **fields},
+                                        files={"file": ("speech.wav", audio, "audio/wav")})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
 def test_concurrent_requests_are_answered_together(server, speech_file):

@@ -35,6 +35,15 @@ def test_transcribe_writes_srt_and_a_folder_of_json(tiny_en, tmp_path):  # noqa:
         assert data["words"][-1]["end"] <= data["duration"] + 0.5
 
 
+def test_transcribe_format_without_an_output_file_goes_to_stdout(tiny_en, tmp_path):  # noqa: F811
+    """--format without -o was ignored: stdout got the segment listing whatever the format."""
+    voice, speed, _language, text = SENTENCES[0]
+    audio = speak(tmp_path, voice, speed, text)
+    result = CliRunner().invoke(main, ["transcribe", str(audio), "-m", str(tiny_en), "--format", "srt",
+                                       "--beam-size", "1", "--no-progress"])
+    assert result.exit_code == 0 and result.stdout.startswith("1\n00:00:00,000 --> "), result.output
+
+
 def test_transcribe_errors_exit_2(tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["transcribe", str(tmp_path / "missing.wav"), "-m", str(tmp_path)])

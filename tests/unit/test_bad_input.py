@@ -182,9 +182,14 @@ def test_prompt_longer_than_context(tiny):
         ({"num_return_sequences": 2}, "do_sample"),
         ({"early_stopping": "sometimes"}, "early_stopping"),
         ({"eos_token_id": -3}, "eos_token_id"),
+        ({"eos_token_id": [5, 10**6]}, "eos_token_id names token id 1000000, past the vocabulary"),  # was never met
         ({"stop": [""]}, "stop"),
         ({"seed": "abc"}, "seed"),
         ({"temprature": 0.5}, "unknown generation option"),
+        # streaming-cache options without a streaming cache (they were silently ignored)
+        ({"n_keep": 8}, "n_keep=8 applies only to a streaming cache: set n_ctx"),
+        ({"n_keep": "eight"}, "n_keep='eight'"),
+        ({"n_discard": 3, "policy": "reevaluate"}, "n_discard=3, policy='reevaluate' apply only"),
     ],
 )
 def test_impossible_options(tiny, options, pattern):

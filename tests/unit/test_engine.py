@@ -274,3 +274,25 @@ def test_copy_on_write_of_beam_blocks_runs_on_one_thread(llama_gen, monkeypatch)
     finally:
         torch.set_num_threads(previous)
     assert seen and set(seen) == {1}
+
+
+def test_a_prompt_left_with_one_token_past_its_cached_prefix_has_the_cold_runs_bits(smollm):
+    """A prompt whose every token but the last is in the prefix cache runs that token as a one-token
+    prompt chunk: a prompt row, attending as the prompt's chunks do. It took the decode rows' paged
+    attention op instead, and the answer's logprobs moved by roundings (on the embedded model the same
+    request then answered other words once its prefix was cached, or as its arrival split its chunks)."""
+    tokenizer = smollm.tokenizer
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Say 2"}],
+                                                            add_generation_prompt=True), add_special_tokens=False)
+    assert len(prompt) == 33  # two full 16-token blocks and one token
+    engine = smollm.engine()
+
+    def answer() -> tuple[int, list[tuple[int, float]]]:
+        sequence = engine.submit(prompt, {"max_new_tokens": 4, "logprobs": 0})
+        events = []
+        while engine.has_work():
+            events += [(e.token_id, e.logprob) for e in engine.step() if e.sequence is sequence]
+        return sequence.num_cached_prompt_tokens, events
+
+    cold, warm = answer(), answer()
+    assert (cold[0], warm[0]) == (0, 32) and warm[1] == cold[1]

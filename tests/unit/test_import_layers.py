@@ -21,7 +21,7 @@ PACKAGE = SRC / "fastdecode"
 ROOMS = [
     "errors", "validation", "constraints", "memory", "heap", "config", "prompt_checks",
     "layers", "cache", "models", "loading", "decoding", "engine", "generation", "inspect", "speech", "pipeline",
-    "api", "__init__", "load_settings", "serve", "integrations", "cli",
+    "api", "__init__", "load_settings", "serve", "integrations", "cli", "__main__",
 ]
 
 # Cycles known today (none): an entry is removed when its cycle is gone.

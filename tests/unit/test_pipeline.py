@@ -176,6 +176,17 @@ def test_parsing_lines_numbers_ids_and_errors():
         items_from_objects("a single prompt")
 
 
+def test_a_line_with_its_own_generation_options_is_an_error_not_silently_run_without_them():
+    """A line's max_new_tokens / temperature / ... were dropped (the run's options applied); only its
+    response_format is read. Fields that are no option names (a dataset's metadata) stay allowed."""
+    lines = ['{"prompt": "a", "max_new_tokens": 5}', '{"prompt": "b", "temperature": 0.2, "max_tokens": 9}',
+             '{"prompt": "c", "category": "geo", "response_format": {"type": "json_object"}}']
+    items = list(items_from_lines(lines, "jsonl"))
+    assert "not max_new_tokens" in items[0].error and "not max_tokens, temperature" in items[1].error
+    assert items[2].error is None and items[2].response_format == {"type": "json_object"}
+    assert "not seed" in next(iter(items_from_objects([{"prompt": "d", "seed": 3}]))).error
+
+
 def test_torn_tail_is_cut_and_foreign_outputs_are_refused(tmp_path):
     path = tmp_path / "out.jsonl"
     path.write_bytes(b'{"id": 0, "line": 1, "output": "x"}\n{"id": 1, "line": 2, "err')

@@ -69,3 +69,21 @@ def test_a_damaged_entry_is_rebuilt_on_first_use_and_missing_facts_read_at_once(
     eager = load()
     assert not isinstance(eager.backend, cache.DeferredBackend) and _answers(eager) == _answers(reference)
     assert isinstance(load().backend, cache.DeferredBackend) and len(built) == 2
+
+
+def test_a_cached_tokenizer_streams_split_characters_whole(cached):
+    """The streaming detokenizer steps ``DecodeStream`` on the real backend, also when the tokenizer came
+    from the cache: a character split over byte tokens comes out once complete, never as U+FFFD pieces
+    (DecodeStream refused the stand-in, and every token went through the fallback that emits U+FFFD)."""
+    from fastdecode.loading.tokenizer import IncrementalDetokenizer
+
+    load, _, _ = cached
+    reference, deferred = load(), load()
+    assert isinstance(deferred.backend, cache.DeferredBackend)
+    text = "résumé 日本 🤗 done"
+    ids = reference.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.encode()) // 2  # multi-byte characters really are split over tokens
+    for tokenizer in (reference, deferred):
+        detokenizer = IncrementalDetokenizer(tokenizer)
+        pieces = [detokenizer.push(i) for i in ids] + [detokenizer.finish()]
+        assert "".join(pieces) == text and not any("\ufffd" in piece for piece in pieces)

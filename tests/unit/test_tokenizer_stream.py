@@ -176,6 +176,17 @@ def test_stream_concatenates_to_decode(smol: Tokenizer, text: str) -> None:
         assert "" in pieces[:-1]  # some multi-byte characters really were split over tokens
 
 
+def test_token_bytes_join_into_the_text(smol: Tokenizer, spm: Tokenizer) -> None:
+    """Byte-level BPE and SentencePiece byte fallback: each token's bytes, even where the token is part of
+    a character (decoding it alone gives U+FFFD), join into the text's UTF-8."""
+    for tokenizer, texts in ((smol, STREAM_TEXTS), (spm, ["hello 日本 zz", "été hello", "abc 🤗"])):
+        for text in texts:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            assert b"".join(tokenizer.token_bytes(i) for i in ids).decode("utf-8").strip() == text.strip()
+        partial = [i for i in tokenizer.encode(texts[0], add_special_tokens=False) if "\ufffd" in tokenizer.decode([i])]
+        assert partial and all(len(tokenizer.token_bytes(i)) >= 1 for i in partial)
+
+
 def test_stream_with_prompt_and_special_tokens(smol: Tokenizer) -> None:
     prompt = smol.encode(smol.apply_chat_template([{"role": "user", "content": "Say hi in Japanese"}]))
     generated = smol.encode("こんにちは 👋<|im_end|>")

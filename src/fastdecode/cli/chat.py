@@ -9,7 +9,8 @@ import click
 
 from ..errors import FastDecodeError
 from .errors import handle_errors, require_stream, say
-from .options import load_settings, max_memory_option, model_options, streaming_options, streaming_values
+from .options import (load_settings, max_memory_option, model_options, require_sampling, streaming_options,
+                      streaming_values)
 
 
 @click.command()
@@ -29,6 +30,7 @@ def chat(system: str | None, model: str | None, device: str, dtype: str, **kwarg
     A message that cannot be used (e.g. invalid UTF-8) is reported and the chat goes on."""
     require_stream("stdin")
     require_stream("stdout")
+    require_sampling(kwargs)
     streaming = streaming_values(kwargs)
     streaming["n_ctx"] = streaming["n_ctx"] or 2048
     generator = load_settings(model, device, dtype, kwargs).load()

@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from ..errors import InvalidOptionError
 from .errors import handle_errors, require_stream
 from .options import (collect_options, generation_options, load_settings, model_options, streaming_options,
                       streaming_values)
@@ -35,6 +36,10 @@ def generate(prompt: str, chat: bool | None, stats: bool, endless: bool, model: 
     streaming = streaming_values(kwargs)
     options = {**collect_options(kwargs), **streaming}
     if endless:
+        source = click.get_current_context().get_parameter_source("max_new_tokens")
+        if source is not None and source.name != "DEFAULT":  # it would be overridden: never silently
+            raise InvalidOptionError("--endless generates until interrupted: --max-new-tokens does not apply "
+                                     "(leave one of them out)")
         options["max_new_tokens"] = None
         options["n_ctx"] = options["n_ctx"] or 1024
         options.setdefault("eos_token_id", [])  # an endless stream does not stop at end-of-text

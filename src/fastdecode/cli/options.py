@@ -92,7 +92,7 @@ def streaming_options(command):
     options = [
         click.option("--n-ctx", type=int, default=None, help="Streaming cache size in tokens (enables streaming)."),
         click.option("--n-keep", type=int, default=4, show_default=True, help="Attention-sink tokens kept."),
-        click.option("--n-discard", type=int, default=None, help="Tokens dropped when full (default: half)."),
+        click.option("--n-discard", type=int, default=None, help="Tokens dropped when full (default: 1 for shift, half the window for reevaluate)."),
         click.option("--policy", type=click.Choice(["shift", "reevaluate"]), default="shift", show_default=True),
     ]
     for option in reversed(options):
@@ -123,8 +123,22 @@ def model_options(command):
                         help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")(command)
 
 
+def require_sampling(kwargs: dict[str, Any]) -> None:
+    """Sampling flags given without --do-sample would be ignored by greedy decoding: refused, exit 2
+    (temperature 0 is greedy itself)."""
+    if kwargs.get("do_sample"):
+        return
+    given = [f"{name}={kwargs[name]!r}" for name, neutral in (("temperature", (1.0, 0.0)), ("top_p", (1.0,)),
+                                                             ("top_k", (None,)), ("seed", (None,)))
+             if name in kwargs and kwargs[name] not in neutral]
+    if given:
+        raise InvalidOptionError(f"{', '.join(given)} {'shapes' if len(given) == 1 else 'shape'} sampling, and "
+                                 "greedy decoding (the default) would ignore it: add --do-sample")
+
+
 def collect_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``generation_options``' flags as the options ``Generator`` methods take (HF names)."""
+    require_sampling(kwargs)
     options = {
         name: kwargs[name]
         for name in ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",

@@ -20,7 +20,8 @@ FORMAT_SUFFIXES = {"srt": ".srt", "vtt": ".vtt", "text": ".txt", "verbose_json":
               help="Output file (one input; its suffix picks the format: .srt .vtt .txt .json) or folder "
                    "(several inputs). Default: the text with times on stdout.")
 @click.option("--format", "response_format", type=click.Choice(["text", "srt", "vtt", "json", "verbose_json"]),
-              default=None, help="Output format (default: from the -o suffix, else srt in a folder).")
+              default=None, help="Output format (default: from the -o suffix, else srt in a folder; without -o, the segments "
+                   "with their times).")
 @click.option("--language", default=None, help="Language code (default: detected from the first 30 s).")
 @click.option("--task", type=click.Choice(["transcribe", "translate"]), default="transcribe", show_default=True)
 @click.option("--beam-size", type=int, default=5, show_default=True)
@@ -57,6 +58,10 @@ def transcribe(files: tuple[str, ...], model: str, output: str | None, response_
         with _progress_bar(file, progress) as advance:
             result = speech.transcribe(file, language=language, task=task, beam_size=beam_size, progress=advance,
                                        **options)
+        if target is None and fmt is not None:  # --format without -o: that format on stdout
+            rendered = render(result, fmt)
+            click.echo(rendered, nl=not rendered.endswith("\n"))
+            continue
         if target is None:
             for s in result.segments:
                 click.echo(f"[{s.start:8.2f} -> {s.end:8.2f}] {s.text.strip()}")
@@ -68,9 +73,9 @@ def transcribe(files: tuple[str, ...], model: str, output: str | None, response_
 
 
 def _targets(files, output, response_format) -> list[tuple[Path | None, str]]:
-    """Each input's output file and format (None: stdout)."""
+    """Each input's output file (None: stdout) and format (None: stdout's listing of segments with times)."""
     if output is None:
-        return [(None, "text")] * len(files)
+        return [(None, response_format)] * len(files)
     path = Path(output)
     if len(files) > 1 or path.is_dir():
         if path.exists() and not path.is_dir():

@@ -202,6 +202,11 @@ class GenerationConfig:
         if self.policy not in ("shift", "reevaluate"):
             raise bad(f"policy must be 'shift' or 'reevaluate', got {self.policy!r}")
         if self.n_ctx is None:
+            given = [f"{name}={value!r}" for name, value, default in (("n_keep", self.n_keep, 4),
+                     ("n_discard", self.n_discard, None), ("policy", self.policy, "shift")) if value != default]
+            if given:  # they shape a streaming cache, and there is none: never silently ignored
+                raise bad(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to a streaming cache: "
+                          "set n_ctx too")
             return
         if not is_int(self.n_ctx) or self.n_ctx < 2:
             raise bad(f"n_ctx must be an integer >= 2, got {self.n_ctx!r}")

@@ -43,12 +43,17 @@ def response_format_from(value: Any, name: str = "response_format") -> dict | No
     kind = value.get("type")
     if kind not in FORM_TYPES:
         raise InvalidOptionError(f"{name}.type must be one of {', '.join(FORM_TYPES)}, got {kind!r}")
+    _known_keys(value, FORM_KEYS[kind], name)
     if kind == "text":
         return None
+    if kind == "json_object" and value.get("schema") is not None:  # llama.cpp's form: that schema's JSON
+        value = {"type": "json_schema", "json_schema": {"name": "json_object", "schema": value["schema"]}}
+        kind = "json_schema"
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
             raise InvalidOptionError(f"{name}.json_schema must be an object with a 'schema' object")
+        _known_keys(spec, {"name", "schema", "strict", "description"}, f"{name}.json_schema")
     elif kind in ("regex", "grammar"):
         if not isinstance(value.get(kind), str) or not value[kind].strip():
             raise InvalidOptionError(f"{name}.{kind} must be a non-empty string")
@@ -57,6 +62,17 @@ def response_format_from(value: Any, name: str = "response_format") -> dict | No
         if not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice):
             raise InvalidOptionError(f"{name}.choice must be a non-empty list of strings")
     return value
+
+
+# The keys each form takes (json_object's schema: llama.cpp's server constrains to it).
+FORM_KEYS = {"text": {"type"}, "json_object": {"type", "schema"}, "json_schema": {"type", "json_schema"},
+             "regex": {"type", "regex"}, "choice": {"type", "choice"}, "grammar": {"type", "grammar"}}
+
+
+def _known_keys(value: dict, keys: set[str], name: str) -> None:
+    unknown = sorted(k for k, v in value.items() if v is not None and k not in keys)
+    if unknown:  # never silently dropped: it may have been meant to shape the output
+        raise InvalidOptionError(f"{name}.{unknown[0]} is not a key of this form (it takes {', '.join(sorted(keys))})")
 
 
 def pydantic_schema(model_class: type, name: str) -> dict:

@@ -3,8 +3,10 @@
 The tokens of every sequence in a step are laid out flat, ``[1, N]``, so the projections and
 MLPs run once over all of them (no padding between a 300-token prompt chunk and a one-token
 decode). The plan knows where each token's K/V goes (its sequence's slot) and which keys each
-query may see, and is the cache view the models attend through (``attend``, cache/view.py). Attention runs per *group*: every sequence with one query this step
-(decodes, or a one-token chunk) in one batched call, each longer prompt chunk in its own call.
+query may see, and is the cache view the models attend through (``attend``, cache/view.py). Attention runs per *group*: every sequence with one generated query this step
+(decodes) in one batched call, each prompt chunk in its own call (one of a single token too: a
+prompt row attends as the prompt's other chunks do, so a prompt's bits never depend on where its
+chunks or its cached prefix end).
 A query at position p of a sequence sees that sequence's slots for positions 0..p only (and,
 on a sliding-window layer, only the last ``window`` of them), so a result never depends on
 what else is in the step. Nothing about the step is stored on the cache object.
@@ -51,6 +53,8 @@ class AttentionGroup:
     shared_blocks: int = 0
     # The same for each sliding kind: its tables then start at the group's earliest visible block.
     window_shared: dict[int, int] = field(default_factory=dict)
+    # A one-token prompt chunk: a prompt row, attending as the prompt's other chunks (never the paged op).
+    prompt: bool = False
 
 
 def layer_windows(config) -> list[int | None]:
@@ -86,8 +90,8 @@ class StepPlan:
                  shared: tuple[int, int] = (1, 0), runs: dict[int, tuple[int, int]] | None = None) -> "StepPlan":
         """The plan of one forward over ``rows``: (block table, first position, token count) per
         sequence, in the order its tokens are laid out flat (the caller made the tokens writable:
-        ``SlotCache.prepare``). Consecutive one-token rows attend as one group; every longer chunk
-        is a group of its own. ``shared`` (fold, blocks): in the one-token groups, each run of
+        ``SlotCache.prepare``). Consecutive one-token generated rows attend as one group; every prompt
+        chunk (one prompt token too) is a group of its own. ``shared`` (fold, blocks): in the one-token groups, each run of
         ``fold`` rows holds the same first ``blocks`` full-kind blocks (the caller guarantees it:
         beams of a sample over its prompt). ``runs``: first row -> (fold, blocks) of one-token rows
         that form a group of their own, folded the same way (a beam group among other rows).
@@ -96,23 +100,29 @@ class StepPlan:
         kinds = [None, *cache.windows]
         slots: dict[int | None, list[int]] = {kind: [] for kind in kinds}
         runs = runs or {}
+        starts = list(itertools.accumulate((row[2] for row in rows), initial=0))  # each row's first flat token
+        prompt_token = products.is_prompt_row
         groups, first, end = [], 0, 0
         for index, (table, start, count) in enumerate(rows):
             for kind in kinds:
                 slots[kind] += cache.slot_ids(table, start, start + count, kind)
             if index < end:
                 continue  # already in the group it belongs to
+            alone = count > 1 or prompt_token(starts[index])  # a chunk (of one token too) is a group of its own
             if index in runs:
                 fold, shared_blocks = runs[index]
                 run = rows[index : index + fold]
-            elif count == 1:
-                run = [row for i, row in itertools.takewhile(lambda item: item[1][2] == 1 and item[0] not in runs,
-                                                             enumerate(rows[index:], index))]
+            elif not alone:
+                run = [row for i, row in itertools.takewhile(
+                    lambda item: item[1][2] == 1 and item[0] not in runs and not prompt_token(starts[item[0]]),
+                    enumerate(rows[index:], index))]
                 fold, shared_blocks = shared if len(run) % shared[0] == 0 else (1, 0)
             else:
                 run, fold, shared_blocks = [rows[index]], 1, 0
             end = index + len(run)
-            groups.append(attention_group(cache, first, run, fold, shared_blocks))
+            group = attention_group(cache, first, run, fold, shared_blocks)
+            group.prompt = count == 1 and alone and index not in runs
+            groups.append(group)
             first += sum(row[2] for row in run)
         write_slots = {kind: torch.tensor(s, dtype=torch.long, device=device) for kind, s in slots.items()}
         write_starts = {kind: s[0] for kind, s in slots.items() if s and s == list(range(s[0], s[0] + len(s)))}
@@ -199,7 +209,7 @@ class StepPlan:
     def _pageable(group: AttentionGroup, kind: int | None) -> bool:
         """A group the paged op serves: one query per row, no FastSeq shared prefix in this kind."""
         shared = group.shared_blocks if kind is None else group.window_shared.get(kind, 0)
-        return group.queries == 1 and not shared
+        return group.queries == 1 and not shared and not group.prompt
 
     def _paged_rows(self, index: int, kind: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A one-query group's (table [B, n], first key position [B], query positions [B]) in a kind."""

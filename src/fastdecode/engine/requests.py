@@ -101,6 +101,10 @@ class RequestFactory:
             return []
         explicit = config.eos_token_ids_or_none()
         if explicit is not None:
+            outside = [t for t in explicit if t >= self.model_config.vocab_size]
+            if outside:  # a token the model can never produce would never end anything
+                raise InvalidOptionError(f"eos_token_id names token id {outside[0]}, past the vocabulary "
+                                         f"({self.model_config.vocab_size} tokens)")
             return explicit
         ids = list(self.model_config.eos_token_ids)
         if self.tokenizer is not None:

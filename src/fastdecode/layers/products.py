@@ -107,10 +107,11 @@ class KernelChoice:
 class RowRoles:
     """Which rows of one forward's products (its flattened [R, C] rows) are prompt rows."""
 
-    __slots__ = ("rows", "prompt", "generated")
+    __slots__ = ("rows", "prompt", "generated", "prompt_rows")
 
     def __init__(self, is_prompt: list[bool], device: torch.device | str = "cpu"):
         self.rows = len(is_prompt)
+        self.prompt_rows = frozenset(i for i, p in enumerate(is_prompt) if p)  # the same, on the host
         self.prompt = torch.tensor([i for i, p in enumerate(is_prompt) if p], dtype=torch.long, device=device)
         self.generated = torch.tensor([i for i, p in enumerate(is_prompt) if not p], dtype=torch.long, device=device)
 
@@ -151,4 +152,10 @@ class Products:
 
     @property
     def all_prompt(self) -> bool:
+        return self.roles is ALL_PROMPT
+
+    def is_prompt_row(self, row: int) -> bool:
+        """Whether flat row ``row`` of the forward is a prompt row."""
+        if isinstance(self.roles, RowRoles):
+            return row in self.roles.prompt_rows
         return self.roles is ALL_PROMPT

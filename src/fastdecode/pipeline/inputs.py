@@ -12,12 +12,14 @@ its 0-based line index, so ids never shift when blank lines are added or removed
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import io
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..config.generation import GenerationConfig
 from ..errors import BatchFileError
 
 FORMATS = ("jsonl", "txt")
@@ -114,6 +116,11 @@ def check_id(value: Any) -> None:
         raise BatchFileError(f"the id cannot be written as JSON ({exc})") from None
 
 
+# Names that read as generation options on an input line (GenerationConfig's, and OpenAI's max_tokens): a
+# line may set response_format only; other fields (metadata a dataset carries) are left alone.
+LINE_OPTION_NAMES = {f.name for f in dataclasses.fields(GenerationConfig)} | {"max_tokens"}
+
+
 def item_from_object(value: Any, line: int, field: str = "prompt") -> InputItem:
     """A str / chat list / dict with ``field`` and optional ``id`` -> an item (with ``error`` if bad)."""
     if isinstance(value, dict):
@@ -128,6 +135,11 @@ def item_from_object(value: Any, line: int, field: str = "prompt") -> InputItem:
             return item
         item.prompt = value[field]
         item.response_format = value.get("response_format")
+        options = sorted(set(value) & LINE_OPTION_NAMES - {field, "response_format"})
+        if options:  # a line's own options other than its constraint are not read: never silently dropped
+            item.error = (f"a line may carry its own response_format only, not {', '.join(options)}: set the "
+                          "other options for the whole run (command-line flags, or batch()'s keywords)")
+            return item
     else:
         item = InputItem(line=line, id=line - 1, prompt=value)
     try:

@@ -20,10 +20,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .adapters import Outcome, collect, deltas, start_chat, text_of
 from .anthropic_tools import block_messages, chat_tool_fields, tool_use_blocks, tool_use_id
 from .body import read_json_body
-from .fields import check_known
+from .fields import check_known, log
 from .names import ModelNames
 from .output_items import ItemEvent, OutputItems
-from .protocol import APIError
+from .protocol import MAX_STOPS, APIError
 from .service import GenerationService, ServeSettings
 
 PATH = "/v1/messages"
@@ -63,13 +63,48 @@ def messages_chat_body(body: dict[str, Any], names: ModelNames, lenient: bool) -
     """A Messages API body -> (the chat body it means, the model name it is answered as); a 400
     naming what is not served (also the Ray Serve ingress's check, before it forwards)."""
     check_known(body, SERVED, REFUSED, lenient, "Messages API")
+    check_message_keys(body.get("messages"), lenient)
     model = names.resolve(body.get("model"))
     return _chat_body(body, model), model
 
 
+# The keys of a message and of each content block type (cache_control: the prefix cache is automatic; a
+# tool_result's is_error is not shown to the model, as README says).
+BLOCK_KEYS = {"message": {"role", "content"}, "text": {"type", "text", "cache_control", "citations"},
+              "tool_use": {"type", "id", "name", "input", "cache_control"},
+              "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"}}
+
+
+def check_message_keys(messages: Any, lenient: bool) -> None:
+    """A 400 naming ``messages[i].key`` (or ``messages[i].content[j].key``) for a non-null key its message or
+    block does not take; with ``lenient`` it is logged and ignored. Bad shapes are _chat_body's to name."""
+    for index, message in enumerate(messages if isinstance(messages, list) else []):
+        parts = [(f"messages[{index}]", "message", message)]
+        content = message.get("content") if isinstance(message, dict) else None
+        parts += [(f"messages[{index}].content[{j}]", block.get("type"), block)
+                  for j, block in enumerate(content if isinstance(content, list) else []) if isinstance(block, dict)]
+        for where, kind, part in parts:
+            unknown = [key for key, value in part.items() if value is not None and kind in BLOCK_KEYS
+                       and key not in BLOCK_KEYS[kind]] if isinstance(part, dict) else []
+            if unknown and lenient:
+                log.warning("ignoring the unknown key %r of %s (--lenient)", unknown[0], where)
+            elif unknown:
+                raise APIError(400, f"unknown field {where}.{unknown[0]}: a {kind} takes "
+                                    f"{', '.join(sorted(BLOCK_KEYS[kind]))} (start the server with --lenient to "
+                                    "ignore unknown fields)", param=f"{where}.{unknown[0]}", code="unknown_field")
+
+
 def _chat_body(body: dict[str, Any], model: str) -> dict[str, Any]:
-    if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
-        raise APIError(400, "max_tokens (an integer >= 1) is required", param="max_tokens")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise APIError(400, f"model must be a string, got {type(body['model']).__name__}", param="model")
+    max_tokens = body.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise APIError(400, f"max_tokens (an integer >= 1) is required, got {max_tokens!r}", param="max_tokens")
+    stops = body.get("stop_sequences")
+    if stops is not None and (not isinstance(stops, list) or len(stops) > MAX_STOPS
+                              or not all(isinstance(stop, str) and stop for stop in stops)):
+        raise APIError(400, f"stop_sequences must be a list of at most {MAX_STOPS} non-empty strings",
+                       param="stop_sequences")
     temperature = body.get("temperature")
     if temperature is not None and (not isinstance(temperature, (int, float)) or not 0 <= temperature <= 1):
         raise APIError(400, f"temperature must be a number in [0, 1], got {temperature!r}", param="temperature")

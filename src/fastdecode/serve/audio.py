@@ -107,6 +107,22 @@ class SpeechWorker:
                     open_.done(exc)
 
 
+# The form fields each route takes (translations: no language, English is the target); any other is a 400.
+FORM_FIELDS = {"transcribe": {"file", "model", "language", "prompt", "response_format", "temperature",
+                              "timestamp_granularities[]", "timestamp_granularities"},
+               "translate": {"file", "model", "prompt", "response_format", "temperature"}}
+
+
+def _check_form_fields(form, task: str) -> None:
+    """A 400 naming the first form field the route does not take (``stream`` only as false), never
+    silently dropped: OpenAI's ``stream``, ``include[]``, ``chunking_strategy`` ask for what is not served."""
+    for name in form.keys():
+        if name in FORM_FIELDS[task] or (name == "stream" and form.get(name) in ("false", "False", "")):
+            continue
+        raise APIError(400, f"{name} is not supported by this route (it takes "
+                            f"{', '.join(sorted(FORM_FIELDS[task]))})", param=name, code="unsupported_field")
+
+
 def _field(form, name: str, kind: type, default: Any) -> Any:
     value = form.get(name)
     if value is None or value == "":
@@ -169,6 +185,7 @@ def create_speech_app(transcriber, settings: SpeechServeSettings | None = None) 
             form = await request.form()
         except Exception as exc:  # noqa: BLE001 - starlette's multipart errors have several types
             raise APIError(400, f"the body must be a multipart form: {exc}", code="invalid_value") from exc
+        _check_form_fields(form, task)
         upload = form.get("file")
         if upload is None or isinstance(upload, str):
             raise APIError(400, "the form needs a 'file' with the audio", param="file", code="invalid_value")
@@ -184,6 +201,10 @@ def create_speech_app(transcriber, settings: SpeechServeSettings | None = None) 
         if any(g not in ("segment", "word") for g in granularities):
             raise APIError(400, f"timestamp_granularities must be 'segment' or 'word', got {granularities}",
                            param="timestamp_granularities", code="invalid_value")
+        if "word" in granularities and response_format != "verbose_json":  # OpenAI's rule: words come in it only
+            raise APIError(400, "timestamp_granularities word needs response_format verbose_json (the words are "
+                                f"part of it), got {response_format!r}", param="timestamp_granularities",
+                           code="invalid_value")
         temperature = _field(form, "temperature", float, 0.0)
         options = {"task": task, "language": None if task == "translate" else _field(form, "language", str, None),
                    "initial_prompt": _field(form, "prompt", str, None), "word_timestamps": "word" in granularities,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config.generation import SEED_LIMIT
 from .protocol import MAX_CHOICES, APIError, GenerationRequest, _Fields
 
 
@@ -57,6 +58,11 @@ def parse_extras(body: dict[str, Any], request: GenerationRequest) -> None:
         raise APIError(400, f"seed must be an integer >= 0 (or -1 for a random one), got {options['seed']}",
                        param="seed")
     _best_of(fields, request)
+    seeded = 1 if request.is_beam else request.candidates  # choice j samples with seed + j (service.py)
+    if options.get("seed") is not None and options["seed"] + seeded > SEED_LIMIT:
+        raise APIError(400, f"seed must be below 2**64 - {seeded - 1} with {seeded} choices (choice j samples with "
+                            f"seed + j), got {options['seed']}" if seeded > 1 else
+                            f"seed must be below 2**64, got {options['seed']}", param="seed")
     _speculative(body, options)
     request.prediction = _prediction(body, request)
     if request.endpoint == "completion":

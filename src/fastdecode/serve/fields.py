@@ -66,6 +66,64 @@ def check_fields(body: dict[str, Any], endpoint: str, lenient: bool) -> None:
         return f" (it is a field of the {other[0]} endpoint)" if other else ""
 
     check_known(body, SERVED[endpoint] | NO_EFFECT | set(NEUTRAL_VALUES), NOT_SERVED, lenient, f"{endpoint} API", hint)
+    if endpoint == "chat":
+        check_message_fields(body.get("messages"), lenient)
+        check_tool_fields(body.get("tools"), lenient)
+
+
+TOOL_KEYS = {"type", "function"}
+FUNCTION_KEYS = {"name", "description", "parameters", "strict"}  # strict: "required" / a named call is enforced
+
+
+def check_tool_fields(tools: Any, lenient: bool) -> None:
+    """A 400 naming ``tools[i].key`` / ``tools[i].function.key`` for a non-null key a function tool does not
+    take (unless ``lenient``: logged); bad shapes are serve/tools.py's to name."""
+    for index, tool in enumerate(tools if isinstance(tools, list) else []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        for where, part, keys in ((f"tools[{index}]", tool, TOOL_KEYS),
+                                  (f"tools[{index}].function", function, FUNCTION_KEYS)):
+            unknown = [k for k, v in part.items() if v is not None and k not in keys] if isinstance(part, dict) else []
+            if unknown and lenient:
+                log.warning("ignoring the unknown key %r of %s (--lenient)", unknown[0], where)
+            elif unknown:
+                raise APIError(400, f"unknown field {where}.{unknown[0]}: it takes {', '.join(sorted(keys))} (start "
+                                    "the server with --lenient to ignore unknown fields)",
+                               param=f"{where}.{unknown[0]}", code="unknown_field")
+
+
+# Keys of a chat message beyond role and content (serve/protocol.py reads them), by the roles that carry them.
+MESSAGE_KEYS = {"name": ("system", "developer", "user", "assistant"), "tool_calls": ("assistant",),
+                "tool_call_id": ("tool",)}
+# OpenAI's assistant-message keys fastdecode cannot take back: accepted only as null.
+MESSAGE_NULL_ONLY = {"refusal": "an earlier refusal cannot be shown to the model: put it in the content",
+                     "audio": "audio is not available", "function_call": "the deprecated function_call is not "
+                     "implemented: use tool_calls"}
+
+
+def check_message_fields(messages: Any, lenient: bool) -> None:
+    """A 400 naming ``messages[i].key`` for a non-null key a message of its role cannot carry: OpenAI's
+    that fastdecode does not take always, unknown ones unless ``lenient`` (then logged and ignored)."""
+    if not isinstance(messages, list):
+        return  # protocol.py names the bad shape
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            continue
+        for key, value in message.items():
+            where = f"messages[{index}].{key}"
+            if value is None or key in ("role", "content") or message.get("role") in MESSAGE_KEYS.get(key, ()):
+                continue
+            if key in MESSAGE_KEYS:
+                raise APIError(400, f"{where}: {key} belongs to {' / '.join(MESSAGE_KEYS[key])} messages",
+                               param=where)
+            if key in MESSAGE_NULL_ONLY:
+                raise APIError(400, f"{where} is not supported: {MESSAGE_NULL_ONLY[key]}", param=where,
+                               code="unsupported_field")
+            if lenient:
+                log.warning("ignoring the unknown message field %r (--lenient)", key)
+                continue
+            raise APIError(400, f"unknown field {where!r}: a message takes role, content, name, tool_calls "
+                                "(assistant) and tool_call_id (tool); start the server with --lenient to ignore "
+                                "unknown fields", param=where, code="unknown_field")
 
 
 def check_known(body: dict[str, Any], served: set[str], refused: dict[str, str], lenient: bool, api: str,

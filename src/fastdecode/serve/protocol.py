@@ -83,14 +83,34 @@ def parse_request(body: dict[str, Any], endpoint: str, served_model: str) -> Gen
     request = GenerationRequest(endpoint, model, prompts)
     request.n = fields.integer("n", 1, low=1, high=MAX_CHOICES)
     request.stream = fields.get("stream", bool, default=False)
-    stream_options = fields.get("stream_options", dict, default=None) or {}
-    request.include_usage = bool(stream_options.get("include_usage", False))
+    request.include_usage = _include_usage(fields, request.stream)
     request.user = fields.get("user", str, default=None)
     request.logprobs = _logprobs(fields, endpoint)
     request.options = _options(fields, request.n)
     if request.is_beam and request.logprobs is not None:
         raise APIError(400, "logprobs are not available with beam search (num_beams > 1)", param="logprobs")
     return request
+
+
+def _include_usage(fields: "_Fields", stream: bool) -> bool:
+    """``stream_options`` (only with ``stream: true``, as OpenAI): ``include_usage`` a bool, and
+    ``include_obfuscation`` only false (no obfuscation field is sent); any other key is a 400."""
+    options = fields.get("stream_options", dict, default=None)
+    if options is None:
+        return False
+    if not stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    for key, value in options.items():
+        where = f"stream_options.{key}"
+        if key == "include_usage" and not isinstance(value, bool) and value is not None:
+            raise APIError(400, f"{where} must be true or false, got {value!r}", param=where)
+        if key == "include_obfuscation" and value not in (False, None):
+            raise APIError(400, f"{where}={value!r} is not supported: no obfuscation field is sent "
+                                "(send false or leave it out)", param=where, code="unsupported_field")
+        if key not in ("include_usage", "include_obfuscation"):
+            raise APIError(400, f"unknown field {where!r}: stream_options takes include_usage", param=where,
+                           code="unknown_field")
+    return options.get("include_usage") is True
 
 
 def _options(fields: "_Fields", n: int) -> dict[str, Any]:
@@ -121,6 +141,8 @@ def _options(fields: "_Fields", n: int) -> dict[str, Any]:
             raise APIError(400, "beam search is deterministic: use temperature 0 (or leave it out) with num_beams",
                            param="temperature")
         options["do_sample"] = False
+        if stop:
+            raise APIError(400, "stop strings are not supported with beam search (num_beams > 1)", param="stop")
         if n > options["num_beams"]:
             raise APIError(400, f"n ({n}) must be <= num_beams ({options['num_beams']})", param="n")
         options["num_return_sequences"] = n
@@ -190,6 +212,10 @@ def _messages(fields: "_Fields") -> list[dict[str, Any]]:
         calls = message.get("tool_calls") if role == "assistant" else None
         content = message.get("content")
         entry: dict[str, Any] = {"role": role, "content": "" if content is None and calls else _content(content, where)}
+        if message.get("name") is not None:  # a participant's name, for templates that show it (as vLLM)
+            if not isinstance(message["name"], str):
+                raise APIError(400, f"{where}.name must be a string", param=f"{where}.name")
+            entry["name"] = message["name"]
         if calls:
             entry["tool_calls"] = _tool_calls(calls, where)
         if role == "tool":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -126,19 +127,22 @@ class ResponseBuilder:
                         ) -> dict[str, Any]:
         if self.endpoint == "completion":
             tokens = [self._token(t) for t, _, _ in entries]
+            # offsets in the text: a token holding part of a character adds its characters once they are whole
+            # (counting its U+FFFD put every later offset past its token, once per split character)
+            characters = codecs.getincrementaldecoder("utf-8")("replace")
             offsets, at = [], 0
-            for token in tokens:
+            for token_id, _, _ in entries:
                 offsets.append(at)
-                at += len(token)
+                at += len(characters.decode(self.tokenizer.token_bytes(token_id)))
             return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
                     "top_logprobs": [_by_text(top, self._token) for _, _, top in entries] if self.logprobs else None,
                     "text_offset": offsets}
         content = []
-        for token_id, logprob, top in entries:
-            token = self._token(token_id)
-            content.append({"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
+        for token_id, logprob, top in entries:  # bytes: the token's own, also part of a character (as OpenAI)
+            content.append({"token": self._token(token_id), "logprob": logprob,
+                            "bytes": list(self.tokenizer.token_bytes(token_id)),
                             "top_logprobs": [{"token": self._token(i), "logprob": v,
-                                              "bytes": list(self._token(i).encode("utf-8"))} for i, v in top or []]})
+                                              "bytes": list(self.tokenizer.token_bytes(i))} for i, v in top or []]})
         return {"content": content}
 
 

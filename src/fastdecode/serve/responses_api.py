@@ -84,9 +84,10 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     if text is None:
         return None
     fmt = text.get("format") if isinstance(text, dict) else None
-    if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or text.get("verbosity") is not None:
-        raise APIError(400, "text takes a format ({'type': 'text' | 'json_object' | 'json_schema', ...}); "
-                            "text.verbosity is not supported", param="text")
+    others = sorted(k for k, v in text.items() if k != "format" and v is not None) if isinstance(text, dict) else []
+    if not isinstance(text, dict) or others:
+        raise APIError(400, "text takes a format ({'type': 'text' | 'json_object' | 'json_schema', ...})"
+                            + (f"; text.{others[0]} is not supported" if others else ""), param="text")
     if fmt is None or fmt == {"type": "text"}:
         return None
     if fmt == {"type": "json_object"}:
@@ -104,6 +105,9 @@ def _chat_body(body: dict[str, Any], model: str) -> dict[str, Any]:
         if not isinstance(body["instructions"], str):
             raise APIError(400, "instructions must be a string", param="instructions")
         chat.append({"role": "system", "content": body["instructions"]})
+    limit = body.get("max_output_tokens")  # checked here so that the error names the field the client sent
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise APIError(400, f"max_output_tokens must be an integer >= 1, got {limit!r}", param="max_output_tokens")
     items = body.get("input")
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]

@@ -115,6 +115,10 @@ class GenerationService:
             raise APIError(400, f"n_ctx={settings.n_ctx} exceeds the model's context "
                                 f"({config.max_position_embeddings} positions)")
         self.overflow = settings.context_overflow in ("shift", "reevaluate") and not self.encoder_decoder
+        if not self.overflow and settings.n_keep != ServeSettings.n_keep:
+            raise APIError(400, f"n_keep={settings.n_keep} applies only to conversations past the context, which "
+                                "this server answers with an error: set --context-overflow shift or reevaluate"
+                                + (" (an encoder-decoder model has none)" if self.encoder_decoder else ""))
         streaming = {"n_ctx": self.context, "n_keep": settings.n_keep, "policy": settings.context_overflow}
         self.streams = KeptStreams(generator, streaming) if self.overflow else None
         self.worker = EngineWorker(
@@ -143,6 +147,13 @@ class GenerationService:
         if too_large:
             raise APIError(400, f"logit_bias names token id {too_large[0]}, past the vocabulary "
                                 f"({gen.config.vocab_size} tokens)", param="logit_bias")
+        vocabulary = gen.config.vocab_size
+        token_prompts = [] if request.endpoint == "chat" else request.prompts
+        for index, prompt in enumerate(token_prompts):
+            outside = [] if isinstance(prompt, str) else [t for t in prompt if not 0 <= t < vocabulary]
+            if outside:
+                raise APIError(400, f"prompt {index} has token ids outside the vocabulary [0, {vocabulary}): "
+                                    f"{outside[:5]}", param="prompt")
         if request.endpoint == "chat" and self.encoder_decoder:
             raise APIError(400, "this is an encoder-decoder model: it has no chat; send the source text to "
                                 "/v1/completions as the prompt", param="messages", code="unsupported_model")

@@ -25,6 +25,17 @@ from ..jsonfile import read_json_object
 from .chat_template import compile_chat_template, render_chat_template, select_chat_template
 from .end_of_turn import template_end_of_turn_ids
 
+def _gpt2_byte_table() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's ``bytes_to_unicode``), inverted:
+    printable Latin-1 bytes stand for themselves, the other 68 for chr(256), chr(257), ..."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _gpt2_byte_table()
+
+
 class Tokenizer:
     """Wraps a ``tokenizers.Tokenizer`` plus special ids and an optional chat template.
 
@@ -111,6 +122,23 @@ class Tokenizer:
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also where it holds only part of a character (which
+        ``decode([token_id])`` turns into U+FFFD): a byte-level BPE piece through GPT-2's byte <-> char
+        table, a SentencePiece byte-fallback piece ``<0xNN>`` as its byte, a SentencePiece word with its
+        leading space; else its decoded text."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        piece = self.backend.id_to_token(int(token_id)) or ""
+        if piece.startswith("\u2581") and text == piece[1:].replace("\u2581", " "):
+            return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece drops a lone token's leading space
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        if piece and all(char in _BYTE_OF_CHAR for char in piece):
+            return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        return text.encode("utf-8")
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 from tokenizers.decoders import DecodeStream
 
+from .cache import DeferredBackend
+
 if TYPE_CHECKING:
     from .core import Tokenizer
 
@@ -49,6 +51,8 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
+        backend = tokenizer.backend  # DecodeStream steps only on the Rust tokenizer itself, not the cache's stand-in
+        self._backend = backend.resolve() if isinstance(backend, DeferredBackend) else backend
         self._skip_special = skip_special_tokens
         self._hidden = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         context = [i for i in map(int, prompt_ids) if i not in self._hidden][-self._CONTEXT_TOKENS :]
@@ -72,7 +76,7 @@ class IncrementalDetokenizer:
             return ""
         self._held.append(token_id)
         try:
-            piece = self._stream.step(self._tokenizer.backend, token_id)
+            piece = self._stream.step(self._backend, token_id)
         except Exception:  # DecodeStream's InvalidPrefix: the ByteFallback case of the class docstring
             return self._flush()
         return "" if piece is None else self._piece(piece)
