@@ -207,3 +207,15 @@ def test_a_message_name_reaches_the_chat_template(chat_generator):
     with serve(gen) as running:
         answer = running.client().chat.completions.create(model="tiny", messages=named, max_tokens=6, temperature=0)
     assert answer.choices[0].message.content == expected
+
+
+def test_an_openai_reply_passed_back_as_it_came(server):
+    """An assistant message as OpenAI's API returns it (null refusal / audio / function_call / tool_calls,
+    empty annotations) is taken back; citations it carried are refused by name, never dropped."""
+    reply = {"role": "assistant", "content": "Hello.", "refusal": None, "annotations": [], "audio": None,
+             "function_call": None, "tool_calls": None}
+    body = {"model": "tiny", "messages": [*QUESTION, reply, {"role": "user", "content": "Again."}], "max_tokens": 2}
+    assert server.http.post("/v1/chat/completions", json=body).status_code == 200
+    cited = {**reply, "annotations": [{"type": "url_citation", "url_citation": {"url": "https://example.com"}}]}
+    answer = server.http.post("/v1/chat/completions", json={**body, "messages": [*QUESTION, cited]})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages[1].annotations"

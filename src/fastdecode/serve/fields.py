@@ -98,6 +98,8 @@ MESSAGE_KEYS = {"name": ("system", "developer", "user", "assistant"), "tool_call
 MESSAGE_NULL_ONLY = {"refusal": "an earlier refusal cannot be shown to the model: put it in the content",
                      "audio": "audio is not available", "function_call": "the deprecated function_call is not "
                      "implemented: use tool_calls"}
+# An OpenAI reply's keys that hold nothing for the model when empty (a reply message passed back as it came).
+MESSAGE_EMPTY_ONLY = {"annotations": "an earlier reply's citations cannot be shown to the model"}
 
 
 def check_message_fields(messages: Any, lenient: bool) -> None:
@@ -115,8 +117,11 @@ def check_message_fields(messages: Any, lenient: bool) -> None:
             if key in MESSAGE_KEYS:
                 raise APIError(400, f"{where}: {key} belongs to {' / '.join(MESSAGE_KEYS[key])} messages",
                                param=where)
-            if key in MESSAGE_NULL_ONLY:
-                raise APIError(400, f"{where} is not supported: {MESSAGE_NULL_ONLY[key]}", param=where,
+            if key in MESSAGE_EMPTY_ONLY and value == []:
+                continue
+            if key in MESSAGE_NULL_ONLY or key in MESSAGE_EMPTY_ONLY:
+                reason = MESSAGE_NULL_ONLY.get(key) or MESSAGE_EMPTY_ONLY[key]
+                raise APIError(400, f"{where} is not supported: {reason}", param=where,
                                code="unsupported_field")
             if lenient:
                 log.warning("ignoring the unknown message field %r (--lenient)", key)
