@@ -8,6 +8,8 @@ groups; outputs straddling passes of 4 tiles and a partial tile; 1 and 2 threads
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -81,3 +83,56 @@ def test_a_row_block_edge_leaves_fewer_rows_than_a_pair_of_groups():
     got = gemm(x, w, threads=2)
     assert torch.equal(got[750:], each_row_alone(x[750:], w))
     assert torch.equal(got[:40], each_row_alone(x[:40], w))
+
+
+def _gate_up_weights():
+    """(label, tiled [gate | up] weight): ones the fused op runs in lanes (4-bit, 2I a multiple of 32) and ones it
+    hands to tiled_gemm and gated (I = 36: not whole pairs of tiles; 8-bit codes)."""
+    for qtype, (N, K) in ((QT.Q4_1, (64, 576)), (QT.Q4_K, (96, 512)), (QT.Q4_1, (72, 576)), (QT.Q8_0, (64, 256))):
+        yield f"{qtype.name} N={N}", repack(qtype.name, random_blocks(qtype, (N, K), seed=N), (N, K), tile=True)
+    yield "int4 N=64", quantize_matrix(torch.randn(64, 256, generator=torch.Generator().manual_seed(6)), "int4")
+
+
+GATE_UP = dict(_gate_up_weights())
+
+
+@pytest.mark.parametrize("label", GATE_UP)
+@pytest.mark.parametrize("kind", [0, 1], ids=["silu", "gelu_tanh"])
+def test_the_fused_gated_product_gives_the_gated_op_on_the_products_bits(label, kind):
+    w = GATE_UP[label]
+    x = torch.randn(100, w.inputs, generator=torch.Generator().manual_seed(7)) * 2
+    want = ops.gated(each_row_alone(x, w), kind)
+    wide = ops.set_avx512()
+    try:
+        for avx512 in (True, False):
+            ops.set_avx512(avx512 and wide)
+            for M in (2, 31, 32, 47, 100):
+                for threads in (1, 2):
+                    got = ops.tiled_gated_gemm(x[:M], w.codes, w.scale, w.mins, w.bits, w.outputs, threads, kind)
+                    assert torch.equal(got, want[:M]), (label, kind, avx512, M, threads)
+    finally:
+        ops.set_avx512(wide)
+
+
+def test_an_mlp_takes_the_fused_op_where_its_product_would_take_tiled_gemm(monkeypatch):
+    """FusedProjection.gated: int8 rows of a tiled gate_up (prompt rows under "int8-mlp" and "int8", generated
+    rows of several) on the fused op, with the unfused bits; exact prompt rows and one row not."""
+    from fastdecode.layers.fused import FusedProjection
+    from fastdecode.layers.products import KernelChoice, Products
+
+    w = GATE_UP["Q4_1 N=64"]
+    projection = FusedProjection(((dataclasses.replace(w, in_mlp=True), None),), (32, 32))
+    x = torch.randn(2, 20, 576, generator=torch.Generator().manual_seed(11))  # [B, T, K]
+    calls = []
+    real = ops.tiled_gated_gemm
+    monkeypatch.setattr(ops, "tiled_gated_gemm", lambda *args: calls.append(args[0].shape[0]) or real(*args))
+    cases = [(Products.prompt(2, kernels=KernelChoice(prompt_rows="int8-mlp")), x, 40),
+             (Products.prompt(2, kernels=KernelChoice(prompt_rows="int8")), x, 40),
+             (Products.generated(2, kernels=KernelChoice()), x[:, :3], 6),
+             (Products.prompt(2, kernels=KernelChoice(prompt_rows="exact")), x, None),
+             (Products.generated(2, kernels=KernelChoice()), x[:1, :1], None)]
+    for products, rows, fused_rows in cases:
+        calls.clear()
+        got = projection.gated(rows, "silu", products)
+        assert calls == ([fused_rows] if fused_rows else []), (products, fused_rows)
+        assert torch.equal(got, ops.gated(projection(rows, products), 0)), (products, fused_rows)

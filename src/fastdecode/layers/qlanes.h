@@ -24,6 +24,7 @@ namespace lanes {
 
 constexpr int64_t LANES_MIN_ROWS = 32;  // fewer rows: qtiles_avx512.cpp's kernel (a group of 16 rows half empty)
 constexpr int64_t PASS_TILES = 4;       // tiles unpacked per pass over the rows (32 outputs: 18-48 KB of bytes)
+constexpr int64_t PASS_OUTPUTS = 8 * PASS_TILES;
 
 // Rows [m0, m1) of quantized activations, 16 rows (a group) per register: the last group padded with zero rows.
 //   codes[g][b][c][r][i] = activation code of row m0 + 16 g + r at input 32 b + 4 c + i
@@ -55,6 +56,13 @@ lanes::LaneRows lane_rows(const quant::QuantizedRows& q, int64_t m0, int64_t m1,
 template <typename S>
 void lanes_pass(const lanes::LaneRows& rows, const uint8_t* codes, const S* scale, const S* mins, int64_t t0,
                 int64_t t1, float* y, int64_t N, lanes::LaneTiles& buffer);
+
+// The gated MLP's rows: tiles t0, t0 + 1 (gate outputs 8 t0 .. 8 t0 + 15) and u0, u0 + 1 (their up outputs) ->
+// act(gate) * up (kind 0: SiLU, 1: GELU tanh: gated_avx512.cpp's gated_row on the finished products) at outputs
+// [8 t0, 8 t0 + 16) of y [M, I].
+template <typename S>
+void lanes_gated_pass(const lanes::LaneRows& rows, const uint8_t* codes, const S* scale, const S* mins, int64_t t0,
+                      int64_t u0, int64_t kind, float* y, int64_t I, lanes::LaneTiles& buffer);
 }  // namespace avx512
 
 }  // namespace fastdecode

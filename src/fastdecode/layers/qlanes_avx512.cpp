@@ -24,6 +24,9 @@
 
 namespace fastdecode {
 namespace avx512 {
+
+int64_t gated_row(const float* g, const float* u, float* y, int64_t n, int64_t kind);  // gated_avx512.cpp
+
 namespace {
 
 using lanes::LaneRows;
@@ -32,7 +35,7 @@ using lanes::PASS_TILES;
 
 constexpr int LANES = 16;  // rows per group: float32 lanes of a register
 constexpr int OUTPUTS = 4;  // outputs per kernel call (x 2 row groups: 8 dot products and 8 accumulators)
-constexpr int64_t PASS_OUTPUTS = 8 * PASS_TILES;
+using lanes::PASS_OUTPUTS;
 
 // One tile-block's 128 code bytes (tiled layout, qtiles.cpp: byte 4c + i of output j at 32 c + 4 j + i, inputs
 // 4c + i in the low nibbles and 16 + 4c + i in the high ones) -> 8 outputs x 32 bytes, output j's code of input
@@ -42,8 +45,10 @@ inline void unpack_tile_block(const uint8_t* src, uint8_t* out) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   // each output's 4 dwords (c = 0..3): outputs 0-3, then 4-7
   const __m512i by_output[2] = {
-      _mm512_permutex2var_epi32(first, _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27), second),
-      _mm512_permutex2var_epi32(first, _mm512_setr_epi32(4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31), second)};
+      _mm512_permutex2var_epi32(first, _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27),
+                                second),
+      _mm512_permutex2var_epi32(first, _mm512_setr_epi32(4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31),
+                                second)};
   const __m512i pick[2] = {_mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15)};
   for (int h = 0; h < 2; ++h) {
     const __m512i low = _mm512_and_si512(by_output[h], nibble);
@@ -53,23 +58,40 @@ inline void unpack_tile_block(const uint8_t* src, uint8_t* out) {
   }
 }
 
+// Tiles [t0, t1) into w's outputs first .. first + 8 (t1 - t0) of nout (w sized for them: size_tiles).
 template <typename S>
-void unpack_pass(const uint8_t* codes, const S* scale, const S* mins, int64_t blocks, int64_t t0, int64_t t1,
-                 LaneTiles& w) {
-  const int64_t nout = 8 * (t1 - t0);
-  w.codes.resize(blocks * nout * 32);
-  w.scale.resize(blocks * nout);
-  w.mins.resize(mins != nullptr ? blocks * nout : 0);
+void unpack_tiles(const uint8_t* codes, const S* scale, const S* mins, int64_t blocks, int64_t t0, int64_t t1,
+                  int64_t nout, int64_t first, LaneTiles& w) {
   for (int64_t t = t0; t < t1; ++t) {
     const S* tile_scale = quant::tile_scales(scale, t, blocks);
     const S* tile_mins = mins != nullptr ? quant::tile_scales(mins, t, blocks) : nullptr;
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = b * nout + 8 * (t - t0);
+      const int64_t at = b * nout + first + 8 * (t - t0);
       unpack_tile_block(codes + (t * blocks + b) * 128, w.codes.data() + at * 32);
       _mm256_storeu_ps(w.scale.data() + at, quant::block_scales(tile_scale, b));
       if (tile_mins != nullptr) _mm256_storeu_ps(w.mins.data() + at, quant::block_scales(tile_mins, b));
     }
   }
+}
+
+void size_tiles(int64_t blocks, int64_t nout, bool with_mins, LaneTiles& w) {
+  w.codes.resize(blocks * nout * 32);
+  w.scale.resize(blocks * nout);
+  w.mins.resize(with_mins ? blocks * nout : 0);
+}
+
+// The next pass's codes, scales and mins (tiles [next, next + count)) on their way to L2 while this one computes
+// (a model's weights come from memory: the unpacking would wait for each line).
+template <typename S>
+void prefetch_tiles(const uint8_t* codes, const S* scale, const S* mins, int64_t blocks, int64_t next, int64_t count) {
+  const auto ahead = [&](const void* first, const void* after) {
+    const char* start = static_cast<const char*>(first);
+    const int64_t bytes = static_cast<const char*>(after) - start;
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(start + line, _MM_HINT_T1);
+  };
+  ahead(codes + next * blocks * 128, codes + (next + count) * blocks * 128);
+  ahead(quant::tile_scales(scale, next, blocks), quant::tile_scales(scale, next + count, blocks));
+  if (mins != nullptr) ahead(quant::tile_scales(mins, next, blocks), quant::tile_scales(mins, next + count, blocks));
 }
 
 // Row groups [g0, g0 + G) x the pass's outputs [o0, o0 + OUTPUTS) -> out [G * 16 rows][PASS_OUTPUTS], columns o0...
@@ -132,31 +154,25 @@ void group_outputs(const LaneRows& a, const LaneTiles& w, int64_t g0, int64_t o0
   }
 }
 
-// The pass's outputs of rows [g0 * 16, g1 * 16) of `a`, G groups at a time, through `out` (L1) into y's rows (whole
-// cache lines, the outputs below N).
-template <int G, bool MINS>
-int64_t rows_through(const LaneRows& a, const LaneTiles& w, int64_t g0, int64_t g1, int64_t nout, int64_t n0,
-                     float* y, int64_t N) {
+// The pass's outputs of rows [g0 * 16, g1 * 16) of `a`, G groups at a time, through `out` (L1): finish(row of y,
+// its PASS_OUTPUTS outputs) for each real row. Returns the first group not done.
+template <int G, bool MINS, typename Finish>
+int64_t rows_through(const LaneRows& a, const LaneTiles& w, int64_t g0, int64_t g1, int64_t nout,
+                     const Finish& finish) {
   alignas(64) float out[G * LANES * PASS_OUTPUTS];
-  const __mmask16 first = __mmask16((1u << std::min<int64_t>(16, N - n0)) - 1);
-  const __mmask16 second = N - n0 > 16 && nout > 16 ? __mmask16((1u << std::min<int64_t>(16, N - n0 - 16)) - 1) : 0;
   for (int64_t g = g0; g + G <= g1; g += G) {
     for (int64_t o = 0; o < nout; o += OUTPUTS) group_outputs<G, MINS>(a, w, g, o, nout, out);
     const int64_t rows = std::min<int64_t>(G * LANES, a.rows - g * LANES);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* row = y + (a.m0 + g * LANES + r) * N + n0;
-      _mm512_mask_storeu_ps(row, first, _mm512_load_ps(out + r * PASS_OUTPUTS));
-      if (second) _mm512_mask_storeu_ps(row + 16, second, _mm512_load_ps(out + r * PASS_OUTPUTS + 16));
-    }
+    for (int64_t r = 0; r < rows; ++r) finish(a.m0 + g * LANES + r, out + r * PASS_OUTPUTS);
     g0 = g + G;
   }
   return g0;
 }
 
-template <bool MINS>
-void pass_rows(const LaneRows& a, const LaneTiles& w, int64_t nout, int64_t n0, float* y, int64_t N) {
-  const int64_t g = rows_through<2, MINS>(a, w, 0, a.groups, nout, n0, y, N);
-  rows_through<1, MINS>(a, w, g, a.groups, nout, n0, y, N);
+template <bool MINS, typename Finish>
+void pass_rows(const LaneRows& a, const LaneTiles& w, int64_t nout, const Finish& finish) {
+  const int64_t g = rows_through<2, MINS>(a, w, 0, a.groups, nout, finish);
+  rows_through<1, MINS>(a, w, g, a.groups, nout, finish);
 }
 
 }  // namespace
@@ -176,7 +192,8 @@ lanes::LaneRows lane_rows(const quant::QuantizedRows& q, int64_t m0, int64_t m1,
     for (int64_t b = 0; b < blocks; ++b) {
       __m256 v[2][8];  // rows 0-7, 8-15: their 8 dwords of block b (padded rows zero)
       for (int r = 0; r < LANES; ++r)
-        v[r / 8][r % 8] = r < valid ? _mm256_loadu_ps(reinterpret_cast<const float*>(q.codes.data() + (m0 + g * LANES + r) * K + 32 * b))
+        v[r / 8][r % 8] = r < valid ? _mm256_loadu_ps(reinterpret_cast<const float*>(
+                                          q.codes.data() + (m0 + g * LANES + r) * K + 32 * b))
                                     : _mm256_setzero_ps();
       quant::transpose8(v[0]);  // v[h][c]: dword c of rows 8h .. 8h + 7
       quant::transpose8(v[1]);
@@ -196,21 +213,33 @@ template <typename S>
 void lanes_pass(const LaneRows& rows, const uint8_t* codes, const S* scale, const S* mins, int64_t t0, int64_t t1,
                 float* y, int64_t N, LaneTiles& buffer) {
   TORCH_CHECK(t1 - t0 <= PASS_TILES && t1 > t0, "lanes_pass: 1 to ", PASS_TILES, " tiles per pass");
-  // the next pass's codes, scales and mins on their way to L2 while this one computes (a model's weights come
-  // from memory: the unpacking would wait for each line)
-  const int64_t blocks = rows.blocks;
-  const auto ahead = [&](const void* first, const void* next) {
-    const char* start = static_cast<const char*>(next);
-    const int64_t bytes = PASS_TILES * (start - static_cast<const char*>(first)) / std::max<int64_t>(1, t1 - t0);
-    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(start + line, _MM_HINT_T1);
+  const int64_t blocks = rows.blocks, nout = 8 * (t1 - t0), n0 = 8 * t0;
+  prefetch_tiles(codes, scale, mins, blocks, t1, PASS_TILES);
+  size_tiles(blocks, nout, mins != nullptr, buffer);
+  unpack_tiles(codes, scale, mins, blocks, t0, t1, nout, 0, buffer);
+  // whole cache lines into y: the pass's outputs below N
+  const __mmask16 first = __mmask16((1u << std::min<int64_t>(16, N - n0)) - 1);
+  const __mmask16 second = N - n0 > 16 && nout > 16 ? __mmask16((1u << std::min<int64_t>(16, N - n0 - 16)) - 1) : 0;
+  const auto store = [&](int64_t m, const float* out) {
+    _mm512_mask_storeu_ps(y + m * N + n0, first, _mm512_load_ps(out));
+    if (second) _mm512_mask_storeu_ps(y + m * N + n0 + 16, second, _mm512_load_ps(out + 16));
   };
-  ahead(codes + t0 * blocks * 128, codes + t1 * blocks * 128);
-  ahead(quant::tile_scales(scale, t0, blocks), quant::tile_scales(scale, t1, blocks));
-  if (mins != nullptr) ahead(quant::tile_scales(mins, t0, blocks), quant::tile_scales(mins, t1, blocks));
-  unpack_pass(codes, scale, mins, blocks, t0, t1, buffer);
-  const int64_t nout = 8 * (t1 - t0);
-  if (mins != nullptr) pass_rows<true>(rows, buffer, nout, 8 * t0, y, N);
-  else pass_rows<false>(rows, buffer, nout, 8 * t0, y, N);
+  if (mins != nullptr) pass_rows<true>(rows, buffer, nout, store);
+  else pass_rows<false>(rows, buffer, nout, store);
+}
+
+template <typename S>
+void lanes_gated_pass(const LaneRows& rows, const uint8_t* codes, const S* scale, const S* mins, int64_t t0,
+                      int64_t u0, int64_t kind, float* y, int64_t I, LaneTiles& buffer) {
+  const int64_t blocks = rows.blocks;
+  prefetch_tiles(codes, scale, mins, blocks, t0 + 2, 2);
+  prefetch_tiles(codes, scale, mins, blocks, u0 + 2, 2);
+  size_tiles(blocks, PASS_OUTPUTS, mins != nullptr, buffer);
+  unpack_tiles(codes, scale, mins, blocks, t0, t0 + 2, PASS_OUTPUTS, 0, buffer);
+  unpack_tiles(codes, scale, mins, blocks, u0, u0 + 2, PASS_OUTPUTS, 16, buffer);
+  const auto store = [&](int64_t m, const float* out) { gated_row(out, out + 16, y + m * I + 8 * t0, 16, kind); };
+  if (mins != nullptr) pass_rows<true>(rows, buffer, PASS_OUTPUTS, store);
+  else pass_rows<false>(rows, buffer, PASS_OUTPUTS, store);
 }
 
 template void lanes_pass<float>(const LaneRows&, const uint8_t*, const float*, const float*, int64_t, int64_t, float*,
@@ -219,6 +248,13 @@ template void lanes_pass<at::Half>(const LaneRows&, const uint8_t*, const at::Ha
                                    float*, int64_t, LaneTiles&);
 template void lanes_pass<quant::KScale>(const LaneRows&, const uint8_t*, const quant::KScale*, const quant::KScale*,
                                         int64_t, int64_t, float*, int64_t, LaneTiles&);
+template void lanes_gated_pass<float>(const LaneRows&, const uint8_t*, const float*, const float*, int64_t, int64_t,
+                                      int64_t, float*, int64_t, LaneTiles&);
+template void lanes_gated_pass<at::Half>(const LaneRows&, const uint8_t*, const at::Half*, const at::Half*, int64_t,
+                                         int64_t, int64_t, float*, int64_t, LaneTiles&);
+template void lanes_gated_pass<quant::KScale>(const LaneRows&, const uint8_t*, const quant::KScale*,
+                                              const quant::KScale*, int64_t, int64_t, int64_t, float*, int64_t,
+                                              LaneTiles&);
 
 }  // namespace avx512
 }  // namespace fastdecode
