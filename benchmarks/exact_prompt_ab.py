@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import machine_line, spread, table
+from harness import machine_line, run_in_tree, spread, table
 
 ROOT = Path(__file__).resolve().parents[1]
 # (label, GGUF type name, inputs, outputs)
@@ -154,13 +154,7 @@ def main() -> None:
                        "--jobs", ",".join(jobs)]
             if args.qwen:
                 command += ["--qwen", args.qwen]
-            done = subprocess.run(command, env=dict(os.environ, PYTHONPATH=tree), capture_output=True, text=True,
-                                  check=False)
-            if done.returncode != 0:
-                raise SystemExit(f"{tree}: worker failed\n{done.stderr[-3000:]}")
-            result = json.loads(done.stdout.strip().splitlines()[-1])
-            if not result["tree"].startswith(tree):
-                raise SystemExit(f"{tree}: fastdecode was imported from {result['tree']}")
+            result = run_in_tree(command, tree)
             runs[tree].append(result)
             print(f"  rep {rep + 1} {tree}: " + " ".join(f"{k}={v:.1f}" for k, v in result.items() if k != "tree"),
                   file=sys.stderr, flush=True)

@@ -20,12 +20,12 @@ from .machine import (EMBEDDED_FILE, EMBEDDED_PACKAGE, Contention, cpu_count, cp
                       machine_line, memory_kib, own_and_children_cpu_seconds, quiet_env, reset_peak_rss,
                       system_busy_seconds, wait_for_quiet)
 from .stats import alternate, fmt_ratio, median, not_run, percentile, ratio, spread, table, timed
-from .workers import (Worker, WorkerError, add_worker_arguments, alternate_workers, close_all, serve_worker,
-                      start_workers, stop_process)
+from .workers import (Worker, WorkerError, add_worker_arguments, alternate_workers, close_all, run_in_tree,
+                      serve_worker, start_workers, stop_process)
 
 __all__ = ["BANDWIDTH_LABELS", "EMBEDDED_FILE", "EMBEDDED_PACKAGE", "Contention", "Worker", "WorkerError",
            "add_worker_arguments", "alternate", "alternate_workers", "close_all", "cpu_count", "cpu_seconds",
            "embedded_model_path", "fmt_ratio", "limit_tokens_per_s", "machine_line", "measure_bandwidth", "median",
            "memory_kib", "not_run", "own_and_children_cpu_seconds", "percentile", "quiet_env", "ratio",
-           "reset_peak_rss", "serve_worker", "spread", "start_workers", "stop_process", "system_busy_seconds",
-           "table", "timed", "wait_for_quiet"]
+           "reset_peak_rss", "run_in_tree", "serve_worker", "spread", "start_workers", "stop_process",
+           "system_busy_seconds", "table", "timed", "wait_for_quiet"]

@@ -187,3 +187,15 @@ def _handle(engine: Any, state: dict[str, Any], op: str, args: dict[str, Any]) -
     if op == "memory":
         return {"loaded": state.get("loaded"), "now": memory_kib(), "peak_reset": state.get("peak_reset")}
     return getattr(engine, f"op_{op}")(**args)
+
+
+def run_in_tree(command: list[str], tree: str) -> dict[str, Any]:
+    """Runs a one-shot worker ``command`` with ``PYTHONPATH`` set to the source folder ``tree`` and returns the
+    JSON object of its last output line, which must name (key ``tree``) a fastdecode imported from that folder."""
+    done = subprocess.run(command, env=dict(os.environ, PYTHONPATH=tree), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{tree}: worker failed\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if not result["tree"].startswith(tree):
+        raise SystemExit(f"{tree}: fastdecode was imported from {result['tree']}")
+    return result

@@ -94,9 +94,11 @@ def test_products_follow_the_choice_they_carry():
 @pytest.fixture
 def kernel_calls(monkeypatch) -> Counter:
     """Calls of the quantized ops: "exact" (exact_qmatmul), "int8" (int8 activations: prompt_qmatmul,
-    tiled_gemm, or qmatmul with activation_bits 8), "float32 activations" (qmatmul's logits-layer kernel)."""
+    tiled_gemm, tiled_gated_gemm (a gated MLP's gate and up), or qmatmul with activation_bits 8), "float32
+    activations" (qmatmul's logits-layer kernel)."""
     calls: Counter = Counter()
-    real = {name: getattr(ops, name) for name in ("exact_qmatmul", "prompt_qmatmul", "qmatmul", "tiled_gemm")}
+    real = {name: getattr(ops, name)
+            for name in ("exact_qmatmul", "prompt_qmatmul", "qmatmul", "tiled_gemm", "tiled_gated_gemm")}
 
     def exact(*args, **kwargs):
         calls["exact"] += 1
@@ -110,6 +112,10 @@ def kernel_calls(monkeypatch) -> Counter:
         calls["int8"] += 1
         return real["tiled_gemm"](*args, **kwargs)
 
+    def tiled_gated_gemm(*args, **kwargs):
+        calls["int8"] += 1
+        return real["tiled_gated_gemm"](*args, **kwargs)
+
     def decode_kernel(*args, **kwargs):
         bits = args[7] if len(args) > 7 else kwargs.get("activation_bits", 8)
         calls["int8" if bits == 8 else "float32 activations"] += 1
@@ -118,6 +124,7 @@ def kernel_calls(monkeypatch) -> Counter:
     monkeypatch.setattr(ops, "exact_qmatmul", exact)
     monkeypatch.setattr(ops, "prompt_qmatmul", prompt_gemm)
     monkeypatch.setattr(ops, "tiled_gemm", tiled_gemm)
+    monkeypatch.setattr(ops, "tiled_gated_gemm", tiled_gated_gemm)
     monkeypatch.setattr(ops, "qmatmul", decode_kernel)
     return calls
 

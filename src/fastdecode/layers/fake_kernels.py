@@ -35,6 +35,10 @@ def register_fake() -> None:
     def _tiled_gemm_fake(x, codes, scale, mins, bits, outputs, threads, bias=None):  # x [M, K] -> [M, N]
         return x.new_empty((x.shape[0], _outputs(codes, scale, outputs)))
 
+    @torch.library.register_fake("fastdecode_kernels::tiled_gated_gemm")
+    def _tiled_gated_gemm_fake(x, codes, scale, mins, bits, outputs, threads, activation):  # x [M, K] -> [M, N / 2]
+        return x.new_empty((x.shape[0], outputs // 2))
+
     @torch.library.register_fake("fastdecode_kernels::dequantize")
     def _dequantize_fake(codes, scale, mins, bits, group, threads, outputs=-1):  # -> float32 [N, K]
         inputs = codes.shape[1] * 32 if codes.dim() == 3 else codes.shape[1] * 8 // bits  # K

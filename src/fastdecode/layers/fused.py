@@ -21,9 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
+from .elementwise import GATED_KINDS, gated
 from .linear import linear
 from .products import Products
-from .quantized import TILE, QuantizedWeight
+from .quantized import TILE, QuantizedWeight, has_prompt_kernel
+from .threads import kernel_threads
 
 Weight = torch.Tensor | QuantizedWeight
 
@@ -42,9 +45,36 @@ class FusedProjection:
         outputs = [linear(x, weight, bias, products=products) for weight, bias in self.parts]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
+    def gated(self, x: torch.Tensor, activation: str, products: Products) -> torch.Tensor:
+        """act(gate) * up [..., I] of this projection's two outputs [gate | up] (activation: a ``GATED_KINDS``
+        name): ``gated(self(x, products), activation)``'s bits, in one op where the product would run
+        ``ops.tiled_gemm`` (a tiled weight's int8 rows: layers/qlanes_gated.cpp)."""
+        weight, bias = self.parts[0] if len(self.parts) == 1 else (None, None)
+        kind = GATED_KINDS.get(activation)
+        if isinstance(weight, QuantizedWeight) and bias is None and kind is not None and x.dtype == torch.float32:
+            rows = x.reshape(-1, x.shape[-1])  # [M, K]
+            if _takes_tiled_gemm(rows, weight, products):
+                budget = kernel_threads(rows.shape[0] * weight.inputs * weight.outputs, products.threads)
+                out = ops.tiled_gated_gemm(rows.contiguous(), weight.codes, weight.scale, weight.mins, weight.bits,
+                                           weight.outputs, budget, kind)  # [M, I]
+                return out.view(*x.shape[:-1], weight.outputs // 2)  # [..., I]
+        return gated(self(x, products), activation, threads=products.threads)
+
     def split(self, x: torch.Tensor, products: Products) -> tuple[torch.Tensor, ...]:
         """x [..., in] -> each projection's output [..., size] (views of one product where fused)."""
         return self(x, products).split(self.sizes, dim=-1)
+
+
+def _takes_tiled_gemm(rows: torch.Tensor, weight: QuantizedWeight, products: Products) -> bool:
+    """Whether quantized_linear runs rows [M, K] float32 x weight on ``ops.tiled_gemm`` (no bias): the kernels on,
+    a tiled weight of int8 rows, M > 1, and the rows not routed to the exact products."""
+    choice = products.kernels
+    if not (choice.quantized_kernels and rows.is_cpu and ops.available() and not weight.transposed):
+        return False
+    if not (weight.is_tiled and weight.activation_bits == 8 and rows.shape[0] > 1 and not has_prompt_kernel(weight)):
+        return False
+    exact_prompts = weight.exact_prompt_rows and choice.exact_prompts(weight.in_mlp)
+    return not exact_prompts or products.roles is None  # (the roles matter only to exact prompt rows)
 
 
 def _format(weight: Weight) -> tuple | None:

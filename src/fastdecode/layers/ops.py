@@ -64,6 +64,14 @@ def tiled_gemm(x: Tensor, codes: Tensor, scale: Tensor, mins: Tensor | None, bit
     return _ops().tiled_gemm(x, codes, scale, mins, bits, outputs, threads, bias)
 
 
+def tiled_gated_gemm(x: Tensor, codes: Tensor, scale: Tensor, mins: Tensor | None, bits: int, outputs: int,
+                     threads: int, activation: int) -> Tensor:
+    """x [M, K] float32 times a tiled [gate | up] weight (``outputs`` = 2I) -> act(gate) * up [M, I] (activation 0:
+    SiLU, 1: GELU tanh): ``gated(tiled_gemm(...))``'s bits, the product never written where its 4-bit rows run 16
+    to a register (layers/qlanes_gated.cpp)."""
+    return _ops().tiled_gated_gemm(x, codes, scale, mins, bits, outputs, threads, activation)
+
+
 def set_amx(enabled: bool | None = None) -> bool:
     """Whether many-row int8 products use AMX (layers/amx.h; the same results, faster); ``enabled``
     switches it on (where the CPU and OS allow it, with AVX-512 on) or off first. False without the extension."""

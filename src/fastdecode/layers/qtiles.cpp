@@ -35,6 +35,7 @@
 #include "isa.h"
 #include "parallel.h"
 #include "kscales.h"
+#include "qlanes.h"
 #include "qrows.h"
 #include "qtiles.h"
 #include "qtiles_avx512.h"
@@ -325,6 +326,17 @@ at::Tensor tiled_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const
   const int64_t row_bytes = exact ? 4 * K : (offset.empty() ? K : 2 * K), rows_per_block = row_block(row_bytes);
   for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
     const int64_t m1 = std::min(M, m0 + rows_per_block);
+    if (!exact && BITS == 4 && wide && m1 - m0 >= lanes::LANES_MIN_ROWS) {  // 16 rows a register: qlanes.h
+      const lanes::LaneRows rows = avx512::lane_rows(q, m0, m1, has_min);
+      parallel_chunks((tiles + lanes::PASS_TILES - 1) / lanes::PASS_TILES, 1, threads, [&](int64_t p0, int64_t p1) {
+        thread_local lanes::LaneTiles buffer;  // (reused: a pass of K = 8960 is 287 KB)
+        const int64_t t0 = p0 * lanes::PASS_TILES, t1 = std::min(tiles, p1 * lanes::PASS_TILES);
+        for (int64_t t = t0; t < t1; t += lanes::PASS_TILES)
+          avx512::lanes_pass<S>(rows, cp, sp, mp, t, std::min(t1, t + lanes::PASS_TILES), yp, N, buffer);
+        if (bias != nullptr) add_bias(bias, m0, m1, t0 * TILE, std::min(N, t1 * TILE), yp, N);
+      }, lanes::PASS_TILES * TILE * (m1 - m0) * K);
+      continue;
+    }
     // tiles per claimed chunk; even for the AVX-512 kernel, so that no piece ends on a lone (AVX2) tile
     const int64_t chunk = chunk_outputs((m1 - m0) * K, wide ? 2 * TILE : TILE) / TILE;
     parallel_chunks(tiles, chunk, threads, [&](int64_t t0, int64_t t1) {

@@ -22,7 +22,7 @@ from ..layers.products import KernelChoice, Products
 from ..layers.threads import on_one_thread
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.positions import NoRotation, RotaryEmbedding, rope_inverse_frequencies
-from ..layers.elementwise import add_rms_norm, gated, qkv_heads, rms_norm
+from ..layers.elementwise import add_rms_norm, qkv_heads, rms_norm
 from .llama_decode import FusedDecode
 from .llama_config import config_from_gguf, config_from_hf  # noqa: F401  (the registry's entry points)
 
@@ -250,7 +250,7 @@ class LlamaModel(ModelBase):
             if residual_scale != 1.0:
                 attended = attended * residual_scale  # Granite
             x, h = add_rms_norm(x, attended, layer.mlp_norm, cfg.norm_eps, threads=p.threads)
-            mlp = linear(gated(layer.gate_up(h, p), cfg.hidden_act, threads=p.threads), layer.down, layer.down_bias,
+            mlp = linear(layer.gate_up.gated(h, cfg.hidden_act, p), layer.down, layer.down_bias,
                          products=p)  # [B, T, C]
             if residual_scale != 1.0:
                 mlp = mlp * residual_scale
