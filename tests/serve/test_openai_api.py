@@ -127,6 +127,23 @@ def test_text_offsets_count_split_characters_once(server, chat_generator):
                if "\ufffd" not in token)
 
 
+def test_streamed_text_offsets_go_on_across_chunks(server):
+    """A streamed completion's text_offset is each token's place in the whole text (its prompt first with
+    echo), as in the same request's whole answer: each chunk's offsets go on from the last, not from 0."""
+    client = server.client()
+    for echo in (False, True):
+        request = dict(model="tiny", prompt="Numbers like café 12", max_tokens=6, temperature=0, n=2, echo=echo,
+                       logprobs=1)
+        whole = client.completions.create(**request)
+        streamed: dict[int, list[int]] = {}
+        for chunk in client.completions.create(stream=True, **request):
+            for choice in chunk.choices:
+                streamed.setdefault(choice.index, []).extend(choice.logprobs.text_offset if choice.logprobs else [])
+        for choice in whole.choices:
+            assert streamed[choice.index] == choice.logprobs.text_offset
+            assert len(set(choice.logprobs.text_offset)) > 1
+
+
 def test_logprob_bytes_are_the_tokens_own_also_within_a_character(server, chat_generator):
     """A byte-level token holding the first byte of "é" reads as U+FFFD alone; its ``bytes`` are still
     its own byte (0xC3), so that the bytes of the tokens join into the text (OpenAI's ``bytes``)."""

@@ -41,6 +41,14 @@ def test_logit_bias_changes_the_output(server, chat_generator):
         assert caught.value.body["param"] == "logit_bias"
 
 
+def test_sampling_fields_of_a_greedy_request_change_nothing(server, chat_generator):
+    """temperature 0 is OpenAI's greedy: its top_p / top_k / min_p ask nothing of it and are dropped
+    (the Python API refuses them without do_sample); the answer is the greedy one, not a 400."""
+    greedy = chat_generator.generate(PROMPT, max_new_tokens=6)
+    response = complete(server, max_tokens=6, temperature=0, top_p=0.5, extra_body={"top_k": 3, "min_p": 0.5})
+    assert response.choices[0].text == greedy
+
+
 def test_presence_and_frequency_penalties(server, chat_generator):
     prompt = "A cat sat"  # its greedy continuation repeats itself
     plain = chat_generator.generate(prompt, max_new_tokens=16)

@@ -190,11 +190,31 @@ def test_prompt_longer_than_context(tiny):
         ({"n_keep": 8}, "n_keep=8 applies only to a streaming cache: set n_ctx"),
         ({"n_keep": "eight"}, "n_keep='eight'"),
         ({"n_discard": 3, "policy": "reevaluate"}, "n_discard=3, policy='reevaluate' apply only"),
+        # sampling options without do_sample=True (greedy decoding and beam search silently ignored them)
+        ({"temperature": 0.5}, r"temperature=0.5 shapes sampling.*pass do_sample=True"),
+        ({"top_p": 0.9, "top_k": 5}, r"top_p=0.9, top_k=5 shape sampling.*pass do_sample=True"),
+        ({"min_p": 0.1, "num_beams": 2}, r"min_p=0.1 shapes sampling.*pass do_sample=True"),
     ],
 )
 def test_impossible_options(tiny, options, pattern):
     with pytest.raises(InvalidOptionError, match=pattern):
         tiny.generate_ids([[5, 6, 7]], **options)
+
+
+def test_neutral_sampling_options_without_do_sample_stay_greedy(tiny):
+    """The values that ask nothing of sampling (temperature 0 or 1, top_p 1, top_k 0, min_p 0) are no
+    reason to refuse a greedy call; with do_sample=True (also from the defaults) the rest are taken."""
+    greedy = tiny.generate_ids([[5, 6, 7]], max_new_tokens=4)
+    assert tiny.generate_ids([[5, 6, 7]], max_new_tokens=4, temperature=0, top_p=1.0, top_k=0, min_p=0.0) == greedy
+    assert tiny.generate_ids([[5, 6, 7]], max_new_tokens=4, temperature=1.0) == greedy
+    assert len(tiny.generate_ids([[5, 6, 7]], max_new_tokens=4, do_sample=True, temperature=0.5, top_k=5,
+                                 seed=1)[0]) == 4
+    previous = tiny.defaults
+    try:
+        tiny.defaults = fastdecode.GenerationConfig(do_sample=True)
+        assert len(tiny.generate_ids([[5, 6, 7]], max_new_tokens=4, top_p=0.9, seed=1)[0]) == 4
+    finally:
+        tiny.defaults = previous
 
 
 def test_bad_prompts(tiny):

@@ -158,3 +158,31 @@ def test_decoding_streams_attend_together_as_each_would_alone(gen, monkeypatch):
         return  # the paged op runs float32 on the CPU with the kernels built
     assert max(count for count, _ in checked) > 1  # several streams in one op
     assert any(offset > 0 for _, offset in checked)  # a row whose blocks hold keys before its sinks
+
+
+def test_a_streams_one_token_prompt_chunk_has_the_whole_prompts_bits(smollm):
+    """A stream's prompt token that runs alone (a chunk the stream's chunking leaves one token long; here
+    a kept stream resumed with only its pending token) is a prompt row and attends as the prompt's other
+    chunks do. It took the decoding streams' paged op, and the logprobs after the same text moved by
+    roundings (as engine/plan.py's one-token prompt chunks did before 5392bda)."""
+    import dataclasses
+
+    tokenizer = smollm.tokenizer
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Say 2"}],
+                                                            add_generation_prompt=True), add_special_tokens=False)
+    engine, streaming = smollm.engine(), {"n_ctx": 128, "n_keep": 4}
+    answer = {**streaming, "max_new_tokens": 4, "logprobs": 0}
+
+    def run(sequence) -> list[tuple[int, float]]:
+        events = []
+        while engine.has_work():
+            events += [(e.token_id, e.logprob) for e in engine.step() if e.sequence is sequence]
+        return events
+
+    kept = engine.submit(prompt, {**streaming, "max_new_tokens": 1}, keep=True)
+    run(kept)
+    held = kept.tokens(0, kept.num_tokens)  # the prompt and its reply token, which the resume feeds alone
+    resumed = engine.resume(kept, dataclasses.replace(engine.requests.build(held, answer), prompt=[]))
+    split = run(resumed)
+    assert resumed.num_cached_prompt_tokens == len(held) - 1 == len(prompt)
+    assert split == run(engine.submit(held, answer))

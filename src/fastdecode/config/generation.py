@@ -14,6 +14,9 @@ from ..validation import is_finite, is_int
 
 SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes 0 <= seed < 2**64
 INT_OPTION_LIMIT = 1 << 62  # any integer option past this would overflow a tensor index first
+# Options only sampling reads, with the values that ask nothing of it: set otherwise without
+# do_sample=True, greedy decoding and beam search would ignore them (refused in ``from_options``).
+SAMPLING_ONLY = {"temperature": (1.0, 0.0), "top_p": (1.0,), "top_k": (0,), "min_p": (0.0,)}
 INT_OPTIONS = ("max_new_tokens", "min_new_tokens", "top_k", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
                "num_beams", "num_return_sequences", "n_ctx", "n_keep", "n_discard", "best_of")
 
@@ -81,6 +84,8 @@ class GenerationConfig:
             values["speculative"] = None  # a default speculation applies where it can run (greedy, sampling)
         config = cls(**values)
         config.validate()
+        if not config.do_sample:
+            _refuse_sampling_only(options)
         return config
 
     def validate(self) -> None:
@@ -255,3 +260,14 @@ class GenerationConfig:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def _refuse_sampling_only(options: dict[str, Any]) -> None:
+    """The sampling options a call set (None: the default) to values that would shape sampling,
+    on a config that does not sample: an InvalidOptionError naming them (temperature 0 is greedy)."""
+    given = [f"{name}={options[name]!r}" for name, neutral in SAMPLING_ONLY.items()
+             if options.get(name) is not None and options[name] not in neutral]
+    if given:
+        raise InvalidOptionError(f"{', '.join(given)} {'shapes' if len(given) == 1 else 'shape'} sampling, which "
+                                 "do_sample=False (the default: greedy decoding or beam search) does not do, so it "
+                                 "would be ignored: pass do_sample=True to sample")

@@ -12,10 +12,11 @@ and window masks the sink distances are corrected by ``c_t``.
 
 ``MixedPlan``: one engine forward whose flat tokens are the ordinary rows (a ``StepPlan``)
 followed by one segment per stream (its ``StreamPlan``): every product of the step runs once
-over all rows; attention runs per part. The streams that decode one token in one frame (most
-steps of a conversation past its context) attend together in one paged op over their own blocks,
-each row masked exactly as its ``StreamPlan`` masks it (the stale keys before its sinks by a
--inf bias); a stream runs that way alone too, so its result never depends on the others.
+over all rows; attention runs per part. The streams that decode one generated token in one frame
+(most steps of a conversation past its context) attend together in one paged op over their own
+blocks, each row masked exactly as its ``StreamPlan`` masks it (the stale keys before its sinks by
+a -inf bias); a stream runs that way alone too, so its result never depends on the others. A
+one-token prompt chunk attends as its prompt's longer chunks do (never in the paged op).
 """
 
 from __future__ import annotations
@@ -137,7 +138,10 @@ class MixedPlan:
             plan.with_products(products)
         self.sizes = [plan.positions.shape[0] for plan in streams]
         self.starts = list(itertools.accumulate(self.sizes[:-1], initial=row_tokens))  # each stream's first flat token
-        self.paged = [i for i, plan in enumerate(streams) if plan.one_query]  # streams decoding in one paged op
+        # the streams decoding one token in one frame attend in one paged op; a one-token prompt chunk
+        # attends as its prompt's other chunks do: a prompt's bits never depend on where its chunks end
+        self.paged = [i for i, plan in enumerate(streams)
+                      if plan.one_query and not products.is_prompt_row(self.starts[i])]
         self.paged_tokens = torch.tensor([self.starts[i] for i in self.paged], device=streams[0].positions.device)
         self._paged_rows: dict[int | None, tuple] = {}
         cache = streams[0].cache

@@ -82,5 +82,5 @@ def prepend_echo(choices: list[ChoiceState], echoed: list[EchoedPrompt], n: int)
 
 def echo_chunk(builder: ResponseBuilder, index: int, prompt: EchoedPrompt) -> dict[str, Any]:
     """A stream's first chunk for a choice: the prompt text (and its logprobs)."""
-    logprobs = builder.logprobs_object(prompt.entries) if builder.logprobs is not None else None
+    logprobs = builder.logprobs_object(prompt.entries, streamed_choice=index) if builder.logprobs is not None else None
     return builder.chunk(index, prompt.text, logprobs, None)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config.generation import SEED_LIMIT
+from ..config.generation import SAMPLING_ONLY, SEED_LIMIT
 from .protocol import MAX_CHOICES, APIError, GenerationRequest, _Fields
 
 
@@ -58,6 +58,9 @@ def parse_extras(body: dict[str, Any], request: GenerationRequest) -> None:
         raise APIError(400, f"seed must be an integer >= 0 (or -1 for a random one), got {options['seed']}",
                        param="seed")
     _best_of(fields, request)
+    if not options["do_sample"]:  # temperature 0 is OpenAI's greedy (or beam search): sampling-only fields
+        for name in SAMPLING_ONLY:  # ask nothing of it, and GenerationConfig refuses them without do_sample
+            options.pop(name, None)
     seeded = 1 if request.is_beam else request.candidates  # choice j samples with seed + j (service.py)
     if options.get("seed") is not None and options["seed"] + seeded > SEED_LIMIT:
         raise APIError(400, f"seed must be below 2**64 - {seeded - 1} with {seeded} choices (choice j samples with "

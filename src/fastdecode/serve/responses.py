@@ -46,6 +46,7 @@ class ResponseBuilder:
         self.endpoint, self.model, self.tokenizer, self.logprobs = endpoint, model, tokenizer, logprobs
         self.id = ("cmpl-" if endpoint == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self._streamed_offsets: dict[int, _TextOffsets] = {}  # choice index -> where its streamed text is
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         kind = {("completion", False): "text_completion", ("completion", True): "text_completion",
@@ -93,7 +94,8 @@ class ResponseBuilder:
     def piece_chunk(self, piece: Piece) -> dict[str, Any]:
         logprobs = None
         if self.logprobs is not None and piece.token_id is not None and piece.token_id >= 0:
-            logprobs = self.logprobs_object([(piece.token_id, piece.logprob, piece.top_logprobs)])
+            logprobs = self.logprobs_object([(piece.token_id, piece.logprob, piece.top_logprobs)],
+                                            streamed_choice=piece.index)
         return self.chunk(piece.index, piece.text, logprobs, piece.finish_reason)
 
     def text_chunk(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
@@ -123,17 +125,15 @@ class ResponseBuilder:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def logprobs_object(self, entries: list[tuple[int, float | None, list[tuple[int, float]] | None]]
-                        ) -> dict[str, Any]:
+    def logprobs_object(self, entries: list[tuple[int, float | None, list[tuple[int, float]] | None]],
+                        streamed_choice: int | None = None) -> dict[str, Any]:
+        """``streamed_choice``: the entries are the next chunk of that choice's stream, whose text
+        offsets go on from its earlier chunks' (as in the whole response), not from 0."""
         if self.endpoint == "completion":
             tokens = [self._token(t) for t, _, _ in entries]
-            # offsets in the text: a token holding part of a character adds its characters once they are whole
-            # (counting its U+FFFD put every later offset past its token, once per split character)
-            characters = codecs.getincrementaldecoder("utf-8")("replace")
-            offsets, at = [], 0
-            for token_id, _, _ in entries:
-                offsets.append(at)
-                at += len(characters.decode(self.tokenizer.token_bytes(token_id)))
+            text = _TextOffsets() if streamed_choice is None else \
+                self._streamed_offsets.setdefault(streamed_choice, _TextOffsets())
+            offsets = [text.add(self.tokenizer.token_bytes(token_id)) for token_id, _, _ in entries]
             return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
                     "top_logprobs": [_by_text(top, self._token) for _, _, top in entries] if self.logprobs else None,
                     "text_offset": offsets}
@@ -144,6 +144,22 @@ class ResponseBuilder:
                             "top_logprobs": [{"token": self._token(i), "logprob": v,
                                               "bytes": list(self.tokenizer.token_bytes(i))} for i, v in top or []]})
         return {"content": content}
+
+
+class _TextOffsets:
+    """Where each next token of a choice starts in its text, in characters. A token holding part of a
+    character adds its characters once they are whole (counting its U+FFFD put every later offset past
+    its token, once per split character)."""
+
+    def __init__(self) -> None:
+        self.characters = codecs.getincrementaldecoder("utf-8")("replace")
+        self.at = 0
+
+    def add(self, token_bytes: bytes) -> int:
+        """The token's offset; the text then goes on past it."""
+        start = self.at
+        self.at += len(self.characters.decode(token_bytes))
+        return start
 
 
 def _by_text(top: list[tuple[int, float]] | None, token_text: Any) -> dict[str, float] | None:
