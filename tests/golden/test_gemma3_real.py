@@ -130,3 +130,19 @@ def test_inspect_shows_kv_bytes_per_kind(gemma):
     per_layer = 2 * 1 * 256 * 4  # K and V, one KV head of 256 floats
     assert info["kv_cache_bytes_per_token_by_kind"] == {"full_attention": 3 * per_layer,
                                                         "sliding_attention": 15 * per_layer}
+
+
+def test_the_mlp_gate_and_up_are_q5_0_so_the_fused_gated_op_runs_its_two_ops(gemma):
+    """llama.cpp's Q4_K_M keeps K = 640 inputs (not whole 256-input super-blocks) off the K-quants: gate and up are
+    Q5_0, held as 8-bit tiled codes, so FusedProjection.gated's op (layers/qlanes_gated.cpp) runs tiled_gemm then
+    gated here (its lanes kernel takes 4-bit codes only), with the bits of the unfused MLP."""
+    from fastdecode.layers.elementwise import gated
+    from fastdecode.layers.products import Products
+
+    layer = gemma.model.layers[0]
+    (weight, bias), = layer.gate_up.parts
+    assert (weight.is_tiled, weight.bits, weight.inputs, weight.outputs, bias) == (True, 8, 640, 4096, None)
+    h = torch.randn(1, 64, 640, generator=torch.Generator().manual_seed(3))  # [B, T, C]
+    products = Products.prompt(1, kernels=gemma.model.kernels)
+    got = layer.gate_up.gated(h, gemma.config.hidden_act, products)
+    assert torch.equal(got, gated(layer.gate_up(h, products), gemma.config.hidden_act))

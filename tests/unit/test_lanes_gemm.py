@@ -136,3 +136,28 @@ def test_an_mlp_takes_the_fused_op_where_its_product_would_take_tiled_gemm(monke
         got = projection.gated(rows, "silu", products)
         assert calls == ([fused_rows] if fused_rows else []), (products, fused_rows)
         assert torch.equal(got, ops.gated(projection(rows, products), 0)), (products, fused_rows)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "olmo2"])
+def test_every_family_with_a_gate_up_projection_takes_the_fused_op_on_a_prompt(kind, tmp_path, monkeypatch):
+    """Gemma 3 / Gemma 2 (GELU tanh) and OLMo 2 (SiLU), quantized to int4 at load: each block's MLP runs its 40 prompt
+    rows through FusedProjection.gated's fused op, with the logits of the gated op on the unfused product."""
+    from fastdecode.layers.elementwise import gated
+    from fastdecode.layers.fused import FusedProjection
+    from tiny_models import prefill_logits, save_tiny_folder
+
+    import fastdecode
+
+    save_tiny_folder(tmp_path, kind, with_tokenizer=False)
+    model = fastdecode.load(str(tmp_path), quantize="int4")
+    ids = torch.randint(3, 100, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    calls = []
+    real = ops.tiled_gated_gemm
+    monkeypatch.setattr(ops, "tiled_gated_gemm", lambda *args: calls.append(args[0].shape[0]) or real(*args))
+    fused = prefill_logits(model, ids)  # [T, V]
+    assert calls == [len(ids)] * model.config.num_layers
+    monkeypatch.setattr(FusedProjection, "gated",
+                        lambda self, x, activation, products: gated(self(x, products), activation,
+                                                                    threads=products.threads))
+    calls.clear()
+    assert torch.equal(fused, prefill_logits(model, ids)) and not calls

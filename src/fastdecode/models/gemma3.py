@@ -31,7 +31,7 @@ from ..layers.linear import ACTIVATIONS, embed, linear
 from ..layers.products import KernelChoice, Products
 from ..layers.threads import on_one_thread
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies
-from ..layers.elementwise import add_rms_norm, gated, qkv_heads, rms_norm
+from ..layers.elementwise import add_rms_norm, qkv_heads, rms_norm
 from .base import ModelBase, Weight, token_id_list
 from .gguf_fields import gguf_text_fields
 
@@ -304,7 +304,7 @@ class Gemma3Model(ModelBase):
                              cfg.attention_softcapping)  # [B, H, T, D]
             attended = linear(merge_heads(o), layer.o, products=p)  # [B, T, C]
             x, h = add_rms_norm(x, attended, layer.mlp_norm, eps, layer.post_attn_norm, threads=p.threads)
-            mlp = linear(gated(layer.gate_up(h, p), cfg.hidden_act, threads=p.threads), layer.down, products=p)  # [B, T, C]
+            mlp = linear(layer.gate_up.gated(h, cfg.hidden_act, p), layer.down, products=p)  # [B, T, C]
             # the last block's output goes through the final norm (row-wise, so before output_rows)
             x, h = add_rms_norm(x, mlp, next_norm, eps, layer.post_mlp_norm, threads=p.threads)
         rows = self.output_rows(h, all_logits, logits_at)  # [B, T or K or 1, C]

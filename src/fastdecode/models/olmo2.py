@@ -22,7 +22,7 @@ from ..config import ModelConfig
 from ..config.unsupported import refuse_unimplemented, refuse_unimplemented_gguf
 from ..errors import UnsupportedModelError
 from ..layers.attention import merge_heads
-from ..layers.elementwise import gated, qkv_heads, rms_norm
+from ..layers.elementwise import qkv_heads, rms_norm
 from ..layers.fused import FusedProjection, fuse_projections
 from ..layers.linear import embed, linear
 from ..layers.positions import RotaryEmbedding, rope_inverse_frequencies
@@ -192,7 +192,7 @@ class Olmo2Model(ModelBase):
             o = cache.attend(index, q, k, v, self.scale)  # [B, H, T, D]
             attended = linear(merge_heads(o), layer.o, layer.o_bias, products=p)  # [B, T, C]
             x = x + rms_norm(attended, layer.post_attn_norm, eps)
-            mlp = linear(gated(layer.gate_up(x, p), cfg.hidden_act), layer.down, products=p)  # [B, T, C]
+            mlp = linear(layer.gate_up.gated(x, cfg.hidden_act, p), layer.down, products=p)  # [B, T, C]
             x = x + rms_norm(mlp, layer.post_mlp_norm, eps)
         h = rms_norm(self.output_rows(x, all_logits, logits_at), self.norm, eps)  # [B, T or K or 1, C]
         return h if hidden else self.head(h, p)  # hidden: the final-normed states (embeddings)
