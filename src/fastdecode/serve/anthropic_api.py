@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .adapters import Outcome, collect, deltas, start_chat, text_of
 from .anthropic_tools import block_messages, chat_tool_fields, tool_use_blocks, tool_use_id
 from .body import read_json_body
-from .fields import check_known, log
+from .fields import check_known
 from .names import ModelNames
 from .output_items import ItemEvent, OutputItems
 from .protocol import MAX_STOPS, APIError
@@ -79,19 +79,14 @@ def check_message_keys(messages: Any, lenient: bool) -> None:
     """A 400 naming ``messages[i].key`` (or ``messages[i].content[j].key``) for a non-null key its message or
     block does not take; with ``lenient`` it is logged and ignored. Bad shapes are _chat_body's to name."""
     for index, message in enumerate(messages if isinstance(messages, list) else []):
-        parts = [(f"messages[{index}]", "message", message)]
+        parts = [(f"messages[{index}].", "message", message)]
         content = message.get("content") if isinstance(message, dict) else None
-        parts += [(f"messages[{index}].content[{j}]", block.get("type"), block)
+        parts += [(f"messages[{index}].content[{j}].", block.get("type"), block)
                   for j, block in enumerate(content if isinstance(content, list) else []) if isinstance(block, dict)]
         for where, kind, part in parts:
-            unknown = [key for key, value in part.items() if value is not None and kind in BLOCK_KEYS
-                       and key not in BLOCK_KEYS[kind]] if isinstance(part, dict) else []
-            if unknown and lenient:
-                log.warning("ignoring the unknown key %r of %s (--lenient)", unknown[0], where)
-            elif unknown:
-                raise APIError(400, f"unknown field {where}.{unknown[0]}: a {kind} takes "
-                                    f"{', '.join(sorted(BLOCK_KEYS[kind]))} (start the server with --lenient to "
-                                    "ignore unknown fields)", param=f"{where}.{unknown[0]}", code="unknown_field")
+            if isinstance(part, dict) and kind in BLOCK_KEYS:
+                check_known(part, BLOCK_KEYS[kind], {}, lenient, "Messages API", lambda name, kind=kind: (
+                    f" (a {kind} takes {', '.join(sorted(BLOCK_KEYS[kind]))})"), where=where)
 
 
 def _chat_body(body: dict[str, Any], model: str) -> dict[str, Any]:

@@ -80,15 +80,11 @@ def check_tool_fields(tools: Any, lenient: bool) -> None:
     take (unless ``lenient``: logged); bad shapes are serve/tools.py's to name."""
     for index, tool in enumerate(tools if isinstance(tools, list) else []):
         function = tool.get("function") if isinstance(tool, dict) else None
-        for where, part, keys in ((f"tools[{index}]", tool, TOOL_KEYS),
-                                  (f"tools[{index}].function", function, FUNCTION_KEYS)):
-            unknown = [k for k, v in part.items() if v is not None and k not in keys] if isinstance(part, dict) else []
-            if unknown and lenient:
-                log.warning("ignoring the unknown key %r of %s (--lenient)", unknown[0], where)
-            elif unknown:
-                raise APIError(400, f"unknown field {where}.{unknown[0]}: it takes {', '.join(sorted(keys))} (start "
-                                    "the server with --lenient to ignore unknown fields)",
-                               param=f"{where}.{unknown[0]}", code="unknown_field")
+        for where, part, keys in ((f"tools[{index}].", tool, TOOL_KEYS),
+                                  (f"tools[{index}].function.", function, FUNCTION_KEYS)):
+            if isinstance(part, dict):
+                check_known(part, keys, {}, lenient, "chat API", lambda name, keys=keys: f" (it takes "
+                            f"{', '.join(sorted(keys))})", where=where)
 
 
 # Keys of a chat message beyond role and content (serve/protocol.py reads them), by the roles that carry them.
@@ -103,45 +99,39 @@ MESSAGE_EMPTY_ONLY = {"annotations": "an earlier reply's citations cannot be sho
 
 
 def check_message_fields(messages: Any, lenient: bool) -> None:
-    """A 400 naming ``messages[i].key`` for a non-null key a message of its role cannot carry: OpenAI's
-    that fastdecode does not take always, unknown ones unless ``lenient`` (then logged and ignored)."""
+    """A 400 naming ``messages[i].key`` for a non-null key a message of its role cannot carry: another
+    role's key, OpenAI's that fastdecode does not take always, unknown ones unless ``lenient`` (then logged
+    and ignored)."""
     if not isinstance(messages, list):
         return  # protocol.py names the bad shape
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             continue
-        for key, value in message.items():
-            where = f"messages[{index}].{key}"
-            if value is None or key in ("role", "content") or message.get("role") in MESSAGE_KEYS.get(key, ()):
-                continue
-            if key in MESSAGE_KEYS:
-                raise APIError(400, f"{where}: {key} belongs to {' / '.join(MESSAGE_KEYS[key])} messages",
-                               param=where)
-            if key in MESSAGE_EMPTY_ONLY and value == []:
-                continue
-            if key in MESSAGE_NULL_ONLY or key in MESSAGE_EMPTY_ONLY:
-                reason = MESSAGE_NULL_ONLY.get(key) or MESSAGE_EMPTY_ONLY[key]
-                raise APIError(400, f"{where} is not supported: {reason}", param=where,
-                               code="unsupported_field")
-            if lenient:
-                log.warning("ignoring the unknown message field %r (--lenient)", key)
-                continue
-            raise APIError(400, f"unknown field {where!r}: a message takes role, content, name, tool_calls "
-                                "(assistant) and tool_call_id (tool); start the server with --lenient to ignore "
-                                "unknown fields", param=where, code="unknown_field")
+        where = f"messages[{index}]."
+        for key, roles in MESSAGE_KEYS.items():
+            if message.get(key) is not None and message.get("role") not in roles:
+                raise APIError(400, f"{where}{key}: {key} belongs to {' / '.join(roles)} messages",
+                               param=where + key)
+        passed_back = {key for key in MESSAGE_EMPTY_ONLY if message.get(key) == []}
+        check_known(message, {"role", "content", *MESSAGE_KEYS, *passed_back},
+                    {**MESSAGE_NULL_ONLY, **MESSAGE_EMPTY_ONLY}, lenient, "chat API",
+                    lambda name: " (a message takes role, content, name, tool_calls (assistant) and tool_call_id "
+                                 "(tool))", where=where)
 
 
 def check_known(body: dict[str, Any], served: set[str], refused: dict[str, str], lenient: bool, api: str,
-                hint: Callable[[str], str] = lambda name: "") -> None:
+                hint: Callable[[str], str] = lambda name: "", where: str = "") -> None:
     """A 400 naming the first non-null field that is not ``served``: ``refused`` ones always (with
-    why), unknown ones unless ``lenient`` (then logged and ignored)."""
+    why), unknown ones unless ``lenient`` (then logged and ignored). ``where``: the path of ``body``
+    in the request (``"messages[0]."``; the request itself: ""), put before each field's name."""
     for name, value in body.items():
         if value is None or name in served:
             continue
+        path = where + name
         if name in refused:
-            raise APIError(400, f"{name} is not supported: {refused[name]}", param=name, code="unsupported_field")
+            raise APIError(400, f"{path} is not supported: {refused[name]}", param=path, code="unsupported_field")
         if lenient:
-            log.warning("ignoring the unknown field %r of a %s request (--lenient)", name, api)
+            log.warning("ignoring the unknown field %r of a %s request (--lenient)", path, api)
             continue
-        raise APIError(400, f"unknown field {name!r}{hint(name)}: fastdecode's {api} does not implement it (start "
-                            "the server with --lenient to ignore unknown fields)", param=name, code="unknown_field")
+        raise APIError(400, f"unknown field {path!r}{hint(name)}: fastdecode's {api} does not implement it (start "
+                            "the server with --lenient to ignore unknown fields)", param=path, code="unknown_field")
