@@ -28,7 +28,12 @@ class TokenizerError(FastDecodeError):
 
 
 class InvalidOptionError(FastDecodeError, ValueError):
-    """A generation option is out of range or not supported together with others."""
+    """A generation option is out of range or not supported together with others. ``option``: the
+    input it names where that is one field of a request ("prompt"), which the server answers as its param."""
+
+    def __init__(self, message: str, option: str | None = None):
+        super().__init__(message)
+        self.option = option
 
 
 class PromptTooLongError(FastDecodeError):

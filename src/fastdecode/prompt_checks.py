@@ -23,7 +23,8 @@ def check_prompts(model: ModelConfig, prompts: list[list[int]], config: Generati
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < model.vocab_size]
         if bad:
             raise InvalidOptionError(
-                f"prompt {index} has token ids outside the vocabulary [0, {model.vocab_size}): {bad[:5]}"
+                f"prompt {index} has token ids outside the vocabulary [0, {model.vocab_size}): {bad[:5]}",
+                option="prompt",
             )
         if model.is_encoder_decoder:
             if config.n_ctx is not None:

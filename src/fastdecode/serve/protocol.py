@@ -39,7 +39,7 @@ def api_error_from(exc: FastDecodeError) -> APIError:
         return APIError(503, str(exc), "server_busy", code="queue_full", headers={"Retry-After": "1"})
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), param="messages", code="context_length_exceeded")
-    return APIError(400, str(exc), code="invalid_value")
+    return APIError(400, str(exc), param=getattr(exc, "option", None), code="invalid_value")
 
 
 @dataclass

@@ -147,13 +147,6 @@ class GenerationService:
         if too_large:
             raise APIError(400, f"logit_bias names token id {too_large[0]}, past the vocabulary "
                                 f"({gen.config.vocab_size} tokens)", param="logit_bias")
-        vocabulary = gen.config.vocab_size
-        token_prompts = [] if request.endpoint == "chat" else request.prompts
-        for index, prompt in enumerate(token_prompts):
-            outside = [] if isinstance(prompt, str) else [t for t in prompt if not 0 <= t < vocabulary]
-            if outside:
-                raise APIError(400, f"prompt {index} has token ids outside the vocabulary [0, {vocabulary}): "
-                                    f"{outside[:5]}", param="prompt")
         if request.endpoint == "chat" and self.encoder_decoder:
             raise APIError(400, "this is an encoder-decoder model: it has no chat; send the source text to "
                                 "/v1/completions as the prompt", param="messages", code="unsupported_model")
