@@ -25,7 +25,7 @@ from . import ops
 from .elementwise import GATED_KINDS, gated
 from .linear import linear
 from .products import Products
-from .quantized import TILE, QuantizedWeight, has_prompt_kernel
+from .quantized import TILE, QuantizedWeight, tiled_rows
 from .threads import kernel_threads
 
 Weight = torch.Tensor | QuantizedWeight
@@ -66,15 +66,14 @@ class FusedProjection:
 
 
 def _takes_tiled_gemm(rows: torch.Tensor, weight: QuantizedWeight, products: Products) -> bool:
-    """Whether quantized_linear runs rows [M, K] float32 x weight on ``ops.tiled_gemm`` (no bias): the kernels on,
-    a tiled weight of int8 rows, M > 1, and the rows not routed to the exact products."""
+    """Whether quantized_linear runs every one of rows [M, K] float32 x weight (no bias) on ``ops.tiled_gemm``:
+    the kernels on, its kernel product on tiled rows (``tiled_rows``; a tiled weight has no prompt kernel of its
+    own, so its int8 prompt rows take that product too), and no row routed to the exact products."""
     choice = products.kernels
     if not (choice.quantized_kernels and rows.is_cpu and ops.available() and not weight.transposed):
         return False
-    if not (weight.is_tiled and weight.activation_bits == 8 and rows.shape[0] > 1 and not has_prompt_kernel(weight)):
-        return False
     exact_prompts = weight.exact_prompt_rows and choice.exact_prompts(weight.in_mlp)
-    return not exact_prompts or products.roles is None  # (the roles matter only to exact prompt rows)
+    return tiled_rows(rows.shape[0], weight) and (not exact_prompts or products.roles is None)
 
 
 def _format(weight: Weight) -> tuple | None:

@@ -271,12 +271,17 @@ def _kernel_product(rows: torch.Tensor, weight: QuantizedWeight, budget: int,
     """rows [M, K] float32 -> [M, N] (+ bias: float32 [N]) through the AVX2 / AVX-512 kernel; many int8 rows
     of a tiled weight through ``ops.tiled_gemm`` (the same bits; AMX's tile unit where the CPU has it)."""
     M, K, N = rows.shape[0], weight.inputs, weight.outputs
-    if M > 1 and weight.is_tiled and weight.activation_bits == 8:
+    if tiled_rows(M, weight):
         return ops.tiled_gemm(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale,
                               weight.mins, weight.bits, weight.outputs, kernel_threads(M * K * N, budget), bias)
     return ops.qmatmul(rows if rows.is_contiguous() else rows.contiguous(), weight.codes, weight.scale, weight.mins,
                        weight.bits, weight.group, kernel_threads(M * K * N, budget), weight.activation_bits,
                        weight.outputs, bias)
+
+
+def tiled_rows(M: int, weight: QuantizedWeight) -> bool:
+    """Whether the kernel product of M rows runs on ``ops.tiled_gemm``: many int8 rows of a tiled weight."""
+    return M > 1 and weight.is_tiled and weight.activation_bits == 8
 
 
 def has_prompt_kernel(weight: QuantizedWeight) -> bool:
