@@ -196,7 +196,7 @@ class GenerationConfig:
         if self.n_ctx is not None:
             raise bad("beam search keeps every beam's whole history: it cannot use a streaming cache (n_ctx)")
         if self.stop_strings():
-            raise bad("stop strings are not supported with beam search (num_beams > 1)")
+            raise InvalidOptionError("stop strings are not supported with beam search (num_beams > 1)", option="stop")
         if self.max_new_tokens is None:
             raise bad("beam search needs max_new_tokens")
         if not self.use_cache:

@@ -141,8 +141,6 @@ def _options(fields: "_Fields", n: int) -> dict[str, Any]:
             raise APIError(400, "beam search is deterministic: use temperature 0 (or leave it out) with num_beams",
                            param="temperature")
         options["do_sample"] = False
-        if stop:
-            raise APIError(400, "stop strings are not supported with beam search (num_beams > 1)", param="stop")
         if n > options["num_beams"]:
             raise APIError(400, f"n ({n}) must be <= num_beams ({options['num_beams']})", param="n")
         options["num_return_sequences"] = n
